@@ -1,0 +1,3 @@
+from megatron_ext.cost.model import CostModel
+
+__all__ = ["CostModel"]

@@ -1,0 +1,152 @@
+"""The FlexSP cost model (PAPERS.md section 1): time and memory of Ulysses SP groups.
+
+A group of degree d running sequences S costs, in milliseconds,
+    b1 + sum_s (a1 s^2 + a2 s) / d + [d > 1] sum_s (8 L h s 2 / 2^20 / d) / bw[d]
+(4 all-to-alls per layer, forward and backward, 2-byte activations; MB over GB/s is ms).
+Its memory per GPU is sum_s s / d * act_mb_per_token + model states. A micro-batch costs the
+max over its groups, a step the sum over its micro-batches. Pure Python + numpy: no torch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from megatron_ext.errors import ConfigError, InfeasibleError
+from megatron_ext.spec import (ClusterSpec, ModelSpec, read_yaml, cluster_from_mapping, load_cluster,
+                               load_model, model_from_mapping)
+
+# Fraction of the 16 bytes/param of mixed-precision Adam states kept per GPU, by ZeRO stage.
+_ZERO_SHARDED = {0: (0.0, 1.0), 1: (6 / 8, 2 / 8), 2: (7 / 8, 1 / 8), 3: (1.0, 0.0)}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    model: ModelSpec
+    cluster: ClusterSpec
+    zero_stage: int = 3
+
+    def __post_init__(self):
+        if self.zero_stage not in _ZERO_SHARDED:
+            raise ConfigError(f"zero_stage must be one of 0, 1, 2, 3, got {self.zero_stage!r}")
+
+    @classmethod
+    def from_presets(cls, model: str | ModelSpec, cluster: str | ClusterSpec, zero_stage: int = 3) -> "CostModel":
+        return cls(load_model(model), load_cluster(cluster), zero_stage)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "CostModel":
+        """A cost-model file: ``model`` and ``cluster`` (preset names, file paths or inline
+        mappings of their fields) and optionally ``zero_stage``."""
+        data = read_yaml(Path(path))
+        unknown = set(data) - {"model", "cluster", "zero_stage"}
+        if unknown or "model" not in data or "cluster" not in data:
+            raise ConfigError(f"{path}: a cost model needs 'model' and 'cluster' (and optionally 'zero_stage')"
+                              + (f"; unknown: {', '.join(sorted(unknown))}" if unknown else ""))
+        model, cluster = data["model"], data["cluster"]
+        if isinstance(model, dict):
+            model = model_from_mapping({"name": Path(path).stem, **model})
+        if isinstance(cluster, dict):
+            cluster = cluster_from_mapping({"name": Path(path).stem, **cluster})
+        return cls.from_presets(model, cluster, int(data.get("zero_stage", 3)))
+
+    # ---- memory -------------------------------------------------------------------------
+    @property
+    def num_gpus(self) -> int:
+        return self.cluster.num_gpus
+
+    @cached_property
+    def model_states_mb(self) -> float:
+        """params * 16 bytes, the ZeRO-sharded part spread over all GPUs (MB per GPU)."""
+        sharded, replicated = _ZERO_SHARDED[self.zero_stage]
+        return self.model.params_b * 16 * 1024 * (sharded / self.num_gpus + replicated)
+
+    @cached_property
+    def tokens_per_gpu(self) -> float:
+        """Activation room of one GPU, in tokens (may be fractional)."""
+        room = self.cluster.memory_mb - self.model_states_mb
+        if room <= 0:
+            raise InfeasibleError(
+                f"model states of {self.model.name} ({self.model_states_mb:.0f} MB per GPU at ZeRO-{self.zero_stage}) "
+                f"exceed the {self.cluster.memory_mb:.0f} MB usable on {self.cluster.name}")
+        return room / self.model.act_mb_per_token
+
+    def token_capacity(self, degree: int) -> int:
+        """Most tokens a group of this degree can hold in one micro-batch."""
+        return int(math.floor(self.tokens_per_gpu * degree + 1e-9))
+
+    def group_memory_mb(self, tokens: float, degree: int) -> float:
+        return tokens / degree * self.model.act_mb_per_token + self.model_states_mb
+
+    # ---- degrees ------------------------------------------------------------------------
+    @cached_property
+    def degrees(self) -> tuple[int, ...]:
+        """Ulysses degrees a group may have: powers of two up to the GPU count and head limit."""
+        top = min(self.num_gpus, self.model.max_sp_degree)
+        return tuple(2**i for i in range(int(math.log2(top)) + 1))
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest sequence any group can hold."""
+        return self.token_capacity(self.degrees[-1])
+
+    def min_degree(self, seq_len: int) -> int:
+        for d in self.degrees:
+            if seq_len <= self.token_capacity(d):
+                return d
+        raise InfeasibleError(self._too_long(seq_len))
+
+    def _too_long(self, seq_len: int) -> str:
+        return (f"a sequence of {seq_len} tokens does not fit even at SP degree {self.degrees[-1]} "
+                f"({self.model.name} on {self.cluster.name}: at most {self.max_seq_len} tokens); "
+                f"use --drop-over-max or a larger cluster")
+
+    def check_lengths(self, lengths) -> None:
+        arr = np.asarray(lengths)
+        if arr.size and arr.max() > self.max_seq_len:
+            raise InfeasibleError(self._too_long(int(arr.max())))
+
+    # ---- time (ms) ----------------------------------------------------------------------
+    def comm_ms_per_token(self, degree: int) -> float:
+        if degree == 1:
+            return 0.0
+        m = self.model
+        mb_per_token = 8 * m.num_layers * m.hidden_size * 2 / 2**20
+        return mb_per_token / degree / self.cluster.a2a_bandwidth(degree)
+
+    def seq_time_ms(self, seq_len, degree: int):
+        """Time of sequence(s) in a degree-d group, without the per-group b1 (array-friendly)."""
+        s = np.asarray(seq_len, dtype=np.float64)
+        m = self.model
+        return (m.a1 * s * s + m.a2 * s) / degree + s * self.comm_ms_per_token(degree)
+
+    def group_time_ms(self, lengths, degree: int) -> float:
+        return self.model.b1 + float(np.sum(self.seq_time_ms(lengths, degree)))
+
+    def cheapest_gpu_ms(self, lengths) -> np.ndarray:
+        """GPU-milliseconds of each sequence at its cheapest feasible degree (for lower bounds)."""
+        s = np.asarray(lengths, dtype=np.float64)
+        best = np.full(s.shape, np.inf)
+        for d in self.degrees:
+            fits = s <= self.token_capacity(d)
+            best = np.where(fits, np.minimum(best, d * self.seq_time_ms(s, d)), best)
+        return best
+
+    def min_microbatches(self, lengths) -> int:
+        total = float(np.sum(lengths))
+        return max(1, math.ceil(total / (self.tokens_per_gpu * self.num_gpus) - 1e-9))
+
+    def lower_bound_ms(self, lengths) -> float:
+        """No step can be faster: every sequence at its cheapest degree, work spread perfectly
+        over all GPUs, the fewest micro-batches memory allows, each paying b1; and no faster
+        than the slowest single sequence at its fastest degree."""
+        lengths = np.asarray(lengths)
+        if lengths.size == 0:
+            return 0.0
+        spread = self.min_microbatches(lengths) * self.model.b1 + float(self.cheapest_gpu_ms(lengths).sum()) / self.num_gpus
+        longest = int(lengths.max())
+        fastest = min(float(self.seq_time_ms(longest, d)) for d in self.degrees if longest <= self.token_capacity(d))
+        return max(spread, self.model.b1 + fastest)

@@ -1,0 +1,87 @@
+"""Sequence-length batches: lengths files and synthetic long-tailed distributions.
+
+The distributions follow the published shapes (PAPERS.md section 5): a lognormal body with a
+Pareto tail mixed in, so the few very long documents that dominate attention work are there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from megatron_ext.errors import LengthsError
+
+
+@dataclass(frozen=True)
+class LengthDistribution:
+    """Lognormal(mu, sigma) body; with probability ``tail_p`` a Pareto(alpha) draw above ``tail_min``."""
+
+    name: str
+    mu: float
+    sigma: float
+    tail_p: float
+    tail_min: float
+    tail_alpha: float
+    note: str
+
+    def sample(self, n: int, rng: np.random.Generator, max_len: int | None = None) -> np.ndarray:
+        """n lengths >= 1 drawn from the distribution truncated at max_len (by redrawing)."""
+        out = np.empty(0, dtype=np.int64)
+        while out.size < n:
+            k = 2 * (n - out.size) + 16
+            body = rng.lognormal(self.mu, self.sigma, k)
+            tail = self.tail_min * (1.0 + rng.pareto(self.tail_alpha, k))
+            x = np.maximum(1, np.where(rng.random(k) < self.tail_p, tail, body)).astype(np.int64)
+            if max_len is not None:
+                x = x[x <= max_len]
+            out = np.concatenate([out, x])
+        return out[:n]
+
+
+DISTRIBUTIONS = {
+    d.name: d
+    for d in (
+        LengthDistribution("wikipedia", 5.95, 1.26, 0.03, 2500, 1.3,
+                           "median ~350, p99 ~11K, p99.9 ~37K, heavy tail"),
+        LengthDistribution("commoncrawl", 6.4, 1.25, 0.035, 4000, 1.2,
+                           "between Wikipedia and GitHub"),
+        LengthDistribution("github", 6.9, 1.4, 0.04, 4000, 1.3,
+                           "most files under 16K, ~0.3% over 64K"),
+        LengthDistribution("lmsys", 5.6, 1.0, 0.002, 4000, 0.9,
+                           "chat: >99% under 4K, rare very long"),
+    )
+}
+
+
+def sample_lengths(dist: str, batch: int, seed: int, max_len: int | None = None) -> np.ndarray:
+    if dist not in DISTRIBUTIONS:
+        raise LengthsError(f"unknown length distribution {dist!r}; choose one of {', '.join(DISTRIBUTIONS)}")
+    if batch < 1:
+        raise LengthsError(f"--batch must be at least 1, got {batch}")
+    return DISTRIBUTIONS[dist].sample(batch, np.random.default_rng(seed), max_len)
+
+
+def read_lengths(path: str | Path) -> np.ndarray:
+    """One positive integer per line; blank lines and '#' comments are ignored."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise LengthsError(f"cannot read lengths file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise LengthsError(f"lengths file {path} is not text") from None
+    values = []
+    for no, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            v = int(line)
+        except ValueError:
+            raise LengthsError(f"{path}:{no}: expected one integer per line, got {line[:40]!r}") from None
+        if v < 1:
+            raise LengthsError(f"{path}:{no}: a sequence length must be positive, got {v}")
+        values.append(v)
+    if not values:
+        raise LengthsError(f"lengths file {path} holds no lengths")
+    return np.asarray(values, dtype=np.int64)

@@ -1,0 +1,21 @@
+"""Errors a user can act on. The CLI prints them as one line and exits non-zero."""
+
+
+class MegatronExtError(Exception):
+    """Base class: bad input or an impossible request, explained in the message."""
+
+
+class ConfigError(MegatronExtError):
+    """A preset, YAML file or option is unknown or malformed."""
+
+
+class LengthsError(MegatronExtError):
+    """A lengths file or batch is empty or malformed."""
+
+
+class InfeasibleError(MegatronExtError):
+    """No plan can hold the batch (e.g. a sequence over memory even at the largest degree)."""
+
+
+class InvalidPlanError(MegatronExtError):
+    """A StepPlan breaks an invariant (coverage, group alignment, memory)."""

@@ -1,0 +1,206 @@
+"""ModelSpec and ClusterSpec: plain dataclasses loaded from YAML presets or user files.
+
+A preset is a name resolved in ``configs/models`` or ``configs/clusters``; anything containing a
+path separator or ending in ``.yaml``/``.yml`` is read as a file. A cluster family file named like
+``h100-80g-8xN.yaml`` serves every ``h100-80g-8x<nodes>`` name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from megatron_ext.errors import ConfigError
+
+CONFIG_DIR = Path(os.environ.get("MEGATRON_EXT_CONFIGS", Path(__file__).resolve().parent.parent / "configs"))
+
+
+def is_power_of_two(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A transformer and its profiled FlexSP cost coefficients (whole model, fwd+bwd, ms)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    params_b: float  # parameters, billions
+    act_mb_per_token: float  # activation memory per token on one GPU, MB
+    a1: float  # ms per token^2 (attention)
+    a2: float  # ms per token (linear layers)
+    b1: float  # ms per micro-batch (fixed overhead)
+    num_query_groups: int | None = None  # KV heads (GQA); None means multi-head
+    ffn_hidden_size: int | None = None
+    vocab_size: int = 50257
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def max_sp_degree(self) -> int:
+        """Largest Ulysses degree: heads and KV heads must divide by it."""
+        d = 1
+        while self.num_attention_heads % (2 * d) == 0 and self.kv_heads % (2 * d) == 0:
+            d *= 2
+        return d
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """GPUs, their usable memory and the all-to-all bandwidth of a group of each degree."""
+
+    name: str
+    num_nodes: int
+    gpus_per_node: int
+    memory_gb: float  # usable per GPU
+    a2a_bandwidth_gbps: dict[int, float] = field(default_factory=dict)
+    p2p_bandwidth_gbps: float | None = None
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    @property
+    def memory_mb(self) -> float:
+        return self.memory_gb * 1024.0
+
+    def a2a_bandwidth(self, degree: int) -> float:
+        """GB/s of a degree-d all-to-all; beyond the table, the widest tabulated degree's figure."""
+        known = [d for d in self.a2a_bandwidth_gbps if d <= degree]
+        if not known:
+            raise ConfigError(f"cluster {self.name!r}: no all-to-all bandwidth for degree {degree}")
+        return self.a2a_bandwidth_gbps[max(known)]
+
+
+def _check(cond: bool, what: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{what}: {msg}")
+
+
+def _build(cls, data: dict, what: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what}: expected a mapping of fields, got {type(data).__name__}")
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(names))
+    _check(not unknown, what, f"unknown field(s) {', '.join(unknown)}; known: {', '.join(names)}")
+    missing = sorted(n for n, f in names.items() if n not in data and f.default is dataclasses.MISSING
+                     and f.default_factory is dataclasses.MISSING)
+    _check(not missing, what, f"missing field(s) {', '.join(missing)}")
+    try:
+        return cls(**data)
+    except TypeError as e:  # pragma: no cover - guarded by the checks above
+        raise ConfigError(f"{what}: {e}") from None
+
+
+def read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a YAML mapping")
+    return data
+
+
+def _looks_like_path(ref: str) -> bool:
+    return os.sep in ref or ref.endswith((".yaml", ".yml"))
+
+
+def _presets(kind: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIG_DIR / kind).glob("*.yaml"))
+
+
+def validate_model(m: ModelSpec) -> ModelSpec:
+    what = f"model {m.name!r}"
+    for f in ("num_layers", "hidden_size", "num_attention_heads"):
+        v = getattr(m, f)
+        _check(isinstance(v, int) and v > 0, what, f"{f} must be a positive integer, got {v!r}")
+    for f in ("params_b", "act_mb_per_token", "a1", "a2", "b1"):
+        v = getattr(m, f)
+        _check(isinstance(v, (int, float)) and v >= 0, what, f"{f} must be a non-negative number, got {v!r}")
+    _check(m.act_mb_per_token > 0, what, "act_mb_per_token must be positive")
+    _check(m.num_attention_heads % m.kv_heads == 0, what, "num_attention_heads must divide by num_query_groups")
+    return m
+
+
+def validate_cluster(c: ClusterSpec) -> ClusterSpec:
+    what = f"cluster {c.name!r}"
+    _check(isinstance(c.gpus_per_node, int) and is_power_of_two(c.gpus_per_node), what,
+           f"gpus_per_node must be a power of two, got {c.gpus_per_node!r}")
+    _check(isinstance(c.num_nodes, int) and is_power_of_two(c.num_nodes), what,
+           f"the GPU count must be a power of two times the node size; num_nodes={c.num_nodes!r} "
+           f"is not a power of two")
+    _check(isinstance(c.memory_gb, (int, float)) and c.memory_gb > 0, what, "memory_gb must be positive")
+    bw = c.a2a_bandwidth_gbps
+    _check(isinstance(bw, dict), what, "a2a_bandwidth_gbps must map degree -> GB/s")
+    for d, v in bw.items():
+        _check(isinstance(d, int) and is_power_of_two(d) and d >= 2, what,
+               f"a2a_bandwidth_gbps key {d!r} is not a power-of-two degree >= 2")
+        _check(isinstance(v, (int, float)) and v > 0, what, f"a2a_bandwidth_gbps[{d}] must be positive")
+    if c.num_gpus > 1:
+        _check(any(d <= 2 for d in bw), what, "a2a_bandwidth_gbps needs an entry for degree 2")
+    return c
+
+
+def load_model(ref: str | ModelSpec) -> ModelSpec:
+    if isinstance(ref, ModelSpec):
+        return validate_model(ref)
+    if _looks_like_path(ref):
+        data = read_yaml(Path(ref))
+        data.setdefault("name", Path(ref).stem)
+    else:
+        path = CONFIG_DIR / "models" / f"{ref}.yaml"
+        if not path.exists():
+            raise ConfigError(f"unknown model preset {ref!r}; presets: {', '.join(_presets('models'))} "
+                              f"(or pass a YAML file path)")
+        data = read_yaml(path)
+        data.setdefault("name", ref)
+    return model_from_mapping(data)
+
+
+def model_from_mapping(data: dict) -> ModelSpec:
+    return validate_model(_build(ModelSpec, data, f"model {data.get('name')!r}"))
+
+
+_FAMILY = re.compile(r"^(?P<base>.+-\d+x)(?P<nodes>\d+)$")
+
+
+def load_cluster(ref: str | ClusterSpec) -> ClusterSpec:
+    if isinstance(ref, ClusterSpec):
+        return validate_cluster(ref)
+    if _looks_like_path(ref):
+        data = read_yaml(Path(ref))
+        data.setdefault("name", Path(ref).stem)
+    else:
+        path = CONFIG_DIR / "clusters" / f"{ref}.yaml"
+        fam = _FAMILY.match(ref)
+        if path.exists():
+            data = read_yaml(path)
+        elif fam and (CONFIG_DIR / "clusters" / f"{fam['base']}N.yaml").exists():
+            data = read_yaml(CONFIG_DIR / "clusters" / f"{fam['base']}N.yaml")
+            data["num_nodes"] = int(fam["nodes"])
+        else:
+            raise ConfigError(f"unknown cluster preset {ref!r}; presets: {', '.join(_presets('clusters'))} "
+                              f"(a name ending in N stands for any node count, e.g. h100-80g-8x4)")
+        data["name"] = ref
+    return cluster_from_mapping(data)
+
+
+def cluster_from_mapping(data: dict) -> ClusterSpec:
+    data = dict(data)
+    if isinstance(data.get("a2a_bandwidth_gbps"), dict):
+        try:
+            data["a2a_bandwidth_gbps"] = {int(k): v for k, v in data["a2a_bandwidth_gbps"].items()}
+        except (TypeError, ValueError):
+            raise ConfigError(f"cluster {data['name']!r}: a2a_bandwidth_gbps keys must be integer degrees") from None
+    return validate_cluster(_build(ClusterSpec, data, f"cluster {data.get('name')!r}"))
