@@ -1,0 +1,89 @@
+"""One entry point for every planner: lengths in, validated StepPlan out.
+
+A planner function takes the kept lengths (over-long ones already dropped or refused), the cost
+model and the options, and returns its micro-batches as lists of ``(degree, seq_ids)`` groups plus a
+status word. ``make_plan`` owns what all planners share: input checks, dropping, timing, placing
+groups on aligned rank blocks, cost estimates, validation and baseline comparisons.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from megatron_ext.cost import CostModel
+from megatron_ext.errors import ConfigError, LengthsError
+from megatron_ext.plan import MicroBatchPlan, SPGroup, StepPlan, fill_estimates, validate
+from megatron_ext.planner.placement import place_groups
+
+Groups = list[tuple[int, list[int]]]  # (degree, seq_ids) per group of one micro-batch
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    time_limit: float = 1.0  # seconds the solver may spend on a step
+    static_degree: int | None = None  # static_ulysses: the fixed degree (default: the largest)
+    drop_over_max: bool = False  # drop (and report) sequences no group can hold, instead of failing
+    num_buckets: int = 16  # sequence-blaster buckets per micro-batch
+    extra_microbatches: int = 4  # try M_min .. M_min + this many micro-batches
+
+
+PlannerFn = Callable[[np.ndarray, CostModel, PlannerOptions], tuple[list[Groups], str]]
+PLANNERS: dict[str, PlannerFn] = {}
+BASELINES = ("static_ulysses", "batchada", "megatron_balanced_cp")
+
+
+def register(name: str) -> Callable[[PlannerFn], PlannerFn]:
+    def deco(fn: PlannerFn) -> PlannerFn:
+        PLANNERS[name] = fn
+        return fn
+    return deco
+
+
+def make_plan(name: str, lengths, cost: CostModel, options: PlannerOptions = PlannerOptions(),
+              baselines: tuple[str, ...] = ()) -> StepPlan:
+    """Plan one step with planner ``name``; time each named baseline on the same batch."""
+    if name not in PLANNERS:
+        raise ConfigError(f"unknown planner {name!r}; choose one of {', '.join(PLANNERS)}")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size == 0:
+        raise LengthsError("the batch is empty: nothing to plan")
+    if (lengths < 1).any():
+        raise LengthsError(f"sequence {int(np.flatnonzero(lengths < 1)[0])} has a non-positive length")
+    too_long = lengths > cost.max_seq_len
+    if too_long.any() and not options.drop_over_max:
+        cost.check_lengths(lengths)  # raises with the reason
+    kept = np.flatnonzero(~too_long)
+    if kept.size == 0:
+        raise LengthsError(f"every sequence is over the {cost.max_seq_len}-token limit: nothing left to plan")
+
+    start = time.perf_counter()
+    micro_batches, status = PLANNERS[name](lengths[kept], cost, options)
+    solve_time = time.perf_counter() - start
+
+    mbs = []
+    for groups in micro_batches:
+        ranks = place_groups([d for d, _ in groups], cost.num_gpus)
+        mbs.append(MicroBatchPlan([SPGroup(r, sorted(int(kept[i]) for i in ids))
+                                   for r, (_, ids) in sorted(zip(ranks, groups), key=lambda x: x[0][0])]))
+    plan = StepPlan(kind="flexsp", num_gpus=cost.num_gpus, planner=name, micro_batches=mbs,
+                    solve_time_s=solve_time, solver_status=status,
+                    dropped_seq_ids=[int(i) for i in np.flatnonzero(too_long)])
+    validate(fill_estimates(plan, lengths, cost), lengths, cost)
+    for b in baselines:
+        if b == name:
+            continue
+        other = make_plan(b, lengths, cost, options)
+        plan.baselines[b] = {
+            "estimated_step_time_s": other.estimated_step_time_s,
+            "solve_time_s": other.solve_time_s,
+            "num_micro_batches": len(other.micro_batches),
+            "speedup": other.estimated_step_time_s / plan.estimated_step_time_s,
+        }
+    return plan
+
+
+# Importing the planner modules fills PLANNERS.
+from megatron_ext.planner import baselines as _baselines, flexsp as _flexsp  # noqa: E402,F401
