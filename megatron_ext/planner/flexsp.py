@@ -1,0 +1,444 @@
+"""FlexSP planning: Ulysses groups of mixed power-of-two degrees per micro-batch, via HiGHS.
+
+Per candidate micro-batch count M (the blaster's contiguous token-balanced split):
+1. LP relaxation, aggregated by degree: fractions f[q, d] of bucket q run at degree d and group
+   counts n[d], minimizing GPUs used for a makespan target C (time and memory of each degree's
+   groups within n[d] * C and n[d] * capacity). A bisection on C finds the smallest C that fits
+   the cluster: a lower bound of the micro-batch and the degree mix to aim for.
+2. Rounding + repair: integer group counts that fit the GPUs, concrete sequences placed longest
+   first on the least-loaded group of their LP degree (or any group that holds them), then local
+   moves off the slowest group.
+3. The best M wins; a micro-batch that cannot fit memory is split. Everything is deterministic.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import highspy
+import numpy as np
+
+from megatron_ext.cost import CostModel
+from megatron_ext.planner.api import Groups, PlannerOptions, register
+from megatron_ext.planner.blaster import balanced_split, dp_buckets
+
+
+class _Batch:
+    """Per-sequence times at every degree, computed once per step."""
+
+    def __init__(self, lengths: np.ndarray, cost: CostModel):
+        self.lengths = lengths
+        self.cost = cost
+        self.degrees = np.array(cost.degrees)
+        self.cap = np.array([cost.token_capacity(d) for d in cost.degrees], dtype=np.int64)
+        self.time = np.stack([cost.seq_time_ms(lengths, int(d)) for d in self.degrees], axis=1)  # [K, D]
+        self.fits = lengths[:, None] <= self.cap[None, :]
+        self.min_deg_idx = np.argmax(self.fits, axis=1)
+        gpu_ms = np.where(self.fits, self.time * self.degrees[None, :], np.inf)
+        self.best_gpu_ms = gpu_ms.min(axis=1)
+        self.fastest = np.where(self.fits, self.time, np.inf).min(axis=1)
+        self.b1 = cost.model.b1
+        self.n = cost.num_gpus
+
+
+class _DegreeLP:
+    """The aggregated LP of one micro-batch; re-solved warm for each makespan target C."""
+
+    def __init__(self, batch: _Batch, ids: np.ndarray, num_buckets: int):
+        self.batch = batch
+        srt = ids[np.argsort(batch.lengths[ids], kind="stable")]
+        ends = dp_buckets(batch.lengths[srt], num_buckets)
+        starts = np.concatenate([[0], ends[:-1]])
+        self.buckets = [srt[a:b] for a, b in zip(starts, ends)]
+        D = len(batch.degrees)
+        tok = np.array([batch.lengths[b].sum() for b in self.buckets], dtype=np.float64)
+        tsum = np.stack([batch.time[b].sum(axis=0) for b in self.buckets])  # [Q, D]
+        self.tmax = np.stack([batch.time[b[-1]] for b in self.buckets])  # longest of the bucket
+        ok = np.stack([batch.fits[b[-1]] for b in self.buckets])
+        self.cols = [(q, d) for q in range(len(self.buckets)) for d in range(D) if ok[q, d]]
+        nf = len(self.cols)
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("threads", 1)
+        # Columns: f[q, d] in [0, 1], then n[d] in [0, N/d]; minimize GPUs = sum d n[d].
+        cost = np.concatenate([np.zeros(nf), batch.degrees.astype(np.float64)])
+        lower = np.zeros(nf + D)
+        upper = np.concatenate([np.ones(nf), batch.n / batch.degrees])
+        h.addVars(nf + D, lower, upper)
+        h.changeColsCost(nf + D, np.arange(nf + D, dtype=np.int32), cost)
+        rows_lo, rows_hi, starts_, idx, val = [], [], [], [], []
+
+        def row(lo, hi, cols, vals):
+            rows_lo.append(lo), rows_hi.append(hi), starts_.append(len(idx))
+            idx.extend(cols), val.extend(vals)
+
+        Q = len(self.buckets)
+        for q in range(Q):  # each bucket fully placed
+            cs = [j for j, (qq, _) in enumerate(self.cols) if qq == q]
+            row(1.0, 1.0, cs, [1.0] * len(cs))
+        self.time_row0 = Q
+        for d in range(D):  # time of degree d's work <= n[d] * C   (C set per solve)
+            cs = [j for j, (_, dd) in enumerate(self.cols) if dd == d]
+            row(-highspy.kHighsInf, 0.0, cs + [nf + d], [tsum[self.cols[j]] for j in cs] + [-1.0])
+        for d in range(D):  # tokens of degree d <= n[d] * capacity(d)
+            cs = [j for j, (_, dd) in enumerate(self.cols) if dd == d]
+            row(-highspy.kHighsInf, 0.0, cs + [nf + d], [tok[self.cols[j][0]] for j in cs] + [-float(batch.cap[d])])
+        h.addRows(len(rows_lo), np.array(rows_lo), np.array(rows_hi), len(idx), np.array(starts_, dtype=np.int32),
+                  np.array(idx, dtype=np.int32), np.array(val, dtype=np.float64))
+        self.h, self.nf, self.D = h, nf, D
+        self.col_tmax = np.array([self.tmax[q, d] for q, d in self.cols])
+
+    def gpus_needed(self, C: float) -> float:
+        """LP optimum (fractional GPUs) for makespan target C (ms, excluding b1); inf if infeasible."""
+        h, nf = self.h, self.nf
+        for d in range(self.D):
+            h.changeCoeff(self.time_row0 + d, nf + d, -C)
+        ub = (self.col_tmax <= C).astype(np.float64)
+        h.changeColsBounds(nf, np.arange(nf, dtype=np.int32), np.zeros(nf), ub)
+        h.run()
+        if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            return math.inf
+        return h.getInfo().objective_function_value
+
+    def solution(self) -> tuple[np.ndarray, np.ndarray]:
+        x = np.asarray(self.h.getSolution().col_value)
+        f = np.zeros((len(self.buckets), self.D))
+        for j, (q, d) in enumerate(self.cols):
+            f[q, d] = x[j]
+        return f, x[self.nf:]
+
+
+def _bisect_makespan(lp: _DegreeLP, lo: float, rel_tol: float = 2e-3) -> float | None:
+    """Smallest C (to rel_tol) whose LP fits on the cluster; None if memory never fits."""
+    n = lp.batch.n + 1e-6
+    hi = lo
+    for _ in range(60):
+        if lp.gpus_needed(hi) <= n:
+            break
+        lo, hi = hi, hi * 2
+    else:
+        return None
+    if hi == lo:
+        return hi
+    while hi > lo * (1 + rel_tol):
+        mid = (lo + hi) / 2
+        if lp.gpus_needed(mid) <= n:
+            hi = mid
+        else:
+            lo = mid
+    lp.gpus_needed(hi)  # leave the solution of the chosen target in the solver
+    return hi
+
+
+def _round_groups(batch: _Batch, lp: _DegreeLP, C: float) -> tuple[list[int], np.ndarray]:
+    """Integer group degrees and a preferred degree index per sequence, from the LP solution."""
+    f, nfrac = lp.solution()
+    pref = {}
+    for q, ids in enumerate(lp.buckets):
+        desc = ids[::-1]  # longest first -> largest degree first
+        shares = f[q] * len(ids)
+        counts = np.floor(shares + 1e-9).astype(int)
+        rest = len(ids) - counts.sum()
+        for d in np.argsort(-(shares - counts), kind="stable")[:rest]:
+            counts[d] += 1
+        pos = 0
+        for d in range(lp.D - 1, -1, -1):
+            for i in desc[pos:pos + counts[d]]:
+                pref[int(i)] = d
+            pos += counts[d]
+    # Concrete load per degree, then the groups each degree needs (time and memory).
+    need = np.zeros(lp.D)
+    for d in range(lp.D):
+        mine = [i for i, dd in pref.items() if dd == d]
+        if mine:
+            need[d] = max(batch.time[mine, d].sum() / C, batch.lengths[mine].sum() / batch.cap[d], 1.0)
+    count = np.minimum(np.floor(need + 1e-6), np.floor(nfrac + 1e-6)).astype(int)
+    count = np.where(need > 0, np.maximum(count, 1), 0)
+    while (count * batch.degrees).sum() > batch.n:  # too many groups: drop from the smallest needs
+        d = int(np.argmin(np.where(count > 0, need - count + 1e6 * (count == 1), np.inf)))
+        count[d] -= 1
+    free = batch.n - int((count * batch.degrees).sum())
+    while free > 0:  # spend the rest where the most work per group waits
+        load = np.where(batch.degrees <= free, need / np.maximum(count, 1e-9) * (need > 0), -1)
+        if load.max() <= 0:
+            d = int(np.flatnonzero(batch.degrees <= free).max())  # extra capacity for repair
+        else:
+            d = int(np.argmax(load))
+        count[d] += 1
+        free -= int(batch.degrees[d])
+    degrees = [int(batch.degrees[d]) for d in range(lp.D - 1, -1, -1) for _ in range(count[d])]
+    return degrees, pref
+
+
+def _assign(batch: _Batch, ids: np.ndarray, group_deg_idx: np.ndarray, pref: dict) -> list[list[int]] | None:
+    """Longest first: least-loaded group of the preferred degree with room, else the group
+    (any degree that holds it) where it finishes earliest. None if some sequence fits nowhere."""
+    G = len(group_deg_idx)
+    load = np.zeros(G)
+    room = batch.cap[group_deg_idx].astype(np.float64)
+    members: list[list[int]] = [[] for _ in range(G)]
+    for i in ids[np.argsort(-batch.lengths[ids], kind="stable")]:
+        s = batch.lengths[i]
+        t = batch.time[i, group_deg_idx]
+        ok = room >= s
+        if not ok.any():
+            return None
+        p = pref.get(int(i), -1)
+        same = ok & (group_deg_idx == p)
+        g = int(np.argmin(np.where(same, load, np.inf))) if same.any() else int(np.argmin(np.where(ok, load + t, np.inf)))
+        load[g] += t[g]
+        room[g] -= s
+        members[g].append(int(i))
+    return _improve(batch, group_deg_idx, members, load, room)
+
+
+def _improve(batch, gdi, members, load, room, max_moves: int = 200):
+    """Move sequences off the slowest group while that lowers the makespan."""
+    for _ in range(max_moves):
+        g = int(np.argmax(load))
+        best = None
+        for i in members[g]:
+            s = batch.lengths[i]
+            t = batch.time[i, gdi]
+            new = load + t
+            new[g] = np.inf
+            new = np.where(room >= s, new, np.inf)
+            h = int(np.argmin(new))
+            after = max(new[h], load[g] - t[g])
+            if after < load[g] - 1e-9 and (best is None or after < best[0]):
+                best = (after, i, h)
+        if best is None:
+            break
+        _, i, h = best
+        members[g].remove(i)
+        members[h].append(i)
+        load[g] -= batch.time[i, gdi[g]]
+        load[h] += batch.time[i, gdi[h]]
+        room[g] += batch.lengths[i]
+        room[h] -= batch.lengths[i]
+    return members
+
+
+def _pack_at(batch: _Batch, ids: np.ndarray, C: float) -> tuple[list[int], list[list[int]]] | None:
+    """First-fit decreasing into groups of mixed degrees under makespan target C: each sequence
+    joins the open group where it costs the fewest GPU-ms and still fits C and memory, else opens
+    a group of the smallest degree that runs it within C. None if the GPUs run out."""
+    gdi: list[int] = []
+    load: list[float] = []
+    room: list[float] = []
+    members: list[list[int]] = []
+    used = 0
+    for i in ids[np.argsort(-batch.lengths[ids], kind="stable")]:
+        s = batch.lengths[i]
+        t = batch.time[i]
+        if gdi:
+            g_d = np.asarray(gdi)
+            tg = t[g_d]
+            ok = (np.asarray(load) + tg <= C) & (np.asarray(room) >= s)
+            if ok.any():
+                score = np.where(ok, tg * batch.degrees[g_d] - 1e-9 * np.asarray(load), np.inf)
+                g = int(np.argmin(score))
+                load[g] += tg[g]
+                room[g] -= s
+                members[g].append(int(i))
+                continue
+        fit = np.flatnonzero(batch.fits[i] & (t <= C))
+        if not len(fit) or used + batch.degrees[fit[0]] > batch.n:
+            return None
+        d = int(fit[0])
+        used += int(batch.degrees[d])
+        gdi.append(d), load.append(float(t[d])), room.append(float(batch.cap[d] - s)), members.append([int(i)])
+    return gdi, members
+
+
+def _span(batch: _Batch, gdi, members) -> float:
+    return batch.b1 + max(batch.time[m, d].sum() for d, m in zip(gdi, members))
+
+
+def _solve_part(batch: _Batch, ids: np.ndarray, options: PlannerOptions) -> list[tuple[Groups, float]]:
+    """Groups for one micro-batch's sequences; split in two if memory cannot hold them at once.
+
+    The LP-rounded plan comes first; where it is more than 1% above the LP's makespan (chunky
+    long sequences the LP spread evenly), a bisection with first-fit packing between the two
+    looks for a tighter plan, and the better one is kept.
+    """
+    lo = max(batch.best_gpu_ms[ids].sum() / batch.n, batch.fastest[ids].max())
+    lp = _DegreeLP(batch, ids, options.num_buckets)
+    C = _bisect_makespan(lp, lo)
+    best = None
+    if C is not None:
+        degrees, pref = _round_groups(batch, lp, C)
+        gdi = np.searchsorted(batch.degrees, degrees)
+        members = _assign(batch, ids, gdi, pref)
+        if members is not None:
+            keep = [g for g, m in enumerate(members) if m]
+            best = ([int(gdi[g]) for g in keep], [members[g] for g in keep])
+        hi = _span(batch, *best) - batch.b1 if best else 2 * C
+        lo_c = C
+        if hi > C * 1.01:
+            for _ in range(10):  # bisection on the packing target
+                if hi <= lo_c * 1.005:
+                    break
+                mid = (lo_c + hi) / 2
+                packed = _pack_at(batch, ids, mid)
+                if packed is None:
+                    lo_c = mid
+                else:
+                    hi = _span(batch, *packed) - batch.b1
+                    if best is None or hi < _span(batch, *best) - batch.b1:
+                        best = packed
+    if best is None:
+        if len(ids) == 1:  # cannot happen for a sequence within cost.max_seq_len
+            raise AssertionError("a single feasible sequence did not fit a micro-batch")
+        halves = balanced_split(ids[np.argsort(-batch.lengths[ids], kind="stable")], batch.lengths, 2)
+        return [mb for h in halves for mb in _solve_part(batch, h, options)]
+    gdi, members = best
+    return [([(int(batch.degrees[d]), m) for d, m in zip(gdi, members)], _span(batch, gdi, members))]
+
+
+def _milp_improve(batch: _Batch, ids: np.ndarray, incumbent: tuple[list[int], list[list[int]]],
+                  time_limit: float, max_seqs: int = 48):
+    """Exact per-sequence MILP (FlexSP Eq. 5-10) over virtual groups, warm-started from the
+    incumbent and bounded by its makespan; returns a better (gdi, members) or None.
+
+    Only for micro-batches of few sequences (the long ones, where granularity decides)."""
+    if len(ids) > max_seqs or time_limit <= 0.005:
+        return None
+    gdi0, members0 = incumbent
+    T = _span(batch, gdi0, members0) - batch.b1
+    groups = []  # virtual groups: degree index per copy
+    for d in range(len(batch.degrees)):
+        runnable = int((batch.fits[ids, d] & (batch.time[ids, d] <= T)).sum())
+        copies = max(min(batch.n // int(batch.degrees[d]), runnable), gdi0.count(d))
+        groups += [d] * copies
+    P, K = len(groups), len(ids)
+    pairs = [(k, p) for k in range(K) for p in range(P)
+             if batch.fits[ids[k], groups[p]] and batch.time[ids[k], groups[p]] <= T * (1 + 1e-9)]
+    nx = len(pairs)
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("threads", 1)
+    h.setOptionValue("time_limit", float(time_limit))
+    h.setOptionValue("mip_rel_gap", 0.005)
+    ncol = nx + P + 1  # x[k,p], m[p], C
+    h.addVars(ncol, np.zeros(ncol), np.concatenate([np.ones(nx + P), [T]]))
+    h.changeColsCost(1, np.array([ncol - 1], dtype=np.int32), np.array([1.0]))
+    h.changeColsIntegrality(nx + P, np.arange(nx + P, dtype=np.int32),
+                            np.full(nx + P, highspy.HighsVarType.kInteger, dtype=np.uint8))
+    lo, hi, starts, idx, val = [], [], [], [], []
+
+    def row(a, b, cols, vals):
+        lo.append(a), hi.append(b), starts.append(len(idx)), idx.extend(cols), val.extend(vals)
+
+    by_k = [[] for _ in range(K)]
+    by_p = [[] for _ in range(P)]
+    for j, (k, p) in enumerate(pairs):
+        by_k[k].append(j), by_p[p].append(j)
+    for k in range(K):
+        row(1, 1, by_k[k], [1.0] * len(by_k[k]))
+    inf = highspy.kHighsInf
+    for p in range(P):
+        row(-inf, 0, by_p[p] + [ncol - 1], [batch.time[ids[pairs[j][0]], groups[p]] for j in by_p[p]] + [-1.0])
+        row(-inf, 0, by_p[p] + [nx + p], [float(batch.lengths[ids[pairs[j][0]]]) for j in by_p[p]]
+            + [-float(batch.cap[groups[p]])])
+        if p + 1 < P and groups[p + 1] == groups[p]:  # symmetry: use copies in order
+            row(0, inf, [nx + p, nx + p + 1], [1.0, -1.0])
+    row(-inf, batch.n, list(range(nx, nx + P)), [float(batch.degrees[g]) for g in groups])
+    h.addRows(len(lo), np.array(lo, dtype=np.float64), np.array(hi, dtype=np.float64), len(idx),
+              np.array(starts, dtype=np.int32), np.array(idx, dtype=np.int32), np.array(val, dtype=np.float64))
+    # Warm start: the incumbent's groups, mapped onto copies of their degree.
+    pos = {k: i for i, k in enumerate(ids.tolist())}
+    first = {d: groups.index(d) for d in set(groups)}
+    used: dict[int, int] = {}
+    x0 = np.zeros(ncol)
+    pair_index = {kp: j for j, kp in enumerate(pairs)}
+    for d, m in zip(gdi0, members0):
+        p = first[d] + used.get(d, 0)
+        used[d] = used.get(d, 0) + 1
+        x0[nx + p] = 1
+        for i in m:
+            x0[pair_index[(pos[i], p)]] = 1
+    x0[-1] = T
+    h.setSolution(ncol, np.arange(ncol, dtype=np.int32), x0)
+    h.run()
+    if h.getInfo().primal_solution_status != 2:  # no feasible point
+        return None
+    x = np.asarray(h.getSolution().col_value)
+    members = [[] for _ in range(P)]
+    for j, (k, p) in enumerate(pairs):
+        if x[j] > 0.5:
+            members[p].append(int(ids[k]))
+    keep = [p for p in range(P) if members[p]]
+    result = ([groups[p] for p in keep], [members[p] for p in keep])
+    return result if _span(batch, *result) < _span(batch, gdi0, members0) - 1e-6 else None
+
+
+class _SplitSearch:
+    """Sum of micro-batch makespans for contiguous cuts of the length-sorted batch, with each
+    part's solution cached, and a coordinate descent on the cut positions: token-balanced cuts
+    are a good start, but moving a few long sequences between neighbours often frees a group."""
+
+    def __init__(self, batch: _Batch, order: np.ndarray, options: PlannerOptions, deadline: float):
+        self.batch, self.order, self.options, self.deadline = batch, order, options, deadline
+        self.cache: dict[tuple[int, int], list[tuple[Groups, float]]] = {}
+        self.prefix = np.concatenate([[0], np.cumsum(batch.lengths[order])])
+
+    def part(self, a: int, b: int) -> list[tuple[Groups, float]]:
+        if (a, b) not in self.cache:
+            self.cache[(a, b)] = _solve_part(self.batch, self.order[a:b], self.options)
+        return self.cache[(a, b)]
+
+    def total(self, cuts: list[int]) -> float:
+        return sum(span for a, b in zip(cuts[:-1], cuts[1:]) for _, span in self.part(a, b))
+
+    def descend(self, cuts: list[int]) -> tuple[list[int], float]:
+        best = self.total(cuts)
+        improved = True
+        while improved and time.perf_counter() < self.deadline:
+            improved = False
+            for k in range(1, len(cuts) - 1):
+                for step in (1, -1, 4, -4, 16, -16):
+                    c = cuts[k] + step
+                    if not cuts[k - 1] < c < cuts[k + 1] or time.perf_counter() > self.deadline:
+                        continue
+                    trial = cuts[:k] + [c] + cuts[k + 1:]
+                    t = self.total(trial)
+                    if t < best - 1e-6:
+                        cuts, best, improved = trial, t, True
+                        break
+        return cuts, best
+
+
+@register("flexsp")
+def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -> tuple[list[Groups], str]:
+    deadline = time.perf_counter() + options.time_limit
+    batch = _Batch(lengths, cost)
+    order = np.argsort(-lengths, kind="stable")
+    search = _SplitSearch(batch, order, options, deadline)
+    m_min = cost.min_microbatches(lengths)
+    work = batch.best_gpu_ms.sum() / batch.n
+    best, best_time, status = None, math.inf, "lp_rounded"
+    for m in range(m_min, min(m_min + options.extra_microbatches, len(lengths)) + 1):
+        if m * batch.b1 + work >= best_time:  # no split into m parts can beat the best
+            break
+        if time.perf_counter() > deadline and best is not None:
+            status = "time_limit"
+            break
+        sizes = [len(p) for p in balanced_split(order, lengths, m)]
+        cuts, total = search.descend([0, *np.cumsum(sizes).tolist()])
+        if total < best_time - 1e-9:
+            best, best_time = cuts, total
+    parts = [mb for a, b in zip(best[:-1], best[1:]) for mb in search.part(a, b)]
+    # Improve the micro-batches furthest above their LP makespan with the MILP, in the time left.
+    lower = cost.lower_bound_ms(lengths)
+    mbs = []
+    for groups, span in parts:
+        gdi = [int(np.searchsorted(batch.degrees, d)) for d, _ in groups]
+        members = [m for _, m in groups]
+        better = None if best_time <= lower * 1.03 else _milp_improve(batch, np.array(sorted(i for m in members for i in m)), (gdi, members),
+                               min(deadline - time.perf_counter(), options.time_limit / 4))
+        if better is not None:
+            gdi, members = better
+            status = "milp"
+        mbs.append([(int(batch.degrees[d]), m) for d, m in zip(gdi, members)])
+    return mbs, status
