@@ -1,0 +1,30 @@
+# `make demo` and `make test` set everything up themselves (a virtualenv in .venv/).
+VENV    := .venv
+PY      := $(VENV)/bin/python
+CLI     := $(VENV)/bin/megatron-ext
+STAMP   := $(VENV)/.installed-$(shell cat setup.py | cksum | cut -d' ' -f1)
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.py
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: the CPU wheel, so nothing pulls a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+demo: setup
+	$(CLI) plan --lengths configs/lengths/stdlib.txt --model gpt-7b --cluster a100-40g-8x8
+	$(CLI) bench planner --batches 3 --dist wikipedia,github
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(CLI) bench planner
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

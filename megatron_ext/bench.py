@@ -1,0 +1,80 @@
+"""`megatron-ext bench planner`: planner latency and plan quality, as a table.
+
+For each distribution and seed: the plan's solve time, its estimated step time, the ratio to the
+lower bound and its speedup over every baseline, all timed with the same cost model. A scale row
+plans 8,192 sequences on 1,024 GPUs of the same kind.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import numpy as np
+
+from megatron_ext.cost import CostModel
+from megatron_ext.data.lengths import sample_lengths
+from megatron_ext.planner import PlannerOptions, make_plan
+from megatron_ext.planner.api import BASELINES
+
+SCALE_GPUS, SCALE_SEQS = 1024, 8192
+
+
+def _row(planner: str, lengths: np.ndarray, cost: CostModel, options: PlannerOptions, baselines) -> dict:
+    plan = make_plan(planner, lengths, cost, options, baselines=baselines)
+    return {
+        "seqs": len(lengths), "tokens": int(lengths.sum()), "dropped": len(plan.dropped_seq_ids),
+        "micro_batches": len(plan.micro_batches), "solve_time_s": plan.solve_time_s,
+        "step_time_s": plan.estimated_step_time_s, "lower_bound_s": plan.lower_bound_step_time_s,
+        "ratio_to_bound": plan.estimated_step_time_s / plan.lower_bound_step_time_s,
+        "status": plan.solver_status,
+        "speedup": {b: v["speedup"] for b, v in plan.baselines.items()},
+    }
+
+
+def bench_planner(cost: CostModel, dists: list[str], batches: int, batch: int, max_seq_len: int,
+                  options: PlannerOptions, planner: str = "flexsp", scale: bool = True) -> dict:
+    options = dataclasses.replace(options, drop_over_max=True)
+    baselines = tuple(b for b in BASELINES if b != planner)
+    rows = []
+    for dist in dists:
+        for seed in range(batches):
+            lengths = sample_lengths(dist, batch, seed, max_seq_len)
+            rows.append({"dist": dist, "seed": seed, **_row(planner, lengths, cost, options, baselines)})
+    scale_row = None
+    if scale:
+        big = dataclasses.replace(cost.cluster, num_nodes=max(1, SCALE_GPUS // cost.cluster.gpus_per_node),
+                                  name=f"{cost.cluster.name} x {SCALE_GPUS} GPUs")
+        big_cost = CostModel(cost.model, big, cost.zero_stage)
+        lengths = sample_lengths(dists[0], SCALE_SEQS, 0, max_seq_len)
+        scale_row = {"dist": dists[0], "seed": 0, "num_gpus": big.num_gpus,
+                     **_row(planner, lengths, big_cost, options, ())}
+
+    head = (f"{planner} on {cost.model.name} / {cost.cluster.name} ({cost.num_gpus} GPUs), batch {batch}, "
+            f"max length {max_seq_len:,}, time limit {options.time_limit:g} s")
+    cols = f"{'dist':<12}{'seed':>4}{'drop':>5}{'mbs':>4}{'plan ms':>9}{'step s':>9}{'bound s':>9}{'x bound':>8}" + \
+        "".join(f"{'vs ' + b:>24}" for b in baselines)
+    lines = [head, "", cols]
+    for r in rows:
+        lines.append(f"{r['dist']:<12}{r['seed']:>4}{r['dropped']:>5}{r['micro_batches']:>4}"
+                     f"{r['solve_time_s'] * 1e3:>9.0f}{r['step_time_s']:>9.2f}{r['lower_bound_s']:>9.2f}"
+                     f"{r['ratio_to_bound']:>8.3f}" + "".join(f"{r['speedup'][b]:>23.2f}x" for b in baselines))
+    summary = {
+        "median_solve_time_s": statistics.median(r["solve_time_s"] for r in rows),
+        "max_solve_time_s": max(r["solve_time_s"] for r in rows),
+        "median_ratio_to_bound": statistics.median(r["ratio_to_bound"] for r in rows),
+        "max_ratio_to_bound": max(r["ratio_to_bound"] for r in rows),
+        "min_speedup": {b: min(r["speedup"][b] for r in rows) for b in baselines},
+        "median_speedup": {b: statistics.median(r["speedup"][b] for r in rows) for b in baselines},
+    }
+    lines += ["", f"plan time: median {summary['median_solve_time_s'] * 1e3:.0f} ms, "
+                  f"max {summary['max_solve_time_s'] * 1e3:.0f} ms",
+              f"step time / lower bound: median {summary['median_ratio_to_bound']:.3f}, "
+              f"max {summary['max_ratio_to_bound']:.3f}"]
+    for b in baselines:
+        lines.append(f"speedup over {b}: median {summary['median_speedup'][b]:.2f}x, "
+                     f"min {summary['min_speedup'][b]:.2f}x")
+    if scale_row:
+        lines.append(f"scale: {scale_row['seqs']:,} sequences on {scale_row['num_gpus']:,} GPUs planned in "
+                     f"{scale_row['solve_time_s']:.2f} s ({scale_row['ratio_to_bound']:.3f}x bound, "
+                     f"{scale_row['micro_batches']} micro-batches)")
+    return {"rows": rows, "summary": summary, "scale": scale_row, "table": "\n".join(lines)}

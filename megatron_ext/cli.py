@@ -1,0 +1,175 @@
+"""`megatron-ext`: plan and benchmark adaptive sequence-parallel steps.
+
+Every command prints a readable table, or JSON with --json. Bad input is one line on stderr and
+exit status 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+from megatron_ext.cost import CostModel
+from megatron_ext.data.lengths import DISTRIBUTIONS, read_lengths, sample_lengths
+from megatron_ext.errors import ConfigError, MegatronExtError
+from megatron_ext.planner import PLANNERS, PlannerOptions, make_plan
+from megatron_ext.planner.api import BASELINES
+
+
+def parse_tokens(text: str) -> int:
+    """'384K' -> 393216, '1M' -> 1048576, '8192' -> 8192."""
+    t = text.strip().upper()
+    scale = {"K": 1024, "M": 1024**2}.get(t[-1:], 1)
+    try:
+        value = int(float(t[:-1] if scale > 1 else t) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count like 8192 or 384K, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive token count, got {text!r}")
+    return value
+
+
+def add_cost_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and cluster")
+    g.add_argument("--model", default="gpt-7b", help="model preset or YAML path (default: gpt-7b)")
+    g.add_argument("--cluster", default="a100-40g-8x8", help="cluster preset or YAML path (default: a100-40g-8x8)")
+    g.add_argument("--cost-model", metavar="PATH", help="cost-model YAML (overrides --model/--cluster)")
+    g.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage of model states")
+
+
+def add_planner_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("planner")
+    g.add_argument("--planner", default="flexsp", help=f"one of: {', '.join(PLANNERS)} (default: flexsp)")
+    g.add_argument("--time-limit", type=float, default=1.0, metavar="SEC", help="solver time limit per step")
+    g.add_argument("--static-degree", type=int, help="degree of static_ulysses (default: the largest allowed)")
+    g.add_argument("--drop-over-max", action="store_true",
+                   help="drop (and report) sequences no group can hold instead of failing")
+
+
+def cost_from_args(args) -> CostModel:
+    if args.cost_model:
+        return CostModel.from_yaml(args.cost_model)
+    return CostModel.from_presets(args.model, args.cluster, args.zero_stage)
+
+
+def options_from_args(args) -> PlannerOptions:
+    if args.time_limit <= 0:
+        raise ConfigError(f"--time-limit must be positive, got {args.time_limit}")
+    return PlannerOptions(time_limit=args.time_limit, static_degree=args.static_degree,
+                          drop_over_max=args.drop_over_max)
+
+
+def lengths_from_args(args, cost: CostModel) -> np.ndarray:
+    if args.lengths:
+        lengths = read_lengths(args.lengths)
+        if args.max_seq_len:
+            over = lengths > args.max_seq_len
+            if over.any() and not args.drop_over_max:
+                raise ConfigError(f"{int(over.sum())} sequence(s) exceed --max-seq-len {args.max_seq_len} "
+                                  f"(longest {int(lengths.max())}); use --drop-over-max to drop them")
+        return lengths
+    return sample_lengths(args.dist, args.batch, args.seed, args.max_seq_len or cost.max_seq_len)
+
+
+def _plan_table(plan, lengths, cost) -> str:
+    lines = [f"{plan.planner} plan for {len(lengths)} sequences ({int(lengths.sum()):,} tokens) "
+             f"of {cost.model.name} on {cost.cluster.name} ({cost.num_gpus} GPUs)", ""]
+    lines.append(f"{'mb':>3} {'time s':>8}  groups (degree x count: sequences, tokens)")
+    for m, mb in enumerate(plan.micro_batches):
+        by_deg: dict[int, list] = {}
+        for g in mb.groups:
+            by_deg.setdefault(g.degree, []).append(g)
+        parts = []
+        for d in sorted(by_deg, reverse=True):
+            gs = by_deg[d]
+            nseq = sum(len(g.seq_ids) for g in gs)
+            tok = sum(int(lengths[g.seq_ids].sum()) for g in gs)
+            parts.append(f"{d}x{len(gs)}: {nseq} seq, {tok:,} tok")
+        lines.append(f"{m:>3} {mb.estimated_time_s:>8.3f}  " + "; ".join(parts))
+    lb = plan.lower_bound_step_time_s
+    lines += ["", f"estimated step time {plan.estimated_step_time_s:.3f} s   lower bound {lb:.3f} s "
+              f"({plan.estimated_step_time_s / lb:.3f}x)   solved in {plan.solve_time_s * 1e3:.0f} ms "
+              f"[{plan.solver_status}]"]
+    if plan.dropped_seq_ids:
+        lines.append(f"dropped {len(plan.dropped_seq_ids)} sequence(s) over the {cost.max_seq_len}-token limit: "
+                     f"ids {plan.dropped_seq_ids[:10]}{' ...' if len(plan.dropped_seq_ids) > 10 else ''}")
+    if plan.baselines:
+        lines += ["", f"{'baseline':<22} {'step s':>8} {'mbs':>4} {'speedup of ' + plan.planner:>20}"]
+        for name, b in plan.baselines.items():
+            lines.append(f"{name:<22} {b['estimated_step_time_s']:>8.3f} {b['num_micro_batches']:>4} "
+                         f"{b['speedup']:>19.2f}x")
+    return "\n".join(lines)
+
+
+def cmd_plan(args) -> int:
+    cost = cost_from_args(args)
+    lengths = lengths_from_args(args, cost)
+    plan = make_plan(args.planner, lengths, cost, options_from_args(args),
+                     baselines=() if args.no_baselines else BASELINES)
+    print(plan.to_json(indent=1) if args.json else _plan_table(plan, lengths, cost))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from megatron_ext.bench import bench_planner
+
+    cost = cost_from_args(args)
+    result = bench_planner(cost, dists=args.dist.split(","), batches=args.batches, batch=args.batch,
+                           max_seq_len=args.max_seq_len, options=options_from_args(args), planner=args.planner,
+                           scale=not args.no_scale)
+    print(json.dumps(result, indent=1) if args.json else result["table"])
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="megatron-ext", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="plan one step from lengths and print the StepPlan")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--lengths", metavar="FILE", help="text file, one sequence length per line")
+    src.add_argument("--dist", default="wikipedia", choices=sorted(DISTRIBUTIONS),
+                     help="synthetic length distribution (default: wikipedia)")
+    p.add_argument("--batch", type=int, default=512, help="sequences per global batch with --dist")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed with --dist")
+    p.add_argument("--max-seq-len", type=parse_tokens, metavar="L",
+                   help="longest sequence, e.g. 384K (default: the longest the cluster can hold)")
+    p.add_argument("--json", action="store_true", help="print the StepPlan JSON")
+    p.add_argument("--no-baselines", action="store_true", help="skip timing the baselines")
+    add_cost_args(p)
+    add_planner_args(p)
+    p.set_defaults(func=cmd_plan)
+
+    b = sub.add_parser("bench", help="benchmarks that print tables")
+    bsub = b.add_subparsers(dest="what", required=True)
+    bp = bsub.add_parser("planner", help="planner latency and quality against the lower bound and baselines")
+    bp.add_argument("--dist", default="wikipedia,commoncrawl,github",
+                    help="comma-separated distributions (default: wikipedia,commoncrawl,github)")
+    bp.add_argument("--batches", type=int, default=5, help="batches per distribution")
+    bp.add_argument("--batch", type=int, default=512, help="sequences per batch")
+    bp.add_argument("--max-seq-len", type=parse_tokens, default=parse_tokens("384K"), metavar="L",
+                    help="longest sampled sequence (default: 384K); longer ones than the cluster holds are dropped")
+    bp.add_argument("--no-scale", action="store_true", help="skip the 1,024-GPU / 8,192-sequence row")
+    bp.add_argument("--json", action="store_true")
+    add_cost_args(bp)
+    add_planner_args(bp)
+    bp.set_defaults(func=cmd_bench)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except MegatronExtError as e:
+        print(f"megatron-ext: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # e.g. piped into head
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
