@@ -224,21 +224,20 @@ def _pack_at(batch: _Batch, ids: np.ndarray, C: float) -> tuple[list[int], list[
     """First-fit decreasing into groups of mixed degrees under makespan target C: each sequence
     joins the open group where it costs the fewest GPU-ms and still fits C and memory, else opens
     a group of the smallest degree that runs it within C. None if the GPUs run out."""
-    gdi: list[int] = []
-    load: list[float] = []
-    room: list[float] = []
+    gdi = np.zeros(batch.n, dtype=np.int64)  # at most N groups
+    gpus = np.zeros(batch.n)
+    load = np.zeros(batch.n)
+    room = np.zeros(batch.n)
     members: list[list[int]] = []
-    used = 0
+    used = G = 0
     for i in ids[np.argsort(-batch.lengths[ids], kind="stable")]:
         s = batch.lengths[i]
         t = batch.time[i]
-        if gdi:
-            g_d = np.asarray(gdi)
-            tg = t[g_d]
-            ok = (np.asarray(load) + tg <= C) & (np.asarray(room) >= s)
+        if G:
+            tg = t[gdi[:G]]
+            ok = (load[:G] + tg <= C) & (room[:G] >= s)
             if ok.any():
-                score = np.where(ok, tg * batch.degrees[g_d] - 1e-9 * np.asarray(load), np.inf)
-                g = int(np.argmin(score))
+                g = int(np.argmin(np.where(ok, tg * gpus[:G] - 1e-9 * load[:G], np.inf)))
                 load[g] += tg[g]
                 room[g] -= s
                 members[g].append(int(i))
@@ -248,8 +247,10 @@ def _pack_at(batch: _Batch, ids: np.ndarray, C: float) -> tuple[list[int], list[
             return None
         d = int(fit[0])
         used += int(batch.degrees[d])
-        gdi.append(d), load.append(float(t[d])), room.append(float(batch.cap[d] - s)), members.append([int(i)])
-    return gdi, members
+        gdi[G], gpus[G], load[G], room[G] = d, batch.degrees[d], t[d], batch.cap[d] - s
+        members.append([int(i)])
+        G += 1
+    return gdi[:G].tolist(), members
 
 
 def _span(batch: _Batch, gdi, members) -> float:
