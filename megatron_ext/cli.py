@@ -58,7 +58,7 @@ def options_from_args(args) -> PlannerOptions:
     if args.time_limit <= 0:
         raise ConfigError(f"--time-limit must be positive, got {args.time_limit}")
     return PlannerOptions(time_limit=args.time_limit, static_degree=args.static_degree,
-                          drop_over_max=args.drop_over_max)
+                          drop_over_max=args.drop_over_max, max_seq_len=args.max_seq_len)
 
 
 def lengths_from_args(args, cost: CostModel) -> np.ndarray:
@@ -73,7 +73,7 @@ def lengths_from_args(args, cost: CostModel) -> np.ndarray:
     return sample_lengths(args.dist, args.batch, args.seed, args.max_seq_len or cost.max_seq_len)
 
 
-def _plan_table(plan, lengths, cost) -> str:
+def _plan_table(plan, lengths, cost, max_seq_len: int | None = None) -> str:
     lines = [f"{plan.planner} plan for {len(lengths)} sequences ({int(lengths.sum()):,} tokens) "
              f"of {cost.model.name} on {cost.cluster.name} ({cost.num_gpus} GPUs)", ""]
     lines.append(f"{'mb':>3} {'time s':>8}  groups (degree x count: sequences, tokens)")
@@ -93,7 +93,8 @@ def _plan_table(plan, lengths, cost) -> str:
               f"({plan.estimated_step_time_s / lb:.3f}x)   solved in {plan.solve_time_s * 1e3:.0f} ms "
               f"[{plan.solver_status}]"]
     if plan.dropped_seq_ids:
-        lines.append(f"dropped {len(plan.dropped_seq_ids)} sequence(s) over the {cost.max_seq_len}-token limit: "
+        limit = min(cost.max_seq_len, max_seq_len or cost.max_seq_len)
+        lines.append(f"dropped {len(plan.dropped_seq_ids)} sequence(s) over the {limit}-token limit: "
                      f"ids {plan.dropped_seq_ids[:10]}{' ...' if len(plan.dropped_seq_ids) > 10 else ''}")
     if plan.baselines:
         lines += ["", f"{'baseline':<22} {'step s':>8} {'mbs':>4} {'speedup of ' + plan.planner:>20}"]
@@ -108,13 +109,15 @@ def cmd_plan(args) -> int:
     lengths = lengths_from_args(args, cost)
     plan = make_plan(args.planner, lengths, cost, options_from_args(args),
                      baselines=() if args.no_baselines else BASELINES)
-    print(plan.to_json(indent=1) if args.json else _plan_table(plan, lengths, cost))
+    print(plan.to_json(indent=1) if args.json else _plan_table(plan, lengths, cost, args.max_seq_len))
     return 0
 
 
 def cmd_bench(args) -> int:
     from megatron_ext.bench import bench_planner
 
+    if args.batches < 1:
+        raise ConfigError(f"--batches must be at least 1, got {args.batches}")
     cost = cost_from_args(args)
     result = bench_planner(cost, dists=args.dist.split(","), batches=args.batches, batch=args.batch,
                            max_seq_len=args.max_seq_len, options=options_from_args(args), planner=args.planner,

@@ -129,6 +129,8 @@ def validate_model(m: ModelSpec) -> ModelSpec:
         v = getattr(m, f)
         _check(isinstance(v, (int, float)) and v >= 0, what, f"{f} must be a non-negative number, got {v!r}")
     _check(m.act_mb_per_token > 0, what, "act_mb_per_token must be positive")
+    _check(m.num_query_groups is None or (isinstance(m.num_query_groups, int) and m.num_query_groups > 0), what,
+           f"num_query_groups must be a positive integer, got {m.num_query_groups!r}")
     _check(m.num_attention_heads % m.kv_heads == 0, what, "num_attention_heads must divide by num_query_groups")
     return m
 

@@ -30,7 +30,7 @@ class CostModel:
     zero_stage: int = 3
 
     def __post_init__(self):
-        if self.zero_stage not in _ZERO_SHARDED:
+        if not isinstance(self.zero_stage, int) or self.zero_stage not in _ZERO_SHARDED:
             raise ConfigError(f"zero_stage must be one of 0, 1, 2, 3, got {self.zero_stage!r}")
 
     @classmethod
@@ -47,11 +47,14 @@ class CostModel:
             raise ConfigError(f"{path}: a cost model needs 'model' and 'cluster' (and optionally 'zero_stage')"
                               + (f"; unknown: {', '.join(sorted(unknown))}" if unknown else ""))
         model, cluster = data["model"], data["cluster"]
+        for what, v in (("model", model), ("cluster", cluster)):
+            if not isinstance(v, (str, dict)):
+                raise ConfigError(f"{path}: '{what}' must be a preset name, a file path or a mapping of fields")
         if isinstance(model, dict):
             model = model_from_mapping({"name": Path(path).stem, **model})
         if isinstance(cluster, dict):
             cluster = cluster_from_mapping({"name": Path(path).stem, **cluster})
-        return cls.from_presets(model, cluster, int(data.get("zero_stage", 3)))
+        return cls.from_presets(model, cluster, data.get("zero_stage", 3))
 
     # ---- memory -------------------------------------------------------------------------
     @property

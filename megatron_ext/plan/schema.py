@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from numbers import Integral
 
 import numpy as np
 
@@ -131,6 +132,12 @@ def _fail(msg: str) -> None:
     raise InvalidPlanError(msg)
 
 
+def _check_ints(values, what: str) -> None:
+    """Ids and ranks from JSON must be lists of integers (Python or numpy), not floats, bools or strings."""
+    if not isinstance(values, list) or not all(isinstance(v, Integral) and not isinstance(v, bool) for v in values):
+        _fail(f"{what} must be a list of integers, got {values!r:.60}")
+
+
 def _check_coverage(seen: list[int], num_seqs: int, dropped: list[int]) -> None:
     counts = np.bincount(np.asarray(seen + dropped, dtype=np.int64), minlength=num_seqs) if (seen or dropped) \
         else np.zeros(num_seqs, dtype=np.int64)
@@ -147,8 +154,9 @@ def validate(plan: StepPlan, lengths, cost: CostModel) -> StepPlan:
     lengths = np.asarray(lengths)
     if plan.kind not in KINDS:
         _fail(f"unknown plan kind {plan.kind!r}")
-    if plan.num_gpus != cost.num_gpus:
+    if not isinstance(plan.num_gpus, Integral) or plan.num_gpus != cost.num_gpus:
         _fail(f"plan is for {plan.num_gpus} GPUs, the cluster has {cost.num_gpus}")
+    _check_ints(plan.dropped_seq_ids, "dropped_seq_ids")
     if any(not 0 <= i < len(lengths) for i in plan.dropped_seq_ids):
         _fail("a dropped sequence id is out of range")
     if plan.kind == "flexsp":
@@ -166,6 +174,8 @@ def _validate_flexsp(plan: StepPlan, lengths: np.ndarray, cost: CostModel) -> No
             _fail(f"micro-batch {m} has no groups")
         used = np.zeros(n, dtype=bool)
         for g in mb.groups:
+            _check_ints(g.ranks, f"micro-batch {m}: group ranks")
+            _check_ints(g.seq_ids, f"micro-batch {m}: group seq_ids")
             where = f"micro-batch {m}, group {g.ranks[:1]}..(degree {g.degree})"
             d = g.degree
             if not is_power_of_two(d) or d not in cost.degrees:
@@ -193,6 +203,7 @@ def _validate_pieces(plan: StepPlan, lengths: np.ndarray) -> None:
     for p in plan.pipelines:
         for c in p.chunks:
             for x in c.pieces:
+                _check_ints([x.seq_id, x.start, x.end], f"chunk {c.id}: piece seq_id, start and end")
                 spans.setdefault(x.seq_id, []).append((x.start, x.end))
     _check_coverage(list(spans), len(lengths), plan.dropped_seq_ids)
     for sid, s in spans.items():

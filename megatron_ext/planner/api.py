@@ -26,8 +26,10 @@ class PlannerOptions:
     time_limit: float = 1.0  # seconds the solver may spend on a step
     static_degree: int | None = None  # static_ulysses: the fixed degree (default: the largest)
     drop_over_max: bool = False  # drop (and report) sequences no group can hold, instead of failing
+    max_seq_len: int | None = None  # longest sequence to plan (default and cap: the longest a group can hold)
     num_buckets: int = 16  # sequence-blaster buckets per micro-batch
     extra_microbatches: int = 4  # try M_min .. M_min + this many micro-batches
+    search_budget: int = 48  # part solves the flexsp cut search may make: bounds work deterministically
 
 
 PlannerFn = Callable[[np.ndarray, CostModel, PlannerOptions], tuple[list[Groups], str]]
@@ -52,12 +54,15 @@ def make_plan(name: str, lengths, cost: CostModel, options: PlannerOptions = Pla
         raise LengthsError("the batch is empty: nothing to plan")
     if (lengths < 1).any():
         raise LengthsError(f"sequence {int(np.flatnonzero(lengths < 1)[0])} has a non-positive length")
-    too_long = lengths > cost.max_seq_len
+    limit = cost.max_seq_len if options.max_seq_len is None else min(options.max_seq_len, cost.max_seq_len)
+    too_long = lengths > limit
     if too_long.any() and not options.drop_over_max:
         cost.check_lengths(lengths)  # raises with the reason
+        raise LengthsError(f"{int(too_long.sum())} sequence(s) exceed the maximum length {limit} "
+                           f"(longest {int(lengths.max())}); use --drop-over-max to drop them")
     kept = np.flatnonzero(~too_long)
     if kept.size == 0:
-        raise LengthsError(f"every sequence is over the {cost.max_seq_len}-token limit: nothing left to plan")
+        raise LengthsError(f"every sequence is over the {limit}-token limit: nothing left to plan")
 
     start = time.perf_counter()
     micro_batches, status = PLANNERS[name](lengths[kept], cost, options)

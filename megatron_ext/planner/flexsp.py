@@ -20,7 +20,7 @@ import numpy as np
 
 from megatron_ext.cost import CostModel
 from megatron_ext.planner.api import Groups, PlannerOptions, register
-from megatron_ext.planner.baselines import static_packing, step_time_ms
+from megatron_ext.planner.baselines import best_fit_bins, static_packing, step_time_ms
 from megatron_ext.planner.blaster import balanced_split, dp_buckets
 
 
@@ -301,11 +301,12 @@ def _solve_part(batch: _Batch, ids: np.ndarray, options: PlannerOptions) -> list
 def _milp_improve(batch: _Batch, ids: np.ndarray, incumbent: tuple[list[int], list[list[int]]],
                   time_limit: float, max_seqs: int = 48):
     """Exact per-sequence MILP (FlexSP Eq. 5-10) over virtual groups, warm-started from the
-    incumbent and bounded by its makespan; returns a better (gdi, members) or None.
+    incumbent and bounded by its makespan. A node limit keeps it deterministic; the time limit
+    is a guard. Returns (a better (gdi, members) or None, whether the time limit cut it short).
 
     Only for micro-batches of few sequences (the long ones, where granularity decides)."""
-    if len(ids) > max_seqs or time_limit <= 0.005:
-        return None
+    if len(ids) > max_seqs:
+        return None, False
     gdi0, members0 = incumbent
     T = _span(batch, gdi0, members0) - batch.b1
     groups = []  # virtual groups: degree index per copy
@@ -320,7 +321,8 @@ def _milp_improve(batch: _Batch, ids: np.ndarray, incumbent: tuple[list[int], li
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("threads", 1)
-    h.setOptionValue("time_limit", float(time_limit))
+    h.setOptionValue("time_limit", float(time_limit))  # a guard; the node limit decides
+    h.setOptionValue("mip_max_nodes", 30)
     h.setOptionValue("mip_rel_gap", 0.005)
     ncol = nx + P + 1  # x[k,p], m[p], C
     h.addVars(ncol, np.zeros(ncol), np.concatenate([np.ones(nx + P), [T]]))
@@ -363,8 +365,9 @@ def _milp_improve(batch: _Batch, ids: np.ndarray, incumbent: tuple[list[int], li
     x0[-1] = T
     h.setSolution(ncol, np.arange(ncol, dtype=np.int32), x0)
     h.run()
+    timed_out = h.getModelStatus() == highspy.HighsModelStatus.kTimeLimit
     if h.getInfo().primal_solution_status != 2:  # no feasible point
-        return None
+        return None, timed_out
     x = np.asarray(h.getSolution().col_value)
     members = [[] for _ in range(P)]
     for j, (k, p) in enumerate(pairs):
@@ -372,7 +375,7 @@ def _milp_improve(batch: _Batch, ids: np.ndarray, incumbent: tuple[list[int], li
             members[p].append(int(ids[k]))
     keep = [p for p in range(P) if members[p]]
     result = ([groups[p] for p in keep], [members[p] for p in keep])
-    return result if _span(batch, *result) < _span(batch, gdi0, members0) - 1e-6 else None
+    return (result if _span(batch, *result) < _span(batch, gdi0, members0) - 1e-6 else None), timed_out
 
 
 class _SplitSearch:
@@ -382,11 +385,20 @@ class _SplitSearch:
 
     def __init__(self, batch: _Batch, order: np.ndarray, options: PlannerOptions, deadline: float):
         self.batch, self.order, self.options, self.deadline = batch, order, options, deadline
+        self.budget = options.search_budget  # part solves the descent may still make
+        self.timed_out = False
         self.cache: dict[tuple[int, int], list[tuple[Groups, float]]] = {}
-        self.prefix = np.concatenate([[0], np.cumsum(batch.lengths[order])])
+
+    def exhausted(self) -> bool:
+        """Out of budget (deterministic), or out of time (a guard that makes the plan depend on
+        the machine's speed, so it is reported)."""
+        if time.perf_counter() > self.deadline:
+            self.timed_out = True
+        return self.timed_out or self.budget <= 0
 
     def part(self, a: int, b: int) -> list[tuple[Groups, float]]:
         if (a, b) not in self.cache:
+            self.budget -= 1
             self.cache[(a, b)] = _solve_part(self.batch, self.order[a:b], self.options)
         return self.cache[(a, b)]
 
@@ -396,12 +408,12 @@ class _SplitSearch:
     def descend(self, cuts: list[int]) -> tuple[list[int], float]:
         best = self.total(cuts)
         improved = True
-        while improved and time.perf_counter() < self.deadline:
+        while improved and not self.exhausted():
             improved = False
             for k in range(1, len(cuts) - 1):
                 for step in (1, -1, 4, -4, 16, -16):
                     c = cuts[k] + step
-                    if not cuts[k - 1] < c < cuts[k + 1] or time.perf_counter() > self.deadline:
+                    if not cuts[k - 1] < c < cuts[k + 1] or self.exhausted():
                         continue
                     trial = cuts[:k] + [c] + cuts[k + 1:]
                     t = self.total(trial)
@@ -419,18 +431,66 @@ def _homogeneous_start(batch: _Batch, lengths: np.ndarray, cost: CostModel, opti
     lowest = cost.min_degree(int(lengths.max()))
     packings = [static_packing(lengths, cost, d) for d in cost.degrees if d >= lowest]
     times = [step_time_ms(p, lengths, cost) for p in packings]
-    best, best_time = None, math.inf
-    for k in np.argsort(times, kind="stable")[:tries]:
-        mbs = []
-        for groups in packings[k]:
-            span = max(cost.group_time_ms(lengths[ids], d) for d, ids in groups)
-            ids = np.array(sorted(i for _, m in groups for i in m))
-            mixed = _solve_part(batch, ids, options)
-            mbs += mixed if sum(t for _, t in mixed) < span else [(groups, span)]
-        total = sum(t for _, t in mbs)
-        if total < best_time:
-            best, best_time = mbs, total
-    return best, best_time
+    return min((_replan(batch, packings[k], options) for k in np.argsort(times, kind="stable")[:tries]),
+               key=lambda c: c[1])
+
+
+def _cheapest_degree_start(batch: _Batch, options: PlannerOptions) -> tuple[list, float]:
+    """Every sequence at its cheapest degree, best-fit packed into groups of that degree, groups
+    stacked slowest first into micro-batches without raising any micro-batch's makespan (as many
+    micro-batches as that takes); then each micro-batch re-planned. Wins where memory is so tight
+    that packing tightly forces slow, wide groups: more, cheaper micro-batches beat fewer."""
+    cheapest = np.argmin(np.where(batch.fits, batch.time * batch.degrees[None, :], np.inf), axis=1)
+    groups = []
+    for d in np.unique(cheapest):
+        for ids in best_fit_bins(np.flatnonzero(cheapest == d), batch.lengths, int(batch.cap[d])):
+            groups.append((float(batch.time[ids, d].sum()), int(batch.degrees[d]), ids))
+    groups.sort(key=lambda g: (-g[0], -g[1], g[2][0]))
+    mbs: list[list] = []
+    free: list[int] = []
+    for t, d, ids in groups:  # slowest first: joining a micro-batch never raises its makespan
+        k = next((k for k, f in enumerate(free) if f >= d), None)
+        if k is None:
+            mbs.append([]), free.append(batch.n)
+            k = len(mbs) - 1
+        mbs[k].append((d, ids))
+        free[k] -= d
+    return _replan(batch, mbs, options)
+
+
+def _replan(batch: _Batch, mbs: list[Groups], options: PlannerOptions) -> tuple[list, float]:
+    """Each micro-batch of a plan re-solved with mixed degrees where that is faster."""
+    out = []
+    for groups in mbs:
+        span = batch.b1 + max(batch.time[ids, np.searchsorted(batch.degrees, d)].sum() for d, ids in groups)
+        mixed = _solve_part(batch, np.array(sorted(i for _, m in groups for i in m)), options)
+        out += mixed if sum(t for _, t in mixed) < span else [(groups, span)]
+    return out, sum(t for _, t in out)
+
+
+def _filled_start(batch: _Batch, order: np.ndarray, m: int, options: PlannerOptions) -> tuple[list, float]:
+    """Long sequences (those that need SP) split over m micro-batches; then short ones, longest
+    first, fill the micro-batch with the most idle GPU time and memory left, so memory-tight
+    batches need no extra micro-batch; each micro-batch is then re-planned whole."""
+    short = batch.min_deg_idx[order] == 0
+    long_ids, short_ids = order[~short], order[short]
+    if not len(long_ids):
+        return [], math.inf
+    mbs = [list(part) for part in balanced_split(long_ids, batch.lengths, m)]
+    # Idle GPU time against each micro-batch's ideal makespan (its long sequences spread perfectly).
+    spans = [max(batch.fastest[ids].max(), batch.best_gpu_ms[ids].sum() / batch.n) for ids in mbs]
+    mbs += [[] for _ in range(m - len(mbs))]
+    spans += [0.0] * (m - len(spans))
+    idle = np.array([batch.n * sp - batch.best_gpu_ms[ids].sum() for sp, ids in zip(spans, mbs)])
+    room = np.array([batch.n * batch.cost.tokens_per_gpu - batch.lengths[ids].sum() for ids in mbs])
+    for i in short_ids:
+        ok = room >= batch.lengths[i]
+        k = int(np.argmax(np.where(ok, idle, -np.inf))) if ok.any() else int(np.argmax(room))
+        mbs[k].append(int(i))
+        idle[k] -= batch.best_gpu_ms[i]
+        room[k] -= batch.lengths[i]
+    parts = [mb for ids in mbs if ids for mb in _solve_part(batch, np.array(sorted(ids)), options)]
+    return parts, sum(t for _, t in parts)
 
 
 @register("flexsp")
@@ -438,35 +498,50 @@ def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -
     start = time.perf_counter()
     batch = _Batch(lengths, cost)
     order = np.argsort(-lengths, kind="stable")
-    # The cut search gets a third of the time limit; the MILP may use what is left of a half.
-    search = _SplitSearch(batch, order, options, start + options.time_limit / 3)
+    # The cut search stops at its budget of part solves (or, as a guard, at half the time limit).
+    search = _SplitSearch(batch, order, options, start + options.time_limit / 2)
     m_min = cost.min_microbatches(lengths)
     work = batch.best_gpu_ms.sum() / batch.n
-    best, best_time, status = None, math.inf, "lp_rounded"
+    status = "lp_rounded"
+    # Starting points: token-balanced contiguous cuts for each micro-batch count, the best
+    # homogeneous packings re-planned, and long sequences with short ones as filler.
+    contiguous = []
     for m in range(m_min, min(m_min + options.extra_microbatches, len(lengths)) + 1):
-        if m * batch.b1 + work >= best_time:  # no split into m parts can beat the best
+        best_so_far = min((t for _, t in contiguous), default=math.inf)
+        if m * batch.b1 + work >= best_so_far:  # no split into m parts can beat it
             break
-        if time.perf_counter() > search.deadline and best is not None:
-            status = "time_limit"
+        cuts = [0, *np.cumsum([len(p) for p in balanced_split(order, lengths, m)]).tolist()]
+        contiguous.append((cuts, search.total(cuts)))
+    contiguous.sort(key=lambda c: c[1])
+    others = [_homogeneous_start(batch, lengths, cost, options), _cheapest_degree_start(batch, options)]
+    others += [_filled_start(batch, order, m, options) for m in range(m_min, m_min + 2)]
+    others.sort(key=lambda c: c[1])
+    # Refine the cuts by local search while contiguous splits are in the running.
+    for cuts, total in contiguous[:2]:
+        if total > others[0][1] * 1.10:
             break
-        sizes = [len(p) for p in balanced_split(order, lengths, m)]
-        cuts, total = search.descend([0, *np.cumsum(sizes).tolist()])
-        if total < best_time - 1e-9:
-            best, best_time = cuts, total
-    parts = [mb for a, b in zip(best[:-1], best[1:]) for mb in search.part(a, b)]
-    homogeneous, homogeneous_time = _homogeneous_start(batch, lengths, cost, options)
-    if homogeneous_time < best_time:
-        parts, best_time = homogeneous, homogeneous_time
-    # Improve the micro-batches furthest above their LP makespan with the MILP, in the time left.
+        if search.exhausted():
+            break
+        cuts, total = search.descend(cuts)
+        others.append(([mb for a, b in zip(cuts[:-1], cuts[1:]) for mb in search.part(a, b)], total))
+    others.sort(key=lambda c: c[1])
+    parts, best_time = others[0]
+    # Where the plan is still over 3% above the lower bound, the MILP may improve micro-batches.
     lower = cost.lower_bound_ms(lengths)
+    timed_out = search.timed_out
     mbs = []
     for groups, span in parts:
         gdi = [int(np.searchsorted(batch.degrees, d)) for d, _ in groups]
         members = [m for _, m in groups]
-        better = None if best_time <= lower * 1.03 else _milp_improve(batch, np.array(sorted(i for m in members for i in m)), (gdi, members),
-                               start + options.time_limit / 2 - time.perf_counter())
-        if better is not None:
-            gdi, members = better
-            status = "milp"
+        remaining = start + options.time_limit - time.perf_counter()
+        if best_time > lower * 1.03 and remaining > 0:
+            better, cut = _milp_improve(batch, np.array(sorted(i for m in members for i in m)), (gdi, members),
+                                        remaining)
+            timed_out |= cut
+            if better is not None:
+                gdi, members = better
+                status = "milp"
+        elif best_time > lower * 1.03:
+            timed_out = True
         mbs.append([(int(batch.degrees[d]), m) for d, m in zip(gdi, members)])
-    return mbs, status
+    return mbs, "time_limit" if timed_out else status

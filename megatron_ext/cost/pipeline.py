@@ -1,0 +1,242 @@
+"""Cost model of a pipeline stage (InfiniPipe, PAPERS.md section 2, Eq. 1-11), built on CostModel.
+
+A pipeline has ``pp`` stages of ``L_s = L / pp`` layers each; every stage is one Ulysses group of
+``sp`` GPUs. The whole-model FlexSP coefficients (a1, a2, b1: fwd+bwd, ms) are spread evenly over
+the layers, so a stage does ``L_s / L`` of them. For one chunk on one stage (milliseconds):
+
+    work    = sum over pieces of  a1 ((C + s)^2 - C^2) + a2 s       (C: prefix already processed)
+    compute = L_s / L * work / sp
+    a2a     = L_s / L * tokens * comm_ms_per_token(sp)            (4 all-to-alls per layer, fwd+bwd)
+    fixed   = L_s / L * b1 * b1_scale                             (the paper's b1 / d_p)
+    stage   = compute + a2a + fixed;  forward = stage / 3,  backward = 2 stage / 3
+
+The 1/3 : 2/3 split of forward and backward is the usual FLOP ratio (the backward computes the
+gradients of both the input and the weights); recomputing ``r`` layers costs ``r / L_s`` of the
+forward. p2p between stages: ``tokens * hidden * 2 bytes`` over ``p2p_bandwidth_gbps``.
+
+``b1_scale`` (default 1, the paper's formula): b1 is about 80 ms per billion parameters in all
+three published FlexSP profiles, i.e. mostly exposed ZeRO-3 parameter traffic over the whole
+cluster. A stage shards only its own layers over its own SP ranks (inside a node), so a smaller
+scale models that; ``zero_domain_b1_scale()`` gives the bandwidth ratio as one such estimate.
+
+Memory per GPU of a stage, MB:
+- model states of the stage's layers (params_b / pp), ZeRO-sharded over the stage's sp ranks
+  at the CostModel's ZeRO stage;
+- per in-flight chunk: ``tokens * act_layer * L_s`` (act_layer = act_mb_per_token / L / sp),
+  plus on the last stage its logits, ``tokens * vocab * 4 bytes / sp``;
+- recomputing a layer of a chunk keeps only its input (``hidden * 2`` bytes per token) and, for
+  pieces of split sequences, their K/V (``2 * kv_heads * head_dim * 2`` bytes per token): later
+  slices attend to it, so it stays until the slice's backward, checkpointed or not;
+- while a split sequence runs backward, the gradient of its prefix K/V (same size as the K/V of
+  the tokens before the current slice) waits for the earlier slices' backward.
+Pure Python + numpy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from megatron_ext.cost.model import _ZERO_SHARDED, CostModel
+from megatron_ext.errors import ConfigError, InfeasibleError
+
+FWD_FRACTION = 1.0 / 3.0  # forward share of a fwd+bwd pass (and so the cost of a recomputation)
+_MB = 2.0**20
+
+
+@dataclass(frozen=True)
+class PipelineCost:
+    """Time and memory of chunks on the stages of a ``pp``-stage pipeline of SP degree ``sp``."""
+
+    cost: CostModel
+    pp: int
+    sp: int
+    b1_scale: float = 1.0
+    memory_mb: float | None = None  # usable per GPU; default: the cluster's
+
+    def __post_init__(self):
+        m, c = self.cost.model, self.cost.cluster
+        if not isinstance(self.pp, int) or isinstance(self.pp, bool) or self.pp < 1:
+            raise ConfigError(f"pipeline degree must be a positive integer, got {self.pp!r}")
+        if m.num_layers % self.pp:
+            divisors = [d for d in range(1, m.num_layers + 1) if m.num_layers % d == 0]
+            raise ConfigError(f"pipeline degree {self.pp} does not divide the {m.num_layers} layers of {m.name}; "
+                              f"choose one of {', '.join(map(str, divisors))}")
+        if not isinstance(self.sp, int) or isinstance(self.sp, bool) or self.sp not in self.cost.degrees:
+            raise ConfigError(f"SP degree {self.sp!r} is not allowed for {m.name} on {c.name}; allowed: "
+                              f"{', '.join(map(str, self.cost.degrees))} (powers of two that divide the heads)")
+        if self.pp * self.sp > c.num_gpus:
+            raise ConfigError(f"pp {self.pp} x sp {self.sp} = {self.pp * self.sp} GPUs, {c.name} has {c.num_gpus}")
+        if not (isinstance(self.b1_scale, (int, float)) and self.b1_scale >= 0):
+            raise ConfigError(f"b1_scale must be a non-negative number, got {self.b1_scale!r}")
+        if self.memory_mb is not None and not (isinstance(self.memory_mb, (int, float)) and self.memory_mb > 0):
+            raise ConfigError(f"memory budget must be a positive number of MB, got {self.memory_mb!r}")
+        if self.activation_room_mb <= 0:
+            raise InfeasibleError(
+                f"the memory budget of {self.budget_mb:.0f} MB per GPU is below the model states of a stage "
+                f"({self.model_states_mb:.0f} MB: {m.params_b / self.pp:.2f}B parameters of {m.name} at ZeRO-"
+                f"{self.cost.zero_stage} over {self.sp} GPUs); use more stages, a larger SP degree or more memory")
+
+    # ---- shape --------------------------------------------------------------------------
+    @property
+    def layers_per_stage(self) -> int:
+        return self.cost.model.num_layers // self.pp
+
+    @property
+    def stage_share(self) -> float:
+        """Fraction of the whole model's layers on one stage."""
+        return 1.0 / self.pp
+
+    # ---- time (ms) ----------------------------------------------------------------------
+    def piece_work(self, s, prefix=0):
+        """Whole-model, one-GPU fwd+bwd ms of tokens [C, C+s) of a sequence (without b1)."""
+        s = np.asarray(s, dtype=np.float64)
+        c = np.asarray(prefix, dtype=np.float64)
+        m = self.cost.model
+        return m.a1 * ((c + s) ** 2 - c * c) + m.a2 * s
+
+    @cached_property
+    def comm_ms_per_token(self) -> float:
+        """All-to-all ms per token for the stage's layers (fwd+bwd)."""
+        return self.cost.comm_ms_per_token(self.sp) * self.stage_share
+
+    @cached_property
+    def fixed_ms(self) -> float:
+        """Per-chunk fixed cost on one stage (fwd+bwd)."""
+        return self.cost.model.b1 * self.b1_scale * self.stage_share
+
+    def stage_ms(self, work, tokens):
+        """Fwd+bwd ms of a chunk on one stage, from its whole-model work and token count."""
+        return (np.asarray(work, dtype=np.float64) * self.stage_share / self.sp
+                + np.asarray(tokens, dtype=np.float64) * self.comm_ms_per_token + self.fixed_ms)
+
+    def fwd_ms(self, work, tokens):
+        return FWD_FRACTION * self.stage_ms(work, tokens)
+
+    def bwd_ms(self, work, tokens):
+        return (1.0 - FWD_FRACTION) * self.stage_ms(work, tokens)
+
+    def recompute_ms(self, work, tokens, layers):
+        """Re-running the forward of ``layers`` of the stage's layers for a chunk."""
+        return self.fwd_ms(work, tokens) * np.asarray(layers, dtype=np.float64) / self.layers_per_stage
+
+    @cached_property
+    def p2p_bandwidth_gbps(self) -> float:
+        c = self.cost.cluster
+        if c.p2p_bandwidth_gbps:
+            return float(c.p2p_bandwidth_gbps)
+        return c.a2a_bandwidth(c.num_gpus)  # no figure: the slowest (cross-node) link of the table
+
+    def p2p_ms(self, tokens):
+        """Sending a chunk's activations (or their gradients) to the next (previous) stage."""
+        m = self.cost.model
+        return np.asarray(tokens, dtype=np.float64) * m.hidden_size * 2 / _MB / self.p2p_bandwidth_gbps
+
+    # ---- time along a sequence (for balanced slicing) -----------------------------------
+    @cached_property
+    def _quad(self) -> tuple[float, float]:
+        """T(x) = alpha x^2 + beta x: stage ms (without the fixed cost) of a sequence's first x tokens."""
+        m = self.cost.model
+        alpha = m.a1 * self.stage_share / self.sp
+        beta = m.a2 * self.stage_share / self.sp + self.comm_ms_per_token
+        return alpha, beta
+
+    def prefix_ms(self, x):
+        """Stage ms (no fixed cost) of the first x tokens of a sequence."""
+        alpha, beta = self._quad
+        x = np.asarray(x, dtype=np.float64)
+        return alpha * x * x + beta * x
+
+    def prefix_tokens(self, t):
+        """Inverse of prefix_ms: how many leading tokens cost t ms."""
+        alpha, beta = self._quad
+        t = np.asarray(t, dtype=np.float64)
+        if alpha <= 0:
+            return t / beta
+        return (-beta + np.sqrt(beta * beta + 4 * alpha * t)) / (2 * alpha)
+
+    # ---- memory (MB per GPU of a stage) -------------------------------------------------
+    @property
+    def budget_mb(self) -> float:
+        return float(self.memory_mb) if self.memory_mb is not None else self.cost.cluster.memory_mb
+
+    @cached_property
+    def model_states_mb(self) -> float:
+        sharded, replicated = _ZERO_SHARDED[self.cost.zero_stage]
+        return self.cost.model.params_b / self.pp * 16 * 1024 * (sharded / self.sp + replicated)
+
+    @cached_property
+    def activation_room_mb(self) -> float:
+        return self.budget_mb - self.model_states_mb
+
+    @cached_property
+    def act_layer_mb(self) -> float:
+        """Stored activations per token per layer on one GPU."""
+        m = self.cost.model
+        return m.act_mb_per_token / m.num_layers / self.sp
+
+    @cached_property
+    def input_layer_mb(self) -> float:
+        """A checkpointed layer keeps its input: hidden * 2 bytes per token."""
+        return self.cost.model.hidden_size * 2 / _MB / self.sp
+
+    @cached_property
+    def kv_layer_mb(self) -> float:
+        """K and V of one token in one layer, bf16, on one GPU."""
+        m = self.cost.model
+        head_dim = m.hidden_size / m.num_attention_heads
+        return 2 * m.kv_heads * head_dim * 2 / _MB / self.sp
+
+    @cached_property
+    def logits_mb(self) -> float:
+        """fp32 logits of one token on one GPU (last stage)."""
+        return self.cost.model.vocab_size * 4 / _MB / self.sp
+
+    def chunk_memory(self, tokens, split_tokens, last_stage: bool):
+        """(I, F): memory a chunk holds between its forward and backward with no recompute, and
+        what each recomputed layer saves of it."""
+        tokens = np.asarray(tokens, dtype=np.float64)
+        split_tokens = np.asarray(split_tokens, dtype=np.float64)
+        L_s = self.layers_per_stage
+        full = tokens * self.act_layer_mb * L_s + (tokens * self.logits_mb if last_stage else 0.0)
+        save = np.maximum(0.0, tokens * (self.act_layer_mb - self.input_layer_mb) - split_tokens * self.kv_layer_mb)
+        return full, save
+
+    def dkv_mb(self, tokens):
+        """Gradient buffer of the prefix K/V of a split sequence, for ``tokens`` prefix tokens."""
+        return np.asarray(tokens, dtype=np.float64) * self.kv_layer_mb * self.layers_per_stage
+
+    def min_sequence_memory_mb(self, seq_len: int, slice_tokens: int) -> float:
+        """Least stage-0 activation memory a sequence needs alone: every slice in flight with
+        every layer recomputed (input + K/V kept), one slice re-materialized for its backward."""
+        L_s = self.layers_per_stage
+        kept = seq_len * (self.input_layer_mb + self.kv_layer_mb) * L_s
+        one = min(slice_tokens, seq_len) * (self.act_layer_mb - self.input_layer_mb - self.kv_layer_mb) * L_s
+        return kept + max(0.0, one) + self.dkv_mb(seq_len)
+
+    def zero_domain_b1_scale(self) -> float:
+        """An estimate of b1_scale when a stage shards parameters inside its node: the ratio of
+        the all-to-all bandwidth over the whole cluster to that inside the stage's SP group."""
+        c = self.cost.cluster
+        if c.num_gpus <= 1 or self.sp <= 1:
+            return 1.0
+        return min(1.0, c.a2a_bandwidth(c.num_gpus) / c.a2a_bandwidth(self.sp))
+
+
+def default_layout(cost: CostModel) -> tuple[int, int]:
+    """(pp, sp) when none is given: Ulysses inside a node (up to the head limit), stages across."""
+    sp = min(cost.cluster.gpus_per_node, cost.degrees[-1])
+    pp = cost.num_gpus // sp
+    return pp, sp
+
+
+def check_layout(cost: CostModel, pp: int, sp: int) -> None:
+    """A pipeline plan uses every GPU: pp * sp must equal the GPU count (no data parallelism yet)."""
+    if isinstance(pp, int) and isinstance(sp, int) and pp * sp != cost.num_gpus:
+        raise ConfigError(f"pp {pp} x sp {sp} = {pp * sp} GPUs, but {cost.cluster.name} has {cost.num_gpus}: "
+                          f"an elastic pipeline spans every GPU (data parallelism across pipelines is not "
+                          f"supported yet)")
+
+
+__all__ = ["FWD_FRACTION", "PipelineCost", "check_layout", "default_layout"]

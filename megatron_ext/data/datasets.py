@@ -1,0 +1,363 @@
+"""Variable-length document datasets: every document keeps its own length, nothing is padded.
+
+Three sources, one interface (``Documents``: ``lengths``, ``len()``, ``get(i, offset, length)``):
+
+- Megatron's indexed dataset (a ``PREFIX.bin`` of token ids and a ``PREFIX.idx`` index), read
+  and written through ``megatron.core.datasets.indexed_dataset``. Same files Megatron-LM's
+  ``tools/preprocess_data.py`` makes and its ``GPTDataset`` reads. A Megatron "document" may hold
+  several index sequences (sentence splitting); we read a document as the concatenation of its
+  sequences, which are contiguous in the ``.bin`` file.
+- JSONL: one JSON object per line, the text under a configurable key (default ``"text"``).
+- Plain text files: one document per file, or per separator-delimited part of a file.
+
+The JSONL and text readers tokenize (byte-level by default, ``data/tokenizer.py``) and append
+``<eod>`` to each document, as Megatron's preprocessing does with ``--append-eod``. A document
+longer than ``max_len`` tokens is split into consecutive pieces of ``max_len`` tokens (the last
+one shorter), never dropped; the readers log how many were split. Indexed datasets are read as
+written; the planning data loader splits long documents at its own ``max_seq_len``.
+
+megatron-core is imported only by the indexed-dataset functions, when called: the planner modules
+never import this file's dependencies.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Protocol, Sequence
+
+import numpy as np
+
+from megatron_ext.data.tokenizer import ByteTokenizer
+from megatron_ext.errors import MegatronExtError
+
+logger = logging.getLogger(__name__)
+
+
+class DataError(MegatronExtError):
+    """A dataset file is missing, unreadable or malformed (the message names file and line)."""
+
+
+class Documents(Protocol):
+    """Token documents of varying length."""
+
+    @property
+    def lengths(self) -> np.ndarray: ...  # int64, one entry per document
+
+    def __len__(self) -> int: ...
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray: ...
+
+
+def _check_range(n_docs: int, doc_len: int, i: int, offset: int, length: int | None) -> int:
+    if not 0 <= i < n_docs:
+        raise IndexError(f"document {i} out of range (there are {n_docs})")
+    if length is None:
+        length = doc_len - offset
+    if offset < 0 or length < 0 or offset + length > doc_len:
+        raise IndexError(f"tokens [{offset}, {offset + length}) out of range for document {i} "
+                         f"of {doc_len} tokens")
+    return length
+
+
+# ---- in memory ------------------------------------------------------------------------------
+@dataclass
+class SplitStats:
+    """What a reader did with over-long and empty documents."""
+
+    documents_split: int = 0  # documents longer than max_len
+    pieces_from_split: int = 0  # the pieces they became
+    empty_skipped: int = 0  # documents with no text at all
+
+    def log(self, source: str, max_len: int | None) -> None:
+        if self.documents_split:
+            logger.warning("%s: %d document(s) longer than %d tokens were split into %d pieces of at most "
+                           "%d tokens", source, self.documents_split, max_len, self.pieces_from_split, max_len)
+        if self.empty_skipped:
+            logger.info("%s: skipped %d empty document(s)", source, self.empty_skipped)
+
+
+class InMemoryDocuments:
+    """Documents held as a list of token arrays."""
+
+    def __init__(self, docs: Sequence[np.ndarray], stats: SplitStats | None = None):
+        self._docs = [np.asarray(d) for d in docs]
+        for k, d in enumerate(self._docs):
+            if d.ndim != 1 or not np.issubdtype(d.dtype, np.integer):
+                raise DataError(f"document {k} is not a 1-D integer token array (shape {d.shape}, {d.dtype})")
+        self._lengths = np.fromiter((d.size for d in self._docs), dtype=np.int64, count=len(self._docs))
+        self.stats = stats or SplitStats()
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self._lengths
+
+    def __len__(self) -> int:
+        return len(self._docs)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.get(i)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return iter(self._docs)
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        length = _check_range(len(self), int(self._lengths[i]) if 0 <= i < len(self) else 0, i, offset, length)
+        return self._docs[i][offset:offset + length]
+
+
+def split_document(tokens: np.ndarray, max_len: int | None) -> list[np.ndarray]:
+    """``tokens`` cut into consecutive pieces of ``max_len`` tokens (the last may be shorter)."""
+    if max_len is None or tokens.size <= max_len:
+        return [tokens]
+    if max_len < 1:
+        raise ValueError(f"max_len must be at least 1, got {max_len}")
+    return [tokens[k:k + max_len] for k in range(0, tokens.size, max_len)]
+
+
+def _add(out: list[np.ndarray], tokens: np.ndarray, max_len: int | None, stats: SplitStats) -> None:
+    pieces = split_document(tokens, max_len)
+    if len(pieces) > 1:
+        stats.documents_split += 1
+        stats.pieces_from_split += len(pieces)
+    out.extend(pieces)
+
+
+def _check_max_len(max_len: int | None) -> None:
+    if max_len is not None and (not isinstance(max_len, (int, np.integer)) or max_len < 1):
+        raise DataError(f"max_len must be a positive integer, got {max_len!r}")
+
+
+# ---- JSONL ----------------------------------------------------------------------------------
+def iter_jsonl_texts(path: str | Path, key: str = "text") -> Iterator[tuple[int, str]]:
+    """(line number, text) of every non-blank line of a JSONL file; DataError with the line
+    number on a line that is not a JSON object with a string under ``key``."""
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror}") from None
+    with f:
+        for no, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{no}: not UTF-8 ({e.reason} at byte {e.start})") from None
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{no}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{path}:{no}: expected a JSON object, got {type(obj).__name__}")
+            if key not in obj:
+                raise DataError(f"{path}:{no}: no {key!r} key (keys: {', '.join(map(str, obj)) or 'none'})")
+            text = obj[key]
+            if not isinstance(text, str):
+                raise DataError(f"{path}:{no}: {key!r} must be a string, got {type(text).__name__}")
+            yield no, text
+
+
+def read_jsonl(path: str | Path, tokenizer: ByteTokenizer | None = None, key: str = "text",
+               max_len: int | None = None, append_eod: bool = True) -> InMemoryDocuments:
+    """Tokenize every document of a JSONL file (one ``{key: text}`` object per line; blank lines
+    are skipped, and so are empty texts, counted in ``stats``)."""
+    _check_max_len(max_len)
+    tok = tokenizer or ByteTokenizer()
+    out: list[np.ndarray] = []
+    stats = SplitStats()
+    for _, text in iter_jsonl_texts(path, key):
+        if not text:
+            stats.empty_skipped += 1
+            continue
+        _add(out, tok.encode(text, append_eod=append_eod), max_len, stats)
+    stats.log(str(path), max_len)
+    return InMemoryDocuments(out, stats)
+
+
+# ---- plain text -----------------------------------------------------------------------------
+def _read_utf8(path: Path) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def read_text_files(paths: Iterable[str | Path], tokenizer: ByteTokenizer | None = None,
+                    max_len: int | None = None, append_eod: bool = True,
+                    separator: str | None = None) -> InMemoryDocuments:
+    """One document per file, in the order given (or, with ``separator`` such as ``"\\n\\n"``,
+    one per separated part). Empty documents are skipped and counted in ``stats``."""
+    _check_max_len(max_len)
+    tok = tokenizer or ByteTokenizer()
+    out: list[np.ndarray] = []
+    stats = SplitStats()
+    paths = [Path(p) for p in paths]
+    for p in paths:
+        text = _read_utf8(p)
+        for part in (text.split(separator) if separator else [text]):
+            if not part:
+                stats.empty_skipped += 1
+                continue
+            _add(out, tok.encode(part, append_eod=append_eod), max_len, stats)
+    stats.log(f"{len(paths)} text file(s)", max_len)
+    return InMemoryDocuments(out, stats)
+
+
+# ---- Megatron indexed dataset ---------------------------------------------------------------
+def _megatron_indexed():
+    """megatron.core.datasets.indexed_dataset, imported on first use (it pulls in megatron-core
+    and torch; its warnings about missing Transformer Engine / Apex are expected on CPU)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+        warnings.simplefilter("ignore", DeprecationWarning)  # megatron-core's and torch's import-time notices
+        from megatron.core.datasets import indexed_dataset
+    return indexed_dataset
+
+
+_IDX_MAGIC = b"MMIDIDX\x00\x00"  # first bytes of a Megatron .idx file
+
+
+def indexed_dataset_exists(prefix: str | Path) -> bool:
+    prefix = str(prefix)
+    return os.path.exists(prefix + ".idx") and os.path.exists(prefix + ".bin")
+
+
+def write_indexed_dataset(prefix: str | Path, docs: Iterable[np.ndarray], dtype=np.uint16) -> str:
+    """Write documents (one index sequence each) as ``prefix.bin`` + ``prefix.idx`` with
+    megatron-core's IndexedDatasetBuilder. The files appear atomically (written under a temporary
+    name, then renamed), so concurrent writers of the same content are safe. Returns the prefix."""
+    idx_mod = _megatron_indexed()
+    prefix = str(prefix)
+    directory = os.path.dirname(os.path.abspath(prefix))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(prefix) + ".", suffix=".tmp", dir=directory)
+    os.close(fd)
+    os.unlink(tmp)
+    info = np.iinfo(dtype)
+    try:
+        builder = idx_mod.IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
+        for k, d in enumerate(docs):
+            arr = np.asarray(d)
+            if arr.ndim != 1:
+                raise DataError(f"document {k} is not a 1-D token array (shape {arr.shape})")
+            if arr.size and (arr.min() < info.min or arr.max() > info.max):
+                raise DataError(f"document {k}: token ids outside the range of {np.dtype(dtype).name}")
+            builder.add_document(arr.astype(dtype, copy=False), [int(arr.size)])
+        builder.finalize(tmp + ".idx")
+        os.replace(tmp + ".bin", prefix + ".bin")
+        os.replace(tmp + ".idx", prefix + ".idx")
+    finally:
+        for ext in (".bin", ".idx"):
+            if os.path.exists(tmp + ext):
+                os.unlink(tmp + ext)
+    return prefix
+
+
+class IndexedDocuments:
+    """A Megatron indexed dataset (``prefix.bin`` / ``prefix.idx``), one entry per document.
+
+    Reads through megatron-core's ``IndexedDataset`` (memory-mapped). Picklable: it reopens the
+    files from the prefix."""
+
+    def __init__(self, prefix: str | Path):
+        self.prefix = str(prefix)
+        if not indexed_dataset_exists(self.prefix):
+            raise DataError(f"no indexed dataset at {self.prefix} (expected {self.prefix}.bin and {self.prefix}.idx)")
+        self._open()
+
+    def _open(self) -> None:
+        idx_mod = _megatron_indexed()
+        with open(self.prefix + ".idx", "rb") as f:
+            if f.read(len(_IDX_MAGIC)) != _IDX_MAGIC:
+                raise DataError(f"{self.prefix}.idx: not a readable Megatron indexed dataset (bad header)")
+        try:
+            self._ds = idx_mod.IndexedDataset(self.prefix)
+        except (AssertionError, ValueError, OSError) as e:
+            raise DataError(f"{self.prefix}: not a readable Megatron indexed dataset ({e})") from None
+        seq_lengths = np.asarray(self._ds.sequence_lengths, dtype=np.int64)
+        doc_idx = np.asarray(self._ds.document_indices, dtype=np.int64)
+        cum = np.concatenate([[0], np.cumsum(seq_lengths)])
+        self._first_seq = doc_idx[:-1]
+        self._lengths = cum[doc_idx[1:]] - cum[doc_idx[:-1]]
+
+    def __getstate__(self) -> dict:
+        return {"prefix": self.prefix}
+
+    def __setstate__(self, state: dict) -> None:
+        self.prefix = state["prefix"]
+        self._open()
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self._ds.index.dtype)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self._lengths
+
+    @property
+    def num_sequences(self) -> int:
+        """Index sequences (more than documents if the data was sentence-split)."""
+        return len(self._ds)
+
+    def __len__(self) -> int:
+        return int(self._lengths.size)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.get(i)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self.get(i) for i in range(len(self)))
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens [offset, offset + length) of document i (a read-only view of the mapped file)."""
+        n = len(self)
+        length = _check_range(n, int(self._lengths[i]) if 0 <= i < n else 0, i, offset, length)
+        if length == 0:
+            return np.empty(0, dtype=self.dtype)
+        # A document's sequences are contiguous in the .bin file: read across them from the first.
+        return self._ds.get(int(self._first_seq[i]), offset=offset, length=length)
+
+
+def open_documents(path: str | Path, tokenizer: ByteTokenizer | None = None, key: str = "text",
+                   max_len: int | None = None) -> Documents:
+    """A dataset by path: an indexed-dataset prefix (``X`` with ``X.bin``/``X.idx``, or either file),
+    a ``.jsonl`` file, or a text file / directory of ``.txt`` files."""
+    path = str(path)
+    for ext in (".bin", ".idx"):
+        if path.endswith(ext) and indexed_dataset_exists(path[:-len(ext)]):
+            path = path[:-len(ext)]
+    if indexed_dataset_exists(path):
+        return IndexedDocuments(path)
+    p = Path(path)
+    if p.suffix in (".jsonl", ".ndjson"):
+        return read_jsonl(p, tokenizer, key=key, max_len=max_len)
+    if p.is_dir():
+        files = sorted(p.rglob("*.txt"))
+        if not files:
+            raise DataError(f"directory {p} holds no .txt files")
+        return read_text_files(files, tokenizer, max_len=max_len)
+    if p.is_file():
+        return read_text_files([p], tokenizer, max_len=max_len)
+    raise DataError(f"no dataset at {path}: expected an indexed-dataset prefix, a .jsonl file, a text file "
+                    f"or a directory of .txt files")
+
+
+def document_stats(lengths) -> dict:
+    """Count, total, median, p90, p99 and max of document lengths (tokens)."""
+    arr = np.asarray(lengths, dtype=np.int64)
+    if arr.size == 0:
+        return {"documents": 0, "tokens": 0}
+    return {"documents": int(arr.size), "tokens": int(arr.sum()),
+            "median": float(np.median(arr)), "p90": float(np.percentile(arr, 90)),
+            "p99": float(np.percentile(arr, 99)), "max": int(arr.max()),
+            "attention_share_over_4k": float((arr[arr > 4096].astype(np.float64) ** 2).sum()
+                                             / (arr.astype(np.float64) ** 2).sum())}

@@ -1,0 +1,445 @@
+"""The planning data loader: global batches of whole documents, each planned one step ahead.
+
+Per step it yields a ``Step``: the global batch (token arrays indexed by seq id, no padding), its
+``StepPlan`` and a digest of the plan's decisions and the batch's identity.
+
+Batches. Documents longer than ``max_seq_len`` (default: the longest sequence the cost model can
+place) are cut into consecutive ``max_seq_len`` pieces; the pieces are the samples. Each epoch is a
+permutation of the samples drawn from ``(seed, epoch)``; step k takes ``global_batch_size``
+consecutive samples of its epoch (an epoch's remainder is not used). The batches depend on the
+data, the seed, the batch size and ``max_seq_len`` only -- never on the planner -- so every planner
+sees the same batches.
+
+Planning. A background process (``multiprocessing`` spawn context, ``plan_worker.py``; it imports
+no torch) plans step k+1 while step k trains. When step k+1 is asked for, the loader waits at most
+``deadline_s`` for its plan; if the plan is not there (slow solver, planner error, dead worker) it
+computes a quick valid heuristic plan in the calling process (``fallback``, BatchAda by default:
+milliseconds) and logs a warning. A step never waits on a solver beyond the deadline. The late
+plan is discarded when it arrives, and a plan the worker has not started yet is skipped.
+
+Several ranks. ``sync="broadcast"``: only ``src_rank`` plans; every step its plan (JSON) is
+broadcast to the group, then every rank checks the digest. ``sync="check"``: every rank plans
+for itself and the digests are compared; this needs a planner whose answer does not depend on
+timing -- ``background=False`` (fallbacks depend on timing) and a solver that does not stop at its
+time limit (a time-limited MILP may stop at different incumbents on different ranks). A mismatch raises ``PlanMismatchError`` naming the ranks that differ.
+torch.distributed is imported only by those functions, when called.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import multiprocessing as mp
+import queue
+import time
+import weakref
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from megatron_ext.cost import CostModel
+from megatron_ext.data.datasets import DataError, Documents
+from megatron_ext.data.sharding import (IGNORE_INDEX, RankShard, ShardTokens, group_shards, num_loss_tokens,
+                                        padded_buffer_length, rank_part, shard_bounds, shard_tokens)
+from megatron_ext.errors import InvalidPlanError, MegatronExtError
+from megatron_ext.plan.schema import StepPlan
+from megatron_ext.planner import PLANNERS, PlannerOptions, make_plan
+
+__all__ = ["PlanningDataLoader", "Step", "PlanMismatchError", "plan_digest", "check_plan_agreement",
+           "broadcast_plan", "make_samples", "fallback_plan", "rank_part", "group_shards", "RankShard",
+           "shard_tokens", "ShardTokens", "padded_buffer_length", "shard_bounds", "num_loss_tokens",
+           "IGNORE_INDEX"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.05  # how often a waiting step checks that the worker is alive
+
+
+class PlanMismatchError(InvalidPlanError):
+    """Ranks of one job hold different plans (or batches) for the same step."""
+
+
+# ---- digests and agreement ------------------------------------------------------------------
+_TIMING_KEYS = ("solve_time_s", "estimated_step_time_s", "lower_bound_step_time_s", "estimated_time_s",
+                "solver_status", "baselines", "planner")
+
+
+def _decisions(obj):
+    """The plan as data without timings and provenance (what must agree between ranks)."""
+    if isinstance(obj, dict):
+        return {k: _decisions(v) for k, v in obj.items() if k not in _TIMING_KEYS}
+    if isinstance(obj, list):
+        return [_decisions(v) for v in obj]
+    return obj
+
+
+def plan_digest(plan: StepPlan, samples: np.ndarray | None = None) -> str:
+    """sha256 (hex) of the plan's decisions -- micro-batches (group ranks and seq_ids), pipelines,
+    dropped ids, kind and GPU count; not timings or which planner made it -- and, if given, of the
+    batch's samples ((doc, start, end) per seq id)."""
+    payload = {"plan": _decisions(plan.to_dict())}
+    if samples is not None:
+        payload["samples"] = np.asarray(samples, dtype=np.int64).tolist()
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _describe_mismatch(digests: list[str], ranks: list[int]) -> str | None:
+    """None if all digests agree, else which ranks hold which digest (relative to the first)."""
+    if all(d == digests[0] for d in digests):
+        return None
+    by_digest: dict[str, list[int]] = {}
+    for r, d in zip(ranks, digests):
+        by_digest.setdefault(d, []).append(r)
+    differ = [r for r, d in zip(ranks, digests) if d != digests[0]]
+    parts = "; ".join(f"rank(s) {rs} have {d[:12]}" for d, rs in by_digest.items())
+    return f"the step plan differs from rank {ranks[0]}'s on rank(s) {differ} ({parts})"
+
+
+def check_plan_agreement(digest: str, group=None) -> None:
+    """Gather every rank's digest over ``group`` (default: the world) and raise PlanMismatchError,
+    on every rank alike, naming the ranks whose digest differs from the group's first rank.
+    A no-op when torch.distributed is not initialized (a single process agrees with itself)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    size = dist.get_world_size(group)
+    gathered: list = [None] * size
+    dist.all_gather_object(gathered, digest, group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    msg = _describe_mismatch(gathered, list(ranks))
+    if msg:
+        raise PlanMismatchError(msg)
+
+
+def broadcast_plan(plan: StepPlan | None, src: int = 0, group=None, source: str = "") -> tuple[StepPlan, str]:
+    """Send ``plan`` (given on rank ``src``, a global rank; ignored elsewhere) to every rank of
+    ``group`` as JSON; returns (plan, source) on every rank."""
+    import torch.distributed as dist
+    obj = [(plan.to_json(), source) if dist.get_rank() == src else None]
+    dist.broadcast_object_list(obj, src=src, group=group)
+    text, source = obj[0]
+    return StepPlan.from_json(text), source
+
+
+# ---- samples --------------------------------------------------------------------------------
+def make_samples(doc_lengths, max_seq_len: int) -> np.ndarray:
+    """Samples of the documents, shape [n, 3]: (doc, start, end). A document longer than
+    ``max_seq_len`` becomes consecutive pieces of ``max_seq_len`` tokens (the last shorter);
+    empty documents are left out."""
+    if max_seq_len < 1:
+        raise DataError(f"max_seq_len must be at least 1, got {max_seq_len}")
+    lengths = np.asarray(doc_lengths, dtype=np.int64)
+    pieces = -(-lengths // max_seq_len)  # 0 for empty documents
+    doc = np.repeat(np.arange(lengths.size, dtype=np.int64), pieces)
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+    start = (np.arange(doc.size, dtype=np.int64) - first) * max_seq_len
+    end = np.minimum(start + max_seq_len, lengths[doc])
+    return np.stack([doc, start, end], axis=1)
+
+
+def fallback_plan(lengths, cost: CostModel, options: PlannerOptions, fallback: str = "batchada",
+                  reason: str = "") -> StepPlan:
+    """A quick valid plan: ``fallback`` (then static Ulysses if that fails), marked as a fallback
+    in ``solver_status``."""
+    names = [fallback] + [n for n in ("batchada", "static_ulysses") if n != fallback]
+    last: Exception | None = None
+    for name in names:
+        try:
+            plan = make_plan(name, lengths, cost, options)
+        except MegatronExtError as e:
+            last = e
+            continue
+        plan.solver_status = f"fallback ({reason}): {plan.solver_status}" if reason else f"fallback: {plan.solver_status}"
+        return plan
+    raise last  # type: ignore[misc]
+
+
+# ---- steps ----------------------------------------------------------------------------------
+@dataclass
+class Step:
+    """One training step's data and plan."""
+
+    step: int
+    plan: StepPlan
+    batch: list[np.ndarray]  # int64 tokens of each sequence, indexed by seq id
+    lengths: np.ndarray  # tokens per sequence (what the plan was made for)
+    samples: np.ndarray  # [n, 3]: (doc, start, end) of each sequence in the dataset
+    digest: str  # plan_digest(plan, samples)
+    plan_source: str  # "planner", "inline", "fallback" (prefixed "broadcast:" on receiving ranks)
+    plan_wait_s: float  # how long the step waited for its plan
+
+    def part(self, rank: int) -> list[RankShard | None]:
+        """This rank's shard of each micro-batch (see ``sharding.rank_part``)."""
+        return rank_part(self.plan, rank, self.lengths)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return num_loss_tokens(self.lengths, self.plan.dropped_seq_ids)
+
+
+def _stop_worker(proc, tasks) -> None:
+    try:
+        tasks.put(None)
+    except (OSError, ValueError):
+        pass
+    proc.join(timeout=2.0)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(timeout=2.0)
+
+
+class PlanningDataLoader:
+    """Global batches of variable-length documents with a plan per step (see the module doc).
+
+    ``documents``: any ``Documents`` (indexed dataset, JSONL, text). ``cost``: the cost model the
+    planner uses. ``global_batch_size``: sequences per step. ``planner``: a name in
+    ``megatron_ext.planner.PLANNERS``. ``num_steps``: stop after that many (None: endless), starting
+    at ``start_step`` (resume). ``background=False`` plans inline in the caller with no deadline.
+    ``deadline_s``: the longest a step waits for its background plan (default: the planner's
+    time limit + 1 s). ``startup_timeout_s``: the first step's extra wait for the worker to start.
+    ``worker_imports``: modules the worker imports first (extra planners register themselves on
+    import). ``plan_delay_s``: the worker sleeps this long before each plan -- a slow solver, for
+    tests and demos of the fallback. ``sync``, ``group``, ``src_rank``: several ranks, see above.
+    """
+
+    def __init__(self, documents: Documents, cost: CostModel, global_batch_size: int, *,
+                 planner: str = "flexsp", options: PlannerOptions | None = None, seed: int = 0,
+                 max_seq_len: int | None = None, num_steps: int | None = None, start_step: int = 0,
+                 shuffle: bool = True, background: bool = True, deadline_s: float | None = None,
+                 fallback: str = "batchada", baselines: tuple[str, ...] = (),
+                 startup_timeout_s: float = 60.0, worker_imports: tuple[str, ...] = (),
+                 plan_delay_s: float = 0.0, sync: str | None = None, group=None, src_rank: int = 0):
+        if planner not in PLANNERS and not worker_imports:
+            raise DataError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
+        if fallback not in PLANNERS:
+            raise DataError(f"unknown fallback planner {fallback!r}; choose one of {', '.join(PLANNERS)}")
+        if sync not in (None, "check", "broadcast"):
+            raise DataError(f"sync must be None, 'check' or 'broadcast', got {sync!r}")
+        if global_batch_size < 1:
+            raise DataError(f"global_batch_size must be at least 1, got {global_batch_size}")
+        if num_steps is not None and num_steps < 0 or start_step < 0:
+            raise DataError("num_steps and start_step must be non-negative")
+        self.documents = documents
+        self.cost = cost
+        self.global_batch_size = int(global_batch_size)
+        self.planner = planner
+        self.options = options or PlannerOptions()
+        self.seed = int(seed)
+        limit = cost.max_seq_len if self.options.max_seq_len is None else min(self.options.max_seq_len,
+                                                                              cost.max_seq_len)
+        self.max_seq_len = int(limit if max_seq_len is None else max_seq_len)
+        self.num_steps = num_steps
+        self.start_step = int(start_step)
+        self.shuffle = shuffle
+        self.background = background
+        self.deadline_s = self.options.time_limit + 1.0 if deadline_s is None else float(deadline_s)
+        self.fallback = fallback
+        self.baselines = tuple(baselines)
+        self.startup_timeout_s = float(startup_timeout_s)
+        self.worker_imports = tuple(worker_imports)
+        self.plan_delay_s = float(plan_delay_s)
+        self.sync, self.group, self.src_rank = sync, group, src_rank
+
+        self.samples = make_samples(documents.lengths, self.max_seq_len)
+        split = int(np.count_nonzero(np.asarray(documents.lengths) > self.max_seq_len))
+        if split:
+            logger.info("%d document(s) longer than %d tokens are split into pieces of at most %d tokens "
+                        "(%d samples from %d documents)", split, self.max_seq_len, self.max_seq_len,
+                        len(self.samples), len(documents))
+        if len(self.samples) < self.global_batch_size:
+            raise DataError(f"the dataset has {len(self.samples)} samples, fewer than one global batch of "
+                            f"{self.global_batch_size}")
+        self.steps_per_epoch = len(self.samples) // self.global_batch_size
+        self._perm_epoch: int | None = None
+        self._perm: np.ndarray | None = None
+
+        self._proc = None
+        self._ready = False
+        self._dead = False
+        self._ticket = 0
+        self._early: dict[int, tuple] = {}
+        # How steps got their plans: "planner", "inline", "fallback", plus worker results that came
+        # too late ("late_discarded") and tasks the worker skipped as stale ("skipped").
+        self.stats: Counter[str] = Counter()
+
+    # ---- batches ----------------------------------------------------------------------------
+    def batch_sample_ids(self, step: int) -> np.ndarray:
+        """Sample ids of step ``step``'s global batch (its seq ids index this array)."""
+        epoch, k = divmod(int(step), self.steps_per_epoch)
+        if epoch != self._perm_epoch:
+            n = len(self.samples)
+            self._perm = (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle
+                          else np.arange(n))
+            self._perm_epoch = epoch
+        b = self.global_batch_size
+        return self._perm[k * b:(k + 1) * b]
+
+    def batch_samples(self, step: int) -> np.ndarray:
+        return self.samples[self.batch_sample_ids(step)]
+
+    def batch_lengths(self, step: int) -> np.ndarray:
+        s = self.batch_samples(step)
+        return s[:, 2] - s[:, 1]
+
+    def read_batch(self, samples: np.ndarray) -> list[np.ndarray]:
+        return [np.array(self.documents.get(int(d), int(a), int(e - a)), dtype=np.int64) for d, a, e in samples]
+
+    # ---- the planner process ----------------------------------------------------------------
+    @property
+    def _plans_here(self) -> bool:
+        if self.sync is None:
+            return True
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            raise DataError(f"sync={self.sync!r} needs torch.distributed to be initialized first")
+        return self.sync == "check" or dist.get_rank() == self.src_rank
+
+    def _start_worker(self) -> None:
+        from megatron_ext.data.plan_worker import worker_main
+        ctx = mp.get_context("spawn")
+        self._tasks, self._results = ctx.Queue(), ctx.Queue()
+        self._floor = ctx.Value("q", 0)
+        self._proc = ctx.Process(target=worker_main, name="megatron-ext-planner", daemon=True,
+                                 args=(self.planner, self.cost, self.options, self.baselines, self._tasks,
+                                       self._results, self._floor, self.worker_imports, self.plan_delay_s))
+        self._proc.start()
+        self._finalizer = weakref.finalize(self, _stop_worker, self._proc, self._tasks)
+
+    def close(self) -> None:
+        """Stop the planner process (also done at garbage collection and interpreter exit) and
+        log how the steps got their plans."""
+        if self._proc is not None:
+            self._finalizer()
+            while True:  # account for what the worker sent before it stopped
+                try:
+                    kind, ticket, _ = self._results.get(timeout=0.1)
+                except (queue.Empty, OSError, ValueError, EOFError):
+                    break
+                self._note(kind, ticket, None)
+            self._proc = None
+            self._ready = False
+            if self.stats["fallback"]:
+                logger.info("planning data loader: %d step(s) used the %s plan, %d the %s fallback plan; %d late "
+                            "plan(s) discarded, %d stale plan(s) skipped", self.stats["planner"], self.planner,
+                            self.stats["fallback"], self.fallback, self.stats["late_discarded"],
+                            self.stats["skipped"])
+
+    def _note(self, kind: str, ticket: int, want: int | None) -> None:
+        if kind == "skipped":
+            self.stats["skipped"] += 1
+        elif kind in ("ok", "error") and (want is None or ticket < want):
+            self.stats["late_discarded"] += 1
+
+    def __enter__(self) -> "PlanningDataLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _submit(self, lengths: np.ndarray) -> int | None:
+        if self._dead:
+            return None
+        if self._proc is None:
+            self._start_worker()
+        t = self._ticket
+        self._ticket += 1
+        self._tasks.put((t, lengths))
+        return t
+
+    def _receive(self, until: float, want: int | None) -> tuple | None:
+        """Handle worker messages until the result for ticket ``want`` (or, with None, the ready
+        message) arrives or time ``until`` passes."""
+        while True:
+            if want is not None and want in self._early:
+                return self._early.pop(want)
+            left = until - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                kind, ticket, payload = self._results.get(timeout=min(left, _POLL_S))
+            except queue.Empty:
+                if not self._proc.is_alive():
+                    self._dead = True
+                    logger.warning("the planner process exited (code %s); every further step uses the %s "
+                                   "fallback plan", self._proc.exitcode, self.fallback)
+                    return None
+                continue
+            if kind == "ready":
+                self._ready = True
+                if want is None:
+                    return ("ready",)
+            elif kind == "dead":
+                self._dead = True
+                logger.warning("the planner process failed to start (%s); every further step uses the %s "
+                               "fallback plan", payload, self.fallback)
+                return None
+            elif want is not None and ticket == want:
+                return kind, payload
+            elif want is not None and ticket > want:
+                self._early[ticket] = (kind, payload)
+            else:
+                self._note(kind, ticket, want)
+
+    def _background_plan(self, step: int, ticket: int | None, lengths: np.ndarray) -> tuple[StepPlan, str]:
+        reason = None
+        if ticket is None:
+            reason = "no planner process"
+        else:
+            self._floor.value = ticket
+            if not self._ready:
+                self._receive(time.monotonic() + self.startup_timeout_s, None)
+                if not self._ready and not self._dead:
+                    reason = f"the planner process did not start within {self.startup_timeout_s:.1f}s"
+            if reason is None and not self._dead:
+                got = self._receive(time.monotonic() + self.deadline_s, ticket)
+                if got is not None and got[0] == "ok":
+                    return got[1], "planner"
+                if got is not None:
+                    reason = f"the {self.planner} planner failed: {got[1]}"
+                elif not self._dead:
+                    reason = f"the {self.planner} plan was not ready within the {self.deadline_s:.2f}s deadline"
+            if reason is None:
+                reason = "the planner process is gone"
+            self._floor.value = ticket + 1  # the worker skips this step's plan if it has not begun it
+        start = time.perf_counter()
+        short = ("late" if "deadline" in reason else "planner error" if "failed:" in reason
+                 else "planner unavailable")
+        plan = fallback_plan(lengths, self.cost, self.options, self.fallback, reason=short)
+        logger.warning("step %d: %s; using the %s fallback plan (%.1f ms)", step, reason, plan.planner,
+                       1e3 * (time.perf_counter() - start))
+        return plan, "fallback"
+
+    # ---- iteration --------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Step]:
+        end = None if self.num_steps is None else self.start_step + self.num_steps
+        step = self.start_step
+        if end is not None and step >= end:
+            return
+        plans_here = self._plans_here
+        ticket = self._submit(self.batch_lengths(step)) if self.background and plans_here else None
+        while end is None or step < end:
+            samples = self.batch_samples(step)
+            lengths = samples[:, 2] - samples[:, 1]
+            t0 = time.perf_counter()
+            plan, source = None, ""
+            if plans_here:
+                if self.background:
+                    plan, source = self._background_plan(step, ticket, lengths)
+                else:
+                    plan, source = make_plan(self.planner, lengths, self.cost, self.options, self.baselines), "inline"
+            if self.background and plans_here and (end is None or step + 1 < end):
+                ticket = self._submit(self.batch_lengths(step + 1))  # one step ahead
+            if self.sync == "broadcast":
+                plan, source = broadcast_plan(plan, self.src_rank, self.group, source)
+                if not plans_here:
+                    source = "broadcast:" + source
+            wait = time.perf_counter() - t0
+            self.stats[source.split(":")[-1]] += 1
+            digest = plan_digest(plan, samples)
+            if self.sync is not None:
+                check_plan_agreement(digest, self.group)
+            yield Step(step, plan, self.read_batch(samples), lengths, samples, digest, source, wait)
+            step += 1

@@ -1,0 +1,43 @@
+"""The planner process of the planning data loader (started with the ``spawn`` context).
+
+Kept apart from ``loader.py`` so the child imports only numpy, highspy and the planner modules:
+no torch, no torch.distributed, no megatron-core. It receives ``(step, lengths)`` tasks, answers
+``("ok", step, StepPlan)`` or ``("error", step, message)``, and skips a task whose step the
+trainer has already passed (it ran that step on a fallback plan).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import time
+
+
+def worker_main(planner: str, cost, options, baselines: tuple[str, ...], tasks, results, floor,
+                imports: tuple[str, ...] = (), delay_s: float = 0.0) -> None:
+    """Loop until a ``None`` task. ``floor`` is a shared integer: tasks for steps below it are
+    stale. ``imports`` are modules to import first (e.g. ones that register extra planners);
+    ``delay_s`` makes every plan that much later (tests and demos of the fallback path)."""
+    try:
+        for name in imports:
+            importlib.import_module(name)
+        from megatron_ext.planner import make_plan
+    except BaseException as e:  # report, then die: the loader falls back for every step
+        results.put(("dead", -1, f"{type(e).__name__}: {e}"))
+        raise
+    results.put(("ready", -1, os.getpid()))
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        step, lengths = task
+        if step < floor.value:
+            results.put(("skipped", step, None))
+            continue
+        if delay_s:
+            time.sleep(delay_s)
+        try:
+            plan = make_plan(planner, lengths, cost, options, baselines)
+        except Exception as e:  # noqa: BLE001 -- every planner error goes back to the trainer
+            results.put(("error", step, f"{type(e).__name__}: {e}"))
+        else:
+            results.put(("ok", step, plan))

@@ -1,0 +1,158 @@
+"""Which tokens of a step each rank holds: one rule, shared by the data loader and the runtime.
+
+In a FlexSP micro-batch, an SP group of degree d packs its sequences into one token buffer: the
+tokens of its ``seq_ids`` concatenated in that order (``cu_seqlens`` marks the boundaries). The
+buffer is padded at its end to a multiple of d (``padded_buffer_length``), and the rank at
+position p of the group (``ranks.index(rank)``) holds the contiguous shard
+``[p * B/d, (p + 1) * B/d)`` of the padded buffer of length B. Ulysses attention all-to-alls
+those shards into whole sequences over heads/d, so every rank of the group must cut the buffer the
+same way: use these functions, never a private copy of the rule.
+
+Pure numpy: no torch, importable by the planner side and the runtime alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from megatron_ext.errors import InvalidPlanError
+from megatron_ext.plan.schema import StepPlan
+
+IGNORE_INDEX = -100  # label of tokens that predict nothing (each sequence's last token, padding)
+
+
+def padded_buffer_length(num_tokens: int, degree: int) -> int:
+    """THE padding rule: a group's packed buffer of ``num_tokens`` real tokens is padded at its
+    end to the next multiple of the group's degree (no padding if it already divides)."""
+    if degree < 1:
+        raise ValueError(f"degree must be at least 1, got {degree}")
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be non-negative, got {num_tokens}")
+    return -(-num_tokens // degree) * degree
+
+
+def shard_bounds(num_tokens: int, degree: int, position: int) -> tuple[int, int]:
+    """[start, end) of the padded buffer held by the rank at ``position`` of a degree-d group."""
+    if not 0 <= position < degree:
+        raise ValueError(f"position {position} is not in a group of degree {degree}")
+    size = padded_buffer_length(num_tokens, degree) // degree
+    return position * size, (position + 1) * size
+
+
+@dataclass(frozen=True)
+class RankShard:
+    """One rank's share of one micro-batch: its SP group and its slice of the packed buffer."""
+
+    micro_batch: int
+    ranks: tuple[int, ...]  # the SP group
+    position: int  # this rank's index in ``ranks``
+    seq_ids: tuple[int, ...]  # the group's sequences, in buffer order
+    seq_lengths: tuple[int, ...]
+    num_tokens: int  # real tokens in the group's buffer
+    pad: int  # pad tokens appended to the buffer (padded length - num_tokens)
+    start: int  # this rank's shard of the padded buffer: [start, end)
+    end: int
+
+    @property
+    def degree(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def cu_seqlens(self) -> np.ndarray:
+        """Sequence boundaries in the (unpadded) packed buffer: [0, l0, l0+l1, ..., num_tokens]."""
+        return np.concatenate([[0], np.cumsum(self.seq_lengths, dtype=np.int64)])
+
+    @property
+    def real_tokens(self) -> int:
+        """Tokens of the shard that are not padding."""
+        return max(0, min(self.end, self.num_tokens) - self.start)
+
+
+def group_shards(plan: StepPlan, lengths) -> list[list[list[RankShard]]]:
+    """Every shard of a FlexSP plan: ``[micro_batch][group][position]``."""
+    if plan.kind != "flexsp":
+        raise InvalidPlanError(f"rank parts are defined for FlexSP plans, not {plan.kind!r} plans")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    out = []
+    for m, mb in enumerate(plan.micro_batches):
+        groups = []
+        for g in mb.groups:
+            ids = tuple(int(i) for i in g.seq_ids)
+            if any(not 0 <= i < lengths.size for i in ids):
+                raise InvalidPlanError(f"micro-batch {m}: a sequence id is out of range for {lengths.size} sequences")
+            seq_lengths = tuple(int(lengths[i]) for i in ids)
+            total = sum(seq_lengths)
+            d = len(g.ranks)
+            padded = padded_buffer_length(total, d)
+            groups.append([RankShard(m, tuple(int(r) for r in g.ranks), p, ids, seq_lengths, total, padded - total,
+                                     *shard_bounds(total, d, p)) for p in range(d)])
+        out.append(groups)
+    return out
+
+
+def rank_part(plan: StepPlan, rank: int, lengths) -> list[RankShard | None]:
+    """``rank``'s shard in each micro-batch of a FlexSP plan (None where the rank is in no group).
+    ``lengths`` are the batch's sequence lengths, indexed by seq id."""
+    if not 0 <= rank < plan.num_gpus:
+        raise InvalidPlanError(f"rank {rank} is not in a plan for {plan.num_gpus} GPUs")
+    part: list[RankShard | None] = []
+    for groups in group_shards(plan, lengths):
+        mine = [shards[shards[0].ranks.index(rank)] for shards in groups if rank in shards[0].ranks]
+        if len(mine) > 1:
+            raise InvalidPlanError(f"micro-batch {groups[0][0].micro_batch}: rank {rank} is in {len(mine)} groups")
+        part.append(mine[0] if mine else None)
+    return part
+
+
+@dataclass
+class ShardTokens:
+    """The tokens of one shard with what the model needs next to them (all int64, same length)."""
+
+    tokens: np.ndarray  # token ids; ``pad_id`` in the padding
+    positions: np.ndarray  # each token's position in its own sequence (RoPE); 0 in the padding
+    seq_index: np.ndarray  # the batch seq id each token belongs to; -1 in the padding
+    labels: np.ndarray  # next token of the same sequence; IGNORE_INDEX at each sequence's end and in padding
+
+    @property
+    def loss_mask(self) -> np.ndarray:
+        return self.labels != IGNORE_INDEX
+
+
+def shard_tokens(shard: RankShard, batch: Sequence[np.ndarray], pad_id: int) -> ShardTokens:
+    """Cut the shard's tokens out of the global batch (token arrays indexed by seq id).
+
+    Labels follow the per-sequence next-token rule: token t of a sequence predicts token t+1 of
+    the same sequence, so a sequence of L tokens has L - 1 labelled tokens (``num_loss_tokens``);
+    a shard boundary inside a sequence does not cut a label."""
+    n = shard.end - shard.start
+    tokens = np.full(n, pad_id, dtype=np.int64)
+    positions = np.zeros(n, dtype=np.int64)
+    seq_index = np.full(n, -1, dtype=np.int64)
+    labels = np.full(n, IGNORE_INDEX, dtype=np.int64)
+    cu = shard.cu_seqlens
+    for j, sid in enumerate(shard.seq_ids):
+        lo, hi = max(shard.start, int(cu[j])), min(shard.end, int(cu[j + 1]))
+        if lo >= hi:
+            continue
+        seq = np.asarray(batch[sid])
+        if seq.size != shard.seq_lengths[j]:
+            raise InvalidPlanError(f"sequence {sid} has {seq.size} tokens, the plan's lengths say {shard.seq_lengths[j]}")
+        a, b = lo - int(cu[j]), hi - int(cu[j])  # the part of this sequence, in sequence coordinates
+        out = slice(lo - shard.start, hi - shard.start)
+        tokens[out] = seq[a:b]
+        positions[out] = np.arange(a, b)
+        seq_index[out] = sid
+        nxt = seq[a + 1:b + 1]  # one shorter than the part when it reaches the sequence's end
+        labels[out][:nxt.size] = nxt
+    return ShardTokens(tokens, positions, seq_index, labels)
+
+
+def num_loss_tokens(lengths, dropped_seq_ids: Sequence[int] = ()) -> int:
+    """Labelled tokens of a global batch under ``shard_tokens``' rule: sum of (L - 1) over the
+    planned sequences -- the divisor of the per-token loss."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    keep = np.ones(lengths.size, dtype=bool)
+    keep[list(dropped_seq_ids)] = False
+    return int(np.maximum(lengths[keep] - 1, 0).sum())

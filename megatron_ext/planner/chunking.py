@@ -1,0 +1,168 @@
+"""Workload-balanced chunking (InfiniPipe Algorithm 1, PAPERS.md section 2).
+
+Given the sequences of one pipeline and a target chunk time ``T_t`` (stage milliseconds):
+
+1. The longest sequence is cut into ``K = ceil(T(s_max) / T_t)`` slices of equal *time*, where the
+   time of tokens [a, b) is ``T(b) - T(a)`` with ``T(x) = alpha x^2 + beta x`` (causal attention:
+   later slices attend to a longer prefix, so they hold fewer tokens). The cut points (the mesh)
+   are rounded to ``granularity`` tokens.
+2. Every sequence longer than the first cut point is cut on the same mesh: its full slices are
+   *split chunks* (each one slice of one sequence, time ``T(s_max) / K``) and its remainder, the
+   *tail* (time below one slice), seeds a bucket.
+3. The other (short) sequences, longest first, go best-fit into a bucket: among the buckets whose
+   time stays within the slice time and whose tokens stay within ``token_cap``, the fullest by
+   time (``fit="best"``) or, as in the paper, the one with the lowest time/tokens ratio
+   (``fit="ratio"``); if none has room a new bucket opens. A bucket seeded by a tail is a
+   *hybrid chunk*, one of short sequences only a *batched chunk*. Tails only seed buckets, so two
+   tails never share a chunk.
+
+When ``T_t`` is at least the longest sequence's time nothing is split and short sequences are
+packed up to ``T_t``. The planner (planner/pipeline.py) searches ``T_t`` (and so K).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_ext.cost.pipeline import PipelineCost
+
+Pieces = list[tuple[int, int, int]]  # (seq_id, start, end)
+
+
+@dataclass
+class Chunking:
+    """Chunks of one pipeline in forward order (longer sequences first), as piece lists."""
+
+    chunks: list[Pieces]
+    slices: int  # K: slices of the longest sequence
+    slice_ms: float  # time cap of a chunk (stage ms, without the fixed cost)
+    token_cap: float
+    mesh: np.ndarray  # cut points of the longest sequence, 0 < x_1 < ... < x_{K-1} < s_max
+
+    @property
+    def num_split_sequences(self) -> int:
+        return len({s for c in self.chunks for s, a, b in c if a > 0})
+
+
+def slice_mesh(s_max: int, slices: int, pc: PipelineCost, granularity: int = 1) -> np.ndarray:
+    """Interior cut points of ``slices`` equal-time slices of a sequence of ``s_max`` tokens."""
+    if slices <= 1 or s_max <= 1:
+        return np.zeros(0, dtype=np.int64)
+    total = float(pc.prefix_ms(s_max))
+    x = pc.prefix_tokens(total * np.arange(1, slices) / slices)
+    g = max(1, int(granularity))
+    x = np.round(x / g).astype(np.int64) * g
+    x = x[(x > 0) & (x < s_max)]
+    return np.unique(x)
+
+
+def balanced_chunks(seq_ids, lengths, pc: PipelineCost, target_ms: float, token_cap: float = math.inf,
+                    granularity: int = 1, fit: str = "best", min_tail: int = 0) -> Chunking:
+    """Algorithm 1 for one pipeline's sequences at chunk time target ``target_ms``."""
+    seq_ids = np.asarray(seq_ids, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if seq_ids.size == 0:
+        return Chunking([], 1, 0.0, token_cap, np.zeros(0, dtype=np.int64))
+    lens = lengths[seq_ids]
+    order = seq_ids[np.lexsort((seq_ids, -lens))]  # longest first, ties by id
+    s_max = int(lengths[order[0]])
+    t_max = float(pc.prefix_ms(s_max))
+    target_ms = max(float(target_ms), 1e-9)
+    slices = max(1, math.ceil(t_max / target_ms - 1e-9))
+    # the largest slice (the first) must respect the token cap too
+    while slices < s_max and pc.prefix_tokens(t_max / slices) > token_cap:
+        slices += 1
+    mesh = slice_mesh(s_max, slices, pc, granularity)
+    slices = len(mesh) + 1
+    cap_ms = t_max / slices if slices > 1 else max(target_ms, t_max)
+    first_cut = int(mesh[0]) if mesh.size else s_max + 1
+
+    split_chunks: list[list[Pieces]] = []  # per long sequence, its full slices
+    b_pieces: list[Pieces] = []
+    b_time: list[float] = []
+    b_tok: list[float] = []
+    b_tail: list[bool] = []
+    b_owner: list[int] = []  # index of the long sequence whose tail seeds the bucket, or -1
+    short: list[int] = []
+    for sid in order.tolist():
+        s = int(lengths[sid])
+        if s <= first_cut:
+            short.append(sid)
+            continue
+        cuts = [int(x) for x in mesh if x < s]
+        if min_tail and cuts and s - cuts[-1] < min_tail:
+            cuts.pop()  # a tiny tail joins the previous slice
+        bounds = [0] + cuts + [s]
+        full = [[(sid, bounds[j], bounds[j + 1])] for j in range(len(bounds) - 2)]
+        split_chunks.append(full)
+        a = bounds[-2]
+        b_pieces.append([(sid, a, s)])
+        b_time.append(float(pc.prefix_ms(s) - pc.prefix_ms(a)))
+        b_tok.append(float(s - a))
+        b_tail.append(a > 0)
+        b_owner.append(len(split_chunks) - 1)
+
+    if short:
+        sh = np.asarray(short, dtype=np.int64)
+        t_short = pc.prefix_ms(lengths[sh])
+        # short sequences longest first (their order is already by length)
+        bt = np.array(b_time + [0.0] * len(short))
+        bk = np.array(b_tok + [0.0] * len(short))
+        nb = len(b_time)
+        eps = 1e-9 * cap_ms
+        for sid, t in zip(short, t_short.tolist()):
+            s = float(lengths[sid])
+            ok = (bt[:nb] + t <= cap_ms + eps) & (bk[:nb] + s <= token_cap)
+            if ok.any():
+                cand = np.flatnonzero(ok)
+                if fit == "ratio":
+                    ratio = bt[cand] / np.maximum(bk[cand], 1.0)
+                    j = int(cand[np.argmin(ratio)])
+                else:  # tightest fit by time
+                    j = int(cand[np.argmax(bt[cand])])
+            else:
+                j = nb
+                nb += 1
+                b_pieces.append([])
+                b_tail.append(False)
+                b_owner.append(-1)
+            b_pieces[j].append((sid, 0, int(s)))
+            bt[j] += t
+            bk[j] += s
+        b_time = bt[:nb].tolist()
+
+    # forward order: each long sequence's slices then its tail bucket (longest first), then the
+    # batched chunks, slowest first
+    chunks: list[Pieces] = []
+    for i, full in enumerate(split_chunks):
+        chunks.extend(full)
+        chunks.append(b_pieces[i])
+    rest = list(range(len(split_chunks), len(b_pieces)))
+    rest.sort(key=lambda j: -b_time[j])
+    chunks.extend(b_pieces[j] for j in rest)
+    return Chunking(chunks, slices, cap_ms, token_cap, mesh)
+
+
+def check_chunking(chunks: list[Pieces], lengths, seq_ids=None) -> None:
+    """Assert the chunking invariants (for tests): every token of every sequence exactly once,
+    slices of a sequence in forward order, no two tails in one chunk."""
+    lengths = np.asarray(lengths)
+    spans: dict[int, list[tuple[int, int, int]]] = {}
+    for ci, c in enumerate(chunks):
+        tails = sum(1 for s, a, b in c if a > 0)
+        assert tails <= 1, f"chunk {ci} holds {tails} tails"
+        for s, a, b in c:
+            spans.setdefault(s, []).append((a, b, ci))
+    want = set(range(len(lengths))) if seq_ids is None else set(int(i) for i in seq_ids)
+    assert set(spans) == want, "sequences missing or extra"
+    for s, sp in spans.items():
+        sp.sort()
+        pos = 0
+        last_chunk = -1
+        for a, b, ci in sp:
+            assert a == pos and b > a, f"sequence {s}: gap or overlap at {pos}"
+            assert ci > last_chunk, f"sequence {s}: slices out of forward order"
+            pos, last_chunk = b, ci
+        assert pos == lengths[s], f"sequence {s}: ends at {pos} of {lengths[s]}"

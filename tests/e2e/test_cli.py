@@ -1,0 +1,275 @@
+"""`megatron-ext`: the plan and bench commands, in process (cheap) and once as installed scripts.
+
+Contract (cli.py): every command prints a table, or JSON with --json; bad input is one line on
+stderr starting 'megatron-ext: error:' and exit status 2, never a traceback.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.cli import main
+from megatron_ext.cost import CostModel
+from megatron_ext.plan import StepPlan, validate
+from megatron_ext.planner.api import BASELINES
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = ["--time-limit", "0.3"]
+C7B = CostModel.from_presets("gpt-7b", "a100-40g-8x8")
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.fixture
+def lengths_file(tmp_path) -> str:
+    return write(tmp_path, "lengths.txt", "# a small long-tailed batch\n120\n800\n\n3000  # a comment\n250\n"
+                                          "60000\n1500\n90\n12000\n")
+
+
+LENGTHS = [120, 800, 3000, 250, 60000, 1500, 90, 12000]
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, out, err, match: str | None = None):
+    assert code == 2
+    assert out == ""
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("megatron-ext: error: ")
+    if match:
+        assert match in lines[0], lines[0]
+
+
+# ---- plan ----------------------------------------------------------------------------------
+
+def test_plan_json(capsys, lengths_file):
+    code, out, err = run(capsys, "plan", "--lengths", lengths_file, "--json", *FAST)
+    assert code == 0, err
+    d = json.loads(out)
+    for key in ("micro_batches", "solve_time_s", "estimated_step_time_s", "lower_bound_step_time_s", "baselines",
+                "version", "kind", "num_gpus", "pipelines"):
+        assert key in d
+    assert d["kind"] == "flexsp" and d["num_gpus"] == 64 and d["pipelines"] == []
+    assert set(d["baselines"]) == set(BASELINES)
+    for b in d["baselines"].values():
+        assert b["estimated_step_time_s"] >= d["estimated_step_time_s"] * (1 - 1e-9)
+        assert b["speedup"] == pytest.approx(b["estimated_step_time_s"] / d["estimated_step_time_s"])
+    assert 0 < d["lower_bound_step_time_s"] <= d["estimated_step_time_s"]
+    plan = StepPlan.from_json(out)
+    validate(plan, LENGTHS, C7B)  # seq_ids index the file's lengths in order
+    assert sorted(i for mb in plan.micro_batches for g in mb.groups for i in g.seq_ids) == list(range(8))
+
+
+def test_plan_table_mentions_speedups(capsys, lengths_file):
+    code, out, err = run(capsys, "plan", "--lengths", lengths_file, *FAST)
+    assert code == 0, err
+    assert "8 sequences (77,760 tokens) of gpt-7b on a100-40g-8x8 (64 GPUs)" in out
+    assert "estimated step time" in out and "lower bound" in out
+    assert "speedup of flexsp" in out
+    for b in BASELINES:
+        assert b in out
+    assert "x\n" in out or out.rstrip().endswith("x")
+
+
+def test_plan_dist_small_cluster(capsys):
+    code, out, err = run(capsys, "plan", "--dist", "github", "--batch", "40", "--seed", "3", "--model", "tiny",
+                         "--cluster", "cpu-4", "--no-baselines", "--json", *FAST)
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["num_gpus"] == 4 and d["baselines"] == {}
+    assert sum(len(g["seq_ids"]) for mb in d["micro_batches"] for g in mb["groups"]) == 40
+
+
+def test_plan_bundled_lengths_file(capsys):
+    f = str(REPO / "configs/lengths/stdlib.txt")
+    code, out, err = run(capsys, "plan", "--lengths", f, "--no-baselines", "--json", *FAST)
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["dropped_seq_ids"] == []
+    assert sum(len(g["seq_ids"]) for mb in d["micro_batches"] for g in mb["groups"]) > 500
+    # 16 GPUs cannot hold its longest module: refused, or dropped on request
+    assert_one_line_error(*run(capsys, "plan", "--lengths", f, "--cluster", "a100-40g-8x2", "--no-baselines", *FAST),
+                          "does not fit even at SP degree 16")
+    code, out, err = run(capsys, "plan", "--lengths", f, "--cluster", "a100-40g-8x2", "--drop-over-max",
+                         "--no-baselines", "--json", *FAST)
+    assert code == 0, err
+    assert len(json.loads(out)["dropped_seq_ids"]) >= 1
+
+
+def test_plan_cost_model_yaml(capsys, tmp_path, lengths_file):
+    cm = write(tmp_path, "cm.yaml", "model: gpt-7b\ncluster: h100-80g-8x2\nzero_stage: 2\n")
+    code, out, err = run(capsys, "plan", "--lengths", lengths_file, "--cost-model", cm, "--no-baselines", "--json",
+                         *FAST)
+    assert code == 0, err
+    assert json.loads(out)["num_gpus"] == 16
+
+
+# ---- too-long sequences --------------------------------------------------------------------
+
+def test_too_long_sequence_fails_then_drops(capsys, tmp_path):
+    f = write(tmp_path, "long.txt", f"1000\n{C7B.max_seq_len + 1}\n2000\n")
+    assert_one_line_error(*run(capsys, "plan", "--lengths", f, "--no-baselines", *FAST), "--drop-over-max")
+
+    code, out, err = run(capsys, "plan", "--lengths", f, "--drop-over-max", "--json", *FAST)
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["dropped_seq_ids"] == [1]
+    validate(StepPlan.from_json(out), [1000, C7B.max_seq_len + 1, 2000], C7B)
+
+    code, out, err = run(capsys, "plan", "--lengths", f, "--drop-over-max", *FAST)
+    assert code == 0, err
+    assert f"dropped 1 sequence(s) over the {C7B.max_seq_len}-token limit: ids [1]" in out
+
+
+def test_max_seq_len_with_lengths_file(capsys, tmp_path):
+    f = write(tmp_path, "l.txt", "100\n5000\n300\n")
+    assert_one_line_error(*run(capsys, "plan", "--lengths", f, "--max-seq-len", "1K", "--no-baselines", *FAST),
+                          "--max-seq-len 1024")
+    code, out, err = run(capsys, "plan", "--lengths", f, "--max-seq-len", "1K", "--drop-over-max", "--json", *FAST)
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["dropped_seq_ids"] == [1]  # dropped, not planned anyway
+    assert sorted(i for mb in d["micro_batches"] for g in mb["groups"] for i in g["seq_ids"]) == [0, 2]
+    code, out, err = run(capsys, "plan", "--lengths", f, "--max-seq-len", "1K", "--drop-over-max", *FAST)
+    assert "over the 1024-token limit: ids [1]" in out
+
+
+# ---- error paths ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content, match", [
+    ("", "holds no lengths"),
+    ("# only a comment\n\n", "holds no lengths"),
+    ("100\nabc\n", ":2: expected one integer per line"),
+    ("100\n1.5\n", "expected one integer"),
+    ("100\n0\n", "must be positive, got 0"),
+    ("-5\n", "must be positive, got -5"),
+])
+def test_bad_lengths_file(capsys, tmp_path, content, match):
+    f = write(tmp_path, "bad.txt", content)
+    assert_one_line_error(*run(capsys, "plan", "--lengths", f, *FAST), match)
+
+
+def test_binary_lengths_file(capsys, tmp_path):
+    p = tmp_path / "bin.txt"
+    p.write_bytes(b"\xff\xfe\x00\x81")
+    assert_one_line_error(*run(capsys, "plan", "--lengths", str(p), *FAST), "not text")
+
+
+def test_nonexistent_lengths_file(capsys, tmp_path):
+    assert_one_line_error(*run(capsys, "plan", "--lengths", str(tmp_path / "nope.txt"), *FAST), "cannot read")
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--model", "gpt-999b"], "unknown model preset 'gpt-999b'"),
+    (["--cluster", "tpu-pod"], "unknown cluster preset 'tpu-pod'"),
+    (["--cluster", "a100-40g-8x3"], "not a power of two"),
+    (["--model", "nope.yaml"], "cannot read"),
+    (["--time-limit", "0"], "--time-limit must be positive"),
+    (["--time-limit", "-1"], "--time-limit must be positive"),
+    (["--planner", "magic"], "unknown planner 'magic'"),
+    (["--batch", "0"], "--batch must be at least 1"),
+    (["--static-degree", "3", "--planner", "static_ulysses"], "degree 3 is not allowed"),
+    (["--model", "gpt-30b", "--cluster", "a100-40g-8x1", "--zero-stage", "0"], "model states"),
+])
+def test_config_errors(capsys, argv, match):
+    assert_one_line_error(*run(capsys, "plan", "--dist", "wikipedia", "--batch", "8", *argv), match)
+
+
+def test_cluster_yaml_with_three_nodes(capsys, tmp_path):
+    f = write(tmp_path, "three.yaml", "num_nodes: 3\ngpus_per_node: 8\nmemory_gb: 28\n"
+                                      "a2a_bandwidth_gbps: {2: 100.0, 8: 90.0, 16: 10.0}\n")
+    assert_one_line_error(*run(capsys, "plan", "--batch", "8", "--cluster", f, *FAST),
+                          "num_nodes=3 is not a power of two")
+
+
+@pytest.mark.parametrize("text, match", [
+    ("model: gpt-7b\ncluster: cpu-4\nzero_stage: abc\n", "zero_stage"),
+    ("model: gpt-7b\n", "needs 'model' and 'cluster'"),
+    ("model: 5\ncluster: cpu-4\n", "'model' must be"),
+    ("model: [\n", "not valid YAML"),
+])
+def test_bad_cost_model_yaml(capsys, tmp_path, text, match):
+    f = write(tmp_path, "cm.yaml", text)
+    assert_one_line_error(*run(capsys, "plan", "--batch", "8", "--cost-model", f, *FAST), match)
+
+
+def test_bad_model_yaml(capsys, tmp_path):
+    f = write(tmp_path, "m.yaml", "num_layers: 4\nhidden_size: 128\nnum_attention_heads: 8\nnum_query_groups: four\n"
+                                  "params_b: 0.01\nact_mb_per_token: 0.05\na1: 1.0e-6\na2: 0.02\nb1: 15\n")
+    assert_one_line_error(*run(capsys, "plan", "--batch", "8", "--model", f, "--cluster", "cpu-4", *FAST),
+                          "num_query_groups")
+
+
+def test_bench_bad_counts(capsys):
+    for argv in (["--batches", "0"], ["--batch", "0"]):
+        assert_one_line_error(*run(capsys, "bench", "planner", "--no-scale", "--dist", "wikipedia", *argv, *FAST),
+                              "at least 1")
+    assert_one_line_error(*run(capsys, "bench", "planner", "--no-scale", "--dist", "wikipedia,nope", "--batches",
+                               "1", "--batch", "4", *FAST), "unknown length distribution 'nope'")
+
+
+def test_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--max-seq-len", "lots"])
+    assert e.value.code == 2
+    assert "expected a token count" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main([])
+    assert e.value.code == 2
+
+
+# ---- the installed command -----------------------------------------------------------------
+
+def _console_script() -> list[str]:
+    script = Path(sys.executable).with_name("megatron-ext")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "megatron_ext.cli"]
+
+
+def test_console_script_plan():
+    r = subprocess.run([*_console_script(), "plan", "--dist", "wikipedia", "--batch", "64", "--json"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["num_gpus"] == 64
+    assert sum(len(g["seq_ids"]) for mb in d["micro_batches"] for g in mb["groups"]) + len(d["dropped_seq_ids"]) == 64
+    assert set(d["baselines"]) == set(BASELINES)
+    assert d["lower_bound_step_time_s"] <= d["estimated_step_time_s"]
+
+
+def test_console_script_error_is_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "megatron_ext.cli", "plan", "--lengths", str(tmp_path / "none.txt")],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith("megatron-ext: error: cannot read lengths file") and r.stderr.count("\n") == 1
+
+
+def test_console_script_bench_planner():
+    r = subprocess.run([*_console_script(), "bench", "planner", "--batches", "1", "--batch", "64", "--dist",
+                        "wikipedia", "--no-scale", "--json"], capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["scale"] is None and len(d["rows"]) == 1
+    s = d["summary"]
+    for key in ("median_solve_time_s", "max_solve_time_s", "median_ratio_to_bound", "max_ratio_to_bound",
+                "min_speedup", "median_speedup"):
+        assert key in s
+    assert set(s["min_speedup"]) == set(BASELINES)
+    assert s["max_ratio_to_bound"] >= 1 - 1e-9
+    assert all(v >= 1 - 1e-9 for v in s["min_speedup"].values())
+    row = d["rows"][0]
+    assert row["dist"] == "wikipedia" and row["seqs"] == 64
+    assert "plan time: median" in d["table"]

@@ -1,0 +1,421 @@
+"""The FlexSP cost model and the spec loaders, against numbers worked out by hand.
+
+Reference numbers: PAPERS.md section 1 (GPT-7B on 64 A100-40GB, 28 GB usable, the published
+coefficients and all-to-all bandwidth table).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from megatron_ext.cost import CostModel
+from megatron_ext.errors import ConfigError, InfeasibleError
+from megatron_ext.spec import ClusterSpec, ModelSpec, load_cluster, load_model
+
+# GPT-7B, published coefficients (ms, whole model, fwd+bwd)
+A1, A2, B1 = 5.128e-6, 0.18396, 629.36
+PARAMS_B, ACT_MB = 7.85, 4.48
+L, H = 32, 4096
+BW = {2: 119.54, 4: 104.07, 8: 96.5, 16: 10.33, 32: 5.94, 64: 4.87}
+MB_PER_TOKEN_A2A = 8 * L * H * 2 / 2**20  # 4 all-to-alls x fwd+bwd x 2 bytes, MB per token = 2.0
+
+
+@pytest.fixture(scope="module")
+def c7b() -> CostModel:
+    return CostModel.from_presets("gpt-7b", "a100-40g-8x8")
+
+
+@pytest.fixture(scope="module")
+def tiny() -> CostModel:
+    return CostModel.from_presets("tiny", "cpu-4")
+
+
+def hand_seq_ms(s: float, d: int) -> float:
+    comm = 0.0 if d == 1 else s * MB_PER_TOKEN_A2A / d / BW[d]
+    return (A1 * s * s + A2 * s) / d + comm
+
+
+# ---- memory --------------------------------------------------------------------------------
+
+def test_model_states_zero3(c7b):
+    assert c7b.zero_stage == 3
+    assert c7b.model_states_mb == pytest.approx(7.85 * 16 * 1024 / 64, rel=1e-12)
+    assert c7b.model_states_mb == pytest.approx(2009.6, rel=1e-12)
+
+
+@pytest.mark.parametrize("stage, sharded, replicated", [
+    (0, 0.0, 1.0), (1, 6 / 8, 2 / 8), (2, 7 / 8, 1 / 8), (3, 1.0, 0.0)])
+def test_model_states_by_zero_stage(stage, sharded, replicated):
+    cost = CostModel.from_presets("gpt-7b", "a100-40g-8x8", zero_stage=stage)
+    assert cost.model_states_mb == pytest.approx(7.85 * 16 * 1024 * (sharded / 64 + replicated), rel=1e-12)
+
+
+def test_zero1_and_zero2_hand_values():
+    z1 = CostModel.from_presets("gpt-7b", "a100-40g-8x8", zero_stage=1)
+    z2 = CostModel.from_presets("gpt-7b", "a100-40g-8x8", zero_stage=2)
+    assert z1.model_states_mb == pytest.approx(128614.4 * 0.26171875)  # 33,660.8 MB: over 28 GB
+    assert z2.model_states_mb == pytest.approx(128614.4 * 0.138671875)  # 17,835.4 MB
+    assert z2.tokens_per_gpu == pytest.approx((28 * 1024 - 128614.4 * 0.138671875) / 4.48)
+    with pytest.raises(InfeasibleError, match="exceed"):
+        z1.tokens_per_gpu  # ZeRO-1 states alone do not fit a 28 GB budget
+
+
+def test_bad_zero_stage():
+    with pytest.raises(ConfigError, match="zero_stage"):
+        CostModel.from_presets("gpt-7b", "a100-40g-8x8", zero_stage=4)
+
+
+def test_tokens_per_gpu_paper_example(c7b):
+    assert c7b.tokens_per_gpu == pytest.approx((28 * 1024 - 2009.6) / 4.48, rel=1e-12)
+    assert c7b.tokens_per_gpu == pytest.approx(5951.43, abs=0.01)
+    assert c7b.token_capacity(1) == 5951
+    assert c7b.token_capacity(64) == math.floor(64 * (28 * 1024 - 2009.6) / 4.48)  # ~381K per micro-batch
+    assert c7b.max_seq_len == c7b.token_capacity(64) == 380891
+
+
+def test_group_memory(c7b):
+    assert c7b.group_memory_mb(8000, 2) == pytest.approx(4000 * 4.48 + 2009.6)
+    assert c7b.group_memory_mb(c7b.token_capacity(8), 8) <= c7b.cluster.memory_mb
+    assert c7b.group_memory_mb(c7b.token_capacity(8) + 1, 8) > c7b.cluster.memory_mb
+
+
+# ---- time ----------------------------------------------------------------------------------
+
+def test_paper_worked_example_8k_sequence(c7b):
+    # "an 8K sequence costs about 2,021 GPU-ms at degree 8 and 5,215 at degree 64"
+    at8 = 8 * float(c7b.seq_time_ms(8192, 8))
+    at64 = 64 * float(c7b.seq_time_ms(8192, 64))
+    assert at8 == pytest.approx(2020.9, abs=0.05)
+    assert at64 == pytest.approx(5215.4, abs=0.05)
+    assert at8 == pytest.approx(A1 * 8192**2 + A2 * 8192 + 8192 * 2.0 / 96.5, rel=1e-12)
+    assert at64 == pytest.approx(A1 * 8192**2 + A2 * 8192 + 8192 * 2.0 / 4.87, rel=1e-12)
+
+
+def test_comm_per_token(c7b):
+    assert MB_PER_TOKEN_A2A == 2.0
+    assert c7b.comm_ms_per_token(1) == 0.0
+    for d, bw in BW.items():
+        assert c7b.comm_ms_per_token(d) == pytest.approx(2.0 / d / bw, rel=1e-12)
+
+
+def test_group_time_degree_1_has_no_comm(c7b):
+    lengths = [1000, 3000]
+    expected = 629.36 + 5.128e-6 * (1000**2 + 3000**2) + 0.18396 * 4000  # = 1416.48
+    assert expected == pytest.approx(1416.48)
+    assert c7b.group_time_ms(lengths, 1) == pytest.approx(expected, rel=1e-12)
+
+
+def test_group_time_degree_16_uses_inter_node_bandwidth(c7b):
+    lengths = [1000, 3000]
+    compute = (5.128e-6 * (1000**2 + 3000**2) + 0.18396 * 4000) / 16
+    comm = 4000 * 8 * 32 * 4096 * 2 / 2**20 / 16 / 10.33
+    assert c7b.group_time_ms(lengths, 16) == pytest.approx(629.36 + compute + comm, rel=1e-12)
+    assert c7b.group_time_ms(lengths, 16) == pytest.approx(726.958, abs=1e-3)
+
+
+def test_seq_time_is_array_friendly(c7b):
+    s = np.array([1, 100, 5000])
+    for d in c7b.degrees:
+        got = c7b.seq_time_ms(s, d)
+        assert got.shape == (3,)
+        assert got == pytest.approx([hand_seq_ms(x, d) for x in s], rel=1e-12)
+
+
+def test_bandwidth_beyond_table_uses_widest_entry():
+    cl = load_cluster("a100-40g-8x16")  # 128 GPUs; the table stops at 64
+    assert cl.num_gpus == 128
+    assert cl.a2a_bandwidth(128) == 4.87
+    assert cl.a2a_bandwidth(64) == 4.87
+    assert cl.a2a_bandwidth(2) == 119.54
+    with pytest.raises(ConfigError):
+        cl.a2a_bandwidth(1)
+
+
+# ---- degrees and limits --------------------------------------------------------------------
+
+def test_degrees_7b(c7b):
+    assert c7b.degrees == (1, 2, 4, 8, 16, 32, 64)
+
+
+def test_degrees_respect_head_limit(tiny):
+    # tiny: 8 attention heads, 4 KV heads: Ulysses degree at most 4
+    assert tiny.model.num_attention_heads == 8 and tiny.model.kv_heads == 4
+    assert tiny.model.max_sp_degree == 4
+    assert tiny.degrees == (1, 2, 4)
+    big = CostModel.from_presets("tiny", "a100-40g-8x8")  # 64 GPUs do not lift the head limit
+    assert big.degrees == (1, 2, 4)
+    assert big.max_seq_len == big.token_capacity(4)
+
+
+@pytest.mark.parametrize("heads, kv, limit", [(64, None, 64), (12, None, 4), (64, 8, 8), (32, 2, 2), (7, None, 1)])
+def test_max_sp_degree(heads, kv, limit):
+    m = dataclasses.replace(load_model("gpt-7b"), num_attention_heads=heads, num_query_groups=kv)
+    assert m.max_sp_degree == limit
+    cost = CostModel(m, load_cluster("a100-40g-8x8"))
+    assert cost.degrees[-1] == limit
+
+
+def test_degrees_limited_by_gpu_count():
+    cost = CostModel.from_presets("gpt-7b", "a100-40g-8x2")
+    assert cost.num_gpus == 16
+    assert cost.degrees == (1, 2, 4, 8, 16)
+
+
+def test_min_degree(c7b):
+    assert c7b.min_degree(1) == 1
+    assert c7b.min_degree(5951) == 1
+    assert c7b.min_degree(5952) == 2
+    assert c7b.min_degree(8192) == 2
+    assert c7b.min_degree(c7b.token_capacity(8)) == 8
+    assert c7b.min_degree(c7b.token_capacity(8) + 1) == 16
+    assert c7b.min_degree(380891) == 64
+
+
+def test_too_long_sequence_is_infeasible(c7b):
+    with pytest.raises(InfeasibleError, match="380892 tokens"):
+        c7b.min_degree(380892)
+    with pytest.raises(InfeasibleError, match="--drop-over-max"):
+        c7b.check_lengths([100, 380892, 5])
+    c7b.check_lengths([100, 380891, 5])  # at the limit: fine
+    c7b.check_lengths([])
+
+
+def test_tiny_min_degree_and_max_len(tiny):
+    cap1 = tiny.token_capacity(1)
+    assert cap1 == math.floor((4 * 1024 - 0.0077 * 16 * 1024 / 4) / 0.05)
+    assert tiny.min_degree(cap1 + 1) == 2
+    assert tiny.max_seq_len == tiny.token_capacity(4)
+    with pytest.raises(InfeasibleError):
+        tiny.min_degree(tiny.max_seq_len + 1)
+
+
+def test_min_microbatches(c7b):
+    per_mb = c7b.tokens_per_gpu * 64
+    assert c7b.min_microbatches([1]) == 1
+    assert c7b.min_microbatches([380891]) == 1
+    assert c7b.min_microbatches([380891, 1000]) == 2
+    assert c7b.min_microbatches([5000] * 128) == math.ceil(640000 / per_mb) == 2
+
+
+# ---- lower bound ---------------------------------------------------------------------------
+
+def test_lower_bound_single_sequence_is_its_fastest_degree(c7b):
+    # one 1000-token sequence: cheapest GPU-ms at degree 1 (no comm) = 189.088, spread over 64
+    # GPUs that is ~632.3 ms; but alone it runs no faster than at degree 64: b1 + 9.37 ms.
+    cheapest = A1 * 1000**2 + A2 * 1000
+    assert cheapest == pytest.approx(189.088)
+    spread = B1 + cheapest / 64
+    fastest = min(hand_seq_ms(1000, d) for d in (1, 2, 4, 8, 16, 32, 64))
+    assert fastest == pytest.approx(hand_seq_ms(1000, 64))
+    assert c7b.lower_bound_ms([1000]) == pytest.approx(max(spread, B1 + fastest), rel=1e-12)
+    assert c7b.lower_bound_ms([1000]) == pytest.approx(629.36 + 189.088 / 64 + 1000 * 2 / 64 / 4.87, rel=1e-12)
+
+
+def test_lower_bound_spread_dominates(c7b):
+    per_seq = A1 * 5000**2 + A2 * 5000  # 5000 tokens fit degree 1: cheapest is without comm
+    assert c7b.lower_bound_ms([5000] * 64) == pytest.approx(B1 + 64 * per_seq / 64, rel=1e-12)
+    # 128 of them need two micro-batches by memory: b1 twice
+    assert c7b.lower_bound_ms([5000] * 128) == pytest.approx(2 * B1 + 128 * per_seq / 64, rel=1e-12)
+
+
+def test_lower_bound_long_sequence_cheapest_feasible_degree(c7b):
+    # 20,000 tokens need degree >= 4; cheapest GPU-ms is at the smallest feasible degree here
+    s = 20000
+    cheapest = min(d * hand_seq_ms(s, d) for d in (4, 8, 16, 32, 64))
+    assert cheapest == pytest.approx(4 * hand_seq_ms(s, 4))
+    np.testing.assert_allclose(c7b.cheapest_gpu_ms([s]), [cheapest], rtol=1e-12)
+    lb = c7b.lower_bound_ms([s] * 16)
+    assert lb == pytest.approx(max(B1 + 16 * cheapest / 64, B1 + hand_seq_ms(s, 64)), rel=1e-12)
+
+
+def test_lower_bound_empty(c7b):
+    assert c7b.lower_bound_ms([]) == 0.0
+
+
+# ---- spec loading --------------------------------------------------------------------------
+
+def test_presets_load():
+    m = load_model("gpt-7b")
+    assert (m.name, m.num_layers, m.hidden_size, m.num_attention_heads) == ("gpt-7b", 32, 4096, 64)
+    assert (m.a1, m.a2, m.b1, m.params_b, m.act_mb_per_token) == (A1, A2, B1, PARAMS_B, ACT_MB)
+    c = load_cluster("a100-40g-8x8")
+    assert (c.name, c.num_nodes, c.gpus_per_node, c.num_gpus, c.memory_gb) == ("a100-40g-8x8", 8, 8, 64, 28)
+    assert c.memory_mb == 28 * 1024
+    assert c.a2a_bandwidth_gbps == BW
+    cpu = load_cluster("cpu-4")
+    assert cpu.num_gpus == 4
+    for name in ("gpt-13b", "gpt-30b", "tiny"):
+        assert load_model(name).name == name
+
+
+def test_cluster_family():
+    c = load_cluster("h100-80g-8x16")
+    assert c.name == "h100-80g-8x16"
+    assert (c.num_nodes, c.gpus_per_node, c.num_gpus, c.memory_gb) == (16, 8, 128, 72)
+    assert load_cluster("h100-80g-8x1").num_gpus == 8
+    assert load_cluster("a100-40g-8x2").num_gpus == 16
+    assert load_cluster("a100-40g-8x128").num_gpus == 1024
+
+
+def test_spec_objects_pass_through():
+    m, c = load_model("tiny"), load_cluster("cpu-4")
+    assert load_model(m) is m and load_cluster(c) is c
+    assert CostModel.from_presets(m, c).num_gpus == 4
+
+
+@pytest.mark.parametrize("loader, ref", [(load_model, "gpt-999b"), (load_cluster, "tpu-v5"),
+                                         (load_cluster, "b200-8xN"), (load_cluster, "nonexistent-8x4")])
+def test_unknown_preset(loader, ref):
+    with pytest.raises(ConfigError, match="unknown"):
+        loader(ref)
+
+
+def test_family_with_node_count_not_power_of_two():
+    with pytest.raises(ConfigError, match="power of two"):
+        load_cluster("a100-40g-8x3")
+
+
+TINY_YAML = """\
+num_layers: 2
+hidden_size: 64
+num_attention_heads: 4
+params_b: 0.001
+act_mb_per_token: 0.01
+a1: 1.0e-6
+a2: 0.01
+b1: 5.0
+"""
+CLUSTER_YAML = """\
+num_nodes: 2
+gpus_per_node: 4
+memory_gb: 16
+a2a_bandwidth_gbps: {2: 100.0, 4: 80.0, 8: 10.0}
+"""
+
+
+def test_user_yaml_files(tmp_path):
+    (tmp_path / "mymodel.yaml").write_text(TINY_YAML)
+    (tmp_path / "mycluster.yml").write_text(CLUSTER_YAML)
+    m = load_model(str(tmp_path / "mymodel.yaml"))
+    assert m.name == "mymodel" and m.num_layers == 2 and m.max_sp_degree == 4
+    c = load_cluster(str(tmp_path / "mycluster.yml"))
+    assert c.name == "mycluster" and c.num_gpus == 8 and c.a2a_bandwidth(8) == 10.0
+    cost = CostModel.from_presets(str(tmp_path / "mymodel.yaml"), str(tmp_path / "mycluster.yml"))
+    assert cost.degrees == (1, 2, 4)
+    assert cost.model_states_mb == pytest.approx(0.001 * 16 * 1024 / 8)
+
+
+def test_yaml_name_field_wins(tmp_path):
+    (tmp_path / "m.yaml").write_text(TINY_YAML + "name: custom\n")
+    assert load_model(str(tmp_path / "m.yaml")).name == "custom"
+
+
+def test_cluster_yaml_num_nodes_3(tmp_path):
+    p = tmp_path / "three.yaml"
+    p.write_text(CLUSTER_YAML.replace("num_nodes: 2", "num_nodes: 3"))
+    with pytest.raises(ConfigError, match="num_nodes=3 is not a power of two"):
+        load_cluster(str(p))
+
+
+@pytest.mark.parametrize("text, match", [
+    ("num_layers: [1, 2\n", "not valid YAML"),
+    ("- 1\n- 2\n", "mapping"),
+    ("", "mapping"),
+    (TINY_YAML + "num_experts: 8\n", "unknown field"),
+    (TINY_YAML.replace("b1: 5.0\n", ""), "missing field.*b1"),
+    (TINY_YAML.replace("num_layers: 2", "num_layers: two"), "num_layers"),
+    (TINY_YAML.replace("a2: 0.01", "a2: -0.01"), "a2"),
+    (TINY_YAML.replace("act_mb_per_token: 0.01", "act_mb_per_token: 0"), "act_mb_per_token"),
+    (TINY_YAML + "num_query_groups: 3\n", "num_query_groups"),
+    (TINY_YAML + "num_query_groups: four\n", "num_query_groups"),
+    (TINY_YAML + "num_query_groups: -2\n", "num_query_groups"),
+])
+def test_bad_model_yaml(tmp_path, text, match):
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_model(str(p))
+
+
+@pytest.mark.parametrize("text, match", [
+    (CLUSTER_YAML + "num_switches: 3\n", "unknown field"),
+    (CLUSTER_YAML.replace("memory_gb: 16\n", ""), "missing field.*memory_gb"),
+    (CLUSTER_YAML.replace("gpus_per_node: 4", "gpus_per_node: 6"), "gpus_per_node"),
+    (CLUSTER_YAML.replace("memory_gb: 16", "memory_gb: 0"), "memory_gb"),
+    (CLUSTER_YAML.replace("{2: 100.0, 4: 80.0, 8: 10.0}", "{4: 80.0, 8: 10.0}"), "degree 2"),
+    (CLUSTER_YAML.replace("{2: 100.0, 4: 80.0, 8: 10.0}", "{2: 100.0, 3: 80.0}"), "power-of-two"),
+    (CLUSTER_YAML.replace("{2: 100.0, 4: 80.0, 8: 10.0}", "{2: 100.0, x: 80.0}"), "integer degrees"),
+    (CLUSTER_YAML.replace("{2: 100.0, 4: 80.0, 8: 10.0}", "{2: -1.0}"), "positive"),
+    (CLUSTER_YAML.replace("num_nodes: 2", "num_nodes: 0"), "num_nodes"),
+])
+def test_bad_cluster_yaml(tmp_path, text, match):
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_cluster(str(p))
+
+
+def test_missing_yaml_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_model(str(tmp_path / "nope.yaml"))
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_cluster(str(tmp_path / "nope.yaml"))
+
+
+def test_model_states_over_memory_is_infeasible():
+    cost = CostModel.from_presets("gpt-30b", "a100-40g-8x1", zero_stage=0)
+    with pytest.raises(InfeasibleError, match="model states"):
+        cost.max_seq_len
+
+
+# ---- CostModel.from_yaml -------------------------------------------------------------------
+
+def test_from_yaml_inline_mappings(tmp_path):
+    model = "\n".join("  " + line for line in TINY_YAML.splitlines())
+    cluster = "\n".join("  " + line for line in CLUSTER_YAML.splitlines())
+    p = tmp_path / "lab.yaml"
+    p.write_text(f"model:\n{model}\ncluster:\n{cluster}\nzero_stage: 2\n")
+    cost = CostModel.from_yaml(p)
+    assert cost.model.name == "lab" and cost.cluster.name == "lab"
+    assert cost.zero_stage == 2
+    assert cost.num_gpus == 8 and cost.degrees == (1, 2, 4)
+    assert cost.model_states_mb == pytest.approx(0.001 * 16 * 1024 * (7 / 8 / 8 + 1 / 8))
+    assert cost.group_time_ms([100], 1) == pytest.approx(5.0 + 1e-6 * 100**2 + 0.01 * 100)
+
+
+def test_from_yaml_presets_and_default_stage(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("model: gpt-7b\ncluster: a100-40g-8x8\n")
+    cost = CostModel.from_yaml(str(p))
+    assert cost.zero_stage == 3 and cost.model_states_mb == pytest.approx(2009.6)
+    p.write_text("model: gpt-7b\ncluster: h100-80g-8x16\n")
+    assert CostModel.from_yaml(p).num_gpus == 128
+
+
+@pytest.mark.parametrize("text, match", [
+    ("model: gpt-7b\n", "needs 'model' and 'cluster'"),
+    ("model: gpt-7b\ncluster: cpu-4\nextra: 1\n", "unknown: extra"),
+    ("model: gpt-7b\ncluster: cpu-4\nzero_stage: 5\n", "zero_stage"),
+    ("model: gpt-7b\ncluster: cpu-4\nzero_stage: abc\n", "zero_stage"),
+    ("model: 5\ncluster: cpu-4\n", "model"),
+    ("model: gpt-7b\ncluster: [1, 2]\n", "cluster"),
+    ("model: gpt-7b\ncluster: {num_nodes: 3, gpus_per_node: 8, memory_gb: 28, "
+     "a2a_bandwidth_gbps: {2: 100}}\n", "power of two"),
+    ("model: {num_layers: 2}\ncluster: cpu-4\n", "missing field"),
+    ("model: gpt-7b\ncluster: cpu-4\n: :\n  - [\n", "not valid YAML"),
+])
+def test_from_yaml_errors(tmp_path, text, match):
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        CostModel.from_yaml(p)
+
+
+def test_spec_dataclasses_are_frozen():
+    m = load_model("tiny")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.num_layers = 3  # type: ignore[misc]
+    assert isinstance(m, ModelSpec) and isinstance(load_cluster("cpu-4"), ClusterSpec)

@@ -1,0 +1,211 @@
+"""The planning data loader: deterministic batches, one-step-ahead planning, the deadline
+fallback, plan digests and the cross-rank agreement check."""
+import logging
+import multiprocessing as mp
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron_ext.cost import CostModel
+from megatron_ext.data.datasets import DataError, InMemoryDocuments
+from megatron_ext.data.loader import (PlanMismatchError, PlanningDataLoader, _describe_mismatch,
+                                      check_plan_agreement, make_samples, plan_digest)
+from megatron_ext.plan import validate
+from megatron_ext.planner import PlannerOptions, make_plan
+
+COST = CostModel.from_presets("tiny", "cpu-4")
+OPTS = PlannerOptions(time_limit=0.2)
+
+
+def _docs(n=200, seed=0):
+    rng = np.random.default_rng(seed)
+    lengths = np.maximum(1, rng.lognormal(6.5, 1.3, n)).astype(int)
+    lengths[7] = 50_000  # one long document
+    return InMemoryDocuments([rng.integers(0, 256, k) for k in lengths])
+
+
+DOCS = _docs()
+
+
+def _loader(**kw):
+    kw = {"options": OPTS, "num_steps": 3, "background": False, **kw}
+    return PlanningDataLoader(DOCS, COST, 16, **kw)
+
+
+def test_make_samples_splits_long_documents():
+    s = make_samples([5, 0, 12, 4], 4)
+    assert s.tolist() == [[0, 0, 4], [0, 4, 5], [2, 0, 4], [2, 4, 8], [2, 8, 12], [3, 0, 4]]
+    with pytest.raises(DataError):
+        make_samples([3], 0)
+
+
+def test_same_seed_same_batches_for_every_planner():
+    runs = {}
+    for planner in ("flexsp", "batchada", "static_ulysses"):
+        runs[planner] = [s for s in _loader(planner=planner, seed=3)]
+    ref = runs["flexsp"]
+    assert [s.step for s in ref] == [0, 1, 2]
+    for planner, steps in runs.items():
+        for a, b in zip(ref, steps):
+            np.testing.assert_array_equal(a.samples, b.samples)
+            assert all(np.array_equal(x, y) for x, y in zip(a.batch, b.batch))
+        for s in steps:
+            assert s.plan.planner == planner and s.plan_source == "inline"
+            validate(s.plan, s.lengths, COST)
+    other = [s.samples for s in _loader(seed=4)]
+    assert not all(np.array_equal(a.samples, b) for a, b in zip(ref, other))
+    # The batch holds the sampled tokens, unpadded, as int64.
+    s = ref[1]
+    for i, (d, a, e) in enumerate(s.samples):
+        np.testing.assert_array_equal(s.batch[i], DOCS.get(int(d))[a:e])
+        assert s.batch[i].dtype == np.int64 and s.lengths[i] == e - a
+
+
+def test_epochs_and_resume():
+    dl = _loader(max_seq_len=4096, num_steps=None)
+    assert dl.steps_per_epoch == len(dl.samples) // 16
+    spe = dl.steps_per_epoch
+    epoch0 = np.concatenate([dl.batch_sample_ids(k) for k in range(spe)])
+    assert len(set(epoch0.tolist())) == len(epoch0), "no sample twice in an epoch"
+    epoch1 = np.concatenate([dl.batch_sample_ids(k) for k in range(spe, 2 * spe)])
+    assert not np.array_equal(epoch0, epoch1)
+    assert (dl.samples[:, 2] - dl.samples[:, 1]).max() <= 4096  # the 50K document was split
+    resumed = list(_loader(start_step=spe - 1, num_steps=2))
+    assert [s.step for s in resumed] == [spe - 1, spe]
+    np.testing.assert_array_equal(resumed[1].samples, _loader().batch_samples(spe))
+    assert list(_loader(num_steps=0)) == []
+    with pytest.raises(DataError, match="fewer than one global batch"):
+        PlanningDataLoader(InMemoryDocuments([np.arange(3)]), COST, 2)
+    with pytest.raises(DataError, match="unknown planner"):
+        _loader(planner="nope")
+    with pytest.raises(DataError, match="needs torch.distributed"):
+        next(iter(_loader(sync="broadcast")))
+
+
+def test_background_plans_equal_inline_plans():
+    inline = list(_loader(planner="batchada"))
+    with _loader(planner="batchada", background=True, deadline_s=30.0) as dl:
+        background = list(dl)
+    assert [s.plan_source for s in background] == ["planner"] * 3
+    assert [s.digest for s in background] == [s.digest for s in inline]
+
+
+def test_late_plan_uses_fallback_and_warns(caplog):
+    delay = 1.0
+    with caplog.at_level(logging.WARNING, logger="megatron_ext.data.loader"):
+        with _loader(background=True, num_steps=2, deadline_s=0.1, plan_delay_s=delay) as dl:
+            steps = list(dl)
+    assert [s.plan_source for s in steps] == ["fallback", "fallback"]
+    for s in steps:
+        assert s.plan.planner == "batchada" and s.plan.solver_status.startswith("fallback")
+        validate(s.plan, s.lengths, COST)
+    assert steps[1].plan_wait_s < delay, "the step did not wait for the slow planner"
+    # The worker finished step 0's plan late (discarded) and skipped step 1's as stale.
+    assert dl.stats == {"fallback": 2, "late_discarded": 1, "skipped": 1}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2
+    assert "step 0: the flexsp plan was not ready within the 0.10s deadline; using the batchada fallback" in warnings[0]
+    # The fallback is the batch's own plan: same batches as a run without the delay.
+    np.testing.assert_array_equal(steps[1].samples, _loader().batch_samples(1))
+
+
+def test_dead_worker_falls_back(caplog):
+    with caplog.at_level(logging.WARNING, logger="megatron_ext.data.loader"):
+        with _loader(background=True, num_steps=2, worker_imports=("megatron_ext_no_such_module",)) as dl:
+            steps = list(dl)
+    assert [s.plan_source for s in steps] == ["fallback", "fallback"]
+    assert "failed to start" in caplog.text and "No module named 'megatron_ext_no_such_module'" in caplog.text
+
+
+def test_worker_side_imports_no_torch():
+    code = ("import sys, megatron_ext.data.plan_worker, megatron_ext.data.sharding, megatron_ext.planner;"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')];"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_digest_covers_decisions_and_batch_not_timings():
+    lengths = np.array([300, 2000, 50, 7000])
+    plan = make_plan("batchada", lengths, COST, OPTS)
+    samples = np.array([[0, 0, 300], [1, 0, 2000], [2, 0, 50], [3, 0, 7000]])
+    d = plan_digest(plan, samples)
+    plan.solve_time_s += 1.0
+    plan.micro_batches[0].estimated_time_s += 1.0
+    plan.solver_status = "something else"
+    assert plan_digest(plan, samples) == d
+    samples2 = samples.copy()
+    samples2[0, 0] = 9
+    assert plan_digest(plan, samples2) != d
+    g = plan.micro_batches[0].groups[0]
+    g.seq_ids = list(reversed(g.seq_ids)) if len(g.seq_ids) > 1 else g.seq_ids + [0]
+    assert plan_digest(plan, samples) != d
+
+
+def test_describe_mismatch():
+    assert _describe_mismatch(["a", "a", "a"], [0, 1, 2]) is None
+    msg = _describe_mismatch(["a", "b", "a", "c"], [4, 5, 6, 7])
+    assert "differs from rank 4's on rank(s) [5, 7]" in msg
+    check_plan_agreement("anything")  # no process group: nothing to compare
+
+
+def test_step_part():
+    s = next(iter(_loader(planner="batchada")))
+    covered = 0
+    for r in range(COST.num_gpus):
+        for shard in s.part(r):
+            if shard is not None:
+                covered += shard.real_tokens
+    assert covered == int(s.lengths.sum()), "each sequence lies in one micro-batch, its tokens on one rank each"
+    assert s.num_loss_tokens == int((s.lengths - 1).sum())
+
+
+# ---- two gloo ranks ---------------------------------------------------------------------------
+def _rank_main(rank, world, init_file, out):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    res = {}
+    try:
+        with PlanningDataLoader(DOCS, COST, 16, options=OPTS, num_steps=2, sync="broadcast",
+                                deadline_s=30.0) as dl:
+            steps = list(dl)
+        res["digests"] = [s.digest for s in steps]
+        res["sources"] = [s.plan_source for s in steps]
+        res["worker"] = dl._ticket > 0
+        # Each rank plans inline with a deterministic planner: identical plans. (A time-limited
+        # solver may stop at different incumbents on different ranks: that is what "broadcast" is for.)
+        steps = list(_loader(planner="batchada", num_steps=1, sync="check"))
+        res["check"] = steps[0].digest
+        try:  # a rank with another seed draws other batches: every rank learns which one differs
+            list(_loader(planner="batchada", num_steps=1, sync="check", seed=rank))
+        except PlanMismatchError as e:
+            res["mismatch"] = str(e)
+    except BaseException as e:  # report rather than hang the parent
+        res["error"] = repr(e)
+    finally:
+        out.put((rank, res))
+        dist.destroy_process_group()
+
+
+def test_two_ranks_broadcast_and_agreement(tmp_path):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, str(tmp_path / "init"), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert "error" not in results[0] and "error" not in results[1], results
+    assert results[0]["digests"] == results[1]["digests"]
+    assert results[0]["sources"] == ["planner", "planner"]
+    assert results[1]["sources"] == ["broadcast:planner"] * 2
+    assert results[0]["worker"] and not results[1]["worker"], "only the source rank plans"
+    assert results[0]["check"] == results[1]["check"]
+    for r in (0, 1):
+        assert "differs from rank 0's on rank(s) [1]" in results[r]["mismatch"]
