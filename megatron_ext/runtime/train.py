@@ -1,0 +1,183 @@
+"""Real training of a small megatron-core GPT on CPU ranks (gloo) with per-step FlexSP plans.
+
+Run under torchrun (``megatron-ext train`` launches it): every rank builds the same GPTModel with
+Ulysses core attention, wraps it in megatron's DistributedDataParallel and optimizer, and trains
+on the Python standard library corpus. Rank 0 plans each step one step ahead in a background
+process and broadcasts the plan; every rank runs its shard of every micro-batch. Rank 0 prints
+one line (or one JSON record) per step: loss, grad norm, tokens, measured and predicted step time
+and the SP degrees used.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_ext.cost import CostModel
+from megatron_ext.errors import ConfigError, MegatronExtError
+from megatron_ext.planner import PLANNERS, PlannerOptions
+from megatron_ext.spec import ModelSpec
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-ext train", description=__doc__.splitlines()[0])
+    p.add_argument("--planner", default="flexsp", help=f"one of: {', '.join(PLANNERS)}")
+    p.add_argument("--model", default="tiny", help="model preset or YAML (its layers, hidden size and heads)")
+    p.add_argument("--cluster", default="cpu-4", help="cluster preset or YAML: its GPU count is the rank count")
+    p.add_argument("--cost-model", metavar="PATH", help="cost-model YAML (overrides --model/--cluster)")
+    p.add_argument("--steps", type=int, default=5, help="training steps")
+    p.add_argument("--global-batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="longer documents are cut into pieces")
+    p.add_argument("--seed", type=int, default=0, help="same seed: same data and initial weights for every planner")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--time-limit", type=float, default=1.0, help="planner time limit per step (s)")
+    p.add_argument("--static-degree", type=int, help="degree of static_ulysses")
+    p.add_argument("--data", metavar="PREFIX", help="Megatron indexed dataset prefix (default: the stdlib corpus)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "flash", "te"])
+    p.add_argument("--json", action="store_true", help="one JSON record per step")
+    return p
+
+
+def build_model(spec: ModelSpec, vocab_size: int, max_seq_len: int, backend: str):
+    """GPTModel (fp32, RoPE, Ulysses attention) in megatron DDP, with megatron's optimizer."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_ext.runtime.attention import get_gpt_layer_ulysses_spec, use_true_positions_for_rope
+
+    config = TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.kv_heads, ffn_hidden_size=spec.ffn_hidden_size or 4 * spec.hidden_size,
+        hidden_dropout=0.0, attention_dropout=0.0, calculate_per_token_loss=True,
+        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32)
+    padded_vocab = -(-vocab_size // 128) * 128
+    model = GPTModel(config, get_gpt_layer_ulysses_spec(backend=backend), vocab_size=padded_vocab,
+                     max_sequence_length=max_seq_len, position_embedding_type="rope")
+    use_true_positions_for_rope(model)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return ddp, config
+
+
+def build_optimizer(ddp, lr: float):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    return get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, clip_grad=1.0,
+                                                  bf16=False, fp16=False), [ddp])
+
+
+def _record(step, losses, grad_norm, tokens, step_time, plan, times) -> dict:
+    degrees = sorted({g.degree for mb in plan.micro_batches for g in mb.groups}, reverse=True)
+    return {
+        "step": step.step, "loss": losses, "grad_norm": grad_norm, "tokens": tokens, "step_time_s": step_time,
+        "predicted_step_time_s": plan.estimated_step_time_s, "micro_batches": len(plan.micro_batches),
+        "degrees": degrees, "planner": plan.planner, "plan_source": step.plan_source,
+        "micro_batch_times_s": times, "predicted_micro_batch_times_s": [mb.estimated_time_s for mb in plan.micro_batches],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        return _train(args, rank, world)
+    except MegatronExtError as e:
+        if rank == 0:
+            print(f"megatron-ext: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(args, rank: int, world: int) -> int:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_ext.data.corpus import stdlib_corpus
+    from megatron_ext.data.datasets import IndexedDocuments
+    from megatron_ext.data.loader import PlanningDataLoader
+    from megatron_ext.data.tokenizer import ByteTokenizer
+    from megatron_ext.runtime.compat import apply_cpu_compat
+    from megatron_ext.runtime.groups import SPGroupPool
+    from megatron_ext.runtime.schedule import forward_backward_flexsp
+
+    cost = CostModel.from_yaml(args.cost_model) if args.cost_model else CostModel.from_presets(args.model, args.cluster)
+    if cost.num_gpus != world:
+        raise ConfigError(f"cluster {cost.cluster.name} has {cost.num_gpus} GPUs but {world} ranks were launched")
+    if args.planner not in PLANNERS:
+        raise ConfigError(f"unknown planner {args.planner!r}; choose one of {', '.join(PLANNERS)}")
+    apply_cpu_compat()
+    parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+    pool = SPGroupPool()
+    tok = ByteTokenizer()
+    model, config = build_model(cost.model, tok.vocab_size, args.max_seq_len, args.attention_backend)
+    optimizer = build_optimizer(model, args.lr)
+
+    # The same prefix on every rank: rank 0 builds the corpus once, the others wait for it.
+    prefix = args.data
+    if prefix is None:
+        if rank == 0:
+            prefix = stdlib_corpus()
+        box = [prefix]
+        dist.broadcast_object_list(box, src=0)
+        prefix = box[0]
+    docs = IndexedDocuments(prefix)
+    options = PlannerOptions(time_limit=args.time_limit, static_degree=args.static_degree, drop_over_max=True)
+    loader = PlanningDataLoader(docs, cost, args.global_batch, planner=args.planner, options=options, seed=args.seed,
+                                max_seq_len=args.max_seq_len, num_steps=args.steps, sync="broadcast")
+    records = []
+    with loader:
+        for step in loader:
+            dist.barrier()
+            start = time.perf_counter()
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            losses, times = forward_backward_flexsp(step, model, pool, tok.pad)
+            ok, grad_norm, _ = optimizer.step()
+            dist.barrier()
+            step_time = time.perf_counter() - start
+            total = torch.stack([d["lm loss"] for d in losses]).sum(0) if losses else torch.zeros(2)
+            dist.all_reduce(total)
+            mb_times = torch.tensor(times.micro_batches, dtype=torch.float64)
+            dist.all_reduce(mb_times, op=dist.ReduceOp.MAX)  # a micro-batch lasts as long as its slowest rank
+            rec = _record(step, float(total[0] / total[1]), float(grad_norm), int(total[1]), step_time, step.plan,
+                          mb_times.tolist())
+            records.append(rec)
+            if rank == 0:
+                print(json.dumps(rec) if args.json else _line(rec), flush=True)
+    if rank == 0 and not args.json:
+        print(_summary(records), flush=True)
+    return 0
+
+
+def _line(r: dict) -> str:
+    return (f"step {r['step']:>3}  loss {r['loss']:.4f}  grad {r['grad_norm']:.3f}  tokens {r['tokens']:>7,}  "
+            f"time {r['step_time_s']:6.2f}s  predicted {r['predicted_step_time_s']:6.2f}s  "
+            f"mbs {r['micro_batches']}  degrees {','.join(map(str, r['degrees']))}"
+            + ("" if r["plan_source"].endswith("planner") else f"  [{r['plan_source']}]"))
+
+
+def _summary(records: list[dict]) -> str:
+    if not records:
+        return "no steps run"
+    measured = np.array([r["step_time_s"] for r in records[1:] or records])
+    predicted = np.array([r["predicted_step_time_s"] for r in records[1:] or records])
+    err = np.median(np.abs(predicted - measured) / measured)
+    tokens = sum(r["tokens"] for r in records[1:] or records)
+    return (f"{records[0]['planner']}: {len(records)} steps, median step {np.median(measured):.2f} s, "
+            f"{tokens / measured.sum():,.0f} tokens/s (after the first step); cost-model error {err:.0%} (median)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

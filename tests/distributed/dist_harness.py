@@ -1,0 +1,173 @@
+"""Run many checks in one launch of N gloo ranks (process start-up costs seconds; checks cost ms).
+
+A worker module lists its checks with ``@check`` and may define ``preload()`` (heavy imports, run
+once before the ranks fork) and ``setup()`` (per rank, after the process group exists; a failure
+there aborts the launch). The pytest side calls ``launch(worker, nprocs)`` once (module fixture)
+and gets, per check name, the failures of every rank; ``check_names(worker)`` lists the names for
+parametrization.
+
+``launch`` starts one fresh interpreter (``python dist_harness.py WORKER N INIT OUT``) that
+imports torch / megatron once via ``preload()`` and forks the N ranks, which rendezvous through a
+``file://`` store in a new temporary directory (parallel runs never collide on a port). Each rank
+runs every check, records a traceback or success in ``OUT/rank<R>.json`` and meets the others at
+a barrier; its output goes to ``OUT/rank<R>.log``. A check that raises on some ranks only should
+do so after its last collective (see ``Failures`` in the workers), or the others wait for the
+30 s gloo timeout.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+CHECKS: list = []
+
+
+def check(fn):
+    CHECKS.append(fn)
+    return fn
+
+
+def _load(script: Path, name: str):
+    CHECKS.clear()
+    spec = importlib.util.spec_from_file_location(name, script)
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(script.parent))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(script.parent))
+    return mod
+
+
+def check_names(script: Path) -> list[str]:
+    """Names of the checks a worker module defines (imports it without running anything)."""
+    _load(script, f"_names_{script.stem}")
+    names = [f.__name__ for f in CHECKS]
+    CHECKS.clear()
+    return names
+
+
+def _run_rank(mod, rank: int, world: int, init_method: str, out_dir: Path) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=30))
+    if hasattr(mod, "setup"):
+        mod.setup()
+    timings = {"setup": time.perf_counter() - t0}
+    results: dict[str, str | None] = {}
+    report = out_dir / f"rank{rank}.json"
+    for fn in CHECKS:
+        t0 = time.perf_counter()
+        try:
+            fn()
+            results[fn.__name__] = None
+        except Exception:  # noqa: BLE001 - reported to the parent
+            results[fn.__name__] = traceback.format_exc(limit=8)
+        report.write_text(json.dumps({"done": False, "results": results}))  # survives a later hang
+        dist.barrier()
+        timings[fn.__name__] = time.perf_counter() - t0
+    print("timings:", json.dumps({k: round(v, 3) for k, v in timings.items()}), flush=True)
+    report.write_text(json.dumps({"done": True, "results": results}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _launcher_main(script: Path, world: int, init_method: str, out_dir: Path, timeout: float) -> int:
+    """Import the worker once, fork the ranks, wait for them (killing stragglers at the deadline)."""
+    mod = _load(script, script.stem)
+    if hasattr(mod, "preload"):
+        mod.preload()
+    children = {}
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:  # the rank
+            code = 1
+            try:
+                log = os.open(out_dir / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                _run_rank(mod, rank, world, init_method, out_dir)
+                code = 0
+            except BaseException:  # noqa: BLE001
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        children[pid] = rank
+    deadline = time.monotonic() + timeout
+    status = 0
+    while children and time.monotonic() < deadline:
+        pid, st = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            time.sleep(0.05)
+            continue
+        children.pop(pid, None)
+        status |= os.waitstatus_to_exitcode(st) != 0
+    for pid, rank in children.items():  # hung ranks: only our own children
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        with open(out_dir / f"rank{rank}.log", "a") as f:
+            f.write(f"\nkilled after the {timeout:.0f} s launch deadline\n")
+        status = 1
+    return status
+
+
+def launch(script: Path, nprocs: int, timeout: float = 240.0) -> dict[str, list[str]]:
+    """Run the checks of ``script`` on ``nprocs`` ranks; returns {check name: [failure message per
+    failing rank]} (empty list = passed everywhere). Checks a rank did not report fail, with the
+    ranks' log tails."""
+    out = Path(tempfile.mkdtemp(prefix="mx-dist-"))
+    init = f"file://{out / 'rendezvous'}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, __file__, str(script), str(nprocs), init, str(out), str(timeout)],
+                          env=env, cwd=script.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout + 60)
+    results: dict[str, list[str]] = {}
+    reported: dict[str, int] = {}
+    problems = [f"launcher exited {proc.returncode}:\n{proc.stdout[-3000:]}"] if proc.returncode else []
+    for r in range(nprocs):
+        f = out / f"rank{r}.json"
+        report = json.loads(f.read_text()) if f.exists() else {"done": False, "results": {}}
+        if not report["done"]:
+            log = out / f"rank{r}.log"
+            tail = log.read_text()[-3000:] if log.exists() else "(no log)"
+            problems.append(f"rank {r} did not finish:\n{tail}")
+        for name, err in report["results"].items():
+            results.setdefault(name, [])
+            reported[name] = reported.get(name, 0) + 1
+            if err is not None:
+                results[name].append(f"rank {r}: {err}")
+    for name, k in reported.items():
+        if k < nprocs:
+            results[name].append(f"reported by only {k} of {nprocs} ranks")
+    if problems or any(results.values()):
+        results["__launch__"] = problems + [f"(logs kept in {out})"]
+    else:
+        shutil.rmtree(out, ignore_errors=True)
+    return results
+
+
+def assert_check(results: dict[str, list[str]], name: str) -> None:
+    failures = results.get(name, [f"check {name} was not reported by any rank"])
+    if failures:  # the launch notes (unfinished ranks, where the logs are) go along
+        raise AssertionError("\n".join(failures + results.get("__launch__", [])))
+
+
+if __name__ == "__main__":
+    sys.modules.setdefault("dist_harness", sys.modules["__main__"])  # one CHECKS list for the worker
+    sys.exit(_launcher_main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]),
+                            float(sys.argv[5])))
