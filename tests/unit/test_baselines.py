@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from small_cost import small_cost
 from megatron_ext.cost import CostModel
 from megatron_ext.data.lengths import sample_lengths
 from megatron_ext.errors import ConfigError, InfeasibleError
@@ -19,7 +20,7 @@ from megatron_ext.planner.baselines import adapt_megatron_schedule, step_time_ms
 
 COSTS = {
     "gpt-7b": CostModel.from_presets("gpt-7b", "a100-40g-8x8"),
-    "tiny": CostModel.from_presets("tiny", "cpu-4"),
+    "tiny": small_cost(),
 }
 BASELINES = ("static_ulysses", "batchada", "megatron_balanced_cp")
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 
+from small_cost import small_cost
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError, InfeasibleError
 from megatron_ext.spec import ClusterSpec, ModelSpec, load_cluster, load_model
@@ -30,7 +31,7 @@ def c7b() -> CostModel:
 
 @pytest.fixture(scope="module")
 def tiny() -> CostModel:
-    return CostModel.from_presets("tiny", "cpu-4")
+    return small_cost()
 
 
 def hand_seq_ms(s: float, d: int) -> float:

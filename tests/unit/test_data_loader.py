@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from small_cost import small_cost
 from megatron_ext.cost import CostModel
 from megatron_ext.data.datasets import DataError, InMemoryDocuments
 from megatron_ext.data.loader import (PlanMismatchError, PlanningDataLoader, _describe_mismatch,
@@ -15,7 +16,7 @@ from megatron_ext.data.loader import (PlanMismatchError, PlanningDataLoader, _de
 from megatron_ext.plan import validate
 from megatron_ext.planner import PlannerOptions, make_plan
 
-COST = CostModel.from_presets("tiny", "cpu-4")
+COST = small_cost()
 OPTS = PlannerOptions(time_limit=0.2)
 
 

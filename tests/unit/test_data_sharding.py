@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from small_cost import small_cost
 from megatron_ext.cost import CostModel
 from megatron_ext.data.sharding import (IGNORE_INDEX, group_shards, num_loss_tokens, padded_buffer_length, rank_part,
                                         shard_bounds, shard_tokens)
@@ -97,7 +98,7 @@ def test_hand_plan_parts():
 @given(st.lists(st.integers(1, 3000), min_size=1, max_size=40), st.sampled_from(["flexsp", "batchada",
                                                                                  "static_ulysses"]))
 def test_planned_parts_cover_every_token(lengths, planner):
-    cost = CostModel.from_presets("tiny", "cpu-4")
+    cost = small_cost()
     lengths = np.array(lengths)
     plan = make_plan(planner, lengths, cost, PlannerOptions(time_limit=0.2))
     _check_coverage(plan, lengths, _batch(lengths, seed=len(lengths)))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, note, settings, strategies as st
 
+from small_cost import small_cost
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError, InfeasibleError, InvalidPlanError, LengthsError
 from megatron_ext.plan import validate
@@ -18,7 +19,7 @@ from megatron_ext.spec import is_power_of_two
 
 COSTS = {
     "gpt-7b/a100-40g-8x8": CostModel.from_presets("gpt-7b", "a100-40g-8x8"),
-    "tiny/cpu-4": CostModel.from_presets("tiny", "cpu-4"),
+    "tiny/cpu-4": small_cost(),
     "gpt-7b/a100-40g-8x2": CostModel.from_presets("gpt-7b", "a100-40g-8x2"),
 }
 BASELINES = tuple(b for b in ("static_ulysses", "batchada", "megatron_balanced_cp") if b in PLANNERS)

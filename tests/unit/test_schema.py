@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from small_cost import small_cost
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import InvalidPlanError
 from megatron_ext.plan import (Chunk, MicroBatchPlan, Piece, Pipeline, SPGroup, StepPlan, fill_estimates,
@@ -16,7 +17,7 @@ from megatron_ext.plan.schema import VERSION
 
 @pytest.fixture(scope="module")
 def tiny() -> CostModel:  # 4 ranks, degrees 1, 2, 4
-    return CostModel.from_presets("tiny", "cpu-4")
+    return small_cost()
 
 
 @pytest.fixture(scope="module")
