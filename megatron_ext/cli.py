@@ -126,6 +126,23 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_train(args, rest: list[str]) -> int:
+    """Launch ``megatron_ext.runtime.train`` on one process per rank of the cluster with torchrun."""
+    import os
+    import subprocess
+
+    from megatron_ext.runtime.train import build_parser as train_parser
+
+    targs, unknown = train_parser().parse_known_args(rest)
+    if unknown:
+        raise ConfigError(f"unknown train option(s): {' '.join(unknown)} (see megatron-ext train --help)")
+    cost = CostModel.from_yaml(targs.cost_model) if targs.cost_model else CostModel.from_presets(targs.model, targs.cluster)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cost.num_gpus}",
+           "-m", "megatron_ext.runtime.train", *rest]
+    return subprocess.call(cmd, env=env)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="megatron-ext", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -159,13 +176,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_cost_args(bp)
     add_planner_args(bp)
     bp.set_defaults(func=cmd_bench)
+
+    t = sub.add_parser("train", add_help=False,
+                       help="train a small GPT on CPU ranks with per-step plans (torchrun); --help for options")
+    t.set_defaults(func=cmd_train)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
     try:
+        if args.func is cmd_train:
+            if "-h" in rest or "--help" in rest:
+                from megatron_ext.runtime.train import build_parser as train_parser
+                train_parser().print_help()
+                return 0
+            return cmd_train(args, rest)
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return args.func(args)
     except MegatronExtError as e:
         print(f"megatron-ext: error: {e}", file=sys.stderr)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -86,6 +86,9 @@ def _record(step, losses, grad_norm, tokens, step_time, plan, times) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # megatron-core says, once per rank and module, that CPU runs use its plain-torch fallbacks.
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
+    warnings.filterwarnings("ignore", message=r"full scope is deprecated")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     try:

@@ -1,0 +1,147 @@
+"""Worker for test_train_step.py: 4 gloo ranks run whole training steps through the runtime
+(megatron DDP + optimizer + megatron's schedule with FlexSP micro-batches) and compare them with
+one process running every sequence alone through megatron's stock GPTModel."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dist_harness import check
+
+ST: dict = {}
+SEQ_LEN = 512
+
+
+def preload():
+    from megatron_ext.runtime.compat import apply_cpu_compat
+
+    apply_cpu_compat()
+    import megatron.core.models.gpt.gpt_model  # noqa: F401
+    import megatron_ext.runtime.schedule  # noqa: F401
+    import megatron_ext.runtime.train  # noqa: F401
+
+
+def setup():
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_ext.runtime.groups import SPGroupPool
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    ST["pool"] = SPGroupPool()
+
+
+def _cost():
+    """A 4-rank cluster whose memory forces long sequences onto SP groups of degree 2 and 4."""
+    from megatron_ext.cost import CostModel
+    from megatron_ext.spec import ClusterSpec, ModelSpec
+
+    model = ModelSpec(name="t", num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4,
+                      ffn_hidden_size=64, params_b=1e-5, act_mb_per_token=0.01, a1=1e-4, a2=0.05, b1=5.0)
+    cluster = ClusterSpec(name="c", num_nodes=1, gpus_per_node=4, memory_gb=1.2 / 1024,
+                          a2a_bandwidth_gbps={2: 0.01, 4: 0.01})  # costly all-to-all: degree 1 where it fits
+    return CostModel(model, cluster)
+
+
+def _models():
+    if "models" in ST:
+        return ST["models"]
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_ext.runtime.train import build_model, build_optimizer
+
+    torch.manual_seed(0)
+    ddp, config = build_model(_cost().model, vocab_size=97, max_seq_len=SEQ_LEN, backend="sdpa")
+    for p in ddp.module.parameters():  # identical weights on every rank
+        dist.broadcast(p.data, src=0)
+    reference = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=SEQ_LEN,
+                         position_embedding_type="rope")
+    reference.load_state_dict(ddp.module.state_dict())
+    ST["models"] = ddp, reference, build_optimizer(ddp, lr=1e-3)
+    return ST["models"]
+
+
+def _step(planner: str, seed: int):
+    """A random length mix (some over one rank's memory), planned once on rank 0 and broadcast."""
+    from megatron_ext.data.loader import Step
+    from megatron_ext.planner import PlannerOptions, make_plan
+
+    rng = np.random.default_rng(seed)
+    lengths = np.concatenate([rng.integers(2, 60, 9), rng.integers(120, 400, 3)])
+    batch = [rng.integers(0, 97, n) for n in lengths]
+    box = [make_plan(planner, lengths, _cost(), PlannerOptions(time_limit=5.0)) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return Step(step=0, plan=box[0], batch=batch, lengths=lengths, samples=np.zeros((len(lengths), 3), int),
+                digest="", plan_source="test", plan_wait_s=0.0)
+
+
+def _reference_grads(reference, step):
+    """Per-token loss over the whole batch, every sequence alone through megatron's attention."""
+    reference.zero_grad()
+    total, count = 0.0, 0
+    for seq in step.batch:
+        tokens = torch.from_numpy(seq)
+        losses = reference(tokens[None, :-1], torch.arange(len(seq) - 1)[None], None, labels=tokens[None, 1:])
+        total = total + losses.sum()
+        count += len(seq) - 1
+    (total / count).backward()
+    return float(total / count), {n: p.grad.clone() for n, p in reference.named_parameters()}
+
+
+def _run(planner: str, seed: int):
+    from megatron_ext.runtime.schedule import forward_backward_flexsp
+
+    ddp, reference, _ = _models()
+    step = _step(planner, seed)
+    ddp.zero_grad_buffer()
+    losses, _ = forward_backward_flexsp(step, ddp, ST["pool"], pad_id=0)
+    total = torch.stack([d["lm loss"] for d in losses]).sum(0)
+    dist.all_reduce(total)
+    ref_loss, ref_grads = _reference_grads(reference, step)
+    degrees = {g.degree for mb in step.plan.micro_batches for g in mb.groups}
+    errors = []
+    if not np.isclose(float(total[0] / total[1]), ref_loss, rtol=1e-5):
+        errors.append(f"loss {float(total[0] / total[1])} vs reference {ref_loss}")
+    for name, p in ddp.module.named_parameters():
+        try:
+            torch.testing.assert_close(p.main_grad, ref_grads[name], atol=2e-6, rtol=1e-4)
+        except AssertionError as e:
+            errors.append(f"{name}: {e}")
+    assert not errors, f"{planner} plan with degrees {sorted(degrees)}: " + "\n".join(errors[:4])
+    return degrees
+
+
+@check
+def flexsp_step_matches_single_process():
+    degrees = _run("flexsp", seed=1)
+    assert len(degrees) > 1, f"the test batch should need mixed degrees, got {degrees}"
+
+
+@check
+def static_ulysses_step_matches_single_process():
+    _run("static_ulysses", seed=2)
+
+
+@check
+def batchada_step_matches_single_process():
+    _run("batchada", seed=3)
+
+
+@check
+def optimizer_step_runs_and_changes_weights():
+    from megatron_ext.runtime.schedule import forward_backward_flexsp
+
+    ddp, _, optimizer = _models()
+    before = [p.detach().clone() for p in ddp.module.parameters()]
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    forward_backward_flexsp(_step("flexsp", seed=4), ddp, ST["pool"], pad_id=0)
+    ok, grad_norm, _ = optimizer.step()
+    assert ok and np.isfinite(grad_norm) and grad_norm > 0
+    changed = [not torch.equal(a, p) for a, p in zip(before, ddp.module.parameters())]
+    assert all(changed), f"{changed.count(False)} parameters did not change"
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [float(p.detach().sum()) for p in ddp.module.parameters()])
+    assert all(g == gathered[0] for g in gathered), "ranks diverged after the optimizer step"
