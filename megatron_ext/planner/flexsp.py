@@ -1,14 +1,19 @@
 """FlexSP planning: Ulysses groups of mixed power-of-two degrees per micro-batch, via HiGHS.
 
-Per candidate micro-batch count M (the blaster's contiguous token-balanced split):
-1. LP relaxation, aggregated by degree: fractions f[q, d] of bucket q run at degree d and group
+One micro-batch (``_solve_part``):
+1. LP relaxation, aggregated by degree: fractions f[q, d] of DP bucket q run at degree d and group
    counts n[d], minimizing GPUs used for a makespan target C (time and memory of each degree's
-   groups within n[d] * C and n[d] * capacity). A bisection on C finds the smallest C that fits
-   the cluster: a lower bound of the micro-batch and the degree mix to aim for.
-2. Rounding + repair: integer group counts that fit the GPUs, concrete sequences placed longest
-   first on the least-loaded group of their LP degree (or any group that holds them), then local
-   moves off the slowest group.
-3. The best M wins; a micro-batch that cannot fit memory is split. Everything is deterministic.
+   groups within n[d] * C and n[d] * capacity). A bisection on C, warm re-solving one model,
+   finds the smallest C that fits the cluster: the degree mix to aim for.
+2. Rounding + repair: integer group counts that fit the GPUs, sequences placed longest first on
+   the least-loaded group of their LP degree (or any group that holds them), local moves off the
+   slowest group; where that is over 1% above the LP, first-fit packing bisected on the makespan.
+The step (``plan_flexsp``) compares starting partitions into micro-batches -- token-balanced
+contiguous cuts of the length-sorted batch (the paper's blaster) for each micro-batch count, the
+best homogeneous packings, every sequence at its cheapest degree, long sequences with short ones
+as filler -- refines the cuts by local search, and lets a node-limited MILP (warm-started) improve
+micro-batches while the plan is over 3% above the lower bound. Work is bounded by counts, not the
+clock, so the same input gives the same plan; the time limit is a guard and is reported if hit.
 """
 from __future__ import annotations
 
