@@ -15,6 +15,7 @@ setup(
         "highspy>=1.7",
         "numpy>=1.24",
         "pyyaml>=6",
+        "tokenizers>=0.20",
     ],
     extras_require={
         "dev": ["pytest>=8", "hypothesis>=6"],

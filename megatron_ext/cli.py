@@ -126,8 +126,8 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def cmd_train(args, rest: list[str]) -> int:
-    """Launch ``megatron_ext.runtime.train`` on one process per rank of the cluster with torchrun."""
+def _torchrun(rest: list[str], capture: bool = False):
+    """Run ``megatron_ext.runtime.train`` on one process per rank of the cluster with torchrun."""
     import os
     import subprocess
 
@@ -140,7 +140,53 @@ def cmd_train(args, rest: list[str]) -> int:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cost.num_gpus}",
            "-m", "megatron_ext.runtime.train", *rest]
-    return subprocess.call(cmd, env=env)
+    if not capture:
+        return subprocess.call(cmd, env=env)
+    return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+
+
+def cmd_train(rest: list[str]) -> int:
+    """``train [--compare P1,P2,...] ARGS``: one run, or one run per planner on the same data and
+    initial weights, then a table of measured step times, losses and the cost model's error."""
+    if "--compare" not in rest:
+        return _torchrun(rest)
+    i = rest.index("--compare")
+    if i + 1 >= len(rest):
+        raise ConfigError("--compare needs a comma-separated list of planners, e.g. flexsp,static_ulysses")
+    planners = rest[i + 1].split(",")
+    base = [a for j, a in enumerate(rest) if j not in (i, i + 1)]
+    if "--planner" in base or "--json" in base:
+        raise ConfigError("--compare sets --planner and --json itself")
+    runs = {}
+    for planner in planners:
+        print(f"training with --planner {planner} ...", file=sys.stderr, flush=True)
+        done = _torchrun([*base, "--planner", planner, "--json"], capture=True)
+        if done.returncode != 0:
+            raise ConfigError(f"the {planner} run failed (exit {done.returncode})")
+        runs[planner] = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    print(compare_table(runs))
+    return 0
+
+
+def compare_table(runs: dict[str, list[dict]]) -> str:
+    """Measured step time (median after the first step), tokens/s, the cost model's median error,
+    and the largest loss / grad-norm difference from the first planner's run at any step."""
+    first = next(iter(runs.values()))
+    lines = [f"{'planner':<22}{'steps':>6}{'step s':>9}{'tokens/s':>10}{'vs first':>9}{'model err':>10}"
+             f"{'max loss diff':>15}{'max grad diff':>15}"]
+    base_time = None
+    for name, recs in runs.items():
+        body = recs[1:] or recs  # the first step pays start-up costs
+        measured = np.array([r["step_time_s"] for r in body])
+        predicted = np.array([r["predicted_step_time_s"] for r in body])
+        t = float(np.median(measured))
+        base_time = base_time or t
+        loss_diff = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(recs, first))
+        grad_diff = max(abs(a["grad_norm"] - b["grad_norm"]) / abs(b["grad_norm"]) for a, b in zip(recs, first))
+        lines.append(f"{name:<22}{len(recs):>6}{t:>9.3f}{sum(r['tokens'] for r in body) / measured.sum():>10,.0f}"
+                     f"{base_time / t:>8.2f}x{np.median(np.abs(predicted - measured) / measured):>9.0%} "
+                     f"{loss_diff:>14.1e}{grad_diff:>15.1e}")
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
             if "-h" in rest or "--help" in rest:
                 from megatron_ext.runtime.train import build_parser as train_parser
                 train_parser().print_help()
+                print("\n  --compare P1,P2,...   train once per planner (same data and weights) and compare")
                 return 0
-            return cmd_train(args, rest)
+            return cmd_train(rest)
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return args.func(args)

@@ -33,12 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-model", metavar="PATH", help="cost-model YAML (overrides --model/--cluster)")
     p.add_argument("--steps", type=int, default=5, help="training steps")
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step")
-    p.add_argument("--max-seq-len", type=int, default=2048, help="longer documents are cut into pieces")
+    p.add_argument("--max-seq-len", type=int, default=4096, help="longer documents are cut into pieces")
     p.add_argument("--seed", type=int, default=0, help="same seed: same data and initial weights for every planner")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--time-limit", type=float, default=1.0, help="planner time limit per step (s)")
     p.add_argument("--static-degree", type=int, help="degree of static_ulysses")
-    p.add_argument("--data", metavar="PREFIX", help="Megatron indexed dataset prefix (default: the stdlib corpus)")
+    p.add_argument("--data", metavar="PREFIX", help="indexed dataset prefix made by megatron_ext.data.corpus "
+                   "(default: the Python standard library, BPE-tokenized; built once and cached)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "flash", "te"])
     p.add_argument("--json", action="store_true", help="one JSON record per step")
     return p
@@ -105,10 +106,9 @@ def _train(args, rank: int, world: int) -> int:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_ext.data.corpus import stdlib_corpus
+    from megatron_ext.data.corpus import stdlib_corpus, stdlib_tokenizer
     from megatron_ext.data.datasets import IndexedDocuments
     from megatron_ext.data.loader import PlanningDataLoader
-    from megatron_ext.data.tokenizer import ByteTokenizer
     from megatron_ext.runtime.compat import apply_cpu_compat
     from megatron_ext.runtime.groups import SPGroupPool
     from megatron_ext.runtime.schedule import forward_backward_flexsp
@@ -123,18 +123,15 @@ def _train(args, rank: int, world: int) -> int:
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
     pool = SPGroupPool()
-    tok = ByteTokenizer()
-    model, config = build_model(cost.model, tok.vocab_size, args.max_seq_len, args.attention_backend)
-    optimizer = build_optimizer(model, args.lr)
-
     # The same prefix on every rank: rank 0 builds the corpus once, the others wait for it.
     prefix = args.data
     if prefix is None:
-        if rank == 0:
-            prefix = stdlib_corpus()
-        box = [prefix]
+        box = [stdlib_corpus() if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         prefix = box[0]
+    tok = stdlib_tokenizer(prefix)
+    model, config = build_model(cost.model, tok.vocab_size, args.max_seq_len, args.attention_backend)
+    optimizer = build_optimizer(model, args.lr)
     docs = IndexedDocuments(prefix)
     options = PlannerOptions(time_limit=args.time_limit, static_degree=args.static_degree, drop_over_max=True)
     loader = PlanningDataLoader(docs, cost, args.global_batch, planner=args.planner, options=options, seed=args.seed,
