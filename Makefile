@@ -17,8 +17,8 @@ $(STAMP): setup.py
 	rm -f $(VENV)/.installed-* && touch $@
 
 demo: setup
+	$(CLI) train --compare flexsp,static_ulysses --steps 6
 	$(CLI) plan --lengths configs/lengths/stdlib.txt --model gpt-7b --cluster a100-40g-8x8
-	$(CLI) bench planner --batches 3 --dist wikipedia,github
 
 test: setup
 	$(PY) -m pytest -q tests

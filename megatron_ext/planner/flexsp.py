@@ -283,7 +283,9 @@ def _solve_part(batch: _Batch, ids: np.ndarray, options: PlannerOptions) -> list
         hi = _span(batch, *best) - batch.b1 if best else 2 * C
         lo_c = C
         if hi > C * 1.01:
-            for _ in range(10):  # bisection on the packing target
+            # Bisection on the packing target; fewer steps for big micro-batches (each packing
+            # costs sequences x groups).
+            for _ in range(10 if len(ids) <= 1024 else 4):
                 if hi <= lo_c * 1.005:
                     break
                 mid = (lo_c + hi) / 2
@@ -518,8 +520,14 @@ def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -
         cuts = [0, *np.cumsum([len(p) for p in balanced_split(order, lengths, m)]).tolist()]
         contiguous.append((cuts, search.total(cuts)))
     contiguous.sort(key=lambda c: c[1])
-    others = [_homogeneous_start(batch, lengths, cost, options), _cheapest_degree_start(batch, options)]
-    others += [_filled_start(batch, order, m, options) for m in range(m_min, m_min + 2)]
+    starts = [lambda: _homogeneous_start(batch, lengths, cost, options), lambda: _cheapest_degree_start(batch, options),
+              lambda: _filled_start(batch, order, m_min, options), lambda: _filled_start(batch, order, m_min + 1, options)]
+    others = [([mb for a, b in zip(c[:-1], c[1:]) for mb in search.part(a, b)], t) for c, t in contiguous[:1]]
+    for make in starts:  # each is bounded work; the clock only guards against a slow machine
+        if time.perf_counter() > start + options.time_limit:
+            search.timed_out = True
+            break
+        others.append(make())
     others.sort(key=lambda c: c[1])
     # Refine the cuts by local search while contiguous splits are in the running.
     for cuts, total in contiguous[:2]:
