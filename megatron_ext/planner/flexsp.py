@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import math
 import time
+from functools import partial
 
 import highspy
 import numpy as np
 
 from megatron_ext.cost import CostModel
 from megatron_ext.planner.api import Groups, PlannerOptions, register
-from megatron_ext.planner.baselines import best_fit_bins, static_packing, step_time_ms
+from megatron_ext.planner.baselines import best_fit_bins, static_packing
 from megatron_ext.planner.blaster import balanced_split, dp_buckets
 
 
@@ -430,16 +431,17 @@ class _SplitSearch:
         return cuts, best
 
 
-def _homogeneous_start(batch: _Batch, lengths: np.ndarray, cost: CostModel, options: PlannerOptions,
-                       tries: int = 2) -> tuple[list[tuple[Groups, float]], float]:
-    """The paper's warm start, improved: the best homogeneous-degree packings (which mix long and
-    short sequences and so fill memory tightly), each micro-batch then re-planned with mixed
-    degrees where that is faster. Never worse than the best homogeneous plan."""
+def _homogeneous_packings(batch: _Batch, lengths: np.ndarray, cost: CostModel) -> list[tuple[list, float]]:
+    """The paper's warm start: one packing per feasible homogeneous degree (the best of them is
+    BatchAda's plan, so flexsp never does worse), fastest first, as (micro-batches, step time)."""
     lowest = cost.min_degree(int(lengths.max()))
-    packings = [static_packing(lengths, cost, d) for d in cost.degrees if d >= lowest]
-    times = [step_time_ms(p, lengths, cost) for p in packings]
-    return min((_replan(batch, packings[k], options) for k in np.argsort(times, kind="stable")[:tries]),
-               key=lambda c: c[1])
+    out = []
+    for d in cost.degrees:
+        if d >= lowest:
+            mbs = [(groups, batch.b1 + max(batch.time[ids, np.searchsorted(batch.degrees, g)].sum() for g, ids in groups))
+                   for groups in static_packing(lengths, cost, d)]
+            out.append((mbs, sum(t for _, t in mbs)))
+    return sorted(out, key=lambda c: c[1])
 
 
 def _cheapest_degree_start(batch: _Batch, options: PlannerOptions) -> tuple[list, float]:
@@ -520,9 +522,13 @@ def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -
         cuts = [0, *np.cumsum([len(p) for p in balanced_split(order, lengths, m)]).tolist()]
         contiguous.append((cuts, search.total(cuts)))
     contiguous.sort(key=lambda c: c[1])
-    starts = [lambda: _homogeneous_start(batch, lengths, cost, options), lambda: _cheapest_degree_start(batch, options),
-              lambda: _filled_start(batch, order, m_min, options), lambda: _filled_start(batch, order, m_min + 1, options)]
+    homogeneous = _homogeneous_packings(batch, lengths, cost)
+    # Mixed degrees inside the two best homogeneous partitions, then the other starting points.
+    starts = [partial(_replan, batch, [g for g, _ in mbs], options) for mbs, _ in homogeneous[:2]]
+    starts += [partial(_cheapest_degree_start, batch, options), partial(_filled_start, batch, order, m_min, options),
+               partial(_filled_start, batch, order, m_min + 1, options)]
     others = [([mb for a, b in zip(c[:-1], c[1:]) for mb in search.part(a, b)], t) for c, t in contiguous[:1]]
+    others.append(homogeneous[0])
     for make in starts:  # each is bounded work; the clock only guards against a slow machine
         if time.perf_counter() > start + options.time_limit:
             search.timed_out = True
