@@ -16,6 +16,7 @@ from megatron_ext.data.lengths import DISTRIBUTIONS, read_lengths, sample_length
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.planner import PLANNERS, PlannerOptions, make_plan
 from megatron_ext.planner.api import BASELINES
+from megatron_ext.sim.commands import add_pipeline_args, add_simulate_command
 
 
 def parse_tokens(text: str) -> int:
@@ -41,7 +42,8 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
 
 def add_planner_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("planner")
-    g.add_argument("--planner", default="flexsp", help=f"one of: {', '.join(PLANNERS)} (default: flexsp)")
+    g.add_argument("--planner", default="flexsp",
+                   help=f"one of: {', '.join(PLANNERS)}, elastic_pp, seq1f1b, batch_1f1b (default: flexsp)")
     g.add_argument("--time-limit", type=float, default=1.0, metavar="SEC", help="solver time limit per step")
     g.add_argument("--static-degree", type=int, help="degree of static_ulysses (default: the largest allowed)")
     g.add_argument("--drop-over-max", action="store_true",
@@ -105,8 +107,13 @@ def _plan_table(plan, lengths, cost, max_seq_len: int | None = None) -> str:
 
 
 def cmd_plan(args) -> int:
+    from megatron_ext.planner.pipeline import PP_PLANNERS
+    from megatron_ext.sim.commands import run_pp_plan
+
     cost = cost_from_args(args)
     lengths = lengths_from_args(args, cost)
+    if args.planner in PP_PLANNERS:
+        return run_pp_plan(args, cost, lengths)
     plan = make_plan(args.planner, lengths, cost, options_from_args(args),
                      baselines=() if args.no_baselines else BASELINES)
     print(plan.to_json(indent=1) if args.json else _plan_table(plan, lengths, cost, args.max_seq_len))
@@ -206,7 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baselines", action="store_true", help="skip timing the baselines")
     add_cost_args(p)
     add_planner_args(p)
+    add_pipeline_args(p)
     p.set_defaults(func=cmd_plan)
+    add_simulate_command(sub, add_cost_args, cost_from_args, parse_tokens)
 
     b = sub.add_parser("bench", help="benchmarks that print tables")
     bsub = b.add_subparsers(dest="what", required=True)

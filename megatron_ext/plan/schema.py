@@ -162,7 +162,10 @@ def validate(plan: StepPlan, lengths, cost: CostModel) -> StepPlan:
     if plan.kind == "flexsp":
         _validate_flexsp(plan, lengths, cost)
     else:
+        from megatron_ext.plan.pipelines import validate_pipelines
+
         _validate_pieces(plan, lengths)
+        validate_pipelines(plan, lengths, cost)
     return plan
 
 

@@ -47,6 +47,10 @@ def register(name: str) -> Callable[[PlannerFn], PlannerFn]:
 def make_plan(name: str, lengths, cost: CostModel, options: PlannerOptions = PlannerOptions(),
               baselines: tuple[str, ...] = ()) -> StepPlan:
     """Plan one step with planner ``name``; time each named baseline on the same batch."""
+    from megatron_ext.planner.pipeline import PP_PLANNERS, make_pp_plan
+
+    if name in PP_PLANNERS:  # elastic pipelines: their own chunking, schedule and simulator timing
+        return make_pp_plan(name, lengths, cost, options, baselines)
     if name not in PLANNERS:
         raise ConfigError(f"unknown planner {name!r}; choose one of {', '.join(PLANNERS)}")
     lengths = np.asarray(lengths, dtype=np.int64)

@@ -54,31 +54,41 @@ def _infeasible(p: int, cp: Checkpoint, need: float, where: str, name) -> Infeas
 def greedy_recompute(cps: list[list[Checkpoint]], save: np.ndarray, rc: np.ndarray, layers: int,
                      room: np.ndarray, bpos: np.ndarray, tied: bool = True, where: str = "pipeline",
                      name=None) -> np.ndarray:
-    """Raise recompute where memory is over, most MB saved per ms first. [P, n] ints."""
+    """Raise recompute where memory is over, moment by moment, most MB saved per ms first. [P, n] ints."""
     P, n = len(cps), len(save)
     var = _var_map(P, n, bpos, tied)
     nvar = int(var.max()) + 1 if var.size else 0
     x = np.zeros(nvar, dtype=np.int64)
-    # value of each variable: MB saved per ms of recompute, summed over its (p, k)
-    for p, stage in enumerate(cps):
-        for cp in stage:
-            need = cp.const - room[p] - sum(save[k] * x[var[p, k]] for k in cp.reducible)
-            if need <= 1e-9:
+    over = [(p, cp) for p, stage in enumerate(cps) for cp in stage if cp.const - room[p] > 1e-9]
+    if not over:
+        return x[var]
+    # A[row, j]: MB that one more layer of variable j saves at checkpoint row
+    A = np.zeros((len(over), nvar))
+    for r, (p, cp) in enumerate(over):
+        if cp.reducible:
+            ks = np.asarray(cp.reducible, dtype=np.int64)
+            np.add.at(A[r], var[p, ks], save[ks])
+    need0 = np.array([cp.const - room[p] for p, cp in over])
+    reduced = np.zeros(len(over))
+    value = save / np.maximum(rc, 1e-12)
+    for r, (p, cp) in enumerate(over):
+        need = need0[r] - reduced[r]
+        if need <= 1e-9:
+            continue
+        cand = sorted((k for k in cp.reducible if save[k] > 0), key=lambda k: (-value[k], k))
+        for k in cand:
+            j = var[p, k]
+            free = layers - x[j]
+            if free <= 0:
                 continue
-            cand = sorted((k for k in cp.reducible if save[k] > 0),
-                          key=lambda k: (-save[k] / max(rc[k], 1e-12), k))
-            for k in cand:
-                j = var[p, k]
-                room_l = layers - x[j]
-                if room_l <= 0:
-                    continue
-                add = min(room_l, int(np.ceil(need / save[k] - 1e-9)))
-                x[j] += add
-                need -= add * save[k]
-                if need <= 1e-9:
-                    break
-            if need > 1e-6:
-                raise _infeasible(p, cp, need, where, name)
+            add = int(min(free, np.ceil(need / A[r, j] - 1e-9)))
+            x[j] += add
+            reduced += A[:, j] * add
+            need = need0[r] - reduced[r]
+            if need <= 1e-9:
+                break
+        if need > 1e-6:
+            raise _infeasible(p, cp, need, where, name)
     return x[var]
 
 

@@ -21,12 +21,14 @@ packed up to ``T_t``. The planner (planner/pipeline.py) searches ``T_t`` (and so
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from megatron_ext.cost.pipeline import PipelineCost
+from megatron_ext.errors import ConfigError
 
 Pieces = list[tuple[int, int, int]]  # (seq_id, start, end)
 
@@ -83,8 +85,6 @@ def balanced_chunks(seq_ids, lengths, pc: PipelineCost, target_ms: float, token_
     b_pieces: list[Pieces] = []
     b_time: list[float] = []
     b_tok: list[float] = []
-    b_tail: list[bool] = []
-    b_owner: list[int] = []  # index of the long sequence whose tail seeds the bucket, or -1
     short: list[int] = []
     for sid in order.tolist():
         s = int(lengths[sid])
@@ -101,37 +101,17 @@ def balanced_chunks(seq_ids, lengths, pc: PipelineCost, target_ms: float, token_
         b_pieces.append([(sid, a, s)])
         b_time.append(float(pc.prefix_ms(s) - pc.prefix_ms(a)))
         b_tok.append(float(s - a))
-        b_tail.append(a > 0)
-        b_owner.append(len(split_chunks) - 1)
 
     if short:
         sh = np.asarray(short, dtype=np.int64)
-        t_short = pc.prefix_ms(lengths[sh])
-        # short sequences longest first (their order is already by length)
-        bt = np.array(b_time + [0.0] * len(short))
-        bk = np.array(b_tok + [0.0] * len(short))
-        nb = len(b_time)
+        t_short = pc.prefix_ms(lengths[sh]).tolist()
         eps = 1e-9 * cap_ms
-        for sid, t in zip(short, t_short.tolist()):
-            s = float(lengths[sid])
-            ok = (bt[:nb] + t <= cap_ms + eps) & (bk[:nb] + s <= token_cap)
-            if ok.any():
-                cand = np.flatnonzero(ok)
-                if fit == "ratio":
-                    ratio = bt[cand] / np.maximum(bk[cand], 1.0)
-                    j = int(cand[np.argmin(ratio)])
-                else:  # tightest fit by time
-                    j = int(cand[np.argmax(bt[cand])])
-            else:
-                j = nb
-                nb += 1
-                b_pieces.append([])
-                b_tail.append(False)
-                b_owner.append(-1)
-            b_pieces[j].append((sid, 0, int(s)))
-            bt[j] += t
-            bk[j] += s
-        b_time = bt[:nb].tolist()
+        if fit == "best":
+            _best_fit(short, t_short, lengths, cap_ms + eps, token_cap, b_pieces, b_time, b_tok)
+        elif fit == "ratio":
+            _ratio_fit(short, t_short, lengths, cap_ms + eps, token_cap, b_pieces, b_time, b_tok)
+        else:
+            raise ConfigError(f"unknown chunk fit {fit!r}; use 'best' or 'ratio'")
 
     # forward order: each long sequence's slices then its tail bucket (longest first), then the
     # batched chunks, slowest first
@@ -166,3 +146,44 @@ def check_chunking(chunks: list[Pieces], lengths, seq_ids=None) -> None:
             assert ci > last_chunk, f"sequence {s}: slices out of forward order"
             pos, last_chunk = b, ci
         assert pos == lengths[s], f"sequence {s}: ends at {pos} of {lengths[s]}"
+
+
+def _best_fit(short, t_short, lengths, cap, token_cap, b_pieces, b_time, b_tok) -> None:
+    """Each short sequence into the fullest (by time) bucket it fits; a new bucket otherwise."""
+    keys = sorted((t, j) for j, t in enumerate(b_time))  # buckets by time, ascending
+    for sid, t in zip(short, t_short):
+        s = float(lengths[sid])
+        pos = bisect.bisect_right(keys, (cap - t, math.inf)) - 1
+        while pos >= 0 and b_tok[keys[pos][1]] + s > token_cap:
+            pos -= 1
+        if pos >= 0:
+            j = keys.pop(pos)[1]
+        else:
+            j = len(b_pieces)
+            b_pieces.append([])
+            b_time.append(0.0)
+            b_tok.append(0.0)
+        b_pieces[j].append((int(sid), 0, int(s)))
+        b_time[j] += t
+        b_tok[j] += s
+        bisect.insort(keys, (b_time[j], j))
+
+
+def _ratio_fit(short, t_short, lengths, cap, token_cap, b_pieces, b_time, b_tok) -> None:
+    """The paper's rule: among the buckets with room, the one of lowest time/tokens ratio."""
+    for sid, t in zip(short, t_short):
+        s = float(lengths[sid])
+        best, best_r = -1, math.inf
+        for j in range(len(b_pieces)):
+            if b_time[j] + t <= cap and b_tok[j] + s <= token_cap:
+                r = b_time[j] / max(b_tok[j], 1.0)
+                if r < best_r:
+                    best, best_r = j, r
+        if best < 0:
+            best = len(b_pieces)
+            b_pieces.append([])
+            b_time.append(0.0)
+            b_tok.append(0.0)
+        b_pieces[best].append((int(sid), 0, int(s)))
+        b_time[best] += t
+        b_tok[best] += s

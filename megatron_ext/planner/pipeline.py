@@ -4,10 +4,14 @@
 1. Grouping: the sequences, longest first, are cut into one or more consecutive groups, each run
    as its own 1F1B pipeline, one after another, by the DP
    ``dp[j] = min_i dp[i] + T(i..j)`` with T an analytic estimate (work, per-chunk fixed cost,
-   warm-up/cool-down of P - 1 chunks, recompute forced by the stage-0 memory).
-   The one-pipeline plan is always built too; the faster (simulated) wins.
-2. Chunking per pipeline (planner/chunking.py): the target chunk time is searched; each
-   candidate is chunked, ordered, given greedy recompute and simulated; the fastest wins.
+   warm-up/cool-down of P - 1 chunks, recompute forced by the stage-0 memory). When memory binds,
+   "the longest sequence in a pipeline of its own" is tried too. The one-pipeline plan is always
+   built; the fastest grouping (simulated) wins.
+2. Chunking per pipeline (planner/chunking.py): the target chunk time (and so K) and the chunk
+   token cap are searched, likeliest first, within the time limit; each candidate is chunked,
+   ordered, given greedy recompute and simulated; the fastest wins. Packed-slice chunkings
+   (packs of the context length or 1-2x the longest sequence, cut into k equal-compute slices)
+   are candidates too, so elastic_pp is never worse than the Seq1F1B chunking it could pick.
 3. Order: elastic 1F1B (sim/engine.one_f_one_b). Forward order: each long sequence's slices then
    its hybrid tail chunk, longest sequences first, then batched chunks slowest first. Backward
    order: the forward order with each split sequence's chunks reversed. Warm-up on stage p:
@@ -35,14 +39,13 @@ import numpy as np
 
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost, check_layout, default_layout
-from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError
+from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError, MegatronExtError
 from megatron_ext.plan.pipelines import validate_pipelines
 from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan, validate
 from megatron_ext.planner.checkpointing import greedy_recompute, solve_recompute
 from megatron_ext.planner.chunking import Pieces, balanced_chunks
 from megatron_ext.sim.engine import (ChunkTable, analyze_chunks, backward_order, checkpoint_memory,
-                                     list_schedule, memory_checkpoints, one_f_one_b, op_times, order_names,
-                                     warmup_counts)
+                                     list_schedule, memory_checkpoints, one_f_one_b, op_times, order_names)
 from megatron_ext.sim.simulator import SimResult, simulate
 
 
@@ -61,6 +64,7 @@ class PipelineOptions:
     max_pipelines: int = 3
     pack_tokens: int | None = None  # baselines: micro-batch capacity (default: the longest sequence)
     seq1f1b_slices: tuple[int, ...] = (2, 4, 8)
+    pack_slices: tuple[int, ...] = (1, 2, 4)  # elastic_pp also tries packs (of pack_tokens) cut in k slices
     baseline_recompute: str = "auto"  # baselines: "auto" (none if it fits, else full) | "none" | "full"
 
 
@@ -159,7 +163,8 @@ def _check_sequences(seq_ids: np.ndarray, lengths: np.ndarray, pc: PipelineCost,
 
 def _targets(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions) -> list[float]:
     """Candidate chunk-time targets: the longest sequence's time over K slices, and multiples of
-    it when nothing needs splitting."""
+    it when nothing needs splitting; the likeliest first (closest to the analytic optimum
+    sqrt(b W / (P - 1)) of work W, per-chunk fixed cost b and P stages)."""
     lens = lengths[seq_ids]
     s_max = int(lens.max())
     t_max = float(pc.prefix_ms(s_max))
@@ -171,30 +176,51 @@ def _targets(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions) -> list[
     for m in (1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32):
         if t_max * m <= total / max(1, pc.pp) * 1.5:
             out.append(t_max * m)
+    guess = math.sqrt(max(pc.fixed_ms, 1e-3 * total / max(1, len(lens))) * total / max(1, pc.pp - 1))
+    out.sort(key=lambda t: abs(math.log(t / guess)))
     return out
 
 
 def _token_caps(seq_ids, lengths, pc: PipelineCost) -> list[float]:
-    """No cap, and the cap that lets stage 0 hold the longest sequence plus P - 1 full chunks."""
-    act_tok = pc.act_layer_mb * pc.layers_per_stage
+    """Token caps of a batched/hybrid chunk to try: none; the cap that lets stage 0 hold the
+    longest sequence plus P - 1 full chunks without recompute; the same with every layer
+    recomputed (input and K/V kept, one chunk re-materialized); their geometric mean."""
+    P, L_s = pc.pp, pc.layers_per_stage
+    act_tok = pc.act_layer_mb * L_s
+    kept_tok = (pc.input_layer_mb + pc.kv_layer_mb) * L_s
     s_max = float(lengths[seq_ids].max())
-    room_tok = pc.activation_room_mb / act_tok
+    total = float(lengths[seq_ids].sum())
+    room = pc.activation_room_mb
     caps = [math.inf]
-    if pc.pp > 1:
-        cap = (room_tok - s_max) / (pc.pp - 1)
-        if cap > 0 and cap < float(lengths[seq_ids].sum()):
-            caps.append(max(cap, 1.0))
+    if P > 1:
+        no_rec = (room / act_tok - s_max) / (P - 1)
+        full = (room - s_max * kept_tok - float(pc.dkv_mb(s_max))) / ((P - 1) * kept_tok + act_tok)
+        good = [c for c in (no_rec, full) if 0 < c < total]
+        caps += sorted(set(good), reverse=True)
+        if len(good) == 2 and min(good) > 0:
+            caps.insert(2, math.sqrt(good[0] * good[1]))
     return caps
 
 
 def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadline: float | None = None,
                where: str = "pipeline") -> BuiltPipeline:
-    """Search the chunk-time target (and so K) for one pipeline; greedy recompute; best by makespan."""
+    """Search the chunk-time target (and so K) and the chunk token cap for one pipeline, with
+    greedy recompute; the fastest simulated candidate wins. Past ``deadline`` the search stops
+    at the first feasible candidate found."""
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
     best: BuiltPipeline | None = None
     errors = []
-    for cap in _token_caps(seq_ids, lengths, pc):
-        for target in _targets(seq_ids, lengths, pc, opts):
+    targets = _targets(seq_ids, lengths, pc, opts)
+    caps = _token_caps(seq_ids, lengths, pc)
+    finite = [c for c in caps if math.isfinite(c)]
+    # near the memory limit, finer caps as a last resort
+    fallback = [min(finite, default=float(lengths[seq_ids].max())) / 2 ** i for i in (1, 2)]
+    for ci, cap in enumerate(caps + fallback):
+        if ci >= len(caps) and best is not None:
+            break
+        if ci and best is not None and not best.recompute.any():
+            break  # a smaller cap only adds chunks when memory does not bind
+        for target in targets:
             if deadline is not None and best is not None and time.perf_counter() > deadline:
                 break
             ch = balanced_chunks(seq_ids, lengths, pc, target, cap, opts.granularity, opts.fit,
@@ -207,6 +233,21 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
             b.slices = ch.slices
             if best is None or b.makespan_ms < best.makespan_ms - 1e-9:
                 best = b
+    # packed-slice candidates (Seq1F1B's chunkings: packs of the context length cut into k
+    # equal-compute slices; each slice holds at most one continued piece, so the tail rule holds)
+    longest = int(lengths[seq_ids].max())
+    caps = {_pack_tokens(seq_ids, lengths, opts)} | {-(-int(longest * f) // 1024) * 1024 for f in (1, 1.5, 2)}
+    for cap, k in [(c, k) for c in sorted(caps) for k in opts.pack_slices]:
+        packs = _pack(seq_ids, lengths, cap)
+        pieces = [c for p in packs for c in split_pack(p, lengths, pc, k)]
+        try:
+            b = build_pipeline(pieces, pc, "greedy", opts.tied, where=where)
+        except InfeasibleError as e:
+            errors.append(str(e))
+            continue
+        b.slices = -k  # marks a packed-slice chunking in the status
+        if best is None or b.makespan_ms < best.makespan_ms - 1e-9:
+            best = b
     if best is None:
         raise InfeasibleError(errors[-1] if errors else f"{where}: no feasible chunking")
     return best
@@ -256,15 +297,16 @@ def group_sequences(seq_ids, lengths, pc: PipelineCost, max_groups: int = 3) -> 
             i = int(np.argmin(v))
             dp[g, j], arg[g, j] = v[i], i
     g = int(np.argmin(dp[1:, n])) + 1
-    if not np.isfinite(dp[g, n]):
-        g = G
+    if not np.isfinite(dp[g, n]):  # the estimate sees no feasible grouping: split by tokens
+        bounds = np.searchsorted(np.cumsum(lengths[order]), lengths[order].sum() * np.arange(1, G) / G) + 1
+        return [x for x in np.split(order, np.unique(np.clip(bounds, 1, n - 1))) if x.size]
     cuts = []
     j = n
     for gg in range(g, 0, -1):
         i = int(arg[gg, j])
         cuts.append((i, j))
         j = i
-    return [order[i:j] for i, j in reversed(cuts)]
+    return [order[i:j] for i, j in reversed(cuts) if j > i]
 
 
 def _resolve_layout(cost: CostModel, pp, sp) -> tuple[int, int]:
@@ -320,6 +362,10 @@ def _kept(lengths, seq_ids) -> tuple[np.ndarray, np.ndarray]:
     return lengths, ids
 
 
+def _chunking_note(b: BuiltPipeline) -> str:
+    return f"K={b.slices}" if b.slices > 0 else f"packs cut in {-b.slices}"
+
+
 def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | None = None,
                     options: PipelineOptions | None = None, *, seq_ids=None, **overrides) -> StepPlan:
     """Plan one step with elastic pipelines of ``pp`` stages of SP degree ``sp`` (pp x sp = GPUs).
@@ -329,24 +375,34 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     lengths, ids = _kept(lengths, seq_ids)
     pc = _pipeline_cost(cost, pp if pp is not None else opts.pp, sp if sp is not None else opts.sp, opts)
     _check_sequences(ids, lengths, pc, opts)
-    deadline = start + 0.6 * opts.time_limit
+    budget = opts.time_limit
 
     candidates: list[tuple[float, list[BuiltPipeline], list[np.ndarray]]] = []
     err = None
     try:
-        one = plan_group(ids, lengths, pc, opts, deadline, "pipeline 0")
+        one = plan_group(ids, lengths, pc, opts, start + 0.4 * budget, "pipeline 0")
         candidates.append((one.makespan_ms, [one], [ids]))
     except InfeasibleError as e:
         err = e
     if opts.max_pipelines > 1 and len(ids) > 1:
+        groupings = []
         groups = group_sequences(ids, lengths, pc, opts.max_pipelines)
         if len(groups) == 1 and err is not None:  # the estimate missed: halve by tokens
             order = groups[0]
             cut = int(np.searchsorted(np.cumsum(lengths[order]), lengths[order].sum() / 2)) + 1
             groups = [order[:cut], order[cut:]] if 0 < cut < len(order) else groups
         if len(groups) > 1:
+            groupings.append(groups)
+        if err is not None or candidates[0][1][0].recompute.any():
+            # memory binds: the longest sequence in a pipeline of its own relieves the others
+            order = ids[np.lexsort((ids, -lengths[ids]))]
+            groupings.append([order[:1], order[1:]])
+        for gi, groups in enumerate(groupings):
             try:
-                built = [plan_group(g, lengths, pc, opts, None, f"pipeline {i}") for i, g in enumerate(groups)]
+                built = []
+                for i, g in enumerate(groups):
+                    frac = (gi + (i + 1) / len(groups)) / len(groupings)
+                    built.append(plan_group(g, lengths, pc, opts, start + budget * (0.4 + 0.3 * frac), f"pipeline {i}"))
                 candidates.append((sum(b.makespan_ms for b in built), built, groups))
             except InfeasibleError as e:
                 err = err or e
@@ -368,7 +424,7 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     pipes = [b.to_pipeline(pc) for b in final]
     rec_note = "; ".join(sorted({b.status for b in final}))
     status = (f"{len(final)} pipeline{'s' if len(final) > 1 else ''} x {pc.pp} stages x SP {pc.sp}; "
-              f"K={','.join(str(b.slices) for b in final)}; {sum(b.table.n for b in final)} chunks; {rec_note}")
+              f"{', '.join(_chunking_note(b) for b in final)}; {sum(b.table.n for b in final)} chunks; {rec_note}")
     dropped = np.setdiff1d(np.arange(len(lengths)), ids)
     return _finish("elastic_pp", pipes, lengths, cost, pc, opts, start, status, dropped)
 
@@ -514,7 +570,7 @@ def make_pp_plan(name: str, lengths, cost: CostModel, options=None, baselines: t
             plan.baselines[b] = {"estimated_step_time_s": step, "solve_time_s": other.solve_time_s,
                                  "num_micro_batches": units, "speedup": step / plan.estimated_step_time_s,
                                  "status": other.solver_status}
-        except (InfeasibleError, LengthsError, ConfigError) as e:
+        except (MegatronExtError, ImportError) as e:  # a baseline that cannot run this batch
             plan.baselines[b] = {"error": str(e)}
     return plan
 
@@ -571,4 +627,4 @@ def describe(plan: StepPlan, lengths, result: SimResult | None = None) -> str:
 
 __all__ = ["BuiltPipeline", "PP_BASELINES", "PP_PLANNERS", "PipelineOptions", "build_pipeline", "describe",
            "group_sequences", "make_pp_plan", "plan_batch_1f1b", "plan_elastic_pp", "plan_group", "plan_seq1f1b",
-           "split_pack", "warmup_counts"]
+           "split_pack"]

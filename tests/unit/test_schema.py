@@ -223,8 +223,10 @@ def test_rejects_unknown_kind(tiny):
 
 
 def _pieces_plan(pieces, dropped=()) -> StepPlan:
+    """One stage of SP 4, each piece its own chunk, run F then B per chunk (order of pieces)."""
+    order = [x for k in range(len(pieces)) for x in (f"F{k}", f"B{k}")]
     return StepPlan(kind="elastic_pp", num_gpus=4, dropped_seq_ids=list(dropped),
-                    pipelines=[Pipeline(1, 4, [Chunk(k, [Piece(*p)]) for k, p in enumerate(pieces)])])
+                    pipelines=[Pipeline(1, 4, [Chunk(k, [Piece(*p)], [0]) for k, p in enumerate(pieces)], [order])])
 
 
 @pytest.mark.parametrize("pieces, match", [

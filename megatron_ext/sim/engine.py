@@ -1,0 +1,361 @@
+"""The core of the pipeline simulator, on arrays: chunk tables, dependencies, memory and timing.
+
+Everything here is derived from a pipeline's chunks (their pieces) and per-stage operation
+orders; nothing trusts the planner's own bookkeeping. The planner calls these functions to score
+candidate plans, and ``megatron_ext.sim.simulate`` calls them to time and check a StepPlan.
+
+Dependencies (InfiniPipe / Seq1F1B): for two consecutive pieces of one sequence, held by chunks a
+(earlier tokens) and b (later tokens), on every stage the forward of b follows the forward of a
+(b attends to a's K/V), and the backward of a follows the backward of b (a's dK/dV needs the
+gradient b sends back for the prefix). Across stages, the forward of a chunk on stage p follows
+its forward on stage p-1 plus one p2p transfer, the backward on p its backward on p+1 plus one.
+
+Each stage executes its operations one after another in the given order, so its memory is a
+function of the order alone (not of the times): after a forward, the chunk's retained memory is
+added; during a backward, the chunk's full activations are back (recomputed layers re-run) and,
+for split sequences, the prefix dK/dV buffer is live. The list scheduler starts every operation
+as soon as its stage is free and its dependencies are done; if no stage can start its next
+operation while some remain, the order deadlocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megatron_ext.cost.pipeline import PipelineCost
+from megatron_ext.errors import InvalidPlanError
+from megatron_ext.plan.schema import Chunk
+
+FWD, BWD = 0, 1
+
+
+@dataclass
+class ChunkTable:
+    """Per-chunk data of one pipeline (index = position in the pipeline's chunk list)."""
+
+    ids: list[int]
+    tokens: np.ndarray  # tokens per chunk
+    work: np.ndarray  # whole-model one-GPU fwd+bwd ms of the chunk's pieces (with their prefixes)
+    split_tokens: np.ndarray  # tokens in pieces of sequences split over several chunks
+    fwd_pred: list[list[int]]  # chunks whose forward must come first (same stage)
+    bwd_pred: list[list[int]]  # chunks whose backward must come first (same stage)
+    split_pieces: list[list[tuple[int, int, int]]]  # (seq_id, start, end) of split pieces, per chunk
+    seq_of_chunk_tail: list[int] = field(default_factory=list)  # unused by the engine; for reports
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
+
+    def index(self) -> dict[int, int]:
+        return {cid: i for i, cid in enumerate(self.ids)}
+
+
+def analyze_chunks(chunks: list[Chunk], pc: PipelineCost, where: str = "pipeline") -> ChunkTable:
+    """Tokens, work and dependencies of a pipeline's chunks, from their pieces alone."""
+    n = len(chunks)
+    tokens = np.zeros(n)
+    work = np.zeros(n)
+    split = np.zeros(n)
+    by_seq: dict[int, list[tuple[int, int, int]]] = {}
+    ids = []
+    for i, c in enumerate(chunks):
+        ids.append(int(c.id))
+        seen = set()
+        for x in c.pieces:
+            if x.seq_id in seen:
+                raise InvalidPlanError(f"{where}, chunk {c.id}: holds two pieces of sequence {x.seq_id}")
+            seen.add(x.seq_id)
+            by_seq.setdefault(int(x.seq_id), []).append((int(x.start), int(x.end), i))
+    if len(set(ids)) != n:
+        raise InvalidPlanError(f"{where}: chunk ids are not unique")
+    fwd_pred: list[list[int]] = [[] for _ in range(n)]
+    bwd_pred: list[list[int]] = [[] for _ in range(n)]
+    split_pieces: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+    starts, lens, owner = [], [], []
+    for sid, ps in by_seq.items():
+        ps.sort()
+        for j, (a, b, i) in enumerate(ps):
+            starts.append(a)
+            lens.append(b - a)
+            owner.append(i)
+            if len(ps) > 1:
+                split[i] += b - a
+                split_pieces[i].append((sid, a, b))
+            if j:
+                prev = ps[j - 1][2]
+                if prev == i:
+                    raise InvalidPlanError(f"{where}, chunk {ids[i]}: holds two pieces of sequence {sid}")
+                fwd_pred[i].append(prev)
+                bwd_pred[prev].append(i)
+    if owner:
+        w = pc.piece_work(np.asarray(lens), np.asarray(starts))
+        np.add.at(work, np.asarray(owner), w)
+        np.add.at(tokens, np.asarray(owner), np.asarray(lens, dtype=np.float64))
+    return ChunkTable(ids, tokens, work, split, fwd_pred, bwd_pred, split_pieces)
+
+
+def parse_order(order_per_stage: list[list[str]], table: ChunkTable, stages: int,
+                where: str = "pipeline") -> list[list[tuple[int, int]]]:
+    """'F3'/'B3' strings to (FWD|BWD, chunk index); every stage runs each F and B exactly once."""
+    if len(order_per_stage) != stages:
+        raise InvalidPlanError(f"{where}: order_per_stage has {len(order_per_stage)} stages, the pipeline has {stages}")
+    index = table.index()
+    out = []
+    for p, names in enumerate(order_per_stage):
+        ops = []
+        seen = np.zeros((2, table.n), dtype=np.int64)
+        for name in names:
+            if not isinstance(name, str) or len(name) < 2 or name[0] not in "FB" or not name[1:].isdigit():
+                raise InvalidPlanError(f"{where}, stage {p}: operation {name!r} is not 'F<chunk id>' or 'B<chunk id>'")
+            cid = int(name[1:])
+            if cid not in index:
+                raise InvalidPlanError(f"{where}, stage {p}: operation {name} names no chunk of the pipeline")
+            kind = FWD if name[0] == "F" else BWD
+            seen[kind, index[cid]] += 1
+            ops.append((kind, index[cid]))
+        for kind, letter in ((FWD, "F"), (BWD, "B")):
+            bad = np.flatnonzero(seen[kind] != 1)
+            if bad.size:
+                k = int(bad[0])
+                raise InvalidPlanError(f"{where}, stage {p}: {letter}{table.ids[k]} appears {int(seen[kind, k])} "
+                                       f"times (each chunk's forward and backward run once per stage)")
+        out.append(ops)
+    return out
+
+
+# ---- memory ----------------------------------------------------------------------------------
+
+@dataclass
+class Checkpoint:
+    """Memory of a stage at one moment: const - sum_{k in reducible} save[k] * recompute[k]."""
+
+    pos: int  # position of the operation in the stage's order
+    kind: int  # FWD: right after the forward; BWD: during the backward
+    chunk: int
+    const: float  # MB with no recompute (activations, logits, dK/dV buffers), without model states
+    reducible: list[int]  # chunks whose recomputed layers lower the memory at this moment
+
+
+def memory_checkpoints(ops: list[tuple[int, int]], table: ChunkTable, full: np.ndarray,
+                       pc: PipelineCost) -> list[Checkpoint]:
+    """The moments that can peak on one stage: after each forward and during each backward."""
+    live: dict[int, None] = {}  # ordered set of chunks between forward and backward
+    live_sum = 0.0
+    dkv_per_token = float(pc.dkv_mb(1))
+    full = full.tolist()
+    dkv: dict[int, int] = {}  # seq -> prefix tokens whose dK/dV waits
+    out = []
+    for pos, (kind, k) in enumerate(ops):
+        if kind == FWD:
+            live[k] = None
+            live_sum += full[k]
+            const = live_sum + dkv_per_token * sum(dkv.values())
+            out.append(Checkpoint(pos, FWD, k, const, list(live)))
+        else:
+            during = dict(dkv)
+            for sid, a, b in table.split_pieces[k]:
+                during[sid] = max(during.get(sid, 0), a)
+            const = live_sum + dkv_per_token * sum(during.values())
+            if k not in live:  # backward before forward: the scheduler reports the deadlock
+                const += full[k]
+            out.append(Checkpoint(pos, BWD, k, const, [j for j in live if j != k]))
+            if k in live:
+                del live[k]
+                live_sum -= full[k]
+            for sid, a, b in table.split_pieces[k]:
+                if a == 0:
+                    dkv.pop(sid, None)
+                else:
+                    dkv[sid] = a
+    return out
+
+
+def checkpoint_memory(cps: list[Checkpoint], save: np.ndarray, recompute: np.ndarray) -> np.ndarray:
+    """Memory (MB, no model states) at each checkpoint for per-chunk recompute layer counts."""
+    red = save * recompute
+    return np.array([cp.const - float(red[cp.reducible].sum()) for cp in cps])
+
+
+# ---- time ------------------------------------------------------------------------------------
+
+def op_times(table: ChunkTable, pc: PipelineCost, recompute: np.ndarray):
+    """fwd[n], bwd[P, n] (with recompute) and p2p[n] in ms."""
+    fwd = pc.fwd_ms(table.work, table.tokens)
+    rec = pc.recompute_ms(table.work, table.tokens, recompute)  # [P, n]
+    bwd = pc.bwd_ms(table.work, table.tokens)[None, :] + rec
+    return fwd, bwd, rec, pc.p2p_ms(table.tokens)
+
+
+def list_schedule(ops: list[list[tuple[int, int]]], fwd: np.ndarray, bwd: np.ndarray, p2p: np.ndarray,
+                  fwd_pred: list[list[int]], bwd_pred: list[list[int]], start: np.ndarray | None = None,
+                  name=None):
+    """Start and end (ms) of every operation: [2, P, n] arrays (FWD, BWD). ``fwd`` is [n] or
+    [P, n], ``bwd`` [P, n]; ``start`` the time each stage becomes free. Raises InvalidPlanError
+    naming the stage and operation if the order deadlocks."""
+    P = len(ops)
+    n = len(p2p)
+    fwd = np.broadcast_to(fwd, (P, n))
+    begin = np.full((2, P, n), np.nan)
+    end = np.full((2, P, n), np.nan)
+    free = np.zeros(P) if start is None else np.array(start, dtype=np.float64)
+    ptr = [0] * P
+    end_l = [[[None] * n for _ in range(P)] for _ in range(2)]  # python floats: faster lookups
+    fwd_l = fwd.tolist()
+    bwd_l = bwd.tolist()
+    p2p_l = p2p.tolist()
+    free_l = free.tolist()
+    remaining = sum(len(o) for o in ops)
+    while remaining:
+        progressed = False
+        for p in range(P):
+            op_list = ops[p]
+            while ptr[p] < len(op_list):
+                kind, k = op_list[ptr[p]]
+                ready = free_l[p]
+                ok = True
+                if kind == FWD:
+                    if p > 0:
+                        e = end_l[FWD][p - 1][k]
+                        if e is None:
+                            ok = False
+                        else:
+                            ready = max(ready, e + p2p_l[k])
+                    if ok:
+                        for j in fwd_pred[k]:
+                            e = end_l[FWD][p][j]
+                            if e is None:
+                                ok = False
+                                break
+                            ready = max(ready, e)
+                    dur = fwd_l[p][k]
+                else:
+                    e = end_l[FWD][p][k]
+                    if e is None:
+                        ok = False
+                    else:
+                        ready = max(ready, e)
+                    if ok and p < P - 1:
+                        e = end_l[BWD][p + 1][k]
+                        if e is None:
+                            ok = False
+                        else:
+                            ready = max(ready, e + p2p_l[k])
+                    if ok:
+                        for j in bwd_pred[k]:
+                            e = end_l[BWD][p][j]
+                            if e is None:
+                                ok = False
+                                break
+                            ready = max(ready, e)
+                    dur = bwd_l[p][k]
+                if not ok:
+                    break
+                begin[kind, p, k] = ready
+                end_l[kind][p][k] = ready + dur
+                free_l[p] = ready + dur
+                ptr[p] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise InvalidPlanError(_deadlock_message(ops, ptr, end_l, fwd_pred, bwd_pred, name))
+    for kind in (FWD, BWD):
+        end[kind] = np.array([[np.nan if v is None else v for v in row] for row in end_l[kind]])
+    return begin, end
+
+
+def _deadlock_message(ops, ptr, end_l, fwd_pred, bwd_pred, name) -> str:
+    name = name or (lambda kind, k: f"{'FB'[kind]}{k}")
+    P = len(ops)
+    for p in range(P):
+        if ptr[p] >= len(ops[p]):
+            continue
+        kind, k = ops[p][ptr[p]]
+        waits = []
+        if kind == FWD:
+            if p > 0 and end_l[FWD][p - 1][k] is None:
+                waits.append(f"{name(FWD, k)} on stage {p - 1}")
+            waits += [f"{name(FWD, j)} on stage {p}" for j in fwd_pred[k] if end_l[FWD][p][j] is None]
+        else:
+            if end_l[FWD][p][k] is None:
+                waits.append(f"{name(FWD, k)} on stage {p}")
+            if p < P - 1 and end_l[BWD][p + 1][k] is None:
+                waits.append(f"{name(BWD, k)} on stage {p + 1}")
+            waits += [f"{name(BWD, j)} on stage {p}" for j in bwd_pred[k] if end_l[BWD][p][j] is None]
+        return (f"the operation order deadlocks: stage {p} cannot run {name(kind, k)} (operation {ptr[p]} of its "
+                f"order): it waits for {', '.join(waits)}, which cannot run first")
+    return "the operation order deadlocks"  # pragma: no cover
+
+
+# ---- order -----------------------------------------------------------------------------------
+
+def backward_order(forward: list[int], table: ChunkTable) -> list[int]:
+    """The forward order with every group of chunks linked by split sequences reversed in place:
+    slices run backward last first, everything else in forward order."""
+    n = table.n
+    parent = list(range(n))
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for k in range(n):
+        for j in table.fwd_pred[k]:
+            parent[find(j)] = find(k)
+    blocks: dict[int, list[int]] = {}
+    for pos, k in enumerate(forward):
+        blocks.setdefault(find(k), []).append(pos)
+    out = list(forward)
+    for positions in blocks.values():
+        if len(positions) > 1:
+            members = [forward[q] for q in positions]
+            for q, k in zip(positions, reversed(members)):
+                out[q] = k
+    return out
+
+
+def one_f_one_b(forward: list[int], backward: list[int], stages: int, extra_warmup: int = 0) -> list[list[tuple[int, int]]]:
+    """Elastic 1F1B: stage p runs ``P - 1 - p + e`` forwards first, then alternates one forward
+    and one backward, then drains. ``e`` (the extra warm-up) is the least that lets every
+    backward find its forward done locally: ``max_j (max_{i<=j} pos_F(b_i) - j)``, i.e. the
+    number of slices of the first split sequence minus one."""
+    n = len(forward)
+    pos = {k: i for i, k in enumerate(forward)}
+    e, run = 0, -1
+    for j, k in enumerate(backward):
+        run = max(run, pos[k])
+        e = max(e, run - j)
+    out = []
+    for p in range(stages):
+        w = min(n, stages - 1 - p + e + extra_warmup)
+        ops = [(FWD, k) for k in forward[:w]]
+        f = w
+        for j in range(n):
+            if f < n:
+                ops.append((FWD, forward[f]))
+                f += 1
+            ops.append((BWD, backward[j]))
+        out.append(ops)
+    return out
+
+
+def warmup_counts(ops: list[list[tuple[int, int]]]) -> list[int]:
+    """Forwards each stage runs before its first backward: the paper's in-flight window
+    |W_p| = P - p + e (0-based p; e + 1 = slices of the first split sequence), capped by the
+    chunk count. Megatron's "warm-up micro-batches" is one less (its steady state opens with a
+    forward)."""
+    out = []
+    for o in ops:
+        w = 0
+        for kind, _ in o:
+            if kind == BWD:
+                break
+            w += 1
+        out.append(w)
+    return out
+
+
+def order_names(ops: list[list[tuple[int, int]]], ids: list[int]) -> list[list[str]]:
+    return [[f"{'FB'[kind]}{ids[k]}" for kind, k in o] for o in ops]

@@ -1,0 +1,244 @@
+"""Discrete-event simulation of a StepPlan: timeline, step time, bubble ratio, peak memory.
+
+- ``elastic_pp`` plans: the pipelines run one after another on all GPUs (a pipeline of the same
+  layout as the previous one starts on each stage as soon as that stage is done with the
+  previous one; a change of layout waits for every stage). Every stage runs its operations in
+  the plan's order; each operation starts when its stage is free and its dependencies (previous
+  stage + p2p, earlier/later slices of the same sequence) are done. Recompute runs at the start
+  of a backward. Memory is tracked per stage along its order (sim/engine.py).
+- ``flexsp`` plans: micro-batches one after another; in each, every SP group runs its sequences
+  (CostModel.group_time_ms); the micro-batch ends with its slowest group.
+
+The simulator refuses (InvalidPlanError) a plan whose order deadlocks or whose memory exceeds the
+budget, naming the pipeline, stage and operation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megatron_ext.cost import CostModel
+from megatron_ext.cost.pipeline import PipelineCost
+from megatron_ext.errors import InvalidPlanError
+from megatron_ext.plan.schema import StepPlan
+from megatron_ext.sim.engine import (BWD, FWD, analyze_chunks, checkpoint_memory, list_schedule,
+                                     memory_checkpoints, op_times, parse_order, warmup_counts)
+
+
+@dataclass
+class Event:
+    """One interval of a timeline: ``where`` is a stage (elastic_pp) or a rank (flexsp)."""
+
+    where: int
+    kind: str  # "F", "B", "R" (recompute), "P2P" (send to where+1 / where-1), "MB" (a group's pass)
+    label: str  # e.g. "p0:F12", "mb1:g[0..8)"
+    start_s: float
+    end_s: float
+
+
+@dataclass
+class SimResult:
+    kind: str
+    planner: str
+    step_time_s: float
+    bubble_ratio: float  # idle share of GPU-time (recompute counts as busy)
+    recompute_ratio: float  # recompute share of GPU-time
+    peak_memory_mb: list[float]  # per stage (elastic_pp) or rank (flexsp), with model states
+    busy_s: list[float]  # per stage / rank
+    tokens: int
+    num_gpus: int
+    budget_mb: float
+    warmup: list[list[int]] = field(default_factory=list)  # per pipeline, forwards before the first backward
+    events: list[Event] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_time_s if self.step_time_s > 0 else 0.0
+
+    @property
+    def max_peak_memory_mb(self) -> float:
+        return max(self.peak_memory_mb, default=0.0)
+
+    def timeline(self, where: int) -> list[Event]:
+        return sorted((e for e in self.events if e.where == where), key=lambda e: e.start_s)
+
+
+def simulate(plan: StepPlan, lengths, cost: CostModel, *, b1_scale: float = 1.0, memory_mb: float | None = None,
+             events: bool = True) -> SimResult:
+    """Simulate one step of ``plan``; ``memory_mb`` is the per-GPU budget (default the cluster's)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if plan.kind == "flexsp":
+        return _simulate_flexsp(plan, lengths, cost, memory_mb, events)
+    if plan.kind != "elastic_pp":
+        raise InvalidPlanError(f"cannot simulate a plan of kind {plan.kind!r}")
+    return _simulate_pipelines(plan, lengths, cost, b1_scale, memory_mb, events)
+
+
+def _simulate_flexsp(plan, lengths, cost, memory_mb, want_events) -> SimResult:
+    n = cost.num_gpus
+    budget = float(memory_mb) if memory_mb is not None else cost.cluster.memory_mb
+    busy = np.zeros(n)
+    peak = np.zeros(n)
+    t = 0.0
+    evs = []
+    tokens = 0
+    for m, mb in enumerate(plan.micro_batches):
+        span = 0.0
+        for g in mb.groups:
+            d = len(g.ranks)
+            ms = cost.group_time_ms(lengths[g.seq_ids], d)
+            mem = cost.group_memory_mb(float(lengths[g.seq_ids].sum()), d)
+            if mem > budget * (1 + 1e-9):
+                raise InvalidPlanError(f"micro-batch {m}, group of ranks {g.ranks[0]}..{g.ranks[-1]}: needs {mem:.0f} MB "
+                                       f"per GPU, over the {budget:.0f} MB budget")
+            busy[g.ranks] += ms / 1e3
+            peak[g.ranks] = np.maximum(peak[g.ranks], mem)
+            tokens += int(lengths[g.seq_ids].sum())
+            span = max(span, ms)
+            if want_events:
+                for r in g.ranks:
+                    evs.append(Event(r, "MB", f"mb{m}:{len(g.seq_ids)}seq@d{d}", t / 1e3, (t + ms) / 1e3))
+        t += span
+    step = t / 1e3
+    return SimResult("flexsp", plan.planner, step, max(0.0, 1 - busy.sum() / (n * step)) if step > 0 else 0.0, 0.0,
+                     peak.tolist(), busy.tolist(), tokens, n, budget, [], evs)
+
+
+def _recompute_matrix(chunks, P: int, layers: int, where: str) -> np.ndarray:
+    r = np.zeros((P, len(chunks)), dtype=np.int64)
+    for i, c in enumerate(chunks):
+        v = c.recompute_layers_per_stage
+        if not v:
+            continue
+        if len(v) != P:
+            raise InvalidPlanError(f"{where}, chunk {c.id}: recompute_layers_per_stage has {len(v)} entries for "
+                                   f"{P} stages")
+        for p, x in enumerate(v):
+            if not isinstance(x, (int, np.integer)) or isinstance(x, bool) or not 0 <= x <= layers:
+                raise InvalidPlanError(f"{where}, chunk {c.id}, stage {p}: recompute of {x!r} layers is outside "
+                                       f"0..{layers} (the stage's layers)")
+        r[:, i] = v
+    return r
+
+
+def _simulate_pipelines(plan, lengths, cost, b1_scale, memory_mb, want_events) -> SimResult:
+    if not plan.pipelines:
+        raise InvalidPlanError("an elastic_pp plan needs at least one pipeline")
+    owner: dict[int, int] = {}
+    for i, pipe in enumerate(plan.pipelines):
+        for c in pipe.chunks:
+            for x in c.pieces:
+                if owner.setdefault(int(x.seq_id), i) != i:
+                    raise InvalidPlanError(f"sequence {x.seq_id} has pieces in pipelines {owner[int(x.seq_id)]} and {i}: "
+                                           f"a sequence must stay in one pipeline")
+    n_gpus = cost.num_gpus
+    budget = None
+    evs: list[Event] = []
+    busy_gpu = 0.0
+    rec_gpu = 0.0
+    t0 = 0.0
+    stage_busy: list[float] = []
+    stage_peak: list[float] = []
+    warm: list[list[int]] = []
+    tokens = 0
+    # segments: runs of consecutive pipelines with the same layout flow without a barrier
+    segments: list[list[int]] = []
+    for i, pipe in enumerate(plan.pipelines):
+        key = (pipe.stages, pipe.sp_degree)
+        if segments and (plan.pipelines[segments[-1][0]].stages, plan.pipelines[segments[-1][0]].sp_degree) == key:
+            segments[-1].append(i)
+        else:
+            segments.append([i])
+    for seg in segments:
+        first = plan.pipelines[seg[0]]
+        P, sp = first.stages, first.sp_degree
+        if not isinstance(P, int) or not isinstance(sp, int):
+            raise InvalidPlanError(f"pipeline {seg[0]}: stages and sp_degree must be integers")
+        try:
+            pc = PipelineCost(cost, P, sp, b1_scale, memory_mb)
+        except Exception as e:  # ConfigError / InfeasibleError: a plan the cluster cannot run
+            raise InvalidPlanError(f"pipeline {seg[0]}: {e}") from None
+        if P * sp != n_gpus:
+            raise InvalidPlanError(f"pipeline {seg[0]}: {P} stages x SP {sp} = {P * sp} GPUs, the cluster has {n_gpus}")
+        budget = pc.budget_mb
+        room = pc.activation_room_mb
+        L_s = pc.layers_per_stage
+        ops_all: list[list[tuple[int, int]]] = [[] for _ in range(P)]
+        fwd_l, bwd_l, rec_l, p2p_l, fp, bp, labels = [], [], [], [], [], [], []
+        peak = np.zeros(P)
+        off = 0
+        for i in seg:
+            pipe = plan.pipelines[i]
+            where = f"pipeline {i}"
+            table = analyze_chunks(pipe.chunks, pc, where)
+            ops = parse_order(pipe.order_per_stage, table, P, where)
+            rec = _recompute_matrix(pipe.chunks, P, L_s, where)
+            _, save = pc.chunk_memory(table.tokens, table.split_tokens, False)
+            for p in range(P):
+                full, _ = pc.chunk_memory(table.tokens, table.split_tokens, p == P - 1)
+                cps = memory_checkpoints(ops[p], table, full, pc)
+                mem = checkpoint_memory(cps, save, rec[p])
+                j = int(np.argmax(mem)) if len(mem) else 0
+                if len(mem) and mem[j] > room * (1 + 1e-9) + 1e-6:
+                    cp = cps[j]
+                    op = f"{'FB'[cp.kind]}{table.ids[cp.chunk]}"
+                    raise InvalidPlanError(
+                        f"{where}, stage {p}: {'after' if cp.kind == FWD else 'during'} {op} needs "
+                        f"{mem[j] + pc.model_states_mb:.0f} MB per GPU ({pc.model_states_mb:.0f} MB model states + "
+                        f"{mem[j]:.0f} MB activations), over the {budget:.0f} MB budget")
+                peak[p] = max(peak[p], (mem.max() if len(mem) else 0.0) + pc.model_states_mb)
+            fwd, bwd, rc, p2p = op_times(table, pc, rec)
+            fwd_l.append(np.broadcast_to(fwd, (P, table.n)))
+            bwd_l.append(bwd)
+            rec_l.append(rc)
+            p2p_l.append(p2p)
+            fp += [[j + off for j in x] for x in table.fwd_pred]
+            bp += [[j + off for j in x] for x in table.bwd_pred]
+            labels += [f"p{i}:{cid}" for cid in table.ids]
+            for p in range(P):
+                ops_all[p] += [(kind, k + off) for kind, k in ops[p]]
+            warm.append(warmup_counts(ops))
+            tokens += int(table.tokens.sum())
+            off += table.n
+        fwd = np.concatenate(fwd_l, axis=1)
+        bwd = np.concatenate(bwd_l, axis=1)
+        rc = np.concatenate(rec_l, axis=1)
+        p2p = np.concatenate(p2p_l)
+
+        def name(kind, k, labels=labels, single=len(seg) == 1):
+            pi, cid = labels[k].split(":")
+            return f"{'FB'[kind]}{cid}" + ("" if single else f" of pipeline {pi[1:]}")
+
+        where_seg = f"pipeline {seg[0]}" if len(seg) == 1 else f"pipelines {seg[0]}..{seg[-1]}"
+
+        try:
+            begin, end = list_schedule(ops_all, fwd, bwd, p2p, fp, bp, np.full(P, t0), name)
+        except InvalidPlanError as e:
+            raise InvalidPlanError(f"{where_seg}: {e}") from None
+        seg_end = float(np.nanmax(end))
+        b = fwd.sum(axis=1) + bwd.sum(axis=1)
+        busy_gpu += float(b.sum()) * sp
+        rec_gpu += float(rc.sum()) * sp
+        stage_busy = [x + y for x, y in zip(stage_busy, (b / 1e3).tolist())] if len(stage_busy) == P \
+            else (b / 1e3).tolist()
+        stage_peak = [max(x, y) for x, y in zip(stage_peak, peak.tolist())] if len(stage_peak) == P \
+            else peak.tolist()
+        if want_events:
+            for p in range(P):
+                for kind, k in ops_all[p]:
+                    s, e = begin[kind, p, k], end[kind, p, k]
+                    if kind == BWD and rc[p, k] > 0:
+                        evs.append(Event(p, "R", labels[k], s / 1e3, (s + rc[p, k]) / 1e3))
+                        s += rc[p, k]
+                    evs.append(Event(p, "FB"[kind], labels[k], s / 1e3, e / 1e3))
+                    if kind == FWD and p < P - 1:
+                        evs.append(Event(p, "P2P", labels[k], e / 1e3, (e + p2p[k]) / 1e3))
+                    if kind == BWD and p > 0:
+                        evs.append(Event(p, "P2P", labels[k], e / 1e3, (e + p2p[k]) / 1e3))
+        t0 = seg_end
+    step = t0 / 1e3
+    denom = n_gpus * t0
+    return SimResult("elastic_pp", plan.planner, step, max(0.0, 1 - busy_gpu / denom) if denom > 0 else 0.0,
+                     rec_gpu / denom if denom > 0 else 0.0, stage_peak, stage_busy, tokens, n_gpus,
+                     budget or cost.cluster.memory_mb, warm, evs)

@@ -1,0 +1,130 @@
+"""``simulate_table``: many steps, every planner, one table (for ``megatron-ext simulate``).
+
+For each step (a batch sampled from a length distribution, or the given lengths), every planner
+plans it and the simulator times the plan: step time, tokens/s, bubble ratio, recompute share,
+peak memory, planning time. The summary row of each planner aggregates the steps (times summed,
+so tokens/s is total tokens over total time), and the main planner's speedup over each other
+planner is total time of that planner / total time of the main one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import numpy as np
+
+from megatron_ext.cost import CostModel
+from megatron_ext.data.lengths import sample_lengths
+from megatron_ext.errors import MegatronExtError
+from megatron_ext.sim.simulator import simulate
+
+DEFAULT_PLANNERS = ("elastic_pp", "flexsp", "seq1f1b", "batch_1f1b", "static_ulysses")
+
+
+def _plan(name: str, lengths: np.ndarray, cost: CostModel, pp, sp, options, time_limit: float):
+    from megatron_ext.planner.pipeline import PP_PLANNERS, _flexsp_kind
+
+    if name in PP_PLANNERS:
+        return PP_PLANNERS[name](lengths, cost, pp, sp, options)
+    from megatron_ext.planner.api import PlannerOptions
+
+    return _flexsp_kind(name, lengths, np.arange(len(lengths)), cost, PlannerOptions(time_limit=time_limit))
+
+
+def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", cluster: str = "a800-80g-8x4",
+                   lengths=None, dist: str = "commoncrawl", batch: int = 512, steps: int = 5, seed: int = 0,
+                   max_seq_len: int | None = None, pp: int | None = None, sp: int | None = None,
+                   planners: tuple[str, ...] = DEFAULT_PLANNERS, main: str = "elastic_pp", options=None,
+                   b1_scale: float | None = None, time_limit: float = 1.0) -> dict:
+    """Returns {"rows": per step and planner, "summary": per planner, "table": printable text,
+    "config": what was run}. ``lengths`` (one batch) overrides ``dist``/``batch``/``steps``.
+    ``options`` is a PipelineOptions for the pipeline planners (b1_scale, memory_mb, ...);
+    ``max_seq_len`` also sets the baselines' pack size (Megatron packs to the context length)."""
+    from megatron_ext.planner.pipeline import PipelineOptions, _resolve_layout
+
+    cost = cost or CostModel.from_presets(model, cluster)
+    opts = options or PipelineOptions()
+    if b1_scale is not None:
+        opts = dataclasses.replace(opts, b1_scale=b1_scale)
+    opts = dataclasses.replace(opts, time_limit=time_limit)
+    if max_seq_len is not None and opts.pack_tokens is None:
+        opts = dataclasses.replace(opts, pack_tokens=int(max_seq_len))
+    pp, sp = _resolve_layout(cost, pp if pp is not None else opts.pp, sp if sp is not None else opts.sp)
+    if main not in planners:
+        planners = (main,) + tuple(planners)
+    if lengths is not None:
+        batches = [np.asarray(lengths, dtype=np.int64)]
+        source = f"{len(batches[0])} given lengths"
+    else:
+        cap = max_seq_len or cost.max_seq_len
+        batches = [sample_lengths(dist, batch, seed + s, cap) for s in range(steps)]
+        source = f"{dist}, batch {batch}, max length {cap:,}, {steps} step(s) from seed {seed}"
+
+    rows = []
+    for step, lens in enumerate(batches):
+        for name in planners:
+            row = {"step": step, "planner": name, "tokens": int(lens.sum())}
+            try:
+                t = time.perf_counter()
+                plan = _plan(name, lens, cost, pp, sp, opts, time_limit)
+                solve = time.perf_counter() - t
+                res = simulate(plan, lens, cost, b1_scale=opts.b1_scale, memory_mb=opts.memory_mb, events=False)
+                row.update(step_time_s=res.step_time_s, tokens_per_s=res.tokens_per_s, bubble_ratio=res.bubble_ratio,
+                           recompute_ratio=res.recompute_ratio, peak_memory_gb=res.max_peak_memory_mb / 1024,
+                           solve_time_s=solve, status=plan.solver_status)
+            except MegatronExtError as e:
+                row.update(error=str(e))
+            rows.append(row)
+
+    summary = []
+    ok_steps = [s for s in range(len(batches))
+                if all("error" not in r for r in rows if r["step"] == s)]  # steps every planner ran
+    main_total = sum(r["step_time_s"] for r in rows if r["planner"] == main and r["step"] in ok_steps)
+    for name in planners:
+        mine = [r for r in rows if r["planner"] == name]
+        good = [r for r in mine if "error" not in r]
+        if not good:
+            summary.append({"planner": name, "error": mine[0].get("error", "no steps") if mine else "no steps"})
+            continue
+        common = [r for r in good if r["step"] in ok_steps]
+        total = sum(r["step_time_s"] for r in common)
+        summary.append({
+            "planner": name,
+            "steps": len(good),
+            "failed_steps": len(mine) - len(good),
+            "step_time_s": statistics.mean(r["step_time_s"] for r in good),
+            "tokens_per_s": sum(r["tokens"] for r in good) / sum(r["step_time_s"] for r in good),
+            "bubble_ratio": statistics.mean(r["bubble_ratio"] for r in good),
+            "recompute_ratio": statistics.mean(r["recompute_ratio"] for r in good),
+            "peak_memory_gb": max(r["peak_memory_gb"] for r in good),
+            "solve_time_s": statistics.mean(r["solve_time_s"] for r in good),
+            "max_solve_time_s": max(r["solve_time_s"] for r in good),
+            f"speedup_of_{main}": (total / main_total) if main_total > 0 and common else None,
+        })
+    config = {"model": cost.model.name, "cluster": cost.cluster.name, "num_gpus": cost.num_gpus, "pp": pp, "sp": sp,
+              "source": source, "b1_scale": opts.b1_scale, "memory_mb": opts.memory_mb or cost.cluster.memory_mb,
+              "time_limit": time_limit}
+    return {"rows": rows, "summary": summary, "table": format_table(summary, config, main), "config": config}
+
+
+def format_table(summary: list[dict], config: dict, main: str) -> str:
+    head = (f"{config['model']} on {config['cluster']} ({config['num_gpus']} GPUs; pipelines: pp {config['pp']} x "
+            f"sp {config['sp']}); {config['source']}; b1_scale {config['b1_scale']:g}; "
+            f"memory {config['memory_mb'] / 1024:.0f} GB per GPU")
+    cols = (f"{'planner':<16}{'step s':>9}{'tokens/s':>11}{'bubble':>8}{'recomp':>8}{'peak GB':>9}"
+            f"{'plan ms':>9}{'max ms':>8}{main + ' speedup':>22}")
+    lines = [head, "", cols]
+    for s in summary:
+        if "error" in s:
+            lines.append(f"{s['planner']:<16}  infeasible: {s['error']}")
+            continue
+        sp = s.get(f"speedup_of_{main}")
+        sp_txt = "-" if s["planner"] == main else ("n/a" if sp is None else f"{sp:.2f}x")
+        fail = f"  ({s['failed_steps']} step(s) infeasible)" if s["failed_steps"] else ""
+        lines.append(f"{s['planner']:<16}{s['step_time_s']:>9.2f}{s['tokens_per_s']:>11,.0f}{s['bubble_ratio']:>8.1%}"
+                     f"{s['recompute_ratio']:>8.1%}{s['peak_memory_gb']:>9.1f}{s['solve_time_s'] * 1e3:>9.0f}"
+                     f"{s['max_solve_time_s'] * 1e3:>8.0f}{sp_txt:>22}{fail}")
+    lines += ["", "step s: mean simulated step time; bubble: idle share of GPU-time; recomp: recompute share; "
+              f"speedup: total time of that planner / total time of {main} over the steps all planners ran."]
+    return "\n".join(lines)

@@ -1,0 +1,106 @@
+"""Stage-aware chunk-level recompute (the ILP): memory within budget at every moment of the
+simulation, at most a stage's layers, the diagonal tying, no worse than the greedy."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_ext.cost import CostModel
+from megatron_ext.cost.pipeline import PipelineCost
+from megatron_ext.errors import InfeasibleError
+from megatron_ext.plan import StepPlan
+from megatron_ext.planner.checkpointing import greedy_recompute, solve_recompute
+from megatron_ext.planner.chunking import balanced_chunks
+from megatron_ext.planner.pipeline import _checkpoints, build_pipeline
+from megatron_ext.sim import simulate
+from megatron_ext.sim.engine import backward_order
+
+COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
+lengths_st = st.lists(st.one_of(st.integers(1, 4096), st.integers(4096, 98_304)), min_size=1, max_size=25)
+
+
+def _recompute_ms(built, pc):
+    return float((pc.recompute_ms(built.table.work, built.table.tokens, 1)[None, :] * built.recompute).sum())
+
+
+@settings(max_examples=80, deadline=None)
+@given(lengths=lengths_st, k=st.integers(1, 8), mem_gb=st.floats(11, 45), tied=st.booleans(),
+       cap=st.sampled_from([math.inf, 20000.0]))
+def test_ilp_recompute_fits_memory_at_every_moment(lengths, k, mem_gb, tied, cap):
+    lengths = np.array(lengths)
+    budget = mem_gb * 1024
+    pc = PipelineCost(COST, 4, 8, memory_mb=budget)
+    ch = balanced_chunks(np.arange(len(lengths)), lengths, pc, float(pc.prefix_ms(lengths.max())) / k, cap, 128,
+                         min_tail=128)
+    try:
+        built = build_pipeline(ch.chunks, pc, "ilp", tied, time_limit=0.5)
+    except InfeasibleError as e:
+        assert "even with every layer" in str(e)
+        with pytest.raises(InfeasibleError):
+            build_pipeline(ch.chunks, pc, "full")  # infeasible means: not even full recompute fits
+        return
+    rec, L_s, P = built.recompute, pc.layers_per_stage, pc.pp
+    assert rec.dtype.kind == "i" and (rec >= 0).all() and (rec <= L_s).all()
+    if tied:  # ckpt(p, k) = C[b(k) + P - 1 - p]
+        bpos = np.empty(built.table.n, dtype=np.int64)
+        bpos[backward_order(list(range(built.table.n)), built.table)] = np.arange(built.table.n)
+        diag = {}
+        for p in range(P):
+            for c in range(built.table.n):
+                assert diag.setdefault(int(bpos[c]) + P - 1 - p, rec[p, c]) == rec[p, c]
+    plan = StepPlan(kind="elastic_pp", num_gpus=32, planner="t", pipelines=[built.to_pipeline(pc)])
+    res = simulate(plan, lengths, COST, memory_mb=budget)  # refuses any moment over budget
+    assert max(res.peak_memory_mb) <= budget * (1 + 1e-9) + 1e-6
+    if rec.any():
+        assert res.recompute_ratio > 0
+        greedy = build_pipeline(ch.chunks, pc, "greedy", tied)
+        assert _recompute_ms(built, pc) <= _recompute_ms(greedy, pc) + 1e-6
+        full = build_pipeline(ch.chunks, pc, "full")
+        assert _recompute_ms(built, pc) <= _recompute_ms(full, pc) + 1e-6
+
+
+def test_untied_never_needs_more_recompute_than_tied():
+    lengths = np.array([90000, 60000, 30000, 20000] + [3000] * 30)
+    pc = PipelineCost(COST, 4, 8, memory_mb=22 * 1024)
+    ch = balanced_chunks(np.arange(len(lengths)), lengths, pc, float(pc.prefix_ms(90000)) / 6, 20000, 128)
+    tied = build_pipeline(ch.chunks, pc, "ilp", True, time_limit=2.0)
+    untied = build_pipeline(ch.chunks, pc, "ilp", False, time_limit=2.0)
+    assert tied.recompute.any()
+    assert _recompute_ms(untied, pc) <= _recompute_ms(tied, pc) * 1.02 + 1e-6  # 2% MIP gap
+
+
+def test_no_recompute_when_memory_is_plenty():
+    lengths = np.array([30000, 2000, 1000])
+    pc = PipelineCost(COST, 4, 8)
+    built = build_pipeline([[(0, 0, 30000)], [(1, 0, 2000), (2, 0, 1000)]], pc, "ilp")
+    assert not built.recompute.any() and built.status == "no recompute needed"
+    assert built.to_pipeline(pc).chunks[0].recompute_layers_per_stage == []
+
+
+def test_greedy_and_ilp_refuse_the_impossible():
+    lengths = np.array([60000, 60000])
+    pc = PipelineCost(COST, 4, 8, memory_mb=7200)  # ~550 MB of activation room
+    table_pieces = [[(0, 0, 60000)], [(1, 0, 60000)]]
+    with pytest.raises(InfeasibleError, match="stage 0 is \\d+ MB per GPU over its activation room"):
+        build_pipeline(table_pieces, pc, "ilp")
+    with pytest.raises(InfeasibleError, match="even with every layer"):
+        build_pipeline(table_pieces, pc, "greedy")
+
+
+def test_solver_entry_points_directly():
+    lengths = np.array([50000, 40000, 8000, 8000, 8000])
+    pc = PipelineCost(COST, 4, 8, memory_mb=16 * 1024)
+    built = build_pipeline([[(i, 0, int(s))] for i, s in enumerate(lengths)], pc, "full")
+    cps, save = _checkpoints(built.table, built.ops, pc)
+    rc = pc.recompute_ms(built.table.work, built.table.tokens, 1)
+    room = np.full(4, pc.activation_room_mb)
+    bpos = np.arange(5)
+    g = greedy_recompute(cps, save, rc, 10, room, bpos, True)
+    r, status = solve_recompute(cps, save, rc, 10, room, bpos, True, 1.0)
+    assert status.startswith(("ilp", "greedy"))
+    assert (rc[None, :] * r).sum() <= (rc[None, :] * g).sum() + 1e-6
+    assert r.max() <= 10 and r.min() >= 0

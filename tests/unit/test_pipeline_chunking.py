@@ -1,0 +1,78 @@
+"""Workload-balanced chunking (InfiniPipe Algorithm 1): coverage, slice order, the tail rule."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_ext.cost import CostModel
+from megatron_ext.cost.pipeline import PipelineCost
+from megatron_ext.planner.chunking import balanced_chunks, check_chunking, slice_mesh
+
+COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
+PC = PipelineCost(COST, 4, 8)
+
+lengths_st = st.lists(st.one_of(st.integers(1, 4096), st.integers(4096, 98_304)), min_size=1, max_size=40)
+
+
+def _time(a, b):
+    return float(PC.prefix_ms(b) - PC.prefix_ms(a))
+
+
+@settings(max_examples=150, deadline=None)
+@given(lengths=lengths_st, k=st.integers(1, 24), cap=st.sampled_from([math.inf, 8192.0, 30000.0]),
+       fit=st.sampled_from(["best", "ratio"]), gran=st.sampled_from([1, 128]), scale=st.sampled_from([0.3, 1.0, 4.0]))
+def test_chunking_invariants(lengths, k, cap, fit, gran, scale):
+    lengths = np.array(lengths)
+    s_max = int(lengths.max())
+    target = _time(0, s_max) / k * (scale if k == 1 else 1.0)
+    ch = balanced_chunks(np.arange(len(lengths)), lengths, PC, target, cap, gran, fit, min_tail=gran)
+    check_chunking(ch.chunks, lengths)  # every token once, slices in forward order, <= 1 tail per chunk
+    for c in ch.chunks:
+        mid = [(s, a, b) for s, a, b in c if a > 0 or b < lengths[s]]
+        # a slice that is not a sequence's last piece is a split chunk on its own
+        for s, a, b in mid:
+            if b < lengths[s]:
+                assert len(c) == 1
+        if len(c) > 1:
+            assert sum(b - a for _, a, b in c) <= cap
+            assert sum(_time(a, b) for _, a, b in c) <= ch.slice_ms * (1 + 1e-9)
+
+
+@settings(max_examples=80, deadline=None)
+@given(s_max=st.integers(2048, 200_000), k=st.integers(2, 16))
+def test_slices_have_equal_time(s_max, k):
+    mesh = slice_mesh(s_max, k, PC, 1)
+    bounds = [0, *mesh.tolist(), s_max]
+    times = [_time(a, b) for a, b in zip(bounds, bounds[1:])]
+    assert len(times) == k
+    # one token of rounding at most per boundary
+    tol = 2 * float(PC.prefix_ms(s_max) - PC.prefix_ms(s_max - 1))
+    assert max(times) - min(times) <= tol
+    # later slices are shorter in tokens (they attend to a longer prefix)
+    sizes = np.diff(bounds)
+    assert (np.diff(sizes) <= 1).all()
+
+
+def test_long_sequences_share_the_mesh_and_tails_seed_hybrid_chunks():
+    lengths = np.array([65536, 40000, 30000, 3000, 2000, 1000, 500, 500, 200])
+    ch = balanced_chunks(np.arange(len(lengths)), lengths, PC, _time(0, 65536) / 4, math.inf, 1)
+    check_chunking(ch.chunks, lengths)
+    assert ch.slices == 4
+    mesh = set(ch.mesh.tolist())
+    cut_points = {a for c in ch.chunks for s, a, b in c if a > 0}
+    assert cut_points <= mesh  # every long sequence is cut on the longest one's mesh
+    hybrid = [c for c in ch.chunks if any(a > 0 for _, a, _ in c) and len(c) > 1]
+    assert hybrid, "short sequences fill the tails' buckets"
+    # the longest sequence's slices come first, in order
+    assert [c[0][:2] for c in ch.chunks[:4]] == [(0, 0)] + [(0, int(x)) for x in sorted(mesh)]
+
+
+def test_no_split_when_the_target_exceeds_the_longest():
+    lengths = np.array([5000, 4000, 3000, 100, 100])
+    ch = balanced_chunks(np.arange(5), lengths, PC, 10 * _time(0, 5000))
+    assert ch.slices == 1
+    assert all(a == 0 and b == lengths[s] for c in ch.chunks for s, a, b in c)
+    assert len(ch.chunks) == 1

@@ -1,0 +1,100 @@
+"""The pipeline-stage cost model (cost/pipeline.py) and the LLaMA / A800 presets."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from megatron_ext.cost import CostModel
+from megatron_ext.cost.pipeline import FWD_FRACTION, PipelineCost, check_layout, default_layout
+from megatron_ext.errors import ConfigError, InfeasibleError
+from megatron_ext.spec import load_cluster, load_model
+
+COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
+
+
+def test_presets_load():
+    for name, layers, hidden, heads, max_sp in (("llama-7b", 32, 4096, 32, 32), ("llama-13b", 40, 5120, 40, 8),
+                                               ("llama-30b", 60, 6656, 52, 4)):
+        m = load_model(name)
+        assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.vocab_size) == (layers, hidden, heads, 32000)
+        assert m.max_sp_degree == max_sp
+    c = load_cluster("a800-80g-8x4")
+    assert c.num_gpus == 32 and c.memory_gb == 72 and c.p2p_bandwidth_gbps > 0
+    assert c.a2a_bandwidth(8) > 9 * c.a2a_bandwidth(16)  # NVLink inside a node, IB across
+
+
+def test_stages_add_up_to_the_flexsp_group_time():
+    """One whole sequence through all pp stages costs what FlexSP charges a degree-sp group."""
+    for pp, sp in ((4, 8), (8, 4), (2, 8)):
+        pc = PipelineCost(COST, pp, sp)
+        for s in (1, 1000, 50_000):
+            stages = pp * float(pc.stage_ms(pc.piece_work(s), s))
+            assert stages == pytest.approx(COST.group_time_ms([s], sp), rel=1e-12)
+
+
+def test_prefix_attention_and_slices():
+    pc = PipelineCost(COST, 4, 8)
+    m = COST.model
+    # a slice [C, C+s) costs a1((C+s)^2 - C^2) + a2 s: slices add up to the whole sequence
+    cuts = [0, 7000, 12000, 20000]
+    parts = sum(float(pc.piece_work(b - a, a)) for a, b in zip(cuts, cuts[1:]))
+    assert parts == pytest.approx(float(pc.piece_work(20000)), rel=1e-12)
+    assert float(pc.piece_work(100, 1000)) == pytest.approx(m.a1 * (1100**2 - 1000**2) + m.a2 * 100)
+    # prefix_tokens inverts prefix_ms
+    for x in (1, 10, 4096, 98304):
+        assert float(pc.prefix_tokens(pc.prefix_ms(x))) == pytest.approx(x, rel=1e-9)
+    # forward is a third, recompute of all layers equals the forward
+    w, t = pc.piece_work(8192), 8192
+    assert float(pc.fwd_ms(w, t)) == pytest.approx(FWD_FRACTION * float(pc.stage_ms(w, t)))
+    assert float(pc.fwd_ms(w, t) + pc.bwd_ms(w, t)) == pytest.approx(float(pc.stage_ms(w, t)))
+    assert float(pc.recompute_ms(w, t, pc.layers_per_stage)) == pytest.approx(float(pc.fwd_ms(w, t)))
+    assert float(pc.recompute_ms(w, t, 0)) == 0.0
+
+
+def test_p2p_and_fixed_cost():
+    pc = PipelineCost(COST, 4, 8)
+    # 1M tokens x 5120 x 2 bytes = 10000 MB over 40 GB/s (MB / (GB/s) = ms with GB = 1024 MB)
+    assert float(pc.p2p_ms(2**20)) == pytest.approx(2**20 * 5120 * 2 / 2**20 / 40.0)
+    assert pc.fixed_ms == pytest.approx(COST.model.b1 / 4)
+    assert PipelineCost(COST, 4, 8, b1_scale=0.5).fixed_ms == pytest.approx(COST.model.b1 / 8)
+    assert 0 < pc.zero_domain_b1_scale() < 0.1
+
+
+def test_memory_terms():
+    pc = PipelineCost(COST, 4, 8)
+    m = COST.model
+    # ZeRO-3 over the 8 ranks of a stage: a quarter of the parameters, 16 bytes each, / 8
+    assert pc.model_states_mb == pytest.approx(13.0 / 4 * 16 * 1024 / 8)
+    assert pc.act_layer_mb == pytest.approx(m.act_mb_per_token / 40 / 8)
+    assert pc.input_layer_mb == pytest.approx(5120 * 2 / 2**20 / 8)
+    assert pc.kv_layer_mb == pytest.approx(2 * 40 * 128 * 2 / 2**20 / 8)
+    assert pc.logits_mb == pytest.approx(32000 * 4 / 2**20 / 8)
+    full, save = pc.chunk_memory(1000, 0, False)
+    assert float(full) == pytest.approx(1000 * pc.act_layer_mb * 10)
+    assert float(save) == pytest.approx(1000 * (pc.act_layer_mb - pc.input_layer_mb))
+    full_last, save_split = pc.chunk_memory(1000, 1000, True)
+    assert float(full_last) == pytest.approx(float(full) + 1000 * pc.logits_mb)
+    # K/V of split pieces stays even when recomputed
+    assert float(save_split) == pytest.approx(float(save) - 1000 * pc.kv_layer_mb)
+    # a whole stage recomputed keeps input + K/V of every token
+    need = pc.min_sequence_memory_mb(100_000, 1024)
+    assert need > 100_000 * (pc.input_layer_mb + pc.kv_layer_mb) * 10
+
+
+def test_layout_errors():
+    with pytest.raises(ConfigError, match="does not divide the 40 layers"):
+        PipelineCost(COST, 3, 8)
+    with pytest.raises(ConfigError, match="SP degree 16 is not allowed"):
+        PipelineCost(COST, 2, 16)  # 40 heads: at most 8
+    with pytest.raises(ConfigError, match="GPUs"):
+        PipelineCost(COST, 8, 8)
+    with pytest.raises(InfeasibleError, match="below the model states"):
+        PipelineCost(COST, 4, 8, memory_mb=1024)
+    with pytest.raises(ConfigError, match="b1_scale"):
+        PipelineCost(COST, 4, 8, b1_scale=-1)
+    with pytest.raises(ConfigError, match="every GPU"):
+        check_layout(COST, 2, 8)
+    assert default_layout(COST) == (4, 8)
+    assert default_layout(CostModel.from_presets("llama-30b", "a800-80g-8x4")) == (8, 4)
+    assert math.isclose(PipelineCost(COST, 4, 8, memory_mb=40_000).budget_mb, 40_000)

@@ -1,0 +1,193 @@
+"""plan_elastic_pp and the pipeline baselines through StepPlan and the simulator; bad input;
+simulate_table."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_ext.cost import CostModel
+from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError
+from megatron_ext.plan import StepPlan, validate
+from megatron_ext.plan.pipelines import validate_pipelines
+from megatron_ext.planner import PlannerOptions
+from megatron_ext.planner.chunking import check_chunking
+from megatron_ext.planner.pipeline import (PipelineOptions, describe, group_sequences, make_pp_plan,
+                                           plan_batch_1f1b, plan_elastic_pp, plan_seq1f1b, split_pack)
+from megatron_ext.cost.pipeline import PipelineCost
+from megatron_ext.sim import simulate, simulate_table
+
+COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
+lengths_st = st.lists(st.one_of(st.integers(1, 4096), st.integers(4096, 65_536)), min_size=1, max_size=40)
+
+
+def _check(plan: StepPlan, lengths, cost=COST, **sim):
+    validate(plan, lengths, cost)
+    validate_pipelines(plan, lengths, cost)
+    again = StepPlan.from_json(plan.to_json())
+    res = simulate(again, lengths, cost, **sim)
+    assert res.step_time_s == pytest.approx(plan.estimated_step_time_s, rel=1e-9)
+    assert plan.estimated_step_time_s >= plan.lower_bound_step_time_s * (1 - 1e-9)
+    for p in plan.pipelines:
+        check_chunking([[(x.seq_id, x.start, x.end) for x in c.pieces] for c in p.chunks], lengths,
+                       [x.seq_id for c in p.chunks for x in c.pieces])
+    return res
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=lengths_st, mem_gb=st.sampled_from([None, 30, 20]), tied=st.booleans())
+def test_elastic_plans_are_valid_and_simulate_to_their_estimate(lengths, mem_gb, tied):
+    lengths = np.array(lengths)
+    mem = None if mem_gb is None else mem_gb * 1024
+    try:
+        plan = plan_elastic_pp(lengths, COST, 4, 8, memory_mb=mem, tied=tied, time_limit=0.3)
+    except InfeasibleError:
+        assert mem is not None
+        return
+    assert plan.kind == "elastic_pp" and plan.planner == "elastic_pp"
+    res = _check(plan, lengths, memory_mb=mem)
+    assert max(res.peak_memory_mb) <= (mem or COST.cluster.memory_mb) + 1e-6
+    for p in plan.pipelines:  # never two tails in one chunk
+        for c in p.chunks:
+            assert sum(1 for x in c.pieces if x.start > 0) <= 1
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=lengths_st)
+def test_baselines_are_valid(lengths):
+    lengths = np.array(lengths)
+    b = plan_batch_1f1b(lengths, COST, 4, 8)
+    _check(b, lengths)
+    assert all(x.start == 0 and x.end == lengths[x.seq_id] for p in b.pipelines for c in p.chunks for x in c.pieces)
+    s = plan_seq1f1b(lengths, COST, 4, 8, seq1f1b_slices=(2, 4))
+    _check(s, lengths)
+
+
+def test_seq1f1b_slices_have_equal_compute():
+    pc = PipelineCost(COST, 4, 8)
+    lengths = np.array([16384])
+    parts = split_pack([0], lengths, pc, 4)
+    sizes = [b - a for [(s, a, b)] in parts]
+    assert sizes == sorted(sizes, reverse=True) and sum(sizes) == 16384
+    times = [float(pc.prefix_ms(b) - pc.prefix_ms(a)) for [(s, a, b)] in parts]
+    assert max(times) / min(times) < 1.001
+    # a pack of several documents: every token once, documents may straddle slices
+    lengths = np.array([9000, 5000, 3000, 100])
+    parts = split_pack([0, 1, 2, 3], lengths, pc, 3)
+    check_chunking(parts, lengths)
+
+
+def test_elastic_beats_the_packed_baselines_on_a_long_tailed_batch():
+    lengths = np.array([45000, 30000, 20000, 12000] + [3000] * 20 + [800] * 60 + [200] * 100)
+    plan = make_pp_plan("elastic_pp", lengths, COST, PipelineOptions(time_limit=1.0),
+                        baselines=("seq1f1b", "batch_1f1b", "flexsp", "static_ulysses"))
+    assert set(plan.baselines) == {"seq1f1b", "batch_1f1b", "flexsp", "static_ulysses"}
+    for name in ("seq1f1b", "batch_1f1b"):
+        assert plan.baselines[name]["speedup"] > 1.0, name
+    text = describe(plan, lengths, simulate(plan, lengths, COST))
+    assert "bubble ratio" in text and "vs flexsp" in text
+
+
+def test_make_pp_plan_takes_planner_options_and_drops():
+    lengths = np.array([200_000, 3000, 2000])
+    with pytest.raises(LengthsError, match="exceed"):
+        make_pp_plan("elastic_pp", lengths, COST, PlannerOptions(max_seq_len=100_000))
+    plan = make_pp_plan("elastic_pp", lengths, COST, PlannerOptions(max_seq_len=100_000, drop_over_max=True))
+    assert plan.dropped_seq_ids == [0]
+    _check(plan, lengths)
+    with pytest.raises(ConfigError, match="unknown pipeline planner"):
+        make_pp_plan("nope", lengths, COST)
+
+
+def test_grouping_dp_returns_consecutive_groups():
+    pc = PipelineCost(COST, 4, 8, memory_mb=20 * 1024)
+    lengths = np.array([90000, 80000, 1000, 500] + [4000] * 50)
+    groups = group_sequences(np.arange(len(lengths)), lengths, pc, 3)
+    flat = np.concatenate(groups)
+    assert sorted(flat.tolist()) == list(range(len(lengths)))
+    assert all(len(g) for g in groups)
+    assert list(lengths[flat]) == sorted(lengths, reverse=True)
+
+
+def test_bad_input_errors():
+    lengths = np.array([1000, 2000])
+    with pytest.raises(ConfigError, match="pipeline degree 3 does not divide the 40 layers"):
+        plan_elastic_pp(lengths, COST, 3, 8)
+    with pytest.raises(ConfigError, match="every GPU"):
+        plan_elastic_pp(lengths, COST, 2, 8)
+    with pytest.raises(InfeasibleError, match="below the model states"):
+        plan_elastic_pp(lengths, COST, 4, 8, memory_mb=4096)
+    with pytest.raises(InfeasibleError, match="sequence 1 of 2000000 tokens does not fit a stage even cut into"):
+        plan_elastic_pp(np.array([1000, 2_000_000]), COST, 4, 8)
+    with pytest.raises(LengthsError):
+        plan_elastic_pp(np.array([0, 5]), COST, 4, 8)
+    with pytest.raises(LengthsError):
+        plan_elastic_pp(np.array([], dtype=int), COST, 4, 8)
+    with pytest.raises(ConfigError, match="pack_tokens"):
+        plan_batch_1f1b(np.array([5000]), COST, 4, 8, pack_tokens=4096)
+
+
+def test_layout_defaults_and_other_models():
+    lengths = np.array([20000, 5000, 3000, 1000, 100])
+    plan = plan_elastic_pp(lengths, COST)  # default: 4 stages x SP 8
+    assert (plan.pipelines[0].stages, plan.pipelines[0].sp_degree) == (4, 8)
+    c7 = CostModel.from_presets("llama-7b", "a800-80g-8x4")
+    _check(plan_elastic_pp(lengths, c7, 2, 16), lengths, c7)
+    _check(plan_elastic_pp(lengths, c7, 32, 1), lengths, c7)
+
+
+def test_simulate_table_small():
+    small = CostModel.from_presets("llama-7b", "a800-80g-8x1")  # 8 GPUs: 2 stages x SP 4
+    out = simulate_table(small, dist="github", batch=24, steps=2, max_seq_len=32768, pp=2, sp=4, time_limit=0.2)
+    names = [s["planner"] for s in out["summary"]]
+    assert names == ["elastic_pp", "flexsp", "seq1f1b", "batch_1f1b", "static_ulysses"]
+    assert len(out["rows"]) == 2 * 5
+    for s in out["summary"]:
+        assert "error" not in s, s
+        assert s["step_time_s"] > 0 and 0 <= s["bubble_ratio"] < 1 and s["tokens_per_s"] > 0
+    assert "elastic_pp speedup" in out["table"] and "static_ulysses" in out["table"]
+    one = simulate_table(small, lengths=[3000, 200, 100, 50], pp=2, sp=4, planners=("flexsp",))
+    assert [s["planner"] for s in one["summary"]] == ["elastic_pp", "flexsp"]
+
+
+def test_tight_memory_plans_recompute_or_split_into_pipelines():
+    from megatron_ext.data.lengths import sample_lengths
+
+    lengths = sample_lengths("github", 128, 3, 96 * 1024)
+    plan = plan_elastic_pp(lengths, COST, 4, 8, memory_mb=18 * 1024, time_limit=0.5)
+    res = _check(plan, lengths, memory_mb=18 * 1024)
+    assert res.recompute_ratio > 0 or len(plan.pipelines) > 1
+    assert max(res.peak_memory_mb) <= 18 * 1024 + 1e-6
+
+
+def test_cli_glue(capsys):
+    import argparse
+    import json
+
+    from megatron_ext import cli
+    from megatron_ext.sim.commands import add_pipeline_args, add_simulate_command, run_pp_plan
+
+    ap = argparse.ArgumentParser(prog="megatron-ext")
+    sub = ap.add_subparsers(dest="command", required=True)
+    add_simulate_command(sub, cli.add_cost_args, cli.cost_from_args, cli.parse_tokens)
+    args = ap.parse_args(["simulate", "--model", "llama-7b", "--cluster", "a800-80g-8x1", "--dist", "github",
+                          "--batch", "16", "--steps", "1", "--max-seq-len", "16K", "--pp", "2", "--sp", "4",
+                          "--planners", "elastic_pp,seq1f1b", "--json"])
+    assert args.func(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [s["planner"] for s in out["summary"]] == ["elastic_pp", "seq1f1b"]
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--planner", default="elastic_pp")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--time-limit", type=float, default=0.5)
+    add_pipeline_args(p)
+    args = p.parse_args(["--pp", "4", "--sp", "8"])
+    lengths = np.array([30000, 9000, 4000, 1000, 500, 500])
+    assert run_pp_plan(args, COST, lengths) == 0
+    text = capsys.readouterr().out
+    assert "elastic_pp plan" in text and "vs flexsp" in text and "bubble ratio" in text
+    args = p.parse_args(["--planner", "seq1f1b", "--json"])
+    assert run_pp_plan(args, COST, lengths) == 0
+    assert json.loads(capsys.readouterr().out)["planner"] == "seq1f1b"

@@ -1,0 +1,216 @@
+"""Elastic 1F1B orders and the simulator: every F and B once per stage, dependencies respected,
+warm-up counts, no deadlock; a hand-timed two-stage case; refusals of bad plans."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_ext.cost import CostModel
+from megatron_ext.cost.pipeline import PipelineCost
+from megatron_ext.errors import InvalidPlanError
+from megatron_ext.plan import Chunk, Piece, Pipeline, StepPlan, validate
+from megatron_ext.plan.pipelines import validate_pipelines
+from megatron_ext.planner.chunking import balanced_chunks
+from megatron_ext.planner.pipeline import build_pipeline
+from megatron_ext.sim import simulate
+from megatron_ext.sim.engine import (BWD, FWD, analyze_chunks, backward_order, list_schedule, one_f_one_b,
+                                     op_times, warmup_counts)
+
+COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
+
+lengths_st = st.lists(st.one_of(st.integers(1, 4096), st.integers(4096, 98_304)), min_size=1, max_size=30)
+
+
+def _plan(built, pc, lengths) -> StepPlan:
+    plan = StepPlan(kind="elastic_pp", num_gpus=pc.cost.num_gpus, planner="test", pipelines=[built.to_pipeline(pc)])
+    validate(plan, lengths, pc.cost)
+    validate_pipelines(plan, lengths, pc.cost)
+    return plan
+
+
+@settings(max_examples=80, deadline=None)
+@given(lengths=lengths_st, k=st.integers(1, 12), layout=st.sampled_from([(4, 8), (2, 16), (8, 4), (1, 32)]))
+def test_elastic_1f1b_orders_and_timeline(lengths, k, layout):
+    pp, sp = layout
+    cost = COST if sp <= 8 else CostModel.from_presets("llama-7b", "a800-80g-8x4")
+    pc = PipelineCost(cost, pp, sp)
+    lengths = np.array(lengths)
+    target = float(pc.prefix_ms(lengths.max())) / k
+    ch = balanced_chunks(np.arange(len(lengths)), lengths, pc, target, math.inf, 128, min_tail=128)
+    built = build_pipeline(ch.chunks, pc, "none")
+    table, ops = built.table, built.ops
+    n, P = table.n, pc.pp
+    # every F and B exactly once per stage, F before B
+    for o in ops:
+        assert sorted(o) == sorted([(FWD, k) for k in range(n)] + [(BWD, k) for k in range(n)])
+        pos = {op: i for i, op in enumerate(o)}
+        assert all(pos[(FWD, k)] < pos[(BWD, k)] for k in range(n))
+    # forwards before the first backward: |W_p| = P - p + (slices of the first split sequence - 1)
+    first_block = 1
+    while first_block < n and first_block - 1 in table.fwd_pred[first_block]:
+        first_block += 1
+    assert warmup_counts(ops) == [min(n, P - p + first_block - 1) for p in range(P)]
+    # times respect every dependency; one operation at a time per stage
+    fwd, bwd, _, p2p = op_times(table, pc, built.recompute)
+    begin, end = list_schedule(ops, fwd, bwd, p2p, table.fwd_pred, table.bwd_pred)
+    assert not np.isnan(end).any()
+    eps = 1e-6
+    for p in range(P):
+        for k in range(n):
+            if p:
+                assert begin[FWD, p, k] >= end[FWD, p - 1, k] + p2p[k] - eps
+            if p < P - 1:
+                assert begin[BWD, p, k] >= end[BWD, p + 1, k] + p2p[k] - eps
+            assert begin[BWD, p, k] >= end[FWD, p, k] - eps
+            for j in table.fwd_pred[k]:  # slice i after slice i-1 (forward)
+                assert begin[FWD, p, k] >= end[FWD, p, j] - eps
+            for j in table.bwd_pred[k]:  # slice i-1 after slice i (backward)
+                assert begin[BWD, p, k] >= end[BWD, p, j] - eps
+        spans = sorted(zip(begin[:, p].ravel(), end[:, p].ravel()))
+        assert all(b0 >= e1 - eps for (_, e1), (b0, _) in zip(spans, spans[1:]))
+    # the StepPlan simulates to the same makespan (no deadlock)
+    res = simulate(_plan(built, pc, lengths), lengths, cost)
+    assert res.step_time_s * 1e3 == pytest.approx(built.makespan_ms, rel=1e-9)
+    assert 0 <= res.bubble_ratio < 1
+    assert res.tokens == lengths.sum()
+
+
+def test_two_stages_by_hand():
+    """Two equal whole-sequence chunks on 2 stages: the classic 1F1B timeline."""
+    cost = CostModel.from_presets("llama-13b", "a800-80g-8x2")
+    pc = PipelineCost(cost, 2, 8)
+    lengths = np.array([4096, 4096])
+    built = build_pipeline([[(0, 0, 4096)], [(1, 0, 4096)]], pc, "none")
+    assert built.ops == [[(FWD, 0), (FWD, 1), (BWD, 0), (BWD, 1)], [(FWD, 0), (BWD, 0), (FWD, 1), (BWD, 1)]]
+    w = float(pc.piece_work(4096))
+    f, b, p = float(pc.fwd_ms(w, 4096)), float(pc.bwd_ms(w, 4096)), float(pc.p2p_ms(4096))
+    # s0: F0 [0,f] F1 [f,2f]; s1: F0 [f+p, 2f+p] B0 [.., 2f+p+b]; s0 B0 [2f+2p+b, 2f+2p+2b];
+    # s1 F1 [2f+p+b, 3f+p+b] B1 [.., 3f+p+2b]; s0 B1 [3f+2p+2b, 3f+2p+3b]
+    assert built.makespan_ms == pytest.approx(3 * f + 2 * p + 3 * b)
+    plan = StepPlan(kind="elastic_pp", num_gpus=16, planner="test", pipelines=[built.to_pipeline(pc)])
+    res = simulate(plan, lengths, cost)
+    assert res.step_time_s == pytest.approx((3 * f + 2 * p + 3 * b) / 1e3)
+    assert res.warmup == [[2, 1]]
+    busy = 2 * (f + b)
+    assert res.bubble_ratio == pytest.approx(1 - busy / (3 * f + 2 * p + 3 * b))
+    kinds = {e.kind for e in res.events}
+    assert {"F", "B", "P2P"} <= kinds
+    assert [e.label for e in res.timeline(0) if e.kind in "FB"] == ["p0:0", "p0:1", "p0:0", "p0:1"]
+
+
+def _two_chunk_plan(order, pieces=None, stages=2):
+    cost = CostModel.from_presets("llama-13b", "a800-80g-8x2")
+    pieces = pieces or [[Piece(0, 0, 1000)], [Piece(1, 0, 1000)]]
+    chunks = [Chunk(i, p) for i, p in enumerate(pieces)]
+    return cost, StepPlan(kind="elastic_pp", num_gpus=16, planner="test",
+                          pipelines=[Pipeline(stages, 8, chunks, order)])
+
+
+def test_cross_stage_deadlock_is_refused():
+    cost, plan = _two_chunk_plan([["F0", "B0", "F1", "B1"], ["F1", "F0", "B0", "B1"]])
+    with pytest.raises(InvalidPlanError, match=r"pipeline 0: the operation order deadlocks: stage \d cannot run"):
+        simulate(plan, np.array([1000, 1000]), cost)
+
+
+def test_slice_order_deadlock_is_refused():
+    # chunk 1 holds the second slice of sequence 0: its forward cannot run before chunk 0's
+    pieces = [[Piece(0, 0, 600)], [Piece(0, 600, 1000)]]
+    cost, plan = _two_chunk_plan([["F1", "F0", "B0", "B1"], ["F1", "F0", "B0", "B1"]], pieces)
+    with pytest.raises(InvalidPlanError, match="stage 0 cannot run F1.*waits for F0 on stage 0"):
+        simulate(plan, np.array([1000]), cost)
+    # and the backward of the first slice cannot run before the second's
+    cost, plan = _two_chunk_plan([["F0", "F1", "B0", "B1"], ["F0", "F1", "B0", "B1"]], pieces)
+    with pytest.raises(InvalidPlanError, match="stage 0 cannot run B0.*waits for .*B1 on stage 0"):
+        simulate(plan, np.array([1000]), cost)
+    # reversed backward runs
+    cost, plan = _two_chunk_plan([["F0", "F1", "B1", "B0"], ["F0", "F1", "B1", "B0"]], pieces)
+    assert simulate(plan, np.array([1000]), cost).step_time_s > 0
+
+
+def test_memory_over_budget_is_refused_naming_stage_and_operation():
+    cost = CostModel.from_presets("llama-13b", "a800-80g-8x4")
+    pc = PipelineCost(cost, 4, 8)
+    lengths = np.array([60000, 50000, 40000, 30000])
+    built = build_pipeline([[(i, 0, int(s))] for i, s in enumerate(lengths)], pc, "none")
+    plan = StepPlan(kind="elastic_pp", num_gpus=32, planner="test", pipelines=[built.to_pipeline(pc)])
+    simulate(plan, lengths, cost)  # fits 72 GB
+    with pytest.raises(InvalidPlanError, match=r"pipeline 0, stage 0: (after|during) [FB]\d+ needs \d+ MB per GPU"):
+        simulate(plan, lengths, cost, memory_mb=20_000)
+
+
+def test_bad_orders_and_layouts_are_refused():
+    lengths = np.array([1000, 1000])
+    cost, plan = _two_chunk_plan([["F0", "F1", "B0"], ["F0", "B0", "F1", "B1"]])
+    with pytest.raises(InvalidPlanError, match="B1 appears 0 times"):
+        simulate(plan, lengths, cost)
+    with pytest.raises(InvalidPlanError, match="missing B1"):
+        validate_pipelines(plan, lengths, cost)
+    cost, plan = _two_chunk_plan([["F0", "F1", "B0", "B1"]])
+    with pytest.raises(InvalidPlanError, match="order_per_stage"):
+        simulate(plan, lengths, cost)
+    cost, plan = _two_chunk_plan([["F0", "F1", "B0", "X1"], ["F0", "B0", "F1", "B1"]])
+    with pytest.raises(InvalidPlanError, match="'X1'"):
+        simulate(plan, lengths, cost)
+    cost, plan = _two_chunk_plan([["F0", "F1", "B0", "B1"], ["B0", "F0", "F1", "B1"]])
+    with pytest.raises(InvalidPlanError, match="B0 comes before F0"):
+        validate_pipelines(plan, lengths, cost)
+    cost, plan = _two_chunk_plan([["F0", "F1", "B0", "B1"]] * 3, stages=3)
+    with pytest.raises(InvalidPlanError, match="do not divide"):
+        validate_pipelines(plan, lengths, cost)
+    plan.pipelines[0].chunks[0].recompute_layers_per_stage = [99, 0]
+    plan.pipelines[0].stages = 2
+    plan.pipelines[0].order_per_stage = plan.pipelines[0].order_per_stage[:2]
+    with pytest.raises(InvalidPlanError, match="recompute"):
+        validate_pipelines(plan, lengths, cost)
+    with pytest.raises(InvalidPlanError, match="recompute of 99 layers"):
+        simulate(plan, lengths, cost)
+
+
+def test_backward_order_reverses_each_split_sequence():
+    pc = PipelineCost(COST, 4, 8)
+    pieces = [[Piece(0, 0, 10)], [Piece(0, 10, 20)], [Piece(0, 20, 25), Piece(2, 0, 5)], [Piece(1, 0, 9)],
+              [Piece(3, 0, 4)], [Piece(3, 4, 8)]]
+    table = analyze_chunks([Chunk(i, p) for i, p in enumerate(pieces)], pc)
+    assert backward_order(list(range(6)), table) == [2, 1, 0, 3, 5, 4]
+    ops = one_f_one_b(list(range(6)), [2, 1, 0, 3, 5, 4], 4)
+    assert warmup_counts(ops) == [6, 5, 4, 3]  # P - p + e, e = 2 (three slices of sequence 0)
+
+
+def test_two_pipelines_run_back_to_back():
+    pc = PipelineCost(COST, 4, 8)
+    lengths = np.array([50000, 3000, 2000, 40000, 1000])
+    a = build_pipeline([[(0, 0, 25000)], [(0, 25000, 50000), (1, 0, 3000)], [(2, 0, 2000)]], pc, "none")
+    b = build_pipeline([[(3, 0, 40000)], [(4, 0, 1000)]], pc, "none")
+    plan = StepPlan(kind="elastic_pp", num_gpus=32, planner="t", pipelines=[a.to_pipeline(pc), b.to_pipeline(pc)])
+    validate(plan, lengths, COST)
+    validate_pipelines(plan, lengths, COST)
+    res = simulate(plan, lengths, COST)
+    # the second pipeline starts on each stage when that stage is done with the first
+    assert max(a.makespan_ms, b.makespan_ms) < res.step_time_s * 1e3 <= a.makespan_ms + b.makespan_ms + 1e-6
+    assert len(res.warmup) == 2 and res.tokens == lengths.sum()
+    # a sequence may not straddle two pipelines
+    bad = StepPlan(kind="elastic_pp", num_gpus=32, planner="t", pipelines=[
+        Pipeline(4, 8, [Chunk(0, [Piece(0, 0, 100)])], [["F0", "B0"]] * 4),
+        Pipeline(4, 8, [Chunk(0, [Piece(0, 100, 200)])], [["F0", "B0"]] * 4)])
+    with pytest.raises(InvalidPlanError, match="pipelines 0 and 1"):
+        simulate(bad, np.array([200]), COST)
+    with pytest.raises(InvalidPlanError, match="pipelines 0 and 1"):
+        validate_pipelines(bad, np.array([200]), COST)
+
+
+def test_flexsp_plans_simulate_to_their_estimate():
+    from megatron_ext.planner import make_plan
+
+    lengths = np.array([60000, 20000, 9000, 3000, 3000, 800, 500, 100])
+    plan = make_plan("flexsp", lengths, COST)
+    res = simulate(plan, lengths, COST)
+    assert res.kind == "flexsp"
+    assert res.step_time_s == pytest.approx(plan.estimated_step_time_s, rel=1e-9)
+    assert len(res.peak_memory_mb) == 32 and max(res.peak_memory_mb) <= COST.cluster.memory_mb + 1e-6
+    assert 0 <= res.bubble_ratio < 1
+    with pytest.raises(InvalidPlanError, match="over the 20000 MB budget"):
+        simulate(plan, lengths, COST, memory_mb=20000)
