@@ -133,20 +133,21 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def _torchrun(rest: list[str], capture: bool = False):
-    """Run ``megatron_ext.runtime.train`` on one process per rank of the cluster with torchrun."""
+def _torchrun(rest: list[str], capture: bool = False, module: str = "megatron_ext.runtime.train"):
+    """Run ``module`` (train or profile) on one process per rank of the cluster with torchrun."""
+    import importlib
     import os
     import subprocess
 
-    from megatron_ext.runtime.train import build_parser as train_parser
-
-    targs, unknown = train_parser().parse_known_args(rest)
+    parser = importlib.import_module(module).build_parser()
+    targs, unknown = parser.parse_known_args(rest)
     if unknown:
-        raise ConfigError(f"unknown train option(s): {' '.join(unknown)} (see megatron-ext train --help)")
-    cost = CostModel.from_yaml(targs.cost_model) if targs.cost_model else CostModel.from_presets(targs.model, targs.cluster)
+        raise ConfigError(f"unknown option(s): {' '.join(unknown)} (see {parser.prog} --help)")
+    cost = (CostModel.from_yaml(targs.cost_model) if getattr(targs, "cost_model", None)
+            else CostModel.from_presets(targs.model, targs.cluster))
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cost.num_gpus}",
-           "-m", "megatron_ext.runtime.train", *rest]
+           "-m", module, *rest]
     if not capture:
         return subprocess.call(cmd, env=env)
     return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
@@ -173,6 +174,18 @@ def cmd_train(rest: list[str]) -> int:
         runs[planner] = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     print(compare_table(runs))
     return 0
+
+
+def cmd_report(args) -> int:
+    from megatron_ext.report import fidelity, load_run, report_table
+
+    records = load_run(args.run_dir)
+    print(json.dumps(fidelity(records), indent=1) if args.json else report_table(records))
+    return 0
+
+
+def cmd_profile(rest: list[str]) -> int:
+    return _torchrun(rest, module="megatron_ext.runtime.profile")
 
 
 def compare_table(runs: dict[str, list[dict]]) -> str:
@@ -235,6 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", add_help=False,
                        help="train a small GPT on CPU ranks with per-step plans (torchrun); --help for options")
     t.set_defaults(func=cmd_train)
+    rp = sub.add_parser("report", help="how well the cost model predicted a `train --run-dir` run")
+    rp.add_argument("run_dir", metavar="RUN_DIR")
+    rp.add_argument("--json", action="store_true")
+    rp.set_defaults(func=cmd_report)
+    pr = sub.add_parser("profile", add_help=False,
+                        help="measure the cost model's coefficients here and write a cost-model YAML; --help")
+    pr.set_defaults(func=cmd_profile)
     return ap
 
 
@@ -242,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     try:
+        if args.func is cmd_profile:
+            if "-h" in rest or "--help" in rest:
+                from megatron_ext.runtime.profile import build_parser as profile_parser
+                profile_parser().print_help()
+                return 0
+            return cmd_profile(rest)
         if args.func is cmd_train:
             if "-h" in rest or "--help" in rest:
                 from megatron_ext.runtime.train import build_parser as train_parser

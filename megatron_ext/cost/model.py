@@ -40,9 +40,10 @@ class CostModel:
     @classmethod
     def from_yaml(cls, path: str | Path) -> "CostModel":
         """A cost-model file: ``model`` and ``cluster`` (preset names, file paths or inline
-        mappings of their fields) and optionally ``zero_stage``."""
+        mappings of their fields), optionally ``zero_stage``, and the ``profile`` section that
+        ``megatron-ext profile`` writes (measurements and fit residuals; not read here)."""
         data = read_yaml(Path(path))
-        unknown = set(data) - {"model", "cluster", "zero_stage"}
+        unknown = set(data) - {"model", "cluster", "zero_stage", "profile"}  # profile: measurements, for people
         if unknown or "model" not in data or "cluster" not in data:
             raise ConfigError(f"{path}: a cost model needs 'model' and 'cluster' (and optionally 'zero_stage')"
                               + (f"; unknown: {', '.join(sorted(unknown))}" if unknown else ""))

@@ -14,6 +14,7 @@ import json
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the Python standard library, BPE-tokenized; built once and cached)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "flash", "te"])
     p.add_argument("--json", action="store_true", help="one JSON record per step")
+    p.add_argument("--run-dir", metavar="DIR", help="also write the records to DIR/steps.jsonl (for `megatron-ext report`)")
     return p
 
 
@@ -137,6 +139,10 @@ def _train(args, rank: int, world: int) -> int:
     loader = PlanningDataLoader(docs, cost, args.global_batch, planner=args.planner, options=options, seed=args.seed,
                                 max_seq_len=args.max_seq_len, num_steps=args.steps, sync="broadcast")
     records = []
+    log = None
+    if rank == 0 and args.run_dir:
+        Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+        log = open(Path(args.run_dir) / "steps.jsonl", "w")
     with loader:
         for step in loader:
             dist.barrier()
@@ -156,6 +162,10 @@ def _train(args, rank: int, world: int) -> int:
             records.append(rec)
             if rank == 0:
                 print(json.dumps(rec) if args.json else _line(rec), flush=True)
+                if log:
+                    print(json.dumps(rec), file=log, flush=True)
+    if log:
+        log.close()
     if rank == 0 and not args.json:
         print(_summary(records), flush=True)
     return 0

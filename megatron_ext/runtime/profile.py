@@ -1,0 +1,243 @@
+"""`megatron-ext profile`: measure the cost model's coefficients on this hardware.
+
+Run under torchrun (the CLI launches it) with one process per rank of the cluster. Every rank
+builds the model, then all ranks measure together, as in training (on a CPU box they share the
+cores, and that contention is part of what the coefficients must capture):
+
+- compute: forward+backward time of one sequence, over a sweep of lengths, fitted to
+  a1 s^2 + a2 s + b1 (non-negative least squares; the residuals are reported);
+- all-to-all: for every degree d, every aligned group of d ranks runs all_to_all_single at once,
+  over a sweep of sizes; time = latency + bytes / bandwidth per degree;
+- p2p: send/recv between rank pairs, bandwidth;
+- activation memory per token: the bytes autograd saves for backward in a forward pass;
+- parameters: counted.
+
+Rank 0 writes a cost-model YAML (model + cluster inline, plus a ``profile`` section with the
+measurements and fit residuals) that ``plan``, ``simulate`` and ``train`` accept via --cost-model.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import yaml
+
+from megatron_ext.cost import CostModel
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-ext profile", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny", help="model preset or YAML (its shape is what gets measured)")
+    p.add_argument("--cluster", default="cpu-4", help="cluster preset or YAML (its GPU count is the rank count)")
+    p.add_argument("--out", required=True, metavar="PATH", help="cost-model YAML to write")
+    p.add_argument("--lengths", default="128,256,512,1024,2048,3072",
+                   help="comma-separated sequence lengths of the compute sweep")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median is kept)")
+    return p
+
+
+def nonnegative_fit(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Least squares of y ~ a1 x^2 + a2 x + b1 with every coefficient >= 0 (the best of the
+    unconstrained fits on each subset of the three terms that comes out non-negative)."""
+    cols = np.stack([x * x, x, np.ones_like(x)], axis=1).astype(np.float64)
+    best, best_err = np.zeros(3), np.inf
+    for k in range(1, 4):
+        for subset in itertools.combinations(range(3), k):
+            coef, *_ = np.linalg.lstsq(cols[:, subset], y, rcond=None)
+            if (coef < 0).any():
+                continue
+            full = np.zeros(3)
+            full[list(subset)] = coef
+            err = float(np.sum((cols @ full - y) ** 2))
+            if err < best_err:
+                best, best_err = full, err
+    return best, y - cols @ best
+
+
+def _progress(rank: int, done: int, total: int, what: str) -> None:
+    if rank == 0:
+        bar = "#" * int(30 * done / total)
+        print(f"\r[{bar:<30}] {done}/{total} {what:<40}", end="" if done < total else "\n", file=sys.stderr,
+              flush=True)
+
+
+def _time(fn, repeats: int) -> float:
+    """Median wall time (s) of fn over ranks in step: a barrier before each run."""
+    times = []
+    for _ in range(repeats + 1):  # the first run warms up
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
+
+
+def _compute_sweep(model, lengths, vocab, repeats, tick) -> list[float]:
+    from megatron_ext.runtime.attention import UlyssesPackedSeqParams
+
+    out = []
+    for s in lengths:
+        params = UlyssesPackedSeqParams.build([s], None)
+        tokens = torch.randint(0, vocab, (1, s))
+
+        def run():
+            model.zero_grad()
+            model(tokens, params.position_ids[None], None, labels=tokens, packed_seq_params=params).sum().backward()
+
+        out.append(_time(run, repeats) * 1e3)
+        tick(f"compute, {s} tokens")
+    return out
+
+
+def _saved_bytes_per_token(model, vocab: int, s: int = 512) -> float:
+    """Bytes autograd keeps for backward per token (the activation memory of training)."""
+    from megatron_ext.runtime.attention import UlyssesPackedSeqParams
+
+    params = UlyssesPackedSeqParams.build([s], None)
+    tokens = torch.randint(0, vocab, (1, s))
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(tokens, params.position_ids[None], None, labels=tokens, packed_seq_params=params).sum()
+    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    loss.backward()
+    return sum(n for ptr, n in seen.items() if ptr not in param_ptrs) / s
+
+
+def _a2a_sweep(pool, world: int, repeats: int, tick) -> dict[int, dict]:
+    """Per degree: latency (ms) and bandwidth (GB/s) of all_to_all_single, every group at once."""
+    sizes_mb = [0.25, 1.0, 4.0]
+    out = {}
+    d = 2
+    while d <= world:
+        me = pool.rank
+        block = tuple(range(me // d * d, me // d * d + d))
+        group = pool.get(block)
+        points = []
+        for mb in sizes_mb:
+            x = torch.zeros(int(mb * 2**20 / 4))
+            x = x[: len(x) // d * d]
+            y = torch.empty_like(x)
+            points.append((x.numel() * 4 / 2**20, _time(lambda: dist.all_to_all_single(y, x, group=group), repeats)))
+            tick(f"all-to-all, degree {d}, {mb:g} MB")
+        mbs = np.array([p[0] for p in points])
+        secs = np.array([p[1] for p in points])
+        slope, intercept = np.polyfit(mbs, secs, 1)
+        out[d] = {"latency_ms": max(float(intercept), 0.0) * 1e3,
+                  "bandwidth_gbps": float(1.0 / 1024 / max(slope, 1e-12))}  # MB per second -> GB/s
+        d *= 2
+    return out
+
+
+def _p2p_bandwidth(world: int, repeats: int) -> float:
+    """GB/s of 8 MB send/recv between rank pairs (0<->1, 2<->3, ...), all pairs at once."""
+    rank = dist.get_rank()
+    peer = rank ^ 1
+    if peer >= world:
+        return 0.0
+    x = torch.zeros(2 * 2**20)  # 8 MB
+
+    def run():
+        ops = [dist.P2POp(dist.isend, x, peer), dist.P2POp(dist.irecv, torch.empty_like(x), peer)]
+        for r in dist.batch_isend_irecv(ops):
+            r.wait()
+
+    return 8 / 1024 / _time(run, repeats)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
+    warnings.filterwarnings("ignore", message=r"full scope is deprecated")
+    dist.init_process_group("gloo")
+    try:
+        return _profile(args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _profile(args) -> int:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_ext.runtime.compat import apply_cpu_compat
+    from megatron_ext.runtime.groups import SPGroupPool
+    from megatron_ext.runtime.train import build_model
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = CostModel.from_presets(args.model, args.cluster)
+    if base.num_gpus != world:
+        raise SystemExit(f"megatron-ext: error: cluster {base.cluster.name} has {base.num_gpus} GPUs, "
+                         f"{world} ranks were launched")
+    lengths = [int(x) for x in args.lengths.split(",")]
+    apply_cpu_compat()
+    parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(0)
+    pool = SPGroupPool()
+    vocab = base.model.vocab_size
+    ddp, _ = build_model(base.model, vocab, max(lengths), "auto")
+    model = ddp.module
+    degrees = [d for d in (2**i for i in range(1, 12)) if d <= world]
+    total = len(lengths) + 3 * len(degrees) + 2
+    done = [0]
+
+    def tick(what):
+        done[0] += 1
+        _progress(rank, done[0], total, what)
+
+    times_ms = _compute_sweep(model, lengths, vocab, args.repeats, tick)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, times_ms)
+    per_length = np.median(np.array(gathered), axis=0)  # ranks ran concurrently; take the typical one
+    (a1, a2, b1), residual = nonnegative_fit(np.array(lengths, dtype=np.float64), per_length)
+    act_mb = _saved_bytes_per_token(model, vocab) / 2**20
+    tick("activation memory")
+    a2a = _a2a_sweep(pool, world, args.repeats, tick)
+    p2p = _p2p_bandwidth(world, args.repeats)
+    tick("p2p")
+    params_b = sum(p.numel() for p in model.parameters()) / 1e9
+    if rank == 0:
+        m, c = base.model, base.cluster
+        doc = {
+            "model": {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
+                      "num_attention_heads": m.num_attention_heads, "num_query_groups": m.kv_heads,
+                      "ffn_hidden_size": m.ffn_hidden_size, "vocab_size": vocab, "params_b": round(params_b, 9),
+                      "act_mb_per_token": round(act_mb, 6), "a1": float(a1), "a2": float(a2), "b1": float(b1)},
+            "cluster": {"num_nodes": c.num_nodes, "gpus_per_node": c.gpus_per_node, "memory_gb": c.memory_gb,
+                        "a2a_bandwidth_gbps": {d: round(v["bandwidth_gbps"], 4) for d, v in a2a.items()},
+                        "p2p_bandwidth_gbps": round(p2p, 4)},
+            "profile": {
+                "host": dist.get_backend(), "ranks": world, "lengths": lengths,
+                "fwd_bwd_ms": [round(float(t), 3) for t in per_length],
+                "fit_residual_ms": [round(float(r), 3) for r in residual],
+                "fit_rel_error": round(float(np.median(np.abs(residual) / per_length)), 4),
+                "a2a_latency_ms": {d: round(v["latency_ms"], 4) for d, v in a2a.items()},
+            },
+        }
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(f"# Measured by `megatron-ext profile --model {args.model} --cluster {args.cluster}` "
+                       f"on {world} {dist.get_backend()} ranks.\n" + yaml.safe_dump(doc, sort_keys=False))
+        print(f"a1 {a1:.3e}  a2 {a2:.4f}  b1 {b1:.2f} ms  (median fit error {doc['profile']['fit_rel_error']:.1%})\n"
+              f"activation {act_mb:.4f} MB/token, {params_b * 1e3:.3f} M parameters\n"
+              + "".join(f"all-to-all degree {d}: {v['bandwidth_gbps']:.3f} GB/s, latency {v['latency_ms']:.2f} ms\n"
+                        for d, v in a2a.items())
+              + f"p2p {p2p:.3f} GB/s\nwrote {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

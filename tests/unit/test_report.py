@@ -1,0 +1,43 @@
+import json
+
+import pytest
+
+from megatron_ext.cli import main
+from megatron_ext.errors import ConfigError
+from megatron_ext.report import fidelity, load_run
+
+
+def _write(tmp_path, records):
+    (tmp_path / "steps.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return tmp_path
+
+
+def _rec(step, measured, predicted, mb=()):
+    return {"step": step, "planner": "flexsp", "step_time_s": measured, "predicted_step_time_s": predicted,
+            "micro_batch_times_s": [m for m, _ in mb], "predicted_micro_batch_times_s": [p for _, p in mb]}
+
+
+def test_fidelity_by_hand(tmp_path):
+    # The first step is left out; errors (p - m) / m of the rest: +10%, -20%, +10%.
+    recs = [_rec(0, 9.0, 1.0), _rec(1, 1.0, 1.1, [(0.5, 0.5), (0.5, 0.6)]), _rec(2, 1.0, 0.8), _rec(3, 2.0, 2.2)]
+    f = fidelity(load_run(_write(tmp_path, recs)))
+    assert f["steps"] == 3
+    assert f["step_median_abs_error"] == pytest.approx(0.1)
+    assert f["step_bias"] == pytest.approx(0.1)
+    assert f["micro_batch_median_abs_error"] == pytest.approx(0.1)
+    assert not f["recalibrate"]
+
+
+def test_recalibration_is_suggested_when_the_model_is_off(tmp_path, capsys):
+    recs = [_rec(k, 1.0, 0.5) for k in range(5)]
+    assert fidelity(recs)["recalibrate"]
+    assert main(["report", str(_write(tmp_path, recs))]) == 0
+    assert "megatron-ext profile" in capsys.readouterr().out
+
+
+def test_missing_or_malformed_run(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="no run records"):
+        load_run(tmp_path)
+    (tmp_path / "steps.jsonl").write_text("{not json\n")
+    assert main(["report", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("megatron-ext: error:")
