@@ -167,6 +167,31 @@ def assert_check(results: dict[str, list[str]], name: str) -> None:
         raise AssertionError("\n".join(failures + results.get("__launch__", [])))
 
 
+def checks_as_tests(script: Path, nprocs: int):
+    """The pytest side of a worker module, in one line of its test file::
+
+        results, test_checks, test_every_check_reported = checks_as_tests(WORKER, nprocs=4)
+
+    ``results`` is a module fixture making the one launch; ``test_checks`` reports each check as
+    its own test; ``test_every_check_reported`` fails if a check never reported."""
+    import pytest
+
+    names = check_names(script)
+
+    @pytest.fixture(scope="module")
+    def results():
+        return launch(script, nprocs=nprocs)
+
+    @pytest.mark.parametrize("name", names)
+    def test_checks(results, name):
+        assert_check(results, name)
+
+    def test_every_check_reported(results):
+        assert set(names) <= set(results), sorted(set(names) - set(results))
+
+    return results, test_checks, test_every_check_reported
+
+
 if __name__ == "__main__":
     sys.modules.setdefault("dist_harness", sys.modules["__main__"])  # one CHECKS list for the worker
     sys.exit(_launcher_main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]),
