@@ -5,6 +5,11 @@
   process group, created once.
 - ``attention``: ``UlyssesAttention`` (core attention for megatron's layer specs),
   ``UlyssesPackedSeqParams`` (the per-micro-batch packed layout), true-position RoPE.
+- ``slices``: token-level slices, ``PrefixKVCache`` (prefix K/V and its held gradient between the
+  slices of a sequence).
+- ``pipeline``: elastic pipelines (``forward_backward_elastic`` runs an elastic_pp StepPlan on
+  megatron's pipeline layout; ``build_schedule`` validates a pipeline and derives its deadlock-free
+  per-stage programs; ``build_pipeline_model``).
 
 Submodules are imported on demand (``attention`` imports megatron-core).
 """

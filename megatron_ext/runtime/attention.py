@@ -47,6 +47,12 @@ RoPE must use each token's position inside its own sequence, not its place in th
 ``rotary_pos_emb_at``). Learned absolute position embeddings get the same positions from the
 ``position_ids`` argument of GPTModel.forward.
 
+Token-level slices (elastic pipelines): a packed entry may be the piece ``[start, start + n)`` of a
+longer sequence (``UlyssesPackedSeqParams.build(..., starts=, keys=, continues=, prefix_cache=)``).
+Its tokens sit at their true positions, it attends to the cached K/V of the sequence's earlier
+pieces, and the gradient of that prefix is carried back to them (``runtime/slices.py``); without
+those arguments nothing changes.
+
 Without ``UlyssesPackedSeqParams`` the module still works: with megatron's own ``thd``
 PackedSeqParams (``cu_seqlens_q``) it attends within each packed sequence locally, and with no
 packed params it is plain causal (or ``attention_mask``-masked) attention per batch row, like
@@ -144,20 +150,49 @@ class UlyssesPackedSeqParams(PackedSeqParams):
     total_tokens: int = 0  # padded length of the group buffer, S
     position_ids: Optional[Tensor] = None  # [S/d], this rank's shard
     max_position_id: int = 0
+    # Token-level slices (runtime/slices.py): per packed sequence, the position of its first token
+    # in the whole sequence, a key naming the sequence, and whether later slices of it follow; the
+    # cache that carries K/V and prefix gradients between slices. Empty / None: whole sequences.
+    seq_starts: tuple = ()
+    seq_keys: tuple = ()
+    seq_continues: tuple = ()
+    prefix_cache: Optional[object] = field(default=None, repr=False, compare=False)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, seq_lengths: Sequence[int], sp_group: Optional[dist.ProcessGroup] = None, *,
-              pad_to_multiple_of: int = 1, device=None) -> "UlyssesPackedSeqParams":
+              pad_to_multiple_of: int = 1, device=None, starts: Optional[Sequence[int]] = None,
+              keys: Optional[Sequence] = None, continues: Optional[Sequence[bool]] = None,
+              prefix_cache=None) -> "UlyssesPackedSeqParams":
         """Layout of ``seq_lengths`` (the group's sequences in packing order) over ``sp_group``
         (this rank must be a member; None means degree 1). The buffer is padded to a multiple of
         ``degree * pad_to_multiple_of`` tokens. ``device``: where cu_seqlens and position_ids live
-        (default CPU; use the GPU for the flash / TE backends)."""
+        (default CPU; use the GPU for the flash / TE backends).
+
+        Token-level slices (a packed entry is the piece ``[start, start + length)`` of a longer
+        sequence): ``starts`` (true position of each entry's first token), ``keys`` (a hashable per
+        entry naming its sequence), ``continues`` (True where later pieces of the sequence follow)
+        and ``prefix_cache`` (a ``slices.PrefixKVCache`` shared by all chunks of the step). Pieces
+        with a start > 0 attend to the cached K/V of positions [0, start); continuing pieces cache
+        their own K/V."""
         lengths = [int(n) for n in seq_lengths]
         if not lengths or min(lengths) < 1:
             raise ValueError(f"a packed micro-batch needs at least one sequence of length >= 1, got {lengths}")
         if pad_to_multiple_of < 1:
             raise ValueError("pad_to_multiple_of must be >= 1")
+        starts = tuple(int(a) for a in starts) if starts is not None else ()
+        continues = tuple(bool(c) for c in continues) if continues is not None else ()
+        keys = tuple(keys) if keys is not None else ()
+        for name, vals in (("starts", starts), ("keys", keys), ("continues", continues)):
+            if vals and len(vals) != len(lengths):
+                raise ValueError(f"{name} has {len(vals)} entries for {len(lengths)} packed sequences")
+        if starts and min(starts) < 0:
+            raise ValueError(f"starts must be >= 0, got {starts}")
+        sliced = any(starts) or any(continues)
+        if sliced and (prefix_cache is None or not keys):
+            raise ValueError("pieces of split sequences (a start > 0 or continues=True) need keys and a prefix_cache")
+        if sliced and len(set(keys)) != len(keys):
+            raise ValueError(f"a packed micro-batch holds two pieces of one sequence: keys {keys}")
         d = 1 if sp_group is None else dist.get_world_size(sp_group)
         r = 0 if sp_group is None else dist.get_rank(sp_group)
         if r < 0:
@@ -170,12 +205,20 @@ class UlyssesPackedSeqParams(PackedSeqParams):
         cu_padded[-1] = total
         shard = total // d
         start = r * shard
-        positions = _positions(lengths, total)[start:start + shard].to(device)
+        positions = _positions(lengths, total, starts)[start:start + shard].to(device)
+        ends = [a + n for a, n in zip(starts, lengths)] if starts else lengths
         return cls(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
                    cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths),
                    sp_group=sp_group if d > 1 else None, sp_degree=d, sp_rank=r, seq_lengths=tuple(lengths),
                    num_tokens=real, total_tokens=total, position_ids=positions,
-                   max_position_id=max(max(lengths), total - real) - 1)
+                   max_position_id=max(max(ends), total - real) - 1,
+                   seq_starts=starts if sliced else (), seq_keys=keys, seq_continues=continues if sliced else (),
+                   prefix_cache=prefix_cache if sliced else None)
+
+    @property
+    def sliced(self) -> bool:
+        """Whether some packed sequence is a piece of a split sequence (prefix K/V in play)."""
+        return self.prefix_cache is not None and (any(self.seq_starts) or any(self.seq_continues))
 
     # -- this rank's shard --
     @property
@@ -224,9 +267,10 @@ def _cumsum(xs):
         yield s
 
 
-def _positions(lengths: Sequence[int], total: int) -> Tensor:
-    """Position of each buffer token within its segment (sequences, then padding)."""
-    pieces = [torch.arange(n) for n in lengths]
+def _positions(lengths: Sequence[int], total: int, starts: Sequence[int] = ()) -> Tensor:
+    """Position of each buffer token within its sequence (a piece starting at ``starts[i]``
+    continues from there; padding counts from 0)."""
+    pieces = [torch.arange(a, a + n) for a, n in zip(starts or [0] * len(lengths), lengths)]
     if total > sum(lengths):
         pieces.append(torch.arange(total - sum(lengths)))
     return torch.cat(pieces)
@@ -413,7 +457,12 @@ class UlyssesAttention(MegatronModule):
             raise ValueError(f"Ulysses degree {d} must divide the attention heads ({hq}) and KV heads ({hk})")
         if d > 1:
             q, k, v = self._exchange_qkv(q, k, v, params.sp_group, d)
-        out = self._packed(q[:, 0], k[:, 0], v[:, 0], params.segment_bounds(), causal, params._cache)
+        if params.sliced:  # pieces of split sequences: prefix K/V from earlier chunks (runtime/slices.py)
+            from megatron_ext.runtime.slices import sliced_attention
+
+            out = sliced_attention(self, q[:, 0], k[:, 0], v[:, 0], params, causal)
+        else:
+            out = self._packed(q[:, 0], k[:, 0], v[:, 0], params.segment_bounds(), causal, params._cache)
         out = out.unsqueeze(1)  # [S, 1, hq/d, dh]
         if d > 1:
             out = all_to_all(out, params.sp_group, scatter_dim=0, gather_dim=2)

@@ -1,0 +1,29 @@
+"""Token-level slices and elastic pipelines on 4 gloo ranks, one launch: slices at SP degree 1, 2
+and 4 (with and without recompute) equal the uncut sequences; elastic_pp plans (hand-made split,
+batched and hybrid chunks, several pipelines, random valid orders, planner plans with recompute)
+through a 2-stage x SP 2 and a 4-stage pipeline equal one process; impossible orders are refused
+before anything runs. The checks live in pipeline_worker.py; each is reported as its own test."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dist_harness import assert_check, check_names, launch
+
+WORKER = Path(__file__).with_name("pipeline_worker.py")
+NAMES = check_names(WORKER)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch(WORKER, nprocs=4)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_four_ranks(results, name):
+    assert_check(results, name)
+
+
+def test_every_check_reported(results):
+    assert set(NAMES) <= set(results), sorted(set(NAMES) - set(results))
