@@ -16,7 +16,7 @@ from megatron_ext.data.lengths import DISTRIBUTIONS, read_lengths, sample_length
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.planner import PLANNERS, PlannerOptions, make_plan
 from megatron_ext.planner.api import BASELINES
-from megatron_ext.sim.commands import add_pipeline_args, add_simulate_command
+from megatron_ext.sim.commands import add_pipeline_args, add_simulate_command, plot_if_asked
 
 
 def parse_tokens(text: str) -> int:
@@ -43,7 +43,7 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
 def add_planner_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("planner")
     g.add_argument("--planner", default="flexsp",
-                   help=f"one of: {', '.join(PLANNERS)}, elastic_pp, seq1f1b, batch_1f1b (default: flexsp)")
+                   help=f"one of: {', '.join(PLANNERS)}, elastic_pp, seq1f1b, batch_1f1b, auto (default: flexsp)")
     g.add_argument("--time-limit", type=float, default=1.0, metavar="SEC", help="solver time limit per step")
     g.add_argument("--static-degree", type=int, help="degree of static_ulysses (default: the largest allowed)")
     g.add_argument("--drop-over-max", action="store_true",
@@ -117,6 +117,7 @@ def cmd_plan(args) -> int:
     plan = make_plan(args.planner, lengths, cost, options_from_args(args),
                      baselines=() if args.no_baselines else BASELINES)
     print(plan.to_json(indent=1) if args.json else _plan_table(plan, lengths, cost, args.max_seq_len))
+    plot_if_asked(args, plan, lengths, cost)
     return 0
 
 
@@ -145,6 +146,9 @@ def _torchrun(rest: list[str], capture: bool = False, module: str = "megatron_ex
         raise ConfigError(f"unknown option(s): {' '.join(unknown)} (see {parser.prog} --help)")
     cost = (CostModel.from_yaml(targs.cost_model) if getattr(targs, "cost_model", None)
             else CostModel.from_presets(targs.model, targs.cluster))
+    if module == "megatron_ext.runtime.train":
+        from megatron_ext.runtime.train import check_args
+        check_args(targs, cost, cost.num_gpus)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cost.num_gpus}",
            "-m", module, *rest]

@@ -46,6 +46,7 @@ from megatron_ext.data.sharding import (IGNORE_INDEX, RankShard, ShardTokens, gr
 from megatron_ext.errors import InvalidPlanError, MegatronExtError
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner import PLANNERS, PlannerOptions, make_plan
+from megatron_ext.planner.pipeline import PP_PLANNERS
 
 __all__ = ["PlanningDataLoader", "Step", "PlanMismatchError", "plan_digest", "check_plan_agreement",
            "broadcast_plan", "make_samples", "fallback_plan", "rank_part", "group_shards", "RankShard",
@@ -144,7 +145,8 @@ def fallback_plan(lengths, cost: CostModel, options: PlannerOptions, fallback: s
                   reason: str = "") -> StepPlan:
     """A quick valid plan: ``fallback`` (then static Ulysses if that fails), marked as a fallback
     in ``solver_status``."""
-    names = [fallback] + [n for n in ("batchada", "static_ulysses") if n != fallback]
+    # A pipeline runtime needs a pipeline plan: FlexSP-kind stand-ins only for FlexSP-kind fallbacks.
+    names = [fallback] + ([n for n in ("batchada", "static_ulysses") if n != fallback] if fallback in PLANNERS else [])
     last: Exception | None = None
     for name in names:
         try:
@@ -212,10 +214,11 @@ class PlanningDataLoader:
                  fallback: str = "batchada", baselines: tuple[str, ...] = (),
                  startup_timeout_s: float = 60.0, worker_imports: tuple[str, ...] = (),
                  plan_delay_s: float = 0.0, sync: str | None = None, group=None, src_rank: int = 0):
-        if planner not in PLANNERS and not worker_imports:
-            raise DataError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
-        if fallback not in PLANNERS:
-            raise DataError(f"unknown fallback planner {fallback!r}; choose one of {', '.join(PLANNERS)}")
+        known = [*PLANNERS, *PP_PLANNERS]
+        if planner not in known and not worker_imports:
+            raise DataError(f"unknown planner {planner!r}; choose one of {', '.join(known)}")
+        if fallback not in known:
+            raise DataError(f"unknown fallback planner {fallback!r}; choose one of {', '.join(known)}")
         if sync not in (None, "check", "broadcast"):
             raise DataError(f"sync must be None, 'check' or 'broadcast', got {sync!r}")
         if global_batch_size < 1:

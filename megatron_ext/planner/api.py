@@ -30,6 +30,8 @@ class PlannerOptions:
     num_buckets: int = 16  # sequence-blaster buckets per micro-batch
     extra_microbatches: int = 4  # try M_min .. M_min + this many micro-batches
     search_budget: int = 48  # part solves the flexsp cut search may make: bounds work deterministically
+    pp: int | None = None  # pipeline planners: stages (default: one per node)
+    sp: int | None = None  # pipeline planners: Ulysses degree inside a stage (default: GPUs / pp)
 
 
 PlannerFn = Callable[[np.ndarray, CostModel, PlannerOptions], tuple[list[Groups], str]]

@@ -175,7 +175,7 @@ def _profile(args) -> int:
 
     from megatron_ext.runtime.compat import apply_cpu_compat
     from megatron_ext.runtime.groups import SPGroupPool
-    from megatron_ext.runtime.train import build_model
+    from megatron_ext.runtime.pipeline import build_pipeline_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
     base = CostModel.from_presets(args.model, args.cluster)
@@ -188,8 +188,7 @@ def _profile(args) -> int:
     model_parallel_cuda_manual_seed(0)
     pool = SPGroupPool()
     vocab = base.model.vocab_size
-    ddp, _ = build_model(base.model, vocab, max(lengths), "auto")
-    model = ddp.module
+    model, _ = build_pipeline_model(base.model, vocab, max(lengths), "auto", ddp=False)
     degrees = [d for d in (2**i for i in range(1, 12)) if d <= world]
     total = len(lengths) + 3 * len(degrees) + 2
     done = [0]

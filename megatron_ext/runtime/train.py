@@ -28,7 +28,9 @@ from megatron_ext.spec import ModelSpec
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-ext train", description=__doc__.splitlines()[0])
-    p.add_argument("--planner", default="flexsp", help=f"one of: {', '.join(PLANNERS)}")
+    p.add_argument("--planner", default="flexsp",
+                   help=f"one of: {', '.join(PLANNERS)}; with --pp: elastic_pp, seq1f1b, batch_1f1b")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (Ulysses degree inside a stage: ranks / pp)")
     p.add_argument("--model", default="tiny", help="model preset or YAML (its layers, hidden size and heads)")
     p.add_argument("--cluster", default="cpu-4", help="cluster preset or YAML: its GPU count is the rank count")
     p.add_argument("--cost-model", metavar="PATH", help="cost-model YAML (overrides --model/--cluster)")
@@ -47,27 +49,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_model(spec: ModelSpec, vocab_size: int, max_seq_len: int, backend: str):
-    """GPTModel (fp32, RoPE, Ulysses attention) in megatron DDP, with megatron's optimizer."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
+def initial_weights(spec: ModelSpec, vocab_size: int, max_seq_len: int, backend: str, seed: int) -> dict:
+    """The whole model's initial weights, from megatron's own initialization with ``seed``: every
+    pipeline layout then starts from the same function (each stage loads its part)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_ext.runtime.attention import get_gpt_layer_ulysses_spec, use_true_positions_for_rope
+    from megatron_ext.runtime.pipeline import build_pipeline_model
 
-    config = TransformerConfig(
-        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
-        num_query_groups=spec.kv_heads, ffn_hidden_size=spec.ffn_hidden_size or 4 * spec.hidden_size,
-        hidden_dropout=0.0, attention_dropout=0.0, calculate_per_token_loss=True,
-        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32)
-    padded_vocab = -(-vocab_size // 128) * 128
-    model = GPTModel(config, get_gpt_layer_ulysses_spec(backend=backend), vocab_size=padded_vocab,
-                     max_sequence_length=max_seq_len, position_embedding_type="rope")
-    use_true_positions_for_rope(model)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
-    config.no_sync_func = ddp.no_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    return ddp, config
+    parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    model, _ = build_pipeline_model(spec, vocab_size, max_seq_len, backend, ddp=False)
+    state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in model.state_dict().items()}
+    parallel_state.destroy_model_parallel()
+    return state
 
 
 def build_optimizer(ddp, lr: float):
@@ -78,13 +74,37 @@ def build_optimizer(ddp, lr: float):
 
 
 def _record(step, losses, grad_norm, tokens, step_time, plan, times) -> dict:
-    degrees = sorted({g.degree for mb in plan.micro_batches for g in mb.groups}, reverse=True)
+    degrees = sorted({g.degree for mb in plan.micro_batches for g in mb.groups} | {p.sp_degree for p in plan.pipelines},
+                     reverse=True)
     return {
         "step": step.step, "loss": losses, "grad_norm": grad_norm, "tokens": tokens, "step_time_s": step_time,
-        "predicted_step_time_s": plan.estimated_step_time_s, "micro_batches": len(plan.micro_batches),
+        "predicted_step_time_s": plan.estimated_step_time_s,
+        "micro_batches": len(plan.micro_batches) or sum(len(p.chunks) for p in plan.pipelines),
         "degrees": degrees, "planner": plan.planner, "plan_source": step.plan_source,
         "micro_batch_times_s": times, "predicted_micro_batch_times_s": [mb.estimated_time_s for mb in plan.micro_batches],
     }
+
+
+def check_args(args, cost: CostModel, world: int) -> bool:
+    """Refuse what cannot run, before anything starts (the launcher calls it too). Returns
+    whether the planner is a pipeline planner."""
+    from megatron_ext.planner.pipeline import PP_PLANNERS
+
+    if cost.num_gpus != world:
+        raise ConfigError(f"cluster {cost.cluster.name} has {cost.num_gpus} GPUs but {world} ranks were launched")
+    pipelined = args.planner in PP_PLANNERS
+    if args.planner not in PLANNERS and not pipelined:
+        raise ConfigError(f"unknown planner {args.planner!r}; choose one of {', '.join([*PLANNERS, *PP_PLANNERS])}")
+    if args.pp > 1 and not pipelined:
+        raise ConfigError(f"--pp {args.pp} needs a pipeline planner ({', '.join(PP_PLANNERS)}), not {args.planner}")
+    if world % args.pp or cost.model.num_layers % args.pp:
+        raise ConfigError(f"--pp {args.pp} must divide the {world} ranks and the {cost.model.num_layers} layers")
+    if not pipelined and args.max_seq_len > cost.max_seq_len:
+        raise ConfigError(f"--max-seq-len {args.max_seq_len} is over the {cost.max_seq_len} tokens the largest SP group "
+                          f"of {cost.cluster.name} holds; lower it or use a pipeline planner (--pp, elastic_pp)")
+    if args.steps < 1 or args.global_batch < 1:
+        raise ConfigError("--steps and --global-batch must be at least 1")
+    return pipelined
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,25 +126,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(args, rank: int, world: int) -> int:
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_ext.data.corpus import stdlib_corpus, stdlib_tokenizer
     from megatron_ext.data.datasets import IndexedDocuments
     from megatron_ext.data.loader import PlanningDataLoader
     from megatron_ext.runtime.compat import apply_cpu_compat
     from megatron_ext.runtime.groups import SPGroupPool
+    from megatron_ext.runtime.pipeline import build_pipeline_model, forward_backward_elastic, stage_state_dict
     from megatron_ext.runtime.schedule import forward_backward_flexsp
 
     cost = CostModel.from_yaml(args.cost_model) if args.cost_model else CostModel.from_presets(args.model, args.cluster)
-    if cost.num_gpus != world:
-        raise ConfigError(f"cluster {cost.cluster.name} has {cost.num_gpus} GPUs but {world} ranks were launched")
-    if args.planner not in PLANNERS:
-        raise ConfigError(f"unknown planner {args.planner!r}; choose one of {', '.join(PLANNERS)}")
+    pipelined = check_args(args, cost, world)
     apply_cpu_compat()
-    parallel_state.initialize_model_parallel(1, 1)
-    torch.manual_seed(args.seed)
-    model_parallel_cuda_manual_seed(args.seed)
-    pool = SPGroupPool()
     # The same prefix on every rank: rank 0 builds the corpus once, the others wait for it.
     prefix = args.data
     if prefix is None:
@@ -132,12 +145,18 @@ def _train(args, rank: int, world: int) -> int:
         dist.broadcast_object_list(box, src=0)
         prefix = box[0]
     tok = stdlib_tokenizer(prefix)
-    model, config = build_model(cost.model, tok.vocab_size, args.max_seq_len, args.attention_backend)
+    weights = initial_weights(cost.model, tok.vocab_size, args.max_seq_len, args.attention_backend, args.seed)
+    parallel_state.initialize_model_parallel(1, args.pp)
+    model, _ = build_pipeline_model(cost.model, tok.vocab_size, args.max_seq_len, args.attention_backend)
+    model.module.load_state_dict(stage_state_dict(weights, model))
     optimizer = build_optimizer(model, args.lr)
+    pool = None if pipelined else SPGroupPool()
     docs = IndexedDocuments(prefix)
-    options = PlannerOptions(time_limit=args.time_limit, static_degree=args.static_degree, drop_over_max=True)
+    options = PlannerOptions(time_limit=args.time_limit, static_degree=args.static_degree,
+                             pp=args.pp if pipelined else None, sp=world // args.pp if pipelined else None)
     loader = PlanningDataLoader(docs, cost, args.global_batch, planner=args.planner, options=options, seed=args.seed,
-                                max_seq_len=args.max_seq_len, num_steps=args.steps, sync="broadcast")
+                                max_seq_len=args.max_seq_len, num_steps=args.steps, sync="broadcast",
+                                fallback="batch_1f1b" if pipelined else "batchada")
     records = []
     log = None
     if rank == 0 and args.run_dir:
@@ -149,13 +168,18 @@ def _train(args, rank: int, world: int) -> int:
             start = time.perf_counter()
             model.zero_grad_buffer()
             optimizer.zero_grad()
-            losses, times = forward_backward_flexsp(step, model, pool, tok.pad)
+            if pipelined:
+                losses, _ = forward_backward_elastic(step.plan, step.batch, model, pad_id=tok.pad)
+                mb_times = torch.zeros(0, dtype=torch.float64)
+            else:
+                losses, times = forward_backward_flexsp(step, model, pool, tok.pad)
+                mb_times = torch.tensor(times.micro_batches, dtype=torch.float64)
             ok, grad_norm, _ = optimizer.step()
             dist.barrier()
             step_time = time.perf_counter() - start
+            # Only ranks holding loss (every FlexSP rank, a pipeline's last stage) report non-zero sums.
             total = torch.stack([d["lm loss"] for d in losses]).sum(0) if losses else torch.zeros(2)
             dist.all_reduce(total)
-            mb_times = torch.tensor(times.micro_batches, dtype=torch.float64)
             dist.all_reduce(mb_times, op=dist.ReduceOp.MAX)  # a micro-batch lasts as long as its slowest rank
             rec = _record(step, float(total[0] / total[1]), float(grad_norm), int(total[1]), step_time, step.plan,
                           mb_times.tolist())

@@ -19,6 +19,7 @@ def preload():
     apply_cpu_compat()
     import megatron.core.models.gpt.gpt_model  # noqa: F401
     import megatron_ext.runtime.schedule  # noqa: F401
+    import megatron_ext.runtime.pipeline  # noqa: F401
     import megatron_ext.runtime.train  # noqa: F401
 
 
@@ -50,10 +51,11 @@ def _models():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megatron_ext.runtime.train import build_model, build_optimizer
+    from megatron_ext.runtime.pipeline import build_pipeline_model
+    from megatron_ext.runtime.train import build_optimizer
 
     torch.manual_seed(0)
-    ddp, config = build_model(_cost().model, vocab_size=97, max_seq_len=SEQ_LEN, backend="sdpa")
+    ddp, config = build_pipeline_model(_cost().model, vocab_size=97, max_seq_len=SEQ_LEN, backend="sdpa")
     for p in ddp.module.parameters():  # identical weights on every rank
         dist.broadcast(p.data, src=0)
     reference = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=SEQ_LEN,

@@ -1,6 +1,7 @@
 """`megatron-ext train` end to end: real training on 4 CPU ranks (torchrun + gloo) with per-step
-plans. Two launches: flexsp and static_ulysses on the same seed must report the same loss and
-grad norm at every step (one function computed, whatever the layout)."""
+plans. Three launches: flexsp, static_ulysses and a 2-stage elastic pipeline on the same seed
+must report the same loss and grad norm at every step (one function computed, whatever the
+layout)."""
 from __future__ import annotations
 
 import json
@@ -14,15 +15,17 @@ CLI = [sys.executable, "-m", "megatron_ext.cli"]
 ARGS = ["train", "--steps", "3", "--global-batch", "6", "--max-seq-len", "2048", "--seed", "7", "--json"]
 
 
-def _train(planner: str) -> list[dict]:
-    done = subprocess.run([*CLI, *ARGS, "--planner", planner], capture_output=True, text=True, timeout=600)
+def _train(planner: str, *extra: str) -> list[dict]:
+    done = subprocess.run([*CLI, *ARGS, "--planner", planner, *extra], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return {p: _train(p) for p in ("flexsp", "static_ulysses")}
+    runs = {p: _train(p) for p in ("flexsp", "static_ulysses")}
+    runs["elastic_pp"] = _train("elastic_pp", "--pp", "2")
+    return runs
 
 
 def test_records_have_the_contract_keys(runs):
@@ -34,8 +37,9 @@ def test_records_have_the_contract_keys(runs):
             assert r["tokens"] > 0 and r["step_time_s"] > 0 and r["loss"] > 0
 
 
-def test_same_loss_and_grad_norm_every_step(runs):
-    a, b = runs["flexsp"], runs["static_ulysses"]
+@pytest.mark.parametrize("other", ["static_ulysses", "elastic_pp"])
+def test_same_loss_and_grad_norm_every_step(runs, other):
+    a, b = runs["flexsp"], runs[other]
     assert [r["tokens"] for r in a] == [r["tokens"] for r in b]
     for x, y in zip(a, b):
         assert abs(x["loss"] - y["loss"]) / y["loss"] < 1e-4, (x, y)
@@ -43,8 +47,18 @@ def test_same_loss_and_grad_norm_every_step(runs):
     assert a[-1]["loss"] < a[0]["loss"], "three steps of Adam should lower the loss"
 
 
+def test_pipeline_run_used_two_stages_of_sp2(runs):
+    assert all(r["degrees"] == [2] and r["planner"] == "elastic_pp" for r in runs["elastic_pp"])
+
+
 def test_static_ulysses_uses_only_its_degree(runs):
     assert all(r["degrees"] == [4] for r in runs["static_ulysses"])
+
+
+def test_flexsp_refuses_a_length_no_group_holds():
+    done = subprocess.run([*CLI, "train", "--max-seq-len", "9000", "--steps", "1"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("megatron-ext: error: --max-seq-len 9000")
 
 
 def test_bad_option_is_one_line_error():
