@@ -20,6 +20,8 @@ setup(
     extras_require={
         "dev": ["pytest>=8", "hypothesis>=6"],
         "gpu": ["flash-attn>=2.5", "transformer-engine[pytorch]>=2.0"],
+        # what Megatron-LM's training code imports beyond megatron-core (docs/megatron.md)
+        "megatron-lm": ["six", "regex", "pydantic", "pybind11", "psutil"],
     },
     entry_points={"console_scripts": ["megatron-ext=megatron_ext.cli:main"]},
 )

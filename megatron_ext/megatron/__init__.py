@@ -1,0 +1,13 @@
+"""Glue to Megatron-LM: ``pretrain_gpt.py --flexsp`` (docs/megatron.md).
+
+- ``arguments``: the argument group (--flexsp, --elastic-pp, ...) and the check that explains conflicts;
+- ``hooks``: ``wrap_pretrain_gpt``, what the patched pretrain_gpt.py installs (patches/);
+- ``step``: the datasets provider and forward-backward function of a --flexsp run, and its logs;
+- ``data``: mock and indexed documents, splits, the planning data loader of a split;
+- ``model``: Megatron's GPT with Ulysses core attention;
+- ``cost``: ``--cost-model`` references and the SP-degree cap (pure Python: the planner process loads it);
+- ``launch``: runs a Megatron-LM script, on CPU ranks when there is no CUDA.
+
+Only ``step``, ``model`` and ``launch`` import torch / megatron-core, and only ``hooks`` and ``launch``
+touch Megatron-LM (``megatron.training``), when called.
+"""

@@ -1,0 +1,349 @@
+"""megatron_ext's arguments for Megatron-LM's parser, and the check that explains conflicts.
+
+``extra_args_provider(parser)`` adds the group below to Megatron's parser (it is what the patched
+``pretrain_gpt.py`` hands ``pretrain``); the parser it returns checks the parsed arguments at once
+with ``validate_args``, before Megatron initializes anything, so a conflict is one readable
+error on rank 0 (exit status 2) instead of an assertion deep in the run.
+
+Flags (all off by default; without ``--flexsp`` / ``--elastic-pp`` Megatron runs unchanged):
+
+--flexsp                   Plan every step with FlexSP: each micro-batch packs sequences into
+                           Ulysses sequence-parallel groups of per-group degree (1 .. data-parallel
+                           size), chosen by the HiGHS planner from the batch's lengths.
+--elastic-pp               Elastic pipeline parallelism (token- and batch-level chunks, planned per
+                           step). Validated, then refused: the elastic pipeline runtime is not
+                           yet supported (plan offline with ``megatron-ext plan --planner elastic_pp``).
+--flexsp-max-sp-size D     Largest Ulysses degree a group may have (a power of two; default: the
+                           data-parallel size, capped by what the heads divide by).
+--planner-time-limit SEC   Solver time limit per step (default 1.0). A step never waits longer:
+                           a late plan is replaced by a quick heuristic one.
+--cost-model PATH|PRESET   The cost model the planner uses: a cost-model YAML, or
+                           MODEL:CLUSTER[:ZERO] presets (e.g. gpt-7b:a100-40g-8x8:1; ZERO is the
+                           ZeRO stage of the model states: 1 with --use-distributed-optimizer).
+                           Its GPU count must be the data-parallel size. Required with --flexsp.
+--adaptive-recompute       Stage-aware per-chunk activation recomputation (planned with HiGHS);
+                           belongs to elastic pipelines: needs --elastic-pp.
+--plan-ahead N             Plan N steps ahead in a background process on rank 0 (default 1);
+                           0 plans each step inline, right before it runs.
+--planner-log PATH         Rank 0 appends one JSON record per step: the plan, where it came from,
+                           its predicted and the measured forward-backward time.
+--flexsp-planner NAME      The planner (default flexsp); the baselines static_ulysses, batchada and
+                           megatron_balanced_cp run through the same runtime for comparisons.
+--flexsp-static-degree D   The fixed degree of --flexsp-planner static_ulysses (1: plain data
+                           parallelism, every sequence on one rank).
+--flexsp-attention-backend auto|sdpa|flash|te
+                           Core attention backend of the Ulysses attention (default auto).
+
+Conflicts (each explained when hit): --context-parallel-size > 1, --sequence-parallel with
+--tensor-model-parallel-size > 1, --micro-batch-size other than 1, --pipeline-model-parallel-size
+> 1 with --flexsp, --rampup-batch-size, --dataloader-type other than external, data other than
+one --data-path prefix or --mock-data, legacy models, multi-latent attention, MoE, sliding-window
+attention, position embeddings other than rope / learned_absolute / none, FSDP (Megatron-FSDP,
+torch FSDP2), --iterations-to-skip. Adjusted with a note:
+--calculate-per-token-loss is turned on, --dataloader-type becomes external, an unset
+--micro-batch-size becomes 1, --moe-token-dispatcher-type becomes alltoall (megatron-core's
+TransformerConfig requires it with variable sequence lengths, even without MoE layers).
+
+Pure Python: importing this module needs neither torch nor Megatron-LM.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, field
+
+from megatron_ext.errors import ConfigError, MegatronExtError
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "te")
+POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
+OUR_FLAGS = ("--flexsp", "--elastic-pp")
+
+
+class ArgumentConflict(ConfigError):
+    """Flags that cannot be used together; the message says why and what to do instead."""
+
+
+class NotYetSupported(MegatronExtError):
+    """A flag that is validated but whose runtime does not exist yet."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add megatron_ext's group to a Megatron-LM (or any) argparse parser; returns the parser."""
+    g = parser.add_argument_group(
+        "megatron_ext", "FlexSP adaptive sequence parallelism and elastic pipelines (docs/megatron.md)")
+    g.add_argument("--flexsp", action="store_true",
+                   help="plan each step's Ulysses SP groups (per-group degree) from the batch's sequence lengths")
+    g.add_argument("--elastic-pp", action="store_true",
+                   help="elastic pipeline parallelism (validated; the runtime is not yet supported)")
+    g.add_argument("--flexsp-max-sp-size", type=int, default=None, metavar="D",
+                   help="largest Ulysses degree of a group (power of two; default: the data-parallel size)")
+    g.add_argument("--planner-time-limit", type=float, default=1.0, metavar="SEC",
+                   help="solver time limit per step; a late plan is replaced by a heuristic one (default 1.0)")
+    g.add_argument("--cost-model", default=None, metavar="PATH|PRESET",
+                   help="cost-model YAML, or MODEL:CLUSTER[:ZERO] presets (e.g. gpt-7b:a100-40g-8x8:1)")
+    g.add_argument("--adaptive-recompute", action="store_true",
+                   help="per-chunk activation recomputation planned per step (needs --elastic-pp)")
+    g.add_argument("--plan-ahead", type=int, default=1, metavar="N",
+                   help="steps planned ahead in a background process (default 1; 0: plan inline)")
+    g.add_argument("--planner-log", default=None, metavar="PATH",
+                   help="append one JSON record per step (plan, predicted and measured time) on rank 0")
+    g.add_argument("--flexsp-planner", default="flexsp", metavar="NAME",
+                   help="planner: flexsp (default), or a baseline: static_ulysses, batchada, megatron_balanced_cp")
+    g.add_argument("--flexsp-static-degree", type=int, default=None, metavar="D",
+                   help="degree of --flexsp-planner static_ulysses (1: plain data parallelism)")
+    g.add_argument("--flexsp-attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="core attention backend of the Ulysses attention (default auto)")
+    return parser
+
+
+@dataclass
+class Validated:
+    """What ``validate_args`` concluded: the data-parallel size, the notes of what it adjusted."""
+
+    enabled: bool
+    data_parallel_size: int = 1
+    notes: list[str] = field(default_factory=list)
+
+
+def _get(args, name, default=None):
+    return getattr(args, name, default)
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _conflict(msg: str) -> None:
+    raise ArgumentConflict(msg)
+
+
+def _parallel_sizes(args, world_size: int) -> tuple[int, int, int, int]:
+    tp = int(_get(args, "tensor_model_parallel_size", 1) or 1)
+    pp = int(_get(args, "pipeline_model_parallel_size", 1) or 1)
+    cp = int(_get(args, "context_parallel_size", 1) or 1)
+    if world_size % (tp * pp * cp):
+        _conflict(f"the world size {world_size} does not divide by tensor x pipeline x context parallel "
+                  f"sizes {tp} x {pp} x {cp}")
+    return tp, pp, cp, world_size // (tp * pp * cp)
+
+
+def _check_common(args, flag: str, tp: int, cp: int) -> None:
+    """Conflicts shared by --flexsp and --elastic-pp."""
+    if cp > 1:
+        _conflict(f"{flag} replaces context parallelism: its Ulysses groups already split each sequence, over "
+                  f"1 to N ranks chosen per sequence. Use --context-parallel-size 1 (got {cp}) and bound the "
+                  f"degree with --flexsp-max-sp-size instead.")
+    if _get(args, "hybrid_context_parallel", False):
+        _conflict(f"{flag} and --hybrid-context-parallel both decide how sequences are split; use one of them")
+    if _get(args, "sequence_parallel", False) and tp > 1:
+        _conflict(f"{flag} does not support Megatron's --sequence-parallel with --tensor-model-parallel-size "
+                  f"{tp}: it would split each packed micro-batch's tokens over the TP ranks as well, which the "
+                  f"planned shards are not padded for. Drop --sequence-parallel (the Ulysses groups already "
+                  f"split the sequence) or use --tensor-model-parallel-size 1.")
+    mbs = _get(args, "micro_batch_size", None)
+    if mbs is not None and mbs != 1:
+        _conflict(f"{flag} needs --micro-batch-size 1 (got {mbs}): the planner packs each SP group's sequences "
+                  f"into one micro-batch of varying token count and chooses the number of micro-batches per "
+                  f"step; --global-batch-size (sequences per step) is what it plans.")
+    if _get(args, "rampup_batch_size", None):
+        _conflict(f"{flag} plans a fixed number of sequences per step (--global-batch-size); drop "
+                  f"--rampup-batch-size")
+    if _get(args, "use_legacy_models", False):
+        _conflict(f"{flag} needs megatron-core models; drop --use-legacy-models")
+    if _get(args, "multi_latent_attention", False):
+        _conflict(f"{flag}: the Ulysses attention supports standard self-attention (with GQA), not "
+                  f"--multi-latent-attention")
+    if _get(args, "num_experts", None):
+        _conflict(f"{flag} does not support MoE models (--num-experts) yet")
+    for name, opt in (("use_megatron_fsdp", "--use-megatron-fsdp"), ("use_torch_fsdp2", "--use-torch-fsdp2")):
+        if _get(args, name, False):
+            _conflict(f"{flag} does not support {opt} yet (ZeRO-3 gathers parameters inside each forward, and the "
+                      f"micro-batches of a planned step differ per rank); use --use-distributed-optimizer")
+    if _get(args, "iterations_to_skip", None):
+        _conflict(f"{flag}: --iterations-to-skip reads Megatron batches to skip them; not supported")
+    if _get(args, "window_size", None) is not None:
+        _conflict(f"{flag}: the Ulysses attention does not support sliding-window attention (--window-size)")
+    pos = _get(args, "position_embedding_type", "learned_absolute")
+    if pos not in POSITION_EMBEDDINGS:
+        _conflict(f"{flag} supports --position-embedding-type {', '.join(POSITION_EMBEDDINGS)}, not {pos!r}")
+    if _get(args, "sft", False) or _get(args, "fim_data", False):
+        _conflict(f"{flag} reads whole documents as sequences; --sft and --fim-data are not supported")
+    dl = _get(args, "dataloader_type", None)
+    if dl not in (None, "external"):
+        _conflict(f"{flag} feeds Megatron planned steps through an external data iterator; drop "
+                  f"--dataloader-type {dl} (it becomes external)")
+    split_paths = [n for n in ("train_data_path", "valid_data_path", "test_data_path", "data_args_path",
+                               "per_split_data_args_path") if _get(args, n)]
+    if split_paths:
+        _conflict(f"{flag} reads one --data-path PREFIX (split by --split) or --mock-data; "
+                  f"--{split_paths[0].replace('_', '-')} is not supported")
+    data_path = _get(args, "data_path", None)
+    if _get(args, "mock_data", False) and data_path:
+        _conflict(f"{flag}: give --data-path or --mock-data, not both")
+    if not _get(args, "mock_data", False):
+        if not data_path:
+            _conflict(f"{flag} needs data: --data-path PREFIX (a Megatron indexed dataset, PREFIX.bin and "
+                      f"PREFIX.idx) or --mock-data")
+        if len(data_path) != 1:
+            _conflict(f"{flag} reads a single indexed dataset; --data-path got {len(data_path)} values "
+                      f"({' '.join(map(str, data_path))}): blends are not supported yet")
+
+
+def validate_args(args, world_size: int | None = None) -> Validated:
+    """Check megatron_ext's flags against Megatron's (the raw parsed namespace: before Megatron's
+    own validate_args). Adjusts what it must (listed in ``notes``) and raises ArgumentConflict,
+    NotYetSupported or ConfigError with an explanation. ``world_size`` defaults to $WORLD_SIZE."""
+    flexsp, elastic = bool(_get(args, "flexsp", False)), bool(_get(args, "elastic_pp", False))
+    if not (flexsp or elastic):
+        for name, flag in (("adaptive_recompute", "--adaptive-recompute"), ("planner_log", "--planner-log"),
+                           ("cost_model", "--cost-model"), ("flexsp_max_sp_size", "--flexsp-max-sp-size")):
+            if _get(args, name):
+                _conflict(f"{flag} has no effect without --flexsp or --elastic-pp")
+        return Validated(False)
+    if flexsp and elastic:
+        _conflict("--flexsp and --elastic-pp are two runtimes; choose one (the elastic pipeline runtime "
+                  "will run SP groups inside its stages)")
+    flag = "--flexsp" if flexsp else "--elastic-pp"
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else int(world_size)
+    tp, pp, cp, dp = _parallel_sizes(args, world)
+    _check_common(args, flag, tp, cp)
+    notes: list[str] = []
+
+    if elastic:
+        if pp < 2:
+            _conflict("--elastic-pp cuts sequences into pipeline chunks over stages; it needs "
+                      "--pipeline-model-parallel-size of at least 2")
+        raise NotYetSupported(
+            "--elastic-pp: the arguments are valid, but the elastic pipeline runtime is not yet supported in "
+            "the runtime (it is tracked separately). Plan such steps offline with `megatron-ext plan --planner "
+            "elastic_pp`, or train with --flexsp and --pipeline-model-parallel-size 1.")
+
+    # ---- --flexsp ----
+    if pp > 1:
+        _conflict(f"--flexsp runs each micro-batch's SP groups on one pipeline stage; use "
+                  f"--pipeline-model-parallel-size 1 (got {pp}), or --elastic-pp for pipelines")
+    if _get(args, "adaptive_recompute", False):
+        _conflict("--adaptive-recompute plans recomputation per pipeline chunk and stage: it needs --elastic-pp. "
+                  "With --flexsp use Megatron's --recompute-granularity / --recompute-method.")
+    if not _is_power_of_two(dp):
+        _conflict(f"--flexsp needs a power-of-two data-parallel size (its SP groups are aligned power-of-two "
+                  f"blocks of ranks); world {world} / (TP {tp} x PP {pp} x CP {cp}) = {dp}")
+    limit = _get(args, "planner_time_limit", 1.0)
+    if limit is None or limit <= 0:
+        _conflict(f"--planner-time-limit must be positive, got {limit}")
+    ahead = _get(args, "plan_ahead", 1)
+    if ahead is None or ahead < 0:
+        _conflict(f"--plan-ahead must be 0 or more, got {ahead}")
+    if ahead > 1:
+        raise NotYetSupported(f"--plan-ahead {ahead}: the planning data loader plans one step ahead; use "
+                              f"--plan-ahead 1 (background, the default) or 0 (inline)")
+
+    from megatron_ext.planner import PLANNERS  # numpy + highspy, no torch
+
+    planner = _get(args, "flexsp_planner", "flexsp")
+    if planner not in PLANNERS:
+        _conflict(f"--flexsp-planner {planner!r} is not a planner; choose one of {', '.join(PLANNERS)}")
+    static = _get(args, "flexsp_static_degree", None)
+    if static is not None and planner != "static_ulysses":
+        _conflict("--flexsp-static-degree sets the degree of --flexsp-planner static_ulysses only")
+
+    # The degree cap: what the user allows, what the heads allow, what the domain allows.
+    from megatron_ext.megatron.cost import cap_cost_model, head_degree_limit, load_cost_model
+
+    heads = _get(args, "num_attention_heads", None)
+    kv = _get(args, "num_query_groups", None) if _get(args, "group_query_attention", False) else None
+    head_limit = head_degree_limit(heads, kv, tp) if heads else dp
+    cap = _get(args, "flexsp_max_sp_size", None)
+    if cap is not None:
+        if not _is_power_of_two(cap) or cap > dp:
+            _conflict(f"--flexsp-max-sp-size must be a power of two of at most the data-parallel size {dp}, "
+                      f"got {cap}")
+        if cap > head_limit:
+            _conflict(f"--flexsp-max-sp-size {cap}: Ulysses splits the attention heads over the group, and "
+                      f"{heads} heads / {kv or heads} KV heads per TP rank (TP {tp}) only divide by up to "
+                      f"{head_limit}")
+    if static is not None and (not _is_power_of_two(static) or static > min(cap or dp, head_limit, dp)):
+        _conflict(f"--flexsp-static-degree must be a power of two of at most {min(cap or dp, head_limit, dp)}, "
+                  f"got {static}")
+
+    ref = _get(args, "cost_model", None)
+    if not ref:
+        _conflict("--flexsp needs --cost-model PATH|MODEL:CLUSTER[:ZERO]: the planner's time and memory model "
+                  "(e.g. gpt-7b:a100-40g-8x8:1, or a YAML from `megatron-ext profile`)")
+    cost = load_cost_model(ref)
+    if cost.num_gpus != dp:
+        _conflict(f"--cost-model {ref} describes {cost.num_gpus} GPUs ({cost.cluster.name}), but this job's "
+                  f"data-parallel size is {dp} (world {world} / TP {tp} / PP {pp} / CP {cp}): the planner "
+                  f"spreads sequences over exactly the data-parallel ranks")
+    cost.max_seq_len  # raises InfeasibleError when the model states alone do not fit
+    capped = cap_cost_model(cost, min(cap or dp, head_limit))
+    if heads and cost.model.num_attention_heads != heads:
+        notes.append(f"the cost model's {cost.model.name} has {cost.model.num_attention_heads} heads, the model "
+                     f"{heads}: degrees are capped at {capped.degrees[-1]} by the model's heads")
+    for mine, theirs, what in ((_get(args, "num_layers"), cost.model.num_layers, "layers"),
+                               (_get(args, "hidden_size"), cost.model.hidden_size, "hidden size")):
+        if mine and mine != theirs:
+            notes.append(f"the cost model's {cost.model.name} has {what} {theirs}, the model {mine}: predicted "
+                         f"times will be off (`megatron-ext profile` measures this model)")
+
+    # ---- adjustments ----
+    if _get(args, "micro_batch_size", None) is None:
+        args.micro_batch_size = 1
+        notes.append("--micro-batch-size 1")
+    if not _get(args, "calculate_per_token_loss", False):
+        args.calculate_per_token_loss = True
+        notes.append("--calculate-per-token-loss (the loss is normalized over the global batch's tokens)")
+    if _get(args, "dataloader_type", None) is None:
+        args.dataloader_type = "external"
+        notes.append("--dataloader-type external (planned steps come from megatron_ext's data loader)")
+    if _get(args, "moe_token_dispatcher_type", "alltoall") != "alltoall":
+        # TransformerConfig refuses variable_seq_lengths (which the patched arguments.py turns on for
+        # --flexsp) with any other dispatcher, even in a dense model (MoE is refused above).
+        args.moe_token_dispatcher_type = "alltoall"
+        notes.append("--moe-token-dispatcher-type alltoall (required with variable sequence lengths; no MoE layer)")
+    log = _get(args, "planner_log", None)
+    if log:
+        parent = os.path.dirname(os.path.abspath(log))
+        if not os.path.isdir(parent):
+            _conflict(f"--planner-log {log}: directory {parent} does not exist")
+    return Validated(True, dp, notes)
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def check_or_exit(args, prog: str = "pretrain_gpt.py") -> Validated:
+    """``validate_args``; on a conflict, rank 0 prints one error line and every rank exits 2."""
+    try:
+        result = validate_args(args)
+    except MegatronExtError as e:
+        if _rank() == 0:
+            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    if result.enabled and result.notes and _rank() == 0:
+        print(f"megatron_ext: {'--flexsp' if args.flexsp else '--elastic-pp'} set " + "; ".join(result.notes),
+              flush=True)
+    return result
+
+
+def extra_args_provider(chained=None):
+    """An ``extra_args_provider`` for Megatron's ``pretrain``: adds megatron_ext's group (after
+    ``chained``'s, if given) and makes the parser validate what it parses (``check_or_exit``)."""
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        if chained is not None:
+            parser = chained(parser)
+        add_arguments(parser)
+        original = parser.parse_known_args
+
+        def parse_known_args(args=None, namespace=None):
+            ns, rest = original(args, namespace)
+            check_or_exit(ns, os.path.basename(parser.prog or "pretrain_gpt.py"))
+            return ns, rest
+
+        parser.parse_known_args = parse_known_args  # parse_args goes through it too
+        return parser
+
+    return provider

@@ -1,0 +1,80 @@
+"""The cost model a Megatron-LM run plans with (``--cost-model``), and the SP-degree cap.
+
+Pure Python (no torch, no megatron): the planner process of the data loader unpickles the cost
+model, so this module must import in a process that has neither.
+
+``--cost-model`` takes one of:
+
+* a cost-model YAML file (``model:`` and ``cluster:``, preset names or inline fields; see
+  ``megatron_ext.cost.model.CostModel.from_yaml``), e.g. ``configs/megatron/cost/tiny-cpu2.yaml``;
+* ``MODEL:CLUSTER[:ZERO]``, two presets (or YAML paths) of ``configs/models`` and
+  ``configs/clusters``, and the ZeRO stage of the model states (default 3; Megatron's
+  ``--use-distributed-optimizer`` is stage 1, plain DDP stage 0, FSDP stage 3), e.g.
+  ``gpt-7b:a100-40g-8x8:1``.
+
+The cluster's GPU count must equal the job's data-parallel size (the ranks FlexSP spreads
+sequences over). The Ulysses degrees the planner may use are capped by ``--flexsp-max-sp-size``
+and by the heads of the model actually built (heads and KV heads per tensor-parallel rank must
+divide by the degree), whatever the cost model's ModelSpec says.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from functools import cached_property
+
+from megatron_ext.cost import CostModel
+from megatron_ext.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class CappedCostModel(CostModel):
+    """A CostModel whose Ulysses degrees stop at ``max_degree`` (a power of two)."""
+
+    max_degree: int | None = None
+
+    @cached_property
+    def degrees(self) -> tuple[int, ...]:
+        top = min(self.num_gpus, self.model.max_sp_degree)
+        if self.max_degree is not None:
+            top = min(top, self.max_degree)
+        return tuple(2**i for i in range(int(math.log2(top)) + 1))
+
+
+def _looks_like_file(ref: str) -> bool:
+    return ref.endswith((".yaml", ".yml")) or os.path.isfile(ref)
+
+
+def load_cost_model(ref: str, zero_stage: int = 3) -> CostModel:
+    """The cost model named by a ``--cost-model`` value (see the module doc)."""
+    if not ref:
+        raise ConfigError("--cost-model is empty")
+    if _looks_like_file(ref):
+        if not os.path.isfile(ref):
+            raise ConfigError(f"--cost-model {ref}: no such file")
+        return CostModel.from_yaml(ref)
+    parts = ref.split(":")
+    if len(parts) == 3 and parts[2].isdigit():
+        parts, zero_stage = parts[:2], int(parts[2])
+    if len(parts) == 2 and all(parts):
+        return CostModel.from_presets(parts[0], parts[1], zero_stage)
+    raise ConfigError(f"--cost-model {ref!r}: expected a cost-model YAML file or MODEL:CLUSTER[:ZERO] presets "
+                      f"(e.g. gpt-7b:a100-40g-8x8:1)")
+
+
+def head_degree_limit(num_attention_heads: int, num_query_groups: int | None, tensor_parallel: int = 1) -> int:
+    """Largest power of two dividing the attention heads and KV heads of one TP rank."""
+    heads = num_attention_heads // tensor_parallel
+    kv = (num_query_groups or num_attention_heads) // tensor_parallel
+    d = 1
+    while heads % (2 * d) == 0 and kv % (2 * d) == 0:
+        d *= 2
+    return d
+
+
+def cap_cost_model(cost: CostModel, max_degree: int | None) -> CostModel:
+    """``cost`` with its degrees capped at ``max_degree`` (unchanged if the cap does not bind)."""
+    if max_degree is None or max_degree >= cost.degrees[-1]:
+        return cost
+    return CappedCostModel(cost.model, cost.cluster, cost.zero_stage, max_degree=int(max_degree))

@@ -1,0 +1,126 @@
+"""The dataset provider of ``--flexsp`` runs: planned steps over whole documents.
+
+Megatron's GPT datasets cut the token stream into fixed ``--seq-length`` samples; FlexSP trains on
+whole documents of their own lengths. So with ``--flexsp`` the provider returns, for train /
+valid / test, an iterator of ``megatron_ext.data.loader.Step`` (one per training iteration: the
+global batch of ``--global-batch-size`` documents and its plan), made by a
+``PlanningDataLoader`` that plans one step ahead in a background process on rank 0 and
+broadcasts each plan. Megatron passes these iterators through untouched
+(``--dataloader-type external``) to the forward-backward function of ``megatron/step.py``.
+
+Documents come from:
+
+* ``--data-path PREFIX``: a Megatron indexed dataset (``PREFIX.bin`` / ``PREFIX.idx``, as made by
+  Megatron's ``tools/preprocess_data.py`` or ``megatron_ext.data.datasets.write_indexed_dataset``),
+  one entry per document; ``--split`` divides the documents (in file order) into train, valid
+  and test ranges by its ratios;
+* ``--mock-data``: synthetic documents, their lengths drawn from a long-tailed distribution
+  (``megatron_ext.data.lengths``, "wikipedia"), their tokens random ids below the tokenizer's
+  vocabulary size ending in ``<eod>``, all from ``--seed``: every rank sees the same documents.
+
+Documents longer than ``--seq-length`` (or than the longest sequence the cost model can place)
+are cut into consecutive pieces of that length; the pieces are the samples. Step k of a run
+resumed at iteration k reads the same batch as an uninterrupted run.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from megatron_ext.data.datasets import DataError
+from megatron_ext.data.lengths import DISTRIBUTIONS
+
+MOCK_DOCUMENTS = 16384
+MOCK_DISTRIBUTION = "wikipedia"
+
+
+class MockDocuments:
+    """Seeded synthetic documents (the ``Documents`` protocol): lengths from a long-tailed
+    distribution capped at ``max_len``, tokens uniform below ``vocab_size`` with ``eod`` last.
+    A document's tokens depend only on (seed, index): nothing is held in memory."""
+
+    def __init__(self, num_docs: int, vocab_size: int, eod: int, seed: int, max_len: int,
+                 distribution: str = MOCK_DISTRIBUTION):
+        if vocab_size < 2:
+            raise DataError(f"mock data needs a vocabulary of at least 2 tokens, got {vocab_size}")
+        self.vocab_size, self.eod, self.seed = int(vocab_size), int(eod), int(seed)
+        rng = np.random.default_rng([self.seed, 0x6D6F636B])
+        self._lengths = np.maximum(DISTRIBUTIONS[distribution].sample(int(num_docs), rng, int(max_len)), 2)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self._lengths
+
+    def __len__(self) -> int:
+        return int(self._lengths.size)
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        n = int(self._lengths[i])
+        length = n - offset if length is None else length
+        if not 0 <= offset <= offset + length <= n:
+            raise IndexError(f"tokens [{offset}, {offset + length}) out of range for mock document {i} of {n}")
+        tokens = np.random.default_rng([self.seed, 1, int(i)]).integers(0, self.vocab_size, n, dtype=np.int64)
+        tokens[-1] = self.eod
+        return tokens[offset:offset + length]
+
+
+class SubsetDocuments:
+    """Documents [start, end) of another ``Documents``."""
+
+    def __init__(self, documents, start: int, end: int):
+        if not 0 <= start <= end <= len(documents):
+            raise DataError(f"document range [{start}, {end}) is outside the {len(documents)} documents")
+        self.documents, self.start, self.end = documents, int(start), int(end)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.asarray(self.documents.lengths)[self.start:self.end]
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        if not 0 <= i < len(self):
+            raise IndexError(f"document {i} out of range (there are {len(self)})")
+        return self.documents.get(self.start + int(i), offset, length)
+
+
+def split_ranges(num_docs: int, split: str | None) -> list[tuple[int, int]]:
+    """Megatron's ``--split`` ("969,30,1", "90,5,5", "100,0,0"; default all train) as document
+    ranges [start, end) for train, valid and test."""
+    ratios = [float(x) for x in re.findall(r"[.0-9]+", split or "1")]
+    if len(ratios) > 3 or any(r < 0 for r in ratios) or sum(ratios) <= 0:
+        raise DataError(f"--split {split!r}: expected up to three non-negative proportions, e.g. 969,30,1")
+    ratios = (ratios + [0.0, 0.0, 0.0])[:3]
+    total = sum(ratios)
+    bounds = [0]
+    acc = 0.0
+    for r in ratios:
+        acc += r / total
+        bounds.append(int(round(acc * num_docs)))
+    bounds[-1] = num_docs
+    return [(bounds[k], bounds[k + 1]) for k in range(3)]
+
+
+def build_documents(args, tokenizer):
+    """All documents of the run: the indexed dataset of ``--data-path`` or mock documents."""
+    if getattr(args, "mock_data", False):
+        return MockDocuments(MOCK_DOCUMENTS, tokenizer.vocab_size, tokenizer.eod, args.seed,
+                             max_len=4 * int(args.seq_length))
+    from megatron_ext.data.datasets import IndexedDocuments
+
+    return IndexedDocuments(args.data_path[0])
+
+
+def make_loader(documents, cost, args, *, num_steps: int | None, start_step: int, seed: int):
+    """The PlanningDataLoader of one split, configured from Megatron's and megatron_ext's args."""
+    from megatron_ext.data.loader import PlanningDataLoader
+    from megatron_ext.planner import PlannerOptions
+
+    max_len = min(int(args.seq_length), cost.max_seq_len)
+    options = PlannerOptions(time_limit=float(args.planner_time_limit), static_degree=args.flexsp_static_degree,
+                             drop_over_max=True, max_seq_len=max_len)
+    return PlanningDataLoader(documents, cost, int(args.global_batch_size), planner=args.flexsp_planner,
+                              options=options, seed=seed, max_seq_len=max_len, num_steps=num_steps,
+                              start_step=start_step, background=int(args.plan_ahead) >= 1, sync="broadcast")

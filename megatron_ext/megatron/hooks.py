@@ -1,0 +1,82 @@
+"""The hooks the patched ``pretrain_gpt.py`` installs (``patches/``): one call, four wrappers.
+
+``wrap_pretrain_gpt(datasets_provider, model_builder, forward_step, extra_args_provider)`` returns
+the same four things, wrapped. Each wrapper decides at call time, from the parsed arguments:
+without ``--flexsp`` it calls Megatron's own function unchanged, so the patched script trains
+exactly like the unpatched one; with ``--flexsp`` it uses megatron_ext's:
+
+* extra_args_provider: adds megatron_ext's flags and validates them (``arguments.py``);
+* model builder: Megatron's GPT with Ulysses core attention (``model.py``);
+* datasets provider: iterators of planned steps (``step.flexsp_datasets_provider``);
+* forward step: carries ``get_forward_backward_func``, which the patched ``training.py`` asks for
+  in ``train`` and ``evaluate``: ``step.flexsp_forward_backward`` with --flexsp, megatron-core's
+  ``get_forward_backward_func()`` otherwise.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+
+from megatron_ext.megatron.arguments import extra_args_provider as _extra_args_provider
+from megatron_ext.megatron.model import flexsp_model_builder
+
+
+def flexsp_enabled() -> bool:
+    from megatron.training import get_args
+
+    return bool(getattr(get_args(), "flexsp", False))
+
+
+class ForwardStep:
+    """Megatron's forward_step, plus the forward-backward function to run it with."""
+
+    def __init__(self, stock):
+        self.stock = stock
+        functools.update_wrapper(self, stock)
+
+    def get_forward_backward_func(self):
+        if flexsp_enabled():
+            from megatron_ext.megatron.step import flexsp_forward_backward
+
+            return flexsp_forward_backward
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()
+
+    def __call__(self, data_iterator, model, *args, **kwargs):
+        if flexsp_enabled():
+            raise RuntimeError("--flexsp: Megatron called the forward step with its own forward-backward function; "
+                               "megatron/training/training.py is not patched (run scripts/apply_patches.sh)")
+        return self.stock(data_iterator, model, *args, **kwargs)
+
+
+class DatasetsProvider:
+    """Megatron's train_valid_test_datasets_provider, or megatron_ext's planned steps."""
+
+    def __init__(self, stock):
+        self.stock = stock
+        self._takes_vp_stage = "vp_stage" in inspect.signature(stock).parameters
+        functools.update_wrapper(self, stock)
+
+    @property
+    def is_distributed(self) -> bool:
+        return flexsp_enabled() or bool(getattr(self.stock, "is_distributed", False))
+
+    @is_distributed.setter
+    def is_distributed(self, value: bool) -> None:
+        self.stock.is_distributed = value
+
+    def __call__(self, train_val_test_num_samples, vp_stage=None):
+        if flexsp_enabled():
+            from megatron_ext.megatron.step import flexsp_datasets_provider
+
+            return flexsp_datasets_provider(train_val_test_num_samples, vp_stage)
+        if self._takes_vp_stage:
+            return self.stock(train_val_test_num_samples, vp_stage=vp_stage)
+        return self.stock(train_val_test_num_samples)
+
+
+def wrap_pretrain_gpt(datasets_provider, model_builder, forward_step, extra_args_provider=None):
+    """(datasets_provider, model_builder, forward_step, extra_args_provider), wrapped (module doc)."""
+    return (DatasetsProvider(datasets_provider), flexsp_model_builder(model_builder), ForwardStep(forward_step),
+            _extra_args_provider(extra_args_provider))

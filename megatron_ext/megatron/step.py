@@ -1,0 +1,297 @@
+"""What Megatron-LM's training loop calls in a ``--flexsp`` run: datasets, forward-backward, logs.
+
+Megatron's ``train_step`` calls ``forward_backward_func(forward_step_func=..., data_iterator=...,
+num_microbatches=get_num_microbatches(), ...)`` once per iteration. In a FlexSP run the data
+iterator yields one planned ``Step`` per iteration (``data.py``) and the number of micro-batches is
+the plan's, not Megatron's fixed one; ``flexsp_forward_backward`` takes the step, cuts this rank's
+inputs with ``runtime.schedule.micro_batch_inputs`` (its shard of its SP group's packed tokens and
+the ``UlyssesPackedSeqParams`` naming the group) and runs megatron-core's own
+``forward_backward_no_pipelining`` over them with ``runtime.schedule.flexsp_forward_step``. Loss
+is per token (``--calculate-per-token-loss``): each micro-batch returns its token-loss sum and
+token count, megatron sums both over the data-parallel ranks, so Megatron's "lm loss" is the
+global batch's mean token loss whatever the plan.
+
+A rank with no sequence in a micro-batch runs the model on a single pad token whose loss counts
+zero: every module hook and collective of a real micro-batch runs (DDP marks every gradient ready,
+which ``--overlap-grad-reduce`` relies on in the last micro-batch; the distributed optimizer's
+``--overlap-param-gather`` hooks fire), and no gradient changes.
+
+After each training step the measured forward-backward time (slowest rank) is set beside the
+plan's prediction: every ``--log-interval`` iterations one line through Megatron's logger, every
+iteration TensorBoard scalars under ``flexsp/`` (Megatron's writer, when ``--tensorboard-dir`` is
+set), and one JSON record per step in ``--planner-log``.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.data.loader import Step
+from megatron_ext.runtime.schedule import StepTimes, flexsp_forward_step, micro_batch_inputs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _State:
+    pool: object = None  # SPGroupPool over megatron's data-parallel groups
+    pad_id: int = 0
+    device: object = "cpu"
+    loaders: tuple = ()
+    last_record: dict | None = None  # the last training step's record (tests, callbacks)
+
+
+STATE = _State()
+
+
+def _args():
+    from megatron.training import get_args
+
+    return get_args()
+
+
+def _pad_id(tokenizer) -> int:
+    """The id written into padding (its loss mask is 0, so any valid id does): the tokenizer's pad,
+    else its end-of-document token (Megatron's tokenizers raise NotImplementedError for what they lack)."""
+    for name in ("pad", "eod"):
+        try:
+            value = getattr(tokenizer, name)
+        except (AttributeError, NotImplementedError):
+            continue
+        if value is not None and value >= 0:
+            return int(value)
+    return 0
+
+
+# ---- datasets ------------------------------------------------------------------------------------
+def flexsp_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
+    """Megatron's ``train_valid_test_datasets_provider`` for --flexsp: iterators of planned steps
+    (train, valid, test; None for an empty split or with --eval-iters 0). Called on every rank
+    (``is_distributed``); also creates the SP group pool, collectively, once."""
+    from megatron.training import get_tokenizer, print_rank_0
+
+    from megatron_ext.megatron.cost import cap_cost_model, head_degree_limit, load_cost_model
+    from megatron_ext.megatron.data import SubsetDocuments, build_documents, make_loader, split_ranges
+    from megatron_ext.runtime.groups import SPGroupPool
+
+    args = _args()
+    if STATE.pool is None:
+        STATE.pool = SPGroupPool.from_parallel_state()
+    tokenizer = get_tokenizer()
+    STATE.pad_id = _pad_id(tokenizer)
+    STATE.device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+
+    tp = args.tensor_model_parallel_size
+    kv = args.num_query_groups if args.group_query_attention else None
+    cap = min(args.flexsp_max_sp_size or STATE.pool.size, head_degree_limit(args.num_attention_heads, kv, tp))
+    cost = cap_cost_model(load_cost_model(args.cost_model), cap)
+    docs = build_documents(args, tokenizer)
+    ranges = split_ranges(len(docs), args.split)
+    start = int(args.iteration)
+    loaders = []
+    for k, (a, b) in enumerate(ranges):
+        if k == 0:
+            if b - a < args.global_batch_size:
+                raise ValueError(f"--flexsp: the train split holds {b - a} documents, fewer than one global "
+                                 f"batch ({args.global_batch_size})")
+            steps = max(0, int(args.train_iters) - start) if args.train_iters else None
+            loaders.append(make_loader(SubsetDocuments(docs, a, b), cost, args, num_steps=steps, start_step=start,
+                                       seed=args.seed))
+        elif args.eval_iters and b - a >= args.global_batch_size:
+            loaders.append(make_loader(SubsetDocuments(docs, a, b), cost, args, num_steps=None, start_step=0,
+                                       seed=args.seed + k))
+        else:
+            if args.eval_iters and k == 1:
+                raise ValueError(f"--flexsp: --eval-iters {args.eval_iters} needs a validation split of at least one "
+                                 f"global batch ({args.global_batch_size} documents), --split {args.split} gives "
+                                 f"{b - a}; set --eval-iters 0 or change --split")
+            loaders.append(None)
+    STATE.loaders = tuple(loaders)
+    atexit.register(_close_loaders)
+    print_rank_0(f"> flexsp: {len(docs)} documents ({'mock' if args.mock_data else args.data_path[0]}), "
+                 f"split {[b - a for a, b in ranges]}; planner {args.flexsp_planner} with "
+                 f"{cost.model.name} on {cost.cluster.name}, degrees {list(cost.degrees)}, "
+                 f"sequences up to {loaders[0].max_seq_len} tokens")
+    return tuple(None if ld is None else iter(ld) for ld in loaders)
+
+
+def _close_loaders() -> None:
+    """Stop the planner processes before the interpreter tears down (at exit)."""
+    for loader in STATE.loaders:
+        if loader is not None:
+            loader.close()
+    STATE.loaders = ()
+
+
+# ---- forward and backward ------------------------------------------------------------------------
+def _idle_forward(model):
+    """A rank with no sequence in a micro-batch runs the model on one pad token with loss weight
+    0: every module hook (DDP gradient-ready, distributed-optimizer parameter gathers) and every
+    tensor-parallel collective runs as in a real micro-batch, and the gradients do not change."""
+    from megatron_ext.runtime.attention import UlyssesPackedSeqParams
+
+    params = UlyssesPackedSeqParams.build([1], None, device=STATE.device)
+    token = torch.full((1, 1), STATE.pad_id, dtype=torch.long, device=STATE.device)
+    output = model(token, params.position_ids[None], None, labels=torch.zeros_like(token), packed_seq_params=params)
+    return output, _idle_loss
+
+
+def _idle_loss(output):
+    zero = output.float().sum() * 0.0
+    return zero, torch.zeros((), dtype=torch.int, device=zero.device), {"lm loss": torch.zeros(2, device=zero.device)}
+
+
+def _checked(loss_func):
+    """Megatron's NaN / Inf checks of pretrain_gpt's loss_func, around the runtime's loss."""
+
+    def loss(output):
+        value, count, report = loss_func(output)
+        args = _args()
+        if getattr(args, "check_for_nan_in_loss_and_grad", False):
+            from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+            rsm = get_rerun_state_machine()
+            rsm.validate_result(result=value, rejection_func=torch.isnan,
+                                message="found NaN in local forward loss calculation", tolerance=0.0, fatal=True)
+            rsm.validate_result(result=value, rejection_func=torch.isinf,
+                                message="found Inf in local forward loss calculation", tolerance=0.0, fatal=True)
+        return value, count, report
+
+    return loss
+
+
+def _forward_step(times: StepTimes, data_iterator, model, *unused):
+    """forward_step_func of one FlexSP micro-batch (``data_iterator`` yields MicroBatchInput or None)."""
+    mb = next(data_iterator)
+    if mb is None:
+        times.micro_batches.append(time.perf_counter())
+        return _idle_forward(model)
+    output, loss_func = flexsp_forward_step(iter([mb]), model, times)
+    return output, _checked(loss_func)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def flexsp_forward_backward(*, forward_step_func=None, data_iterator, model, num_microbatches=None,
+                            seq_length=None, micro_batch_size=None, forward_only=False, **kwargs):
+    """Megatron's forward_backward_func for --flexsp (same keywords). Consumes one ``Step`` from
+    ``data_iterator`` and runs its micro-batches through megatron-core's schedule; Megatron's
+    ``num_microbatches``, ``seq_length`` and ``forward_step_func`` are ignored (the plan decides)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    step = next(data_iterator)
+    if not isinstance(step, Step):
+        raise TypeError(f"--flexsp: the data iterator yielded {type(step).__name__}, not a planned Step; "
+                        f"the datasets provider is not megatron_ext's (is pretrain_gpt.py patched?)")
+    if STATE.pool is None:
+        raise RuntimeError("--flexsp: the SP group pool is missing (the flexsp datasets provider did not run)")
+    chunks = model if isinstance(model, list) else [model]
+    if len(chunks) != 1:
+        raise ValueError("--flexsp runs one model chunk per rank (no virtual pipeline stages)")
+    inputs = list(micro_batch_inputs(step, STATE.pool, STATE.pad_id, STATE.device))
+    times = StepTimes()
+    _sync()
+    start = time.perf_counter()
+    losses = get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, times), data_iterator=iter(inputs), model=chunks,
+        num_microbatches=len(inputs), seq_length=int(seq_length or 0), micro_batch_size=1,
+        forward_only=forward_only, **kwargs)
+    _sync()
+    end = time.perf_counter()
+    if not forward_only:
+        starts = times.micro_batches + [end]
+        report_step(step, end - start, [b - a for a, b in zip(starts[:-1], starts[1:])])
+    return losses
+
+
+# ---- logging -------------------------------------------------------------------------------------
+def _degrees(plan) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for mb in plan.micro_batches:
+        for g in mb.groups:
+            out[g.degree] = out.get(g.degree, 0) + 1
+    return dict(sorted(out.items(), reverse=True))
+
+
+def step_record(step: Step, iteration: int, measured_s: float, measured_mb_s: list[float]) -> dict:
+    plan = step.plan
+    predicted = float(plan.estimated_step_time_s)
+    kept = [i for i in range(len(step.lengths)) if i not in set(plan.dropped_seq_ids)]
+    return {
+        "iteration": iteration, "step": step.step, "planner": plan.planner, "plan_source": step.plan_source,
+        "solver_status": plan.solver_status, "solve_time_s": plan.solve_time_s, "plan_wait_s": step.plan_wait_s,
+        "sequences": len(kept), "tokens": int(sum(int(step.lengths[i]) for i in kept)),
+        "dropped_seq_ids": list(plan.dropped_seq_ids), "micro_batches": len(plan.micro_batches),
+        "groups_by_degree": _degrees(plan), "predicted_step_s": predicted, "measured_step_s": measured_s,
+        "predicted_micro_batch_s": [mb.estimated_time_s for mb in plan.micro_batches],
+        "measured_micro_batch_s": measured_mb_s,
+        "cost_model_error": (predicted - measured_s) / measured_s if measured_s > 0 else None,
+        "digest": step.digest,
+    }
+
+
+def summary_line(rec: dict) -> str:
+    groups = " ".join(f"{d}x{n}" for d, n in rec["groups_by_degree"].items())
+    err = rec["cost_model_error"]
+    return (f" flexsp iteration {rec['iteration']:>8} | plan {rec['planner']} ({rec['plan_source']}, "
+            f"{rec['solve_time_s'] * 1e3:.0f} ms, waited {rec['plan_wait_s'] * 1e3:.0f} ms) | "
+            f"{rec['sequences']} seqs {rec['tokens']} tokens | micro-batches {rec['micro_batches']} | "
+            f"groups (degree x count) {groups} | fwd-bwd predicted {rec['predicted_step_s']:.3f} s "
+            f"measured {rec['measured_step_s']:.3f} s"
+            + (f" ({err:+.0%})" if err is not None else "") + " |")
+
+
+def report_step(step: Step, elapsed_s: float, micro_batch_s: list[float], *, args=None, writer="megatron",
+                printer=None) -> dict:
+    """Reduce this step's times over the ranks (slowest rank: a micro-batch lasts as long as its
+    slowest group) and log them next to the plan's predictions (see the module doc). Collective:
+    every rank calls it once per training step. ``args``, ``writer`` (a TensorBoard SummaryWriter
+    or None) and ``printer`` default to Megatron's (get_args, get_tensorboard_writer,
+    print_rank_last)."""
+    args = _args() if args is None else args
+    t = torch.tensor([elapsed_s] + list(micro_batch_s), dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    iteration = int(getattr(args, "curr_iteration", step.step)) + 1
+    rec = step_record(step, iteration, float(t[0]), [float(x) for x in t[1:]])
+    STATE.last_record = rec
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    interval = max(1, int(getattr(args, "log_interval", 1) or 1))
+    if iteration % interval == 0:
+        if printer is None:
+            from megatron.training.utils import print_rank_last as printer
+        printer(summary_line(rec))
+    if writer == "megatron":
+        from megatron.training.global_vars import get_tensorboard_writer
+
+        writer = get_tensorboard_writer()
+    if writer is not None:
+        for name, value in tensorboard_scalars(rec).items():
+            writer.add_scalar(f"flexsp/{name}", value, iteration)
+    path = getattr(args, "planner_log", None)
+    if path and rank == 0:
+        with open(path, "a") as f:
+            f.write(json.dumps(dict(rec, plan=step.plan.to_dict())) + "\n")
+    return rec
+
+
+def tensorboard_scalars(rec: dict) -> dict[str, float]:
+    """The TensorBoard scalars of one step record (logged under ``flexsp/``)."""
+    values = {
+        "predicted-fwd-bwd-time": rec["predicted_step_s"], "measured-fwd-bwd-time": rec["measured_step_s"],
+        "cost-model-error": rec["cost_model_error"], "num-microbatches": rec["micro_batches"],
+        "max-sp-degree": max(rec["groups_by_degree"], default=0), "plan-solve-time": rec["solve_time_s"],
+        "plan-wait-time": rec["plan_wait_s"], "plan-fallback": float(rec["plan_source"].endswith("fallback")),
+        "tokens": rec["tokens"],
+    }
+    return {k: float(v) for k, v in values.items() if v is not None}

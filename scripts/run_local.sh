@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Run Megatron-LM's (patched) pretrain_gpt.py on CPU ranks with gloo, on this machine.
+#
+#   scripts/run_local.sh [--dry-run] [--nproc N] [--megatron DIR] [--args FILE] [--] [ARGS...]
+#
+#   --megatron DIR  the patched Megatron-LM checkout (default: $MEGATRON_LM_DIR)
+#   --nproc N       CPU ranks (default 2)
+#   --args FILE     a Megatron argument file (default configs/megatron/tiny-cpu.args: the tiny
+#                   model with --flexsp for 10 iterations); ARGS come after the file's, and
+#                   argparse keeps the last value of a repeated option
+#   --dry-run       print the commands, run nothing
+#
+# Without --data-path PREFIX (a Megatron indexed dataset) among the arguments, --mock-data is added;
+# with --flexsp and no --cost-model, configs/megatron/cost/tiny-cpu<N>.yaml (N = 2 or 4 ranks).
+# The same script file as on GPUs; megatron_ext.megatron.launch applies the CPU patches (no
+# CUDA: gloo, local transformer, fusions off) and runs it under torchrun --standalone.
+# Example: MEGATRON_LM_DIR=~/Megatron-LM scripts/run_local.sh --nproc 4 -- --train-iters 20
+set -euo pipefail
+
+MEGATRON_EXT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=slurm/common.sh
+source "$MEGATRON_EXT_DIR/scripts/slurm/common.sh"
+
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; }
+
+dry_run=0
+nproc=2
+megatron="${MEGATRON_LM_DIR:-}"
+args_file="$MEGATRON_EXT_DIR/configs/megatron/tiny-cpu.args"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --dry-run) dry_run=1; shift ;;
+    --nproc) nproc="$2"; shift 2 ;;
+    --nproc=*) nproc="${1#*=}"; shift ;;
+    --megatron) megatron="$2"; shift 2 ;;
+    --megatron=*) megatron="${1#*=}"; shift ;;
+    --args) args_file="$2"; shift 2 ;;
+    --args=*) args_file="${1#*=}"; shift ;;
+    -h|--help) usage; exit 0 ;;
+    --) shift; break ;;
+    *) break ;;
+  esac
+done
+if ! [[ "$nproc" =~ ^[1-9][0-9]*$ ]]; then
+  echo "run_local.sh: --nproc must be a positive integer, got $nproc" >&2
+  exit 2
+fi
+
+mapfile -t file_args < <(args_from_file "$args_file")
+all_args=("${file_args[@]}" "$@")
+if ! has_flag --data-path "${all_args[@]}" && ! has_flag --mock-data "${all_args[@]}"; then
+  all_args+=(--mock-data)
+fi
+if has_flag --flexsp "${all_args[@]}" && ! has_flag --cost-model "${all_args[@]}"; then
+  cost="configs/megatron/cost/tiny-cpu$nproc.yaml"
+  if [[ ! -f "$MEGATRON_EXT_DIR/$cost" ]]; then
+    echo "run_local.sh: no cost model for $nproc ranks ($cost); pass --cost-model PATH|MODEL:CLUSTER" >&2
+    exit 2
+  fi
+  all_args+=(--cost-model "$cost")
+fi
+# Relative --cost-model / --data-path / --planner-log paths are taken from megatron_ext's root, so
+# the run does not depend on the current directory.
+for i in "${!all_args[@]}"; do
+  prev="${all_args[$((i > 0 ? i - 1 : 0))]}"
+  if [[ $i -gt 0 && ( "$prev" == --cost-model || "$prev" == --data-path ) && "${all_args[$i]}" == configs/* ]]; then
+    all_args[$i]="$MEGATRON_EXT_DIR/${all_args[$i]}"
+  fi
+done
+
+python="$(megatron_python)"
+cmd=(env OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$python" -m torch.distributed.run --standalone
+     "--nproc-per-node=$nproc" -m megatron_ext.megatron.launch "${megatron:-\$MEGATRON_LM_DIR}/pretrain_gpt.py"
+     "${all_args[@]}")
+
+if [[ $dry_run -eq 1 ]]; then
+  show_cmd bash "$MEGATRON_EXT_DIR/scripts/apply_patches.sh" --check "${megatron:-\$MEGATRON_LM_DIR}"
+  show_cmd "${cmd[@]}"
+  exit 0
+fi
+check_megatron_dir "$megatron" || exit $?
+exec "${cmd[@]}"

@@ -1,0 +1,312 @@
+"""Megatron-LM's own pretrain_gpt.py, patched, training with --flexsp on 2-4 CPU ranks (gloo).
+
+Needs a Megatron-LM checkout at tag core_v0.16.1: set MEGATRON_LM_DIR to it (skipped otherwise).
+The checkout is not modified: the tests copy its Python sources twice into a temporary
+directory, one copy patched with scripts/apply_patches.sh and one unpatched, and run both through
+``megatron_ext.megatron.launch`` under torchrun.
+
+- --flexsp with --mock-data, and with a real indexed dataset (.bin/.idx written with
+  megatron_ext.data.datasets.write_indexed_dataset), trains: losses are finite and fall, every
+  step is planned, the planner log has one record per step;
+- the patched script with --flexsp reports the same loss and grad norm at the first iterations
+  as the *unpatched* script with static settings (Megatron's GPT dataset, data parallelism,
+  --micro-batch-size 1) on the same data and seed (``equivalence_runs``, below): the same token
+  sequences in every global batch, per-document attention and loss in both;
+- conflicts and --elastic-pp stop at argument parsing with their explanation.
+
+``python tests/e2e/test_megatron_lm.py`` runs the equivalence measurement and prints its table.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
+COST_2 = str(ROOT / "configs/megatron/cost/tiny-cpu2.yaml")
+COST_4 = str(ROOT / "configs/megatron/cost/tiny-cpu4.yaml")
+
+pytestmark = pytest.mark.skipif(not MEGATRON_LM_DIR,
+                                reason="set MEGATRON_LM_DIR to a Megatron-LM checkout at tag core_v0.16.1")
+
+VOCAB = 2047  # NullTokenizer: ids 0..2046, <eod> = 2047
+# The tiny model of configs/models/tiny.yaml, fp32, no dropout (dropout masks depend on the layout).
+MODEL_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
+              "--num-query-groups", "4", "--ffn-hidden-size", "256", "--position-embedding-type", "rope",
+              "--hidden-dropout", "0", "--attention-dropout", "0", "--tokenizer-type", "NullTokenizer",
+              "--vocab-size", str(VOCAB), "--micro-batch-size", "1", "--lr", "1e-3", "--lr-decay-style", "constant",
+              "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--split", "100,0,0",
+              "--seed", "1234"]
+
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.Ee+-]+) \|.*?grad norm: ([0-9.]+) \|")
+
+
+# ---- the checkouts ---------------------------------------------------------------------------------
+def _copy_sources(src: Path, dst: Path) -> None:
+    """What pretrain_gpt.py needs: the megatron package and the three top-level modules."""
+    dst.mkdir(parents=True)
+    for name in ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py"):
+        shutil.copy2(src / name, dst / name)
+    shutil.copytree(src / "megatron", dst / "megatron", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+
+
+def prepare_checkouts(src: Path, work: Path) -> tuple[Path, Path]:
+    """(unpatched, patched) copies of the checkout's sources, whatever state the checkout is in."""
+    script = ROOT / "scripts/apply_patches.sh"
+    unpatched, patched = work / "unpatched", work / "patched"
+    for dst in (unpatched, patched):
+        _copy_sources(src, dst)
+    subprocess.run(["bash", str(script), "--reverse", str(unpatched)], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["bash", str(script), str(patched)], check=True, stdout=subprocess.DEVNULL)
+    return unpatched, patched
+
+
+@pytest.fixture(scope="module")
+def checkouts(tmp_path_factory):
+    return prepare_checkouts(Path(MEGATRON_LM_DIR), tmp_path_factory.mktemp("megatron-lm"))
+
+
+# ---- running pretrain_gpt.py -----------------------------------------------------------------------
+def run_pretrain(checkout: Path, args: list[str], nproc: int = 2, timeout: float = 900.0) -> dict:
+    """torchrun NPROC ranks of megatron_ext.megatron.launch CHECKOUT/pretrain_gpt.py ARGS; returns
+    {"returncode", "output", "iterations": {i: (loss, grad_norm)}}."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "megatron_ext.megatron.launch", str(checkout / "pretrain_gpt.py"), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, env=env, cwd=checkout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout)
+    iterations = {int(m[1]): (float(m[2]), float(m[3])) for m in ITERATION.finditer(proc.stdout)}
+    return {"returncode": proc.returncode, "output": proc.stdout, "iterations": iterations}
+
+
+def _ok(run: dict, iters: int) -> dict:
+    assert run["returncode"] == 0, run["output"][-6000:]
+    assert sorted(run["iterations"]) == list(range(1, iters + 1)), run["output"][-6000:]
+    return run["iterations"]
+
+
+def _random_docs(n: int, seed: int, lo: int, hi: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    docs = []
+    for length in rng.integers(lo, hi, n):
+        d = rng.integers(0, VOCAB, int(length))
+        d[-1] = VOCAB  # <eod>
+        docs.append(d)
+    return docs
+
+
+# ---- the equivalence data ----------------------------------------------------------------------
+def equivalence_data(work: Path, seq_len: int, per_sample: int, num_samples: int, seed: int = 7):
+    """Documents for both runs. Megatron's GPT dataset cuts a token stream into samples of
+    ``seq_len`` tokens; here every indexed "document" of the static run is exactly one sample made
+    of ``per_sample`` real documents, each ending in <eod>, so with --reset-attention-mask
+    --reset-position-ids --eod-mask-loss each real document is attended to and scored on its own:
+    the same function FlexSP computes on the real documents as separate sequences.
+    Returns (static prefix, the real documents of each static sample)."""
+    from megatron_ext.data.datasets import write_indexed_dataset
+
+    rng = np.random.default_rng(seed)
+    samples, parts = [], []
+    for _ in range(num_samples):
+        cuts = np.sort(rng.choice(np.arange(16, seq_len - 15), per_sample - 1, replace=False))
+        lengths = np.diff(np.concatenate([[0], cuts, [seq_len]]))
+        docs = []
+        for n in lengths:
+            d = rng.integers(0, VOCAB, int(n))
+            d[-1] = VOCAB
+            docs.append(d)
+        parts.append(docs)
+        samples.append(np.concatenate(docs))
+    prefix = write_indexed_dataset(work / "static", samples)
+    return prefix, parts
+
+
+def static_sample_order(cache_dir: Path, num: int) -> list[int]:
+    """Which static document each of the first ``num`` training samples of Megatron's GPT dataset
+    is, read from the index files it cached (document, sample and shuffle index)."""
+    def one(affix):
+        found = glob.glob(str(cache_dir / f"*-GPTDataset-train-{affix}.npy"))
+        assert len(found) == 1, (affix, found)
+        return np.load(found[0], allow_pickle=True)
+
+    doc_index, sample_index, shuffle_index = one("document_index"), one("sample_index"), one("shuffle_index")
+    order = []
+    for j in range(num):
+        pos, offset = sample_index[shuffle_index[j]]
+        assert offset == 0, "a static sample does not start at a document boundary"
+        order.append(int(doc_index[pos]))
+    return order
+
+
+def flexsp_dataset(work: Path, parts, order: list[int], batch: int, per_sample: int, seed: int, seq_len: int) -> str:
+    """The real documents, placed so that FlexSP's step k (``batch * per_sample`` documents) holds
+    exactly the documents of the static run's step k (``batch`` samples)."""
+    from megatron_ext.cost import CostModel
+    from megatron_ext.data.datasets import InMemoryDocuments, write_indexed_dataset
+    from megatron_ext.data.loader import PlanningDataLoader
+
+    docs = [d for sample in parts for d in sample]
+    n = len(docs)
+    probe = PlanningDataLoader(InMemoryDocuments([np.zeros(2, np.int64)] * n), CostModel.from_yaml(COST_2),
+                               batch * per_sample, seed=seed, max_seq_len=seq_len, background=False)
+    slots: list = [None] * n
+    used = set()
+    for k in range(len(order) // batch):
+        wanted = [d for s in order[k * batch:(k + 1) * batch] for d in parts[s]]
+        assert not used.intersection(order[k * batch:(k + 1) * batch]), "a static sample repeats"
+        used.update(order[k * batch:(k + 1) * batch])
+        for slot, d in zip(probe.batch_sample_ids(k), wanted):
+            slots[int(slot)] = d
+    rest = iter(d for s in range(len(parts)) if s not in used for d in parts[s])
+    slots = [s if s is not None else next(rest) for s in slots]
+    return write_indexed_dataset(work / "flexsp", slots)
+
+
+def equivalence_runs(unpatched: Path, patched: Path, work: Path, iters: int = 3, batch: int = 4,
+                     per_sample: int = 2, seq_len: int = 512, seed: int = 1234, tp2: bool = True) -> dict:
+    """Runs on the same token sequences: the unpatched script (static: GPT dataset, plain data
+    parallelism on 2 ranks), the patched one with --flexsp (planner flexsp), with --flexsp
+    --flexsp-planner static_ulysses --flexsp-static-degree 2 (every sequence split over both
+    ranks) and, with ``tp2``, the unpatched and the --flexsp runs again on 4 ranks with
+    --tensor-model-parallel-size 2. All
+    initialize on the CPU (--use-cpu-initialization), so TP ranks hold slices of the same weights.
+    Returns {"iterations": {name: {iteration: (loss, grad norm)}}, "reference": {name: the static
+    run it must match}, "plans": [flexsp records]}."""
+    work.mkdir(parents=True, exist_ok=True)
+    prefix, parts = equivalence_data(work, seq_len, per_sample, iters * batch + 8)
+    common = MODEL_ARGS + ["--seq-length", str(seq_len), "--max-position-embeddings", str(seq_len),
+                           "--train-iters", str(iters), "--calculate-per-token-loss", "--use-cpu-initialization"]
+    cache = work / "cache"
+    static_args = common + ["--global-batch-size", str(batch), "--data-path", prefix, "--data-cache-path", str(cache),
+                            "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
+    out = {"static (unpatched)": _ok(run_pretrain(unpatched, static_args), iters)}
+    order = static_sample_order(cache, iters * batch)
+    flex_prefix = flexsp_dataset(work, parts, order, batch, per_sample, seed, seq_len)
+    flex_common = common + ["--global-batch-size", str(batch * per_sample), "--data-path", flex_prefix,
+                            "--flexsp", "--cost-model", COST_2]
+    flex = run_pretrain(patched, flex_common + ["--planner-log", str(work / "plans.jsonl")])
+    out["flexsp (patched)"] = _ok(flex, iters)
+    ulysses = run_pretrain(patched, flex_common + ["--flexsp-planner", "static_ulysses", "--flexsp-static-degree", "2"])
+    out["static Ulysses SP=2 (patched)"] = _ok(ulysses, iters)
+    reference = {name: "static (unpatched)" for name in out}
+    if tp2:  # Megatron initializes TP=2 weights differently from TP=1: compare with its own TP=2 run
+        tp_args = ["--tensor-model-parallel-size", "2"]
+        out["static TP=2 (unpatched)"] = _ok(run_pretrain(unpatched, static_args + tp_args, nproc=4), iters)
+        out["flexsp TP=2 (patched)"] = _ok(run_pretrain(patched, flex_common + tp_args, nproc=4), iters)
+        reference["static TP=2 (unpatched)"] = reference["flexsp TP=2 (patched)"] = "static TP=2 (unpatched)"
+    plans = [json.loads(line) for line in (work / "plans.jsonl").read_text().splitlines()]
+    return {"iterations": out, "reference": reference, "plans": plans}
+
+
+# ---- tests -----------------------------------------------------------------------------------------
+def test_flexsp_trains_on_mock_data(checkouts, tmp_path):
+    _, patched = checkouts
+    log = tmp_path / "plans.jsonl"
+    run = run_pretrain(patched, MODEL_ARGS + [
+        "--seq-length", "1024", "--max-position-embeddings", "1024", "--global-batch-size", "8",
+        "--train-iters", "4", "--mock-data", "--flexsp", "--cost-model", COST_2, "--planner-log", str(log)])
+    its = _ok(run, 4)
+    assert all(np.isfinite(loss) and loss > 0 for loss, _ in its.values())
+    assert its[4][0] < its[1][0]
+    assert "flexsp iteration        1 | plan" in run["output"]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4]
+    assert all(r["plan"]["kind"] == "flexsp" and r["measured_step_s"] > 0 for r in records)
+    assert any(r["plan_source"] == "planner" for r in records)
+
+
+def test_flexsp_trains_on_indexed_data_with_4_ranks(checkouts, tmp_path):
+    from megatron_ext.data.datasets import write_indexed_dataset
+
+    _, patched = checkouts
+    prefix = write_indexed_dataset(tmp_path / "docs", _random_docs(400, 3, 8, 2500))
+    run = run_pretrain(patched, MODEL_ARGS + [
+        "--seq-length", "2048", "--max-position-embeddings", "2048", "--global-batch-size", "16",
+        "--train-iters", "3", "--data-path", prefix, "--flexsp", "--cost-model", COST_4], nproc=4)
+    its = _ok(run, 3)
+    assert all(np.isfinite(loss) for loss, _ in its.values())
+    degrees = set(re.findall(r"groups \(degree x count\) ([0-9x ]+) \|", run["output"]))
+    assert degrees, run["output"][-3000:]
+
+
+def test_flexsp_matches_unpatched_static_settings(checkouts, tmp_path):
+    unpatched, patched = checkouts
+    result = equivalence_runs(unpatched, patched, tmp_path)
+    runs = result["iterations"]
+    for name, its in runs.items():
+        static = runs[result["reference"][name]]
+        for i, (loss, grad) in its.items():
+            assert loss == pytest.approx(static[i][0], rel=2e-5), (name, i, its, static)
+            assert grad == pytest.approx(static[i][1], abs=2e-3), (name, i, its, static)
+    # The flexsp run really was planned per step, and not as one fixed layout.
+    assert all(r["plan_source"].endswith("planner") for r in result["plans"])
+
+
+def test_run_local_script_trains(checkouts):
+    _, patched = checkouts
+    proc = subprocess.run(["bash", str(ROOT / "scripts/run_local.sh"), "--megatron", str(patched), "--",
+                           "--train-iters", "2"], capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, PYTHON=sys.executable, PYTHONWARNINGS="ignore"))
+    its = {int(m[1]): float(m[2]) for m in ITERATION.finditer(proc.stdout)}
+    assert proc.returncode == 0 and sorted(its) == [1, 2], (proc.stdout + proc.stderr)[-5000:]
+    assert "flexsp iteration        2 | plan" in proc.stdout
+
+
+def test_unpatched_checkout_without_flexsp_flags_still_rejects_them(checkouts):
+    unpatched, _ = checkouts
+    run = run_pretrain(unpatched, MODEL_ARGS + ["--seq-length", "64", "--max-position-embeddings", "64",
+                                                "--global-batch-size", "2", "--train-iters", "1", "--mock-data",
+                                                "--flexsp"], nproc=1, timeout=300)
+    assert run["returncode"] != 0 and "unrecognized arguments: --flexsp" in run["output"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--context-parallel-size", "2"], "replaces context parallelism"),
+    (["--elastic-pp", "--pipeline-model-parallel-size", "2"], "not yet supported in the runtime"),
+])
+def test_conflicts_stop_at_parsing(checkouts, extra, message):
+    _, patched = checkouts
+    flags = ["--flexsp", "--cost-model", COST_2] if "--elastic-pp" not in extra else []
+    run = run_pretrain(patched, MODEL_ARGS + ["--seq-length", "64", "--max-position-embeddings", "64",
+                                              "--global-batch-size", "2", "--train-iters", "1", "--mock-data",
+                                              *flags, *extra], nproc=2, timeout=300)
+    assert run["returncode"] != 0
+    assert message in run["output"], run["output"][-3000:]
+    assert "Traceback" not in run["output"].split(message)[0][-2000:]
+
+
+def main() -> int:
+    """Run the equivalence measurement and print its table (MEGATRON_LM_DIR must be set)."""
+    import tempfile
+
+    if not MEGATRON_LM_DIR:
+        print("set MEGATRON_LM_DIR to a Megatron-LM checkout at core_v0.16.1", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="mx-megatron-eq-"))
+    unpatched, patched = prepare_checkouts(Path(MEGATRON_LM_DIR), work / "src")
+    result = equivalence_runs(unpatched, patched, work / "runs", iters=int(os.environ.get("ITERS", "3")))
+    runs = result["iterations"]
+    for ref in dict.fromkeys(result["reference"].values()):
+        names = [n for n in runs if result["reference"][n] == ref]
+        print(f"{'iteration':>9}  " + "  ".join(f"{n:>32}" for n in names))
+        for i in sorted(runs[names[0]]):
+            print(f"{i:>9}  " + "  ".join(f"{'loss %.6E grad %.3f' % runs[n][i]:>32}" for n in names))
+        print()
+    for r in result["plans"]:
+        print(f"flexsp plan, iteration {r['iteration']}: {r['micro_batches']} micro-batches, groups by degree "
+              f"{r['groups_by_degree']}, {r['sequences']} sequences, {r['tokens']} tokens ({r['plan_source']})")
+    print(f"(work files in {work})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

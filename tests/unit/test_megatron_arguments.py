@@ -1,0 +1,267 @@
+"""megatron_ext's Megatron-LM arguments: parsing, the conflict explanations, the adjustments, and
+the argument files of configs/megatron/ (no Megatron-LM checkout needed)."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.megatron.arguments import (ArgumentConflict, NotYetSupported, add_arguments, extra_args_provider,
+                                             validate_args)
+from megatron_ext.megatron.cost import CappedCostModel, cap_cost_model, head_degree_limit, load_cost_model
+
+ROOT = Path(__file__).resolve().parents[2]
+COST_2 = str(ROOT / "configs/megatron/cost/tiny-cpu2.yaml")
+COST_4 = str(ROOT / "configs/megatron/cost/tiny-cpu4.yaml")
+
+
+def megatron_like_parser(ours: bool = True) -> argparse.ArgumentParser:
+    """The Megatron-LM options validate_args reads, with Megatron's names and defaults."""
+    p = argparse.ArgumentParser(allow_abbrev=False)
+    for name, kw in {
+        "--tensor-model-parallel-size": dict(type=int, default=1),
+        "--pipeline-model-parallel-size": dict(type=int, default=1),
+        "--context-parallel-size": dict(type=int, default=1),
+        "--hybrid-context-parallel": dict(action="store_true"),
+        "--sequence-parallel": dict(action="store_true"),
+        "--micro-batch-size": dict(type=int, default=None),
+        "--global-batch-size": dict(type=int, default=None),
+        "--rampup-batch-size": dict(nargs="*", default=None),
+        "--use-legacy-models": dict(action="store_true"),
+        "--multi-latent-attention": dict(action="store_true"),
+        "--num-experts": dict(type=int, default=None),
+        "--window-size": dict(default=None),
+        "--position-embedding-type": dict(default="learned_absolute"),
+        "--sft": dict(action="store_true"),
+        "--fim-data": dict(action="store_true"),
+        "--dataloader-type": dict(default=None),
+        "--data-path": dict(nargs="*", default=None),
+        "--train-data-path": dict(nargs="*", default=None),
+        "--mock-data": dict(action="store_true"),
+        "--num-layers": dict(type=int, default=None),
+        "--hidden-size": dict(type=int, default=None),
+        "--ffn-hidden-size": dict(type=int, default=None),
+        "--num-attention-heads": dict(type=int, default=None),
+        "--group-query-attention": dict(action="store_true"),
+        "--num-query-groups": dict(type=int, default=1),
+        "--calculate-per-token-loss": dict(action="store_true"),
+        "--moe-token-dispatcher-type": dict(default="allgather"),
+        "--use-megatron-fsdp": dict(action="store_true"),
+        "--use-torch-fsdp2": dict(action="store_true"),
+        "--use-distributed-optimizer": dict(action="store_true"),
+        "--seq-length": dict(type=int, default=None),
+    }.items():
+        p.add_argument(name, **kw)
+    return add_arguments(p) if ours else p
+
+
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
+        "--num-query-groups", "4", "--mock-data"]
+
+
+def parse(*argv: str):
+    return megatron_like_parser().parse_args(list(argv))
+
+
+def flexsp(*extra: str, world: int = 2, cost: str = COST_2):
+    args = parse(*TINY, "--flexsp", "--cost-model", cost, *extra)
+    return args, validate_args(args, world_size=world)
+
+
+def test_flags_parse_with_their_defaults():
+    args = parse()
+    assert (args.flexsp, args.elastic_pp, args.adaptive_recompute) == (False, False, False)
+    assert args.planner_time_limit == 1.0 and args.plan_ahead == 1 and args.flexsp_planner == "flexsp"
+    assert args.cost_model is None and args.planner_log is None and args.flexsp_max_sp_size is None
+    args = parse("--flexsp", "--flexsp-max-sp-size", "4", "--planner-time-limit", "0.5", "--cost-model", "x:y",
+                 "--adaptive-recompute", "--plan-ahead", "0", "--planner-log", "/tmp/p.jsonl")
+    assert (args.flexsp_max_sp_size, args.planner_time_limit, args.cost_model, args.plan_ahead) == (4, 0.5, "x:y", 0)
+
+
+def test_without_our_flags_nothing_changes():
+    args = parse(*TINY, "--micro-batch-size", "4", "--context-parallel-size", "2")
+    before = dict(vars(args))
+    assert validate_args(args, world_size=8).enabled is False
+    assert vars(args) == before
+
+
+def test_our_options_need_a_mode():
+    with pytest.raises(ArgumentConflict, match="--cost-model has no effect without --flexsp"):
+        validate_args(parse("--cost-model", COST_2), world_size=2)
+
+
+def test_flexsp_adjusts_what_it_must_and_says_so():
+    args, v = flexsp()
+    assert v.enabled and v.data_parallel_size == 2
+    assert args.calculate_per_token_loss and args.dataloader_type == "external" and args.micro_batch_size == 1
+    assert args.moe_token_dispatcher_type == "alltoall"
+    text = " ".join(v.notes)
+    for what in ("--calculate-per-token-loss", "--dataloader-type external", "--micro-batch-size 1",
+                 "--moe-token-dispatcher-type alltoall"):
+        assert what in text
+
+
+@pytest.mark.parametrize("extra, world, match", [
+    (["--context-parallel-size", "2"], 4, "replaces context parallelism.*--context-parallel-size 1"),
+    (["--sequence-parallel", "--tensor-model-parallel-size", "2"], 4, "--sequence-parallel with --tensor-model"),
+    (["--micro-batch-size", "2"], 2, "needs --micro-batch-size 1 \\(got 2\\)"),
+    (["--pipeline-model-parallel-size", "2"], 4, "--pipeline-model-parallel-size 1 \\(got 2\\).*--elastic-pp"),
+    (["--hybrid-context-parallel"], 2, "hybrid-context-parallel"),
+    (["--rampup-batch-size", "16", "16", "1000"], 2, "rampup-batch-size"),
+    (["--dataloader-type", "single"], 2, "--dataloader-type single"),
+    (["--num-experts", "8"], 2, "MoE"),
+    (["--multi-latent-attention"], 2, "multi-latent-attention"),
+    (["--position-embedding-type", "mrope"], 2, "position-embedding-type"),
+    (["--use-megatron-fsdp"], 2, "--use-megatron-fsdp"),
+    (["--adaptive-recompute"], 2, "needs --elastic-pp"),
+    (["--flexsp-max-sp-size", "3"], 2, "power of two"),
+    (["--flexsp-max-sp-size", "4"], 2, "at most the data-parallel size 2"),
+    (["--flexsp-planner", "nope"], 2, "not a planner"),
+    (["--flexsp-static-degree", "2"], 2, "static_ulysses only"),
+    (["--planner-time-limit", "0"], 2, "must be positive"),
+    (["--data-path", "a", "b"], 2, "give --data-path or --mock-data, not both"),
+])
+def test_conflicts_are_explained(extra, world, match):
+    with pytest.raises(ArgumentConflict, match=match):
+        flexsp(*extra, world=world, cost=COST_4 if world == 4 else COST_2)
+
+
+def test_the_cost_model_must_fit_the_job():
+    with pytest.raises(ArgumentConflict, match="describes 4 GPUs .* data-parallel size is 2"):
+        flexsp(cost=COST_4, world=2)
+    args = parse(*TINY, "--flexsp")
+    with pytest.raises(ArgumentConflict, match="needs --cost-model"):
+        validate_args(args, world_size=2)
+    from megatron_ext.errors import InfeasibleError
+
+    args = parse(*TINY, "--flexsp", "--cost-model", "llama-7b:h100-80g-8x4:0")
+    with pytest.raises(InfeasibleError, match="model states"):
+        validate_args(args, world_size=32)
+
+
+def test_data_must_be_one_prefix_or_mock():
+    args = parse("--num-attention-heads", "8", "--flexsp", "--cost-model", COST_2)
+    with pytest.raises(ArgumentConflict, match="needs data"):
+        validate_args(args, world_size=2)
+    args = parse("--num-attention-heads", "8", "--flexsp", "--cost-model", COST_2, "--data-path", "0.5", "a",
+                 "0.5", "b")
+    with pytest.raises(ArgumentConflict, match="blends are not supported"):
+        validate_args(args, world_size=2)
+    args = parse("--num-attention-heads", "8", "--flexsp", "--cost-model", COST_2, "--data-path", "x",
+                 "--train-data-path", "y")
+    with pytest.raises(ArgumentConflict, match="--train-data-path is not supported"):
+        validate_args(args, world_size=2)
+
+
+def test_heads_cap_the_degree():
+    assert head_degree_limit(8, 4) == 4 and head_degree_limit(8, None) == 8 and head_degree_limit(40, None) == 8
+    assert head_degree_limit(52, None) == 4 and head_degree_limit(64, 8, tensor_parallel=2) == 4
+    # 12 heads / 3 KV heads: only degree 1, whatever the cost model's ModelSpec says
+    args = parse("--num-attention-heads", "12", "--group-query-attention", "--num-query-groups", "3", "--mock-data",
+                 "--flexsp", "--cost-model", COST_4)
+    v = validate_args(args, world_size=4)
+    assert any("capped at 1" in n for n in v.notes)
+    with pytest.raises(ArgumentConflict, match="only divide by up to 1"):
+        validate_args(parse("--num-attention-heads", "12", "--group-query-attention", "--num-query-groups", "3",
+                            "--mock-data", "--flexsp", "--cost-model", COST_4, "--flexsp-max-sp-size", "2"),
+                      world_size=4)
+
+
+def test_capped_cost_model():
+    cost = load_cost_model(COST_4)
+    assert cost.degrees == (1, 2, 4)
+    capped = cap_cost_model(cost, 2)
+    assert isinstance(capped, CappedCostModel) and capped.degrees == (1, 2)
+    assert capped.max_seq_len == cost.token_capacity(2) < cost.max_seq_len
+    assert cap_cost_model(cost, 8) is cost
+    import pickle
+
+    assert pickle.loads(pickle.dumps(capped)).degrees == (1, 2)  # the planner process gets a copy
+
+
+def test_cost_model_references():
+    assert load_cost_model("gpt-7b:a100-40g-8x8").num_gpus == 64
+    assert load_cost_model("gpt-7b:h100-80g-8x4:1").zero_stage == 1
+    from megatron_ext.errors import ConfigError
+
+    for bad in ("gpt-7b", "nope.yaml", ":x", "gpt-7b:a100-40g-8x8:1:2"):
+        with pytest.raises(ConfigError):
+            load_cost_model(bad)
+
+
+def test_elastic_pp_is_validated_then_refused():
+    args = parse(*TINY, "--elastic-pp", "--pipeline-model-parallel-size", "2")
+    with pytest.raises(NotYetSupported, match="not yet supported in the runtime"):
+        validate_args(args, world_size=4)
+    with pytest.raises(ArgumentConflict, match="at least 2"):
+        validate_args(parse(*TINY, "--elastic-pp"), world_size=4)
+    with pytest.raises(ArgumentConflict, match="replaces context parallelism"):
+        validate_args(parse(*TINY, "--elastic-pp", "--context-parallel-size", "2"), world_size=4)
+    with pytest.raises(ArgumentConflict, match="choose one"):
+        validate_args(parse(*TINY, "--elastic-pp", "--flexsp"), world_size=4)
+
+
+def test_plan_ahead_beyond_one_step_is_not_supported_yet():
+    with pytest.raises(NotYetSupported, match="plans one step ahead"):
+        flexsp("--plan-ahead", "2")
+    flexsp("--plan-ahead", "0")
+
+
+def test_extra_args_provider_chains_and_validates(capsys, monkeypatch):
+    def other(parser):
+        parser.add_argument("--other-flag", action="store_true")
+        return parser
+
+    parser = extra_args_provider(other)(megatron_like_parser(ours=False))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    args = parser.parse_args([*TINY, "--other-flag", "--flexsp", "--cost-model", COST_2])
+    assert args.other_flag and args.calculate_per_token_loss
+    out = capsys.readouterr().out
+    assert out.startswith("megatron_ext: --flexsp set ") and "--calculate-per-token-loss" in out
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args([*TINY, "--flexsp", "--cost-model", COST_2, "--context-parallel-size", "2"])
+    assert e.value.code == 2
+    assert "error: --flexsp replaces context parallelism" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "1")  # other ranks exit silently
+    with pytest.raises(SystemExit):
+        parser.parse_known_args([*TINY, "--flexsp", "--cost-model", COST_2, "--micro-batch-size", "2"])
+    assert capsys.readouterr().err == ""
+
+
+# ---- the argument files ----------------------------------------------------------------------------
+def file_args(name: str) -> list[str]:
+    out = subprocess.run(["bash", "-c", f'source "{ROOT}/scripts/slurm/common.sh"; args_from_file "$1"', "_",
+                          str(ROOT / "configs/megatron" / name)], capture_output=True, text=True, check=True)
+    return out.stdout.split("\n")[:-1]
+
+
+@pytest.mark.parametrize("name, cluster, world", [
+    ("gpt-7b", "h100-80g-8x4", 32), ("gpt-13b", "h100-80g-8x8", 64), ("llama-7b", "a800-80g-8x4", 32),
+    ("llama-13b", "h100-80g-8x8", 64),
+])
+def test_gpu_argument_files_validate(name, cluster, world):
+    argv = file_args(f"{name}.args")
+    assert "--flexsp" in argv and "--cost-model" not in argv
+    args, unknown = megatron_like_parser().parse_known_args(argv + ["--mock-data", "--cost-model",
+                                                                     f"{name}:{cluster}:1"])
+    v = validate_args(args, world_size=world)
+    assert v.enabled and v.data_parallel_size == world
+
+
+@pytest.mark.parametrize("name, tp", [("gpt-30b", 4), ("llama-30b", 4)])
+def test_30b_argument_files_use_tensor_parallelism(name, tp):
+    argv = file_args(f"{name}.args")
+    cost = str(ROOT / f"configs/megatron/cost/{name}-tp{tp}-h100-8x8.yaml")
+    args, _ = megatron_like_parser().parse_known_args(argv + ["--mock-data", "--cost-model", cost])
+    assert args.tensor_model_parallel_size == tp and not args.sequence_parallel
+    v = validate_args(args, world_size=64)
+    assert v.data_parallel_size == 16 and load_cost_model(cost).max_seq_len > 16384
+
+
+def test_tiny_cpu_argument_file_validates():
+    argv = file_args("tiny-cpu.args")
+    args, _ = megatron_like_parser().parse_known_args(argv + ["--mock-data", "--cost-model", COST_2])
+    assert validate_args(args, world_size=2).enabled

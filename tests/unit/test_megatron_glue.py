@@ -1,0 +1,334 @@
+"""The Megatron-LM glue without a checkout: the CPU launcher's pieces, the --flexsp data, the
+step records and logs, the hooks' dispatch, and the Ulysses swap on a megatron-core GPT (one rank)."""
+from __future__ import annotations
+
+import json
+import sys
+import types
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_ext.megatron.data import MockDocuments, SubsetDocuments, split_ranges
+from megatron_ext.megatron.launch import CPU_DEFAULT_FLAGS, cpu_flags_to_add
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---- launcher -------------------------------------------------------------------------------------
+def test_cpu_flags_are_added_only_when_absent():
+    added = cpu_flags_to_add(["--num-layers", "2"])
+    assert added[:2] == ["--distributed-backend", "gloo"] and "--transformer-impl" in added
+    assert len([a for a in added if a.startswith("--")]) == len(CPU_DEFAULT_FLAGS)
+    added = cpu_flags_to_add(["--distributed-backend=gloo", "--transformer-impl", "local", "--masked-softmax-fusion"])
+    assert "--distributed-backend" not in added and "--transformer-impl" not in added
+    assert "--no-masked-softmax-fusion" not in added and "--no-gradient-accumulation-fusion" in added
+
+
+def test_launcher_usage_and_missing_script(capsys):
+    from megatron_ext.megatron.launch import main
+
+    assert main([]) == 2 and "pretrain_gpt.py" in capsys.readouterr().out
+    assert main(["/no/such/pretrain_gpt.py"]) == 2 and "no such script" in capsys.readouterr().err
+
+
+def test_run_as_main_gives_the_script_a_main_spec(tmp_path, monkeypatch):
+    from megatron_ext.megatron.launch import run_as_main
+
+    script = tmp_path / "script.py"
+    out = tmp_path / "out.json"
+    script.write_text("import json, sys\n"
+                      f"json.dump([__name__, __spec__.name], open({str(out)!r}, 'w'))\n")
+    run_as_main(str(script))
+    assert json.loads(out.read_text()) == ["__main__", "__main__"]  # spawn children skip re-running it
+
+
+# ---- data -----------------------------------------------------------------------------------------
+def test_split_ranges():
+    assert split_ranges(1000, "969,30,1") == [(0, 969), (969, 999), (999, 1000)]
+    assert split_ranges(10, "100,0,0") == [(0, 10), (10, 10), (10, 10)]
+    assert split_ranges(10, None) == [(0, 10), (10, 10), (10, 10)]
+    assert split_ranges(7, "1,1") == [(0, 4), (4, 7), (7, 7)] or split_ranges(7, "1,1")[1][1] == 7
+    from megatron_ext.data.datasets import DataError
+
+    with pytest.raises(DataError):
+        split_ranges(10, "0,0,0")
+
+
+def test_mock_documents_are_deterministic_and_long_tailed():
+    a = MockDocuments(2000, vocab_size=100, eod=99, seed=5, max_len=4096)
+    b = MockDocuments(2000, vocab_size=100, eod=99, seed=5, max_len=4096)
+    assert np.array_equal(a.lengths, b.lengths) and len(a) == 2000
+    assert a.lengths.max() <= 4096 and a.lengths.min() >= 2
+    assert np.percentile(a.lengths, 99) > 4 * np.median(a.lengths)
+    doc = a.get(3)
+    assert doc.size == a.lengths[3] and doc[-1] == 99 and doc.max() < 100
+    assert np.array_equal(a.get(3, 1, 5), doc[1:6]) and np.array_equal(doc, b.get(3))
+    assert not np.array_equal(MockDocuments(10, 100, 99, 6, 4096).lengths, MockDocuments(10, 100, 99, 5, 4096).lengths)
+    with pytest.raises(IndexError):
+        a.get(3, 0, int(a.lengths[3]) + 1)
+
+
+def test_subset_documents():
+    docs = MockDocuments(50, 100, 99, 1, 512)
+    sub = SubsetDocuments(docs, 10, 20)
+    assert len(sub) == 10 and np.array_equal(sub.lengths, docs.lengths[10:20])
+    assert np.array_equal(sub.get(0), docs.get(10))
+    with pytest.raises(IndexError):
+        sub.get(10)
+
+
+# ---- step records and logs ---------------------------------------------------------------------------
+def _step():
+    from megatron_ext.data.loader import Step
+    from megatron_ext.megatron.cost import load_cost_model
+    from megatron_ext.planner import make_plan
+
+    lengths = np.array([900, 300, 200, 50])
+    plan = make_plan("flexsp", lengths, load_cost_model(str(ROOT / "configs/megatron/cost/tiny-cpu4.yaml")))
+    batch = [np.arange(n) for n in lengths]
+    samples = np.stack([np.arange(4), np.zeros(4, int), lengths], axis=1)
+    return Step(7, plan, batch, lengths, samples, "d1g3st", "planner", 0.004)
+
+
+class FakeWriter:
+    def __init__(self):
+        self.scalars = []
+
+    def add_scalar(self, name, value, step):
+        self.scalars.append((name, value, step))
+
+
+def test_report_step_logs_line_tensorboard_and_planner_log(tmp_path):
+    from megatron_ext.megatron.step import report_step, summary_line
+
+    step = _step()
+    lines, writer = [], FakeWriter()
+    log = tmp_path / "plans.jsonl"
+    args = Namespace(curr_iteration=9, log_interval=5, planner_log=str(log))
+    n = len(step.plan.micro_batches)
+    rec = report_step(step, 1.5, [1.5 / n] * n, args=args, writer=writer, printer=lines.append)
+    assert rec["iteration"] == 10 and rec["tokens"] == 1450 and rec["sequences"] == 4
+    assert rec["measured_step_s"] == 1.5 and rec["predicted_step_s"] == step.plan.estimated_step_time_s
+    assert rec["cost_model_error"] == pytest.approx((rec["predicted_step_s"] - 1.5) / 1.5)
+    assert lines == [summary_line(rec)] and "flexsp iteration       10 | plan flexsp (planner" in lines[0]
+    names = {name for name, _, it in writer.scalars if it == 10}
+    assert {"flexsp/predicted-fwd-bwd-time", "flexsp/measured-fwd-bwd-time", "flexsp/cost-model-error",
+            "flexsp/num-microbatches", "flexsp/max-sp-degree", "flexsp/plan-fallback"} <= names
+    saved = json.loads(log.read_text())
+    assert saved["plan"]["kind"] == "flexsp" and saved["iteration"] == 10
+    # off the log interval: no line, still TensorBoard and the planner log
+    report_step(step, 1.0, [1.0 / n] * n, args=Namespace(curr_iteration=10, log_interval=5, planner_log=str(log)),
+                writer=writer, printer=lines.append)
+    assert len(lines) == 1 and len(log.read_text().splitlines()) == 2
+
+
+def test_pad_id_falls_back_to_eod():
+    from megatron_ext.megatron.step import _pad_id
+
+    class NoPad:
+        eod = 7
+
+        @property
+        def pad(self):
+            raise NotImplementedError
+
+    assert _pad_id(NoPad()) == 7 and _pad_id(types.SimpleNamespace(pad=3, eod=7)) == 3
+    assert _pad_id(object()) == 0
+
+
+# ---- hooks ------------------------------------------------------------------------------------------
+@pytest.fixture
+def fake_megatron_args(monkeypatch):
+    """A stand-in megatron.training module whose get_args returns a namespace we control."""
+    state = Namespace(flexsp=False)
+    mod = types.ModuleType("megatron.training")
+    mod.get_args = lambda: state
+    monkeypatch.setitem(sys.modules, "megatron.training", mod)
+    return state
+
+
+def test_hooks_call_megatrons_functions_without_flexsp(fake_megatron_args, monkeypatch):
+    from megatron_ext.megatron.hooks import wrap_pretrain_gpt
+    from megatron_ext.megatron.step import flexsp_forward_backward
+
+    calls = []
+
+    def datasets(num_samples, vp_stage=None):
+        calls.append(("datasets", num_samples, vp_stage))
+        return "train", "valid", "test"
+
+    datasets.is_distributed = True
+
+    def builder(args, pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
+        calls.append(("builder", pre_process))
+        return "model"
+
+    def forward_step(data_iterator, model):
+        calls.append(("forward", data_iterator, model))
+        return "out"
+
+    ds, build, fwd, extra = wrap_pretrain_gpt(datasets, builder, forward_step, None)
+    assert ds([1, 2, 3], vp_stage=0) == ("train", "valid", "test") and ds.is_distributed
+    assert build(fake_megatron_args, True, True) == "model"
+    assert fwd("it", "m") == "out"
+    assert calls == [("datasets", [1, 2, 3], 0), ("builder", True), ("forward", "it", "m")]
+    import megatron.core.pipeline_parallel as pp
+
+    monkeypatch.setattr(pp, "get_forward_backward_func", lambda: "megatron's schedule")
+    assert fwd.get_forward_backward_func() == "megatron's schedule"
+    fake_megatron_args.flexsp = True
+    assert fwd.get_forward_backward_func() is flexsp_forward_backward
+    with pytest.raises(RuntimeError, match="training.py is not patched"):
+        fwd("it", "m")
+    assert callable(extra)
+
+
+# ---- the model swap, on one rank ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    import torch.distributed as dist
+
+    from megatron_ext.runtime.compat import apply_cpu_compat
+
+    apply_cpu_compat()
+    from megatron.core import parallel_state
+
+    init = f"file://{tmp_path_factory.mktemp('rdzv') / 'store'}"
+    dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def test_ulysses_swap_keeps_parameters_and_outputs(one_rank):
+    import torch
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_ext.megatron.model import flexsp_model_builder, use_ulysses_attention
+    from megatron_ext.runtime.attention import UlyssesAttention, UlyssesPackedSeqParams
+
+    def build(args, pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
+        torch.manual_seed(3)
+        model_parallel_cuda_manual_seed(3)
+        cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
+                                ffn_hidden_size=128, hidden_dropout=0.0, attention_dropout=0.0,
+                                use_cpu_initialization=True)
+        return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=64,
+                        position_embedding_type="rope")
+
+    stock = build(None, True, True)
+    flex = flexsp_model_builder(build)(Namespace(flexsp=True, flexsp_attention_backend="sdpa"), True, True)
+    assert [n for n, _ in stock.named_parameters()] == [n for n, _ in flex.named_parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(stock.parameters(), flex.parameters()))
+    assert sum(isinstance(m, UlyssesAttention) for m in flex.modules()) == 2
+    assert use_ulysses_attention(flex) == 0  # idempotent
+    plain = flexsp_model_builder(build)(Namespace(flexsp=False), True, True)
+    assert not any(isinstance(m, UlyssesAttention) for m in plain.modules())
+
+    tokens = torch.randint(0, 128, (1, 48))
+    with torch.no_grad():
+        ref = stock(tokens, torch.arange(48)[None], None, labels=tokens)
+        # two documents packed: each gives what it gives alone
+        params = UlyssesPackedSeqParams.build([30, 18])
+        out = flex(tokens, params.position_ids[None], None, labels=tokens, packed_seq_params=params)
+        alone = stock(tokens[:, 30:], torch.arange(18)[None], None, labels=tokens[:, 30:])
+    assert torch.allclose(out[:, :29], ref[:, :29], atol=1e-5)
+    assert torch.allclose(out[:, 30:47], alone[:, :17], atol=1e-5)
+
+
+# ---- idle micro-batches under DDP with --overlap-grad-reduce (2 gloo ranks, a subprocess) --------------
+IDLE_SCRIPT = r'''
+import os, sys, tempfile
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def run(rank, world, init, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    from megatron_ext.runtime.compat import apply_cpu_compat
+    apply_cpu_compat()
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_ext.data.loader import Step
+    from megatron_ext.megatron import step as mstep
+    from megatron_ext.megatron.model import use_ulysses_attention
+    from megatron_ext.plan.schema import MicroBatchPlan, SPGroup, StepPlan
+    from megatron_ext.runtime.groups import SPGroupPool
+
+    parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                               hidden_dropout=0.0, attention_dropout=0.0, calculate_per_token_loss=True,
+                               use_cpu_initialization=True)
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=256,
+                     position_embedding_type="rope")
+    use_ulysses_attention(model, "sdpa")
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=2000,
+                                                                        grad_reduce_in_fp32=True), model)
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    mstep.STATE.pool, mstep.STATE.pad_id, mstep.STATE.device = SPGroupPool(), 0, "cpu"
+    mstep.report_step = lambda *a, **k: None  # no Megatron-LM here
+    mstep._args = lambda: __import__("types").SimpleNamespace(check_for_nan_in_loss_and_grad=True)
+    import megatron.core.rerun_state_machine as rsm
+    rsm.initialize_rerun_state_machine(mode=rsm.RerunMode.DISABLED)
+    rng = np.random.default_rng(1)
+    lengths = np.array([40, 25, 60])
+    batch = [rng.integers(0, 64, n) for n in lengths]
+    plans = {  # "full" first: DDP records every parameter's gradient-ready count in its first batch
+        "full": [MicroBatchPlan([SPGroup([0, 1], [0, 1, 2])])],
+        # then rank 1 is idle in the last micro-batch: its hooks must still fire there, or DDP
+        # asserts "Communication call has not been issued for this bucket"
+        "idle": [MicroBatchPlan([SPGroup([0], [0]), SPGroup([1], [1])]), MicroBatchPlan([SPGroup([0], [2])])],
+    }
+    grads, losses = {}, {}
+    for name, mbs in plans.items():
+        for _ in range(2):  # the second step runs DDP's steady state (after its first-batch bookkeeping)
+            ddp.zero_grad_buffer()
+            step = Step(0, StepPlan("flexsp", 2, "test", mbs), batch, lengths, np.zeros((3, 3), int), "", "t", 0.0)
+            reported = mstep.flexsp_forward_backward(data_iterator=iter([step]), model=[ddp], forward_only=False)
+        total = torch.stack([d["lm loss"] for d in reported]).sum(0)
+        dist.all_reduce(total)
+        losses[name] = float(total[0] / total[1])
+        grads[name] = torch.cat([p.main_grad.reshape(-1).clone() for p in ddp.module.parameters()])
+    torch.save({"losses": losses, "grads": grads}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    mp.spawn(run, args=(2, f"file://{out}/store", out), nprocs=2)
+'''
+
+
+def test_idle_micro_batches_with_overlapped_grad_reduce(tmp_path):
+    import os
+    import subprocess
+
+    import torch
+
+    script = tmp_path / "idle.py"
+    script.write_text(IDLE_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for res in results:
+        assert res["losses"]["idle"] == pytest.approx(res["losses"]["full"], rel=1e-6)
+        assert torch.allclose(res["grads"]["idle"], res["grads"]["full"], atol=1e-6)
+    assert torch.equal(results[0]["grads"]["idle"], results[1]["grads"]["idle"])
