@@ -16,6 +16,7 @@ setup(
         "numpy>=1.24",
         "pyyaml>=6",
         "tokenizers>=0.20",
+        "matplotlib>=3.7",  # --plot
     ],
     extras_require={
         "dev": ["pytest>=8", "hypothesis>=6"],

@@ -14,10 +14,23 @@ The 1/3 : 2/3 split of forward and backward is the usual FLOP ratio (the backwar
 gradients of both the input and the weights); recomputing ``r`` layers costs ``r / L_s`` of the
 forward. p2p between stages: ``tokens * hidden * 2 bytes`` over ``p2p_bandwidth_gbps``.
 
-``b1_scale`` (default 1, the paper's formula): b1 is about 80 ms per billion parameters in all
-three published FlexSP profiles, i.e. mostly exposed ZeRO-3 parameter traffic over the whole
-cluster. A stage shards only its own layers over its own SP ranks (inside a node), so a smaller
-scale models that; ``zero_domain_b1_scale()`` gives the bandwidth ratio as one such estimate.
+``b1_scale`` (default 1): the fixed cost a chunk pays on one stage, as a fraction of the model's
+per-micro-batch fixed cost b1 spread over the stages: ``fixed = b1_scale * b1 / pp``.
+- b1 is the constant term of the FlexSP fit: ms per forward+backward pass over the whole model
+  that do not depend on the tokens. It is ~80 ms per billion parameters in all three published
+  profiles, i.e. per-pass costs that scale with the parameters: ZeRO-3 parameter all-gathers and
+  gradient reduce-scatters not hidden by compute, plus per-layer launch/synchronization.
+- 1 (the default) is the InfiniPipe paper's formula (b1 / d_p): a chunk passing through all pp
+  stages pays exactly what one FlexSP micro-batch pays. With one profile for both planners this
+  charges both the same per-layer, per-pass overhead and credits the pipeline with nothing that
+  has not been measured; it is the conservative choice for elastic pipelines.
+- A stage that shards only its own layers over its own SP group inside a node gathers them over
+  NVLink instead of the cluster's network, so its true scale is likely below 1. If b1 were all
+  parameter traffic and scaled with bandwidth, the scale would be ``zero_domain_b1_scale()`` (the
+  all-to-all bandwidth over the whole cluster / inside the stage's group: 0.06 on the A800
+  preset) -- a floor, not an estimate. Measure it (a stage's fwd+bwd time of a tiny chunk, over
+  b1 / pp) before trusting pipeline-vs-FlexSP comparisons: elastic_pp beats FlexSP on the
+  benchmark batches only below b1_scale ~0.13-0.5 (docs/elastic_pp.md).
 
 Memory per GPU of a stage, MB:
 - model states of the stage's layers (params_b / pp), ZeRO-sharded over the stage's sp ranks

@@ -125,6 +125,72 @@ def balanced_chunks(seq_ids, lengths, pc: PipelineCost, target_ms: float, token_
     return Chunking(chunks, slices, cap_ms, token_cap, mesh)
 
 
+def chunk_time(chunk: Pieces, pc: PipelineCost) -> float:
+    """Stage ms of a chunk's pieces (each at its prefix), without the fixed cost."""
+    return float(sum(pc.prefix_ms(b) - pc.prefix_ms(a) for _, a, b in chunk))
+
+
+def ramp_chunks(chunks: list[Pieces], lengths, pc: PipelineCost, cap_ms: float, front=(), back=(),
+                token_cap: float = math.inf) -> list[Pieces]:
+    """Warm-up and cool-down ramps: re-pack whole short sequences into a few small chunks at the
+    start of the forward order (times ``front[i] * cap_ms``, smallest first) and at its end
+    (``back[i] * cap_ms``, largest first).
+
+    A pipeline's first stage waits for the first chunk to cross every stage, and its last
+    backwards trickle down the stages one by one: the idle time of a P-stage pipeline is about
+    (P - 1) x (forward of the first chunk + backward of the last) plus what uneven chunks add in
+    between. Small first and last chunks shrink it for (about) one fixed cost per extra chunk.
+    The sequences come from the batched chunks (whole sequences only) at the end of the order,
+    the lightest, as many as the ramps need; sequences that fit no ramp chunk go into chunks of
+    up to ``cap_ms`` just before the cool-down ramp. Split and hybrid chunks are not touched, so
+    the chunking rules (slices in order, never two tails in a chunk) still hold."""
+    if not front and not back:
+        return chunks
+    lengths = np.asarray(lengths)
+    whole = [i for i, c in enumerate(chunks) if all(a == 0 and b == lengths[s] for s, a, b in c)]
+    if not whole:
+        return chunks
+    caps = [f * cap_ms for f in front] + [f * cap_ms for f in back]
+    need = sum(caps)
+    take: list[int] = []
+    got = 0.0
+    for i in reversed(whole):
+        if got >= need:
+            break
+        take.append(i)
+        got += chunk_time(chunks[i], pc)
+    pool = sorted((x for i in take for x in chunks[i]), key=lambda x: (-(x[2] - x[1]), x[0]))
+    bins: list[Pieces] = [[] for _ in caps]
+    load = [0.0] * len(caps)
+    tok = [0.0] * len(caps)
+    extra: list[list] = []  # [pieces, time, tokens]
+    for x in pool:
+        t = float(pc.prefix_ms(x[2]))
+        s = x[2] - x[1]
+        fits = [j for j in range(len(caps)) if load[j] + t <= caps[j] * (1 + 1e-9) and tok[j] + s <= token_cap]
+        if fits:
+            j = min(fits, key=lambda j: (caps[j] - load[j] - t, j))
+            bins[j].append(x)
+            load[j] += t
+            tok[j] += s
+            continue
+        fits = [j for j, e in enumerate(extra) if e[1] + t <= cap_ms * (1 + 1e-9) and e[2] + s <= token_cap]
+        if fits:
+            e = extra[min(fits, key=lambda j: (cap_ms - extra[j][1] - t, j))]
+            e[0].append(x)
+            e[1] += t
+            e[2] += s
+        else:
+            extra.append([[x], t, s])
+    nf = len(front)
+    head = sorted((b for b in bins[:nf] if b), key=lambda c: chunk_time(c, pc))
+    tail = sorted((b for b in bins[nf:] if b), key=lambda c: -chunk_time(c, pc))
+    taken = set(take)
+    middle = [c for i, c in enumerate(chunks) if i not in taken]
+    middle += [e[0] for e in sorted(extra, key=lambda e: -e[1])]
+    return head + middle + tail
+
+
 def check_chunking(chunks: list[Pieces], lengths, seq_ids=None) -> None:
     """Assert the chunking invariants (for tests): every token of every sequence exactly once,
     slices of a sequence in forward order, no two tails in one chunk."""

@@ -8,14 +8,21 @@
    "the longest sequence in a pipeline of its own" is tried too. The one-pipeline plan is always
    built; the fastest grouping (simulated) wins.
 2. Chunking per pipeline (planner/chunking.py): the target chunk time (and so K) and the chunk
-   token cap are searched, likeliest first, within the time limit; each candidate is chunked,
-   ordered, given greedy recompute and simulated; the fastest wins. Packed-slice chunkings
-   (packs of the context length or 1-2x the longest sequence, cut into k equal-compute slices)
-   are candidates too, so elastic_pp is never worse than the Seq1F1B chunking it could pick.
-3. Order: elastic 1F1B (sim/engine.one_f_one_b). Forward order: each long sequence's slices then
-   its hybrid tail chunk, longest sequences first, then batched chunks slowest first. Backward
-   order: the forward order with each split sequence's chunks reversed. Warm-up on stage p:
-   P - 1 - p + (slices of the first split sequence - 1).
+   token cap are searched, likeliest first (at most ``search_targets`` per cap; the time limit
+   is a guard); each candidate is chunked, given a warm-up/cool-down ramp (a few small chunks of
+   whole short sequences first and last, ``chunking.ramp_chunks``), ordered, given greedy
+   recompute and simulated; the fastest wins. At the winning target the other ramps (and none)
+   and the other order are tried. Packed-slice chunkings (packs of the context length or 1-2x
+   the longest sequence, cut into k equal-compute slices) are candidates too, so elastic_pp can
+   always pick the Seq1F1B chunking.
+3. Order (``order``): forward order = the ramp's small chunks, each long sequence's slices then
+   its hybrid tail chunk (longest first), batched chunks slowest first, the cool-down ramp;
+   backward order = the forward order with each split sequence's chunks reversed. Per stage,
+   either list scheduling (sim/engine.greedy_orders: a free stage runs whichever of its next
+   backward and next forward can start first, forwards held back when the stage's activations
+   would pass its room) or elastic 1F1B (sim/engine.one_f_one_b: warm-up P - 1 - p + slices of
+   the first split sequence - 1); "best" tries both, and 1F1B is always tried where memory binds
+   (its recompute ties along the schedule's diagonals).
 4. Recompute: the tied ILP of planner/checkpointing.py on the winner (greedy if HiGHS has nothing).
 5. The plan is validated and simulated; the simulator's step time is the estimate.
 
@@ -27,6 +34,9 @@ Baselines through the same StepPlan / simulator:
   ``seq1f1b_slices`` (the best per step); static recompute as above.
 - FlexSP (one stage, adaptive SP) and static Ulysses: ``make_plan('flexsp' | 'static_ulysses')``,
   simulated as micro-batches on SP groups.
+
+``plan_auto`` (planner ``auto``): per step, FlexSP and elastic_pp on every feasible (pp, sp)
+layout through the same simulator; the fastest plan wins (see its docstring).
 """
 from __future__ import annotations
 
@@ -43,9 +53,10 @@ from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError, Mega
 from megatron_ext.plan.pipelines import validate_pipelines
 from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan, validate
 from megatron_ext.planner.checkpointing import greedy_recompute, solve_recompute
-from megatron_ext.planner.chunking import Pieces, balanced_chunks
-from megatron_ext.sim.engine import (ChunkTable, analyze_chunks, backward_order, checkpoint_memory,
-                                     list_schedule, memory_checkpoints, one_f_one_b, op_times, order_names)
+from megatron_ext.planner.chunking import Pieces, balanced_chunks, ramp_chunks
+from megatron_ext.sim.engine import (ChunkTable, analyze_chunks, backward_order, checkpoint_memory, greedy_orders,
+                                     list_schedule, memory_checkpoints, memory_levels, one_f_one_b, op_times,
+                                     order_names)
 from megatron_ext.sim.simulator import SimResult, simulate
 
 
@@ -53,7 +64,7 @@ from megatron_ext.sim.simulator import SimResult, simulate
 class PipelineOptions:
     pp: int | None = None  # stages (default: one per node)
     sp: int | None = None  # Ulysses degree inside a stage (default: the node size, up to the head limit)
-    b1_scale: float = 1.0  # per-chunk fixed cost = b1 * b1_scale / pp (see cost/pipeline.py)
+    b1_scale: float = 1.0  # per-chunk fixed cost of a stage = b1_scale * b1 / pp (see cost/pipeline.py)
     memory_mb: float | None = None  # per-GPU budget (default: the cluster's usable memory)
     time_limit: float = 1.0  # seconds for the whole step's planning (the ILP gets what is left)
     granularity: int = 128  # slice boundaries are multiples of this many tokens
@@ -65,6 +76,9 @@ class PipelineOptions:
     pack_tokens: int | None = None  # baselines: micro-batch capacity (default: the longest sequence)
     seq1f1b_slices: tuple[int, ...] = (2, 4, 8)
     pack_slices: tuple[int, ...] = (1, 2, 4)  # elastic_pp also tries packs (of pack_tokens) cut in k slices
+    order: str = "best"  # elastic_pp per-stage order: "greedy" (list scheduling) | "1f1b" | "best" (both)
+    ramp: bool = True  # elastic_pp: try small warm-up / cool-down chunks (chunking.ramp_chunks)
+    search_targets: int = 8  # elastic_pp: chunk-time targets tried per token cap, likeliest first
     baseline_recompute: str = "auto"  # baselines: "auto" (none if it fits, else full) | "none" | "full"
 
 
@@ -83,6 +97,9 @@ class BuiltPipeline:
     makespan_ms: float
     status: str = ""
     slices: int = 1
+    order: str = "1f1b"
+    ramp: str = ""
+    held: int = 0  # greedy order: forwards held back by memory while a stage idled
 
     def to_pipeline(self, pc: PipelineCost) -> Pipeline:
         chunks = [Chunk(c.id, c.pieces, [int(v) for v in self.recompute[:, i]] if self.recompute.any() else [])
@@ -103,16 +120,38 @@ def _fits(cps, save, rec, room) -> bool:
 
 
 def build_pipeline(pieces: list[Pieces], pc: PipelineCost, recompute: str = "greedy", tied: bool = True,
-                   time_limit: float = 0.5, where: str = "pipeline") -> BuiltPipeline:
-    """Chunks (in forward order) -> elastic 1F1B order, recompute, simulated makespan."""
+                   time_limit: float = 0.5, where: str = "pipeline", order: str = "1f1b") -> BuiltPipeline:
+    """Chunks (in forward order) -> per-stage order, recompute, simulated makespan.
+
+    ``order``: "1f1b" (elastic 1F1B, sim/engine.one_f_one_b), "greedy" (list scheduling,
+    sim/engine.greedy_orders) or "best" (both; the faster wins)."""
+    if order == "best":
+        a = build_pipeline(pieces, pc, recompute, tied, time_limit, where, "greedy")
+        b = build_pipeline(pieces, pc, recompute, tied, time_limit, where, "1f1b")
+        return a if a.makespan_ms <= b.makespan_ms + 1e-9 else b
+    if order not in ("1f1b", "greedy"):
+        raise ConfigError(f"unknown pipeline order {order!r}; use 1f1b, greedy or best")
     chunks = [Chunk(i, [Piece(int(s), int(a), int(b)) for s, a, b in c]) for i, c in enumerate(pieces)]
     table = analyze_chunks(chunks, pc, where)
     forward = list(range(table.n))
     backward = backward_order(forward, table)
-    ops = one_f_one_b(forward, backward, pc.pp)
     P, L_s, n = pc.pp, pc.layers_per_stage, table.n
-    cps, save = _checkpoints(table, ops, pc)
+    if order == "greedy":
+        fwd0, bwd0, _, p2p0 = op_times(table, pc, np.zeros((P, n), dtype=np.int64))
+        full = [pc.chunk_memory(table.tokens, table.split_tokens, p == P - 1)[0] for p in range(P)]
+        ops, greedy_ms, held = greedy_orders(forward, backward, table, fwd0, bwd0, p2p0, P, full,
+                                             pc.activation_room_mb)
+    else:
+        ops, held = one_f_one_b(forward, backward, P), 0
     room = np.full(P, pc.activation_room_mb)
+    if recompute != "full" and _fits_without_recompute(table, ops, pc):  # the common case, cheaply
+        rec = np.zeros((P, n), dtype=np.int64)
+        status = {"greedy": "greedy recompute", "ilp": "no recompute needed"}.get(recompute, "no recompute")
+        if recompute not in ("none", "auto", "greedy", "ilp"):
+            raise ConfigError(f"unknown recompute mode {recompute!r}; use ilp, greedy, none, full or auto")
+        return _finish_build(pieces, chunks, table, ops, rec, status, order, held,
+                             greedy_ms if order == "greedy" else None, pc)
+    cps, save = _checkpoints(table, ops, pc)
     rc = pc.recompute_ms(table.work, table.tokens, 1)
     bpos = np.empty(n, dtype=np.int64)
     bpos[np.asarray(backward, dtype=np.int64)] = np.arange(n)
@@ -141,9 +180,32 @@ def build_pipeline(pieces: list[Pieces], pc: PipelineCost, recompute: str = "gre
         rec, status = solve_recompute(cps, save, rc, L_s, room, bpos, tied, time_limit, 0.02, where, name)
     else:
         raise ConfigError(f"unknown recompute mode {recompute!r}; use ilp, greedy, none, full or auto")
-    fwd, bwd, _, p2p = op_times(table, pc, rec)
-    _, end = list_schedule(ops, fwd, bwd, p2p, table.fwd_pred, table.bwd_pred, name=name)
-    return BuiltPipeline(pieces, chunks, table, ops, rec, float(np.nanmax(end)) if n else 0.0, status)
+    return _finish_build(pieces, chunks, table, ops, rec, status, order, held,
+                         greedy_ms if order == "greedy" else None, pc)
+
+
+def _fits_without_recompute(table: ChunkTable, ops, pc: PipelineCost) -> bool:
+    """Every stage within its activation room at every moment with no recompute."""
+    P, room = pc.pp, pc.activation_room_mb * (1 + 1e-9) + 1e-6
+    zero = np.zeros(table.n)
+    for p in range(P):
+        full, _ = pc.chunk_memory(table.tokens, table.split_tokens, p == P - 1)
+        _, during, _ = memory_levels(ops[p], table, full, zero, zero, pc)
+        if len(during) and during.max() > room:
+            return False
+    return True
+
+
+def _finish_build(pieces, chunks, table, ops, rec, status, order, held, greedy_ms, pc) -> BuiltPipeline:
+    n = table.n
+    if greedy_ms is not None and not rec.any():  # the list scheduler's times are the greedy's own
+        makespan = greedy_ms
+    else:
+        fwd, bwd, _, p2p = op_times(table, pc, rec)
+        _, end = list_schedule(ops, fwd, bwd, p2p, table.fwd_pred, table.bwd_pred,
+                               name=lambda kind, k: f"{'FB'[kind]}{table.ids[k]}")
+        makespan = float(np.nanmax(end)) if n else 0.0
+    return BuiltPipeline(pieces, chunks, table, ops, rec, makespan, status, order=order, held=held)
 
 
 # ---- elastic pipeline planner ---------------------------------------------------------------
@@ -202,14 +264,67 @@ def _token_caps(seq_ids, lengths, pc: PipelineCost) -> list[float]:
     return caps
 
 
+def _ramps(P: int, opts: PipelineOptions) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
+    """Warm-up / cool-down ramps to try (fractions of the chunk time cap; see chunking.ramp_chunks),
+    the default first: two small chunks up front, P + 1 shrinking chunks at the end."""
+    if not opts.ramp:
+        return [((), ())]
+
+    def down(m: int, lo: float) -> tuple[float, ...]:
+        return tuple(round(1 - (1 - lo) * (i + 1) / m, 3) for i in range(m))
+
+    def up(m: int) -> tuple[float, ...]:
+        return tuple(round((i + 1) / (m + 1), 3) for i in range(m))
+
+    out = [(up(2), down(P + 1, 0.35)), ((), ()), (up(1), down(P - 1, 0.45)), (up(3), down(P + 1, 0.35)),
+           (up(2), down(2 * P, 0.3)), ((), down(P + 1, 0.35)), (up(2), ())]
+    seen, uniq = set(), []
+    for r in out:
+        if r not in seen:
+            seen.add(r)
+            uniq.append(r)
+    return uniq
+
+
+def _ramp_note(front, back) -> str:
+    if not front and not back:
+        return ""
+    return f"ramp {len(front)}+{len(back)}"
+
+
 def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadline: float | None = None,
                where: str = "pipeline") -> BuiltPipeline:
-    """Search the chunk-time target (and so K) and the chunk token cap for one pipeline, with
-    greedy recompute; the fastest simulated candidate wins. Past ``deadline`` the search stops
-    at the first feasible candidate found."""
+    """Search one pipeline's chunking and order; the fastest simulated candidate (greedy recompute)
+    wins. Past ``deadline`` the search keeps the best candidate found so far.
+
+    1. The chunk-time target (and so K) and the chunk token cap: Algorithm 1 (chunking.py) at
+       each, with the default warm-up/cool-down ramp, ordered by list scheduling (``greedy``).
+    2. At the best target: the other ramps (and none), and the elastic 1F1B order.
+    3. Packed-slice chunkings (Seq1F1B's: packs cut into k equal-compute slices), so elastic_pp
+       can always pick what Seq1F1B would run."""
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
     best: BuiltPipeline | None = None
+    best_ch = None
     errors = []
+    ramps = _ramps(pc.pp, opts)
+    orders = ("greedy", "1f1b") if opts.order == "best" else (opts.order,)
+
+    def late() -> bool:
+        return deadline is not None and best is not None and time.perf_counter() > deadline
+
+    def consider(pieces, slices, order, ramp=((), ())) -> BuiltPipeline | None:
+        nonlocal best
+        try:
+            b = build_pipeline(pieces, pc, "greedy", opts.tied, where=where, order=order)
+        except InfeasibleError as e:
+            errors.append(str(e))
+            return None
+        b.slices = slices
+        b.ramp = _ramp_note(*ramp)
+        if best is None or b.makespan_ms < best.makespan_ms - 1e-9:
+            best = b
+        return b
+
     targets = _targets(seq_ids, lengths, pc, opts)
     caps = _token_caps(seq_ids, lengths, pc)
     finite = [c for c in caps if math.isfinite(c)]
@@ -220,34 +335,48 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
             break
         if ci and best is not None and not best.recompute.any():
             break  # a smaller cap only adds chunks when memory does not bind
-        for target in targets:
-            if deadline is not None and best is not None and time.perf_counter() > deadline:
+        for target in targets[:max(1, opts.search_targets)]:
+            if late():
                 break
             ch = balanced_chunks(seq_ids, lengths, pc, target, cap, opts.granularity, opts.fit,
                                  min_tail=opts.granularity)
-            try:
-                b = build_pipeline(ch.chunks, pc, "greedy", opts.tied, where=where)
-            except InfeasibleError as e:
-                errors.append(str(e))
-                continue
-            b.slices = ch.slices
-            if best is None or b.makespan_ms < best.makespan_ms - 1e-9:
-                best = b
+            pieces = ramp_chunks(ch.chunks, lengths, pc, ch.slice_ms, *ramps[0], token_cap=cap)
+            before = best
+            got = consider(pieces, ch.slices, orders[0], ramps[0])
+            if (got is None or got.recompute.any() or got.held) and len(orders) > 1:
+                # memory binds: the plain chunking in elastic 1F1B order, whose recompute ties
+                # along its diagonals, may beat list scheduling held back by memory
+                consider(ch.chunks, ch.slices, orders[1])
+            if best is not before:
+                best_ch = ch
+    if best_ch is not None:
+        for ramp in ramps[1:]:
+            if late():
+                break
+            pieces = ramp_chunks(best_ch.chunks, lengths, pc, best_ch.slice_ms, *ramp, token_cap=best_ch.token_cap)
+            consider(pieces, best_ch.slices, orders[0], ramp)
+        for order in orders[1:]:
+            if late():
+                break
+            top = best
+            consider(top.pieces, top.slices, order, ((), ()))
+            if best is not top:
+                best.ramp = top.ramp
     # packed-slice candidates (Seq1F1B's chunkings: packs of the context length cut into k
     # equal-compute slices; each slice holds at most one continued piece, so the tail rule holds)
     longest = int(lengths[seq_ids].max())
-    caps = {_pack_tokens(seq_ids, lengths, opts)} | {-(-int(longest * f) // 1024) * 1024 for f in (1, 1.5, 2)}
-    for cap, k in [(c, k) for c in sorted(caps) for k in opts.pack_slices]:
-        packs = _pack(seq_ids, lengths, cap)
-        pieces = [c for p in packs for c in split_pack(p, lengths, pc, k)]
-        try:
-            b = build_pipeline(pieces, pc, "greedy", opts.tied, where=where)
-        except InfeasibleError as e:
-            errors.append(str(e))
+    base_cap = _pack_tokens(seq_ids, lengths, opts)
+    caps = {base_cap} | {-(-int(longest * f) // 1024) * 1024 for f in (1, 1.5, 2)}
+    packed: dict[int, list[list[int]]] = {}
+    for cap, k in [(c, k) for c in sorted(caps)
+                   for k in sorted(set(opts.pack_slices) | (set(opts.seq1f1b_slices) if c == base_cap else set()))]:
+        if late() and cap != base_cap:
             continue
-        b.slices = -k  # marks a packed-slice chunking in the status
-        if best is None or b.makespan_ms < best.makespan_ms - 1e-9:
-            best = b
+        if cap not in packed:
+            packed[cap] = _pack(seq_ids, lengths, cap)
+        pieces = [c for p in packed[cap] for c in split_pack(p, lengths, pc, k)]
+        for order in (orders if cap == base_cap else orders[:1]):
+            consider(pieces, -k, order)  # slices < 0 marks a packed-slice chunking in the status
     if best is None:
         raise InfeasibleError(errors[-1] if errors else f"{where}: no feasible chunking")
     return best
@@ -363,7 +492,8 @@ def _kept(lengths, seq_ids) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _chunking_note(b: BuiltPipeline) -> str:
-    return f"K={b.slices}" if b.slices > 0 else f"packs cut in {-b.slices}"
+    note = f"K={b.slices}" if b.slices > 0 else f"packs cut in {-b.slices}"
+    return note + (f", {b.ramp}" if b.ramp else "") + f", {b.order} order"
 
 
 def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | None = None,
@@ -418,8 +548,8 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
             final.append(b)
             continue
         left = max(0.05, opts.time_limit - (time.perf_counter() - start)) / (len(built) - i)
-        nb = build_pipeline(b.pieces, pc, opts.recompute, opts.tied, left, f"pipeline {i}")
-        nb.slices = b.slices
+        nb = build_pipeline(b.pieces, pc, opts.recompute, opts.tied, left, f"pipeline {i}", order=b.order)
+        nb.slices, nb.ramp = b.slices, b.ramp
         final.append(nb if nb.makespan_ms <= b.makespan_ms + 1e-9 or opts.recompute != "ilp" else b)
     pipes = [b.to_pipeline(pc) for b in final]
     rec_note = "; ".join(sorted({b.status for b in final}))
@@ -532,7 +662,134 @@ def plan_seq1f1b(lengths, cost: CostModel, pp: int | None = None, sp: int | None
                    np.setdiff1d(np.arange(len(lengths)), ids))
 
 
-PP_PLANNERS = {"elastic_pp": plan_elastic_pp, "batch_1f1b": plan_batch_1f1b, "seq1f1b": plan_seq1f1b}
+# ---- auto: FlexSP or elastic pipelines, per step ------------------------------------------------
+
+AUTO_FLEXSP_SHARE = 0.45  # of the time limit, for the FlexSP candidate (its work is count-bounded anyway)
+AUTO_PRUNE_MARGIN = 0.85  # a layout is skipped if this x its estimate is no faster than the best plan so far
+
+
+def pipeline_layouts(cost: CostModel, pp: int | None = None, sp: int | None = None) -> list[tuple[int, int]]:
+    """(pp, sp) layouts an elastic pipeline can use on the whole cluster: pp >= 2 stages dividing the
+    layers, sp = GPUs / pp an allowed Ulysses degree (power of two dividing the heads), the model
+    states fitting. ``pp`` / ``sp`` restrict the list to matching layouts."""
+    n, L = cost.num_gpus, cost.model.num_layers
+    out = []
+    for P in range(2, n + 1):
+        if n % P or L % P or (pp is not None and P != pp):
+            continue
+        d = n // P
+        if d not in cost.degrees or (sp is not None and d != sp):
+            continue
+        try:
+            PipelineCost(cost, P, d)
+        except MegatronExtError:
+            continue
+        out.append((P, d))
+    return out
+
+
+def layout_estimate_s(lengths: np.ndarray, pc: PipelineCost) -> float:
+    """Step time of one 1F1B pipeline of n equal chunks at the best n:
+    ``W + n b + (P - 1)(W / n + b)`` (W: work per stage, b: fixed cost per chunk); no memory
+    limit. Ramps and list scheduling beat it by up to ~7%; recompute makes it optimistic."""
+    W = float(pc.prefix_ms(np.asarray(lengths, dtype=np.float64)).sum())
+    P, b = pc.pp, pc.fixed_ms
+    n = np.arange(1, max(2, len(lengths)) + 1, dtype=np.float64)
+    return float((W + n * b + (P - 1) * (W / n + b)).min()) / 1e3
+
+
+def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = None,
+              options: PipelineOptions | None = None, *, seq_ids=None, **overrides) -> StepPlan:
+    """Unify FlexSP and elastic pipelines (DESIGN.md "Unify"): plan the step with FlexSP (adaptive
+    SP on all GPUs, i.e. pp = 1) and with elastic_pp on every feasible (pp, sp) layout, simulate each
+    with the same simulator and return the fastest plan (kind ``flexsp`` or ``elastic_pp``).
+    ``pp`` / ``sp`` (or the options') pin the layout: FlexSP is the pp = 1 layout, so a pinned
+    pp > 1 leaves only that pipeline layout, and pp = 1 only FlexSP.
+
+    ``solver_status`` names the choice; ``baselines`` holds every alternative's simulated time
+    (``"flexsp"``, ``"elastic_pp pp4 x sp8"``, ...). Time: a layout whose estimate
+    (``layout_estimate_s``), less 15%, is no faster than the best plan so far is skipped (reported
+    with its estimate), and so is any layout left when the time limit has run out. If no layout
+    can beat BatchAda's step (an upper bound of FlexSP's), FlexSP gets the whole time limit;
+    otherwise ``AUTO_FLEXSP_SHARE`` of it, and the layouts share the rest, most promising first."""
+    start = time.perf_counter()
+    opts = _opts(options, overrides)
+    lengths, ids = _kept(lengths, seq_ids)
+    budget = opts.time_limit
+    alts: dict[str, dict] = {}
+    plans: list[tuple[float, str, StepPlan]] = []
+
+    def record(name: str, plan: StepPlan, t0: float) -> None:
+        units = len(plan.micro_batches) if plan.kind == "flexsp" else sum(len(p.chunks) for p in plan.pipelines)
+        alts[name] = {"estimated_step_time_s": plan.estimated_step_time_s, "solve_time_s": time.perf_counter() - t0,
+                      "num_micro_batches": units, "status": plan.solver_status}
+        plans.append((plan.estimated_step_time_s, name, plan))
+
+    from megatron_ext.planner.api import PlannerOptions
+
+    pin_pp = pp if pp is not None else opts.pp
+    pin_sp = sp if sp is not None else opts.sp
+    with_flexsp = pin_pp is None or pin_pp == 1  # FlexSP is the pp = 1 layout (adaptive sp)
+    layouts = []
+    for P, d in pipeline_layouts(cost, pin_pp, pin_sp):
+        pc = PipelineCost(cost, P, d, opts.b1_scale, opts.memory_mb)
+        layouts.append((layout_estimate_s(lengths[ids], pc), P, d))
+    layouts.sort()
+    # BatchAda (one homogeneous degree, milliseconds to plan) bounds FlexSP's step from above: FlexSP
+    # keeps the best homogeneous packing among its candidates. If no layout can beat that bound,
+    # FlexSP gets the whole time limit.
+    try:
+        ub = _flexsp_kind("batchada", lengths, ids, cost, PlannerOptions()).estimated_step_time_s
+    except MegatronExtError:
+        ub = math.inf
+    hopeful = any(AUTO_PRUNE_MARGIN * est < ub for est, _, _ in layouts)
+    share = AUTO_FLEXSP_SHARE * budget if hopeful else budget - (time.perf_counter() - start)
+    t0 = time.perf_counter()
+    try:
+        if with_flexsp:
+            record("flexsp", _flexsp_kind("flexsp", lengths, ids, cost, PlannerOptions(time_limit=max(0.05, share))),
+                   t0)
+    except MegatronExtError as e:
+        alts["flexsp"] = {"error": str(e)}
+    for i, (est, P, d) in enumerate(layouts):
+        name = f"elastic_pp pp{P} x sp{d}"
+        best = min((t for t, _, _ in plans), default=math.inf)
+        left = budget - (time.perf_counter() - start)
+        if AUTO_PRUNE_MARGIN * est >= best:
+            alts[name] = {"skipped": f"estimated {est:.2f} s (one 1F1B pipeline of equal chunks), "
+                                     f"{AUTO_PRUNE_MARGIN:.0%} of it no faster than {best:.2f} s",
+                          "estimated_lower_s": AUTO_PRUNE_MARGIN * est}
+            continue
+        if left <= 0.02 and plans:
+            alts[name] = {"skipped": f"time limit reached (estimated {est:.2f} s)"}
+            continue
+        t0 = time.perf_counter()
+        try:
+            sub = plan_elastic_pp(lengths, cost, P, d, dataclasses.replace(opts, time_limit=max(0.05, left / (len(layouts) - i))),
+                                  seq_ids=ids)
+            record(name, sub, t0)
+        except MegatronExtError as e:
+            alts[name] = {"error": str(e)}
+    if not plans:
+        raise InfeasibleError("auto: no layout can run this batch: " +
+                              "; ".join(f"{k}: {v.get('error', v.get('skipped'))}" for k, v in alts.items()))
+    plans.sort(key=lambda x: (x[0], x[1]))
+    step, chosen, plan = plans[0]
+    for name, alt in alts.items():
+        if "estimated_step_time_s" in alt:
+            alt["speedup"] = alt["estimated_step_time_s"] / step
+    others = ", ".join(f"{k} {v['estimated_step_time_s']:.2f} s" for k, v in alts.items()
+                       if k != chosen and "estimated_step_time_s" in v)
+    plan.solver_status = f"auto chose {chosen} ({step:.2f} s" + (f"; vs {others}" if others else "") + \
+                         f"); {plan.solver_status}"
+    plan.baselines = {k: v for k, v in alts.items() if k != chosen}
+    plan.planner = "auto"
+    plan.solve_time_s = time.perf_counter() - start
+    return plan
+
+
+PP_PLANNERS = {"elastic_pp": plan_elastic_pp, "batch_1f1b": plan_batch_1f1b, "seq1f1b": plan_seq1f1b,
+               "auto": plan_auto}
 
 
 def make_pp_plan(name: str, lengths, cost: CostModel, options=None, baselines: tuple[str, ...] = (),
@@ -557,7 +814,7 @@ def make_pp_plan(name: str, lengths, cost: CostModel, options=None, baselines: t
     plan = PP_PLANNERS[name](lengths, cost, options=options, seq_ids=ids, **overrides)
     opts = _opts(options, overrides)
     for b in baselines:
-        if b == name:
+        if b == name or b in plan.baselines:  # (auto reports the alternatives it compared itself)
             continue
         try:
             if b in PP_PLANNERS:
@@ -593,9 +850,18 @@ def _flexsp_kind(name: str, lengths: np.ndarray, ids: np.ndarray, cost: CostMode
 
 
 def describe(plan: StepPlan, lengths, result: SimResult | None = None) -> str:
-    """A readable summary of a pipeline plan (for the CLI)."""
+    """A readable summary of a pipeline plan, or of an ``auto`` plan of either kind (for the CLI)."""
     lengths = np.asarray(lengths)
-    lines = [f"{plan.planner} plan: {len(plan.pipelines)} pipeline(s); {plan.solver_status}"]
+    if plan.kind == "flexsp":
+        lines = [f"{plan.planner} plan: FlexSP, {len(plan.micro_batches)} micro-batch(es); {plan.solver_status}"]
+        for m, mb in enumerate(plan.micro_batches):
+            degs: dict[int, list[int]] = {}
+            for g in mb.groups:
+                degs.setdefault(g.degree, []).append(len(g.seq_ids))
+            lines.append(f"  micro-batch {m}: {mb.estimated_time_s:.3f} s; groups "
+                         + ", ".join(f"{len(v)} x degree {d} ({sum(v)} seq)" for d, v in sorted(degs.items(), reverse=True)))
+    else:
+        lines = [f"{plan.planner} plan: {len(plan.pipelines)} pipeline(s); {plan.solver_status}"]
     for i, p in enumerate(plan.pipelines):
         n = len(p.chunks)
         tok = [sum(x.end - x.start for x in c.pieces) for c in p.chunks]
@@ -611,20 +877,27 @@ def describe(plan: StepPlan, lengths, result: SimResult | None = None) -> str:
         lines.append(f"  pipeline {i}: {p.stages} stages x SP {p.sp_degree}, {n} chunks ({kinds['split']} split, "
                      f"{kinds['hybrid']} hybrid, {kinds['batched']} batched), tokens per chunk {min(tok)}..{max(tok)}, "
                      f"warm-up per stage {warm}, recomputed layer-chunks {rec}")
-    lines.append(f"estimated step time {plan.estimated_step_time_s:.3f} s (work bound {plan.lower_bound_step_time_s:.3f} s), "
+    bound = "work bound" if plan.kind == "elastic_pp" else "lower bound"
+    lines.append(f"estimated step time {plan.estimated_step_time_s:.3f} s ({bound} {plan.lower_bound_step_time_s:.3f} s), "
                  f"planned in {plan.solve_time_s * 1e3:.0f} ms")
     if result is not None:
+        where = "stage" if result.kind == "elastic_pp" else "GPU (max)"
+        peak = result.peak_memory_mb if result.kind == "elastic_pp" else [result.max_peak_memory_mb]
+        unit, div = ("GB", 1024.0) if result.budget_mb >= 2048 else ("MB", 1.0)
         lines.append(f"bubble ratio {result.bubble_ratio:.1%}, recompute {result.recompute_ratio:.1%}, peak memory per "
-                     f"stage {', '.join(f'{m / 1024:.1f}' for m in result.peak_memory_mb)} GB "
-                     f"(budget {result.budget_mb / 1024:.1f} GB)")
+                     f"{where} {', '.join(f'{m / div:.1f}' for m in peak)} {unit} "
+                     f"(budget {result.budget_mb / div:.1f} {unit})")
+    width = max([16] + [len(n) for n in plan.baselines])
     for name, b in plan.baselines.items():
         if "error" in b:
-            lines.append(f"  vs {name:<16} infeasible: {b['error']}")
+            lines.append(f"  vs {name:<{width}} infeasible: {b['error']}")
+        elif "skipped" in b:
+            lines.append(f"  vs {name:<{width}} skipped: {b['skipped']}")
         else:
-            lines.append(f"  vs {name:<16} {b['estimated_step_time_s']:8.3f} s   speedup {b['speedup']:.2f}x")
+            lines.append(f"  vs {name:<{width}} {b['estimated_step_time_s']:8.3f} s   speedup {b['speedup']:.2f}x")
     return "\n".join(lines)
 
 
 __all__ = ["BuiltPipeline", "PP_BASELINES", "PP_PLANNERS", "PipelineOptions", "build_pipeline", "describe",
-           "group_sequences", "make_pp_plan", "plan_batch_1f1b", "plan_elastic_pp", "plan_group", "plan_seq1f1b",
-           "split_pack"]
+           "group_sequences", "layout_estimate_s", "make_pp_plan", "pipeline_layouts", "plan_auto", "plan_batch_1f1b",
+           "plan_elastic_pp", "plan_group", "plan_seq1f1b", "split_pack"]

@@ -93,6 +93,8 @@ def check_args(args, cost: CostModel, world: int) -> bool:
     if cost.num_gpus != world:
         raise ConfigError(f"cluster {cost.cluster.name} has {cost.num_gpus} GPUs but {world} ranks were launched")
     pipelined = args.planner in PP_PLANNERS
+    if args.planner == "auto":  # its plan's kind changes per step; the runtime runs one kind per run
+        raise ConfigError("train runs one layout per run: choose flexsp (or a baseline) or, with --pp, a pipeline planner")
     if args.planner not in PLANNERS and not pipelined:
         raise ConfigError(f"unknown planner {args.planner!r}; choose one of {', '.join([*PLANNERS, *PP_PLANNERS])}")
     if args.pp > 1 and not pipelined:

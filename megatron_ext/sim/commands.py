@@ -3,9 +3,13 @@ per hook (see the functions' docstrings):
 
 - ``add_simulate_command(sub, add_cost_args, cost_from_args, parse_tokens)``: the
   ``megatron-ext simulate`` subcommand (many steps, every planner, one table; ``--json``).
-- ``add_pipeline_args(parser)``: ``--pp``, ``--sp``, ``--b1-scale``, ``--memory-mb`` for ``plan``.
-- ``run_pp_plan(args, cost, lengths)``: ``plan --planner elastic_pp|seq1f1b|batch_1f1b``: plans,
-  times the baselines, prints the summary (or the StepPlan JSON with ``--json``).
+- ``add_pipeline_args(parser)``: ``--pp``, ``--sp``, ``--b1-scale``, ``--memory-mb``, ``--plot`` for
+  ``plan`` (and ``simulate``).
+- ``run_pp_plan(args, cost, lengths)``: ``plan --planner elastic_pp|seq1f1b|batch_1f1b|auto``:
+  plans, times the baselines, prints the summary (or the StepPlan JSON with ``--json``), and
+  draws the plan with ``--plot FILE.png``.
+- ``plot_if_asked(args, plan, lengths, cost)``: the ``--plot`` hook for FlexSP-kind planners in
+  cli.cmd_plan.
 """
 from __future__ import annotations
 
@@ -20,9 +24,12 @@ def add_pipeline_args(p) -> None:
     g.add_argument("--pp", type=int, help="pipeline stages (default: one per node)")
     g.add_argument("--sp", type=int, help="Ulysses degree inside a stage (default: the node size, up to the head limit)")
     g.add_argument("--b1-scale", type=float, default=1.0, metavar="X",
-                   help="per-chunk fixed cost of a stage = b1 * X / pp (default 1, the paper's formula; "
-                        "'0' ignores it)")
+                   help="per-chunk fixed cost of a stage = X * b1 / pp, b1 the model's per-micro-batch fixed cost "
+                        "(default 1: a chunk pays per layer what a FlexSP micro-batch pays, the InfiniPipe formula; "
+                        "see docs/elastic_pp.md)")
     g.add_argument("--memory-mb", type=float, metavar="MB", help="per-GPU budget (default: the cluster's)")
+    g.add_argument("--plot", metavar="FILE.png",
+                   help="draw the plan: timeline (stages or GPUs x seconds) and memory per GPU over time")
 
 
 def _pipeline_options(args):
@@ -56,7 +63,25 @@ def run_pp_plan(args, cost, lengths) -> int:
         print(f"{plan.planner} plan for {len(lengths)} sequences ({int(lengths.sum()):,} tokens) of {cost.model.name} "
               f"on {cost.cluster.name} ({cost.num_gpus} GPUs)\n")
         print(describe(plan, lengths, res))
+    plot_if_asked(args, plan, lengths, cost)
     return 0
+
+
+def plot_if_asked(args, plan, lengths, cost) -> None:
+    """``--plot FILE``: draw ``plan`` (any kind) to FILE; a note on stderr says where."""
+    path = getattr(args, "plot", None)
+    if not path:
+        return
+    import sys
+
+    from megatron_ext.sim.plot import plot_plan
+
+    opts = _pipeline_options(args)
+    try:
+        plot_plan(plan, lengths, cost, path, b1_scale=opts.b1_scale, memory_mb=opts.memory_mb)
+    except OSError as e:
+        raise ConfigError(f"cannot write the plot to {path}: {e.strerror or e}") from None
+    print(f"plot written to {path}", file=sys.stderr)
 
 
 def add_simulate_command(sub, add_cost_args, cost_from_args, parse_tokens) -> None:
@@ -90,8 +115,25 @@ def add_simulate_command(sub, add_cost_args, cost_from_args, parse_tokens) -> No
         out = simulate_table(cost, lengths=read_lengths(args.lengths) if args.lengths else None, dist=args.dist,
                              batch=args.batch, steps=args.steps, seed=args.seed, max_seq_len=args.max_seq_len,
                              pp=args.pp, sp=args.sp, planners=tuple(x for x in args.planners.split(",") if x),
-                             main=args.main, options=_pipeline_options(args), time_limit=args.time_limit)
+                             main=args.main, options=_pipeline_options(args), time_limit=args.time_limit,
+                             keep_plans=bool(args.plot))
         print(json.dumps({k: out[k] for k in ("config", "summary", "rows")}, indent=1) if args.json else out["table"])
+        if args.plot:
+            import sys
+
+            from megatron_ext.sim.plot import plot_comparison
+
+            first = out["plans"].get(args.main)
+            if first is None:
+                raise ConfigError(f"--plot: {args.main} could not plan the first step, nothing to draw")
+            plan, lens = first
+            opts = _pipeline_options(args)
+            try:
+                plot_comparison(plan, lens, cost, out["summary"], args.main, args.plot, out["config"]["source"],
+                                b1_scale=opts.b1_scale, memory_mb=opts.memory_mb)
+            except OSError as e:
+                raise ConfigError(f"cannot write the plot to {args.plot}: {e.strerror or e}") from None
+            print(f"plot of {args.main}'s first step written to {args.plot}", file=sys.stderr)
         return 0
 
     p.set_defaults(func=cmd_simulate)

@@ -171,6 +171,46 @@ def memory_checkpoints(ops: list[tuple[int, int]], table: ChunkTable, full: np.n
     return out
 
 
+def memory_levels(ops: list[tuple[int, int]], table: ChunkTable, full: np.ndarray, save: np.ndarray,
+                  recompute: np.ndarray, pc: PipelineCost) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Memory of one stage (MB per GPU, no model states) around each operation of its order:
+    (before, during, after). A forward builds up its chunk's retained activations (full minus
+    what recomputed layers drop); during a backward the chunk's activations are all back and a
+    split sequence's prefix dK/dV buffer is live; after it, the chunk is freed. The peaks agree
+    with ``checkpoint_memory`` (after each forward, during each backward)."""
+    kept = (full - save * recompute).tolist()
+    full_l = full.tolist()
+    dkv_tok = float(pc.dkv_mb(1))
+    live: dict[int, None] = {}
+    live_sum = 0.0
+    dkv: dict[int, int] = {}
+    m = len(ops)
+    before, during, after = np.zeros(m), np.zeros(m), np.zeros(m)
+    for pos, (kind, k) in enumerate(ops):
+        level = live_sum + dkv_tok * sum(dkv.values())
+        before[pos] = level
+        if kind == FWD:
+            live[k] = None
+            live_sum += kept[k]
+            during[pos] = after[pos] = live_sum + dkv_tok * sum(dkv.values())
+            continue
+        now = dict(dkv)
+        for sid, a, b in table.split_pieces[k]:
+            now[sid] = max(now.get(sid, 0), a)
+        held = kept[k] if k in live else 0.0
+        during[pos] = live_sum - held + full_l[k] + dkv_tok * sum(now.values())
+        if k in live:
+            del live[k]
+            live_sum -= held
+        for sid, a, b in table.split_pieces[k]:
+            if a == 0:
+                dkv.pop(sid, None)
+            else:
+                dkv[sid] = a
+        after[pos] = live_sum + dkv_tok * sum(dkv.values())
+    return before, during, after
+
+
 def checkpoint_memory(cps: list[Checkpoint], save: np.ndarray, recompute: np.ndarray) -> np.ndarray:
     """Memory (MB, no model states) at each checkpoint for per-chunk recompute layer counts."""
     red = save * recompute
@@ -339,6 +379,98 @@ def one_f_one_b(forward: list[int], backward: list[int], stages: int, extra_warm
             ops.append((BWD, backward[j]))
         out.append(ops)
     return out
+
+
+def greedy_orders(forward: list[int], backward: list[int], table: ChunkTable, fwd: np.ndarray, bwd: np.ndarray,
+                  p2p: np.ndarray, stages: int, full: list[np.ndarray] | None = None,
+                  room: float | None = None) -> tuple[list[list[tuple[int, int]]], float, int]:
+    """Per-stage orders by list scheduling (an alternative to ``one_f_one_b``): operations are
+    placed in time order; a free stage runs whichever of its next backward (in ``backward``
+    order) and its next forward (in ``forward`` order) can start first, the backward on a tie.
+    A forward is held back while it would take the stage's in-flight activations (``full[p][k]``
+    per chunk, no recompute) over ``room`` MB, unless the stage's next backward needs it.
+
+    With uniform chunks this is 1F1B; with uneven chunks (slices of long sequences, small
+    warm-up / cool-down chunks) a stage fills its waits with forwards instead of idling at a
+    fixed warm-up count. Returns (orders, makespan ms, how many times a forward was held back by
+    memory while its stage idled). The orders respect every dependency of
+    ``list_schedule``, which reproduces the same times from them."""
+    P, n = stages, table.n
+    fwd = np.broadcast_to(fwd, (P, n)).tolist()
+    bwd = np.broadcast_to(bwd, (P, n)).tolist()
+    p2p_l = np.asarray(p2p, dtype=np.float64).tolist()
+    inf = float("inf")
+    fe = [[inf] * n for _ in range(P)]
+    be = [[inf] * n for _ in range(P)]
+    fdone = [[False] * n for _ in range(P)]
+    mem = [m.tolist() for m in full] if full is not None and room is not None else None
+    used = [0.0] * P
+    fptr, bptr = [0] * P, [0] * P
+    free = [0.0] * P
+    ops: list[list[tuple[int, int]]] = [[] for _ in range(P)]
+    fwd_pred, bwd_pred = table.fwd_pred, table.bwd_pred
+
+    def stage(p):
+        """(the op stage p would run next, a forward it holds back for memory): (start, tie, p, kind, k)."""
+        cand = held = None
+        if bptr[p] < n:
+            k = backward[bptr[p]]
+            r = fe[p][k]
+            if p < P - 1:
+                r = max(r, be[p + 1][k] + p2p_l[k])
+            for j in bwd_pred[k]:
+                r = max(r, be[p][j])
+            if r < inf:
+                cand = (max(r, free[p]), 0, p, BWD, k)
+        if fptr[p] < n:
+            k = forward[fptr[p]]
+            r = fe[p - 1][k] + p2p_l[k] if p > 0 else 0.0
+            for j in fwd_pred[k]:
+                r = max(r, fe[p][j])
+            if r < inf:
+                c = (max(r, free[p]), 1, p, FWD, k)
+                if (mem is not None and used[p] + mem[p][k] > room
+                        and not (bptr[p] < n and not fdone[p][backward[bptr[p]]])):
+                    held = c
+                elif cand is None or c < cand:
+                    cand = c
+        return cand, held
+
+    state = [stage(p) for p in range(P)]
+    makespan = 0.0
+    holds = 0
+    for _ in range(2 * n * P):
+        best = blocked = None
+        for c, h in state:
+            if c is not None and (best is None or c < best):
+                best = c
+            if h is not None and (blocked is None or h < blocked):
+                blocked = h
+        if blocked is not None and (best is None or blocked[0] < best[0]):
+            holds += 1
+        if best is None:  # every runnable op is held by memory: run one anyway (recompute will pay)
+            best = blocked
+        if best is None:
+            raise InvalidPlanError("the dependencies of the chunks form a cycle")  # pragma: no cover
+        s, _, p, kind, k = best
+        if kind == FWD:
+            fe[p][k] = e = s + fwd[p][k]
+            fptr[p] += 1
+            fdone[p][k] = True
+            if mem is not None:
+                used[p] += mem[p][k]
+        else:
+            be[p][k] = e = s + bwd[p][k]
+            bptr[p] += 1
+            if mem is not None:
+                used[p] -= mem[p][k]
+        free[p] = e
+        makespan = max(makespan, e)
+        ops[p].append((kind, k))
+        for q in (p - 1, p, p + 1):
+            if 0 <= q < P:
+                state[q] = stage(q)
+    return ops, makespan, holds
 
 
 def warmup_counts(ops: list[list[tuple[int, int]]]) -> list[int]:

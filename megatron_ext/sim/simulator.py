@@ -23,7 +23,7 @@ from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import InvalidPlanError
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.sim.engine import (BWD, FWD, analyze_chunks, checkpoint_memory, list_schedule,
-                                     memory_checkpoints, op_times, parse_order, warmup_counts)
+                                     memory_checkpoints, memory_levels, op_times, parse_order, warmup_counts)
 
 
 @dataclass
@@ -51,6 +51,9 @@ class SimResult:
     budget_mb: float
     warmup: list[list[int]] = field(default_factory=list)  # per pipeline, forwards before the first backward
     events: list[Event] = field(default_factory=list)
+    # with events: per stage (elastic_pp) or rank (flexsp), the memory per GPU over time as the
+    # corners of a piecewise-linear curve, [(time_s, MB with model states), ...]
+    memory: list[list[tuple[float, float]]] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -82,6 +85,7 @@ def _simulate_flexsp(plan, lengths, cost, memory_mb, want_events) -> SimResult:
     peak = np.zeros(n)
     t = 0.0
     evs = []
+    mem_pts: list[list[tuple[float, float]]] = [[(0.0, cost.model_states_mb)] for _ in range(n)] if want_events else []
     tokens = 0
     for m, mb in enumerate(plan.micro_batches):
         span = 0.0
@@ -99,10 +103,14 @@ def _simulate_flexsp(plan, lengths, cost, memory_mb, want_events) -> SimResult:
             if want_events:
                 for r in g.ranks:
                     evs.append(Event(r, "MB", f"mb{m}:{len(g.seq_ids)}seq@d{d}", t / 1e3, (t + ms) / 1e3))
+                    mem_pts[r] += [(t / 1e3, cost.model_states_mb), (t / 1e3, mem), ((t + ms) / 1e3, mem),
+                                   ((t + ms) / 1e3, cost.model_states_mb)]
         t += span
     step = t / 1e3
+    for pts in mem_pts:
+        pts.append((step, cost.model_states_mb))
     return SimResult("flexsp", plan.planner, step, max(0.0, 1 - busy.sum() / (n * step)) if step > 0 else 0.0, 0.0,
-                     peak.tolist(), busy.tolist(), tokens, n, budget, [], evs)
+                     peak.tolist(), busy.tolist(), tokens, n, budget, [], evs, mem_pts)
 
 
 def _recompute_matrix(chunks, P: int, layers: int, where: str) -> np.ndarray:
@@ -141,6 +149,7 @@ def _simulate_pipelines(plan, lengths, cost, b1_scale, memory_mb, want_events) -
     stage_busy: list[float] = []
     stage_peak: list[float] = []
     warm: list[list[int]] = []
+    mem_pts: list[list[tuple[float, float]]] = []
     tokens = 0
     # segments: runs of consecutive pipelines with the same layout flow without a barrier
     segments: list[list[int]] = []
@@ -167,6 +176,7 @@ def _simulate_pipelines(plan, lengths, cost, b1_scale, memory_mb, want_events) -
         ops_all: list[list[tuple[int, int]]] = [[] for _ in range(P)]
         fwd_l, bwd_l, rec_l, p2p_l, fp, bp, labels = [], [], [], [], [], [], []
         peak = np.zeros(P)
+        levels: list[list[np.ndarray]] = [[] for _ in range(P)]  # before, during, after per op (with events)
         off = 0
         for i in seg:
             pipe = plan.pipelines[i]
@@ -188,6 +198,8 @@ def _simulate_pipelines(plan, lengths, cost, b1_scale, memory_mb, want_events) -
                         f"{mem[j] + pc.model_states_mb:.0f} MB per GPU ({pc.model_states_mb:.0f} MB model states + "
                         f"{mem[j]:.0f} MB activations), over the {budget:.0f} MB budget")
                 peak[p] = max(peak[p], (mem.max() if len(mem) else 0.0) + pc.model_states_mb)
+                if want_events:
+                    levels[p].append(np.stack(memory_levels(ops[p], table, full, save, rec[p], pc), axis=1))
             fwd, bwd, rc, p2p = op_times(table, pc, rec)
             fwd_l.append(np.broadcast_to(fwd, (P, table.n)))
             bwd_l.append(bwd)
@@ -236,9 +248,20 @@ def _simulate_pipelines(plan, lengths, cost, b1_scale, memory_mb, want_events) -
                         evs.append(Event(p, "P2P", labels[k], e / 1e3, (e + p2p[k]) / 1e3))
                     if kind == BWD and p > 0:
                         evs.append(Event(p, "P2P", labels[k], e / 1e3, (e + p2p[k]) / 1e3))
+                if len(mem_pts) < P:
+                    mem_pts = [[(0.0, pc.model_states_mb)] for _ in range(P)]
+                lv = np.concatenate(levels[p]) + pc.model_states_mb
+                pts = mem_pts[p]
+                for j, (kind, k) in enumerate(ops_all[p]):
+                    s, e = begin[kind, p, k] / 1e3, end[kind, p, k] / 1e3
+                    if kind == FWD:  # activations build up over the forward
+                        pts += [(s, lv[j, 0]), (e, lv[j, 2])]
+                    else:  # re-materialized for the backward, freed at its end
+                        pts += [(s, lv[j, 0]), (s, lv[j, 1]), (e, lv[j, 1]), (e, lv[j, 2])]
         t0 = seg_end
     step = t0 / 1e3
+    mem_pts = [[(float(t), float(v)) for t, v in pts + [(step, pts[-1][1])]] for pts in mem_pts]
     denom = n_gpus * t0
     return SimResult("elastic_pp", plan.planner, step, max(0.0, 1 - busy_gpu / denom) if denom > 0 else 0.0,
                      rec_gpu / denom if denom > 0 else 0.0, stage_peak, stage_busy, tokens, n_gpus,
-                     budget or cost.cluster.memory_mb, warm, evs)
+                     budget or cost.cluster.memory_mb, warm, evs, mem_pts)

@@ -19,12 +19,14 @@ from megatron_ext.data.lengths import sample_lengths
 from megatron_ext.errors import MegatronExtError
 from megatron_ext.sim.simulator import simulate
 
-DEFAULT_PLANNERS = ("elastic_pp", "flexsp", "seq1f1b", "batch_1f1b", "static_ulysses")
+DEFAULT_PLANNERS = ("elastic_pp", "flexsp", "seq1f1b", "batch_1f1b", "static_ulysses", "auto")
 
 
 def _plan(name: str, lengths: np.ndarray, cost: CostModel, pp, sp, options, time_limit: float):
     from megatron_ext.planner.pipeline import PP_PLANNERS, _flexsp_kind
 
+    if name == "auto":  # every layout, unless the options pin one
+        return PP_PLANNERS[name](lengths, cost, options=options)
     if name in PP_PLANNERS:
         return PP_PLANNERS[name](lengths, cost, pp, sp, options)
     from megatron_ext.planner.api import PlannerOptions
@@ -36,9 +38,9 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
                    lengths=None, dist: str = "commoncrawl", batch: int = 512, steps: int = 5, seed: int = 0,
                    max_seq_len: int | None = None, pp: int | None = None, sp: int | None = None,
                    planners: tuple[str, ...] = DEFAULT_PLANNERS, main: str = "elastic_pp", options=None,
-                   b1_scale: float | None = None, time_limit: float = 1.0) -> dict:
+                   b1_scale: float | None = None, time_limit: float = 1.0, keep_plans: bool = False) -> dict:
     """Returns {"rows": per step and planner, "summary": per planner, "table": printable text,
-    "config": what was run}. ``lengths`` (one batch) overrides ``dist``/``batch``/``steps``.
+    "config": what was run, "plans": {planner: (plan, lengths)} of the first step if ``keep_plans``}. ``lengths`` (one batch) overrides ``dist``/``batch``/``steps``.
     ``options`` is a PipelineOptions for the pipeline planners (b1_scale, memory_mb, ...);
     ``max_seq_len`` also sets the baselines' pack size (Megatron packs to the context length)."""
     from megatron_ext.planner.pipeline import PipelineOptions, _resolve_layout
@@ -62,6 +64,7 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
         source = f"{dist}, batch {batch}, max length {cap:,}, {steps} step(s) from seed {seed}"
 
     rows = []
+    plans: dict = {}
     for step, lens in enumerate(batches):
         for name in planners:
             row = {"step": step, "planner": name, "tokens": int(lens.sum())}
@@ -70,6 +73,8 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
                 plan = _plan(name, lens, cost, pp, sp, opts, time_limit)
                 solve = time.perf_counter() - t
                 res = simulate(plan, lens, cost, b1_scale=opts.b1_scale, memory_mb=opts.memory_mb, events=False)
+                if keep_plans and step == 0:
+                    plans[name] = (plan, lens)
                 row.update(step_time_s=res.step_time_s, tokens_per_s=res.tokens_per_s, bubble_ratio=res.bubble_ratio,
                            recompute_ratio=res.recompute_ratio, peak_memory_gb=res.max_peak_memory_mb / 1024,
                            solve_time_s=solve, status=plan.solver_status)
@@ -105,7 +110,15 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
     config = {"model": cost.model.name, "cluster": cost.cluster.name, "num_gpus": cost.num_gpus, "pp": pp, "sp": sp,
               "source": source, "b1_scale": opts.b1_scale, "memory_mb": opts.memory_mb or cost.cluster.memory_mb,
               "time_limit": time_limit}
-    return {"rows": rows, "summary": summary, "table": format_table(summary, config, main), "config": config}
+    choices: dict[str, int] = {}
+    for r in rows:
+        if r["planner"] == "auto" and "error" not in r and r["status"].startswith("auto chose "):
+            pick = r["status"][len("auto chose "):].split(" (", 1)[0]
+            choices[pick] = choices.get(pick, 0) + 1
+    if choices:
+        config["auto_choices"] = choices
+    return {"rows": rows, "summary": summary, "table": format_table(summary, config, main), "config": config,
+            "plans": plans}
 
 
 def format_table(summary: list[dict], config: dict, main: str) -> str:
@@ -125,6 +138,8 @@ def format_table(summary: list[dict], config: dict, main: str) -> str:
         lines.append(f"{s['planner']:<16}{s['step_time_s']:>9.2f}{s['tokens_per_s']:>11,.0f}{s['bubble_ratio']:>8.1%}"
                      f"{s['recompute_ratio']:>8.1%}{s['peak_memory_gb']:>9.1f}{s['solve_time_s'] * 1e3:>9.0f}"
                      f"{s['max_solve_time_s'] * 1e3:>8.0f}{sp_txt:>22}{fail}")
+    if "auto_choices" in config:
+        lines += ["", "auto chose: " + ", ".join(f"{k} x{v}" for k, v in config["auto_choices"].items())]
     lines += ["", "step s: mean simulated step time; bubble: idle share of GPU-time; recomp: recompute share; "
               f"speedup: total time of that planner / total time of {main} over the steps all planners ran."]
     return "\n".join(lines)

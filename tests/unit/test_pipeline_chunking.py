@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
-from megatron_ext.planner.chunking import balanced_chunks, check_chunking, slice_mesh
+from megatron_ext.planner.chunking import balanced_chunks, check_chunking, chunk_time, ramp_chunks, slice_mesh
 
 COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
 PC = PipelineCost(COST, 4, 8)
@@ -76,3 +76,33 @@ def test_no_split_when_the_target_exceeds_the_longest():
     assert ch.slices == 1
     assert all(a == 0 and b == lengths[s] for c in ch.chunks for s, a, b in c)
     assert len(ch.chunks) == 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=lengths_st, k=st.integers(1, 8), front=st.sampled_from([(), (0.5,), (0.33, 0.67)]),
+       back=st.sampled_from([(), (0.6,), (0.9, 0.7, 0.5, 0.3)]), cap=st.sampled_from([math.inf, 8192.0]))
+def test_ramps_keep_the_chunking_rules(lengths, k, front, back, cap):
+    lengths = np.array(lengths)
+    ch = balanced_chunks(np.arange(len(lengths)), lengths, PC, _time(0, int(lengths.max())) / k, cap, 128,
+                         min_tail=128)
+    out = ramp_chunks(ch.chunks, lengths, PC, ch.slice_ms, front, back, token_cap=cap)
+    check_chunking(out, lengths)
+    # split and hybrid chunks are untouched and keep their order
+    touched = [c for c in ch.chunks if any(a > 0 or b < lengths[s] for s, a, b in c)]
+    assert [c for c in out if any(a > 0 or b < lengths[s] for s, a, b in c)] == touched
+    for c in out:  # no chunk over the time or token cap
+        if len(c) > 1:
+            assert chunk_time(c, PC) <= ch.slice_ms * (1 + 1e-9)
+            assert sum(b - a for _, a, b in c) <= cap
+
+
+def test_ramps_put_small_chunks_first_and_last():
+    lengths = np.array([40000] + [600] * 400)
+    ch = balanced_chunks(np.arange(len(lengths)), lengths, PC, _time(0, 40000) / 2, math.inf, 128)
+    out = ramp_chunks(ch.chunks, lengths, PC, ch.slice_ms, (0.25, 0.5), (0.8, 0.6, 0.4))
+    check_chunking(out, lengths)
+    t = [chunk_time(c, PC) / ch.slice_ms for c in out]
+    assert len(out) > len(ch.chunks)  # small chunks replace a few full ones
+    assert t[0] < t[1] < 0.6 and t[0] <= 0.26  # warm-up: the smallest chunk first
+    assert t[-1] < t[-2] < t[-3] < 0.85 and t[-1] <= 0.41  # cool-down: shrinking
+    assert ramp_chunks(ch.chunks, lengths, PC, ch.slice_ms) is ch.chunks  # no ramp, nothing changes

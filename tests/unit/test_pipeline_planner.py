@@ -13,8 +13,9 @@ from megatron_ext.plan import StepPlan, validate
 from megatron_ext.plan.pipelines import validate_pipelines
 from megatron_ext.planner import PlannerOptions
 from megatron_ext.planner.chunking import check_chunking
-from megatron_ext.planner.pipeline import (PipelineOptions, describe, group_sequences, make_pp_plan,
-                                           plan_batch_1f1b, plan_elastic_pp, plan_seq1f1b, split_pack)
+from megatron_ext.planner.pipeline import (PipelineOptions, describe, group_sequences, layout_estimate_s,
+                                           make_pp_plan, pipeline_layouts, plan_auto, plan_batch_1f1b,
+                                           plan_elastic_pp, plan_seq1f1b, split_pack)
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.sim import simulate, simulate_table
 
@@ -141,8 +142,9 @@ def test_simulate_table_small():
     small = CostModel.from_presets("llama-7b", "a800-80g-8x1")  # 8 GPUs: 2 stages x SP 4
     out = simulate_table(small, dist="github", batch=24, steps=2, max_seq_len=32768, pp=2, sp=4, time_limit=0.2)
     names = [s["planner"] for s in out["summary"]]
-    assert names == ["elastic_pp", "flexsp", "seq1f1b", "batch_1f1b", "static_ulysses"]
-    assert len(out["rows"]) == 2 * 5
+    assert names == ["elastic_pp", "flexsp", "seq1f1b", "batch_1f1b", "static_ulysses", "auto"]
+    assert len(out["rows"]) == 2 * 6
+    assert sum(out["config"]["auto_choices"].values()) == 2 and "auto chose" in out["table"]
     for s in out["summary"]:
         assert "error" not in s, s
         assert s["step_time_s"] > 0 and 0 <= s["bubble_ratio"] < 1 and s["tokens_per_s"] > 0
@@ -191,3 +193,81 @@ def test_cli_glue(capsys):
     args = p.parse_args(["--planner", "seq1f1b", "--json"])
     assert run_pp_plan(args, COST, lengths) == 0
     assert json.loads(capsys.readouterr().out)["planner"] == "seq1f1b"
+
+
+def test_layouts_and_their_estimate():
+    assert pipeline_layouts(COST) == [(4, 8), (8, 4)]  # 40 layers, 40 heads: sp <= 8, pp | 40
+    assert pipeline_layouts(COST, pp=8) == [(8, 4)] and pipeline_layouts(COST, sp=16) == []
+    c7 = CostModel.from_presets("llama-7b", "a800-80g-8x4")  # 32 layers, 32 heads
+    assert pipeline_layouts(c7) == [(2, 16), (4, 8), (8, 4), (16, 2), (32, 1)]
+    lengths = np.array([40000, 20000] + [2000] * 50)
+    pc = PipelineCost(COST, 4, 8)
+    W = float(pc.prefix_ms(lengths).sum())
+    est = layout_estimate_s(lengths, pc) * 1e3
+    b = pc.fixed_ms
+    assert est == pytest.approx(min(W + n * b + 3 * (W / n + b) for n in range(1, 53)))
+    assert est > W + 4 * b
+
+
+def _auto_checks(plan, lengths, cost=COST, **sim):
+    assert plan.planner == "auto" and plan.kind in ("flexsp", "elastic_pp")
+    validate(plan, lengths, cost)
+    validate_pipelines(plan, lengths, cost)
+    assert simulate(plan, lengths, cost, **sim).step_time_s == pytest.approx(plan.estimated_step_time_s, rel=1e-9)
+    times = {k: v["estimated_step_time_s"] for k, v in plan.baselines.items() if "estimated_step_time_s" in v}
+    assert all(plan.estimated_step_time_s <= t * (1 + 1e-12) for t in times.values())
+    for v in plan.baselines.values():  # skipped layouts: their optimistic estimate is no better
+        if "skipped" in v and "estimated_lower_s" in v:
+            assert v["estimated_lower_s"] >= plan.estimated_step_time_s
+    chosen = plan.solver_status.split("auto chose ", 1)[1].split(" (", 1)[0]
+    assert chosen not in plan.baselines
+    assert (chosen == "flexsp") == (plan.kind == "flexsp")
+    return chosen
+
+
+def test_auto_picks_the_fastest_of_flexsp_and_every_layout():
+    from megatron_ext.data.lengths import sample_lengths
+
+    lengths = sample_lengths("github", 256, 1, 96 * 1024)
+    # the paper's per-chunk fixed cost: FlexSP's single pass per micro-batch wins
+    plan = plan_auto(lengths, COST, time_limit=1.0)
+    assert _auto_checks(plan, lengths) == "flexsp"
+    # a small per-chunk fixed cost (parameters gathered inside a node): the pipelines win, and
+    # every layout is either simulated or skipped with a reason
+    plan = plan_auto(lengths, COST, b1_scale=0.06, time_limit=5.0)
+    chosen = _auto_checks(plan, lengths, b1_scale=0.06)
+    assert chosen.startswith("elastic_pp pp") and plan.kind == "elastic_pp"
+    names = {"flexsp", "elastic_pp pp4 x sp8", "elastic_pp pp8 x sp4"}
+    assert set(plan.baselines) | {chosen} == names
+    for k, v in plan.baselines.items():
+        assert "estimated_step_time_s" in v or "skipped" in v, (k, v)
+    # a pinned layout: FlexSP is the pp = 1 layout
+    plan = plan_auto(lengths, COST, pp=8, time_limit=5.0)
+    assert _auto_checks(plan, lengths) == "elastic_pp pp8 x sp4" and not plan.baselines
+    plan = plan_auto(lengths, COST, pp=1, b1_scale=0.06)
+    assert _auto_checks(plan, lengths, b1_scale=0.06) == "flexsp" and not plan.baselines
+
+
+def test_make_plan_auto_and_the_cli_summary(capsys):
+    from megatron_ext.planner import make_plan
+    from megatron_ext.sim.commands import run_pp_plan
+    import argparse
+    from megatron_ext.sim.commands import add_pipeline_args
+
+    lengths = np.array([45000, 30000, 20000, 12000] + [3000] * 20 + [800] * 60 + [200] * 100)
+    plan = make_plan("auto", lengths, COST, PlannerOptions(time_limit=1.0), baselines=("seq1f1b",))
+    _auto_checks(plan, lengths)
+    assert "seq1f1b" in plan.baselines and "speedup" in plan.baselines["seq1f1b"]
+    text = describe(plan, lengths, simulate(plan, lengths, COST))
+    assert "auto chose" in text and "vs " in text
+    # over-long sequences are dropped (or refused) for auto as for the other planners
+    plan = make_plan("auto", np.array([200_000, 3000, 2000]), COST, PlannerOptions(max_seq_len=100_000,
+                                                                                     drop_over_max=True))
+    assert plan.dropped_seq_ids == [0]
+    p = argparse.ArgumentParser()
+    p.add_argument("--planner", default="auto")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--time-limit", type=float, default=0.5)
+    add_pipeline_args(p)
+    assert run_pp_plan(p.parse_args([]), COST, lengths[:30]) == 0
+    assert "auto plan" in capsys.readouterr().out

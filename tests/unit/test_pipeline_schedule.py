@@ -17,8 +17,8 @@ from megatron_ext.plan.pipelines import validate_pipelines
 from megatron_ext.planner.chunking import balanced_chunks
 from megatron_ext.planner.pipeline import build_pipeline
 from megatron_ext.sim import simulate
-from megatron_ext.sim.engine import (BWD, FWD, analyze_chunks, backward_order, list_schedule, one_f_one_b,
-                                     op_times, warmup_counts)
+from megatron_ext.sim.engine import (BWD, FWD, analyze_chunks, backward_order, greedy_orders, list_schedule,
+                                     one_f_one_b, op_times, warmup_counts)
 
 COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
 
@@ -214,3 +214,56 @@ def test_flexsp_plans_simulate_to_their_estimate():
     assert 0 <= res.bubble_ratio < 1
     with pytest.raises(InvalidPlanError, match="over the 20000 MB budget"):
         simulate(plan, lengths, COST, memory_mb=20000)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=lengths_st, k=st.integers(1, 8), layout=st.sampled_from([(4, 8), (8, 4), (2, 16)]),
+       room_gb=st.sampled_from([None, 30, 12]))
+def test_greedy_orders_are_valid_and_list_schedule_reproduces_them(lengths, k, layout, room_gb):
+    pp, sp = layout
+    cost = COST if sp <= 8 else CostModel.from_presets("llama-7b", "a800-80g-8x4")
+    pc = PipelineCost(cost, pp, sp)
+    lengths = np.array(lengths)
+    ch = balanced_chunks(np.arange(len(lengths)), lengths, pc, float(pc.prefix_ms(lengths.max())) / k, math.inf,
+                         128, min_tail=128)
+    plan_chunks = [Chunk(i, [Piece(*x) for x in c]) for i, c in enumerate(ch.chunks)]
+    table = analyze_chunks(plan_chunks, pc)
+    n, P = table.n, pp
+    fwd, bwd, _, p2p = op_times(table, pc, np.zeros((P, n)))
+    forward = list(range(n))
+    backward = backward_order(forward, table)
+    full = [pc.chunk_memory(table.tokens, table.split_tokens, p == P - 1)[0] for p in range(P)]
+    room = None if room_gb is None else room_gb * 1024.0
+    ops, makespan, holds = greedy_orders(forward, backward, table, fwd, bwd, p2p, P, full if room else None, room)
+    for o in ops:  # every F and B once per stage, F before B, forwards and backwards in their orders
+        assert sorted(o) == sorted([(FWD, c) for c in range(n)] + [(BWD, c) for c in range(n)])
+        assert [c for kind, c in o if kind == FWD] == forward
+        assert [c for kind, c in o if kind == BWD] == backward
+    begin, end = list_schedule(ops, fwd, bwd, p2p, table.fwd_pred, table.bwd_pred)
+    assert np.nanmax(end) == pytest.approx(makespan, rel=1e-12)
+    assert holds == 0 or room is not None
+    # with uniform chunks and no memory limit, list scheduling is no slower than 1F1B
+    if room is None:
+        ops1 = one_f_one_b(forward, backward, P)
+        _, end1 = list_schedule(ops1, fwd, bwd, p2p, table.fwd_pred, table.bwd_pred)
+        if len(set(np.round(table.tokens))) == 1 and not any(table.fwd_pred):
+            assert makespan <= np.nanmax(end1) * (1 + 1e-9)
+
+
+def test_greedy_order_fills_the_warm_up_wait_and_holds_back_for_memory():
+    """A big first chunk then small ones: 1F1B's stage 0 idles after its P forwards while the big
+    chunk's backward comes back; list scheduling runs more forwards meanwhile, unless memory binds."""
+    pc = PipelineCost(COST, 4, 8)
+    lengths = np.array([40000] + [2000] * 12)
+    pieces = [[(0, 0, 40000)]] + [[(i, 0, 2000)] for i in range(1, 13)]
+    one = build_pipeline(pieces, pc, "none", order="1f1b")
+    greedy = build_pipeline(pieces, pc, "none", order="greedy")
+    assert greedy.makespan_ms < one.makespan_ms
+    assert warmup_counts(greedy.ops)[0] > warmup_counts(one.ops)[0]
+    best = build_pipeline(pieces, pc, "none", order="best")
+    assert best.makespan_ms == pytest.approx(min(one.makespan_ms, greedy.makespan_ms))
+    tight = PipelineCost(COST, 4, 8, memory_mb=13 * 1024)
+    held = build_pipeline(pieces, tight, "greedy", order="greedy")
+    assert held.held > 0
+    res = simulate(_plan(held, tight, lengths), lengths, COST, memory_mb=13 * 1024)
+    assert res.max_peak_memory_mb <= 13 * 1024 + 1e-6

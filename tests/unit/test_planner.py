@@ -358,7 +358,9 @@ def test_flexsp_vs_megatron_balanced_cp_on_a_heavy_batch():
     if "megatron_balanced_cp" not in PLANNERS:
         pytest.skip("no megatron_balanced_cp baseline")
     cost = COSTS["gpt-7b/a100-40g-8x2"]
-    plan = make_plan("flexsp", HEAVY_16GPU_BATCH, cost, PlannerOptions(time_limit=1.0),
+    # A generous clock: the planner's work is bounded by counts; the clock is a guard that a loaded
+    # machine could trip, making this comparison depend on the machine.
+    plan = make_plan("flexsp", HEAVY_16GPU_BATCH, cost, PlannerOptions(time_limit=30.0),
                      baselines=("megatron_balanced_cp",))
     validate(plan, HEAVY_16GPU_BATCH, cost)
     assert plan.baselines["megatron_balanced_cp"]["speedup"] >= 1 - REL

@@ -1,0 +1,356 @@
+"""Pictures of simulated steps (``--plot FILE.png`` on ``megatron-ext plan`` and ``simulate``).
+
+Two layers, so the drawing can be tested without looking at pixels:
+
+- ``plot_data(plan, lengths, cost)`` simulates the plan and turns it into plain data: the boxes
+  of the timeline (``Box``: row, height, start, end, kind, colour key, label), the memory curves
+  and the title. Elastic pipelines: one row per stage; a forward (``F``) and a backward (``B``) box
+  per chunk and stage, and a recompute box (``R``) at the start of a backward that re-runs layers.
+  FlexSP-kind plans: one row per GPU; one box (``G``) per SP group and micro-batch, spanning the
+  group's GPUs for its time.
+- ``draw(data, path)`` renders it with matplotlib (Agg backend, no display needed): the timeline
+  on top, the memory per GPU of each stage (or the max/mean over GPUs) below, in seconds and GB.
+
+``plot_plan`` does both; ``plot_comparison`` adds a bar per planner (``megatron-ext simulate``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megatron_ext.cost import CostModel
+from megatron_ext.errors import ConfigError
+from megatron_ext.plan.schema import StepPlan
+from megatron_ext.sim.simulator import SimResult, simulate
+
+# split sequences cycle through these (tab10 without its grey); packed short sequences are grey
+SEQ_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf",
+              "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173"]
+PACKED_COLOR = "#9e9e9e"
+DEGREE_COLORS = {1: "#c6dbef", 2: "#9ecae1", 4: "#6baed6", 8: "#3182bd", 16: "#08519c", 32: "#08306b",
+                 64: "#041f4a", 128: "#02122c"}
+
+
+@dataclass
+class Box:
+    row: float  # first row (stage, or first GPU of a group); rows grow downwards
+    height: float  # rows covered (1 for a stage, the degree for a FlexSP group)
+    start_s: float
+    end_s: float
+    kind: str  # "F" forward, "B" backward (without its recompute), "R" recompute, "G" FlexSP group
+    key: int | None  # colour: split sequence id (None: packed short sequences) or the group's degree
+    label: str  # e.g. "F12", "B12", "d8: 5 seq"
+
+    @property
+    def width_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass
+class PlotData:
+    kind: str  # "elastic_pp" | "flexsp"
+    title: str
+    rows: int
+    row_labels: list[str]
+    boxes: list[Box]
+    memory: list[tuple[str, np.ndarray, np.ndarray]]  # (label, times s, GB)
+    budget_gb: float
+    step_time_s: float
+    bubble_ratio: float
+    colors: dict  # key -> colour, for the boxes' keys
+    legend: list[tuple[str, str, str]] = field(default_factory=list)  # (text, colour, hatch)
+    marks: list[tuple[float, str]] = field(default_factory=list)  # vertical lines: (time s, text)
+
+    def count(self, kind: str) -> int:
+        return sum(1 for b in self.boxes if b.kind == kind)
+
+
+def _lighten(color: str, amount: float = 0.55) -> tuple[float, float, float]:
+    from matplotlib.colors import to_rgb
+
+    r, g, b = to_rgb(color)
+    return (r + (1 - r) * amount, g + (1 - g) * amount, b + (1 - b) * amount)
+
+
+def _chunk_keys(plan: StepPlan, lengths: np.ndarray) -> tuple[dict[tuple[int, int], int | None], dict]:
+    """(pipeline, chunk id) -> the split sequence it carries a slice of (None: only whole short
+    sequences), and a colour per split sequence (longest first)."""
+    keys: dict[tuple[int, int], int | None] = {}
+    split: set[int] = set()
+    for i, p in enumerate(plan.pipelines):
+        for c in p.chunks:
+            k = None
+            for x in c.pieces:
+                if x.start > 0 or x.end < lengths[x.seq_id]:
+                    k = int(x.seq_id)
+            keys[(i, int(c.id))] = k
+            if k is not None:
+                split.add(k)
+    order = sorted(split, key=lambda s: (-int(lengths[s]), s))
+    colors = {s: SEQ_COLORS[j % len(SEQ_COLORS)] for j, s in enumerate(order)}
+    colors[None] = PACKED_COLOR
+    return keys, colors
+
+
+def _title(plan: StepPlan, cost: CostModel, lengths: np.ndarray, layout: str, res: SimResult, detail: str) -> str:
+    kept = np.setdiff1d(np.arange(len(lengths)), plan.dropped_seq_ids)
+    who = plan.planner or plan.kind
+    if plan.planner == "auto" and plan.solver_status.startswith("auto chose "):
+        who = plan.solver_status.split(");", 1)[0] + ")"  # e.g. "auto chose flexsp (12.55 s; vs ...)"
+    head = (f"{who}{chr(10) if who != (plan.planner or plan.kind) else ': '}{cost.model.name} on {cost.cluster.name} "
+            f"({cost.num_gpus} GPUs), {layout}; {len(kept)} sequences, {int(lengths[kept].sum()):,} tokens")
+    rec = f", recompute {res.recompute_ratio:.1%}" if res.recompute_ratio > 0 else ""
+    unit, div = ("GB", 1024.0) if res.budget_mb >= 2048 else ("MB", 1.0)
+    return (f"{head}\nstep time {res.step_time_s:.2f} s, bubble (idle GPU time) {res.bubble_ratio:.1%}{rec}, peak memory "
+            f"{res.max_peak_memory_mb / div:.1f} of {res.budget_mb / div:.0f} {unit} per GPU\n{detail}")
+
+
+def plot_data(plan: StepPlan, lengths, cost: CostModel, *, b1_scale: float = 1.0, memory_mb: float | None = None,
+              result: SimResult | None = None) -> PlotData:
+    """Simulate ``plan`` (unless ``result``, simulated with events, is given) and lay it out."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    res = result if result is not None and result.events else simulate(plan, lengths, cost, b1_scale=b1_scale,
+                                                                       memory_mb=memory_mb, events=True)
+    if plan.kind == "elastic_pp":
+        return _pipeline_data(plan, lengths, cost, res)
+    if plan.kind == "flexsp":
+        return _flexsp_data(plan, lengths, cost, res)
+    raise ConfigError(f"cannot plot a plan of kind {plan.kind!r}")
+
+
+def _pipeline_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: SimResult) -> PlotData:
+    P = plan.pipelines[0].stages
+    sp = plan.pipelines[0].sp_degree
+    L_s = cost.model.num_layers // P
+    keys, colors = _chunk_keys(plan, lengths)
+    multi = len(plan.pipelines) > 1
+    boxes = []
+    for e in res.events:
+        if e.kind not in ("F", "B", "R"):
+            continue
+        pi, cid = e.label.split(":")
+        pi, cid = int(pi[1:]), int(cid)
+        name = f"{pi}.{cid}" if multi else f"{cid}"
+        boxes.append(Box(e.where, 1, e.start_s, e.end_s, e.kind, keys[(pi, cid)], f"{e.kind}{name}"))
+    n_chunks = sum(len(p.chunks) for p in plan.pipelines)
+    layout = (f"{len(plan.pipelines)} pipelines x " if multi else "") + f"{P} stages x SP {sp}"
+    memory = [(f"stage {p}", np.array([t for t, _ in pts]), np.array([v for _, v in pts]) / 1024)
+              for p, pts in enumerate(res.memory)]
+    split = sorted((k for k in colors if k is not None), key=lambda s: (-int(lengths[s]), s))
+    slices = {s: sum(1 for k in keys.values() if k == s) for s in split}
+    packed = sum(1 for k in keys.values() if k is None)
+    cut = "1 sequence" if len(split) == 1 else f"{len(split)} sequences"
+    if split:
+        detail = (f"{n_chunks} chunks: {sum(slices.values())} hold a piece of {cut} cut across chunks (coloured), "
+                  f"{packed} hold only whole sequences (grey); each chunk runs forward (F) then backward (B) on "
+                  f"every stage")
+    else:
+        detail = f"{n_chunks} chunks of whole sequences; each chunk runs forward (F) then backward (B) on every stage"
+    grey = PACKED_COLOR
+    legend = [("F: forward (light shade)", _lighten(grey), ""), ("B: backward (full shade)", grey, "")]
+    if any(b.kind == "R" for b in boxes):
+        legend.append(("recompute (hatched, at the start of a backward)", grey, "////"))
+    if packed:
+        legend.append(("grey: chunk of whole sequences only", PACKED_COLOR, ""))
+    for s in split[:8]:
+        legend.append((f"sequence {s} ({int(lengths[s]):,} tok) in {slices[s]} chunks", colors[s], ""))
+    if len(split) > 8:
+        legend.append((f"... {len(split) - 8} more cut sequences (colours repeat)", "white", ""))
+    marks = []
+    if multi:  # where each later pipeline starts (its first forward on stage 0)
+        for i in range(1, len(plan.pipelines)):
+            starts = [b.start_s for b in boxes if b.row == 0 and b.kind == "F" and b.label.startswith(f"F{i}.")]
+            if starts:
+                marks.append((min(starts), f"pipeline {i}"))
+    return PlotData("elastic_pp", _title(plan, cost, lengths, layout, res, detail), P,
+                    [f"stage {p}\n" + (f"layers {p * L_s}-{(p + 1) * L_s - 1}" if L_s > 1 else f"layer {p}")
+                     for p in range(P)], boxes, memory,
+                    res.budget_mb / 1024, res.step_time_s, res.bubble_ratio, colors, legend, marks)
+
+
+def _flexsp_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: SimResult) -> PlotData:
+    boxes, marks = [], []
+    t = 0.0
+    degrees = set()
+    for m, mb in enumerate(plan.micro_batches):
+        span = 0.0
+        marks.append((t, f"micro-batch {m}"))
+        for g in mb.groups:
+            d = len(g.ranks)
+            ms = cost.group_time_ms(lengths[g.seq_ids], d) / 1e3
+            degrees.add(d)
+            boxes.append(Box(min(g.ranks), d, t, t + ms, "G", d, f"d{d}: {len(g.seq_ids)} seq"))
+            span = max(span, ms)
+        t += span
+    n = cost.num_gpus
+    # memory: max and mean over GPUs on the union of every GPU's breakpoints
+    grid = np.unique(np.concatenate([[x for x, _ in pts] for pts in res.memory])) if res.memory else np.zeros(1)
+    levels = []
+    for pts in res.memory:
+        ts = np.array([x for x, _ in pts])
+        vs = np.array([v for _, v in pts])
+        # the level in force just after each grid time (right-continuous step)
+        idx = np.searchsorted(ts, grid, side="right") - 1
+        levels.append(vs[np.clip(idx, 0, len(vs) - 1)])
+    lv = np.array(levels) / 1024 if levels else np.zeros((1, 1))
+    step_t = np.repeat(grid, 2)[1:]
+    memory = []
+    for name, agg in (("max over GPUs", lv.max(axis=0)), ("mean over GPUs", lv.mean(axis=0))):
+        memory.append((name, step_t, np.repeat(agg, 2)[:-1]))
+    colors = {d: DEGREE_COLORS.get(d, "#08306b") for d in degrees}
+    legend = [(f"SP group of degree {d}", colors[d], "") for d in sorted(degrees)]
+    layout = f"{len(plan.micro_batches)} micro-batches"
+    n_groups = sum(len(mb.groups) for mb in plan.micro_batches)
+    detail = (f"{n_groups} Ulysses SP groups; each box is one group: its GPUs (rows) busy with its sequences for the "
+              f"group's time; a micro-batch ends with its slowest group")
+    return PlotData("flexsp", _title(plan, cost, lengths, layout, res, detail), n, [f"GPU {r}" for r in range(n)], boxes,
+                    memory, res.budget_mb / 1024, res.step_time_s, res.bubble_ratio, colors, legend, marks)
+
+
+# ---- drawing ---------------------------------------------------------------------------------
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:  # pragma: no cover - matplotlib is in the dev environment
+        raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _draw_timeline(ax, data: PlotData, fig_width_px: float) -> None:
+    from matplotlib.patches import Patch, Rectangle
+
+    span = max(data.step_time_s, 1e-9)
+    px_per_s = fig_width_px * 0.8 / span
+    for b in data.boxes:
+        base = data.colors.get(b.key, PACKED_COLOR)
+        if b.kind == "F":
+            face, hatch = _lighten(base), None
+        elif b.kind == "R":
+            face, hatch = base, "////"
+        else:
+            face, hatch = base, None
+        pad = 0.08 if data.kind == "elastic_pp" else 0.04
+        ax.add_patch(Rectangle((b.start_s, b.row + pad), b.width_s, b.height - 2 * pad, facecolor=face,
+                               edgecolor="black" if b.kind != "G" else "white", linewidth=0.3, hatch=hatch))
+        room = b.width_s * px_per_s
+        if b.kind != "R" and room > 8.5 * len(b.label) + 4:
+            white = (b.kind == "B" and b.key is not None) or (b.kind == "G" and b.key >= 8)
+            ax.text(b.start_s + b.width_s / 2, b.row + b.height / 2, b.label, ha="center", va="center",
+                    fontsize=7, color="white" if white else "black", clip_on=True)
+    for t, text in data.marks:
+        ax.axvline(t, color="black", linewidth=0.8, linestyle=":")
+        ax.annotate(" " + text, (t, 0), xycoords=("data", "axes fraction"), xytext=(0, -2),
+                    textcoords="offset points", fontsize=7, va="top", ha="left",
+                    bbox=dict(boxstyle="square,pad=0.1", facecolor="white", edgecolor="none", alpha=0.8))
+    ax.set_xlim(0, span * 1.01)
+    ax.set_ylim(data.rows, 0)
+    if data.kind == "elastic_pp":
+        ax.set_yticks(np.arange(data.rows) + 0.5)
+        ax.set_yticklabels(data.row_labels, fontsize=8)
+        ax.set_ylabel("pipeline stage (each a Ulysses group)")
+    else:
+        step = max(1, data.rows // 16)
+        ticks = np.arange(0, data.rows, step)
+        ax.set_yticks(ticks + 0.5)
+        ax.set_yticklabels([data.row_labels[i] for i in ticks], fontsize=7)
+        ax.set_ylabel("GPU")
+    ax.set_xlabel("time (s)")
+    ax.set_title(data.title, fontsize=10, loc="left")
+    handles = [Patch(facecolor=c, edgecolor="black", linewidth=0.3, hatch=h or None, label=t)
+               for t, c, h in data.legend]
+    if data.kind == "elastic_pp":
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False,
+                  title="boxes", title_fontsize=8)
+    else:
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False,
+                  title="boxes: one per SP group\n(its sequences' time)", title_fontsize=8)
+
+
+def _draw_memory(ax, data: PlotData) -> None:
+    import matplotlib
+
+    cmap = matplotlib.colormaps["viridis"]
+    unit, f = ("GB", 1.0) if data.budget_gb >= 2 else ("MB", 1024.0)  # tiny (CPU) clusters in MB
+    n = len(data.memory)
+    for i, (label, t, gb) in enumerate(data.memory):
+        ax.plot(t, gb * f, label=label, color=cmap(i / max(1, n - 1) * 0.85), linewidth=1.1)
+    ax.axhline(data.budget_gb * f, color="#d62728", linestyle="--", linewidth=1,
+               label=f"budget {data.budget_gb * f:.0f} {unit}")
+    ax.set_xlim(0, max(data.step_time_s, 1e-9) * 1.01)
+    top = max([data.budget_gb] + [float(gb.max()) for _, _, gb in data.memory if len(gb)]) * f
+    ax.set_ylim(0, top * 1.08)
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel(f"memory per GPU ({unit})")
+    what = "of each stage" if data.kind == "elastic_pp" else "over the GPUs"
+    ax.set_title(f"memory per GPU {what}: model states + activations held between forward and backward",
+                 fontsize=9, loc="left")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
+    ax.grid(axis="y", linewidth=0.3, alpha=0.6)
+
+
+def draw(data: PlotData, path=None, *, extra=None):
+    """Render ``data`` (timeline + memory; ``extra(ax)`` draws a third panel) to ``path``; returns the figure."""
+    plt = _pyplot()
+    rows_h = 3.2 if data.kind == "elastic_pp" else 4.2
+    heights = [rows_h, 2.0] + ([1.8] if extra else [])
+    fig, axes = plt.subplots(len(heights), 1, figsize=(15, sum(heights) + 1.2),
+                             gridspec_kw={"height_ratios": heights})
+    _draw_timeline(axes[0], data, fig.get_figwidth() * fig.dpi)
+    _draw_memory(axes[1], data)
+    if extra:
+        extra(axes[2])
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+    return fig
+
+
+def plot_plan(plan: StepPlan, lengths, cost: CostModel, path, **kw) -> PlotData:
+    """Simulate ``plan`` and write its picture to ``path`` (PNG, or any format matplotlib knows)."""
+    data = plot_data(plan, lengths, cost, **kw)
+    draw(data, path)
+    return data
+
+
+def plot_comparison(plan: StepPlan, lengths, cost: CostModel, summary: list[dict], main: str, path,
+                    source: str = "", **kw) -> PlotData:
+    """``megatron-ext simulate --plot``: the main planner's first step (timeline + memory) and the
+    mean step time of every planner over all steps, split into busy and idle (bubble) time."""
+    data = plot_data(plan, lengths, cost, **kw)
+    data.title = "first step: " + data.title
+    rows = [s for s in summary if "error" not in s]
+
+    def bars(ax):
+        names = [s["planner"] for s in rows]
+        t = np.array([s["step_time_s"] for s in rows])
+        idle = t * np.array([s["bubble_ratio"] for s in rows])
+        y = np.arange(len(rows))
+        ax.barh(y, t - idle, color=["#3182bd" if n == main else "#9ecae1" for n in names],
+                label=f"busy (dark: {main}, drawn above)")
+        ax.barh(y, idle, left=t - idle, color="#fdae6b", label="idle (bubble)")
+        main_t = next((s["step_time_s"] for s in rows if s["planner"] == main), None)
+        for yi, s, ti in zip(y, rows, t):
+            note = f" {ti:.2f} s"
+            if main_t and s["planner"] != main:
+                note += f"  ({ti / main_t:.2f}x the time of {main})"
+            ax.text(ti, yi, note, va="center", fontsize=7)
+        ax.set_yticks(y)
+        ax.set_yticklabels(names, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlim(0, t.max() * 1.35 if len(t) else 1)
+        ax.set_xlabel("mean simulated step time (s)")
+        ax.set_title(f"every planner on the same batches ({source})" if source else "every planner on the same batches",
+                     fontsize=9, loc="left")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
+
+    draw(data, path, extra=bars if rows else None)
+    return data
+
+
+__all__ = ["Box", "PlotData", "draw", "plot_comparison", "plot_data", "plot_plan"]
