@@ -17,6 +17,9 @@ def worker_main(planner: str, cost, options, baselines: tuple[str, ...], tasks, 
     """Loop until a ``None`` task. ``floor`` is a shared integer: tasks for steps below it are
     stale. ``imports`` are modules to import first (e.g. ones that register extra planners);
     ``delay_s`` makes every plan that much later (tests and demos of the fallback path)."""
+    # Below the trainer in CPU priority: planning a step ahead must use idle cycles, not take them
+    # from training (it has the whole step to finish, and a fallback if it does not).
+    os.nice(10)
     try:
         for name in imports:
             importlib.import_module(name)
