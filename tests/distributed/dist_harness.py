@@ -16,6 +16,7 @@ do so after its last collective (see ``Failures`` in the workers), or the others
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -46,6 +47,29 @@ def _load(script: Path, name: str):
     finally:
         sys.path.remove(str(script.parent))
     return mod
+
+
+def preload_megatron(*modules: str) -> None:
+    """For a worker's ``preload()``: megatron-core on CPU (runtime.compat) and the heavy imports
+    (megatron's GPT model and ``modules``) done once, before the ranks fork."""
+    from megatron_ext.runtime.compat import apply_cpu_compat
+
+    apply_cpu_compat()
+    for name in ("pytest", "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.models.gpt.gpt_model",
+                 "megatron_ext.runtime.attention", "megatron_ext.runtime.groups", *modules):
+        importlib.import_module(name)
+
+
+def setup_megatron(seed: int = 1234):
+    """For a worker's ``setup()``: megatron's parallel_state with tp = pp = 1, its RNG seeded, and
+    the SP group pool of the whole world (returned)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_ext.runtime.groups import SPGroupPool
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return SPGroupPool()
 
 
 def check_names(script: Path) -> list[str]:

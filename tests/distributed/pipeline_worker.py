@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dist_harness import check
+from dist_harness import check, preload_megatron, setup_megatron
 
 ST: dict = {}
 VOCAB = 97
@@ -26,26 +26,12 @@ HEADS, KV_HEADS, HIDDEN, FFN = 8, 4, 32, 64
 
 
 def preload():
-    import pytest  # noqa: F401
-    from megatron_ext.runtime.compat import apply_cpu_compat
-
-    apply_cpu_compat()
-    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
-    import megatron.core.models.gpt.gpt_model  # noqa: F401
-    import megatron.core.distributed  # noqa: F401
-    import megatron_ext.planner.pipeline  # noqa: F401
-    import megatron_ext.runtime.pipeline  # noqa: F401
-    import megatron_ext.runtime.slices  # noqa: F401
+    preload_megatron("megatron.core.distributed", "megatron_ext.planner.pipeline", "megatron_ext.runtime.pipeline",
+                     "megatron_ext.runtime.slices")
 
 
 def setup():
-    from megatron.core import parallel_state, tensor_parallel
-
-    from megatron_ext.runtime.groups import SPGroupPool
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    ST["pool"] = SPGroupPool()
+    ST["pool"] = setup_megatron()
     ST["rank"] = dist.get_rank()
 
 

@@ -7,30 +7,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dist_harness import check
+from dist_harness import check, preload_megatron, setup_megatron
 
 ST: dict = {}
 SEQ_LEN = 512
 
 
 def preload():
-    from megatron_ext.runtime.compat import apply_cpu_compat
-
-    apply_cpu_compat()
-    import megatron.core.models.gpt.gpt_model  # noqa: F401
-    import megatron_ext.runtime.schedule  # noqa: F401
-    import megatron_ext.runtime.pipeline  # noqa: F401
-    import megatron_ext.runtime.train  # noqa: F401
+    preload_megatron("megatron_ext.runtime.schedule", "megatron_ext.runtime.pipeline", "megatron_ext.runtime.train")
 
 
 def setup():
-    from megatron.core import parallel_state, tensor_parallel
-
-    from megatron_ext.runtime.groups import SPGroupPool
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    ST["pool"] = SPGroupPool()
+    ST["pool"] = setup_megatron()
 
 
 def _cost():

@@ -11,32 +11,18 @@ import random
 import torch
 import torch.distributed as dist
 
-from dist_harness import check
+from dist_harness import check, preload_megatron, setup_megatron
 
 WORLD = 4
 ST: dict = {}  # state built once in setup()
 
 
 def preload():
-    """Heavy imports, once, before the ranks fork."""
-    import pytest  # noqa: F401
-    from megatron_ext.runtime.compat import apply_cpu_compat
-
-    apply_cpu_compat()
-    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
-    import megatron.core.models.gpt.gpt_model  # noqa: F401
-    import megatron_ext.runtime.attention  # noqa: F401
-    import megatron_ext.runtime.groups  # noqa: F401
+    preload_megatron()
 
 
 def setup():
-    from megatron.core import parallel_state, tensor_parallel
-
-    from megatron_ext.runtime.groups import SPGroupPool
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    ST["pool"] = SPGroupPool()
+    ST["pool"] = setup_megatron()
     ST["rank"] = dist.get_rank()
 
 
