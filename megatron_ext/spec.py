@@ -154,48 +154,40 @@ def validate_cluster(c: ClusterSpec) -> ClusterSpec:
     return c
 
 
-def load_model(ref: str | ModelSpec) -> ModelSpec:
-    if isinstance(ref, ModelSpec):
-        return validate_model(ref)
+_FAMILY = re.compile(r"^(?P<base>.+-\d+x)(?P<nodes>\d+)$")
+
+
+def _read_ref(kind: str, ref: str) -> dict:
+    """The fields of a preset (``configs/<kind>/<ref>.yaml``, or a family file ``<base>N.yaml``
+    serving ``<base><nodes>``) or of a YAML file path, with its name."""
     if _looks_like_path(ref):
         data = read_yaml(Path(ref))
         data.setdefault("name", Path(ref).stem)
-    else:
-        path = CONFIG_DIR / "models" / f"{ref}.yaml"
-        if not path.exists():
-            raise ConfigError(f"unknown model preset {ref!r}; presets: {', '.join(_presets('models'))} "
-                              f"(or pass a YAML file path)")
+        return data
+    path = CONFIG_DIR / kind / f"{ref}.yaml"
+    fam = _FAMILY.match(ref)
+    if path.exists():
         data = read_yaml(path)
-        data.setdefault("name", ref)
-    return model_from_mapping(data)
+    elif fam and (CONFIG_DIR / kind / f"{fam['base']}N.yaml").exists():
+        data = read_yaml(CONFIG_DIR / kind / f"{fam['base']}N.yaml")
+        data["num_nodes"] = int(fam["nodes"])
+    else:
+        raise ConfigError(f"unknown {kind[:-1]} preset {ref!r}; presets: {', '.join(_presets(kind))} "
+                          f"(or a YAML file path; a name ending in N stands for any node count, e.g. h100-80g-8x4)")
+    data["name"] = ref
+    return data
+
+
+def load_model(ref: str | ModelSpec) -> ModelSpec:
+    return validate_model(ref) if isinstance(ref, ModelSpec) else model_from_mapping(_read_ref("models", ref))
 
 
 def model_from_mapping(data: dict) -> ModelSpec:
     return validate_model(_build(ModelSpec, data, f"model {data.get('name')!r}"))
 
 
-_FAMILY = re.compile(r"^(?P<base>.+-\d+x)(?P<nodes>\d+)$")
-
-
 def load_cluster(ref: str | ClusterSpec) -> ClusterSpec:
-    if isinstance(ref, ClusterSpec):
-        return validate_cluster(ref)
-    if _looks_like_path(ref):
-        data = read_yaml(Path(ref))
-        data.setdefault("name", Path(ref).stem)
-    else:
-        path = CONFIG_DIR / "clusters" / f"{ref}.yaml"
-        fam = _FAMILY.match(ref)
-        if path.exists():
-            data = read_yaml(path)
-        elif fam and (CONFIG_DIR / "clusters" / f"{fam['base']}N.yaml").exists():
-            data = read_yaml(CONFIG_DIR / "clusters" / f"{fam['base']}N.yaml")
-            data["num_nodes"] = int(fam["nodes"])
-        else:
-            raise ConfigError(f"unknown cluster preset {ref!r}; presets: {', '.join(_presets('clusters'))} "
-                              f"(a name ending in N stands for any node count, e.g. h100-80g-8x4)")
-        data["name"] = ref
-    return cluster_from_mapping(data)
+    return validate_cluster(ref) if isinstance(ref, ClusterSpec) else cluster_from_mapping(_read_ref("clusters", ref))
 
 
 def cluster_from_mapping(data: dict) -> ClusterSpec:
