@@ -464,6 +464,9 @@ class PipelineStepStats:
     ops: list[tuple[str, float]] = field(default_factory=list)
     comm_wait_s: float = 0.0
     prefix_cache_peak_bytes: int = 0
+    # Activation memory measured, not modelled: bytes autograd saved for backward by the chunks
+    # in flight (each chunk's from its forward to its backward), at their peak, plus the prefix cache.
+    activation_peak_bytes: int = 0
 
 
 class _Stage:
@@ -566,6 +569,8 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
 
     tag_base = 0
     first_forward = True
+    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    live_bytes: dict[int, int] = {}  # chunk -> bytes saved for its backward, while in flight
     try:
         for pi, sched in enumerate(schedules):
             cache = PrefixKVCache()
@@ -634,10 +639,21 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
                         x.requires_grad_(True)
                     n_rec = layout.recompute[st.p] if layout.recompute and not forward_only else 0
                     grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
-                    with grad_ctx, recompute_layers(model, n_rec):
+                    chunk_saved: dict[int, int] = {}
+
+                    def count_saved(t, chunk_saved=chunk_saved):
+                        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in param_ptrs:
+                            chunk_saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                        return t
+
+                    with grad_ctx, recompute_layers(model, n_rec), \
+                            torch.autograd.graph.saved_tensors_hooks(count_saved, lambda t: t):
                         out, num_tokens = forward_step(step_func, iter([inp]), model, n_chunks, x, store,
                                                        config, 1, is_first_microbatch=first_forward,
                                                        is_last_stage=st.last)
+                    live_bytes[c] = sum(chunk_saved.values())
+                    stats.activation_peak_bytes = max(stats.activation_peak_bytes,
+                                                      sum(live_bytes.values()) + cache.nbytes())
                     first_forward = False
                     total_tokens += num_tokens
                     if not st.last:
@@ -647,6 +663,7 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
                     stats.prefix_cache_peak_bytes = max(stats.prefix_cache_peak_bytes, cache.nbytes())
                 else:
                     reap(force_key=("act", c))
+                    live_bytes.pop(c, None)
                     x, out = saved.pop(c)
                     g = received.pop(("grad", c), None)
                     if last_b == (pi, j) and sync_ctx is not None:

@@ -171,8 +171,10 @@ def _train(args, rank: int, world: int) -> int:
             model.zero_grad_buffer()
             optimizer.zero_grad()
             if pipelined:
-                losses, _ = forward_backward_elastic(step.plan, step.batch, model, pad_id=tok.pad)
+                losses, pstats = forward_backward_elastic(step.plan, step.batch, model, pad_id=tok.pad)
                 mb_times = torch.zeros(0, dtype=torch.float64)
+                peak = torch.zeros(args.pp, dtype=torch.float64)
+                peak[parallel_state.get_pipeline_model_parallel_rank()] = pstats.activation_peak_bytes / 2**20
             else:
                 losses, times = forward_backward_flexsp(step, model, pool, tok.pad)
                 mb_times = torch.tensor(times.micro_batches, dtype=torch.float64)
@@ -185,6 +187,9 @@ def _train(args, rank: int, world: int) -> int:
             dist.all_reduce(mb_times, op=dist.ReduceOp.MAX)  # a micro-batch lasts as long as its slowest rank
             rec = _record(step, float(total[0] / total[1]), float(grad_norm), int(total[1]), step_time, step.plan,
                           mb_times.tolist())
+            if pipelined:
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+                rec["activation_peak_mb_per_stage"] = [round(float(x), 2) for x in peak]
             records.append(rec)
             if rank == 0:
                 print(json.dumps(rec) if args.json else _line(rec), flush=True)
@@ -198,9 +203,11 @@ def _train(args, rank: int, world: int) -> int:
 
 
 def _line(r: dict) -> str:
+    peak = r.get("activation_peak_mb_per_stage")
     return (f"step {r['step']:>3}  loss {r['loss']:.4f}  grad {r['grad_norm']:.3f}  tokens {r['tokens']:>7,}  "
             f"time {r['step_time_s']:6.2f}s  predicted {r['predicted_step_time_s']:6.2f}s  "
-            f"mbs {r['micro_batches']}  degrees {','.join(map(str, r['degrees']))}"
+            f"{'chunks' if peak else 'mbs'} {r['micro_batches']}  degrees {','.join(map(str, r['degrees']))}"
+            + (f"  activations MB/stage {'/'.join(f'{x:.1f}' for x in peak)}" if peak else "")
             + ("" if r["plan_source"].endswith("planner") else f"  [{r['plan_source']}]"))
 
 

@@ -49,6 +49,9 @@ def test_same_loss_and_grad_norm_every_step(runs, other):
 
 def test_pipeline_run_used_two_stages_of_sp2(runs):
     assert all(r["degrees"] == [2] and r["planner"] == "elastic_pp" for r in runs["elastic_pp"])
+    # measured activation memory of each stage (bytes saved for backward by chunks in flight)
+    assert all(len(r["activation_peak_mb_per_stage"]) == 2 and min(r["activation_peak_mb_per_stage"]) > 0
+               for r in runs["elastic_pp"])
 
 
 def test_static_ulysses_uses_only_its_degree(runs):
