@@ -414,17 +414,9 @@ def chunk_input(layout: ChunkLayout, batch: Sequence, sp_group, cache, pad_id: i
                       params)
 
 
-def per_token_loss(loss_mask, output):
-    """Megatron's per-token loss contract: (sum of token losses, token count, reported values)."""
-    import torch
-
-    losses = output.float() * loss_mask
-    total = losses.sum()
-    count = loss_mask.sum().to(torch.int)
-    return total, count, {"lm loss": torch.stack([total.detach(), count.detach().float()])}
-
-
 def _forward_step_func(data_iterator, model):
+    from megatron_ext.runtime.schedule import per_token_loss
+
     inp: ChunkInput = next(data_iterator)
     out = model(inp.tokens, inp.position_ids, None, labels=inp.labels, packed_seq_params=inp.packed_seq_params)
     return out, partial(per_token_loss, inp.loss_mask)
@@ -754,5 +746,5 @@ def stage_state_dict(full_state_dict: dict, stage_model) -> dict:
 
 __all__ = ["BWD", "FWD", "ChunkInput", "ChunkLayout", "Message", "PipelineSchedule", "PipelineStepStats", "Step",
            "build_pipeline_model", "build_schedule", "build_schedules", "check_rendezvous", "chunk_input",
-           "chunk_layouts", "default_op_time", "forward_backward_elastic", "per_token_loss", "recompute_layers",
+           "chunk_layouts", "default_op_time", "forward_backward_elastic", "recompute_layers",
            "stage_state_dict"]

@@ -66,7 +66,7 @@ def micro_batch_inputs(step: Step, pool: SPGroupPool, pad_id: int, device="cpu")
         )
 
 
-def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+def per_token_loss(loss_mask: torch.Tensor, output: torch.Tensor):
     """Megatron's per-token loss contract: (sum of token losses, token count, reported values)."""
     losses = output.float() * loss_mask
     total = losses.sum()
@@ -84,7 +84,7 @@ def flexsp_forward_step(data_iterator, model, times: StepTimes | None = None):
         zero = torch.zeros((), requires_grad=True)
         return zero, lambda out: (out, torch.zeros((), dtype=torch.int), {"lm loss": torch.zeros(2)})
     output = model(mb.tokens, mb.position_ids, None, labels=mb.labels, packed_seq_params=mb.packed_seq_params)
-    return output, partial(_loss_func, mb.loss_mask)
+    return output, partial(per_token_loss, mb.loss_mask)
 
 
 def forward_backward_flexsp(step: Step, model, pool: SPGroupPool, pad_id: int, *, forward_only: bool = False,
