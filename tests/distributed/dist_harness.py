@@ -11,7 +11,7 @@ imports torch / megatron once via ``preload()`` and forks the N ranks, which ren
 ``file://`` store in a new temporary directory (parallel runs never collide on a port). Each rank
 runs every check, records a traceback or success in ``OUT/rank<R>.json`` and meets the others at
 a barrier; its output goes to ``OUT/rank<R>.log``. A check that raises on some ranks only should
-do so after its last collective (see ``Failures`` in the workers), or the others wait for the
+do so after its last collective (``Failures`` helps), or the others wait for the
 30 s gloo timeout.
 """
 from __future__ import annotations
@@ -47,6 +47,30 @@ def _load(script: Path, name: str):
     finally:
         sys.path.remove(str(script.parent))
     return mod
+
+
+class Failures:
+    """Collects mismatches and raises them at the end of a check, so that a failing rank still
+    takes part in every collective of the check and the other ranks do not hang."""
+
+    def __init__(self):
+        self.messages: list[str] = []
+
+    def close(self, actual, expected, what: str, **tol) -> None:
+        import torch
+
+        try:
+            torch.testing.assert_close(actual, expected, **tol)
+        except AssertionError as e:
+            self.messages.append(f"{what}: {e}")
+
+    def true(self, cond: bool, what: str) -> None:
+        if not cond:
+            self.messages.append(what)
+
+    def raise_any(self) -> None:
+        if self.messages:
+            raise AssertionError(f"{len(self.messages)} mismatch(es):\n" + "\n".join(self.messages[:6]))
 
 
 def preload_megatron(*modules: str) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dist_harness import check, preload_megatron, setup_megatron
+from dist_harness import Failures, check, preload_megatron, setup_megatron
 
 ST: dict = {}
 VOCAB = 97
@@ -33,27 +33,6 @@ def preload():
 def setup():
     ST["pool"] = setup_megatron()
     ST["rank"] = dist.get_rank()
-
-
-class Failures:
-    """Mismatches collected and raised at the end of a check (after its last collective)."""
-
-    def __init__(self):
-        self.messages: list[str] = []
-
-    def close(self, actual, expected, what: str, **tol) -> None:
-        try:
-            torch.testing.assert_close(actual, expected, **tol)
-        except AssertionError as e:
-            self.messages.append(f"{what}: {e}")
-
-    def true(self, cond: bool, what: str) -> None:
-        if not cond:
-            self.messages.append(what)
-
-    def raise_any(self) -> None:
-        if self.messages:
-            raise AssertionError(f"{len(self.messages)} mismatch(es):\n" + "\n".join(self.messages[:6]))
 
 
 GRAD_TOL = dict(atol=3e-6, rtol=1e-4)

@@ -11,7 +11,7 @@ import random
 import torch
 import torch.distributed as dist
 
-from dist_harness import check, preload_megatron, setup_megatron
+from dist_harness import Failures, check, preload_megatron, setup_megatron
 
 WORLD = 4
 ST: dict = {}  # state built once in setup()
@@ -32,28 +32,6 @@ def _my_group(groups):
         if r in g:
             return gi, tuple(g)
     raise AssertionError(f"rank {r} in no group of {groups}")
-
-
-class Failures:
-    """Collects mismatches and raises them at the end of a check, so that a failing rank still
-    takes part in every collective of the check and the other ranks do not hang."""
-
-    def __init__(self):
-        self.messages: list[str] = []
-
-    def close(self, actual, expected, what: str, **tol) -> None:
-        try:
-            torch.testing.assert_close(actual, expected, **tol)
-        except AssertionError as e:
-            self.messages.append(f"{what}: {e}")
-
-    def true(self, cond: bool, what: str) -> None:
-        if not cond:
-            self.messages.append(what)
-
-    def raise_any(self) -> None:
-        if self.messages:
-            raise AssertionError(f"{len(self.messages)} mismatch(es):\n" + "\n".join(self.messages[:6]))
 
 
 def _global_max(x: float) -> float:
