@@ -12,11 +12,11 @@ import sys
 import numpy as np
 
 from megatron_ext.cost import CostModel
-from megatron_ext.data.lengths import DISTRIBUTIONS, read_lengths, sample_lengths
+from megatron_ext.data.lengths import read_lengths, sample_lengths
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.planner import PLANNERS, PlannerOptions, make_plan
 from megatron_ext.planner.api import BASELINES
-from megatron_ext.sim.commands import add_pipeline_args, add_simulate_command, plot_if_asked
+from megatron_ext.sim.commands import add_batch_source_args, add_pipeline_args, add_simulate_command, plot_if_asked
 
 
 def parse_tokens(text: str) -> int:
@@ -218,11 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="plan one step from lengths and print the StepPlan")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--lengths", metavar="FILE", help="text file, one sequence length per line")
-    src.add_argument("--dist", default="wikipedia", choices=sorted(DISTRIBUTIONS),
-                     help="synthetic length distribution (default: wikipedia)")
-    p.add_argument("--batch", type=int, default=512, help="sequences per global batch with --dist")
+    add_batch_source_args(p, default_dist="wikipedia")
     p.add_argument("--seed", type=int, default=0, help="sampling seed with --dist")
     p.add_argument("--max-seq-len", type=parse_tokens, metavar="L",
                    help="longest sequence, e.g. 384K (default: the longest the cluster can hold)")

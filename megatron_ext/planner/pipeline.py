@@ -588,15 +588,21 @@ def _pack_tokens(seq_ids, lengths, opts: PipelineOptions) -> int:
     return int(opts.pack_tokens)
 
 
-def plan_batch_1f1b(lengths, cost: CostModel, pp: int | None = None, sp: int | None = None,
-                    options: PipelineOptions | None = None, *, seq_ids=None, **overrides) -> StepPlan:
-    """Megatron-style 1F1B over packed micro-batches; static recompute (none if it fits, else full)."""
-    start = time.perf_counter()
+def _packed_baseline(lengths, cost: CostModel, pp, sp, options, seq_ids, overrides):
+    """What the packed baselines share: options, kept sequences, the stage cost model, the pack
+    size and the packs (best-fit by tokens)."""
     opts = _opts(options, overrides)
     lengths, ids = _kept(lengths, seq_ids)
     pc = _pipeline_cost(cost, pp if pp is not None else opts.pp, sp if sp is not None else opts.sp, opts)
     cap = _pack_tokens(ids, lengths, opts)
-    packs = _pack(ids, lengths, cap)
+    return opts, lengths, ids, pc, cap, _pack(ids, lengths, cap)
+
+
+def plan_batch_1f1b(lengths, cost: CostModel, pp: int | None = None, sp: int | None = None,
+                    options: PipelineOptions | None = None, *, seq_ids=None, **overrides) -> StepPlan:
+    """Megatron-style 1F1B over packed micro-batches; static recompute (none if it fits, else full)."""
+    start = time.perf_counter()
+    opts, lengths, ids, pc, cap, packs = _packed_baseline(lengths, cost, pp, sp, options, seq_ids, overrides)
     pieces = [[(i, 0, int(lengths[i])) for i in p] for p in packs]
     b = build_pipeline(pieces, pc, opts.baseline_recompute, where="batch 1F1B pipeline")
     status = f"{len(packs)} micro-batches of <= {cap} tokens x {pc.pp} stages x SP {pc.sp}; {b.status}"
@@ -639,11 +645,7 @@ def plan_seq1f1b(lengths, cost: CostModel, pp: int | None = None, sp: int | None
     """Seq1F1B: packed micro-batches, each cut into k equal-compute slices (k searched over
     ``seq1f1b_slices``); static recompute (none if it fits, else full)."""
     start = time.perf_counter()
-    opts = _opts(options, overrides)
-    lengths, ids = _kept(lengths, seq_ids)
-    pc = _pipeline_cost(cost, pp if pp is not None else opts.pp, sp if sp is not None else opts.sp, opts)
-    cap = _pack_tokens(ids, lengths, opts)
-    packs = _pack(ids, lengths, cap)
+    opts, lengths, ids, pc, cap, packs = _packed_baseline(lengths, cost, pp, sp, options, seq_ids, overrides)
     best, best_k, err = None, 0, None
     for k in opts.seq1f1b_slices:
         pieces = [c for p in packs for c in split_pack(p, lengths, pc, k)]

@@ -19,6 +19,15 @@ from megatron_ext.data.lengths import DISTRIBUTIONS, read_lengths
 from megatron_ext.errors import ConfigError
 
 
+def add_batch_source_args(p, default_dist: str) -> None:
+    """Where a command's lengths come from: ``--lengths FILE`` or ``--dist NAME --batch N``."""
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--lengths", metavar="FILE", help="text file, one sequence length per line (one batch)")
+    src.add_argument("--dist", default=default_dist, choices=sorted(DISTRIBUTIONS),
+                     help=f"synthetic length distribution (default: {default_dist})")
+    p.add_argument("--batch", type=int, default=512, help="sequences per step with --dist (default 512)")
+
+
 def add_pipeline_args(p) -> None:
     g = p.add_argument_group("elastic pipelines (elastic_pp, seq1f1b, batch_1f1b)")
     g.add_argument("--pp", type=int, help="pipeline stages (default: one per node)")
@@ -89,11 +98,7 @@ def add_simulate_command(sub, add_cost_args, cost_from_args, parse_tokens) -> No
     from megatron_ext.sim.table import DEFAULT_PLANNERS
 
     p = sub.add_parser("simulate", help="simulate many steps with every planner and compare them in one table")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--lengths", metavar="FILE", help="text file, one sequence length per line (one batch)")
-    src.add_argument("--dist", default="commoncrawl", choices=sorted(DISTRIBUTIONS),
-                     help="synthetic length distribution (default: commoncrawl)")
-    p.add_argument("--batch", type=int, default=512, help="sequences per step with --dist (default 512)")
+    add_batch_source_args(p, default_dist="commoncrawl")
     p.add_argument("--steps", type=int, default=5, help="steps with --dist (default 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-seq-len", type=parse_tokens, metavar="L",

@@ -252,45 +252,20 @@ def list_schedule(ops: list[list[tuple[int, int]]], fwd: np.ndarray, bwd: np.nda
             op_list = ops[p]
             while ptr[p] < len(op_list):
                 kind, k = op_list[ptr[p]]
-                ready = free_l[p]
-                ok = True
+                # (end time of a dependency or None if it has not run, delay after it)
                 if kind == FWD:
-                    if p > 0:
-                        e = end_l[FWD][p - 1][k]
-                        if e is None:
-                            ok = False
-                        else:
-                            ready = max(ready, e + p2p_l[k])
-                    if ok:
-                        for j in fwd_pred[k]:
-                            e = end_l[FWD][p][j]
-                            if e is None:
-                                ok = False
-                                break
-                            ready = max(ready, e)
+                    deps = [(end_l[FWD][p - 1][k], p2p_l[k])] if p > 0 else []
+                    deps += [(end_l[FWD][p][j], 0.0) for j in fwd_pred[k]]
                     dur = fwd_l[p][k]
                 else:
-                    e = end_l[FWD][p][k]
-                    if e is None:
-                        ok = False
-                    else:
-                        ready = max(ready, e)
-                    if ok and p < P - 1:
-                        e = end_l[BWD][p + 1][k]
-                        if e is None:
-                            ok = False
-                        else:
-                            ready = max(ready, e + p2p_l[k])
-                    if ok:
-                        for j in bwd_pred[k]:
-                            e = end_l[BWD][p][j]
-                            if e is None:
-                                ok = False
-                                break
-                            ready = max(ready, e)
+                    deps = [(end_l[FWD][p][k], 0.0)]
+                    if p < P - 1:
+                        deps.append((end_l[BWD][p + 1][k], p2p_l[k]))
+                    deps += [(end_l[BWD][p][j], 0.0) for j in bwd_pred[k]]
                     dur = bwd_l[p][k]
-                if not ok:
+                if any(e is None for e, _ in deps):
                     break
+                ready = max([free_l[p]] + [e + delay for e, delay in deps])
                 begin[kind, p, k] = ready
                 end_l[kind][p][k] = ready + dur
                 free_l[p] = ready + dur
