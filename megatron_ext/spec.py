@@ -39,10 +39,23 @@ class ModelSpec:
     num_query_groups: int | None = None  # KV heads (GQA); None means multi-head
     ffn_hidden_size: int | None = None
     vocab_size: int = 50257
+    activation_bytes: int = 2  # bytes per activation element sent or kept (bf16: 2; the fp32 CPU runtime: 4)
+    swiglu: bool = False  # gated MLP (three FFN matrices, LLaMA) rather than two (GPT)
 
     @property
     def kv_heads(self) -> int:
         return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_flops_share(self) -> float:
+        """Share of the model's per-token matmul work in the output layer (vocab x hidden), which
+        only the last pipeline stage does; the rest is spread evenly over the layers."""
+        h = self.hidden_size
+        kv = self.kv_heads * (h // self.num_attention_heads)
+        ffn = self.ffn_hidden_size or 4 * h
+        layer = h * (h + 2 * kv) + h * h + (3 if self.swiglu else 2) * h * ffn
+        head = h * self.vocab_size
+        return head / (self.num_layers * layer + head)
 
     @property
     def max_sp_degree(self) -> int:
@@ -63,6 +76,9 @@ class ClusterSpec:
     memory_gb: float  # usable per GPU
     a2a_bandwidth_gbps: dict[int, float] = field(default_factory=dict)
     p2p_bandwidth_gbps: float | None = None
+    # ms per all_to_all call by degree, on top of bytes / bandwidth (what `profile` measures; the
+    # published GPU tables have none, and their large messages make it negligible)
+    a2a_latency_ms: dict[int, float] = field(default_factory=dict)
 
     @property
     def num_gpus(self) -> int:
@@ -78,6 +94,11 @@ class ClusterSpec:
         if not known:
             raise ConfigError(f"cluster {self.name!r}: no all-to-all bandwidth for degree {degree}")
         return self.a2a_bandwidth_gbps[max(known)]
+
+    def a2a_latency(self, degree: int) -> float:
+        """ms per all_to_all call of a degree-d group (the widest tabulated degree's beyond the table)."""
+        known = [d for d in self.a2a_latency_ms if d <= degree]
+        return float(self.a2a_latency_ms[max(known)]) if known else 0.0
 
 
 def _check(cond: bool, what: str, msg: str) -> None:
@@ -132,6 +153,7 @@ def validate_model(m: ModelSpec) -> ModelSpec:
     _check(m.num_query_groups is None or (isinstance(m.num_query_groups, int) and m.num_query_groups > 0), what,
            f"num_query_groups must be a positive integer, got {m.num_query_groups!r}")
     _check(m.num_attention_heads % m.kv_heads == 0, what, "num_attention_heads must divide by num_query_groups")
+    _check(m.activation_bytes in (1, 2, 4, 8), what, f"activation_bytes must be 1, 2, 4 or 8, got {m.activation_bytes!r}")
     return m
 
 
@@ -144,11 +166,13 @@ def validate_cluster(c: ClusterSpec) -> ClusterSpec:
            f"is not a power of two")
     _check(isinstance(c.memory_gb, (int, float)) and c.memory_gb > 0, what, "memory_gb must be positive")
     bw = c.a2a_bandwidth_gbps
-    _check(isinstance(bw, dict), what, "a2a_bandwidth_gbps must map degree -> GB/s")
-    for d, v in bw.items():
-        _check(isinstance(d, int) and is_power_of_two(d) and d >= 2, what,
-               f"a2a_bandwidth_gbps key {d!r} is not a power-of-two degree >= 2")
-        _check(isinstance(v, (int, float)) and v > 0, what, f"a2a_bandwidth_gbps[{d}] must be positive")
+    for name, table, positive in (("a2a_bandwidth_gbps", bw, True), ("a2a_latency_ms", c.a2a_latency_ms, False)):
+        _check(isinstance(table, dict), what, f"{name} must map degree -> number")
+        for d, v in table.items():
+            _check(isinstance(d, int) and is_power_of_two(d) and d >= 2, what,
+                   f"{name} key {d!r} is not a power-of-two degree >= 2")
+            _check(isinstance(v, (int, float)) and (v > 0 if positive else v >= 0), what,
+                   f"{name}[{d}] must be {'positive' if positive else 'non-negative'}")
     if c.num_gpus > 1:
         _check(any(d <= 2 for d in bw), what, "a2a_bandwidth_gbps needs an entry for degree 2")
     return c
@@ -192,9 +216,10 @@ def load_cluster(ref: str | ClusterSpec) -> ClusterSpec:
 
 def cluster_from_mapping(data: dict) -> ClusterSpec:
     data = dict(data)
-    if isinstance(data.get("a2a_bandwidth_gbps"), dict):
-        try:
-            data["a2a_bandwidth_gbps"] = {int(k): v for k, v in data["a2a_bandwidth_gbps"].items()}
-        except (TypeError, ValueError):
-            raise ConfigError(f"cluster {data['name']!r}: a2a_bandwidth_gbps keys must be integer degrees") from None
+    for name in ("a2a_bandwidth_gbps", "a2a_latency_ms"):
+        if isinstance(data.get(name), dict):
+            try:
+                data[name] = {int(k): v for k, v in data[name].items()}
+            except (TypeError, ValueError):
+                raise ConfigError(f"cluster {data['name']!r}: {name} keys must be integer degrees") from None
     return validate_cluster(_build(ClusterSpec, data, f"cluster {data.get('name')!r}"))

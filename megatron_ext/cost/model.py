@@ -1,8 +1,9 @@
 """The FlexSP cost model (PAPERS.md section 1): time and memory of Ulysses SP groups.
 
 A group of degree d running sequences S costs, in milliseconds,
-    b1 + sum_s (a1 s^2 + a2 s) / d + [d > 1] sum_s (8 L h s 2 / 2^20 / d) / bw[d]
-(4 all-to-alls per layer, forward and backward, 2-byte activations; MB over GB/s is ms).
+    b1 + sum_s (a1 s^2 + a2 s) / d + [d > 1] (sum_s (8 L h s e / 2^20 / d) / bw[d] + 8 L lat[d])
+(4 all-to-alls per layer, forward and backward, of e-byte activations (the model's
+activation_bytes, 2 for bf16); MB over GB/s is ms; lat[d]: the cluster's per-call latency).
 Its memory per GPU is sum_s s / d * act_mb_per_token + model states. A micro-batch costs the
 max over its groups, a step the sum over its micro-batches. Pure Python + numpy: no torch.
 """
@@ -118,8 +119,19 @@ class CostModel:
         if degree == 1:
             return 0.0
         m = self.model
-        mb_per_token = 8 * m.num_layers * m.hidden_size * 2 / 2**20
+        mb_per_token = 8 * m.num_layers * m.hidden_size * m.activation_bytes / 2**20
         return mb_per_token / degree / self.cluster.a2a_bandwidth(degree)
+
+    def a2a_latency_ms(self, degree: int, layers: int | None = None) -> float:
+        """Latency of the 8 all-to-all calls per layer (forward and backward) of a degree-d group
+        over ``layers`` layers (default: all)."""
+        if degree == 1:
+            return 0.0
+        return 8 * (self.model.num_layers if layers is None else layers) * self.cluster.a2a_latency(degree)
+
+    def group_fixed_ms(self, degree: int) -> float:
+        """What a group pays per micro-batch whatever it runs: b1 and its all-to-all latency."""
+        return self.model.b1 + self.a2a_latency_ms(degree)
 
     def seq_time_ms(self, seq_len, degree: int):
         """Time of sequence(s) in a degree-d group, without the per-group b1 (array-friendly)."""
@@ -128,7 +140,7 @@ class CostModel:
         return (m.a1 * s * s + m.a2 * s) / degree + s * self.comm_ms_per_token(degree)
 
     def group_time_ms(self, lengths, degree: int) -> float:
-        return self.model.b1 + float(np.sum(self.seq_time_ms(lengths, degree)))
+        return self.group_fixed_ms(degree) + float(np.sum(self.seq_time_ms(lengths, degree)))
 
     def cheapest_gpu_ms(self, lengths) -> np.ndarray:
         """GPU-milliseconds of each sequence at its cheapest feasible degree (for lower bounds)."""
@@ -152,5 +164,6 @@ class CostModel:
             return 0.0
         spread = self.min_microbatches(lengths) * self.model.b1 + float(self.cheapest_gpu_ms(lengths).sum()) / self.num_gpus
         longest = int(lengths.max())
-        fastest = min(float(self.seq_time_ms(longest, d)) for d in self.degrees if longest <= self.token_capacity(d))
+        fastest = min(float(self.seq_time_ms(longest, d)) + self.a2a_latency_ms(d) for d in self.degrees
+                      if longest <= self.token_capacity(d))
         return max(spread, self.model.b1 + fastest)

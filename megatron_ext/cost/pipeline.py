@@ -5,14 +5,18 @@ A pipeline has ``pp`` stages of ``L_s = L / pp`` layers each; every stage is one
 the layers, so a stage does ``L_s / L`` of them. For one chunk on one stage (milliseconds):
 
     work    = sum over pieces of  a1 ((C + s)^2 - C^2) + a2 s       (C: prefix already processed)
-    compute = L_s / L * work / sp
+    compute = (L_s / L * attention + share_p * a2 tokens) / sp      (attention = work - a2 tokens)
     a2a     = L_s / L * tokens * comm_ms_per_token(sp)            (4 all-to-alls per layer, fwd+bwd)
-    fixed   = L_s / L * b1 * b1_scale                             (the paper's b1 / d_p)
+    fixed   = L_s / L * b1 * b1_scale + 8 L_s lat[sp]             (the paper's b1 / d_p, 2 beta(d_s) 2 L / d_p)
     stage   = compute + a2a + fixed;  forward = stage / 3,  backward = 2 stage / 3
 
+The output layer's matmuls (ModelSpec.head_flops_share of the per-token work, h x vocab) run on
+the last stage only: share_p = (1 - head) / pp, plus head on the last stage. The planner's own
+searches use the average stage (share 1 / pp); the simulator times every stage with its own.
 The 1/3 : 2/3 split of forward and backward is the usual FLOP ratio (the backward computes the
 gradients of both the input and the weights); recomputing ``r`` layers costs ``r / L_s`` of the
-forward. p2p between stages: ``tokens * hidden * 2 bytes`` over ``p2p_bandwidth_gbps``.
+forward. p2p between stages: ``tokens * hidden * e bytes`` over ``p2p_bandwidth_gbps`` (e: the
+model's activation_bytes).
 
 ``b1_scale`` (default 1): the fixed cost a chunk pays on one stage, as a fraction of the model's
 per-micro-batch fixed cost b1 spread over the stages: ``fixed = b1_scale * b1 / pp``.
@@ -35,11 +39,15 @@ per-micro-batch fixed cost b1 spread over the stages: ``fixed = b1_scale * b1 / 
 Memory per GPU of a stage, MB:
 - model states of the stage's layers (params_b / pp), ZeRO-sharded over the stage's sp ranks
   at the CostModel's ZeRO stage;
-- per in-flight chunk: ``tokens * act_layer * L_s`` (act_layer = act_mb_per_token / L / sp),
-  plus on the last stage its logits, ``tokens * vocab * 4 bytes / sp``;
-- recomputing a layer of a chunk keeps only its input (``hidden * 2`` bytes per token) and, for
-  pieces of split sequences, their K/V (``2 * kv_heads * head_dim * 2`` bytes per token): later
-  slices attend to it, so it stays until the slice's backward, checkpointed or not;
+- per in-flight chunk: ``tokens * act_layer * L_s``, plus on the last stage its logits,
+  ``tokens * vocab * 4 bytes / sp`` (fp32 for the loss). act_mb_per_token is the whole model's
+  figure, logits included, so act_layer = (act_mb_per_token - logits) / L / sp;
+- pieces of split sequences: the prefix cache keeps a copy of their K/V (``2 * kv_heads *
+  head_dim * e`` bytes per token and layer), which later slices attend to, so it stays until the
+  slice's backward, checkpointed or not; a slice with a prefix of C tokens saves the
+  concatenated prefix K/V (C tokens) for its attention's backward;
+- recomputing a layer of a chunk keeps only its input (``hidden * e`` bytes per token) and the
+  cached K/V;
 - while a split sequence runs backward, the gradient of its prefix K/V (same size as the K/V of
   the tokens before the current slice) waits for the earlier slices' backward.
 Pure Python + numpy.
@@ -116,23 +124,38 @@ class PipelineCost:
 
     @cached_property
     def fixed_ms(self) -> float:
-        """Per-chunk fixed cost on one stage (fwd+bwd)."""
-        return self.cost.model.b1 * self.b1_scale * self.stage_share
+        """Per-chunk fixed cost on one stage (fwd+bwd): its share of b1 and its all-to-all latency."""
+        return self.cost.model.b1 * self.b1_scale * self.stage_share + \
+            self.cost.a2a_latency_ms(self.sp, self.layers_per_stage)
 
-    def stage_ms(self, work, tokens):
-        """Fwd+bwd ms of a chunk on one stage, from its whole-model work and token count."""
-        return (np.asarray(work, dtype=np.float64) * self.stage_share / self.sp
-                + np.asarray(tokens, dtype=np.float64) * self.comm_ms_per_token + self.fixed_ms)
+    def linear_share(self, stage: int | None = None, head: bool = True) -> float:
+        """Share of the model's per-token (a2) work a stage does: None, the average stage;
+        ``head=False``, its layers alone."""
+        if stage is None and head:
+            return self.stage_share
+        h = self.cost.model.head_flops_share
+        return (1.0 - h) * self.stage_share + (h if head and stage == self.pp - 1 else 0.0)
 
-    def fwd_ms(self, work, tokens):
-        return FWD_FRACTION * self.stage_ms(work, tokens)
+    def stage_ms(self, work, tokens, stage: int | None = None, head: bool = True):
+        """Fwd+bwd ms of a chunk on one stage (None: the average stage), from its whole-model work
+        and token count."""
+        tokens = np.asarray(tokens, dtype=np.float64)
+        linear = self.cost.model.a2 * tokens
+        attention = np.asarray(work, dtype=np.float64) - linear
+        return ((attention * self.stage_share + linear * self.linear_share(stage, head)) / self.sp
+                + tokens * self.comm_ms_per_token + self.fixed_ms)
 
-    def bwd_ms(self, work, tokens):
-        return (1.0 - FWD_FRACTION) * self.stage_ms(work, tokens)
+    def fwd_ms(self, work, tokens, stage: int | None = None):
+        return FWD_FRACTION * self.stage_ms(work, tokens, stage)
+
+    def bwd_ms(self, work, tokens, stage: int | None = None):
+        return (1.0 - FWD_FRACTION) * self.stage_ms(work, tokens, stage)
 
     def recompute_ms(self, work, tokens, layers):
-        """Re-running the forward of ``layers`` of the stage's layers for a chunk."""
-        return self.fwd_ms(work, tokens) * np.asarray(layers, dtype=np.float64) / self.layers_per_stage
+        """Re-running the forward of ``layers`` of the stage's layers for a chunk (the output
+        layer is never recomputed)."""
+        per_layer = FWD_FRACTION * self.stage_ms(work, tokens, head=False) / self.layers_per_stage
+        return per_layer * np.asarray(layers, dtype=np.float64)
 
     @cached_property
     def p2p_bandwidth_gbps(self) -> float:
@@ -144,7 +167,7 @@ class PipelineCost:
     def p2p_ms(self, tokens):
         """Sending a chunk's activations (or their gradients) to the next (previous) stage."""
         m = self.cost.model
-        return np.asarray(tokens, dtype=np.float64) * m.hidden_size * 2 / _MB / self.p2p_bandwidth_gbps
+        return np.asarray(tokens, dtype=np.float64) * m.hidden_size * m.activation_bytes / _MB / self.p2p_bandwidth_gbps
 
     # ---- time along a sequence (for balanced slicing) -----------------------------------
     @cached_property
@@ -185,35 +208,41 @@ class PipelineCost:
 
     @cached_property
     def act_layer_mb(self) -> float:
-        """Stored activations per token per layer on one GPU."""
+        """Stored activations per token per layer on one GPU (the logits are the last stage's)."""
         m = self.cost.model
-        return m.act_mb_per_token / m.num_layers / self.sp
+        return max(0.0, m.act_mb_per_token - m.vocab_size * 4 / _MB) / m.num_layers / self.sp
 
     @cached_property
     def input_layer_mb(self) -> float:
-        """A checkpointed layer keeps its input: hidden * 2 bytes per token."""
-        return self.cost.model.hidden_size * 2 / _MB / self.sp
+        """A checkpointed layer keeps its input: hidden * activation_bytes per token."""
+        m = self.cost.model
+        return m.hidden_size * m.activation_bytes / _MB / self.sp
 
     @cached_property
     def kv_layer_mb(self) -> float:
-        """K and V of one token in one layer, bf16, on one GPU."""
+        """K and V of one token in one layer, on one GPU."""
         m = self.cost.model
         head_dim = m.hidden_size / m.num_attention_heads
-        return 2 * m.kv_heads * head_dim * 2 / _MB / self.sp
+        return 2 * m.kv_heads * head_dim * m.activation_bytes / _MB / self.sp
 
     @cached_property
     def logits_mb(self) -> float:
         """fp32 logits of one token on one GPU (last stage)."""
         return self.cost.model.vocab_size * 4 / _MB / self.sp
 
-    def chunk_memory(self, tokens, split_tokens, last_stage: bool):
+    def chunk_memory(self, tokens, split_tokens, prefix_tokens, last_stage: bool):
         """(I, F): memory a chunk holds between its forward and backward with no recompute, and
-        what each recomputed layer saves of it."""
+        what each recomputed layer saves of it. Beyond the layers' activations: the prefix cache's
+        copy of the K/V of split pieces (``split_tokens``; kept under recompute too), and the K/V
+        of the prefixes the chunk's slices attended to (``prefix_tokens``), concatenated and
+        saved for the attention's backward (dropped by recompute)."""
         tokens = np.asarray(tokens, dtype=np.float64)
         split_tokens = np.asarray(split_tokens, dtype=np.float64)
+        prefix_tokens = np.asarray(prefix_tokens, dtype=np.float64)
         L_s = self.layers_per_stage
-        full = tokens * self.act_layer_mb * L_s + (tokens * self.logits_mb if last_stage else 0.0)
-        save = np.maximum(0.0, tokens * (self.act_layer_mb - self.input_layer_mb) - split_tokens * self.kv_layer_mb)
+        full = (tokens * self.act_layer_mb + (split_tokens + prefix_tokens) * self.kv_layer_mb) * L_s \
+            + (tokens * self.logits_mb if last_stage else 0.0)
+        save = np.maximum(0.0, tokens * (self.act_layer_mb - self.input_layer_mb) + prefix_tokens * self.kv_layer_mb)
         return full, save
 
     def dkv_mb(self, tokens):
@@ -222,11 +251,13 @@ class PipelineCost:
 
     def min_sequence_memory_mb(self, seq_len: int, slice_tokens: int) -> float:
         """Least stage-0 activation memory a sequence needs alone: every slice in flight with
-        every layer recomputed (input + K/V kept), one slice re-materialized for its backward."""
+        every layer recomputed (input + cached K/V kept), the last slice re-materialized for its
+        backward with its prefix's K/V."""
         L_s = self.layers_per_stage
         kept = seq_len * (self.input_layer_mb + self.kv_layer_mb) * L_s
-        one = min(slice_tokens, seq_len) * (self.act_layer_mb - self.input_layer_mb - self.kv_layer_mb) * L_s
-        return kept + max(0.0, one) + self.dkv_mb(seq_len)
+        s = min(slice_tokens, seq_len)
+        one = (s * (self.act_layer_mb - self.input_layer_mb) + (seq_len - s) * self.kv_layer_mb) * L_s
+        return kept + one + self.dkv_mb(seq_len)
 
     def zero_domain_b1_scale(self) -> float:
         """An estimate of b1_scale when a stage shards parameters inside its node: the ratio of

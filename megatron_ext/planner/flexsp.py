@@ -45,7 +45,13 @@ class _Batch:
         self.best_gpu_ms = gpu_ms.min(axis=1)
         self.fastest = np.where(self.fits, self.time, np.inf).min(axis=1)
         self.b1 = cost.model.b1
+        # per degree, what a group pays beyond b1 whatever it runs (its all-to-all latency)
+        self.lat = np.array([cost.group_fixed_ms(int(d)) - cost.model.b1 for d in self.degrees])
         self.n = cost.num_gpus
+
+    def group_load(self, d: int, ids) -> float:
+        """ms of a group of degree index ``d`` running ``ids``, without b1."""
+        return float(self.lat[d] + self.time[ids, d].sum())
 
 
 class _DegreeLP:
@@ -94,13 +100,14 @@ class _DegreeLP:
                   np.array(idx, dtype=np.int32), np.array(val, dtype=np.float64))
         self.h, self.nf, self.D = h, nf, D
         self.col_tmax = np.array([self.tmax[q, d] for q, d in self.cols])
+        self.col_lat = np.array([batch.lat[d] for _, d in self.cols])
 
     def gpus_needed(self, C: float) -> float:
         """LP optimum (fractional GPUs) for makespan target C (ms, excluding b1); inf if infeasible."""
         h, nf = self.h, self.nf
         for d in range(self.D):
-            h.changeCoeff(self.time_row0 + d, nf + d, -C)
-        ub = (self.col_tmax <= C).astype(np.float64)
+            h.changeCoeff(self.time_row0 + d, nf + d, -max(C - self.batch.lat[d], 0.0))
+        ub = (self.col_tmax + self.col_lat <= C).astype(np.float64)
         h.changeColsBounds(nf, np.arange(nf, dtype=np.int32), np.zeros(nf), ub)
         h.run()
         if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
@@ -158,7 +165,8 @@ def _round_groups(batch: _Batch, lp: _DegreeLP, C: float) -> tuple[list[int], np
     for d in range(lp.D):
         mine = [i for i, dd in pref.items() if dd == d]
         if mine:
-            need[d] = max(batch.time[mine, d].sum() / C, batch.lengths[mine].sum() / batch.cap[d], 1.0)
+            need[d] = max(batch.time[mine, d].sum() / max(C - batch.lat[d], 1e-9), batch.lengths[mine].sum() / batch.cap[d],
+                          1.0)
     count = np.minimum(np.floor(need + 1e-6), np.floor(nfrac + 1e-6)).astype(int)
     count = np.where(need > 0, np.maximum(count, 1), 0)
     while (count * batch.degrees).sum() > batch.n:  # too many groups: drop from the smallest needs
@@ -180,9 +188,9 @@ def _round_groups(batch: _Batch, lp: _DegreeLP, C: float) -> tuple[list[int], np
 def _assign(batch: _Batch, ids: np.ndarray, group_deg_idx: np.ndarray, pref: dict) -> list[list[int]] | None:
     """Longest first: least-loaded group of the preferred degree with room, else the group
     (any degree that holds it) where it finishes earliest. None if some sequence fits nowhere."""
-    G = len(group_deg_idx)
-    load = np.zeros(G)
+    load = batch.lat[group_deg_idx].astype(np.float64)
     room = batch.cap[group_deg_idx].astype(np.float64)
+    G = len(group_deg_idx)
     members: list[list[int]] = [[] for _ in range(G)]
     for i in ids[np.argsort(-batch.lengths[ids], kind="stable")]:
         s = batch.lengths[i]
@@ -248,19 +256,19 @@ def _pack_at(batch: _Batch, ids: np.ndarray, C: float) -> tuple[list[int], list[
                 room[g] -= s
                 members[g].append(int(i))
                 continue
-        fit = np.flatnonzero(batch.fits[i] & (t <= C))
+        fit = np.flatnonzero(batch.fits[i] & (t + batch.lat <= C))
         if not len(fit) or used + batch.degrees[fit[0]] > batch.n:
             return None
         d = int(fit[0])
         used += int(batch.degrees[d])
-        gdi[G], gpus[G], load[G], room[G] = d, batch.degrees[d], t[d], batch.cap[d] - s
+        gdi[G], gpus[G], load[G], room[G] = d, batch.degrees[d], batch.lat[d] + t[d], batch.cap[d] - s
         members.append([int(i)])
         G += 1
     return gdi[:G].tolist(), members
 
 
 def _span(batch: _Batch, gdi, members) -> float:
-    return batch.b1 + max(batch.time[m, d].sum() for d, m in zip(gdi, members))
+    return batch.b1 + max(batch.group_load(d, m) for d, m in zip(gdi, members))
 
 
 def _solve_part(batch: _Batch, ids: np.ndarray, options: PlannerOptions) -> list[tuple[Groups, float]]:
@@ -319,12 +327,12 @@ def _milp_improve(batch: _Batch, ids: np.ndarray, incumbent: tuple[list[int], li
     T = _span(batch, gdi0, members0) - batch.b1
     groups = []  # virtual groups: degree index per copy
     for d in range(len(batch.degrees)):
-        runnable = int((batch.fits[ids, d] & (batch.time[ids, d] <= T)).sum())
+        runnable = int((batch.fits[ids, d] & (batch.time[ids, d] + batch.lat[d] <= T)).sum())
         copies = max(min(batch.n // int(batch.degrees[d]), runnable), gdi0.count(d))
         groups += [d] * copies
     P, K = len(groups), len(ids)
     pairs = [(k, p) for k in range(K) for p in range(P)
-             if batch.fits[ids[k], groups[p]] and batch.time[ids[k], groups[p]] <= T * (1 + 1e-9)]
+             if batch.fits[ids[k], groups[p]] and batch.time[ids[k], groups[p]] + batch.lat[groups[p]] <= T * (1 + 1e-9)]
     nx = len(pairs)
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
@@ -350,7 +358,8 @@ def _milp_improve(batch: _Batch, ids: np.ndarray, incumbent: tuple[list[int], li
         row(1, 1, by_k[k], [1.0] * len(by_k[k]))
     inf = highspy.kHighsInf
     for p in range(P):
-        row(-inf, 0, by_p[p] + [ncol - 1], [batch.time[ids[pairs[j][0]], groups[p]] for j in by_p[p]] + [-1.0])
+        row(-inf, 0, by_p[p] + [nx + p, ncol - 1], [batch.time[ids[pairs[j][0]], groups[p]] for j in by_p[p]]
+            + [float(batch.lat[groups[p]]), -1.0])
         row(-inf, 0, by_p[p] + [nx + p], [float(batch.lengths[ids[pairs[j][0]]]) for j in by_p[p]]
             + [-float(batch.cap[groups[p]])])
         if p + 1 < P and groups[p + 1] == groups[p]:  # symmetry: use copies in order
@@ -438,7 +447,7 @@ def _homogeneous_packings(batch: _Batch, lengths: np.ndarray, cost: CostModel) -
     out = []
     for d in cost.degrees:
         if d >= lowest:
-            mbs = [(groups, batch.b1 + max(batch.time[ids, np.searchsorted(batch.degrees, g)].sum() for g, ids in groups))
+            mbs = [(groups, batch.b1 + max(batch.group_load(np.searchsorted(batch.degrees, g), ids) for g, ids in groups))
                    for groups in static_packing(lengths, cost, d)]
             out.append((mbs, sum(t for _, t in mbs)))
     return sorted(out, key=lambda c: c[1])
@@ -453,7 +462,7 @@ def _cheapest_degree_start(batch: _Batch, options: PlannerOptions) -> tuple[list
     groups = []
     for d in np.unique(cheapest):
         for ids in best_fit_bins(np.flatnonzero(cheapest == d), batch.lengths, int(batch.cap[d])):
-            groups.append((float(batch.time[ids, d].sum()), int(batch.degrees[d]), ids))
+            groups.append((batch.group_load(d, ids), int(batch.degrees[d]), ids))
     groups.sort(key=lambda g: (-g[0], -g[1], g[2][0]))
     mbs: list[list] = []
     free: list[int] = []
@@ -471,7 +480,7 @@ def _replan(batch: _Batch, mbs: list[Groups], options: PlannerOptions) -> tuple[
     """Each micro-batch of a plan re-solved with mixed degrees where that is faster."""
     out = []
     for groups in mbs:
-        span = batch.b1 + max(batch.time[ids, np.searchsorted(batch.degrees, d)].sum() for d, ids in groups)
+        span = batch.b1 + max(batch.group_load(np.searchsorted(batch.degrees, d), ids) for d, ids in groups)
         mixed = _solve_part(batch, np.array(sorted(i for _, m in groups for i in m)), options)
         out += mixed if sum(t for _, t in mixed) < span else [(groups, span)]
     return out, sum(t for _, t in out)

@@ -36,8 +36,8 @@ block-diagonal causal mask -> all-to-all back -> ``[S/d, 1, heads * head_dim]``.
 all-to-all is an autograd function that captures its group, so backward needs no context.
 
 Backends, chosen per module with ``backend=``: ``"sdpa"`` (torch scaled_dot_product_attention with a
-block-diagonal boolean mask, or one call per sequence when the dense mask would be large; works
-on CPU), ``"flash"`` (flash-attn ``flash_attn_varlen_func``) and ``"te"`` (Transformer Engine
+block-diagonal mask, or one call per sequence when the dense mask would be large; works on CPU,
+where the mask is rebuilt for the backward rather than kept, so activations stay linear in tokens), ``"flash"`` (flash-attn ``flash_attn_varlen_func``) and ``"te"`` (Transformer Engine
 ``DotProductAttention`` in "thd" format); the last two need CUDA and are only imported when
 chosen. ``"auto"`` picks flash, then TE, when installed and the tensors are on CUDA, else SDPA.
 
@@ -288,8 +288,51 @@ def _block_causal_mask(bounds: Sequence[int], causal: bool, device) -> Tensor:
 
 # ---- attention over packed segments --------------------------------------------------------------
 
+class _MaskedFlashCPU(torch.autograd.Function):
+    """CPU flash attention under a mask that is rebuilt for the backward instead of saved: what
+    autograd keeps stays linear in the tokens (q, k, v, out, logsumexp) as on GPU kernels, where
+    F.scaled_dot_product_attention would keep the [S, S_k] float mask of every layer."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, make_mask, scale):
+        groups = q.shape[1] // k.shape[1]
+        ke, ve = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (k, v))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, ke, ve, 0.0, False, attn_mask=_additive(make_mask(), q.dtype), scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.make_mask, ctx.scale, ctx.groups = make_mask, scale, groups
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        g = ctx.groups
+        ke, ve = (t.repeat_interleave(g, dim=1) if g > 1 else t for t in (k, v))
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad.contiguous(), q, ke, ve, out, lse, 0.0, False, attn_mask=_additive(ctx.make_mask(), q.dtype),
+            scale=ctx.scale)
+        if g > 1:  # each KV head served ``g`` query heads
+            dk = dk.unflatten(1, (k.shape[1], g)).sum(2)
+            dv = dv.unflatten(1, (v.shape[1], g)).sum(2)
+        return dq, dk, dv, None, None
+
+
+def _additive(mask: Tensor, dtype) -> Tensor:
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def masked_sdpa(qb: Tensor, kb: Tensor, vb: Tensor, make_mask, scale: float, dropout_p: float) -> Tensor:
+    """Attention of ``qb`` [1, hq, S, d] over ``kb``/``vb`` [1, hk, S_k, d] where ``make_mask()``
+    (bool [S, S_k], True = may attend) allows; GQA when hk < hq. On CPU without dropout the mask
+    is not kept for the backward (``_MaskedFlashCPU``)."""
+    if qb.device.type == "cpu" and dropout_p == 0.0 and qb.dtype in (torch.float32, torch.float64, torch.bfloat16):
+        return _MaskedFlashCPU.apply(qb, kb, vb, make_mask, scale)
+    return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=make_mask(), dropout_p=dropout_p, scale=scale,
+                                          enable_gqa=qb.shape[1] != kb.shape[1])
+
+
 def _sdpa_packed(q: Tensor, k: Tensor, v: Tensor, bounds: Sequence[int], causal: bool, scale: float,
-                 dropout_p: float, cache: Optional[dict]) -> Tensor:
+                 dropout_p: float) -> Tensor:
     """q [S, hq, dh], k/v [S, hk, dh] -> [S, hq, dh], attention within each segment."""
     S = q.shape[0]
     gqa = q.shape[1] != k.shape[1]
@@ -298,14 +341,8 @@ def _sdpa_packed(q: Tensor, k: Tensor, v: Tensor, bounds: Sequence[int], causal:
         o = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=dropout_p, is_causal=causal, scale=scale,
                                            enable_gqa=gqa)
     elif S * S <= SDPA_DENSE_MASK_MAX_ELEMENTS:
-        key = ("mask", causal, str(q.device))
-        mask = cache.get(key) if cache is not None else None
-        if mask is None:
-            mask = _block_causal_mask(bounds, causal, q.device)
-            if cache is not None:
-                cache[key] = mask
-        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-                                           enable_gqa=gqa)
+        o = masked_sdpa(qb, kb, vb, functools.partial(_block_causal_mask, tuple(bounds), causal, q.device), scale,
+                        dropout_p)
     else:
         o = torch.cat([F.scaled_dot_product_attention(qb[:, :, a:b], kb[:, :, a:b], vb[:, :, a:b],
                                                       dropout_p=dropout_p, is_causal=causal, scale=scale,
@@ -395,7 +432,7 @@ class UlyssesAttention(MegatronModule):
         p = self.dropout_p if self.training else 0.0
         backend = self._resolve_backend(q)
         if backend == "sdpa":
-            return _sdpa_packed(q, k, v, bounds, causal, self.softmax_scale, p, cache)
+            return _sdpa_packed(q, k, v, bounds, causal, self.softmax_scale, p)
         if not q.is_cuda:
             raise RuntimeError(f"attention backend {backend!r} needs CUDA tensors; use 'sdpa' or 'auto' on CPU")
         cu = cache.get("cu") if cache is not None else None

@@ -451,7 +451,8 @@ def recompute_layers(model, n: int):
 
 @dataclass
 class PipelineStepStats:
-    """Wall time of this rank's ops (seconds), in execution order: ("F3", 0.012), ..."""
+    """Wall time of this rank's ops (seconds), in execution order: ("F3", 0.012), ... (with more
+    than one pipeline in the plan: ("F3 of pipeline 1", ...), as the simulator names them)."""
 
     ops: list[tuple[str, float]] = field(default_factory=list)
     comm_wait_s: float = 0.0
@@ -664,7 +665,8 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
                     gx = backward_step(x, out, g, model_type, config)
                     if not st.first:
                         outgoing[("grad", c)] = gx
-                stats.ops.append((f"{kind}{c}", time.perf_counter() - t1))
+                stats.ops.append((f"{kind}{c}" + (f" of pipeline {pi}" if len(schedules) > 1 else ""),
+                                  time.perf_counter() - t1))
             for work, _, _ in sends:
                 work.wait()
             if outgoing or received:

@@ -5,9 +5,15 @@ builds the model, then all ranks measure together, as in training (on a CPU box 
 cores, and that contention is part of what the coefficients must capture):
 
 - compute: forward+backward time of one sequence, over a sweep of lengths, fitted to
-  a1 s^2 + a2 s + b1 (non-negative least squares; the residuals are reported);
-- all-to-all: for every degree d, every aligned group of d ranks runs all_to_all_single at once,
-  over a sweep of sizes; time = latency + bytes / bandwidth per degree;
+  a1 s^2 + a2 s + b1 (non-negative least squares on relative error, which is what predictions
+  are judged by; the residuals are reported);
+- all-to-all, raw: for every degree d, every aligned group of d ranks runs all_to_all_single at
+  once, over a sweep of sizes; time = latency + bytes / bandwidth per degree (reported);
+- all-to-all, in place: every aligned group of d ranks runs a real Ulysses forward+backward of
+  one sequence over the same lengths; what a pass takes beyond the compute fit at degree d is
+  fitted to tokens / bandwidth + calls x latency. These effective figures are what the cost
+  model gets: they include each all-to-all's wait for its slowest member, which on ranks that
+  share cores costs far more than the raw collective;
 - p2p: send/recv between rank pairs, bandwidth;
 - activation memory per token: the bytes autograd saves for backward in a forward pass;
 - parameters: counted.
@@ -18,6 +24,7 @@ measurements and fit residuals) that ``plan``, ``simulate`` and ``train`` accept
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import statistics
 import sys
@@ -44,22 +51,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def nonnegative_fit(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Least squares of y ~ a1 x^2 + a2 x + b1 with every coefficient >= 0 (the best of the
-    unconstrained fits on each subset of the three terms that comes out non-negative)."""
-    cols = np.stack([x * x, x, np.ones_like(x)], axis=1).astype(np.float64)
-    best, best_err = np.zeros(3), np.inf
-    for k in range(1, 4):
-        for subset in itertools.combinations(range(3), k):
-            coef, *_ = np.linalg.lstsq(cols[:, subset], y, rcond=None)
+def nonnegative_fit(cols: np.ndarray, y: np.ndarray, relative: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Least squares of y ~ cols @ coef with every coefficient >= 0 (the best of the
+    unconstrained fits on each subset of the columns that comes out non-negative), on relative
+    error (rows weighted by 1 / y) unless ``relative`` is False. Returns (coef, residuals)."""
+    cols = np.asarray(cols, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    w = 1.0 / np.maximum(np.abs(y), 1e-12) if relative else np.ones_like(y)
+    k_all = cols.shape[1]
+    best, best_err = np.zeros(k_all), np.inf
+    for k in range(1, k_all + 1):
+        for subset in itertools.combinations(range(k_all), k):
+            coef, *_ = np.linalg.lstsq(cols[:, subset] * w[:, None], y * w, rcond=None)
             if (coef < 0).any():
                 continue
-            full = np.zeros(3)
+            full = np.zeros(k_all)
             full[list(subset)] = coef
-            err = float(np.sum((cols @ full - y) ** 2))
+            err = float(np.sum(((cols @ full - y) * w) ** 2))
             if err < best_err:
                 best, best_err = full, err
     return best, y - cols @ best
+
+
+def quadratic_columns(x) -> np.ndarray:
+    """[x^2, x, 1]: the columns of a1 s^2 + a2 s + b1."""
+    x = np.asarray(x, dtype=np.float64)
+    return np.stack([x * x, x, np.ones_like(x)], axis=1)
 
 
 def _progress(rank: int, done: int, total: int, what: str) -> None:
@@ -117,6 +134,52 @@ def _saved_bytes_per_token(model, vocab: int, s: int = 512) -> float:
     return sum(n for ptr, n in seen.items() if ptr not in param_ptrs) / s
 
 
+def _ulysses_sweep(model, pool, degrees, lengths, vocab: int, repeats: int, tick) -> dict[int, list[float]]:
+    """Per degree: ms of a real Ulysses forward+backward of one sequence per aligned group of d
+    ranks (every group at once), for each length; a group lasts as long as its slowest rank."""
+    from megatron_ext.runtime.attention import UlyssesPackedSeqParams
+
+    world = dist.get_world_size()
+    out = {}
+    for d in degrees:
+        me = pool.rank
+        group = pool.get(tuple(range(me // d * d, me // d * d + d)))
+        times = []
+        for s in lengths:
+            params = UlyssesPackedSeqParams.build([s], group)
+            tokens = params.shard(torch.randint(0, vocab, (s,)))[None]
+
+            def run():
+                model.zero_grad()
+                model(tokens, params.position_ids[None], None, labels=tokens, packed_seq_params=params).sum().backward()
+
+            times.append(_time(run, repeats) * 1e3)
+            tick(f"Ulysses degree {d}, {s} tokens")
+        gathered = [None] * world
+        dist.all_gather_object(gathered, times)
+        per_group = np.array(gathered).reshape(world // d, d, len(lengths)).max(axis=1)
+        out[d] = np.median(per_group, axis=0).tolist()
+    return out
+
+
+def fit_all_to_all(model_spec, lengths, ulysses_ms: dict[int, list[float]], compute, raw: dict[int, dict]) -> dict[int, dict]:
+    """Per degree, the effective all-to-all bandwidth (GB/s) and per-call latency (ms) with which
+    the cost model reproduces the measured Ulysses passes: what a pass takes beyond the compute
+    fit at degree d is fitted to tokens x ms_per_token + 8 L x latency. A degree whose excess does
+    not grow with the tokens keeps its raw bandwidth."""
+    a1, a2, b1 = compute
+    s = np.asarray(lengths, dtype=np.float64)
+    per_token_mb = 8 * model_spec.num_layers * model_spec.hidden_size * model_spec.activation_bytes / 2**20
+    out = {}
+    for d, ms in ulysses_ms.items():
+        excess = np.asarray(ms) - (b1 + (a1 * s * s + a2 * s) / d)
+        (ms_per_token, fixed), resid = nonnegative_fit(np.stack([s, np.ones_like(s)], axis=1), excess, relative=False)
+        bw = per_token_mb / d / ms_per_token if ms_per_token > 1e-12 else raw[d]["bandwidth_gbps"]
+        out[d] = {"bandwidth_gbps": float(bw), "latency_ms": float(fixed) / (8 * model_spec.num_layers),
+                  "measured_ms": [round(float(x), 3) for x in ms], "residual_ms": [round(float(x), 3) for x in resid]}
+    return out
+
+
 def _a2a_sweep(pool, world: int, repeats: int, tick) -> dict[int, dict]:
     """Per degree: latency (ms) and bandwidth (GB/s) of all_to_all_single, every group at once."""
     sizes_mb = [0.25, 1.0, 4.0]
@@ -140,6 +203,10 @@ def _a2a_sweep(pool, world: int, repeats: int, tick) -> dict[int, dict]:
                   "bandwidth_gbps": float(1.0 / 1024 / max(slope, 1e-12))}  # MB per second -> GB/s
         d *= 2
     return out
+
+
+def _activation_bytes(model) -> int:
+    return next(model.parameters()).element_size()
 
 
 def _p2p_bandwidth(world: int, repeats: int) -> float:
@@ -190,7 +257,7 @@ def _profile(args) -> int:
     vocab = base.model.vocab_size
     model, _ = build_pipeline_model(base.model, vocab, max(lengths), "auto", ddp=False)
     degrees = [d for d in (2**i for i in range(1, 12)) if d <= world]
-    total = len(lengths) + 3 * len(degrees) + 2
+    total = len(lengths) + 3 * len(degrees) + 2 + len(degrees) * len(lengths)
     done = [0]
 
     def tick(what):
@@ -201,10 +268,13 @@ def _profile(args) -> int:
     gathered = [None] * world
     dist.all_gather_object(gathered, times_ms)
     per_length = np.median(np.array(gathered), axis=0)  # ranks ran concurrently; take the typical one
-    (a1, a2, b1), residual = nonnegative_fit(np.array(lengths, dtype=np.float64), per_length)
+    (a1, a2, b1), residual = nonnegative_fit(quadratic_columns(lengths), per_length)
     act_mb = _saved_bytes_per_token(model, vocab) / 2**20
     tick("activation memory")
-    a2a = _a2a_sweep(pool, world, args.repeats, tick)
+    raw = _a2a_sweep(pool, world, args.repeats, tick)
+    spec = dataclasses.replace(base.model, vocab_size=vocab, activation_bytes=_activation_bytes(model))
+    a2a = fit_all_to_all(spec, lengths, _ulysses_sweep(model, pool, degrees, lengths, vocab, args.repeats, tick),
+                         (a1, a2, b1), raw)
     p2p = _p2p_bandwidth(world, args.repeats)
     tick("p2p")
     params_b = sum(p.numel() for p in model.parameters()) / 1e9
@@ -214,16 +284,20 @@ def _profile(args) -> int:
             "model": {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
                       "num_attention_heads": m.num_attention_heads, "num_query_groups": m.kv_heads,
                       "ffn_hidden_size": m.ffn_hidden_size, "vocab_size": vocab, "params_b": round(params_b, 9),
+                      "activation_bytes": spec.activation_bytes,
                       "act_mb_per_token": round(act_mb, 6), "a1": float(a1), "a2": float(a2), "b1": float(b1)},
             "cluster": {"num_nodes": c.num_nodes, "gpus_per_node": c.gpus_per_node, "memory_gb": c.memory_gb,
                         "a2a_bandwidth_gbps": {d: round(v["bandwidth_gbps"], 4) for d, v in a2a.items()},
+                        "a2a_latency_ms": {d: round(v["latency_ms"], 4) for d, v in a2a.items()},
                         "p2p_bandwidth_gbps": round(p2p, 4)},
             "profile": {
                 "host": dist.get_backend(), "ranks": world, "lengths": lengths,
                 "fwd_bwd_ms": [round(float(t), 3) for t in per_length],
                 "fit_residual_ms": [round(float(r), 3) for r in residual],
                 "fit_rel_error": round(float(np.median(np.abs(residual) / per_length)), 4),
-                "a2a_latency_ms": {d: round(v["latency_ms"], 4) for d, v in a2a.items()},
+                "raw_a2a": {d: {k: round(x, 4) for k, x in v.items()} for d, v in raw.items()},
+                "ulysses_fwd_bwd_ms": {d: v["measured_ms"] for d, v in a2a.items()},
+                "ulysses_fit_residual_ms": {d: v["residual_ms"] for d, v in a2a.items()},
             },
         }
         out = Path(args.out)
@@ -232,7 +306,8 @@ def _profile(args) -> int:
                        f"on {world} {dist.get_backend()} ranks.\n" + yaml.safe_dump(doc, sort_keys=False))
         print(f"a1 {a1:.3e}  a2 {a2:.4f}  b1 {b1:.2f} ms  (median fit error {doc['profile']['fit_rel_error']:.1%})\n"
               f"activation {act_mb:.4f} MB/token, {params_b * 1e3:.3f} M parameters\n"
-              + "".join(f"all-to-all degree {d}: {v['bandwidth_gbps']:.3f} GB/s, latency {v['latency_ms']:.2f} ms\n"
+              + "".join(f"all-to-all degree {d}: {v['bandwidth_gbps']:.3f} GB/s, latency {v['latency_ms']:.2f} ms per call "
+                        f"in place (raw: {raw[d]['bandwidth_gbps']:.3f} GB/s, {raw[d]['latency_ms']:.2f} ms)\n"
                         for d, v in a2a.items())
               + f"p2p {p2p:.3f} GB/s\nwrote {out}", flush=True)
     return 0

@@ -27,12 +27,15 @@ micro-batch has pieces of split sequences. A rank's cache holds its own layers o
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from megatron_ext.runtime.attention import masked_sdpa
 
 # A single dense [S, S_ext] mask up to this many elements, else one SDPA call per sequence.
 DENSE_MASK_MAX_ELEMENTS = 1 << 22
@@ -211,8 +214,7 @@ def _prefixed_mask(bounds, kbounds, prefix_lens, causal: bool, device) -> Tensor
 
 
 def prefixed_attention(q: Tensor, k: Tensor, v: Tensor, bounds: Sequence[int], prefixes: Sequence, causal: bool,
-                       scale: float, dropout_p: float = 0.0, backend: str = "sdpa",
-                       cache: Optional[dict] = None) -> Tensor:
+                       scale: float, dropout_p: float = 0.0, backend: str = "sdpa") -> Tensor:
     """Attention within each packed segment of ``q`` [S, hq, dh], ``k``/``v`` [S, hk, dv], where
     segment i (``bounds[i]:bounds[i+1]``) also attends to ``prefixes[i] = (pk, pv)`` ([C_i, hk, d])
     or to nothing (None). Causal masking is at true positions: prefix keys are all visible, own
@@ -246,21 +248,15 @@ def prefixed_attention(q: Tensor, k: Tensor, v: Tensor, bounds: Sequence[int], p
     qb = q.transpose(0, 1).unsqueeze(0)
     kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (k_ext, v_ext))
     if S * S_ext <= DENSE_MASK_MAX_ELEMENTS:
-        mkey = ("prefix_mask", causal, str(q.device), tuple(plens))
-        mask = cache.get(mkey) if cache is not None else None
-        if mask is None:
-            mask = _prefixed_mask(bounds, kbounds, plens, causal, q.device)
-            if cache is not None:
-                cache[mkey] = mask
-        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+        o = masked_sdpa(qb, kb, vb, functools.partial(_prefixed_mask, tuple(bounds), tuple(kbounds), tuple(plens),
+                                                      causal, q.device), scale, dropout_p)
     else:
         outs = []
         for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
             ka, kz = kbounds[i], kbounds[i + 1]
             if plens[i] and causal:
-                m = _prefixed_mask([0, b - a], [0, kz - ka], [plens[i]], True, q.device)
-                outs.append(F.scaled_dot_product_attention(qb[:, :, a:b], kb[:, :, ka:kz], vb[:, :, ka:kz], attn_mask=m,
-                                                           dropout_p=dropout_p, scale=scale, enable_gqa=gqa))
+                m = functools.partial(_prefixed_mask, (0, b - a), (0, kz - ka), (plens[i],), True, q.device)
+                outs.append(masked_sdpa(qb[:, :, a:b], kb[:, :, ka:kz], vb[:, :, ka:kz], m, scale, dropout_p))
             else:
                 outs.append(F.scaled_dot_product_attention(qb[:, :, a:b], kb[:, :, ka:kz], vb[:, :, ka:kz],
                                                            is_causal=causal, dropout_p=dropout_p, scale=scale,
@@ -302,4 +298,4 @@ def sliced_attention(module, q: Tensor, k: Tensor, v: Tensor, params, causal: bo
     if backend == "te":
         raise NotImplementedError("token-level slices (prefix K/V) are not supported with the 'te' backend; "
                                   "use 'flash' or 'sdpa'")
-    return prefixed_attention(q, k, v, bounds, prefixes, causal, module.softmax_scale, p, backend, params._cache)
+    return prefixed_attention(q, k, v, bounds, prefixes, causal, module.softmax_scale, p, backend)

@@ -173,8 +173,7 @@ def _train(args, rank: int, world: int) -> int:
             if pipelined:
                 losses, pstats = forward_backward_elastic(step.plan, step.batch, model, pad_id=tok.pad)
                 mb_times = torch.zeros(0, dtype=torch.float64)
-                peak = torch.zeros(args.pp, dtype=torch.float64)
-                peak[parallel_state.get_pipeline_model_parallel_rank()] = pstats.activation_peak_bytes / 2**20
+                mine = (parallel_state.get_pipeline_model_parallel_rank(), pstats)
             else:
                 losses, times = forward_backward_flexsp(step, model, pool, tok.pad)
                 mb_times = torch.tensor(times.micro_batches, dtype=torch.float64)
@@ -188,8 +187,9 @@ def _train(args, rank: int, world: int) -> int:
             rec = _record(step, float(total[0] / total[1]), float(grad_norm), int(total[1]), step_time, step.plan,
                           mb_times.tolist())
             if pipelined:
-                dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-                rec["activation_peak_mb_per_stage"] = [round(float(x), 2) for x in peak]
+                ranks = [None] * world
+                dist.all_gather_object(ranks, mine)
+                rec.update(_stage_report(ranks, step, cost))
             records.append(rec)
             if rank == 0:
                 print(json.dumps(rec) if args.json else _line(rec), flush=True)
@@ -200,6 +200,45 @@ def _train(args, rank: int, world: int) -> int:
     if rank == 0 and not args.json:
         print(_summary(records), flush=True)
     return 0
+
+
+def _stage_report(ranks: list, step, cost: CostModel) -> dict:
+    """Each stage measured (its slowest rank) next to what the simulator predicts for the same
+    plan: activation peak (MB per rank), forward and backward time (s, recompute included), p2p
+    wait, and every operation's measured and predicted seconds, in the stage's order."""
+    from megatron_ext.cost.pipeline import PipelineCost
+    from megatron_ext.sim import simulate
+
+    pipe = step.plan.pipelines[0]
+    states = PipelineCost(cost, pipe.stages, pipe.sp_degree).model_states_mb
+    sim = simulate(step.plan, step.lengths, cost)
+    predicted: dict[tuple[int, str], float] = {}
+    several = len(step.plan.pipelines) > 1
+    for e in sim.events:  # a backward's recompute ("R") counts toward the backward
+        if e.kind in ("F", "B", "R"):
+            pi, cid = e.label.split(":", 1)  # "p<pipeline>:<chunk>"
+            key = (e.where, ("B" if e.kind == "R" else e.kind) + cid + (f" of pipeline {pi[1:]}" if several else ""))
+            predicted[key] = predicted.get(key, 0.0) + e.end_s - e.start_s
+    P = pipe.stages
+    peak, fwd, bwd, wait = [0.0] * P, [0.0] * P, [0.0] * P, [0.0] * P
+    ops: list[dict[str, float]] = [{} for _ in range(P)]
+    for stage, st in ranks:
+        peak[stage] = max(peak[stage], st.activation_peak_bytes / 2**20)
+        fwd[stage] = max(fwd[stage], sum(t for op, t in st.ops if op[0] == "F"))
+        bwd[stage] = max(bwd[stage], sum(t for op, t in st.ops if op[0] == "B"))
+        wait[stage] = max(wait[stage], st.comm_wait_s)
+        for op, t in st.ops:
+            ops[stage][op] = max(ops[stage].get(op, 0.0), t)
+
+    def r(xs):
+        return [round(float(x), 4) for x in xs]
+
+    return {"activation_peak_mb_per_stage": r(peak),
+            "planned_activation_mb_per_stage": r(x - states for x in sim.peak_memory_mb),
+            "forward_s_per_stage": r(fwd), "backward_s_per_stage": r(bwd), "p2p_wait_s_per_stage": r(wait),
+            "predicted_busy_s_per_stage": r(sim.busy_s),
+            "ops_per_stage": [[[op, round(t, 5), round(predicted.get((p, op), float("nan")), 5)]
+                               for op, t in ops[p].items()] for p in range(P)]}
 
 
 def _line(r: dict) -> str:

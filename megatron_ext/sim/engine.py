@@ -41,11 +41,15 @@ class ChunkTable:
     fwd_pred: list[list[int]]  # chunks whose forward must come first (same stage)
     bwd_pred: list[list[int]]  # chunks whose backward must come first (same stage)
     split_pieces: list[list[tuple[int, int, int]]]  # (seq_id, start, end) of split pieces, per chunk
-    seq_of_chunk_tail: list[int] = field(default_factory=list)  # unused by the engine; for reports
 
     @property
     def n(self) -> int:
         return len(self.ids)
+
+    @property
+    def prefix_tokens(self) -> np.ndarray:
+        """Per chunk, the prefix lengths its slices attend to (their cached K/V, concatenated)."""
+        return np.array([float(sum(a for _, a, _ in sp)) for sp in self.split_pieces])
 
     def index(self) -> dict[int, int]:
         return {cid: i for i, cid in enumerate(self.ids)}
@@ -220,10 +224,10 @@ def checkpoint_memory(cps: list[Checkpoint], save: np.ndarray, recompute: np.nda
 # ---- time ------------------------------------------------------------------------------------
 
 def op_times(table: ChunkTable, pc: PipelineCost, recompute: np.ndarray):
-    """fwd[n], bwd[P, n] (with recompute) and p2p[n] in ms."""
-    fwd = pc.fwd_ms(table.work, table.tokens)
+    """fwd[P, n], bwd[P, n] (with recompute), rec[P, n] and p2p[n] in ms."""
+    fwd = np.stack([pc.fwd_ms(table.work, table.tokens, p) for p in range(pc.pp)]).reshape(pc.pp, table.n)
     rec = pc.recompute_ms(table.work, table.tokens, recompute)  # [P, n]
-    bwd = pc.bwd_ms(table.work, table.tokens)[None, :] + rec
+    bwd = np.stack([pc.bwd_ms(table.work, table.tokens, p) for p in range(pc.pp)]).reshape(pc.pp, table.n) + rec
     return fwd, bwd, rec, pc.p2p_ms(table.tokens)
 
 

@@ -7,9 +7,13 @@ Two layers, so the drawing can be tested without looking at pixels:
   and the title. Elastic pipelines: one row per stage; a forward (``F``) and a backward (``B``) box
   per chunk and stage, and a recompute box (``R``) at the start of a backward that re-runs layers.
   FlexSP-kind plans: one row per GPU; one box (``G``) per SP group and micro-batch, spanning the
-  group's GPUs for its time.
+  group's GPUs for its time. ``PlotData.hist`` (``LengthHist``) puts every sequence of the batch
+  in a power-of-two length bucket with the plan's choice for it: the degree of its SP group
+  (FlexSP) or whole / cut into k slices (elastic pipelines).
 - ``draw(data, path)`` renders it with matplotlib (Agg backend, no display needed): the timeline
-  on top, the memory per GPU of each stage (or the max/mean over GPUs) below, in seconds and GB.
+  on top, the memory per GPU of each stage (or the max/mean over GPUs) below, in seconds and GB,
+  then the length histogram: per bucket, a bar of sequences and a hatched bar of the bucket's share
+  of the tokens, both stacked by choice (a few long sequences hold most of the tokens).
 
 ``plot_plan`` does both; ``plot_comparison`` adds a bar per planner (``megatron-ext simulate``).
 """
@@ -30,6 +34,10 @@ SEQ_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", 
 PACKED_COLOR = "#9e9e9e"
 DEGREE_COLORS = {1: "#c6dbef", 2: "#9ecae1", 4: "#6baed6", 8: "#3182bd", 16: "#08519c", 32: "#08306b",
                  64: "#041f4a", 128: "#02122c"}
+# length histogram of a pipeline: whole sequences grey (as their chunks), cut ones by slices (up to 2, 4, ...)
+SLICE_COLORS = {2: "#fd8d3c", 4: "#e6550d", 8: "#a63603", 16: "#7f2704"}
+DROPPED = 1 << 30  # histogram key of dropped sequences: sorts last, drawn on top
+DROPPED_COLOR = "#9467bd"
 
 
 @dataclass
@@ -48,6 +56,35 @@ class Box:
 
 
 @dataclass
+class LengthHist:
+    """The batch's sequences by length bucket and by what the plan did with each."""
+
+    edges: np.ndarray  # bucket b holds lengths in [edges[b], edges[b + 1]) tokens (powers of two)
+    lengths: np.ndarray  # tokens per sequence
+    choice: np.ndarray  # per sequence: its index in ``choices``
+    choices: list[tuple[str, str]]  # (label, colour), stacked bottom first
+    title: str
+    marks: list[tuple[float, str]] = field(default_factory=list)  # vertical lines: (tokens, text)
+
+    @property
+    def bucket(self) -> np.ndarray:
+        return np.searchsorted(self.edges, self.lengths, side="right") - 1
+
+    def counts(self) -> np.ndarray:
+        """Sequences per (choice, bucket)."""
+        return self._sum(np.ones(len(self.lengths)))
+
+    def token_share(self) -> np.ndarray:
+        """Share of the batch's tokens per (choice, bucket); sums to 1."""
+        return self._sum(self.lengths / max(1, self.lengths.sum()))
+
+    def _sum(self, weights: np.ndarray) -> np.ndarray:
+        out = np.zeros((len(self.choices), len(self.edges) - 1))
+        np.add.at(out, (self.choice, self.bucket), weights)
+        return out
+
+
+@dataclass
 class PlotData:
     kind: str  # "elastic_pp" | "flexsp"
     title: str
@@ -61,6 +98,7 @@ class PlotData:
     colors: dict  # key -> colour, for the boxes' keys
     legend: list[tuple[str, str, str]] = field(default_factory=list)  # (text, colour, hatch)
     marks: list[tuple[float, str]] = field(default_factory=list)  # vertical lines: (time s, text)
+    hist: LengthHist | None = None
 
     def count(self, kind: str) -> int:
         return sum(1 for b in self.boxes if b.kind == kind)
@@ -104,6 +142,40 @@ def _title(plan: StepPlan, cost: CostModel, lengths: np.ndarray, layout: str, re
     unit, div = ("GB", 1024.0) if res.budget_mb >= 2048 else ("MB", 1.0)
     return (f"{head}\nstep time {res.step_time_s:.2f} s, bubble (idle GPU time) {res.bubble_ratio:.1%}{rec}, peak memory "
             f"{res.max_peak_memory_mb / div:.1f} of {res.budget_mb / div:.0f} {unit} per GPU\n{detail}")
+
+
+def _tokens(n: float) -> str:
+    """A length as --max-seq-len writes it: 512, 1K, 32K (K = 1024 tokens)."""
+    return f"{n / 1024:.3g}K" if n >= 1024 else f"{n:.0f}"
+
+
+def _length_hist(plan: StepPlan, lengths: np.ndarray, keys, choices: dict[int, tuple[str, str]],
+                 what: str, marks: list[tuple[float, str]] | None = None) -> LengthHist:
+    """Bucket every sequence by length (powers of two: long tails need log bins) under ``keys[i]``,
+    its choice (``choices``: key -> label, colour; the keys in use are stacked in key order); the
+    plan's dropped sequences get a choice of their own."""
+    keys = np.array(keys, dtype=np.int64)
+    keys[plan.dropped_seq_ids] = DROPPED
+    choices = {**choices, DROPPED: ("dropped (too long)", DROPPED_COLOR)}
+    order = sorted(set(keys.tolist()))
+    index = {k: i for i, k in enumerate(order)}
+    span = [int(lengths.min()), int(lengths.max())] + [t for t, _ in marks or []]  # marks inside the axis too
+    top = int(np.log2(max(1, max(span)))) + 1
+    edges = 2.0 ** np.arange(min(int(np.log2(max(1, min(span)))), top - 1), top + 1)
+    return LengthHist(edges, lengths, np.array([index[k] for k in keys], dtype=np.int64),
+                      [choices[k] for k in order], f"sequence lengths of the batch by {what}; {_tail(lengths, edges)}",
+                      marks or [])
+
+
+def _tail(lengths: np.ndarray, edges: np.ndarray) -> str:
+    """The longest buckets that hold half the tokens, e.g. 'the 12 sequences of 64K+ tokens (2%) hold 55%'."""
+    for e in edges[::-1]:
+        long = lengths >= e
+        share = lengths[long].sum() / max(1, lengths.sum())
+        if share >= 0.5:
+            return (f"the {long.sum()} sequences of {_tokens(e)}+ tokens ({long.mean():.0%} of them) hold "
+                    f"{share:.0%} of the tokens")
+    return ""  # pragma: no cover - the first edge is at most the shortest length, so share is 1 there
 
 
 def plot_data(plan: StepPlan, lengths, cost: CostModel, *, b1_scale: float = 1.0, memory_mb: float | None = None,
@@ -166,13 +238,32 @@ def _pipeline_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: Si
     return PlotData("elastic_pp", _title(plan, cost, lengths, layout, res, detail), P,
                     [f"stage {p}\n" + (f"layers {p * L_s}-{(p + 1) * L_s - 1}" if L_s > 1 else f"layer {p}")
                      for p in range(P)], boxes, memory,
-                    res.budget_mb / 1024, res.step_time_s, res.bubble_ratio, colors, legend, marks)
+                    res.budget_mb / 1024, res.step_time_s, res.bubble_ratio, colors, legend, marks,
+                    _slices_hist(plan, lengths))
+
+
+def _slices_hist(plan: StepPlan, lengths: np.ndarray) -> LengthHist:
+    """Whole (in a chunk, maybe with others) or cut into k slices across chunks; k grouped by powers
+    of two (2, 3-4, 5-8, ...) so that a few colours cover any K."""
+    pieces = [x for p in plan.pipelines for c in p.chunks for x in c.pieces]
+    slices = np.bincount([x.seq_id for x in pieces], minlength=len(lengths))
+    keys = [1 << max(0, int(k) - 1).bit_length() for k in slices]  # 1 -> 1 (whole), 2 -> 2, 3..4 -> 4, 5..8 -> 8
+    choices = {k: ("whole" if k == 1 else "cut in 2" if k == 2 else f"cut in {k // 2 + 1}-{k}",
+                   PACKED_COLOR if k == 1 else SLICE_COLORS.get(k, "#4d1802")) for k in set(keys)}
+    chunk_tokens = [sum(x.end - x.start for x in c.pieces) for p in plan.pipelines for c in p.chunks]
+    marks = [(max(chunk_tokens), f"largest chunk {_tokens(max(chunk_tokens))}")] if chunk_tokens else []
+    cut = [x.end - x.start for x in pieces if slices[x.seq_id] > 1]
+    if cut:
+        marks.append((max(cut), f"longest slice {_tokens(max(cut))}"))
+    return _length_hist(plan, lengths, keys, choices, "how each ran: whole inside a chunk, or cut into slices "
+                        "across chunks", marks)
 
 
 def _flexsp_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: SimResult) -> PlotData:
     boxes, marks = [], []
     t = 0.0
     degrees = set()
+    degree_of = np.zeros(len(lengths), dtype=np.int64)  # per sequence: its group's degree (0: dropped)
     for m, mb in enumerate(plan.micro_batches):
         span = 0.0
         marks.append((t, f"micro-batch {m}"))
@@ -180,6 +271,7 @@ def _flexsp_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: SimR
             d = len(g.ranks)
             ms = cost.group_time_ms(lengths[g.seq_ids], d) / 1e3
             degrees.add(d)
+            degree_of[g.seq_ids] = d
             boxes.append(Box(min(g.ranks), d, t, t + ms, "G", d, f"d{d}: {len(g.seq_ids)} seq"))
             span = max(span, ms)
         t += span
@@ -204,8 +296,10 @@ def _flexsp_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: SimR
     n_groups = sum(len(mb.groups) for mb in plan.micro_batches)
     detail = (f"{n_groups} Ulysses SP groups; each box is one group: its GPUs (rows) busy with its sequences for the "
               f"group's time; a micro-batch ends with its slowest group")
+    hist = _length_hist(plan, lengths, degree_of, {d: (f"degree {d}", colors[d]) for d in degrees},
+                        "the degree of the SP group each ran in")
     return PlotData("flexsp", _title(plan, cost, lengths, layout, res, detail), n, [f"GPU {r}" for r in range(n)], boxes,
-                    memory, res.budget_mb / 1024, res.step_time_s, res.bubble_ratio, colors, legend, marks)
+                    memory, res.budget_mb / 1024, res.step_time_s, res.bubble_ratio, colors, legend, marks, hist)
 
 
 # ---- drawing ---------------------------------------------------------------------------------
@@ -226,6 +320,7 @@ def _draw_timeline(ax, data: PlotData, fig_width_px: float) -> None:
 
     span = max(data.step_time_s, 1e-9)
     px_per_s = fig_width_px * 0.8 / span
+    px_per_row = ax.get_window_extent().height / data.rows  # 64 GPUs: a degree-1 group is too thin for text
     for b in data.boxes:
         base = data.colors.get(b.key, PACKED_COLOR)
         if b.kind == "F":
@@ -238,7 +333,7 @@ def _draw_timeline(ax, data: PlotData, fig_width_px: float) -> None:
         ax.add_patch(Rectangle((b.start_s, b.row + pad), b.width_s, b.height - 2 * pad, facecolor=face,
                                edgecolor="black" if b.kind != "G" else "white", linewidth=0.3, hatch=hatch))
         room = b.width_s * px_per_s
-        if b.kind != "R" and room > 8.5 * len(b.label) + 4:
+        if b.kind != "R" and room > 8.5 * len(b.label) + 4 and b.height * px_per_row >= 12:
             white = (b.kind == "B" and b.key is not None) or (b.kind == "G" and b.key >= 8)
             ax.text(b.start_s + b.width_s / 2, b.row + b.height / 2, b.label, ha="center", va="center",
                     fontsize=7, color="white" if white else "black", clip_on=True)
@@ -293,17 +388,65 @@ def _draw_memory(ax, data: PlotData) -> None:
     ax.grid(axis="y", linewidth=0.3, alpha=0.6)
 
 
+def _draw_hist(ax, hist: LengthHist) -> None:
+    """Per bucket (x: one slot per power of two), a bar of sequences (left axis) and a hatched bar
+    of the bucket's share of the tokens (right axis), both stacked by choice."""
+    from matplotlib.patches import Patch
+
+    counts, share = hist.counts(), hist.token_share() * 100
+    x = np.arange(counts.shape[1])
+    tok_ax = ax.twinx()
+    low_n, low_s = np.zeros(len(x)), np.zeros(len(x))
+    for (label, color), n, sh in zip(hist.choices, counts, share):
+        ax.bar(x + 0.08, n, 0.4, bottom=low_n, align="edge", color=color, edgecolor="black", linewidth=0.3)
+        tok_ax.bar(x + 0.52, sh, 0.4, bottom=low_s, align="edge", color=color, edgecolor="black", linewidth=0.3,
+                   hatch="///")
+        low_n, low_s = low_n + n, low_s + sh
+    for xi, n, sh in zip(x, low_n, low_s):  # totals on top: a bucket of 1 sequence is 1 px tall otherwise
+        if n:
+            ax.annotate(f"{n:.0f}", (xi + 0.28, n), xytext=(0, 1), textcoords="offset points", ha="center",
+                        va="bottom", fontsize=7)
+        if sh >= 1:
+            tok_ax.annotate(f"{sh:.0f}%", (xi + 0.72, sh), xytext=(0, 1), textcoords="offset points", ha="center",
+                            va="bottom", fontsize=7, color="#444444")
+    for i, (tokens, text) in enumerate(hist.marks):  # bucket b spans [b, b + 1), log2-linear inside
+        at = np.log2(tokens / hist.edges[0])
+        ax.axvline(at, color="black", linewidth=0.8, linestyle="--")
+        ax.annotate(text + " ", (at, 1), xycoords=("data", "axes fraction"), xytext=(0, -3 - 11 * i),  # stacked
+                    textcoords="offset points", fontsize=7, va="top", ha="right",
+                    bbox=dict(boxstyle="square,pad=0.1", facecolor="white", edgecolor="none", alpha=0.8))
+    ax.set_xlim(0, len(x))
+    ax.set_xticks(np.arange(len(hist.edges)))
+    ax.set_xticklabels([_tokens(e) for e in hist.edges], fontsize=8)
+    ax.set_ylim(0, max(1.0, low_n.max()) * 1.18)
+    tok_ax.set_ylim(0, max(1.0, low_s.max()) * 1.18)
+    ax.set_xlabel("sequence length (tokens; buckets of powers of two)")
+    ax.set_ylabel("sequences")
+    tok_ax.set_ylabel("share of tokens (%)", color="#444444")
+    ax.set_title(hist.title, fontsize=9, loc="left")
+    handles = [Patch(facecolor=c, edgecolor="black", linewidth=0.3, label=t) for t, c in hist.choices]
+    handles += [Patch(facecolor="white", edgecolor="black", linewidth=0.3, label="left bar: sequences"),
+                Patch(facecolor="white", edgecolor="black", linewidth=0.3, hatch="///",
+                      label="right bar: share of tokens")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.045, 1.0), fontsize=7, frameon=False)
+
+
 def draw(data: PlotData, path=None, *, extra=None):
-    """Render ``data`` (timeline + memory; ``extra(ax)`` draws a third panel) to ``path``; returns the figure."""
+    """Render ``data`` (timeline, memory, the length histogram; ``extra(ax)`` draws a last panel) to
+    ``path``; returns the figure."""
     plt = _pyplot()
     rows_h = 3.2 if data.kind == "elastic_pp" else 4.2
-    heights = [rows_h, 2.0] + ([1.8] if extra else [])
+    panels = [(rows_h, lambda ax: _draw_timeline(ax, data, ax.figure.get_figwidth() * ax.figure.dpi)),
+              (2.0, lambda ax: _draw_memory(ax, data))]
+    if data.hist is not None:
+        panels.append((2.2, lambda ax: _draw_hist(ax, data.hist)))
+    if extra:
+        panels.append((1.8, extra))
+    heights = [h for h, _ in panels]
     fig, axes = plt.subplots(len(heights), 1, figsize=(15, sum(heights) + 1.2),
                              gridspec_kw={"height_ratios": heights})
-    _draw_timeline(axes[0], data, fig.get_figwidth() * fig.dpi)
-    _draw_memory(axes[1], data)
-    if extra:
-        extra(axes[2])
+    for ax, (_, fill) in zip(axes, panels):
+        fill(ax)
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=110)
@@ -353,4 +496,4 @@ def plot_comparison(plan: StepPlan, lengths, cost: CostModel, summary: list[dict
     return data
 
 
-__all__ = ["Box", "PlotData", "draw", "plot_comparison", "plot_data", "plot_plan"]
+__all__ = ["Box", "LengthHist", "PlotData", "draw", "plot_comparison", "plot_data", "plot_plan"]

@@ -5,9 +5,11 @@ import sys
 import yaml
 
 from megatron_ext.cost import CostModel
-from megatron_ext.runtime.profile import nonnegative_fit
+from megatron_ext.runtime.profile import fit_all_to_all, nonnegative_fit, quadratic_columns
+from megatron_ext.spec import load_model
 
 import numpy as np
+import pytest
 
 
 def test_profile_writes_a_usable_cost_model(tmp_path):
@@ -21,8 +23,11 @@ def test_profile_writes_a_usable_cost_model(tmp_path):
     assert cost.model.a1 + cost.model.a2 > 0
     assert 0 < cost.model.act_mb_per_token < 1
     assert all(v > 0 for v in cost.cluster.a2a_bandwidth_gbps.values()) and set(cost.cluster.a2a_bandwidth_gbps) == {2, 4}
+    assert set(cost.cluster.a2a_latency_ms) == {2, 4} and all(v >= 0 for v in cost.cluster.a2a_latency_ms.values())
+    assert cost.model.activation_bytes == 4  # the CPU runtime trains in fp32
     doc = yaml.safe_load(out.read_text())
     assert len(doc["profile"]["fwd_bwd_ms"]) == 3 and len(doc["profile"]["fit_residual_ms"]) == 3
+    assert all(len(v) == 3 for v in doc["profile"]["ulysses_fwd_bwd_ms"].values())
     plan = subprocess.run([sys.executable, "-m", "megatron_ext.cli", "plan", "--cost-model", str(out),
                            "--dist", "lmsys", "--batch", "16", "--json", "--no-baselines"],
                           capture_output=True, text=True, timeout=120)
@@ -31,7 +36,34 @@ def test_profile_writes_a_usable_cost_model(tmp_path):
 
 def test_nonnegative_fit_recovers_coefficients_and_never_goes_negative():
     x = np.array([100.0, 200, 400, 800, 1600])
-    coef, residual = nonnegative_fit(x, 2e-5 * x * x + 0.03 * x + 4)
-    assert np.allclose(coef, [2e-5, 0.03, 4], rtol=1e-6) and np.allclose(residual, 0, atol=1e-9)
-    coef, _ = nonnegative_fit(x, 0.05 * x - 3)  # the best unconstrained b1 would be negative
+    cols = quadratic_columns(x)
+    for relative in (True, False):
+        coef, residual = nonnegative_fit(cols, 2e-5 * x * x + 0.03 * x + 4, relative=relative)
+        assert np.allclose(coef, [2e-5, 0.03, 4], rtol=1e-6) and np.allclose(residual, 0, atol=1e-9)
+    coef, _ = nonnegative_fit(cols, 0.05 * x - 3)  # the best unconstrained b1 would be negative
     assert (coef >= 0).all()
+    # on relative error a short point's miss counts as much as a long one's
+    y = 2e-5 * x * x + 0.03 * x + 4
+    y[0] *= 1.5
+    rel_res = nonnegative_fit(cols, y)[1] / y
+    abs_res = nonnegative_fit(cols, y, relative=False)[1] / y
+    assert abs(rel_res[0]) < abs(abs_res[0])
+
+
+def test_fit_all_to_all_recovers_bandwidth_and_latency():
+    spec = load_model("tiny")
+    compute = (1e-4, 0.06, 5.0)
+    lengths = [128, 512, 1024, 2048]
+    per_token_mb = 8 * spec.num_layers * spec.hidden_size * spec.activation_bytes / 2**20
+    s = np.array(lengths, dtype=float)
+    measured = {}
+    for d, bw, lat in ((2, 2.0, 0.5), (4, 1.0, 1.5)):
+        measured[d] = (5.0 + (1e-4 * s * s + 0.06 * s) / d + s * per_token_mb / d / bw + 8 * spec.num_layers * lat).tolist()
+    raw = {2: {"bandwidth_gbps": 9.0, "latency_ms": 0.1}, 4: {"bandwidth_gbps": 9.0, "latency_ms": 0.1}}
+    fit = fit_all_to_all(spec, lengths, measured, compute, raw)
+    assert fit[2]["bandwidth_gbps"] == pytest.approx(2.0, rel=1e-6) and fit[2]["latency_ms"] == pytest.approx(0.5)
+    assert fit[4]["bandwidth_gbps"] == pytest.approx(1.0, rel=1e-6) and fit[4]["latency_ms"] == pytest.approx(1.5)
+    # an excess that does not grow with the tokens: latency only, the raw bandwidth stays
+    flat = {2: (5.0 + (1e-4 * s * s + 0.06 * s) / 2 + 3.0).tolist()}
+    fit = fit_all_to_all(spec, lengths, flat, compute, raw)
+    assert fit[2]["bandwidth_gbps"] == 9.0 and fit[2]["latency_ms"] == pytest.approx(3.0 / (8 * spec.num_layers))

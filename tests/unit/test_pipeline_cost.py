@@ -1,7 +1,10 @@
 """The pipeline-stage cost model (cost/pipeline.py) and the LLaMA / A800 presets."""
 from __future__ import annotations
 
+import dataclasses
 import math
+
+import numpy as np
 
 import pytest
 
@@ -48,8 +51,29 @@ def test_prefix_attention_and_slices():
     w, t = pc.piece_work(8192), 8192
     assert float(pc.fwd_ms(w, t)) == pytest.approx(FWD_FRACTION * float(pc.stage_ms(w, t)))
     assert float(pc.fwd_ms(w, t) + pc.bwd_ms(w, t)) == pytest.approx(float(pc.stage_ms(w, t)))
-    assert float(pc.recompute_ms(w, t, pc.layers_per_stage)) == pytest.approx(float(pc.fwd_ms(w, t)))
+    # recomputing every layer re-runs the forward of the stage's layers, not of the output layer
+    layers_only = FWD_FRACTION * float(pc.stage_ms(w, t, head=False))
+    assert float(pc.recompute_ms(w, t, pc.layers_per_stage)) == pytest.approx(layers_only)
+    assert layers_only < float(pc.fwd_ms(w, t))
     assert float(pc.recompute_ms(w, t, 0)) == 0.0
+
+
+def test_output_layer_runs_on_the_last_stage():
+    m = COST.model
+    # LLaMA-13B: 40 layers of h(h + 2 kv) + h^2 + 3 h ffn, head h x 32000: about 1.3% of the work
+    layer = 5120 * (5120 + 2 * 5120) + 5120**2 + 3 * 5120 * 13824
+    assert m.head_flops_share == pytest.approx(5120 * 32000 / (40 * layer + 5120 * 32000))
+    pc = PipelineCost(COST, 4, 8)
+    w, t = pc.piece_work(8192), 8192
+    per_stage = [float(pc.stage_ms(w, t, p)) for p in range(4)]
+    assert per_stage[0] == per_stage[1] == per_stage[2] < per_stage[3]
+    # the stages together do the whole model's work once: the average stage is their mean
+    assert np.mean(per_stage) == pytest.approx(float(pc.stage_ms(w, t)))
+    # a small model with a large vocabulary: the head dominates the last stage
+    tiny = CostModel.from_presets("tiny", "cpu-4")
+    assert tiny.model.head_flops_share > 0.5
+    two = PipelineCost(tiny, 2, 2)
+    assert float(two.stage_ms(1000 * tiny.model.a2, 1000, 1)) > 2 * float(two.stage_ms(1000 * tiny.model.a2, 1000, 0)) - 2 * two.fixed_ms
 
 
 def test_p2p_and_fixed_cost():
@@ -66,20 +90,42 @@ def test_memory_terms():
     m = COST.model
     # ZeRO-3 over the 8 ranks of a stage: a quarter of the parameters, 16 bytes each, / 8
     assert pc.model_states_mb == pytest.approx(13.0 / 4 * 16 * 1024 / 8)
-    assert pc.act_layer_mb == pytest.approx(m.act_mb_per_token / 40 / 8)
+    # the whole-model figure includes the last stage's fp32 logits: the layers share the rest
+    assert pc.act_layer_mb == pytest.approx((m.act_mb_per_token - 32000 * 4 / 2**20) / 40 / 8)
     assert pc.input_layer_mb == pytest.approx(5120 * 2 / 2**20 / 8)
     assert pc.kv_layer_mb == pytest.approx(2 * 40 * 128 * 2 / 2**20 / 8)
     assert pc.logits_mb == pytest.approx(32000 * 4 / 2**20 / 8)
-    full, save = pc.chunk_memory(1000, 0, False)
+    full, save = pc.chunk_memory(1000, 0, 0, False)
     assert float(full) == pytest.approx(1000 * pc.act_layer_mb * 10)
     assert float(save) == pytest.approx(1000 * (pc.act_layer_mb - pc.input_layer_mb))
-    full_last, save_split = pc.chunk_memory(1000, 1000, True)
-    assert float(full_last) == pytest.approx(float(full) + 1000 * pc.logits_mb)
-    # K/V of split pieces stays even when recomputed
-    assert float(save_split) == pytest.approx(float(save) - 1000 * pc.kv_layer_mb)
+    # a split piece: the prefix cache's copy of its K/V stays, even when recomputed
+    full_last, save_split = pc.chunk_memory(1000, 1000, 0, True)
+    assert float(full_last) == pytest.approx(float(full) + 1000 * pc.logits_mb + 1000 * pc.kv_layer_mb * 10)
+    assert float(save_split) == pytest.approx(float(save))
+    # a slice after 3000 prefix tokens keeps their K/V for its attention's backward, unless recomputed
+    full_pre, save_pre = pc.chunk_memory(1000, 1000, 3000, False)
+    assert float(full_pre) == pytest.approx(float(full) + 4000 * pc.kv_layer_mb * 10)
+    assert float(save_pre) == pytest.approx(float(save) + 3000 * pc.kv_layer_mb)
     # a whole stage recomputed keeps input + K/V of every token
     need = pc.min_sequence_memory_mb(100_000, 1024)
     assert need > 100_000 * (pc.input_layer_mb + pc.kv_layer_mb) * 10
+    # fp32 activations (the CPU runtime) double what is sent and kept per element
+    fp32 = PipelineCost(CostModel(dataclasses.replace(m, activation_bytes=4), COST.cluster), 4, 8)
+    assert fp32.input_layer_mb == pytest.approx(2 * pc.input_layer_mb)
+    assert fp32.kv_layer_mb == pytest.approx(2 * pc.kv_layer_mb)
+    assert float(fp32.p2p_ms(1000)) == pytest.approx(2 * float(pc.p2p_ms(1000)))
+
+
+def test_all_to_all_latency_is_paid_per_call():
+    lat = dataclasses.replace(COST.cluster, a2a_latency_ms={2: 0.5, 8: 0.25})
+    cost = CostModel(COST.model, lat)
+    # 4 all-to-alls per layer each way; degree 4 takes degree 2's figure, degree 1 pays none
+    assert cost.group_fixed_ms(8) == pytest.approx(cost.model.b1 + 8 * 40 * 0.25)
+    assert cost.group_fixed_ms(4) == pytest.approx(cost.model.b1 + 8 * 40 * 0.5)
+    assert cost.group_fixed_ms(1) == cost.model.b1
+    assert cost.group_time_ms([1000], 8) == pytest.approx(COST.group_time_ms([1000], 8) + 80.0)
+    # a stage of 10 layers pays its own layers' calls on every chunk
+    assert PipelineCost(cost, 4, 8).fixed_ms == pytest.approx(PipelineCost(COST, 4, 8).fixed_ms + 8 * 10 * 0.25)
 
 
 def test_layout_errors():

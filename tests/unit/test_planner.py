@@ -376,3 +376,27 @@ def test_flexsp_vs_megatron_balanced_cp_on_a_small_cpu_batch():
                      baselines=("megatron_balanced_cp",))
     validate(plan, TINY_CPU4_BATCH, cost)
     assert plan.baselines["megatron_balanced_cp"]["speedup"] >= 1 - REL
+
+
+@pytest.mark.parametrize("latency_ms", [0.05, 5.0])
+def test_flexsp_plans_with_all_to_all_latency(latency_ms):
+    """A per-call all-to-all latency (what `profile` measures on CPU ranks) is paid once per group
+    and micro-batch: plans stay valid, their estimate is the cost model's, static layouts are
+    never faster, and when the latency dwarfs a short sequence's compute, short sequences run
+    without SP (degree 1 pays no all-to-all)."""
+    import dataclasses
+
+    base = COSTS["gpt-7b/a100-40g-8x2"]
+    cost = CostModel(base.model, dataclasses.replace(base.cluster, a2a_latency_ms={2: latency_ms}), base.zero_stage)
+    rng = np.random.default_rng(3)
+    lengths = np.clip(rng.lognormal(7.5, 1.3, 96).astype(np.int64), 16, cost.max_seq_len)
+    plan = make_plan("flexsp", lengths, cost, OPTIONS, baselines=BASELINES)
+    validate(plan, lengths, cost)
+    assert plan.estimated_step_time_s == pytest.approx(_recomputed_step_ms(plan, lengths, cost) / 1e3, rel=1e-9)
+    assert plan.lower_bound_step_time_s <= plan.estimated_step_time_s * (1 + REL)
+    for b in NEVER_SLOWER_THAN:
+        assert plan.estimated_step_time_s <= plan.baselines[b]["estimated_step_time_s"] * (1 + REL)
+    if latency_ms >= 5.0:  # 8 x 32 calls x 5 ms = 1.3 s per group, more than any short sequence costs
+        short = {i for i in range(len(lengths)) if lengths[i] <= cost.token_capacity(1)}
+        degree_of = {i: g.degree for mb in plan.micro_batches for g in mb.groups for i in g.seq_ids}
+        assert all(degree_of[i] == 1 for i in short)

@@ -1,4 +1,4 @@
-"""--plot: the drawing data of known plans (boxes, memory curves), the files, the CLI flags."""
+"""--plot: the drawing data of known plans (boxes, memory curves, length histogram), the files, the CLI flags."""
 from __future__ import annotations
 
 import argparse
@@ -9,10 +9,10 @@ import pytest
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.plan import StepPlan
-from megatron_ext.planner import make_plan
+from megatron_ext.planner import PlannerOptions, make_plan
 from megatron_ext.planner.pipeline import build_pipeline, plan_elastic_pp
 from megatron_ext.sim import simulate
-from megatron_ext.sim.plot import PACKED_COLOR, plot_comparison, plot_data, plot_plan
+from megatron_ext.sim.plot import DROPPED_COLOR, PACKED_COLOR, plot_comparison, plot_data, plot_plan
 
 COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -77,6 +77,65 @@ def test_flexsp_boxes_are_groups():
     assert {b.key for b in data.boxes} <= set(data.colors)
     assert len(data.marks) == len(plan.micro_batches)
     assert data.memory[0][2].max() * 1024 == pytest.approx(simulate(plan, lengths, COST).max_peak_memory_mb)
+
+
+def _hist_cells(hist) -> dict[tuple[str, int], int]:
+    """(choice label, bucket) -> sequences, recounted from the per-sequence arrays."""
+    cells: dict[tuple[str, int], int] = {}
+    for c, b in zip(hist.choice, hist.bucket):
+        key = (hist.choices[c][0], int(b))
+        cells[key] = cells.get(key, 0) + 1
+    return cells
+
+
+def _check_hist_totals(hist, lengths) -> None:
+    counts = hist.counts()
+    assert counts.sum() == len(lengths) and hist.token_share().sum() == pytest.approx(1.0)
+    assert np.allclose(np.log2(hist.edges), np.round(np.log2(hist.edges)))  # power-of-two buckets
+    for i, n in enumerate(lengths):  # every sequence in the bucket that holds its length
+        assert hist.edges[hist.bucket[i]] <= n < hist.edges[hist.bucket[i] + 1]
+    labels = [label for label, _ in hist.choices]
+    for (label, b), n in _hist_cells(hist).items():
+        assert counts[labels.index(label), b] == n
+
+
+def test_flexsp_length_histogram_by_degree():
+    lengths = np.array([60000, 20000, 9000, 3000, 3000, 800, 500, 100])
+    plan = make_plan("flexsp", lengths, COST)
+    data = plot_data(plan, lengths, COST)
+    hist = data.hist
+    _check_hist_totals(hist, lengths)
+    degree = {s: g.degree for mb in plan.micro_batches for g in mb.groups for s in g.seq_ids}
+    assert len(set(degree.values())) > 1  # the check below tells degrees apart
+    for i in range(len(lengths)):  # each sequence stacked under its own group's degree, in that degree's colour
+        label, color = hist.choices[hist.choice[i]]
+        assert label == f"degree {degree[i]}" and color == data.colors[degree[i]]
+    assert hist.edges[hist.bucket[0]] == 32768 and hist.edges[hist.bucket[-1]] == 64
+    # the longest buckets holding half the tokens: 60000 alone holds 60000 / 96900
+    assert "the 1 sequences of 32K+ tokens (12% of them) hold 62% of the tokens" in hist.title
+
+
+def test_pipeline_length_histogram_by_slices():
+    cost, lengths, plan = _pipeline_plan("none")  # sequence 0 in two slices, 1 and 2 whole
+    hist = plot_data(plan, lengths, cost).hist
+    _check_hist_totals(hist, lengths)
+    assert [label for label, _ in hist.choices] == ["whole", "cut in 2"] and hist.choices[0][1] == PACKED_COLOR
+    assert _hist_cells(hist) == {("cut in 2", 3): 1, ("whole", 0): 1, ("whole", 1): 1}  # 16K-32K; 2K-4K; 4K-8K
+    assert hist.edges[0] == 2048
+    assert [t for t, _ in hist.marks] == [12000, 12000]  # largest chunk: slice 0-12000; longest slice: the same
+    share = hist.token_share()
+    assert share[1, 3] == pytest.approx(20000 / 28000) and share[0, 0] == pytest.approx(3000 / 28000)
+
+
+def test_length_histogram_keeps_dropped_sequences_apart():
+    lengths = np.array([60000, 9000, 3000, 800])
+    plan = make_plan("flexsp", lengths, COST, PlannerOptions(drop_over_max=True, max_seq_len=16384))
+    assert plan.dropped_seq_ids == [0]
+    hist = plot_data(plan, lengths, COST).hist
+    _check_hist_totals(hist, lengths)
+    assert hist.choices[-1] == ("dropped (too long)", DROPPED_COLOR)  # drawn on top
+    assert [hist.choices[c][0] for c in hist.choice].count("dropped (too long)") == 1
+    assert hist.choices[hist.choice[0]][0] == "dropped (too long)"
 
 
 def test_files_are_written(tmp_path):
