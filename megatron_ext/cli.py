@@ -139,6 +139,7 @@ def _torchrun(rest: list[str], capture: bool = False, module: str = "megatron_ex
     import importlib
     import os
     import subprocess
+    import threading
 
     parser = importlib.import_module(module).build_parser()
     targs, unknown = parser.parse_known_args(rest)
@@ -152,9 +153,27 @@ def _torchrun(rest: list[str], capture: bool = False, module: str = "megatron_ex
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cost.num_gpus}",
            "-m", module, *rest]
-    if not capture:
-        return subprocess.call(cmd, env=env)
-    return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE if capture else None, stderr=subprocess.PIPE,
+                            text=True)
+    failed: list[bool] = []
+    relay = threading.Thread(target=_relay_stderr, args=(proc.stderr, failed))
+    relay.start()
+    out = proc.stdout.read() if capture else None
+    code = proc.wait()
+    relay.join()
+    code = 2 if failed and code else code
+    return subprocess.CompletedProcess(cmd, code, out) if capture else code
+
+
+def _relay_stderr(stream, failed: list) -> None:
+    """Copy the ranks' stderr to ours until a rank reports a user error ("megatron-ext: error:");
+    what follows is the launcher tearing the other ranks down, which says nothing more."""
+    for line in stream:
+        if not failed:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            if line.startswith("megatron-ext: error:"):
+                failed.append(True)
 
 
 def cmd_train(rest: list[str]) -> int:

@@ -39,9 +39,10 @@ per-micro-batch fixed cost b1 spread over the stages: ``fixed = b1_scale * b1 / 
 Memory per GPU of a stage, MB:
 - model states of the stage's layers (params_b / pp), ZeRO-sharded over the stage's sp ranks
   at the CostModel's ZeRO stage;
-- per in-flight chunk: ``tokens * act_layer * L_s``, plus on the last stage its logits,
-  ``tokens * vocab * 4 bytes / sp`` (fp32 for the loss). act_mb_per_token is the whole model's
-  figure, logits included, so act_layer = (act_mb_per_token - logits) / L / sp;
+- per in-flight chunk: ``tokens * act_layer * L_s``, plus on the last stage what the output
+  layer and loss keep, ``tokens * (vocab * 4 + 2 * hidden * e) bytes / sp`` (fp32 logits, the
+  inputs of the final norm and of the output layer). act_mb_per_token is the whole model's
+  figure, head included, so act_layer = (act_mb_per_token - head) / L / sp;
 - pieces of split sequences: the prefix cache keeps a copy of their K/V (``2 * kv_heads *
   head_dim * e`` bytes per token and layer), which later slices attend to, so it stays until the
   slice's backward, checkpointed or not; a slice with a prefix of C tokens saves the
@@ -208,9 +209,9 @@ class PipelineCost:
 
     @cached_property
     def act_layer_mb(self) -> float:
-        """Stored activations per token per layer on one GPU (the logits are the last stage's)."""
+        """Stored activations per token per layer on one GPU (the head's are the last stage's)."""
         m = self.cost.model
-        return max(0.0, m.act_mb_per_token - m.vocab_size * 4 / _MB) / m.num_layers / self.sp
+        return max(0.0, m.act_mb_per_token - self.head_mb * self.sp) / m.num_layers / self.sp
 
     @cached_property
     def input_layer_mb(self) -> float:
@@ -226,9 +227,11 @@ class PipelineCost:
         return 2 * m.kv_heads * head_dim * m.activation_bytes / _MB / self.sp
 
     @cached_property
-    def logits_mb(self) -> float:
-        """fp32 logits of one token on one GPU (last stage)."""
-        return self.cost.model.vocab_size * 4 / _MB / self.sp
+    def head_mb(self) -> float:
+        """What the output layer and the loss keep per token on one GPU (last stage): fp32
+        logits and the inputs of the final norm and of the output layer."""
+        m = self.cost.model
+        return (m.vocab_size * 4 + 2 * m.hidden_size * m.activation_bytes) / _MB / self.sp
 
     def chunk_memory(self, tokens, split_tokens, prefix_tokens, last_stage: bool):
         """(I, F): memory a chunk holds between its forward and backward with no recompute, and
@@ -241,7 +244,7 @@ class PipelineCost:
         prefix_tokens = np.asarray(prefix_tokens, dtype=np.float64)
         L_s = self.layers_per_stage
         full = (tokens * self.act_layer_mb + (split_tokens + prefix_tokens) * self.kv_layer_mb) * L_s \
-            + (tokens * self.logits_mb if last_stage else 0.0)
+            + (tokens * self.head_mb if last_stage else 0.0)
         save = np.maximum(0.0, tokens * (self.act_layer_mb - self.input_layer_mb) + prefix_tokens * self.kv_layer_mb)
         return full, save
 

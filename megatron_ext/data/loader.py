@@ -43,6 +43,7 @@ from megatron_ext.cost import CostModel
 from megatron_ext.data.datasets import DataError, Documents
 from megatron_ext.data.sharding import (IGNORE_INDEX, RankShard, ShardTokens, group_shards, num_loss_tokens,
                                         padded_buffer_length, rank_part, shard_bounds, shard_tokens)
+from megatron_ext import errors
 from megatron_ext.errors import InvalidPlanError, MegatronExtError
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner import PLANNERS, PlannerOptions, make_plan
@@ -115,13 +116,22 @@ def check_plan_agreement(digest: str, group=None) -> None:
         raise PlanMismatchError(msg)
 
 
-def broadcast_plan(plan: StepPlan | None, src: int = 0, group=None, source: str = "") -> tuple[StepPlan, str]:
+def broadcast_plan(plan: StepPlan | None, src: int = 0, group=None, source: str = "",
+                   error: MegatronExtError | None = None) -> tuple[StepPlan, str]:
     """Send ``plan`` (given on rank ``src``, a global rank; ignored elsewhere) to every rank of
-    ``group`` as JSON; returns (plan, source) on every rank."""
+    ``group`` as JSON; returns (plan, source) on every rank. If ``src`` could not plan, it passes
+    ``error`` instead and every rank raises it (same class and message), so all stop together."""
     import torch.distributed as dist
-    obj = [(plan.to_json(), source) if dist.get_rank() == src else None]
+    if dist.get_rank() == src:
+        obj = [(None, source, (type(error).__name__, str(error))) if error is not None else (plan.to_json(), source, None)]
+    else:
+        obj = [None]
     dist.broadcast_object_list(obj, src=src, group=group)
-    text, source = obj[0]
+    text, source, failed = obj[0]
+    if failed is not None:
+        if error is not None:
+            raise error
+        raise getattr(errors, failed[0], MegatronExtError)(failed[1])
     return StepPlan.from_json(text), source
 
 
@@ -427,16 +437,21 @@ class PlanningDataLoader:
             samples = self.batch_samples(step)
             lengths = samples[:, 2] - samples[:, 1]
             t0 = time.perf_counter()
-            plan, source = None, ""
+            plan, source, error = None, "", None
             if plans_here:
-                if self.background:
-                    plan, source = self._background_plan(step, ticket, lengths)
-                else:
-                    plan, source = make_plan(self.planner, lengths, self.cost, self.options, self.baselines), "inline"
+                try:
+                    if self.background:
+                        plan, source = self._background_plan(step, ticket, lengths)
+                    else:
+                        plan, source = make_plan(self.planner, lengths, self.cost, self.options, self.baselines), "inline"
+                except MegatronExtError as e:  # e.g. not even the fallback fits: every rank must learn it
+                    if self.sync != "broadcast":
+                        raise
+                    error = type(e)(f"step {step}: {e}")
             if self.background and plans_here and (end is None or step + 1 < end):
                 ticket = self._submit(self.batch_lengths(step + 1))  # one step ahead
             if self.sync == "broadcast":
-                plan, source = broadcast_plan(plan, self.src_rank, self.group, source)
+                plan, source = broadcast_plan(plan, self.src_rank, self.group, source, error)
                 if not plans_here:
                     source = "broadcast:" + source
             wait = time.perf_counter() - t0

@@ -232,11 +232,16 @@ def _targets(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions) -> list[
     t_max = float(pc.prefix_ms(s_max))
     total = float(pc.prefix_ms(lens).sum())
     k_max = max(1, s_max // max(1, opts.min_slice_tokens))
+    # Slicing finer than memory needs may still be faster; coarser cannot run: the first slice
+    # (the longest in tokens) must fit on stage 0 with the sequence's other slices recomputed.
+    k_min = next((k for k in range(1, k_max + 1)
+                  if pc.min_sequence_memory_mb(s_max, int(pc.prefix_tokens(t_max / k))) <= pc.activation_room_mb),
+                 k_max)
     ks = sorted({k for k in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 64, 96, 128)
-                 if k <= k_max})
+                 if k_min < k <= k_max} | {k_min})
     out = [t_max / k for k in ks]
     for m in (1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32):
-        if t_max * m <= total / max(1, pc.pp) * 1.5:
+        if k_min == 1 and t_max * m <= total / max(1, pc.pp) * 1.5:
             out.append(t_max * m)
     guess = math.sqrt(max(pc.fixed_ms, 1e-3 * total / max(1, len(lens))) * total / max(1, pc.pp - 1))
     out.sort(key=lambda t: abs(math.log(t / guess)))

@@ -77,7 +77,8 @@ def _record(step, losses, grad_norm, tokens, step_time, plan, times) -> dict:
     degrees = sorted({g.degree for mb in plan.micro_batches for g in mb.groups} | {p.sp_degree for p in plan.pipelines},
                      reverse=True)
     return {
-        "step": step.step, "loss": losses, "grad_norm": grad_norm, "tokens": tokens, "step_time_s": step_time,
+        "step": step.step, "loss": losses, "grad_norm": grad_norm, "tokens": tokens,
+        "longest_sequence": int(step.lengths.max()) if len(step.lengths) else 0, "step_time_s": step_time,
         "predicted_step_time_s": plan.estimated_step_time_s,
         "micro_batches": len(plan.micro_batches) or sum(len(p.chunks) for p in plan.pipelines),
         "degrees": degrees, "planner": plan.planner, "plan_source": step.plan_source,
@@ -210,7 +211,8 @@ def _stage_report(ranks: list, step, cost: CostModel) -> dict:
     from megatron_ext.sim import simulate
 
     pipe = step.plan.pipelines[0]
-    states = PipelineCost(cost, pipe.stages, pipe.sp_degree).model_states_mb
+    pc = PipelineCost(cost, pipe.stages, pipe.sp_degree)
+    states = pc.model_states_mb
     sim = simulate(step.plan, step.lengths, cost)
     predicted: dict[tuple[int, str], float] = {}
     several = len(step.plan.pipelines) > 1
@@ -233,7 +235,7 @@ def _stage_report(ranks: list, step, cost: CostModel) -> dict:
     def r(xs):
         return [round(float(x), 4) for x in xs]
 
-    return {"activation_peak_mb_per_stage": r(peak),
+    return {"activation_room_mb": round(pc.activation_room_mb, 4), "activation_peak_mb_per_stage": r(peak),
             "planned_activation_mb_per_stage": r(x - states for x in sim.peak_memory_mb),
             "forward_s_per_stage": r(fwd), "backward_s_per_stage": r(bwd), "p2p_wait_s_per_stage": r(wait),
             "predicted_busy_s_per_stage": r(sim.busy_s),

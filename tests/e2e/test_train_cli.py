@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.cost import CostModel
+
 CLI = [sys.executable, "-m", "megatron_ext.cli"]
 ARGS = ["train", "--steps", "3", "--global-batch", "6", "--max-seq-len", "2048", "--seed", "7", "--json"]
 
@@ -49,9 +51,42 @@ def test_same_loss_and_grad_norm_every_step(runs, other):
 
 def test_pipeline_run_used_two_stages_of_sp2(runs):
     assert all(r["degrees"] == [2] and r["planner"] == "elastic_pp" for r in runs["elastic_pp"])
-    # measured activation memory of each stage (bytes saved for backward by chunks in flight)
-    assert all(len(r["activation_peak_mb_per_stage"]) == 2 and min(r["activation_peak_mb_per_stage"]) > 0
-               for r in runs["elastic_pp"])
+    for r in runs["elastic_pp"]:
+        _check_stage_records(r)
+
+
+def _check_stage_records(r: dict) -> None:
+    """Measured activation memory of each stage (bytes saved for backward by the chunks in flight,
+    plus the prefix K/V cache) within the activation room the planner was given; every stage's
+    every operation timed and paired with the simulator's prediction."""
+    assert len(r["activation_peak_mb_per_stage"]) == 2 and min(r["activation_peak_mb_per_stage"]) > 0
+    assert max(r["activation_peak_mb_per_stage"]) <= r["activation_room_mb"], r
+    assert max(r["planned_activation_mb_per_stage"]) <= r["activation_room_mb"] * (1 + 1e-9)
+    for ops in r["ops_per_stage"]:
+        names = [op for op, _, _ in ops]
+        assert sorted(names) == sorted([f"F{c}" for c in range(r["micro_batches"])] + [f"B{c}" for c in range(r["micro_batches"])])
+        assert all(measured > 0 and predicted > 0 for _, measured, predicted in ops)
+
+
+LONG = ["train", "--steps", "2", "--global-batch", "8", "--max-seq-len", "6144", "--seed", "3", "--pp", "2", "--json"]
+
+
+def test_a_sequence_too_long_for_unsliced_pipelines_trains_when_sliced():
+    """Documents cut at 6,144 tokens: more than one group of the 4 ranks holds (FlexSP stops at
+    4,167) and than a 2-stage pipeline holds unsliced (batch 1F1B with full recompute needs
+    ~40 MB on stage 0, over the 35 MB budget); elastic_pp slices them and trains, within memory."""
+    done = subprocess.run([*CLI, *LONG, "--planner", "elastic_pp"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    recs = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["plan_source"] for r in recs] == ["planner", "planner"]
+    flexsp_max = CostModel.from_presets("tiny", "cpu-4").max_seq_len
+    assert max(r["longest_sequence"] for r in recs) > flexsp_max and all(r["loss"] > 0 for r in recs)
+    for r in recs:
+        _check_stage_records(r)
+    unsliced = subprocess.run([*CLI, *LONG, "--planner", "batch_1f1b"], capture_output=True, text=True, timeout=600)
+    assert unsliced.returncode == 2 and unsliced.stdout == ""
+    assert unsliced.stderr.startswith("megatron-ext: error: step 0: batch 1F1B pipeline: stage 0 needs"), unsliced.stderr
+    assert "Traceback" not in unsliced.stderr  # every rank stops on the same error, quietly
 
 
 def test_static_ulysses_uses_only_its_degree(runs):

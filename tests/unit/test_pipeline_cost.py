@@ -91,16 +91,17 @@ def test_memory_terms():
     # ZeRO-3 over the 8 ranks of a stage: a quarter of the parameters, 16 bytes each, / 8
     assert pc.model_states_mb == pytest.approx(13.0 / 4 * 16 * 1024 / 8)
     # the whole-model figure includes the last stage's fp32 logits: the layers share the rest
-    assert pc.act_layer_mb == pytest.approx((m.act_mb_per_token - 32000 * 4 / 2**20) / 40 / 8)
+    head = 32000 * 4 + 2 * 5120 * 2  # fp32 logits, the inputs of the final norm and output layer
+    assert pc.act_layer_mb == pytest.approx((m.act_mb_per_token - head / 2**20) / 40 / 8)
     assert pc.input_layer_mb == pytest.approx(5120 * 2 / 2**20 / 8)
     assert pc.kv_layer_mb == pytest.approx(2 * 40 * 128 * 2 / 2**20 / 8)
-    assert pc.logits_mb == pytest.approx(32000 * 4 / 2**20 / 8)
+    assert pc.head_mb == pytest.approx(head / 2**20 / 8)
     full, save = pc.chunk_memory(1000, 0, 0, False)
     assert float(full) == pytest.approx(1000 * pc.act_layer_mb * 10)
     assert float(save) == pytest.approx(1000 * (pc.act_layer_mb - pc.input_layer_mb))
     # a split piece: the prefix cache's copy of its K/V stays, even when recomputed
     full_last, save_split = pc.chunk_memory(1000, 1000, 0, True)
-    assert float(full_last) == pytest.approx(float(full) + 1000 * pc.logits_mb + 1000 * pc.kv_layer_mb * 10)
+    assert float(full_last) == pytest.approx(float(full) + 1000 * pc.head_mb + 1000 * pc.kv_layer_mb * 10)
     assert float(save_split) == pytest.approx(float(save))
     # a slice after 3000 prefix tokens keeps their K/V for its attention's backward, unless recomputed
     full_pre, save_pre = pc.chunk_memory(1000, 1000, 3000, False)
