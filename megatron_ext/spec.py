@@ -41,15 +41,19 @@ class ModelSpec:
     vocab_size: int = 50257
     activation_bytes: int = 2  # bytes per activation element sent or kept (bf16: 2; the fp32 CPU runtime: 4)
     swiglu: bool = False  # gated MLP (three FFN matrices, LLaMA) rather than two (GPT)
+    head_time_share: float | None = None  # measured share of a2 in the output layer and loss (None: from FLOPs)
 
     @property
     def kv_heads(self) -> int:
         return self.num_query_groups or self.num_attention_heads
 
     @property
-    def head_flops_share(self) -> float:
-        """Share of the model's per-token matmul work in the output layer (vocab x hidden), which
-        only the last pipeline stage does; the rest is spread evenly over the layers."""
+    def head_share(self) -> float:
+        """Share of the model's per-token (a2) work in the output layer and loss, which only the
+        last pipeline stage does; the rest is spread evenly over the layers. Measured by
+        `profile` (head_time_share), else the output layer's share of the matmul FLOPs."""
+        if self.head_time_share is not None:
+            return self.head_time_share
         h = self.hidden_size
         kv = self.kv_heads * (h // self.num_attention_heads)
         ffn = self.ffn_hidden_size or 4 * h
@@ -154,6 +158,8 @@ def validate_model(m: ModelSpec) -> ModelSpec:
            f"num_query_groups must be a positive integer, got {m.num_query_groups!r}")
     _check(m.num_attention_heads % m.kv_heads == 0, what, "num_attention_heads must divide by num_query_groups")
     _check(m.activation_bytes in (1, 2, 4, 8), what, f"activation_bytes must be 1, 2, 4 or 8, got {m.activation_bytes!r}")
+    _check(m.head_time_share is None or (isinstance(m.head_time_share, (int, float)) and 0 <= m.head_time_share < 1),
+           what, f"head_time_share must be in [0, 1), got {m.head_time_share!r}")
     return m
 
 

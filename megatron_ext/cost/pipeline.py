@@ -10,7 +10,7 @@ the layers, so a stage does ``L_s / L`` of them. For one chunk on one stage (mil
     fixed   = L_s / L * b1 * b1_scale + 8 L_s lat[sp]             (the paper's b1 / d_p, 2 beta(d_s) 2 L / d_p)
     stage   = compute + a2a + fixed;  forward = stage / 3,  backward = 2 stage / 3
 
-The output layer's matmuls (ModelSpec.head_flops_share of the per-token work, h x vocab) run on
+The output layer's matmuls (ModelSpec.head_share of the per-token work, h x vocab) run on
 the last stage only: share_p = (1 - head) / pp, plus head on the last stage. The planner's own
 searches use the average stage (share 1 / pp); the simulator times every stage with its own.
 The 1/3 : 2/3 split of forward and backward is the usual FLOP ratio (the backward computes the
@@ -134,7 +134,7 @@ class PipelineCost:
         ``head=False``, its layers alone."""
         if stage is None and head:
             return self.stage_share
-        h = self.cost.model.head_flops_share
+        h = self.cost.model.head_share
         return (1.0 - h) * self.stage_share + (h if head and stage == self.pp - 1 else 0.0)
 
     def stage_ms(self, work, tokens, stage: int | None = None, head: bool = True):

@@ -4,16 +4,15 @@ Run under torchrun (the CLI launches it) with one process per rank of the cluste
 builds the model, then all ranks measure together, as in training (on a CPU box they share the
 cores, and that contention is part of what the coefficients must capture):
 
-- compute: forward+backward time of one sequence, over a sweep of lengths, fitted to
-  a1 s^2 + a2 s + b1 (non-negative least squares on relative error, which is what predictions
-  are judged by; the residuals are reported);
+- passes: forward+backward time of one sequence over a sweep of lengths, on every rank alone
+  (degree 1) and on every aligned group of d ranks with Ulysses attention (each degree d);
+  all fitted at once (``fit_profile``, non-negative least squares on relative error, which is
+  what predictions are judged by) to the cost model's b1 + (a1 s^2 + a2 s) / d plus, for d > 1,
+  tokens / bandwidth[d] + calls x latency[d]. These effective all-to-all figures are what the
+  cost model gets: they include each all-to-all's wait for its slowest member, which on ranks
+  that share cores costs far more than the raw collective;
 - all-to-all, raw: for every degree d, every aligned group of d ranks runs all_to_all_single at
-  once, over a sweep of sizes; time = latency + bytes / bandwidth per degree (reported);
-- all-to-all, in place: every aligned group of d ranks runs a real Ulysses forward+backward of
-  one sequence over the same lengths; what a pass takes beyond the compute fit at degree d is
-  fitted to tokens / bandwidth + calls x latency. These effective figures are what the cost
-  model gets: they include each all-to-all's wait for its slowest member, which on ranks that
-  share cores costs far more than the raw collective;
+  once, over a sweep of sizes; latency and bandwidth per degree (reported for comparison);
 - p2p: send/recv between rank pairs, bandwidth;
 - activation memory per token: the bytes autograd saves for backward in a forward pass;
 - parameters: counted.
@@ -73,11 +72,6 @@ def nonnegative_fit(cols: np.ndarray, y: np.ndarray, relative: bool = True) -> t
     return best, y - cols @ best
 
 
-def quadratic_columns(x) -> np.ndarray:
-    """[x^2, x, 1]: the columns of a1 s^2 + a2 s + b1."""
-    x = np.asarray(x, dtype=np.float64)
-    return np.stack([x * x, x, np.ones_like(x)], axis=1)
-
 
 def _progress(rank: int, done: int, total: int, what: str) -> None:
     if rank == 0:
@@ -112,6 +106,18 @@ def _compute_sweep(model, lengths, vocab, repeats, tick) -> list[float]:
         out.append(_time(run, repeats) * 1e3)
         tick(f"compute, {s} tokens")
     return out
+
+
+def _head_ms(model, vocab: int, s: int, repeats: int) -> float:
+    """Forward+backward ms of what follows the layers (final norm, output layer, loss) for s tokens."""
+    hidden = torch.randn(s, 1, model.config.hidden_size, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, s))
+
+    def run():
+        logits, _ = model.output_layer(model.decoder.final_layernorm(hidden))
+        model.compute_language_model_loss(labels, logits).sum().backward()
+
+    return _time(run, repeats) * 1e3
 
 
 def _saved_bytes_per_token(model, vocab: int, s: int = 512) -> float:
@@ -162,21 +168,39 @@ def _ulysses_sweep(model, pool, degrees, lengths, vocab: int, repeats: int, tick
     return out
 
 
-def fit_all_to_all(model_spec, lengths, ulysses_ms: dict[int, list[float]], compute, raw: dict[int, dict]) -> dict[int, dict]:
-    """Per degree, the effective all-to-all bandwidth (GB/s) and per-call latency (ms) with which
-    the cost model reproduces the measured Ulysses passes: what a pass takes beyond the compute
-    fit at degree d is fitted to tokens x ms_per_token + 8 L x latency. A degree whose excess does
-    not grow with the tokens keeps its raw bandwidth."""
-    a1, a2, b1 = compute
+def fit_profile(model_spec, lengths, fwd_bwd_ms: dict[int, list[float]], raw: dict[int, dict]) -> dict:
+    """One fit of every measured pass, degree 1 and the Ulysses degrees alike, on relative error:
+
+        ms(d, s) = b1 + (a1 s^2 + a2 s) / d + [d > 1] (s x ms_per_token[d] + 8 L x latency[d])
+
+    with every coefficient >= 0. ``fwd_bwd_ms[d]``: the passes of one sequence of each length at
+    degree d. Returns a1, a2, b1, per degree the effective all-to-all bandwidth (GB/s; the raw
+    figure where the excess does not grow with the tokens) and per-call latency (ms), and the
+    residuals per degree. Fitting the degrees together keeps the compute terms that every degree
+    shares from absorbing one sweep's noise."""
     s = np.asarray(lengths, dtype=np.float64)
+    comm = sorted(d for d in fwd_bwd_ms if d > 1)
+    rows, ys = [], []
+    for d, ms in sorted(fwd_bwd_ms.items()):
+        for x, y in zip(s, ms):
+            row = [x * x / d, x / d, 1.0] + [0.0] * (2 * len(comm))
+            if d > 1:
+                j = comm.index(d)
+                row[3 + 2 * j] = x
+                row[4 + 2 * j] = 8 * model_spec.num_layers
+            rows.append(row)
+            ys.append(y)
+    coef, resid = nonnegative_fit(np.array(rows), np.array(ys))
     per_token_mb = 8 * model_spec.num_layers * model_spec.hidden_size * model_spec.activation_bytes / 2**20
-    out = {}
-    for d, ms in ulysses_ms.items():
-        excess = np.asarray(ms) - (b1 + (a1 * s * s + a2 * s) / d)
-        (ms_per_token, fixed), resid = nonnegative_fit(np.stack([s, np.ones_like(s)], axis=1), excess, relative=False)
+    out = {"a1": float(coef[0]), "a2": float(coef[1]), "b1": float(coef[2]), "a2a": {}, "residual_ms": {}}
+    n = len(s)
+    for i, d in enumerate(sorted(fwd_bwd_ms)):
+        out["residual_ms"][d] = [round(float(r), 3) for r in resid[i * n:(i + 1) * n]]
+    for j, d in enumerate(comm):
+        ms_per_token, latency = coef[3 + 2 * j], coef[4 + 2 * j]
         bw = per_token_mb / d / ms_per_token if ms_per_token > 1e-12 else raw[d]["bandwidth_gbps"]
-        out[d] = {"bandwidth_gbps": float(bw), "latency_ms": float(fixed) / (8 * model_spec.num_layers),
-                  "measured_ms": [round(float(x), 3) for x in ms], "residual_ms": [round(float(x), 3) for x in resid]}
+        out["a2a"][d] = {"bandwidth_gbps": float(bw), "latency_ms": float(latency)}
+    out["rel_error"] = float(np.median(np.abs(resid) / np.asarray(ys)))
     return out
 
 
@@ -268,13 +292,20 @@ def _profile(args) -> int:
     gathered = [None] * world
     dist.all_gather_object(gathered, times_ms)
     per_length = np.median(np.array(gathered), axis=0)  # ranks ran concurrently; take the typical one
-    (a1, a2, b1), residual = nonnegative_fit(quadratic_columns(lengths), per_length)
     act_mb = _saved_bytes_per_token(model, vocab) / 2**20
-    tick("activation memory")
+    head_s = max(lengths)
+    head = [None] * world
+    dist.all_gather_object(head, _head_ms(model, vocab, head_s, args.repeats))
+    tick("activation memory, output layer")
     raw = _a2a_sweep(pool, world, args.repeats, tick)
     spec = dataclasses.replace(base.model, vocab_size=vocab, activation_bytes=_activation_bytes(model))
-    a2a = fit_all_to_all(spec, lengths, _ulysses_sweep(model, pool, degrees, lengths, vocab, args.repeats, tick),
-                         (a1, a2, b1), raw)
+    measured = {1: per_length.tolist(), **_ulysses_sweep(model, pool, degrees, lengths, vocab, args.repeats, tick)}
+    fit = fit_profile(spec, lengths, measured, raw)
+    a1, a2, b1, a2a = fit["a1"], fit["a2"], fit["b1"], fit["a2a"]
+    # the output layer's share of the per-token work (the last pipeline stage runs it alone): of
+    # the measured pass at the same length, less its fitted attention and fixed parts
+    linear = per_length[lengths.index(head_s)] - b1 - a1 * head_s**2
+    head_share = float(min(0.95, max(0.0, np.median(head) / max(linear, 1e-9))))
     p2p = _p2p_bandwidth(world, args.repeats)
     tick("p2p")
     params_b = sum(p.numel() for p in model.parameters()) / 1e9
@@ -285,19 +316,18 @@ def _profile(args) -> int:
                       "num_attention_heads": m.num_attention_heads, "num_query_groups": m.kv_heads,
                       "ffn_hidden_size": m.ffn_hidden_size, "vocab_size": vocab, "params_b": round(params_b, 9),
                       "activation_bytes": spec.activation_bytes,
-                      "act_mb_per_token": round(act_mb, 6), "a1": float(a1), "a2": float(a2), "b1": float(b1)},
+                      "act_mb_per_token": round(act_mb, 6), "a1": float(a1), "a2": float(a2), "b1": float(b1),
+                      "head_time_share": round(head_share, 4)},
             "cluster": {"num_nodes": c.num_nodes, "gpus_per_node": c.gpus_per_node, "memory_gb": c.memory_gb,
                         "a2a_bandwidth_gbps": {d: round(v["bandwidth_gbps"], 4) for d, v in a2a.items()},
                         "a2a_latency_ms": {d: round(v["latency_ms"], 4) for d, v in a2a.items()},
                         "p2p_bandwidth_gbps": round(p2p, 4)},
             "profile": {
                 "host": dist.get_backend(), "ranks": world, "lengths": lengths,
-                "fwd_bwd_ms": [round(float(t), 3) for t in per_length],
-                "fit_residual_ms": [round(float(r), 3) for r in residual],
-                "fit_rel_error": round(float(np.median(np.abs(residual) / per_length)), 4),
+                "fwd_bwd_ms": {d: [round(float(t), 3) for t in v] for d, v in measured.items()},
+                "fit_residual_ms": fit["residual_ms"],
+                "fit_rel_error": round(fit["rel_error"], 4),
                 "raw_a2a": {d: {k: round(x, 4) for k, x in v.items()} for d, v in raw.items()},
-                "ulysses_fwd_bwd_ms": {d: v["measured_ms"] for d, v in a2a.items()},
-                "ulysses_fit_residual_ms": {d: v["residual_ms"] for d, v in a2a.items()},
             },
         }
         out = Path(args.out)
@@ -305,7 +335,8 @@ def _profile(args) -> int:
         out.write_text(f"# Measured by `megatron-ext profile --model {args.model} --cluster {args.cluster}` "
                        f"on {world} {dist.get_backend()} ranks.\n" + yaml.safe_dump(doc, sort_keys=False))
         print(f"a1 {a1:.3e}  a2 {a2:.4f}  b1 {b1:.2f} ms  (median fit error {doc['profile']['fit_rel_error']:.1%})\n"
-              f"activation {act_mb:.4f} MB/token, {params_b * 1e3:.3f} M parameters\n"
+              f"activation {act_mb:.4f} MB/token, {params_b * 1e3:.3f} M parameters, output layer "
+              f"{head_share:.0%} of the per-token work\n"
               + "".join(f"all-to-all degree {d}: {v['bandwidth_gbps']:.3f} GB/s, latency {v['latency_ms']:.2f} ms per call "
                         f"in place (raw: {raw[d]['bandwidth_gbps']:.3f} GB/s, {raw[d]['latency_ms']:.2f} ms)\n"
                         for d, v in a2a.items())

@@ -5,7 +5,7 @@ import sys
 import yaml
 
 from megatron_ext.cost import CostModel
-from megatron_ext.runtime.profile import fit_all_to_all, nonnegative_fit, quadratic_columns
+from megatron_ext.runtime.profile import fit_profile, nonnegative_fit
 from megatron_ext.spec import load_model
 
 import numpy as np
@@ -25,9 +25,10 @@ def test_profile_writes_a_usable_cost_model(tmp_path):
     assert all(v > 0 for v in cost.cluster.a2a_bandwidth_gbps.values()) and set(cost.cluster.a2a_bandwidth_gbps) == {2, 4}
     assert set(cost.cluster.a2a_latency_ms) == {2, 4} and all(v >= 0 for v in cost.cluster.a2a_latency_ms.values())
     assert cost.model.activation_bytes == 4  # the CPU runtime trains in fp32
+    assert 0 < cost.model.head_time_share <= 0.95
     doc = yaml.safe_load(out.read_text())
-    assert len(doc["profile"]["fwd_bwd_ms"]) == 3 and len(doc["profile"]["fit_residual_ms"]) == 3
-    assert all(len(v) == 3 for v in doc["profile"]["ulysses_fwd_bwd_ms"].values())
+    assert set(doc["profile"]["fwd_bwd_ms"]) == {1, 2, 4} and all(len(v) == 3 for v in doc["profile"]["fwd_bwd_ms"].values())
+    assert all(len(v) == 3 for v in doc["profile"]["fit_residual_ms"].values())
     plan = subprocess.run([sys.executable, "-m", "megatron_ext.cli", "plan", "--cost-model", str(out),
                            "--dist", "lmsys", "--batch", "16", "--json", "--no-baselines"],
                           capture_output=True, text=True, timeout=120)
@@ -36,7 +37,7 @@ def test_profile_writes_a_usable_cost_model(tmp_path):
 
 def test_nonnegative_fit_recovers_coefficients_and_never_goes_negative():
     x = np.array([100.0, 200, 400, 800, 1600])
-    cols = quadratic_columns(x)
+    cols = np.stack([x * x, x, np.ones_like(x)], axis=1)
     for relative in (True, False):
         coef, residual = nonnegative_fit(cols, 2e-5 * x * x + 0.03 * x + 4, relative=relative)
         assert np.allclose(coef, [2e-5, 0.03, 4], rtol=1e-6) and np.allclose(residual, 0, atol=1e-9)
@@ -50,20 +51,26 @@ def test_nonnegative_fit_recovers_coefficients_and_never_goes_negative():
     assert abs(rel_res[0]) < abs(abs_res[0])
 
 
-def test_fit_all_to_all_recovers_bandwidth_and_latency():
+def test_fit_profile_recovers_compute_bandwidth_and_latency():
     spec = load_model("tiny")
-    compute = (1e-4, 0.06, 5.0)
     lengths = [128, 512, 1024, 2048]
     per_token_mb = 8 * spec.num_layers * spec.hidden_size * spec.activation_bytes / 2**20
     s = np.array(lengths, dtype=float)
-    measured = {}
-    for d, bw, lat in ((2, 2.0, 0.5), (4, 1.0, 1.5)):
-        measured[d] = (5.0 + (1e-4 * s * s + 0.06 * s) / d + s * per_token_mb / d / bw + 8 * spec.num_layers * lat).tolist()
+
+    def passes(d, bw=None, lat=0.0):
+        comm = s * per_token_mb / d / bw + 8 * spec.num_layers * lat if bw else 0.0
+        return (5.0 + (1e-4 * s * s + 0.06 * s) / d + comm).tolist()
+
     raw = {2: {"bandwidth_gbps": 9.0, "latency_ms": 0.1}, 4: {"bandwidth_gbps": 9.0, "latency_ms": 0.1}}
-    fit = fit_all_to_all(spec, lengths, measured, compute, raw)
-    assert fit[2]["bandwidth_gbps"] == pytest.approx(2.0, rel=1e-6) and fit[2]["latency_ms"] == pytest.approx(0.5)
-    assert fit[4]["bandwidth_gbps"] == pytest.approx(1.0, rel=1e-6) and fit[4]["latency_ms"] == pytest.approx(1.5)
+    fit = fit_profile(spec, lengths, {1: passes(1), 2: passes(2, 2.0, 0.5), 4: passes(4, 1.0, 1.5)}, raw)
+    assert (fit["a1"], fit["a2"], fit["b1"]) == pytest.approx((1e-4, 0.06, 5.0), rel=1e-6)
+    assert fit["a2a"][2]["bandwidth_gbps"] == pytest.approx(2.0, rel=1e-6)
+    assert fit["a2a"][2]["latency_ms"] == pytest.approx(0.5, rel=1e-6)
+    assert fit["a2a"][4]["bandwidth_gbps"] == pytest.approx(1.0, rel=1e-6)
+    assert fit["a2a"][4]["latency_ms"] == pytest.approx(1.5, rel=1e-6)
+    assert fit["rel_error"] < 1e-9 and set(fit["residual_ms"]) == {1, 2, 4}
     # an excess that does not grow with the tokens: latency only, the raw bandwidth stays
-    flat = {2: (5.0 + (1e-4 * s * s + 0.06 * s) / 2 + 3.0).tolist()}
-    fit = fit_all_to_all(spec, lengths, flat, compute, raw)
-    assert fit[2]["bandwidth_gbps"] == 9.0 and fit[2]["latency_ms"] == pytest.approx(3.0 / (8 * spec.num_layers))
+    flat = {1: passes(1), 2: (np.array(passes(2)) + 3.0).tolist()}
+    fit = fit_profile(spec, lengths, flat, raw)
+    assert fit["a2a"][2]["bandwidth_gbps"] == 9.0
+    assert fit["a2a"][2]["latency_ms"] == pytest.approx(3.0 / (8 * spec.num_layers), rel=1e-6)

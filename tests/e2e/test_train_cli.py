@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.cost import CostModel
-
 CLI = [sys.executable, "-m", "megatron_ext.cli"]
 ARGS = ["train", "--steps", "3", "--global-batch", "6", "--max-seq-len", "2048", "--seed", "7", "--json"]
 
@@ -72,20 +70,20 @@ LONG = ["train", "--steps", "2", "--global-batch", "8", "--max-seq-len", "6144",
 
 
 def test_a_sequence_too_long_for_unsliced_pipelines_trains_when_sliced():
-    """Documents cut at 6,144 tokens: more than one group of the 4 ranks holds (FlexSP stops at
-    4,167) and than a 2-stage pipeline holds unsliced (batch 1F1B with full recompute needs
-    ~40 MB on stage 0, over the 35 MB budget); elastic_pp slices them and trains, within memory."""
+    """Documents cut at 6,144 tokens: more than a 2-stage pipeline of SP 2 holds unsliced (batch
+    1F1B, even with full recompute, is over the 35 MB budget); elastic_pp slices them and trains,
+    within memory."""
     done = subprocess.run([*CLI, *LONG, "--planner", "elastic_pp"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     recs = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [r["plan_source"] for r in recs] == ["planner", "planner"]
-    flexsp_max = CostModel.from_presets("tiny", "cpu-4").max_seq_len
-    assert max(r["longest_sequence"] for r in recs) > flexsp_max and all(r["loss"] > 0 for r in recs)
+    assert max(r["longest_sequence"] for r in recs) > 5000 and all(r["loss"] > 0 for r in recs)
     for r in recs:
         _check_stage_records(r)
     unsliced = subprocess.run([*CLI, *LONG, "--planner", "batch_1f1b"], capture_output=True, text=True, timeout=600)
     assert unsliced.returncode == 2 and unsliced.stdout == ""
-    assert unsliced.stderr.startswith("megatron-ext: error: step 0: batch 1F1B pipeline: stage 0 needs"), unsliced.stderr
+    assert unsliced.stderr.startswith("megatron-ext: error: step 0: batch 1F1B pipeline: stage "), unsliced.stderr
+    assert "with full recompute, over the 35 MB budget" in unsliced.stderr
     assert "Traceback" not in unsliced.stderr  # every rank stops on the same error, quietly
 
 
