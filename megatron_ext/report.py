@@ -1,8 +1,10 @@
 """`megatron-ext report RUN_DIR`: how well the cost model predicted a training run.
 
 ``megatron-ext train --run-dir DIR`` writes one JSON record per step to ``DIR/steps.jsonl`` with
-the measured and predicted time of the step and of each micro-batch. The report prints the
-distribution of the relative error, its bias, and whether it drifts over the run, and says when
+the measured and predicted time of the step and of each micro-batch (pipelines: of each stage's
+operations, and each stage's activation memory). The report prints the distribution of the
+relative error, its bias, and whether it drifts over the run; for pipelines, how much longer the
+operations ran than predicted and the activation peaks against the planner's; and it says when
 the cost model should be re-measured (``megatron-ext profile``).
 """
 from __future__ import annotations
@@ -56,6 +58,19 @@ def fidelity(records: list[dict]) -> dict:
         "drift": float(np.median(thirds[-1]) - np.median(thirds[0])),
     }
     out["recalibrate"] = out["step_median_abs_error"] > DRIFT_THRESHOLD or out["drift"] > DRIFT_THRESHOLD / 2
+    stages = [r for r in body if "ops_per_stage" in r]
+    if stages:
+        P = len(stages[0]["ops_per_stage"])
+        measured = [sum(m for r in stages for _, m, _ in r["ops_per_stage"][p]) for p in range(P)]
+        predicted = [sum(q for r in stages for _, _, q in r["ops_per_stage"][p]) for p in range(P)]
+        out["stage_op_time_ratio"] = [m / q if q > 0 else None for m, q in zip(measured, predicted)]
+        out["activation_peak_mb_per_stage"] = np.max([r["activation_peak_mb_per_stage"] for r in stages], axis=0).tolist()
+        out["planned_activation_mb_per_stage"] = np.max([r["planned_activation_mb_per_stage"] for r in stages],
+                                                        axis=0).tolist()
+        out["activation_room_mb"] = stages[0]["activation_room_mb"]
+        over = [(r["step"], p) for r in stages for p, x in enumerate(r["activation_peak_mb_per_stage"])
+                if x > r["activation_room_mb"]]
+        out["steps_over_memory_budget"] = over
     return out
 
 
@@ -68,6 +83,19 @@ def report_table(records: list[dict]) -> str:
         lines.append(f"micro-batch time error: median {f['micro_batch_median_abs_error']:.1%}, "
                      f"p90 {f['micro_batch_p90_abs_error']:.1%}")
     lines.append(f"drift (last third - first third of the run): {f['drift']:+.1%}")
+    if "stage_op_time_ratio" in f:
+        lines.append("stage operations, measured / predicted time: "
+                     + ", ".join(f"stage {p} {x:.2f}x" for p, x in enumerate(f["stage_op_time_ratio"]) if x))
+        lines.append("activation peak per stage, MB (measured / planned; room "
+                     f"{f['activation_room_mb']:.1f}): "
+                     + ", ".join(f"{m:.1f} / {q:.1f}" for m, q in zip(f["activation_peak_mb_per_stage"],
+                                                                    f["planned_activation_mb_per_stage"]))
+                     + ("; within the budget at every step" if not f["steps_over_memory_budget"] else
+                        f"; OVER the budget at (step, stage) {f['steps_over_memory_budget']}"))
+    ratios = [x for x in f.get("stage_op_time_ratio", []) if x]
+    if ratios and min(ratios) > 1 + DRIFT_THRESHOLD / 2:
+        lines.append(f"every stage's operations ran {min(ratios):.2f}x or more the profiled passes: a per-operation "
+                     "overhead of the pipeline runtime that `profile` does not measure (docs/cost_model.md)")
     if f["recalibrate"]:
         lines.append("the cost model is off for this machine: re-measure it with "
                      "`megatron-ext profile --out my-cost.yaml` and pass --cost-model my-cost.yaml")

@@ -41,3 +41,21 @@ def test_missing_or_malformed_run(tmp_path, capsys):
     (tmp_path / "steps.jsonl").write_text("{not json\n")
     assert main(["report", str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith("megatron-ext: error:")
+
+
+def _pp_rec(step, peaks, ops):
+    return {**_rec(step, 1.0, 0.9), "planner": "elastic_pp", "activation_room_mb": 30.0,
+            "activation_peak_mb_per_stage": peaks, "planned_activation_mb_per_stage": [25.0, 26.0],
+            "ops_per_stage": ops}
+
+
+def test_pipeline_runs_report_stage_times_and_memory(tmp_path, capsys):
+    ops = [[["F0", 0.3, 0.2], ["B0", 0.6, 0.4]], [["F0", 0.2, 0.2], ["B0", 0.4, 0.4]]]
+    recs = [_pp_rec(0, [40.0, 40.0], ops), _pp_rec(1, [24.0, 27.0], ops), _pp_rec(2, [26.0, 31.0], ops)]
+    f = fidelity(recs)  # the first step is left out, its memory too
+    assert f["stage_op_time_ratio"] == pytest.approx([1.5, 1.0])
+    assert f["activation_peak_mb_per_stage"] == [26.0, 31.0]
+    assert f["steps_over_memory_budget"] == [(2, 1)]
+    assert main(["report", str(_write(tmp_path, recs))]) == 0
+    out = capsys.readouterr().out
+    assert "stage 0 1.50x, stage 1 1.00x" in out and "OVER the budget at (step, stage) [(2, 1)]" in out
