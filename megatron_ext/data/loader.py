@@ -420,7 +420,10 @@ class PlanningDataLoader:
         start = time.perf_counter()
         short = ("late" if "deadline" in reason else "planner error" if "failed:" in reason
                  else "planner unavailable")
-        plan = fallback_plan(lengths, self.cost, self.options, self.fallback, reason=short)
+        try:
+            plan = fallback_plan(lengths, self.cost, self.options, self.fallback, reason=short)
+        except MegatronExtError as e:  # name both failures: the planner's is usually the one to fix
+            raise type(e)(f"{reason}; the {self.fallback} fallback: {e}") from None
         logger.warning("step %d: %s; using the %s fallback plan (%.1f ms)", step, reason, plan.planner,
                        1e3 * (time.perf_counter() - start))
         return plan, "fallback"
