@@ -78,7 +78,8 @@ def test_output_layer_runs_on_the_last_stage():
     w = 1000 * tiny.model.a2
     last, first = float(two.stage_ms(w, 1000, 1)), float(two.stage_ms(w, 1000, 0))
     fixed = two.fixed_ms + 1000 * two.comm_ms_per_token
-    assert (last - fixed) / (first - fixed) == pytest.approx((0.72 / 2 + 0.28) / (0.72 / 2))
+    h = tiny.model.head_time_share
+    assert (last - fixed) / (first - fixed) == pytest.approx(((1 - h) / 2 + h) / ((1 - h) / 2))
 
 
 def test_memory_terms():
