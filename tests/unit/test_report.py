@@ -59,3 +59,11 @@ def test_pipeline_runs_report_stage_times_and_memory(tmp_path, capsys):
     assert main(["report", str(_write(tmp_path, recs))]) == 0
     out = capsys.readouterr().out
     assert "stage 0 1.50x, stage 1 1.00x" in out and "OVER the budget at (step, stage) [(2, 1)]" in out
+
+
+def test_pipeline_waits_are_told_apart_from_a_wrong_profile(tmp_path, capsys):
+    ops = [[["F0", 0.2, 0.2], ["B0", 0.4, 0.4]], [["F0", 0.21, 0.2], ["B0", 0.4, 0.4]]]
+    recs = [{**_pp_rec(k, [20.0, 20.0], ops), "step_time_s": 2.0, "predicted_step_time_s": 1.2} for k in range(4)]
+    assert main(["report", str(_write(tmp_path, recs))]) == 0
+    out = capsys.readouterr().out
+    assert "so the profile holds" in out and "megatron-ext profile" not in out
