@@ -36,8 +36,9 @@ block-diagonal causal mask -> all-to-all back -> ``[S/d, 1, heads * head_dim]``.
 all-to-all is an autograd function that captures its group, so backward needs no context.
 
 Backends, chosen per module with ``backend=``: ``"sdpa"`` (torch scaled_dot_product_attention with a
-block-diagonal mask, or one call per sequence when the dense mask would be large; works on CPU,
-where the mask is rebuilt for the backward rather than kept, so activations stay linear in tokens), ``"flash"`` (flash-attn ``flash_attn_varlen_func``) and ``"te"`` (Transformer Engine
+block-diagonal mask on CUDA up to a size, else one causal call per sequence, always on CPU, where
+masked calls are slow; a mask, where one is needed, is rebuilt for the backward rather than kept,
+so activations stay linear in tokens), ``"flash"`` (flash-attn ``flash_attn_varlen_func``) and ``"te"`` (Transformer Engine
 ``DotProductAttention`` in "thd" format); the last two need CUDA and are only imported when
 chosen. ``"auto"`` picks flash, then TE, when installed and the tensors are on CUDA, else SDPA.
 
@@ -81,9 +82,15 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 BACKENDS = ("auto", "sdpa", "flash", "te")
 
-# The SDPA backend builds one dense [S, S] boolean mask per micro-batch up to this many elements
-# (4 MB: the dense masked kernel costs S^2 however short the sequences); beyond it, it runs one SDPA call per packed sequence instead.
-SDPA_DENSE_MASK_MAX_ELEMENTS = 1 << 22
+# The SDPA backend runs one masked [S, S] call per micro-batch up to this many elements, by device
+# type, else one causal call per packed sequence. A masked kernel costs S^2 however short the
+# sequences (the cost model's sum of s^2 is the per-sequence calls'); on CUDA it saves launches for
+# many short sequences, on CPU the per-sequence calls are always faster (2-10x measured), so 0.
+SDPA_DENSE_MASK_MAX_ELEMENTS = {"cuda": 1 << 22, "cpu": 0}
+
+
+def dense_mask_fits(rows: int, cols: int, device) -> bool:
+    return rows * cols <= SDPA_DENSE_MASK_MAX_ELEMENTS.get(torch.device(device).type, 0)
 
 
 # ---- all-to-all ----------------------------------------------------------------------------------
@@ -340,7 +347,7 @@ def _sdpa_packed(q: Tensor, k: Tensor, v: Tensor, bounds: Sequence[int], causal:
     if len(bounds) == 2:
         o = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=dropout_p, is_causal=causal, scale=scale,
                                            enable_gqa=gqa)
-    elif S * S <= SDPA_DENSE_MASK_MAX_ELEMENTS:
+    elif dense_mask_fits(S, S, q.device):
         o = masked_sdpa(qb, kb, vb, functools.partial(_block_causal_mask, tuple(bounds), causal, q.device), scale,
                         dropout_p)
     else:

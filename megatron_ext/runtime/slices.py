@@ -35,10 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_ext.runtime.attention import masked_sdpa
+from megatron_ext.runtime.attention import dense_mask_fits, masked_sdpa
 
-# A single dense [S, S_ext] mask up to this many elements, else one SDPA call per sequence.
-DENSE_MASK_MAX_ELEMENTS = 1 << 22
 
 
 @dataclass
@@ -247,7 +245,7 @@ def prefixed_attention(q: Tensor, k: Tensor, v: Tensor, bounds: Sequence[int], p
     S, S_ext = q.shape[0], k_ext.shape[0]
     qb = q.transpose(0, 1).unsqueeze(0)
     kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (k_ext, v_ext))
-    if S * S_ext <= DENSE_MASK_MAX_ELEMENTS:
+    if dense_mask_fits(S, S_ext, q.device):
         o = masked_sdpa(qb, kb, vb, functools.partial(_prefixed_mask, tuple(bounds), tuple(kbounds), tuple(plens),
                                                       causal, q.device), scale, dropout_p)
     else:

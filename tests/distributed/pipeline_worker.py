@@ -227,12 +227,13 @@ def slices_dependency_violations_fail_clearly():
 
 @check
 def slices_prefix_attention_matches_float64_reference():
+    from megatron_ext.runtime import attention as A
     from megatron_ext.runtime import slices as S
 
     g = torch.Generator().manual_seed(ST["rank"])
     fails = Failures()
-    for dense_limit in (S.DENSE_MASK_MAX_ELEMENTS, 0):
-        saved, S.DENSE_MASK_MAX_ELEMENTS = S.DENSE_MASK_MAX_ELEMENTS, dense_limit
+    for dense_limit in (1 << 22, 0):  # one masked call, then per-segment calls
+        saved, A.SDPA_DENSE_MASK_MAX_ELEMENTS["cpu"] = A.SDPA_DENSE_MASK_MAX_ELEMENTS["cpu"], dense_limit
         try:
             for case in range(4):
                 segs = [random.Random(case).randint(1, 12) for _ in range(3)] + [2]
@@ -256,7 +257,7 @@ def slices_prefix_attention_matches_float64_reference():
                     fails.close(out[a:b], want, f"segment {i}, case {case}, dense limit {dense_limit}",
                                 atol=1e-10, rtol=1e-10)
         finally:
-            S.DENSE_MASK_MAX_ELEMENTS = saved
+            A.SDPA_DENSE_MASK_MAX_ELEMENTS["cpu"] = saved
     fails.raise_any()
 
 

@@ -218,15 +218,18 @@ def ulysses_degree2_gqa_two_query_heads_per_kv_head():
 
 
 @check
-def ulysses_per_sequence_sdpa_path():
+def ulysses_dense_mask_sdpa_path():
+    # CPU runs one call per sequence; the one-masked-call path (CUDA's default for small buffers)
+    # must give the same attention
     import megatron_ext.runtime.attention as A
 
-    saved, A.SDPA_DENSE_MASK_MAX_ELEMENTS = A.SDPA_DENSE_MASK_MAX_ELEMENTS, 0
+    saved = A.SDPA_DENSE_MASK_MAX_ELEMENTS["cpu"]
+    A.SDPA_DENSE_MASK_MAX_ELEMENTS["cpu"] = 1 << 22
     try:
         run_attention_case([(0, 1, 2, 3)], seed=7, mixes_per_group=2)
         run_attention_case([(0, 1), (2, 3)], seed=8, mixes_per_group=2)
     finally:
-        A.SDPA_DENSE_MASK_MAX_ELEMENTS = saved
+        A.SDPA_DENSE_MASK_MAX_ELEMENTS["cpu"] = saved
 
 
 @check
