@@ -43,10 +43,10 @@ Memory per GPU of a stage, MB:
   layer and loss keep, ``tokens * (vocab * 4 + 2 * hidden * e) bytes / sp`` (fp32 logits, the
   inputs of the final norm and of the output layer). act_mb_per_token is the whole model's
   figure, head included, so act_layer = (act_mb_per_token - head) / L / sp;
-- pieces of split sequences: the prefix cache keeps a copy of their K/V (``2 * kv_heads *
-  head_dim * e`` bytes per token and layer), which later slices attend to, so it stays until the
-  slice's backward, checkpointed or not; a slice with a prefix of C tokens saves the
-  concatenated prefix K/V (C tokens) for its attention's backward;
+- pieces of split sequences: the prefix cache keeps a copy of the K/V of every piece but the
+  last (``2 * kv_heads * head_dim * e`` bytes per token and layer), which later slices attend
+  to, so it stays, checkpointed or not, until the sequence's first slice has run backward; a
+  slice [C, C + s) saves the K/V it concatenates (C + s tokens) for its attention's backward;
 - recomputing a layer of a chunk keeps only its input (``hidden * e`` bytes per token) and the
   cached K/V;
 - while a split sequence runs backward, the gradient of its prefix K/V (same size as the K/V of
@@ -233,17 +233,19 @@ class PipelineCost:
         m = self.cost.model
         return (m.vocab_size * 4 + 2 * m.hidden_size * m.activation_bytes) / _MB / self.sp
 
-    def chunk_memory(self, tokens, split_tokens, prefix_tokens, last_stage: bool):
+    def chunk_memory(self, tokens, cached_tokens, prefix_tokens, last_stage: bool):
         """(I, F): memory a chunk holds between its forward and backward with no recompute, and
         what each recomputed layer saves of it. Beyond the layers' activations: the prefix cache's
-        copy of the K/V of split pieces (``split_tokens``; kept under recompute too), and the K/V
-        of the prefixes the chunk's slices attended to (``prefix_tokens``), concatenated and
-        saved for the attention's backward (dropped by recompute)."""
+        copy of the K/V of pieces whose sequence continues in a later chunk (``cached_tokens``;
+        kept under recompute too, and after the chunk's backward until the sequence's first
+        slice's: sim/engine.py), and the K/V a
+        slice with a prefix concatenates (prefix, then its own) and saves for its attention's
+        backward (``prefix_tokens``; dropped by recompute)."""
         tokens = np.asarray(tokens, dtype=np.float64)
-        split_tokens = np.asarray(split_tokens, dtype=np.float64)
+        cached_tokens = np.asarray(cached_tokens, dtype=np.float64)
         prefix_tokens = np.asarray(prefix_tokens, dtype=np.float64)
         L_s = self.layers_per_stage
-        full = (tokens * self.act_layer_mb + (split_tokens + prefix_tokens) * self.kv_layer_mb) * L_s \
+        full = (tokens * self.act_layer_mb + (cached_tokens + prefix_tokens) * self.kv_layer_mb) * L_s \
             + (tokens * self.head_mb if last_stage else 0.0)
         save = np.maximum(0.0, tokens * (self.act_layer_mb - self.input_layer_mb) + prefix_tokens * self.kv_layer_mb)
         return full, save

@@ -37,10 +37,11 @@ class ChunkTable:
     ids: list[int]
     tokens: np.ndarray  # tokens per chunk
     work: np.ndarray  # whole-model one-GPU fwd+bwd ms of the chunk's pieces (with their prefixes)
-    split_tokens: np.ndarray  # tokens in pieces of sequences split over several chunks
+    cached_tokens: np.ndarray  # tokens in pieces whose sequence continues in a later chunk (K/V cached)
     fwd_pred: list[list[int]]  # chunks whose forward must come first (same stage)
     bwd_pred: list[list[int]]  # chunks whose backward must come first (same stage)
     split_pieces: list[list[tuple[int, int, int]]]  # (seq_id, start, end) of split pieces, per chunk
+    seq_end: dict[int, int]  # split sequence -> its length
 
     @property
     def n(self) -> int:
@@ -48,8 +49,9 @@ class ChunkTable:
 
     @property
     def prefix_tokens(self) -> np.ndarray:
-        """Per chunk, the prefix lengths its slices attend to (their cached K/V, concatenated)."""
-        return np.array([float(sum(a for _, a, _ in sp)) for sp in self.split_pieces])
+        """Per chunk, the K/V its slices with a prefix concatenate and save for their attention's
+        backward: [0, end) for a slice [start, end), start > 0 (the cached prefix, then its own)."""
+        return np.array([float(sum(b for _, a, b in sp if a > 0)) for sp in self.split_pieces])
 
     def index(self) -> dict[int, int]:
         return {cid: i for i, cid in enumerate(self.ids)}
@@ -76,6 +78,7 @@ def analyze_chunks(chunks: list[Chunk], pc: PipelineCost, where: str = "pipeline
     fwd_pred: list[list[int]] = [[] for _ in range(n)]
     bwd_pred: list[list[int]] = [[] for _ in range(n)]
     split_pieces: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+    seq_end: dict[int, int] = {}
     starts, lens, owner = [], [], []
     for sid, ps in by_seq.items():
         ps.sort()
@@ -84,8 +87,9 @@ def analyze_chunks(chunks: list[Chunk], pc: PipelineCost, where: str = "pipeline
             lens.append(b - a)
             owner.append(i)
             if len(ps) > 1:
-                split[i] += b - a
+                split[i] += b - a if j < len(ps) - 1 else 0
                 split_pieces[i].append((sid, a, b))
+                seq_end[sid] = ps[-1][1]
             if j:
                 prev = ps[j - 1][2]
                 if prev == i:
@@ -96,7 +100,7 @@ def analyze_chunks(chunks: list[Chunk], pc: PipelineCost, where: str = "pipeline
         w = pc.piece_work(np.asarray(lens), np.asarray(starts))
         np.add.at(work, np.asarray(owner), w)
         np.add.at(tokens, np.asarray(owner), np.asarray(lens, dtype=np.float64))
-    return ChunkTable(ids, tokens, work, split, fwd_pred, bwd_pred, split_pieces)
+    return ChunkTable(ids, tokens, work, split, fwd_pred, bwd_pred, split_pieces, seq_end)
 
 
 def parse_order(order_per_stage: list[list[str]], table: ChunkTable, stages: int,
@@ -141,37 +145,60 @@ class Checkpoint:
     reducible: list[int]  # chunks whose recomputed layers lower the memory at this moment
 
 
+class _SliceBuffers:
+    """Per split sequence, what outlives a slice's backward, in tokens of K/V-sized buffers
+    (``PipelineCost.dkv_mb`` per token): the gradient of the prefix K/V waiting for the earlier
+    slices (dK/dV), and the cached K/V of slices already run backward, which the prefix cache
+    frees only with the sequence's first slice."""
+
+    def __init__(self, table: ChunkTable):
+        self.table = table
+        self.dkv: dict[int, int] = {}  # seq -> prefix tokens whose dK/dV waits
+        self.cached: dict[int, int] = {}  # seq -> tokens of backwarded slices still cached
+
+    def tokens(self, during: int | None = None) -> int:
+        """Held now; ``during``: while that chunk's backward runs (its prefix dK/dV is live)."""
+        dkv = self.dkv
+        if during is not None:
+            dkv = dict(dkv)
+            for sid, a, b in self.table.split_pieces[during]:
+                dkv[sid] = max(dkv.get(sid, 0), a)
+        return sum(dkv.values()) + sum(self.cached.values())
+
+    def backward_done(self, k: int) -> None:
+        for sid, a, b in self.table.split_pieces[k]:
+            if a == 0:
+                self.dkv.pop(sid, None)
+                self.cached.pop(sid, None)
+                continue
+            self.dkv[sid] = a
+            if b < self.table.seq_end[sid]:
+                self.cached[sid] = self.cached.get(sid, 0) + b - a
+
+
 def memory_checkpoints(ops: list[tuple[int, int]], table: ChunkTable, full: np.ndarray,
                        pc: PipelineCost) -> list[Checkpoint]:
     """The moments that can peak on one stage: after each forward and during each backward."""
     live: dict[int, None] = {}  # ordered set of chunks between forward and backward
     live_sum = 0.0
-    dkv_per_token = float(pc.dkv_mb(1))
+    per_token = float(pc.dkv_mb(1))
     full = full.tolist()
-    dkv: dict[int, int] = {}  # seq -> prefix tokens whose dK/dV waits
+    held = _SliceBuffers(table)
     out = []
     for pos, (kind, k) in enumerate(ops):
         if kind == FWD:
             live[k] = None
             live_sum += full[k]
-            const = live_sum + dkv_per_token * sum(dkv.values())
-            out.append(Checkpoint(pos, FWD, k, const, list(live)))
+            out.append(Checkpoint(pos, FWD, k, live_sum + per_token * held.tokens(), list(live)))
         else:
-            during = dict(dkv)
-            for sid, a, b in table.split_pieces[k]:
-                during[sid] = max(during.get(sid, 0), a)
-            const = live_sum + dkv_per_token * sum(during.values())
+            const = live_sum + per_token * held.tokens(during=k)
             if k not in live:  # backward before forward: the scheduler reports the deadlock
                 const += full[k]
             out.append(Checkpoint(pos, BWD, k, const, [j for j in live if j != k]))
             if k in live:
                 del live[k]
                 live_sum -= full[k]
-            for sid, a, b in table.split_pieces[k]:
-                if a == 0:
-                    dkv.pop(sid, None)
-                else:
-                    dkv[sid] = a
+            held.backward_done(k)
     return out
 
 
@@ -180,38 +207,31 @@ def memory_levels(ops: list[tuple[int, int]], table: ChunkTable, full: np.ndarra
     """Memory of one stage (MB per GPU, no model states) around each operation of its order:
     (before, during, after). A forward builds up its chunk's retained activations (full minus
     what recomputed layers drop); during a backward the chunk's activations are all back and a
-    split sequence's prefix dK/dV buffer is live; after it, the chunk is freed. The peaks agree
+    split sequence's prefix dK/dV buffer is live; after it, the chunk is freed but for the cached
+    K/V of a slice whose sequence's first slice has not run backward yet. The peaks agree
     with ``checkpoint_memory`` (after each forward, during each backward)."""
     kept = (full - save * recompute).tolist()
     full_l = full.tolist()
-    dkv_tok = float(pc.dkv_mb(1))
+    per_token = float(pc.dkv_mb(1))
     live: dict[int, None] = {}
     live_sum = 0.0
-    dkv: dict[int, int] = {}
+    buffers = _SliceBuffers(table)
     m = len(ops)
     before, during, after = np.zeros(m), np.zeros(m), np.zeros(m)
     for pos, (kind, k) in enumerate(ops):
-        level = live_sum + dkv_tok * sum(dkv.values())
-        before[pos] = level
+        before[pos] = live_sum + per_token * buffers.tokens()
         if kind == FWD:
             live[k] = None
             live_sum += kept[k]
-            during[pos] = after[pos] = live_sum + dkv_tok * sum(dkv.values())
+            during[pos] = after[pos] = live_sum + per_token * buffers.tokens()
             continue
-        now = dict(dkv)
-        for sid, a, b in table.split_pieces[k]:
-            now[sid] = max(now.get(sid, 0), a)
         held = kept[k] if k in live else 0.0
-        during[pos] = live_sum - held + full_l[k] + dkv_tok * sum(now.values())
+        during[pos] = live_sum - held + full_l[k] + per_token * buffers.tokens(during=k)
         if k in live:
             del live[k]
             live_sum -= held
-        for sid, a, b in table.split_pieces[k]:
-            if a == 0:
-                dkv.pop(sid, None)
-            else:
-                dkv[sid] = a
-        after[pos] = live_sum + dkv_tok * sum(dkv.values())
+        buffers.backward_done(k)
+        after[pos] = live_sum + per_token * buffers.tokens()
     return before, during, after
 
 

@@ -184,9 +184,9 @@ def _simulate_pipelines(plan, lengths, cost, b1_scale, memory_mb, want_events) -
             table = analyze_chunks(pipe.chunks, pc, where)
             ops = parse_order(pipe.order_per_stage, table, P, where)
             rec = _recompute_matrix(pipe.chunks, P, L_s, where)
-            _, save = pc.chunk_memory(table.tokens, table.split_tokens, table.prefix_tokens, False)
+            _, save = pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, False)
             for p in range(P):
-                full, _ = pc.chunk_memory(table.tokens, table.split_tokens, table.prefix_tokens, p == P - 1)
+                full, _ = pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, p == P - 1)
                 cps = memory_checkpoints(ops[p], table, full, pc)
                 mem = checkpoint_memory(cps, save, rec[p])
                 j = int(np.argmax(mem)) if len(mem) else 0

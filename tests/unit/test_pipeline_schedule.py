@@ -236,7 +236,7 @@ def test_greedy_orders_are_valid_and_list_schedule_reproduces_them(lengths, k, l
     fwd, bwd, _, p2p = op_times(table, pc, np.zeros((P, n)))
     forward = list(range(n))
     backward = backward_order(forward, table)
-    full = [pc.chunk_memory(table.tokens, table.split_tokens, table.prefix_tokens, p == P - 1)[0] for p in range(P)]
+    full = [pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, p == P - 1)[0] for p in range(P)]
     room = None if room_gb is None else room_gb * 1024.0
     ops, makespan, holds = greedy_orders(forward, backward, table, fwd, bwd, p2p, P, full if room else None, room)
     for o in ops:  # every F and B once per stage, F before B, forwards and backwards in their orders
@@ -271,3 +271,24 @@ def test_greedy_order_fills_the_warm_up_wait_and_holds_back_for_memory():
     assert held.held > 0
     res = simulate(_plan(held, tight, lengths), lengths, COST, memory_mb=13 * 1024)
     assert res.max_peak_memory_mb <= 13 * 1024 + 1e-6
+
+
+def test_cached_kv_of_a_slice_lives_until_its_sequence_s_first_slice_runs_backward():
+    """The prefix cache frees a sequence's K/V with its first slice's backward: after the middle
+    slice's backward its K/V (100 tokens) is still held, next to the dK/dV of its prefix."""
+    from megatron_ext.sim.engine import memory_checkpoints, memory_levels
+
+    pc = PipelineCost(COST, 4, 8)
+    table = analyze_chunks([Chunk(i, [Piece(0, 100 * i, 100 * i + 100)]) for i in range(3)], pc)
+    assert table.cached_tokens.tolist() == [100, 100, 0]  # the last slice's K/V is not cached
+    full, save = pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, False)
+    ops = [(FWD, 0), (FWD, 1), (FWD, 2), (BWD, 2), (BWD, 1), (BWD, 0)]
+    zero = np.zeros(3)
+    before, during, after = memory_levels(ops, table, full, save, zero, pc)
+    tok = float(pc.dkv_mb(1))
+    assert after[3] == pytest.approx(full[0] + full[1] + 200 * tok)  # slice 2 done: dK/dV of [0, 200)
+    assert after[4] == pytest.approx(full[0] + 100 * tok + 100 * tok)  # dK/dV of [0, 100), slice 1's cache
+    assert after[5] == pytest.approx(0.0)
+    # the checkpoints (what the recompute ILP constrains) agree with the levels at their moments
+    cps = memory_checkpoints(ops, table, full, pc)
+    assert [cp.const for cp in cps if cp.kind == BWD] == pytest.approx(during[3:].tolist())
