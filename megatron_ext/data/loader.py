@@ -423,6 +423,8 @@ class PlanningDataLoader:
         try:
             plan = fallback_plan(lengths, self.cost, self.options, self.fallback, reason=short)
         except MegatronExtError as e:  # name both failures: the planner's is usually the one to fix
+            if self.fallback == self.planner:
+                raise
             raise type(e)(f"{reason}; the {self.fallback} fallback: {e}") from None
         logger.warning("step %d: %s; using the %s fallback plan (%.1f ms)", step, reason, plan.planner,
                        1e3 * (time.perf_counter() - start))
