@@ -16,7 +16,7 @@ searches use the average stage (share 1 / pp); the simulator times every stage w
 The 1/3 : 2/3 split of forward and backward is the usual FLOP ratio (the backward computes the
 gradients of both the input and the weights); recomputing ``r`` layers costs ``r / L_s`` of the
 forward. p2p between stages: ``tokens * hidden * e bytes`` over ``p2p_bandwidth_gbps`` (e: the
-model's activation_bytes).
+model's activation_bytes), plus the cluster's ``p2p_latency_ms`` per handoff.
 
 ``b1_scale`` (default 1): the fixed cost a chunk pays on one stage, as a fraction of the model's
 per-micro-batch fixed cost b1 spread over the stages: ``fixed = b1_scale * b1 / pp``.
@@ -168,7 +168,8 @@ class PipelineCost:
     def p2p_ms(self, tokens):
         """Sending a chunk's activations (or their gradients) to the next (previous) stage."""
         m = self.cost.model
-        return np.asarray(tokens, dtype=np.float64) * m.hidden_size * m.activation_bytes / _MB / self.p2p_bandwidth_gbps
+        return (np.asarray(tokens, dtype=np.float64) * m.hidden_size * m.activation_bytes / _MB / self.p2p_bandwidth_gbps
+                + self.cost.cluster.p2p_latency_ms)
 
     # ---- time along a sequence (for balanced slicing) -----------------------------------
     @cached_property

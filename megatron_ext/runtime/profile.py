@@ -13,7 +13,8 @@ cores, and that contention is part of what the coefficients must capture):
   that share cores costs far more than the raw collective;
 - all-to-all, raw: for every degree d, every aligned group of d ranks runs all_to_all_single at
   once, over a sweep of sizes; latency and bandwidth per degree (reported for comparison);
-- p2p: send/recv between rank pairs, bandwidth;
+- p2p: send/recv between rank pairs, bandwidth; and what a stage-to-stage handoff adds in a relay
+  through all ranks, against the same compute with every rank busy (the wait for the receiver);
 - activation memory per token: the bytes autograd saves for backward in a forward pass;
 - parameters: counted.
 
@@ -249,6 +250,37 @@ def _p2p_bandwidth(world: int, repeats: int) -> float:
     return 8 / 1024 / _time(run, repeats)
 
 
+def _handoff_latency_ms(world: int, hops: int = 20) -> float:
+    """ms a stage-to-stage handoff adds, in place: a relay through every rank (rank r receives
+    from r - 1, computes, sends to r + 1, ``hops`` times) against the same compute with every rank
+    busy at once. On ranks that share cores this is mostly the wait for the receiver to run."""
+    if world < 2:
+        return 0.0
+    rank = dist.get_rank()
+    a = torch.randn(192, 192)
+    msg = torch.zeros(16 * 1024)  # 64 KB
+
+    def work():
+        x = a
+        for _ in range(12):
+            x = torch.tanh(x @ a)
+
+    alone = _time(work, 5)
+    out = []
+    for _ in range(2):
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(hops):
+            if rank > 0:
+                dist.recv(msg, rank - 1)
+            work()
+            if rank < world - 1:
+                dist.send(msg, rank + 1)
+        dist.barrier()
+        out.append((time.perf_counter() - t) / (hops + world - 1))
+    return max(0.0, (min(out) - alone) * 1e3)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
@@ -306,6 +338,9 @@ def _profile(args) -> int:
     # timed at the longest length, where its fixed costs weigh least
     head_share = float(min(0.95, max(0.0, np.median(head) / max(a2 * head_s, 1e-9))))
     p2p = _p2p_bandwidth(world, args.repeats)
+    handoff = [None] * world
+    dist.all_gather_object(handoff, _handoff_latency_ms(world))
+    handoff_ms = float(np.median(handoff))
     tick("p2p")
     params_b = sum(p.numel() for p in model.parameters()) / 1e9
     if rank == 0:
@@ -320,7 +355,7 @@ def _profile(args) -> int:
             "cluster": {"num_nodes": c.num_nodes, "gpus_per_node": c.gpus_per_node, "memory_gb": c.memory_gb,
                         "a2a_bandwidth_gbps": {d: round(v["bandwidth_gbps"], 4) for d, v in a2a.items()},
                         "a2a_latency_ms": {d: round(v["latency_ms"], 4) for d, v in a2a.items()},
-                        "p2p_bandwidth_gbps": round(p2p, 4)},
+                        "p2p_bandwidth_gbps": round(p2p, 4), "p2p_latency_ms": round(handoff_ms, 3)},
             "profile": {
                 "host": dist.get_backend(), "ranks": world, "lengths": lengths,
                 "fwd_bwd_ms": {d: [round(float(t), 3) for t in v] for d, v in measured.items()},
@@ -339,7 +374,7 @@ def _profile(args) -> int:
               + "".join(f"all-to-all degree {d}: {v['bandwidth_gbps']:.3f} GB/s, latency {v['latency_ms']:.2f} ms per call "
                         f"in place (raw: {raw[d]['bandwidth_gbps']:.3f} GB/s, {raw[d]['latency_ms']:.2f} ms)\n"
                         for d, v in a2a.items())
-              + f"p2p {p2p:.3f} GB/s\nwrote {out}", flush=True)
+              + f"p2p {p2p:.3f} GB/s, {handoff_ms:.2f} ms per stage handoff\nwrote {out}", flush=True)
     return 0
 
 

@@ -25,6 +25,7 @@ def test_profile_writes_a_usable_cost_model(tmp_path):
     assert all(v > 0 for v in cost.cluster.a2a_bandwidth_gbps.values()) and set(cost.cluster.a2a_bandwidth_gbps) == {2, 4}
     assert set(cost.cluster.a2a_latency_ms) == {2, 4} and all(v >= 0 for v in cost.cluster.a2a_latency_ms.values())
     assert cost.model.activation_bytes == 4  # the CPU runtime trains in fp32
+    assert cost.cluster.p2p_latency_ms >= 0 and cost.cluster.p2p_bandwidth_gbps > 0
     assert 0 < cost.model.head_time_share <= 0.95
     doc = yaml.safe_load(out.read_text())
     assert set(doc["profile"]["fwd_bwd_ms"]) == {1, 2, 4} and all(len(v) == 3 for v in doc["profile"]["fwd_bwd_ms"].values())

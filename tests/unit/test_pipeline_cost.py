@@ -82,6 +82,18 @@ def test_output_layer_runs_on_the_last_stage():
     assert (last - fixed) / (first - fixed) == pytest.approx(((1 - h) / 2 + h) / ((1 - h) / 2))
 
 
+def test_p2p_and_fixed_cost():
+    pc = PipelineCost(COST, 4, 8)
+    # 1M tokens x 5120 x 2 bytes = 10000 MB over 40 GB/s (MB / (GB/s) = ms with GB = 1024 MB)
+    assert float(pc.p2p_ms(2**20)) == pytest.approx(2**20 * 5120 * 2 / 2**20 / 40.0)
+    # a handoff latency (what `profile` measures in place) is paid once per transfer
+    slow = PipelineCost(CostModel(COST.model, dataclasses.replace(COST.cluster, p2p_latency_ms=3.0)), 4, 8)
+    assert float(slow.p2p_ms(1000)) == pytest.approx(float(pc.p2p_ms(1000)) + 3.0)
+    assert pc.fixed_ms == pytest.approx(COST.model.b1 / 4)
+    assert PipelineCost(COST, 4, 8, b1_scale=0.5).fixed_ms == pytest.approx(COST.model.b1 / 8)
+    assert 0 < pc.zero_domain_b1_scale() < 0.1
+
+
 def test_memory_terms():
     pc = PipelineCost(COST, 4, 8)
     m = COST.model
