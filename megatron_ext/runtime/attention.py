@@ -522,7 +522,9 @@ class UlyssesAttention(MegatronModule):
         per_rank = [t.reshape(s, b, d, t.shape[2] // d, dh) for t in (q, k, v)]
         qkv = torch.cat(per_rank, dim=3).reshape(s, b, hq + 2 * hk, dh)
         qkv = all_to_all(qkv, group, scatter_dim=2, gather_dim=0)
-        return torch.split(qkv, [hq // d, hk // d, hk // d], dim=2)
+        # Own storage for each: a view would keep the whole fused buffer alive for as long as the
+        # attention keeps its q for the backward (an extra k + v per token per layer).
+        return tuple(t.contiguous() for t in torch.split(qkv, [hq // d, hk // d, hk // d], dim=2))
 
     def _thd_local(self, q, k, v, params: PackedSeqParams, causal: bool) -> Tensor:
         """Megatron's own packed format at degree 1: q [t, h, dh] (or [t, 1, h, dh])."""
