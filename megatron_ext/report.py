@@ -61,8 +61,8 @@ def fidelity(records: list[dict]) -> dict:
     stages = [r for r in body if "ops_per_stage" in r]
     if stages:
         P = len(stages[0]["ops_per_stage"])
-        measured = [sum(m for r in stages for _, m, _ in r["ops_per_stage"][p]) for p in range(P)]
-        predicted = [sum(q for r in stages for _, _, q in r["ops_per_stage"][p]) for p in range(P)]
+        measured = [sum(m for r in stages for _, m, q in r["ops_per_stage"][p] if q is not None) for p in range(P)]
+        predicted = [sum(q for r in stages for _, _, q in r["ops_per_stage"][p] if q is not None) for p in range(P)]
         out["stage_op_time_ratio"] = [m / q if q > 0 else None for m, q in zip(measured, predicted)]
         out["activation_peak_mb_per_stage"] = np.max([r["activation_peak_mb_per_stage"] for r in stages], axis=0).tolist()
         out["planned_activation_mb_per_stage"] = np.max([r["planned_activation_mb_per_stage"] for r in stages],

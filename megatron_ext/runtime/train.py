@@ -190,7 +190,8 @@ def _train(args, rank: int, world: int) -> int:
             if pipelined:
                 ranks = [None] * world
                 dist.all_gather_object(ranks, mine)
-                rec.update(_stage_report(ranks, step, cost))
+                if rank == 0:  # the one that reports
+                    rec.update(_stage_report(ranks, step, cost))
             records.append(rec)
             if rank == 0:
                 print(json.dumps(rec) if args.json else _line(rec), flush=True)
@@ -239,7 +240,7 @@ def _stage_report(ranks: list, step, cost: CostModel) -> dict:
             "planned_activation_mb_per_stage": r(x - states for x in sim.peak_memory_mb),
             "forward_s_per_stage": r(fwd), "backward_s_per_stage": r(bwd), "p2p_wait_s_per_stage": r(wait),
             "predicted_busy_s_per_stage": r(sim.busy_s),
-            "ops_per_stage": [[[op, round(t, 5), round(predicted.get((p, op), float("nan")), 5)]
+            "ops_per_stage": [[[op, round(t, 5), round(predicted[(p, op)], 5) if (p, op) in predicted else None]
                                for op, t in ops[p].items()] for p in range(P)]}
 
 
