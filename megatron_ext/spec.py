@@ -85,6 +85,9 @@ class ClusterSpec:
     a2a_latency_ms: dict[int, float] = field(default_factory=dict)
     # ms a stage-to-stage handoff adds on top of bytes / bandwidth (what `profile` measures)
     p2p_latency_ms: float = 0.0
+    # ms every forward or backward of a pipeline stage takes beyond the model's estimate (what
+    # `profile` measures running a real pipeline; 0 in the published GPU presets)
+    pipeline_op_overhead_ms: float = 0.0
 
     @property
     def num_gpus(self) -> int:
@@ -173,8 +176,9 @@ def validate_cluster(c: ClusterSpec) -> ClusterSpec:
            f"the GPU count must be a power of two times the node size; num_nodes={c.num_nodes!r} "
            f"is not a power of two")
     _check(isinstance(c.memory_gb, (int, float)) and c.memory_gb > 0, what, "memory_gb must be positive")
-    _check(isinstance(c.p2p_latency_ms, (int, float)) and c.p2p_latency_ms >= 0, what,
-           "p2p_latency_ms must be a non-negative number")
+    for name in ("p2p_latency_ms", "pipeline_op_overhead_ms"):
+        v = getattr(c, name)
+        _check(isinstance(v, (int, float)) and v >= 0, what, f"{name} must be a non-negative number")
     bw = c.a2a_bandwidth_gbps
     for name, table, positive in (("a2a_bandwidth_gbps", bw, True), ("a2a_latency_ms", c.a2a_latency_ms, False)):
         _check(isinstance(table, dict), what, f"{name} must map degree -> number")

@@ -13,6 +13,8 @@ the layers, so a stage does ``L_s / L`` of them. For one chunk on one stage (mil
 The output layer's matmuls (ModelSpec.head_share of the per-token work, h x vocab) run on
 the last stage only: share_p = (1 - head) / pp, plus head on the last stage. The planner's own
 searches use the average stage (share 1 / pp); the simulator times every stage with its own.
+Each forward and backward also pays the cluster's ``pipeline_op_overhead_ms`` (measured by
+`profile` from a real pipeline step; what the runtime adds per operation beyond the passes).
 The 1/3 : 2/3 split of forward and backward is the usual FLOP ratio (the backward computes the
 gradients of both the input and the weights); recomputing ``r`` layers costs ``r / L_s`` of the
 forward. p2p between stages: ``tokens * hidden * e bytes`` over ``p2p_bandwidth_gbps`` (e: the
@@ -147,10 +149,10 @@ class PipelineCost:
                 + tokens * self.comm_ms_per_token + self.fixed_ms)
 
     def fwd_ms(self, work, tokens, stage: int | None = None):
-        return FWD_FRACTION * self.stage_ms(work, tokens, stage)
+        return FWD_FRACTION * self.stage_ms(work, tokens, stage) + self.cost.cluster.pipeline_op_overhead_ms
 
     def bwd_ms(self, work, tokens, stage: int | None = None):
-        return (1.0 - FWD_FRACTION) * self.stage_ms(work, tokens, stage)
+        return (1.0 - FWD_FRACTION) * self.stage_ms(work, tokens, stage) + self.cost.cluster.pipeline_op_overhead_ms
 
     def recompute_ms(self, work, tokens, layers):
         """Re-running the forward of ``layers`` of the stage's layers for a chunk (the output

@@ -303,9 +303,9 @@ class _MaskedFlashCPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, make_mask, scale):
         groups = q.shape[1] // k.shape[1]
-        ke, ve = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (k, v))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, ke, ve, 0.0, False, attn_mask=_additive(make_mask(), q.dtype), scale=scale)
+            q, _expand_kv(k, groups), _expand_kv(v, groups), 0.0, False, attn_mask=_additive(make_mask(), q.dtype),
+            scale=scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.make_mask, ctx.scale, ctx.groups = make_mask, scale, groups
         return out
@@ -314,14 +314,54 @@ class _MaskedFlashCPU(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
         g = ctx.groups
-        ke, ve = (t.repeat_interleave(g, dim=1) if g > 1 else t for t in (k, v))
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad.contiguous(), q, ke, ve, out, lse, 0.0, False, attn_mask=_additive(ctx.make_mask(), q.dtype),
-            scale=ctx.scale)
-        if g > 1:  # each KV head served ``g`` query heads
-            dk = dk.unflatten(1, (k.shape[1], g)).sum(2)
-            dv = dv.unflatten(1, (v.shape[1], g)).sum(2)
-        return dq, dk, dv, None, None
+            grad.contiguous(), q, _expand_kv(k, g), _expand_kv(v, g), out, lse, 0.0, False,
+            attn_mask=_additive(ctx.make_mask(), q.dtype), scale=ctx.scale)
+        return dq, _fold_kv(dk, k.shape[1]), _fold_kv(dv, v.shape[1]), None, None
+
+
+def _expand_kv(t: Tensor, groups: int) -> Tensor:
+    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
+
+
+def _fold_kv(grad: Tensor, heads: int) -> Tensor:
+    """The gradient of an expanded K/V summed back over the query heads each KV head served."""
+    return grad.unflatten(1, (heads, grad.shape[1] // heads)).sum(2) if grad.shape[1] != heads else grad
+
+
+class _PrefixCausalFlashCPU(torch.autograd.Function):
+    """A slice's attention over [its prefix's keys (all visible); its own keys (causal)] as two
+    mask-free CPU flash calls merged by their log-sum-exps. The backward runs each part's flash
+    backward against the merged output and log-sum-exp, which gives exactly each part's gradient
+    (the probabilities are those of the union). q [1, hq, s, d]; prefix and own K/V [1, hk, ., d]."""
+
+    @staticmethod
+    def forward(ctx, q, kp, vp, ko, vo, scale):
+        g = q.shape[1] // kp.shape[1]
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        o1, l1 = flash(q, _expand_kv(kp, g), _expand_kv(vp, g), 0.0, False, scale=scale)
+        o2, l2 = flash(q, _expand_kv(ko, g), _expand_kv(vo, g), 0.0, True, scale=scale)
+        lse = torch.logaddexp(l1, l2)
+        out = o1 * torch.exp(l1 - lse).unsqueeze(-1) + o2 * torch.exp(l2 - lse).unsqueeze(-1)
+        ctx.save_for_backward(q, kp, vp, ko, vo, out, lse)
+        ctx.scale, ctx.groups = scale, g
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, kp, vp, ko, vo, out, lse = ctx.saved_tensors
+        g, grad = ctx.groups, grad.contiguous()
+        flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        dq1, dkp, dvp = flash_bwd(grad, q, _expand_kv(kp, g), _expand_kv(vp, g), out, lse, 0.0, False, scale=ctx.scale)
+        dq2, dko, dvo = flash_bwd(grad, q, _expand_kv(ko, g), _expand_kv(vo, g), out, lse, 0.0, True, scale=ctx.scale)
+        hk = kp.shape[1]
+        return dq1 + dq2, _fold_kv(dkp, hk), _fold_kv(dvp, hk), _fold_kv(dko, hk), _fold_kv(dvo, hk), None
+
+
+def prefix_causal_sdpa(q: Tensor, kp: Tensor, vp: Tensor, ko: Tensor, vo: Tensor, scale: float) -> Tensor:
+    """Causal attention of a slice at true positions: ``q`` [1, hq, s, d] over its prefix's K/V
+    ``kp``/``vp`` (all visible) and its own ``ko``/``vo`` [1, hk, s, d]; no mask built."""
+    return _PrefixCausalFlashCPU.apply(q, kp, vp, ko, vo, scale)
 
 
 def _additive(mask: Tensor, dtype) -> Tensor:

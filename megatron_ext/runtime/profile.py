@@ -281,6 +281,54 @@ def _handoff_latency_ms(world: int, hops: int = 20) -> float:
     return max(0.0, (min(out) - alone) * 1e3)
 
 
+def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int) -> tuple[float, dict]:
+    """ms a pipeline stage's operation takes beyond the cost model, in place: a real elastic
+    pipeline step (2 stages of SP ranks / 2) on a long-tailed batch, timed, against the simulated
+    step of the same plan with ``cost``; the per-operation overhead that makes them agree
+    (bisection on the simulator). Leaves megatron's parallel state at 2 stages."""
+    from megatron.core import parallel_state
+
+    from megatron_ext.data.lengths import sample_lengths
+    from megatron_ext.data.loader import broadcast_plan
+    from megatron_ext.planner import PlannerOptions, make_plan
+    from megatron_ext.runtime.pipeline import build_pipeline_model, forward_backward_elastic
+    from megatron_ext.sim import simulate
+
+    world, spec = dist.get_world_size(), cost.model
+    if world % 2 or spec.num_layers % 2:
+        return 0.0, {}
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 2)
+    model, _ = build_pipeline_model(spec, spec.vocab_size, max_len)
+    lengths = sample_lengths("github", 24, 0, max_len)  # a training-sized step: a dozen chunks or more
+    rng = np.random.default_rng(0)
+    batch = [rng.integers(0, spec.vocab_size, int(n)) for n in lengths]
+    plan = make_plan("elastic_pp", lengths, cost, PlannerOptions(pp=2, sp=world // 2, time_limit=5.0)) \
+        if dist.get_rank() == 0 else None
+    plan, _ = broadcast_plan(plan)
+
+    def step():
+        model.zero_grad_buffer()
+        forward_backward_elastic(plan, batch, model)
+
+    measured = _time(step, repeats) * 1e3
+
+    def simulated(overhead):
+        c = CostModel(spec, dataclasses.replace(cost.cluster, pipeline_op_overhead_ms=overhead), cost.zero_stage)
+        return simulate(plan, lengths, c, events=False).step_time_s * 1e3
+
+    lo, hi = 0.0, 1.0
+    if simulated(0.0) >= measured:
+        hi = 0.0
+    while hi and simulated(hi) < measured and hi < 1e4:
+        lo, hi = hi, hi * 2
+    for _ in range(20 if hi else 0):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if simulated(mid) < measured else (lo, mid)
+    return hi, {"pipeline_step_ms": round(measured, 1), "pipeline_simulated_ms": round(simulated(0.0), 1),
+                "pipeline_chunks": len(plan.pipelines[0].chunks) if plan.pipelines else 0}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
@@ -313,7 +361,7 @@ def _profile(args) -> int:
     vocab = base.model.vocab_size
     model, _ = build_pipeline_model(base.model, vocab, max(lengths), "auto", ddp=False)
     degrees = [d for d in (2**i for i in range(1, 12)) if d <= world]
-    total = len(lengths) + 3 * len(degrees) + 2 + len(degrees) * len(lengths)
+    total = len(lengths) + 3 * len(degrees) + 3 + len(degrees) * len(lengths)
     done = [0]
 
     def tick(what):
@@ -343,6 +391,14 @@ def _profile(args) -> int:
     handoff_ms = float(np.median(handoff))
     tick("p2p")
     params_b = sum(p.numel() for p in model.parameters()) / 1e9
+    fitted = CostModel(
+        dataclasses.replace(spec, a1=a1, a2=a2, b1=b1, act_mb_per_token=act_mb, head_time_share=head_share,
+                            params_b=params_b),
+        dataclasses.replace(base.cluster, p2p_bandwidth_gbps=p2p, p2p_latency_ms=handoff_ms,
+                            a2a_bandwidth_gbps={d: v["bandwidth_gbps"] for d, v in a2a.items()},
+                            a2a_latency_ms={d: v["latency_ms"] for d, v in a2a.items()}))
+    op_overhead, pipeline_run = _pipeline_op_overhead_ms(fitted, max(lengths), args.repeats)
+    tick("a real pipeline step")
     if rank == 0:
         m, c = base.model, base.cluster
         doc = {
@@ -355,13 +411,15 @@ def _profile(args) -> int:
             "cluster": {"num_nodes": c.num_nodes, "gpus_per_node": c.gpus_per_node, "memory_gb": c.memory_gb,
                         "a2a_bandwidth_gbps": {d: round(v["bandwidth_gbps"], 4) for d, v in a2a.items()},
                         "a2a_latency_ms": {d: round(v["latency_ms"], 4) for d, v in a2a.items()},
-                        "p2p_bandwidth_gbps": round(p2p, 4), "p2p_latency_ms": round(handoff_ms, 3)},
+                        "p2p_bandwidth_gbps": round(p2p, 4), "p2p_latency_ms": round(handoff_ms, 3),
+                        "pipeline_op_overhead_ms": round(op_overhead, 3)},
             "profile": {
                 "host": dist.get_backend(), "ranks": world, "lengths": lengths,
                 "fwd_bwd_ms": {d: [round(float(t), 3) for t in v] for d, v in measured.items()},
                 "fit_residual_ms": fit["residual_ms"],
                 "fit_rel_error": round(fit["rel_error"], 4),
                 "raw_a2a": {d: {k: round(x, 4) for k, x in v.items()} for d, v in raw.items()},
+                **pipeline_run,
             },
         }
         out = Path(args.out)
@@ -374,7 +432,8 @@ def _profile(args) -> int:
               + "".join(f"all-to-all degree {d}: {v['bandwidth_gbps']:.3f} GB/s, latency {v['latency_ms']:.2f} ms per call "
                         f"in place (raw: {raw[d]['bandwidth_gbps']:.3f} GB/s, {raw[d]['latency_ms']:.2f} ms)\n"
                         for d, v in a2a.items())
-              + f"p2p {p2p:.3f} GB/s, {handoff_ms:.2f} ms per stage handoff\nwrote {out}", flush=True)
+              + f"p2p {p2p:.3f} GB/s, {handoff_ms:.2f} ms per stage handoff\n"
+              f"pipeline: {op_overhead:.2f} ms per stage operation beyond the model\nwrote {out}", flush=True)
     return 0
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_ext.runtime.attention import dense_mask_fits, masked_sdpa
+from megatron_ext.runtime.attention import dense_mask_fits, masked_sdpa, prefix_causal_sdpa
 
 
 
@@ -252,7 +252,11 @@ def prefixed_attention(q: Tensor, k: Tensor, v: Tensor, bounds: Sequence[int], p
         outs = []
         for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
             ka, kz = kbounds[i], kbounds[i + 1]
-            if plens[i] and causal:
+            if plens[i] and causal and q.device.type == "cpu" and dropout_p == 0.0:
+                kc = ka + plens[i]  # the prefix's keys end here, the slice's own begin
+                outs.append(prefix_causal_sdpa(qb[:, :, a:b], kb[:, :, ka:kc], vb[:, :, ka:kc], kb[:, :, kc:kz],
+                                               vb[:, :, kc:kz], scale))
+            elif plens[i] and causal:
                 m = functools.partial(_prefixed_mask, (0, b - a), (0, kz - ka), (plens[i],), True, q.device)
                 outs.append(masked_sdpa(qb[:, :, a:b], kb[:, :, ka:kz], vb[:, :, ka:kz], m, scale, dropout_p))
             else:
