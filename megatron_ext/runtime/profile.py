@@ -283,9 +283,10 @@ def _handoff_latency_ms(world: int, hops: int = 20) -> float:
 
 def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int) -> tuple[float, dict]:
     """ms a pipeline stage's operation takes beyond the cost model, in place: a real elastic
-    pipeline step (2 stages of SP ranks / 2) on a long-tailed batch, timed, against the simulated
-    step of the same plan with ``cost``; the per-operation overhead that makes them agree
-    (bisection on the simulator). Leaves megatron's parallel state at 2 stages."""
+    pipeline step (as many stages as the layers and ranks allow, SP = ranks / stages) on a
+    long-tailed batch, timed, against the simulated step of the same plan with ``cost``; the
+    per-operation overhead that makes them agree (bisection on the simulator). Leaves megatron's
+    parallel state at that many stages."""
     from megatron.core import parallel_state
 
     from megatron_ext.data.lengths import sample_lengths
@@ -295,15 +296,16 @@ def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int) -> tup
     from megatron_ext.sim import simulate
 
     world, spec = dist.get_world_size(), cost.model
-    if world % 2 or spec.num_layers % 2:
+    stages = max((p for p in range(2, world + 1) if world % p == 0 and spec.num_layers % p == 0), default=1)
+    if stages == 1:
         return 0.0, {}
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(1, 2)
+    parallel_state.initialize_model_parallel(1, stages)
     model, _ = build_pipeline_model(spec, spec.vocab_size, max_len)
     lengths = sample_lengths("github", 24, 0, max_len)  # a training-sized step: a dozen chunks or more
     rng = np.random.default_rng(0)
     batch = [rng.integers(0, spec.vocab_size, int(n)) for n in lengths]
-    plan = make_plan("elastic_pp", lengths, cost, PlannerOptions(pp=2, sp=world // 2, time_limit=5.0)) \
+    plan = make_plan("elastic_pp", lengths, cost, PlannerOptions(pp=stages, sp=world // stages, time_limit=5.0)) \
         if dist.get_rank() == 0 else None
     plan, _ = broadcast_plan(plan)
 
@@ -325,7 +327,8 @@ def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int) -> tup
     for _ in range(20 if hi else 0):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if simulated(mid) < measured else (lo, mid)
-    return hi, {"pipeline_step_ms": round(measured, 1), "pipeline_simulated_ms": round(simulated(0.0), 1),
+    return hi, {"pipeline_stages": stages, "pipeline_step_ms": round(measured, 1),
+                "pipeline_simulated_ms": round(simulated(0.0), 1),
                 "pipeline_chunks": len(plan.pipelines[0].chunks) if plan.pipelines else 0}
 
 

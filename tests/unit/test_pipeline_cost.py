@@ -89,6 +89,12 @@ def test_p2p_and_fixed_cost():
     # a handoff latency (what `profile` measures in place) is paid once per transfer
     slow = PipelineCost(CostModel(COST.model, dataclasses.replace(COST.cluster, p2p_latency_ms=3.0)), 4, 8)
     assert float(slow.p2p_ms(1000)) == pytest.approx(float(pc.p2p_ms(1000)) + 3.0)
+    # a per-operation overhead (profile's real pipeline step) is paid by every forward and backward
+    busy = PipelineCost(CostModel(COST.model, dataclasses.replace(COST.cluster, pipeline_op_overhead_ms=5.0)), 4, 8)
+    w = pc.piece_work(4096)
+    assert float(busy.fwd_ms(w, 4096)) == pytest.approx(float(pc.fwd_ms(w, 4096)) + 5.0)
+    assert float(busy.bwd_ms(w, 4096, 3)) == pytest.approx(float(pc.bwd_ms(w, 4096, 3)) + 5.0)
+    assert float(busy.recompute_ms(w, 4096, 2)) == pytest.approx(float(pc.recompute_ms(w, 4096, 2)))
     assert pc.fixed_ms == pytest.approx(COST.model.b1 / 4)
     assert PipelineCost(COST, 4, 8, b1_scale=0.5).fixed_ms == pytest.approx(COST.model.b1 / 8)
     assert 0 < pc.zero_domain_b1_scale() < 0.1
