@@ -94,13 +94,15 @@ def report_table(records: list[dict]) -> str:
                         f"; OVER the budget at (step, stage) {f['steps_over_memory_budget']}"))
     ratios = [x for x in f.get("stage_op_time_ratio", []) if x]
     if ratios and min(ratios) > 1 + DRIFT_THRESHOLD / 2:
-        lines.append(f"every stage's operations ran {min(ratios):.2f}x or more the profiled passes: a per-operation "
-                     "overhead of the pipeline runtime that `profile` does not measure (docs/cost_model.md)")
+        lines.append(f"every stage's operations ran {min(ratios):.2f}x or more their predicted time: profile this "
+                     "model (`megatron-ext profile --model ...`), whose pipeline step measures the overhead per "
+                     "operation (docs/cost_model.md)")
     ops_fit = bool(ratios) and max(abs(x - 1) for x in ratios) <= DRIFT_THRESHOLD
     if ops_fit and f["recalibrate"]:
         lines.append("the stages' operations took about the predicted time, so the profile holds: the error is time "
                      "stages spent waiting for each other beyond the simulated bubble (on ranks sharing cores, "
-                     "processes waiting to be scheduled)")
+                     "processes waiting to be scheduled); a `profile` of this model with as many stages measures "
+                     "it as pipeline_op_overhead_ms")
     elif f["recalibrate"]:
         lines.append("the cost model is off for this machine: re-measure it with "
                      "`megatron-ext profile --out my-cost.yaml` and pass --cost-model my-cost.yaml")
