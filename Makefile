@@ -18,6 +18,7 @@ $(STAMP): setup.py
 
 demo: setup
 	$(CLI) train --compare flexsp,static_ulysses --steps 6
+	$(CLI) train --pp 2 --planner elastic_pp --steps 4
 	$(CLI) plan --lengths configs/lengths/stdlib.txt --model gpt-7b --cluster a100-40g-8x8
 
 test: setup

@@ -249,7 +249,8 @@ def _line(r: dict) -> str:
     return (f"step {r['step']:>3}  loss {r['loss']:.4f}  grad {r['grad_norm']:.3f}  tokens {r['tokens']:>7,}  "
             f"time {r['step_time_s']:6.2f}s  predicted {r['predicted_step_time_s']:6.2f}s  "
             f"{'chunks' if peak else 'mbs'} {r['micro_batches']}  degrees {','.join(map(str, r['degrees']))}"
-            + (f"  activations MB/stage {'/'.join(f'{x:.1f}' for x in peak)}" if peak else "")
+            + (f"  activations MB/stage {'/'.join(f'{x:.1f}' for x in peak)} (room {r['activation_room_mb']:.1f})"
+               if peak else "")
             + ("" if r["plan_source"].endswith("planner") else f"  [{r['plan_source']}]"))
 
 
