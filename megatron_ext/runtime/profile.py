@@ -230,6 +230,18 @@ def _a2a_sweep(pool, world: int, repeats: int, tick) -> dict[int, dict]:
     return out
 
 
+def _fields(spec) -> dict:
+    """A spec's fields for the cost-model YAML (its name is the file's; unset fields left out)."""
+    def tidy(v):
+        if isinstance(v, float):
+            return float(f"{v:.6g}")
+        if isinstance(v, dict):
+            return {k: tidy(x) for k, x in v.items()}
+        return v
+
+    return {k: tidy(v) for k, v in dataclasses.asdict(spec).items() if k != "name" and v is not None}
+
+
 def _activation_bytes(model) -> int:
     return next(model.parameters()).element_size()
 
@@ -401,21 +413,12 @@ def _profile(args) -> int:
                             a2a_bandwidth_gbps={d: v["bandwidth_gbps"] for d, v in a2a.items()},
                             a2a_latency_ms={d: v["latency_ms"] for d, v in a2a.items()}))
     op_overhead, pipeline_run = _pipeline_op_overhead_ms(fitted, max(lengths), args.repeats)
+    fitted = CostModel(fitted.model, dataclasses.replace(fitted.cluster, pipeline_op_overhead_ms=op_overhead))
     tick("a real pipeline step")
     if rank == 0:
-        m, c = base.model, base.cluster
         doc = {
-            "model": {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
-                      "num_attention_heads": m.num_attention_heads, "num_query_groups": m.kv_heads,
-                      "ffn_hidden_size": m.ffn_hidden_size, "vocab_size": vocab, "params_b": round(params_b, 9),
-                      "activation_bytes": spec.activation_bytes,
-                      "act_mb_per_token": round(act_mb, 6), "a1": float(a1), "a2": float(a2), "b1": float(b1),
-                      "head_time_share": round(head_share, 4)},
-            "cluster": {"num_nodes": c.num_nodes, "gpus_per_node": c.gpus_per_node, "memory_gb": c.memory_gb,
-                        "a2a_bandwidth_gbps": {d: round(v["bandwidth_gbps"], 4) for d, v in a2a.items()},
-                        "a2a_latency_ms": {d: round(v["latency_ms"], 4) for d, v in a2a.items()},
-                        "p2p_bandwidth_gbps": round(p2p, 4), "p2p_latency_ms": round(handoff_ms, 3),
-                        "pipeline_op_overhead_ms": round(op_overhead, 3)},
+            "model": _fields(fitted.model),
+            "cluster": _fields(fitted.cluster),
             "profile": {
                 "host": dist.get_backend(), "ranks": world, "lengths": lengths,
                 "fwd_bwd_ms": {d: [round(float(t), 3) for t in v] for d, v in measured.items()},
