@@ -214,6 +214,19 @@ def check_chunking(chunks: list[Pieces], lengths, seq_ids=None) -> None:
         assert pos == lengths[s], f"sequence {s}: ends at {pos} of {lengths[s]}"
 
 
+def _put(j, sid, s: float, t: float, b_pieces, b_time, b_tok) -> int:
+    """Whole sequence ``sid`` (s tokens, t ms) into bucket j, or into a new bucket if j is None."""
+    if j is None:
+        j = len(b_pieces)
+        b_pieces.append([])
+        b_time.append(0.0)
+        b_tok.append(0.0)
+    b_pieces[j].append((int(sid), 0, int(s)))
+    b_time[j] += t
+    b_tok[j] += s
+    return j
+
+
 def _best_fit(short, t_short, lengths, cap, token_cap, b_pieces, b_time, b_tok) -> None:
     """Each short sequence into the fullest (by time) bucket it fits; a new bucket otherwise."""
     keys = sorted((t, j) for j, t in enumerate(b_time))  # buckets by time, ascending
@@ -222,16 +235,7 @@ def _best_fit(short, t_short, lengths, cap, token_cap, b_pieces, b_time, b_tok) 
         pos = bisect.bisect_right(keys, (cap - t, math.inf)) - 1
         while pos >= 0 and b_tok[keys[pos][1]] + s > token_cap:
             pos -= 1
-        if pos >= 0:
-            j = keys.pop(pos)[1]
-        else:
-            j = len(b_pieces)
-            b_pieces.append([])
-            b_time.append(0.0)
-            b_tok.append(0.0)
-        b_pieces[j].append((int(sid), 0, int(s)))
-        b_time[j] += t
-        b_tok[j] += s
+        j = _put(keys.pop(pos)[1] if pos >= 0 else None, sid, s, t, b_pieces, b_time, b_tok)
         bisect.insort(keys, (b_time[j], j))
 
 
@@ -245,11 +249,4 @@ def _ratio_fit(short, t_short, lengths, cap, token_cap, b_pieces, b_time, b_tok)
                 r = b_time[j] / max(b_tok[j], 1.0)
                 if r < best_r:
                     best, best_r = j, r
-        if best < 0:
-            best = len(b_pieces)
-            b_pieces.append([])
-            b_time.append(0.0)
-            b_tok.append(0.0)
-        b_pieces[best].append((int(sid), 0, int(s)))
-        b_time[best] += t
-        b_tok[best] += s
+        _put(best if best >= 0 else None, sid, s, t, b_pieces, b_time, b_tok)

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -399,21 +400,21 @@ def _sdpa_packed(q: Tensor, k: Tensor, v: Tensor, bounds: Sequence[int], causal:
 
 
 @functools.lru_cache(maxsize=None)
+def _optional(module: str):
+    """An optional GPU package's module, or None."""
+    try:
+        return importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - absent, or a CUDA build that cannot load here
+        return None
+
+
 def _flash_varlen():
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except Exception:  # noqa: BLE001 - absent, or a CUDA build that cannot load here
-        return None
-    return flash_attn_varlen_func
+    flash = _optional("flash_attn")
+    return getattr(flash, "flash_attn_varlen_func", None)
 
 
-@functools.lru_cache(maxsize=None)
 def _te_pytorch():
-    try:
-        import transformer_engine.pytorch as te
-    except Exception:  # noqa: BLE001 - absent, or a CUDA build that cannot load here
-        return None
-    return te
+    return _optional("transformer_engine.pytorch")
 
 
 def available_backends() -> list[str]:

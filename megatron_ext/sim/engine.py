@@ -19,7 +19,8 @@ operation while some remain, the order deadlocks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -47,7 +48,7 @@ class ChunkTable:
     def n(self) -> int:
         return len(self.ids)
 
-    @property
+    @cached_property
     def prefix_tokens(self) -> np.ndarray:
         """Per chunk, the K/V its slices with a prefix concatenate and save for their attention's
         backward: [0, end) for a slice [start, end), start > 0 (the cached prefix, then its own)."""

@@ -295,48 +295,15 @@ def _stage_model(tied: bool = False):
     return ST[key]
 
 
-def _one_f_one_b(chunks, stages):
-    """Elastic 1F1B: forward in list order; backward the same with each split sequence's chunks
-    reversed in place; warm-up P - 1 - p plus what the slices need."""
-    n = len(chunks)
-    parent = list(range(n))
+def _one_f_one_b(plan_chunks, stages, sp):
+    """Elastic 1F1B orders by the simulator's own rule (sim/engine.py): forward in list order,
+    backward the same with each split sequence's chunks reversed, warm-up for the slices."""
+    from megatron_ext.cost.pipeline import PipelineCost
+    from megatron_ext.sim.engine import analyze_chunks, backward_order, one_f_one_b, order_names
 
-    def find(x):
-        while parent[x] != x:
-            x = parent[x]
-        return x
-
-    first = {}
-    for i, c in enumerate(chunks):
-        for sid, _, _ in c:
-            if sid in first:
-                parent[find(i)] = find(first[sid])
-            else:
-                first[sid] = i
-    groups: dict[int, list[int]] = {}
-    for i in range(n):
-        groups.setdefault(find(i), []).append(i)
-    backward = list(range(n))
-    for members in groups.values():
-        for pos, k in zip(members, reversed(members)):
-            backward[pos] = k
-    pos = {k: i for i, k in enumerate(range(n))}
-    e, run = 0, -1
-    for j, k in enumerate(backward):
-        run = max(run, pos[k])
-        e = max(e, run - j)
-    orders = []
-    for p in range(stages):
-        w = min(n, stages - 1 - p + e)
-        ops = [f"F{k}" for k in range(w)]
-        f = w
-        for j in range(n):
-            if f < n:
-                ops.append(f"F{f}")
-                f += 1
-            ops.append(f"B{backward[j]}")
-        orders.append(ops)
-    return orders
+    table = analyze_chunks(plan_chunks, PipelineCost(_cost(1024.0), stages, sp))
+    forward = list(range(table.n))
+    return order_names(one_f_one_b(forward, backward_order(forward, table), stages), table.ids)
 
 
 def _pipeline(chunks, stages, sp, orders=None, recompute=None):
@@ -344,7 +311,7 @@ def _pipeline(chunks, stages, sp, orders=None, recompute=None):
 
     cs = [Chunk(i, [Piece(*x) for x in c], list(recompute[i]) if recompute and recompute[i] else [])
           for i, c in enumerate(chunks)]
-    return Pipeline(stages, sp, cs, orders or _one_f_one_b(chunks, stages))
+    return Pipeline(stages, sp, cs, orders or _one_f_one_b(cs, stages, sp))
 
 
 def _plan(pipelines):
@@ -534,14 +501,20 @@ def pipeline_pp2_random_valid_orders_match_reference():
                           what=f"random orders {orders}")
 
 
-def _planner_plan(lengths, pp, sp, memory_gb, seed=0):
+def _cost(memory_mb):
+    """The 4-layer test model on 4 ranks with ``memory_mb`` MB per rank."""
     from megatron_ext.cost import CostModel
-    from megatron_ext.planner.pipeline import plan_elastic_pp
     from megatron_ext.spec import ClusterSpec
 
-    cluster = ClusterSpec(name="c", num_nodes=1, gpus_per_node=4, memory_gb=memory_gb / 1024,
+    cluster = ClusterSpec(name="c", num_nodes=1, gpus_per_node=4, memory_gb=memory_mb / 1024,
                           a2a_bandwidth_gbps={2: 1.0, 4: 1.0}, p2p_bandwidth_gbps=1.0)
-    box = [plan_elastic_pp(lengths, CostModel(_spec(), cluster), pp=pp, sp=sp, granularity=8, min_slice_tokens=16,
+    return CostModel(_spec(), cluster)
+
+
+def _planner_plan(lengths, pp, sp, memory_gb, seed=0):
+    from megatron_ext.planner.pipeline import plan_elastic_pp
+
+    box = [plan_elastic_pp(lengths, _cost(memory_gb), pp=pp, sp=sp, granularity=8, min_slice_tokens=16,
                            time_limit=2.0) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
