@@ -83,6 +83,7 @@ def main() -> None:
                 if args.crossover:
                     row["crossover"] = crossover(cost, sample_lengths(dist, args.batch, 0, max_len))
                 row["auto_choices"] = out["config"].get("auto_choices", {})
+                row["ceiling_over_flexsp"] = out["floor"]["ceiling"].get("flexsp")
                 summary.append(row)
                 if first:
                     _figures(args.plots, cost, out, b1, f"b1-{scale}", others=si == 0)
@@ -118,8 +119,9 @@ def _print_summary(rows: list[dict]) -> None:
         return None if not s or "error" in s else s.get(key)
 
     head = (f"{'b1_scale':>8} {'data':<12}{'ctx':>4} {'elastic_pp s':>12} {'bubble':>7} {'vs flexsp':>9} {'vs seq1f1b':>10} "
-            f"{'vs batch_1f1b':>13} {'auto s':>7}  auto chose")
-    print("summary (speedup = that planner's total time / elastic_pp's; auto: choices over the steps)")
+            f"{'vs batch_1f1b':>13} {'ceiling':>8} {'auto s':>7}  auto chose")
+    print("summary (speedup = that planner's total time / elastic_pp's; ceiling: FlexSP's total time / the "
+          "compute floor's, the most any plan could gain over FlexSP; auto: choices over the steps)")
     print(head)
     for r in rows:
         e = cell(r, "elastic_pp")
@@ -129,6 +131,8 @@ def _print_summary(rows: list[dict]) -> None:
         for name, w in (("flexsp", 9), ("seq1f1b", 10), ("batch_1f1b", 13)):
             sp = cell(r, name, "speedup_of_elastic_pp")
             parts.append(f"{sp:>{w - 1}.2f}x" if sp else f"{'-':>{w}}")
+        c = r.get("ceiling_over_flexsp")
+        parts.append(f"{c:>7.2f}x" if c else f"{'-':>8}")
         a = cell(r, "auto")
         parts.append(f"{a:>7.2f}" if a else f"{'-':>7}")
         parts.append(" " + ", ".join(f"{k} x{v}" for k, v in r.get("auto_choices", {}).items()))

@@ -151,6 +151,13 @@ class CostModel:
             best = np.where(fits, np.minimum(best, d * self.seq_time_ms(s, d)), best)
         return best
 
+    def compute_floor_ms(self, lengths) -> float:
+        """The batch's compute spread perfectly over every GPU, and nothing else: no all-to-all, no
+        per-pass fixed cost, no idle time, memory ignored. No plan of any kind (FlexSP, pipelines,
+        any layout) takes less on this cost model, so ``t / floor`` bounds any planner's speedup
+        over a plan that takes ``t``."""
+        return float(np.sum(self.seq_time_ms(lengths, 1))) / self.num_gpus
+
     def min_microbatches(self, lengths) -> int:
         total = float(np.sum(lengths))
         return max(1, math.ceil(total / (self.tokens_per_gpu * self.num_gpus) - 1e-9))

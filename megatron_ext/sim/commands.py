@@ -107,7 +107,7 @@ def add_simulate_command(sub, add_cost_args, cost_from_args, parse_tokens) -> No
                    help=f"comma-separated (default: {','.join(DEFAULT_PLANNERS)})")
     p.add_argument("--main", default="elastic_pp", help="the planner whose speedups are reported")
     p.add_argument("--time-limit", type=float, default=1.0, metavar="SEC", help="planning time limit per step")
-    p.add_argument("--json", action="store_true", help="rows, summary and config as JSON")
+    p.add_argument("--json", action="store_true", help="rows, summary, compute floor and config as JSON")
     add_cost_args(p)
     add_pipeline_args(p)
 
@@ -122,7 +122,7 @@ def add_simulate_command(sub, add_cost_args, cost_from_args, parse_tokens) -> No
                              pp=args.pp, sp=args.sp, planners=tuple(x for x in args.planners.split(",") if x),
                              main=args.main, options=_pipeline_options(args), time_limit=args.time_limit,
                              keep_plans=bool(args.plot))
-        print(json.dumps({k: out[k] for k in ("config", "summary", "rows")}, indent=1) if args.json else out["table"])
+        print(json.dumps({k: out[k] for k in ("config", "summary", "floor", "rows")}, indent=1) if args.json else out["table"])
         if args.plot:
             import sys
 

@@ -65,6 +65,7 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
 
     rows = []
     plans: dict = {}
+    floors = [cost.compute_floor_ms(lens) / 1e3 for lens in batches]
     for step, lens in enumerate(batches):
         for name in planners:
             row = {"step": step, "planner": name, "tokens": int(lens.sum())}
@@ -106,7 +107,14 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
             "solve_time_s": statistics.mean(r["solve_time_s"] for r in good),
             "max_solve_time_s": max(r["solve_time_s"] for r in good),
             f"speedup_of_{main}": (total / main_total) if main_total > 0 and common else None,
+            "total_time_s": total,
         })
+    floor_total = sum(floors[s] for s in ok_steps)
+    floor = {"step_time_s": statistics.mean(floors),
+             "tokens_per_s": sum(int(b.sum()) for b in batches) / sum(floors),
+             f"speedup_of_{main}": (floor_total / main_total) if main_total > 0 and ok_steps else None,
+             "ceiling": {s["planner"]: s["total_time_s"] / floor_total for s in summary
+                         if s.get("total_time_s") and floor_total > 0}}
     config = {"model": cost.model.name, "cluster": cost.cluster.name, "num_gpus": cost.num_gpus, "pp": pp, "sp": sp,
               "source": source, "b1_scale": opts.b1_scale, "memory_mb": opts.memory_mb or cost.cluster.memory_mb,
               "time_limit": time_limit}
@@ -117,11 +125,11 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
             choices[pick] = choices.get(pick, 0) + 1
     if choices:
         config["auto_choices"] = choices
-    return {"rows": rows, "summary": summary, "table": format_table(summary, config, main), "config": config,
-            "plans": plans}
+    return {"rows": rows, "summary": summary, "floor": floor, "table": format_table(summary, floor, config, main),
+            "config": config, "plans": plans}
 
 
-def format_table(summary: list[dict], config: dict, main: str) -> str:
+def format_table(summary: list[dict], floor: dict, config: dict, main: str) -> str:
     head = (f"{config['model']} on {config['cluster']} ({config['num_gpus']} GPUs; pipelines: pp {config['pp']} x "
             f"sp {config['sp']}); {config['source']}; b1_scale {config['b1_scale']:g}; "
             f"memory {config['memory_mb'] / 1024:.0f} GB per GPU")
@@ -138,8 +146,16 @@ def format_table(summary: list[dict], config: dict, main: str) -> str:
         lines.append(f"{s['planner']:<16}{s['step_time_s']:>9.2f}{s['tokens_per_s']:>11,.0f}{s['bubble_ratio']:>8.1%}"
                      f"{s['recompute_ratio']:>8.1%}{s['peak_memory_gb']:>9.1f}{s['solve_time_s'] * 1e3:>9.0f}"
                      f"{s['max_solve_time_s'] * 1e3:>8.0f}{sp_txt:>22}{fail}")
+    sp = floor[f"speedup_of_{main}"]
+    lines.append(f"{'(compute floor)':<16}{floor['step_time_s']:>9.2f}{floor['tokens_per_s']:>11,.0f}{'-':>8}{'-':>8}"
+                 f"{'-':>9}{'-':>9}{'-':>8}{'-' if sp is None else f'{sp:.2f}x':>22}")
+    if floor["ceiling"]:
+        lines += ["", "no plan is faster than the compute floor; the most any plan could gain: "
+                  + ", ".join(f"{v:.2f}x over {k}" for k, v in floor["ceiling"].items())]
     if "auto_choices" in config:
         lines += ["", "auto chose: " + ", ".join(f"{k} x{v}" for k, v in config["auto_choices"].items())]
     lines += ["", "step s: mean simulated step time; bubble: idle share of GPU-time; recomp: recompute share; "
-              f"speedup: total time of that planner / total time of {main} over the steps all planners ran."]
+              f"speedup: total time of that planner / total time of {main} over the steps all planners ran; "
+              "compute floor: the batch's compute spread over every GPU, nothing else (no all-to-all, "
+              "fixed cost or idle time)."]
     return "\n".join(lines)

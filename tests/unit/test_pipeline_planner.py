@@ -17,6 +17,7 @@ from megatron_ext.planner.pipeline import (PipelineOptions, describe, group_sequ
                                            make_pp_plan, pipeline_layouts, plan_auto, plan_batch_1f1b,
                                            plan_elastic_pp, plan_seq1f1b, split_pack)
 from megatron_ext.cost.pipeline import PipelineCost
+from megatron_ext.data.lengths import sample_lengths
 from megatron_ext.sim import simulate, simulate_table
 
 COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
@@ -30,6 +31,8 @@ def _check(plan: StepPlan, lengths, cost=COST, **sim):
     res = simulate(again, lengths, cost, **sim)
     assert res.step_time_s == pytest.approx(plan.estimated_step_time_s, rel=1e-9)
     assert plan.estimated_step_time_s >= plan.lower_bound_step_time_s * (1 - 1e-9)
+    kept = np.delete(np.asarray(lengths), plan.dropped_seq_ids)
+    assert plan.estimated_step_time_s * 1e3 >= cost.compute_floor_ms(kept) * (1 - 1e-9)
     for p in plan.pipelines:
         check_chunking([[(x.seq_id, x.start, x.end) for x in c.pieces] for c in p.chunks], lengths,
                        [x.seq_id for c in p.chunks for x in c.pieces])
@@ -149,6 +152,16 @@ def test_simulate_table_small():
         assert "error" not in s, s
         assert s["step_time_s"] > 0 and 0 <= s["bubble_ratio"] < 1 and s["tokens_per_s"] > 0
     assert "elastic_pp speedup" in out["table"] and "static_ulysses" in out["table"]
+    # the compute floor: a1 s^2 + a2 s of every sequence over every GPU, below every planner's time
+    floor, m = out["floor"], small.model
+    assert "(compute floor)" in out["table"] and f"{floor['ceiling']['flexsp']:.2f}x over flexsp" in out["table"]
+    want = [float(np.sum(m.a1 * x.astype(float) ** 2 + m.a2 * x)) / 8 / 1e3
+            for x in (sample_lengths("github", 24, s, 32768) for s in range(2))]
+    assert floor["step_time_s"] == pytest.approx(np.mean(want), rel=1e-9)
+    assert set(floor["ceiling"]) == set(names)
+    for s in out["summary"]:
+        assert floor["ceiling"][s["planner"]] >= 1.0
+        assert floor["ceiling"][s["planner"]] == pytest.approx(s["total_time_s"] / sum(want), rel=1e-9)
     one = simulate_table(small, lengths=[3000, 200, 100, 50], pp=2, sp=4, planners=("flexsp",))
     assert [s["planner"] for s in one["summary"]] == ["elastic_pp", "flexsp"]
 
