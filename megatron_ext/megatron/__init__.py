@@ -1,10 +1,10 @@
-"""Glue to Megatron-LM: ``pretrain_gpt.py --flexsp`` (docs/megatron.md).
+"""Glue to Megatron-LM: ``pretrain_gpt.py --flexsp`` and ``--elastic-pp`` (docs/megatron.md).
 
 - ``arguments``: the argument group (--flexsp, --elastic-pp, ...) and the check that explains conflicts;
 - ``hooks``: ``wrap_pretrain_gpt``, what the patched pretrain_gpt.py installs (patches/);
-- ``step``: the datasets provider and forward-backward function of a --flexsp run, and its logs;
+- ``step``: the datasets provider and forward-backward functions of --flexsp and --elastic-pp runs, and their logs;
 - ``data``: mock and indexed documents, splits, the planning data loader of a split;
-- ``model``: Megatron's GPT with Ulysses core attention;
+- ``model``: Megatron's GPT (or its pipeline stage) with Ulysses core attention;
 - ``cost``: ``--cost-model`` references and the SP-degree cap (pure Python: the planner process loads it);
 - ``launch``: runs a Megatron-LM script, on CPU ranks when there is no CUDA.
 

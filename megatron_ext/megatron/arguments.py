@@ -10,9 +10,10 @@ Flags (all off by default; without ``--flexsp`` / ``--elastic-pp`` Megatron runs
 --flexsp                   Plan every step with FlexSP: each micro-batch packs sequences into
                            Ulysses sequence-parallel groups of per-group degree (1 .. data-parallel
                            size), chosen by the HiGHS planner from the batch's lengths.
---elastic-pp               Elastic pipeline parallelism (token- and batch-level chunks, planned per
-                           step). Validated, then refused: the elastic pipeline runtime is not
-                           yet supported (plan offline with ``megatron-ext plan --planner elastic_pp``).
+--elastic-pp               Elastic pipeline parallelism with --pipeline-model-parallel-size P >= 2:
+                           each step's sequences are cut into token-level slices and packed into
+                           chunks, ordered per stage by the elastic_pp planner; each stage's
+                           data-parallel ranks run every chunk as one Ulysses group.
 --flexsp-max-sp-size D     Largest Ulysses degree a group may have (a power of two; default: the
                            data-parallel size, capped by what the heads divide by).
 --planner-time-limit SEC   Solver time limit per step (default 1.0). A step never waits longer:
@@ -20,9 +21,11 @@ Flags (all off by default; without ``--flexsp`` / ``--elastic-pp`` Megatron runs
 --cost-model PATH|PRESET   The cost model the planner uses: a cost-model YAML, or
                            MODEL:CLUSTER[:ZERO] presets (e.g. gpt-7b:a100-40g-8x8:1; ZERO is the
                            ZeRO stage of the model states: 1 with --use-distributed-optimizer).
-                           Its GPU count must be the data-parallel size. Required with --flexsp.
+                           Its GPU count must be the data-parallel size with --flexsp, the
+                           world size with --elastic-pp. Required.
 --adaptive-recompute       Stage-aware per-chunk activation recomputation (planned with HiGHS);
-                           belongs to elastic pipelines: needs --elastic-pp.
+                           belongs to elastic pipelines: needs --elastic-pp. Without it an
+                           elastic step recomputes nothing when it fits, every layer when not.
 --plan-ahead N             Plan N steps ahead in a background process on rank 0 (default 1);
                            0 plans each step inline, right before it runs.
 --planner-log PATH         Rank 0 appends one JSON record per step: the plan, where it came from,
@@ -36,10 +39,13 @@ Flags (all off by default; without ``--flexsp`` / ``--elastic-pp`` Megatron runs
 
 Conflicts (each explained when hit): --context-parallel-size > 1, --sequence-parallel with
 --tensor-model-parallel-size > 1, --micro-batch-size other than 1, --pipeline-model-parallel-size
-> 1 with --flexsp, --rampup-batch-size, --dataloader-type other than external, data other than
-one --data-path prefix or --mock-data, legacy models, multi-latent attention, MoE, sliding-window
-attention, position embeddings other than rope / learned_absolute / none, FSDP (Megatron-FSDP,
-torch FSDP2), --iterations-to-skip. Adjusted with a note:
+> 1 with --flexsp; with --elastic-pp: a pipeline size below 2 or not dividing the layers, tensor
+parallelism, virtual or uneven pipeline stages, a data-parallel size that is not a Ulysses degree
+of the heads, --recompute-granularity full, the --flexsp-* planner options; and for both:
+--rampup-batch-size, --dataloader-type other than external, data other than one --data-path
+prefix or --mock-data, legacy models, multi-latent attention, MoE, sliding-window attention,
+position embeddings other than rope / learned_absolute / none, FSDP (Megatron-FSDP, torch FSDP2),
+--iterations-to-skip. Adjusted with a note:
 --calculate-per-token-loss is turned on, --dataloader-type becomes external, an unset
 --micro-batch-size becomes 1, --moe-token-dispatcher-type becomes alltoall (megatron-core's
 TransformerConfig requires it with variable sequence lengths, even without MoE layers).
@@ -65,7 +71,7 @@ class ArgumentConflict(ConfigError):
 
 
 class NotYetSupported(MegatronExtError):
-    """A flag that is validated but whose runtime does not exist yet."""
+    """A valid flag value that megatron_ext does not support yet."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -75,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--flexsp", action="store_true",
                    help="plan each step's Ulysses SP groups (per-group degree) from the batch's sequence lengths")
     g.add_argument("--elastic-pp", action="store_true",
-                   help="elastic pipeline parallelism (validated; the runtime is not yet supported)")
+                   help="elastic pipelines: token-level slices and packed chunks over the pipeline stages, "
+                        "planned per step, with Ulysses SP over each stage's data-parallel ranks")
     g.add_argument("--flexsp-max-sp-size", type=int, default=None, metavar="D",
                    help="largest Ulysses degree of a group (power of two; default: the data-parallel size)")
     g.add_argument("--planner-time-limit", type=float, default=1.0, metavar="SEC",
@@ -202,85 +209,27 @@ def validate_args(args, world_size: int | None = None) -> Validated:
                 _conflict(f"{flag} has no effect without --flexsp or --elastic-pp")
         return Validated(False)
     if flexsp and elastic:
-        _conflict("--flexsp and --elastic-pp are two runtimes; choose one (the elastic pipeline runtime "
-                  "will run SP groups inside its stages)")
+        _conflict("--flexsp and --elastic-pp are two runtimes; choose one (--elastic-pp runs Ulysses SP "
+                  "inside each of its stages)")
     flag = "--flexsp" if flexsp else "--elastic-pp"
     world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else int(world_size)
     tp, pp, cp, dp = _parallel_sizes(args, world)
     _check_common(args, flag, tp, cp)
-    notes: list[str] = []
-
-    if elastic:
-        if pp < 2:
-            _conflict("--elastic-pp cuts sequences into pipeline chunks over stages; it needs "
-                      "--pipeline-model-parallel-size of at least 2")
-        raise NotYetSupported(
-            "--elastic-pp: the arguments are valid, but the elastic pipeline runtime is not yet supported in "
-            "the runtime (it is tracked separately). Plan such steps offline with `megatron-ext plan --planner "
-            "elastic_pp`, or train with --flexsp and --pipeline-model-parallel-size 1.")
-
-    # ---- --flexsp ----
-    if pp > 1:
-        _conflict(f"--flexsp runs each micro-batch's SP groups on one pipeline stage; use "
-                  f"--pipeline-model-parallel-size 1 (got {pp}), or --elastic-pp for pipelines")
-    if _get(args, "adaptive_recompute", False):
-        _conflict("--adaptive-recompute plans recomputation per pipeline chunk and stage: it needs --elastic-pp. "
-                  "With --flexsp use Megatron's --recompute-granularity / --recompute-method.")
-    if not _is_power_of_two(dp):
-        _conflict(f"--flexsp needs a power-of-two data-parallel size (its SP groups are aligned power-of-two "
-                  f"blocks of ranks); world {world} / (TP {tp} x PP {pp} x CP {cp}) = {dp}")
-    limit = _get(args, "planner_time_limit", 1.0)
-    if limit is None or limit <= 0:
-        _conflict(f"--planner-time-limit must be positive, got {limit}")
-    ahead = _get(args, "plan_ahead", 1)
-    if ahead is None or ahead < 0:
-        _conflict(f"--plan-ahead must be 0 or more, got {ahead}")
-    if ahead > 1:
-        raise NotYetSupported(f"--plan-ahead {ahead}: the planning data loader plans one step ahead; use "
-                              f"--plan-ahead 1 (background, the default) or 0 (inline)")
-
-    from megatron_ext.planner import PLANNERS  # numpy + highspy, no torch
-
-    planner = _get(args, "flexsp_planner", "flexsp")
-    if planner not in PLANNERS:
-        _conflict(f"--flexsp-planner {planner!r} is not a planner; choose one of {', '.join(PLANNERS)}")
-    static = _get(args, "flexsp_static_degree", None)
-    if static is not None and planner != "static_ulysses":
-        _conflict("--flexsp-static-degree sets the degree of --flexsp-planner static_ulysses only")
-
-    # The degree cap: what the user allows, what the heads allow, what the domain allows.
-    from megatron_ext.megatron.cost import cap_cost_model, head_degree_limit, load_cost_model
+    _check_planning(args)
+    from megatron_ext.megatron.cost import head_degree_limit
 
     heads = _get(args, "num_attention_heads", None)
     kv = _get(args, "num_query_groups", None) if _get(args, "group_query_attention", False) else None
     head_limit = head_degree_limit(heads, kv, tp) if heads else dp
-    cap = _get(args, "flexsp_max_sp_size", None)
-    if cap is not None:
-        if not _is_power_of_two(cap) or cap > dp:
-            _conflict(f"--flexsp-max-sp-size must be a power of two of at most the data-parallel size {dp}, "
-                      f"got {cap}")
-        if cap > head_limit:
-            _conflict(f"--flexsp-max-sp-size {cap}: Ulysses splits the attention heads over the group, and "
-                      f"{heads} heads / {kv or heads} KV heads per TP rank (TP {tp}) only divide by up to "
-                      f"{head_limit}")
-    if static is not None and (not _is_power_of_two(static) or static > min(cap or dp, head_limit, dp)):
-        _conflict(f"--flexsp-static-degree must be a power of two of at most {min(cap or dp, head_limit, dp)}, "
-                  f"got {static}")
+    if elastic:
+        cost = _check_elastic(args, world, tp, pp, dp, head_limit)
+    else:
+        cost = _check_flexsp(args, world, tp, pp, cp, dp, head_limit)
 
-    ref = _get(args, "cost_model", None)
-    if not ref:
-        _conflict("--flexsp needs --cost-model PATH|MODEL:CLUSTER[:ZERO]: the planner's time and memory model "
-                  "(e.g. gpt-7b:a100-40g-8x8:1, or a YAML from `megatron-ext profile`)")
-    cost = load_cost_model(ref)
-    if cost.num_gpus != dp:
-        _conflict(f"--cost-model {ref} describes {cost.num_gpus} GPUs ({cost.cluster.name}), but this job's "
-                  f"data-parallel size is {dp} (world {world} / TP {tp} / PP {pp} / CP {cp}): the planner "
-                  f"spreads sequences over exactly the data-parallel ranks")
-    cost.max_seq_len  # raises InfeasibleError when the model states alone do not fit
-    capped = cap_cost_model(cost, min(cap or dp, head_limit))
+    notes: list[str] = []
     if heads and cost.model.num_attention_heads != heads:
         notes.append(f"the cost model's {cost.model.name} has {cost.model.num_attention_heads} heads, the model "
-                     f"{heads}: degrees are capped at {capped.degrees[-1]} by the model's heads")
+                     f"{heads}: degrees are capped at {cost.degrees[-1]} by the model's heads")
     for mine, theirs, what in ((_get(args, "num_layers"), cost.model.num_layers, "layers"),
                                (_get(args, "hidden_size"), cost.model.hidden_size, "hidden size")):
         if mine and mine != theirs:
@@ -299,7 +248,7 @@ def validate_args(args, world_size: int | None = None) -> Validated:
         notes.append("--dataloader-type external (planned steps come from megatron_ext's data loader)")
     if _get(args, "moe_token_dispatcher_type", "alltoall") != "alltoall":
         # TransformerConfig refuses variable_seq_lengths (which the patched arguments.py turns on for
-        # --flexsp) with any other dispatcher, even in a dense model (MoE is refused above).
+        # --flexsp and --elastic-pp) with any other dispatcher, even in a dense model (MoE is refused above).
         args.moe_token_dispatcher_type = "alltoall"
         notes.append("--moe-token-dispatcher-type alltoall (required with variable sequence lengths; no MoE layer)")
     log = _get(args, "planner_log", None)
@@ -308,6 +257,130 @@ def validate_args(args, world_size: int | None = None) -> Validated:
         if not os.path.isdir(parent):
             _conflict(f"--planner-log {log}: directory {parent} does not exist")
     return Validated(True, dp, notes)
+
+
+def _check_planning(args) -> None:
+    """The planner's time limit and look-ahead (both runtimes)."""
+    limit = _get(args, "planner_time_limit", 1.0)
+    if limit is None or limit <= 0:
+        _conflict(f"--planner-time-limit must be positive, got {limit}")
+    ahead = _get(args, "plan_ahead", 1)
+    if ahead is None or ahead < 0:
+        _conflict(f"--plan-ahead must be 0 or more, got {ahead}")
+    if ahead > 1:
+        raise NotYetSupported(f"--plan-ahead {ahead}: the planning data loader plans one step ahead; use "
+                              f"--plan-ahead 1 (background, the default) or 0 (inline)")
+
+
+def _cost_model(args, flag: str):
+    from megatron_ext.megatron.cost import load_cost_model
+
+    ref = _get(args, "cost_model", None)
+    if not ref:
+        _conflict(f"{flag} needs --cost-model PATH|MODEL:CLUSTER[:ZERO]: the planner's time and memory model "
+                  f"(e.g. gpt-7b:a100-40g-8x8:1, or a YAML from `megatron-ext profile`)")
+    return ref, load_cost_model(ref)
+
+
+def _check_flexsp(args, world: int, tp: int, pp: int, cp: int, dp: int, head_limit: int):
+    """--flexsp's own conflicts; returns the cost model, its degrees capped."""
+    if pp > 1:
+        _conflict(f"--flexsp runs each micro-batch's SP groups on one pipeline stage; use "
+                  f"--pipeline-model-parallel-size 1 (got {pp}), or --elastic-pp for pipelines")
+    if _get(args, "adaptive_recompute", False):
+        _conflict("--adaptive-recompute plans recomputation per pipeline chunk and stage: it needs --elastic-pp. "
+                  "With --flexsp use Megatron's --recompute-granularity / --recompute-method.")
+    if not _is_power_of_two(dp):
+        _conflict(f"--flexsp needs a power-of-two data-parallel size (its SP groups are aligned power-of-two "
+                  f"blocks of ranks); world {world} / (TP {tp} x PP {pp} x CP {cp}) = {dp}")
+
+    from megatron_ext.planner import PLANNERS  # numpy + highspy, no torch
+
+    planner = _get(args, "flexsp_planner", "flexsp")
+    if planner not in PLANNERS:
+        _conflict(f"--flexsp-planner {planner!r} is not a planner; choose one of {', '.join(PLANNERS)}")
+    static = _get(args, "flexsp_static_degree", None)
+    if static is not None and planner != "static_ulysses":
+        _conflict("--flexsp-static-degree sets the degree of --flexsp-planner static_ulysses only")
+
+    # The degree cap: what the user allows, what the heads allow, what the domain allows.
+    from megatron_ext.megatron.cost import cap_cost_model
+
+    heads = _get(args, "num_attention_heads", None)
+    kv = _get(args, "num_query_groups", None) if _get(args, "group_query_attention", False) else None
+    cap = _get(args, "flexsp_max_sp_size", None)
+    if cap is not None:
+        if not _is_power_of_two(cap) or cap > dp:
+            _conflict(f"--flexsp-max-sp-size must be a power of two of at most the data-parallel size {dp}, "
+                      f"got {cap}")
+        if cap > head_limit:
+            _conflict(f"--flexsp-max-sp-size {cap}: Ulysses splits the attention heads over the group, and "
+                      f"{heads} heads / {kv or heads} KV heads per TP rank (TP {tp}) only divide by up to "
+                      f"{head_limit}")
+    if static is not None and (not _is_power_of_two(static) or static > min(cap or dp, head_limit, dp)):
+        _conflict(f"--flexsp-static-degree must be a power of two of at most {min(cap or dp, head_limit, dp)}, "
+                  f"got {static}")
+
+    ref, cost = _cost_model(args, "--flexsp")
+    if cost.num_gpus != dp:
+        _conflict(f"--cost-model {ref} describes {cost.num_gpus} GPUs ({cost.cluster.name}), but this job's "
+                  f"data-parallel size is {dp} (world {world} / TP {tp} / PP {pp} / CP {cp}): the planner "
+                  f"spreads sequences over exactly the data-parallel ranks")
+    cost.max_seq_len  # raises InfeasibleError when the model states alone do not fit
+    return cap_cost_model(cost, min(cap or dp, head_limit))
+
+
+def _check_elastic(args, world: int, tp: int, pp: int, dp: int, head_limit: int):
+    """--elastic-pp's own conflicts: P stages of the layers, each stage's data-parallel ranks one
+    Ulysses group of degree dp. Returns the cost model, its degrees capped by the heads."""
+    if pp < 2:
+        _conflict("--elastic-pp cuts sequences into pipeline chunks over stages; it needs "
+                  "--pipeline-model-parallel-size of at least 2")
+    if tp > 1:
+        _conflict(f"--elastic-pp runs Ulysses SP over each stage's data-parallel ranks with "
+                  f"--tensor-model-parallel-size 1 (got {tp}); give those ranks to the stages' SP groups instead")
+    if _get(args, "num_layers_per_virtual_pipeline_stage", None) or _get(args, "num_virtual_stages_per_pipeline_rank",
+                                                                          None):
+        _conflict("--elastic-pp orders chunks over one model chunk per stage; drop the virtual pipeline "
+                  "(--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank)")
+    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                 "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+                 "account_for_loss_in_pipeline_split"):
+        if _get(args, name, None):
+            _conflict(f"--elastic-pp plans stages of equal layer counts; drop --{name.replace('_', '-')}")
+    layers = _get(args, "num_layers", None)
+    if layers and layers % pp:
+        _conflict(f"--elastic-pp: --pipeline-model-parallel-size {pp} does not divide the {layers} layers "
+                  f"(every stage holds the same number of layers)")
+    if not _is_power_of_two(dp) or dp > head_limit:
+        heads = _get(args, "num_attention_heads", None)
+        _conflict(f"--elastic-pp makes each stage's {dp} data-parallel ranks (world {world} / PP {pp}) one Ulysses "
+                  f"group, which must be a power of two dividing the {heads} attention heads and the KV heads "
+                  f"(up to {head_limit} here); change --pipeline-model-parallel-size or the number of ranks")
+    if _get(args, "recompute_granularity", None) == "full":
+        _conflict("--elastic-pp decides recomputation per chunk and stage itself (none when the step fits, every "
+                  "layer when not; per chunk with --adaptive-recompute); drop --recompute-granularity full")
+    for name in ("flexsp_max_sp_size", "flexsp_static_degree"):
+        if _get(args, name, None) is not None:
+            _conflict(f"--{name.replace('_', '-')} belongs to --flexsp; --elastic-pp's SP degree is the "
+                      f"data-parallel size")
+    if _get(args, "flexsp_planner", "flexsp") != "flexsp":
+        _conflict("--flexsp-planner belongs to --flexsp; --elastic-pp plans with the elastic_pp planner")
+
+    from megatron_ext.cost.pipeline import PipelineCost
+    from megatron_ext.megatron.cost import cap_cost_model
+
+    ref, cost = _cost_model(args, "--elastic-pp")
+    if cost.num_gpus != world:
+        _conflict(f"--cost-model {ref} describes {cost.num_gpus} GPUs ({cost.cluster.name}), but this job has "
+                  f"{world} ranks: an elastic pipeline spans every rank ({pp} stages x SP {dp}), so its cost "
+                  f"model describes the whole job")
+    cost = cap_cost_model(cost, head_limit)
+    try:  # the cost model's own layers and heads, and whether a stage's model states fit
+        PipelineCost(cost, pp, dp)
+    except MegatronExtError as e:
+        raise type(e)(f"--elastic-pp with --cost-model {ref}: {e}") from None
+    return cost
 
 
 def _rank() -> int:

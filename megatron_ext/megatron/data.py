@@ -1,7 +1,7 @@
-"""The dataset provider of ``--flexsp`` runs: planned steps over whole documents.
+"""The dataset provider of ``--flexsp`` and ``--elastic-pp`` runs: planned steps over whole documents.
 
-Megatron's GPT datasets cut the token stream into fixed ``--seq-length`` samples; FlexSP trains on
-whole documents of their own lengths. So with ``--flexsp`` the provider returns, for train /
+Megatron's GPT datasets cut the token stream into fixed ``--seq-length`` samples; FlexSP and elastic
+pipelines train on whole documents of their own lengths. So the provider returns, for train /
 valid / test, an iterator of ``megatron_ext.data.loader.Step`` (one per training iteration: the
 global batch of ``--global-batch-size`` documents and its plan), made by a
 ``PlanningDataLoader`` that plans one step ahead in a background process on rank 0 and
@@ -18,8 +18,9 @@ Documents come from:
   (``megatron_ext.data.lengths``, "wikipedia"), their tokens random ids below the tokenizer's
   vocabulary size ending in ``<eod>``, all from ``--seed``: every rank sees the same documents.
 
-Documents longer than ``--seq-length`` (or than the longest sequence the cost model can place)
-are cut into consecutive pieces of that length; the pieces are the samples. Step k of a run
+Documents longer than ``--seq-length`` (with ``--flexsp``, or than the longest sequence the cost
+model can place in one SP group) are cut into consecutive pieces of that length; the pieces are the
+samples. Step k of a run
 resumed at iteration k reads the same batch as an uninterrupted run.
 """
 from __future__ import annotations
@@ -114,13 +115,26 @@ def build_documents(args, tokenizer):
 
 
 def make_loader(documents, cost, args, *, num_steps: int | None, start_step: int, seed: int):
-    """The PlanningDataLoader of one split, configured from Megatron's and megatron_ext's args."""
+    """The PlanningDataLoader of one split, configured from Megatron's and megatron_ext's args:
+    with ``--elastic-pp`` the elastic_pp planner on ``--pipeline-model-parallel-size`` stages of SP
+    degree GPUs / stages (batch 1F1B when a plan is late), else ``--flexsp-planner`` (BatchAda when late)."""
     from megatron_ext.data.loader import PlanningDataLoader
     from megatron_ext.planner import PlannerOptions
 
-    max_len = min(int(args.seq_length), cost.max_seq_len)
-    options = PlannerOptions(time_limit=float(args.planner_time_limit), static_degree=args.flexsp_static_degree,
-                             drop_over_max=True, max_seq_len=max_len)
-    return PlanningDataLoader(documents, cost, int(args.global_batch_size), planner=args.flexsp_planner,
-                              options=options, seed=seed, max_seq_len=max_len, num_steps=num_steps,
-                              start_step=start_step, background=int(args.plan_ahead) >= 1, sync="broadcast")
+    limit = float(args.planner_time_limit)
+    if getattr(args, "elastic_pp", False):
+        # A pipeline cuts a long sequence into slices: only --seq-length bounds it. Without
+        # --adaptive-recompute a step recomputes nothing if it fits, else every layer ("auto").
+        max_len = int(args.seq_length)
+        pp = int(args.pipeline_model_parallel_size)
+        options = PlannerOptions(time_limit=limit, drop_over_max=True, max_seq_len=max_len, pp=pp,
+                                 sp=cost.num_gpus // pp, recompute="ilp" if args.adaptive_recompute else "auto")
+        planner, fallback = "elastic_pp", "batch_1f1b"
+    else:
+        max_len = min(int(args.seq_length), cost.max_seq_len)
+        options = PlannerOptions(time_limit=limit, static_degree=args.flexsp_static_degree, drop_over_max=True,
+                                 max_seq_len=max_len)
+        planner, fallback = args.flexsp_planner, "batchada"
+    return PlanningDataLoader(documents, cost, int(args.global_batch_size), planner=planner, options=options,
+                              seed=seed, max_seq_len=max_len, num_steps=num_steps, start_step=start_step,
+                              background=int(args.plan_ahead) >= 1, fallback=fallback, sync="broadcast")

@@ -2,14 +2,16 @@
 
 ``wrap_pretrain_gpt(datasets_provider, model_builder, forward_step, extra_args_provider)`` returns
 the same four things, wrapped. Each wrapper decides at call time, from the parsed arguments:
-without ``--flexsp`` it calls Megatron's own function unchanged, so the patched script trains
-exactly like the unpatched one; with ``--flexsp`` it uses megatron_ext's:
+without ``--flexsp`` / ``--elastic-pp`` it calls Megatron's own function unchanged, so the patched
+script trains exactly like the unpatched one; with either it uses megatron_ext's:
 
 * extra_args_provider: adds megatron_ext's flags and validates them (``arguments.py``);
-* model builder: Megatron's GPT with Ulysses core attention (``model.py``);
-* datasets provider: iterators of planned steps (``step.flexsp_datasets_provider``);
+* model builder: Megatron's GPT (with --elastic-pp: this rank's stage) with Ulysses core attention
+  (``model.py``);
+* datasets provider: iterators of planned steps (``step.planned_datasets_provider``);
 * forward step: carries ``get_forward_backward_func``, which the patched ``training.py`` asks for
-  in ``train`` and ``evaluate``: ``step.flexsp_forward_backward`` with --flexsp, megatron-core's
+  in ``train`` and ``evaluate``: ``step.flexsp_forward_backward`` with --flexsp,
+  ``step.elastic_forward_backward`` with --elastic-pp, megatron-core's
   ``get_forward_backward_func()`` otherwise.
 """
 from __future__ import annotations
@@ -18,13 +20,19 @@ import functools
 import inspect
 
 from megatron_ext.megatron.arguments import extra_args_provider as _extra_args_provider
-from megatron_ext.megatron.model import flexsp_model_builder
+from megatron_ext.megatron.model import ulysses_model_builder
 
 
-def flexsp_enabled() -> bool:
+def planned_mode() -> str | None:
+    """The runtime of this run: "flexsp", "elastic_pp", or None (Megatron's own)."""
     from megatron.training import get_args
 
-    return bool(getattr(get_args(), "flexsp", False))
+    args = get_args()
+    if getattr(args, "flexsp", False):
+        return "flexsp"
+    if getattr(args, "elastic_pp", False):
+        return "elastic_pp"
+    return None
 
 
 class ForwardStep:
@@ -35,18 +43,21 @@ class ForwardStep:
         functools.update_wrapper(self, stock)
 
     def get_forward_backward_func(self):
-        if flexsp_enabled():
-            from megatron_ext.megatron.step import flexsp_forward_backward
+        mode = planned_mode()
+        if mode is not None:
+            from megatron_ext.megatron.step import FORWARD_BACKWARD
 
-            return flexsp_forward_backward
+            return FORWARD_BACKWARD[mode]
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         return get_forward_backward_func()
 
     def __call__(self, data_iterator, model, *args, **kwargs):
-        if flexsp_enabled():
-            raise RuntimeError("--flexsp: Megatron called the forward step with its own forward-backward function; "
-                               "megatron/training/training.py is not patched (run scripts/apply_patches.sh)")
+        mode = planned_mode()
+        if mode is not None:
+            raise RuntimeError(f"--{mode.replace('_', '-')}: Megatron called the forward step with its own "
+                               f"forward-backward function; megatron/training/training.py is not patched "
+                               f"(run scripts/apply_patches.sh)")
         return self.stock(data_iterator, model, *args, **kwargs)
 
 
@@ -60,17 +71,17 @@ class DatasetsProvider:
 
     @property
     def is_distributed(self) -> bool:
-        return flexsp_enabled() or bool(getattr(self.stock, "is_distributed", False))
+        return planned_mode() is not None or bool(getattr(self.stock, "is_distributed", False))
 
     @is_distributed.setter
     def is_distributed(self, value: bool) -> None:
         self.stock.is_distributed = value
 
     def __call__(self, train_val_test_num_samples, vp_stage=None):
-        if flexsp_enabled():
-            from megatron_ext.megatron.step import flexsp_datasets_provider
+        if planned_mode() is not None:
+            from megatron_ext.megatron.step import planned_datasets_provider
 
-            return flexsp_datasets_provider(train_val_test_num_samples, vp_stage)
+            return planned_datasets_provider(train_val_test_num_samples, vp_stage)
         if self._takes_vp_stage:
             return self.stock(train_val_test_num_samples, vp_stage=vp_stage)
         return self.stock(train_val_test_num_samples)
@@ -78,5 +89,5 @@ class DatasetsProvider:
 
 def wrap_pretrain_gpt(datasets_provider, model_builder, forward_step, extra_args_provider=None):
     """(datasets_provider, model_builder, forward_step, extra_args_provider), wrapped (module doc)."""
-    return (DatasetsProvider(datasets_provider), flexsp_model_builder(model_builder), ForwardStep(forward_step),
+    return (DatasetsProvider(datasets_provider), ulysses_model_builder(model_builder), ForwardStep(forward_step),
             _extra_args_provider(extra_args_provider))

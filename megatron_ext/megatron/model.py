@@ -1,10 +1,14 @@
-"""The model of a ``--flexsp`` run: Megatron's GPT, with Ulysses core attention.
+"""The model of a ``--flexsp`` or ``--elastic-pp`` run: Megatron's GPT, with Ulysses core attention.
 
-``flexsp_model_builder(builder)`` wraps Megatron-LM's ``gpt_builder``: the model is built exactly as
-without ``--flexsp`` (same layer spec -- local or Transformer Engine --, same parameters, same
-initialization from the same seed), then each self-attention's ``core_attention`` (which holds no
-parameters) is replaced by ``megatron_ext.runtime.attention.UlyssesAttention``, and RoPE is made to
-use each token's position within its own sequence. Checkpoints keep Megatron's parameter names.
+``ulysses_model_builder(builder)`` wraps Megatron-LM's ``gpt_builder``: the model is built exactly as
+without our flags (same layer spec -- local or Transformer Engine --, same parameters, same
+initialization from the same seed; with ``--elastic-pp`` Megatron builds this rank's pipeline stage,
+``pre_process`` / ``post_process`` as usual), then each self-attention's ``core_attention`` (which
+holds no parameters) is replaced by ``megatron_ext.runtime.attention.UlyssesAttention``, and RoPE
+is made to use each token's position within its own sequence. UlyssesAttention also serves the
+token-level slices of elastic pipelines: given a ``UlyssesPackedSeqParams`` with a prefix cache it
+attends to the cached K/V of the sequence's earlier slices (``runtime/slices.py``). Checkpoints
+keep Megatron's parameter names.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ def use_ulysses_attention(model, backend: str = "auto") -> int:
             continue
         old = module.core_attention
         if any(True for _ in old.parameters()):
-            raise NotImplementedError(f"--flexsp: the core attention {type(old).__name__} holds parameters "
+            raise NotImplementedError(f"megatron_ext: the core attention {type(old).__name__} holds parameters "
                                       f"(e.g. learnable softmax offsets); UlyssesAttention cannot replace it")
         module.core_attention = make(config=getattr(old, "config", module.config), layer_number=module.layer_number,
                                      attn_mask_type=module.attn_mask_type, attention_type=module.attention_type,
@@ -36,17 +40,19 @@ def use_ulysses_attention(model, backend: str = "auto") -> int:
     return replaced
 
 
-def flexsp_model_builder(builder):
+def ulysses_model_builder(builder):
     """Wrap a Megatron-LM model builder (``gpt_builder(args, pre_process, post_process, vp_stage,
-    config=, pg_collection=)``): with ``args.flexsp`` the built model gets Ulysses attention."""
+    config=, pg_collection=)``): with ``args.flexsp`` or ``args.elastic_pp`` the built model gets
+    Ulysses attention."""
 
     @functools.wraps(builder)
     def build(args, pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
         model = builder(args, pre_process, post_process, vp_stage, config=config, pg_collection=pg_collection)
-        if getattr(args, "flexsp", False):
+        if getattr(args, "flexsp", False) or getattr(args, "elastic_pp", False):
             n = use_ulysses_attention(model, getattr(args, "flexsp_attention_backend", "auto"))
             if n == 0:
-                raise NotImplementedError("--flexsp: the model has no SelfAttention layer to give Ulysses attention")
+                raise NotImplementedError("megatron_ext: the model has no SelfAttention layer to give Ulysses "
+                                          "attention")
         return model
 
     return build

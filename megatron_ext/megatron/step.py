@@ -1,25 +1,34 @@
-"""What Megatron-LM's training loop calls in a ``--flexsp`` run: datasets, forward-backward, logs.
+"""What Megatron-LM's training loop calls in a ``--flexsp`` or ``--elastic-pp`` run: datasets,
+forward-backward, logs.
 
 Megatron's ``train_step`` calls ``forward_backward_func(forward_step_func=..., data_iterator=...,
-num_microbatches=get_num_microbatches(), ...)`` once per iteration. In a FlexSP run the data
-iterator yields one planned ``Step`` per iteration (``data.py``) and the number of micro-batches is
-the plan's, not Megatron's fixed one; ``flexsp_forward_backward`` takes the step, cuts this rank's
-inputs with ``runtime.schedule.micro_batch_inputs`` (its shard of its SP group's packed tokens and
-the ``UlyssesPackedSeqParams`` naming the group) and runs megatron-core's own
-``forward_backward_no_pipelining`` over them with ``runtime.schedule.flexsp_forward_step``. Loss
-is per token (``--calculate-per-token-loss``): each micro-batch returns its token-loss sum and
-token count, megatron sums both over the data-parallel ranks, so Megatron's "lm loss" is the
-global batch's mean token loss whatever the plan.
+num_microbatches=get_num_microbatches(), ...)`` once per iteration. In a planned run the data
+iterator yields one planned ``Step`` per iteration (``data.py``) and the plan, not Megatron,
+decides the micro-batches:
 
-A rank with no sequence in a micro-batch runs the model on a single pad token whose loss counts
-zero: every module hook and collective of a real micro-batch runs (DDP marks every gradient ready,
-which ``--overlap-grad-reduce`` relies on in the last micro-batch; the distributed optimizer's
-``--overlap-param-gather`` hooks fire), and no gradient changes.
+* ``flexsp_forward_backward`` takes the step, cuts this rank's inputs with
+  ``runtime.schedule.micro_batch_inputs`` (its shard of its SP group's packed tokens and the
+  ``UlyssesPackedSeqParams`` naming the group) and runs megatron-core's own
+  ``forward_backward_no_pipelining`` over them with ``runtime.schedule.flexsp_forward_step``;
+* ``elastic_forward_backward`` takes the step and runs ``runtime.pipeline.forward_backward_elastic``
+  on this rank's stage: the plan's chunks in each stage's planned order, point-to-point over
+  Megatron's pipeline group, each stage's data-parallel ranks one Ulysses group, the planned
+  layers recomputed per chunk, then Megatron's ``finalize_model_grads``.
+
+Loss is per token (``--calculate-per-token-loss``): each micro-batch (chunk) returns its token-loss
+sum and token count; Megatron sums both over the data-parallel ranks (on the last pipeline stage),
+so its "lm loss" is the global batch's mean token loss whatever the plan.
+
+A FlexSP rank with no sequence in a micro-batch runs the model on a single pad token whose loss
+counts zero: every module hook and collective of a real micro-batch runs (DDP marks every gradient
+ready, which ``--overlap-grad-reduce`` relies on in the last micro-batch; the distributed
+optimizer's ``--overlap-param-gather`` hooks fire), and no gradient changes. (In a pipeline every
+rank of a stage holds a shard of every chunk.)
 
 After each training step the measured forward-backward time (slowest rank) is set beside the
 plan's prediction: every ``--log-interval`` iterations one line through Megatron's logger, every
-iteration TensorBoard scalars under ``flexsp/`` (Megatron's writer, when ``--tensorboard-dir`` is
-set), and one JSON record per step in ``--planner-log``.
+iteration TensorBoard scalars under ``flexsp/`` or ``elastic-pp/`` (Megatron's writer, when
+``--tensorboard-dir`` is set), and one JSON record per step in ``--planner-log``.
 """
 from __future__ import annotations
 
@@ -71,10 +80,15 @@ def _pad_id(tokenizer) -> int:
 
 
 # ---- datasets ------------------------------------------------------------------------------------
-def flexsp_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
-    """Megatron's ``train_valid_test_datasets_provider`` for --flexsp: iterators of planned steps
-    (train, valid, test; None for an empty split or with --eval-iters 0). Called on every rank
-    (``is_distributed``); also creates the SP group pool, collectively, once."""
+def _flag(args) -> str:
+    return "--elastic-pp" if getattr(args, "elastic_pp", False) else "--flexsp"
+
+
+def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
+    """Megatron's ``train_valid_test_datasets_provider`` for --flexsp and --elastic-pp: iterators of
+    planned steps (train, valid, test; None for an empty split or with --eval-iters 0). Called on
+    every rank (``is_distributed``); with --flexsp it also creates the SP group pool, collectively,
+    once (an elastic pipeline's SP groups are Megatron's data-parallel groups)."""
     from megatron.training import get_tokenizer, print_rank_0
 
     from megatron_ext.megatron.cost import cap_cost_model, head_degree_limit, load_cost_model
@@ -82,7 +96,9 @@ def flexsp_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     from megatron_ext.runtime.groups import SPGroupPool
 
     args = _args()
-    if STATE.pool is None:
+    flag = _flag(args)
+    elastic = flag == "--elastic-pp"
+    if not elastic and STATE.pool is None:
         STATE.pool = SPGroupPool.from_parallel_state()
     tokenizer = get_tokenizer()
     STATE.pad_id = _pad_id(tokenizer)
@@ -90,7 +106,9 @@ def flexsp_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
 
     tp = args.tensor_model_parallel_size
     kv = args.num_query_groups if args.group_query_attention else None
-    cap = min(args.flexsp_max_sp_size or STATE.pool.size, head_degree_limit(args.num_attention_heads, kv, tp))
+    cap = head_degree_limit(args.num_attention_heads, kv, tp)
+    if not elastic:
+        cap = min(cap, args.flexsp_max_sp_size or STATE.pool.size)
     cost = cap_cost_model(load_cost_model(args.cost_model), cap)
     docs = build_documents(args, tokenizer)
     ranges = split_ranges(len(docs), args.split)
@@ -99,7 +117,7 @@ def flexsp_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     for k, (a, b) in enumerate(ranges):
         if k == 0:
             if b - a < args.global_batch_size:
-                raise ValueError(f"--flexsp: the train split holds {b - a} documents, fewer than one global "
+                raise ValueError(f"{flag}: the train split holds {b - a} documents, fewer than one global "
                                  f"batch ({args.global_batch_size})")
             steps = max(0, int(args.train_iters) - start) if args.train_iters else None
             loaders.append(make_loader(SubsetDocuments(docs, a, b), cost, args, num_steps=steps, start_step=start,
@@ -109,16 +127,22 @@ def flexsp_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
                                        seed=args.seed + k))
         else:
             if args.eval_iters and k == 1:
-                raise ValueError(f"--flexsp: --eval-iters {args.eval_iters} needs a validation split of at least one "
+                raise ValueError(f"{flag}: --eval-iters {args.eval_iters} needs a validation split of at least one "
                                  f"global batch ({args.global_batch_size} documents), --split {args.split} gives "
                                  f"{b - a}; set --eval-iters 0 or change --split")
             loaders.append(None)
     STATE.loaders = tuple(loaders)
     atexit.register(_close_loaders)
-    print_rank_0(f"> flexsp: {len(docs)} documents ({'mock' if args.mock_data else args.data_path[0]}), "
-                 f"split {[b - a for a, b in ranges]}; planner {args.flexsp_planner} with "
-                 f"{cost.model.name} on {cost.cluster.name}, degrees {list(cost.degrees)}, "
-                 f"sequences up to {loaders[0].max_seq_len} tokens")
+    train = loaders[0]
+    if elastic:
+        layout = (f"{train.options.pp} stages x SP {train.options.sp}, recompute "
+                  + ("per chunk (--adaptive-recompute)" if train.options.recompute == "ilp"
+                     else "none, or every layer when a step does not fit"))
+    else:
+        layout = f"degrees {list(cost.degrees)}"
+    print_rank_0(f"> {flag[2:]}: {len(docs)} documents ({'mock' if args.mock_data else args.data_path[0]}), "
+                 f"split {[b - a for a, b in ranges]}; planner {train.planner} with {cost.model.name} on "
+                 f"{cost.cluster.name}, {layout}, sequences up to {train.max_seq_len} tokens")
     return tuple(None if ld is None else iter(ld) for ld in loaders)
 
 
@@ -182,6 +206,21 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _planned_step(data_iterator, flag: str) -> Step:
+    step = next(data_iterator)
+    if not isinstance(step, Step):
+        raise TypeError(f"{flag}: the data iterator yielded {type(step).__name__}, not a planned Step; "
+                        f"the datasets provider is not megatron_ext's (is pretrain_gpt.py patched?)")
+    return step
+
+
+def _one_model_chunk(model, flag: str):
+    chunks = model if isinstance(model, list) else [model]
+    if len(chunks) != 1:
+        raise ValueError(f"{flag} runs one model chunk per rank (no virtual pipeline stages)")
+    return chunks[0]
+
+
 def flexsp_forward_backward(*, forward_step_func=None, data_iterator, model, num_microbatches=None,
                             seq_length=None, micro_batch_size=None, forward_only=False, **kwargs):
     """Megatron's forward_backward_func for --flexsp (same keywords). Consumes one ``Step`` from
@@ -189,21 +228,16 @@ def flexsp_forward_backward(*, forward_step_func=None, data_iterator, model, num
     ``num_microbatches``, ``seq_length`` and ``forward_step_func`` are ignored (the plan decides)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    step = next(data_iterator)
-    if not isinstance(step, Step):
-        raise TypeError(f"--flexsp: the data iterator yielded {type(step).__name__}, not a planned Step; "
-                        f"the datasets provider is not megatron_ext's (is pretrain_gpt.py patched?)")
+    step = _planned_step(data_iterator, "--flexsp")
     if STATE.pool is None:
-        raise RuntimeError("--flexsp: the SP group pool is missing (the flexsp datasets provider did not run)")
-    chunks = model if isinstance(model, list) else [model]
-    if len(chunks) != 1:
-        raise ValueError("--flexsp runs one model chunk per rank (no virtual pipeline stages)")
+        raise RuntimeError("--flexsp: the SP group pool is missing (the planned datasets provider did not run)")
+    chunk = _one_model_chunk(model, "--flexsp")
     inputs = list(micro_batch_inputs(step, STATE.pool, STATE.pad_id, STATE.device))
     times = StepTimes()
     _sync()
     start = time.perf_counter()
     losses = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, times), data_iterator=iter(inputs), model=chunks,
+        forward_step_func=partial(_forward_step, times), data_iterator=iter(inputs), model=[chunk],
         num_microbatches=len(inputs), seq_length=int(seq_length or 0), micro_batch_size=1,
         forward_only=forward_only, **kwargs)
     _sync()
@@ -212,6 +246,44 @@ def flexsp_forward_backward(*, forward_step_func=None, data_iterator, model, num
         starts = times.micro_batches + [end]
         report_step(step, end - start, [b - a for a, b in zip(starts[:-1], starts[1:])])
     return losses
+
+
+def _elastic_forward_step(data_iterator, model):
+    """forward_step_func of one pipeline chunk: the runtime's, Megatron's loss checks added."""
+    from megatron_ext.runtime.pipeline import chunk_forward_step
+
+    output, loss_func = chunk_forward_step(data_iterator, model)
+    return output, _checked(loss_func)
+
+
+def elastic_forward_backward(*, forward_step_func=None, data_iterator, model, num_microbatches=None,
+                             seq_length=None, micro_batch_size=None, forward_only=False, **kwargs):
+    """Megatron's forward_backward_func for --elastic-pp (same keywords). Consumes one ``Step``
+    from ``data_iterator`` and runs its pipelines on this rank's stage (``forward_backward_elastic``,
+    which ends with Megatron's ``finalize_model_grads``). Returns the last stage's loss dicts, one
+    per chunk (``{"lm loss": [sum, tokens]}``), and nothing elsewhere, as Megatron's pipeline
+    schedules do; Megatron's other keywords are ignored (the plan decides)."""
+    from megatron.core import parallel_state
+
+    from megatron_ext.runtime.pipeline import forward_backward_elastic
+
+    step = _planned_step(data_iterator, "--elastic-pp")
+    chunk = _one_model_chunk(model, "--elastic-pp")
+    _sync()
+    start = time.perf_counter()
+    losses, stats = forward_backward_elastic(step.plan, step.batch, chunk, pad_id=STATE.pad_id,
+                                             forward_only=forward_only, device=STATE.device,
+                                             forward_step_func=_elastic_forward_step)
+    _sync()
+    end = time.perf_counter()
+    if not forward_only:
+        busy = [0.0] * parallel_state.get_pipeline_model_parallel_world_size()
+        busy[parallel_state.get_pipeline_model_parallel_rank()] = sum(t for _, t in stats.ops)
+        report_step(step, end - start, busy)
+    return losses
+
+
+FORWARD_BACKWARD = {"flexsp": flexsp_forward_backward, "elastic_pp": elastic_forward_backward}
 
 
 # ---- logging -------------------------------------------------------------------------------------
@@ -223,43 +295,74 @@ def _degrees(plan) -> dict[int, int]:
     return dict(sorted(out.items(), reverse=True))
 
 
-def step_record(step: Step, iteration: int, measured_s: float, measured_mb_s: list[float]) -> dict:
+def _pipelines(plan, lengths) -> list[dict]:
+    """Each pipeline of an elastic_pp plan: its layout, chunks, chunks holding a slice (a piece
+    that is not its whole sequence) and layers recomputed (summed over chunks and stages)."""
+    out = []
+    for p in plan.pipelines:
+        sliced = sum(any(x.start > 0 or x.end < int(lengths[x.seq_id]) for x in c.pieces) for c in p.chunks)
+        out.append({"stages": p.stages, "sp_degree": p.sp_degree, "chunks": len(p.chunks), "sliced_chunks": sliced,
+                    "recomputed_layers": sum(sum(c.recompute_layers_per_stage or []) for c in p.chunks)})
+    return out
+
+
+def step_record(step: Step, iteration: int, measured_s: float, measured_parts_s: list[float]) -> dict:
+    """One step's record. ``measured_parts_s``: the time of each micro-batch (FlexSP) or each
+    stage's busy time, forward and backward ops without waits (elastic pipelines)."""
     plan = step.plan
     predicted = float(plan.estimated_step_time_s)
     kept = [i for i in range(len(step.lengths)) if i not in set(plan.dropped_seq_ids)]
-    return {
-        "iteration": iteration, "step": step.step, "planner": plan.planner, "plan_source": step.plan_source,
-        "solver_status": plan.solver_status, "solve_time_s": plan.solve_time_s, "plan_wait_s": step.plan_wait_s,
-        "sequences": len(kept), "tokens": int(sum(int(step.lengths[i]) for i in kept)),
-        "dropped_seq_ids": list(plan.dropped_seq_ids), "micro_batches": len(plan.micro_batches),
-        "groups_by_degree": _degrees(plan), "predicted_step_s": predicted, "measured_step_s": measured_s,
-        "predicted_micro_batch_s": [mb.estimated_time_s for mb in plan.micro_batches],
-        "measured_micro_batch_s": measured_mb_s,
+    rec = {
+        "iteration": iteration, "step": step.step, "kind": plan.kind, "planner": plan.planner,
+        "plan_source": step.plan_source, "solver_status": plan.solver_status, "solve_time_s": plan.solve_time_s,
+        "plan_wait_s": step.plan_wait_s, "sequences": len(kept),
+        "tokens": int(sum(int(step.lengths[i]) for i in kept)), "dropped_seq_ids": list(plan.dropped_seq_ids),
+        "predicted_step_s": predicted, "measured_step_s": measured_s,
         "cost_model_error": (predicted - measured_s) / measured_s if measured_s > 0 else None,
         "digest": step.digest,
     }
+    if plan.kind == "elastic_pp":
+        pipes = _pipelines(plan, step.lengths)
+        rec.update(micro_batches=sum(p["chunks"] for p in pipes), pipelines=pipes,
+                   measured_stage_busy_s=measured_parts_s)
+    else:
+        rec.update(micro_batches=len(plan.micro_batches), groups_by_degree=_degrees(plan),
+                   predicted_micro_batch_s=[mb.estimated_time_s for mb in plan.micro_batches],
+                   measured_micro_batch_s=measured_parts_s)
+    return rec
+
+
+def _mode(rec: dict) -> str:
+    return "elastic-pp" if rec.get("kind") == "elastic_pp" else "flexsp"
 
 
 def summary_line(rec: dict) -> str:
-    groups = " ".join(f"{d}x{n}" for d, n in rec["groups_by_degree"].items())
+    if rec.get("kind") == "elastic_pp":
+        pipes = rec["pipelines"]
+        layout = (f"pipelines {len(pipes)} x {pipes[0]['stages']} stages x SP {pipes[0]['sp_degree']} | "
+                  f"chunks {rec['micro_batches']} ({sum(p['sliced_chunks'] for p in pipes)} with slices) | "
+                  f"recomputed layers {sum(p['recomputed_layers'] for p in pipes)}")
+    else:
+        layout = (f"micro-batches {rec['micro_batches']} | groups (degree x count) "
+                  + " ".join(f"{d}x{n}" for d, n in rec["groups_by_degree"].items()))
     err = rec["cost_model_error"]
-    return (f" flexsp iteration {rec['iteration']:>8} | plan {rec['planner']} ({rec['plan_source']}, "
+    return (f" {_mode(rec)} iteration {rec['iteration']:>8} | plan {rec['planner']} ({rec['plan_source']}, "
             f"{rec['solve_time_s'] * 1e3:.0f} ms, waited {rec['plan_wait_s'] * 1e3:.0f} ms) | "
-            f"{rec['sequences']} seqs {rec['tokens']} tokens | micro-batches {rec['micro_batches']} | "
-            f"groups (degree x count) {groups} | fwd-bwd predicted {rec['predicted_step_s']:.3f} s "
-            f"measured {rec['measured_step_s']:.3f} s"
+            f"{rec['sequences']} seqs {rec['tokens']} tokens | {layout} | fwd-bwd predicted "
+            f"{rec['predicted_step_s']:.3f} s measured {rec['measured_step_s']:.3f} s"
             + (f" ({err:+.0%})" if err is not None else "") + " |")
 
 
-def report_step(step: Step, elapsed_s: float, micro_batch_s: list[float], *, args=None, writer="megatron",
+def report_step(step: Step, elapsed_s: float, parts_s: list[float], *, args=None, writer="megatron",
                 printer=None) -> dict:
     """Reduce this step's times over the ranks (slowest rank: a micro-batch lasts as long as its
-    slowest group) and log them next to the plan's predictions (see the module doc). Collective:
-    every rank calls it once per training step. ``args``, ``writer`` (a TensorBoard SummaryWriter
-    or None) and ``printer`` default to Megatron's (get_args, get_tensorboard_writer,
-    print_rank_last)."""
+    slowest group, a stage as its slowest rank) and log them next to the plan's predictions (see
+    the module doc). ``parts_s``: this rank's time per micro-batch (FlexSP), or its busy time in
+    its own stage's slot and zeros elsewhere (elastic pipelines). Collective: every rank calls it
+    once per training step. ``args``, ``writer`` (a TensorBoard SummaryWriter or None) and
+    ``printer`` default to Megatron's (get_args, get_tensorboard_writer, print_rank_last)."""
     args = _args() if args is None else args
-    t = torch.tensor([elapsed_s] + list(micro_batch_s), dtype=torch.float64)
+    t = torch.tensor([elapsed_s] + list(parts_s), dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     iteration = int(getattr(args, "curr_iteration", step.step)) + 1
@@ -277,7 +380,7 @@ def report_step(step: Step, elapsed_s: float, micro_batch_s: list[float], *, arg
         writer = get_tensorboard_writer()
     if writer is not None:
         for name, value in tensorboard_scalars(rec).items():
-            writer.add_scalar(f"flexsp/{name}", value, iteration)
+            writer.add_scalar(f"{_mode(rec)}/{name}", value, iteration)
     path = getattr(args, "planner_log", None)
     if path and rank == 0:
         with open(path, "a") as f:
@@ -286,12 +389,18 @@ def report_step(step: Step, elapsed_s: float, micro_batch_s: list[float], *, arg
 
 
 def tensorboard_scalars(rec: dict) -> dict[str, float]:
-    """The TensorBoard scalars of one step record (logged under ``flexsp/``)."""
+    """The TensorBoard scalars of one step record (logged under ``flexsp/`` or ``elastic-pp/``;
+    an elastic step's micro-batches are its chunks, its SP degree the stages')."""
+    if rec.get("kind") == "elastic_pp":
+        pipes = rec["pipelines"]
+        layout = {"max-sp-degree": max(p["sp_degree"] for p in pipes),
+                  "recomputed-layers": sum(p["recomputed_layers"] for p in pipes)}
+    else:
+        layout = {"max-sp-degree": max(rec["groups_by_degree"], default=0)}
     values = {
         "predicted-fwd-bwd-time": rec["predicted_step_s"], "measured-fwd-bwd-time": rec["measured_step_s"],
-        "cost-model-error": rec["cost_model_error"], "num-microbatches": rec["micro_batches"],
-        "max-sp-degree": max(rec["groups_by_degree"], default=0), "plan-solve-time": rec["solve_time_s"],
-        "plan-wait-time": rec["plan_wait_s"], "plan-fallback": float(rec["plan_source"].endswith("fallback")),
-        "tokens": rec["tokens"],
+        "cost-model-error": rec["cost_model_error"], "num-microbatches": rec["micro_batches"], **layout,
+        "plan-solve-time": rec["solve_time_s"], "plan-wait-time": rec["plan_wait_s"],
+        "plan-fallback": float(rec["plan_source"].endswith("fallback")), "tokens": rec["tokens"],
     }
     return {k: float(v) for k, v in values.items() if v is not None}

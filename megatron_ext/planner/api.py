@@ -32,6 +32,7 @@ class PlannerOptions:
     search_budget: int = 48  # part solves the flexsp cut search may make: bounds work deterministically
     pp: int | None = None  # pipeline planners: stages (default: one per node)
     sp: int | None = None  # pipeline planners: Ulysses degree inside a stage (default: GPUs / pp)
+    recompute: str = "ilp"  # elastic_pp: per-chunk recompute "ilp" | "greedy", or "auto" (none if it fits, else full)
 
 
 PlannerFn = Callable[[np.ndarray, CostModel, PlannerOptions], tuple[list[Groups], str]]

@@ -414,7 +414,9 @@ def chunk_input(layout: ChunkLayout, batch: Sequence, sp_group, cache, pad_id: i
                       params)
 
 
-def _forward_step_func(data_iterator, model):
+def chunk_forward_step(data_iterator, model):
+    """The default ``forward_step_func`` of ``forward_backward_elastic``: the stage's GPTModel on
+    one ``ChunkInput``, the per-token loss on the last stage."""
     from megatron_ext.runtime.schedule import per_token_loss
 
     inp: ChunkInput = next(data_iterator)
@@ -539,7 +541,7 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
     if schedules is None:
         schedules = build_schedules(plan, lengths, st.P, st.d, block.num_layers_per_pipeline_rank,
                                     forward_only=forward_only)
-    step_func = forward_step_func or _forward_step_func
+    step_func = forward_step_func or chunk_forward_step
     dtype = config.pipeline_dtype or config.params_dtype
     hidden = config.hidden_size
     model_type = get_model_type(model)
@@ -747,6 +749,6 @@ def stage_state_dict(full_state_dict: dict, stage_model) -> dict:
 
 
 __all__ = ["BWD", "FWD", "ChunkInput", "ChunkLayout", "Message", "PipelineSchedule", "PipelineStepStats", "Step",
-           "build_pipeline_model", "build_schedule", "build_schedules", "check_rendezvous", "chunk_input",
-           "chunk_layouts", "default_op_time", "forward_backward_elastic", "recompute_layers",
+           "build_pipeline_model", "build_schedule", "build_schedules", "check_rendezvous", "chunk_forward_step",
+           "chunk_input", "chunk_layouts", "default_op_time", "forward_backward_elastic", "recompute_layers",
            "stage_state_dict"]

@@ -52,6 +52,9 @@ def megatron_like_parser(ours: bool = True) -> argparse.ArgumentParser:
         "--use-torch-fsdp2": dict(action="store_true"),
         "--use-distributed-optimizer": dict(action="store_true"),
         "--seq-length": dict(type=int, default=None),
+        "--num-layers-per-virtual-pipeline-stage": dict(type=int, default=None),
+        "--decoder-first-pipeline-num-layers": dict(type=int, default=None),
+        "--recompute-granularity": dict(default=None),
     }.items():
         p.add_argument(name, **kw)
     return add_arguments(p) if ours else p
@@ -191,16 +194,50 @@ def test_cost_model_references():
             load_cost_model(bad)
 
 
-def test_elastic_pp_is_validated_then_refused():
-    args = parse(*TINY, "--elastic-pp", "--pipeline-model-parallel-size", "2")
-    with pytest.raises(NotYetSupported, match="not yet supported in the runtime"):
-        validate_args(args, world_size=4)
-    with pytest.raises(ArgumentConflict, match="at least 2"):
-        validate_args(parse(*TINY, "--elastic-pp"), world_size=4)
-    with pytest.raises(ArgumentConflict, match="replaces context parallelism"):
-        validate_args(parse(*TINY, "--elastic-pp", "--context-parallel-size", "2"), world_size=4)
-    with pytest.raises(ArgumentConflict, match="choose one"):
-        validate_args(parse(*TINY, "--elastic-pp", "--flexsp"), world_size=4)
+def elastic(*extra: str, world: int = 4, cost: str = COST_4):
+    args = parse(*TINY, "--elastic-pp", "--pipeline-model-parallel-size", "2", "--cost-model", cost, *extra)
+    return args, validate_args(args, world_size=world)
+
+
+def test_elastic_pp_validates_and_adjusts():
+    args, v = elastic()
+    assert v.enabled and v.data_parallel_size == 2
+    assert args.calculate_per_token_loss and args.dataloader_type == "external" and args.micro_batch_size == 1
+    assert "--calculate-per-token-loss" in " ".join(v.notes)
+    _, v = elastic("--adaptive-recompute", "--planner-log", "/tmp/plans.jsonl")
+    assert v.enabled
+
+
+@pytest.mark.parametrize("extra, world, match", [
+    (["--pipeline-model-parallel-size", "1"], 4, "at least 2"),
+    (["--context-parallel-size", "2"], 8, "replaces context parallelism"),
+    (["--flexsp"], 4, "choose one"),
+    (["--tensor-model-parallel-size", "2"], 8, "--tensor-model-parallel-size 1 \\(got 2\\)"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], 4, "drop the virtual pipeline"),
+    (["--decoder-first-pipeline-num-layers", "1"], 4, "drop --decoder-first-pipeline-num-layers"),
+    (["--num-layers", "3"], 4, "does not divide the 3 layers"),
+    (["--num-attention-heads", "6", "--num-query-groups", "3"], 4, "2 data-parallel ranks .*up to 1 here"),
+    (["--recompute-granularity", "full"], 4, "drop --recompute-granularity full"),
+    (["--flexsp-max-sp-size", "2"], 4, "--flexsp-max-sp-size belongs to --flexsp"),
+    (["--flexsp-planner", "batchada"], 4, "elastic_pp planner"),
+    (["--micro-batch-size", "2"], 4, "needs --micro-batch-size 1"),
+])
+def test_elastic_pp_conflicts_are_explained(extra, world, match):
+    with pytest.raises(ArgumentConflict, match=match):
+        elastic(*extra, world=world)
+
+
+def test_elastic_pp_cost_model_spans_the_world():
+    with pytest.raises(ArgumentConflict, match="describes 2 GPUs .* this job has 4 ranks"):
+        elastic(cost=COST_2)
+    with pytest.raises(ArgumentConflict, match="--elastic-pp needs --cost-model"):
+        validate_args(parse(*TINY, "--elastic-pp", "--pipeline-model-parallel-size", "2"), world_size=4)
+    from megatron_ext.errors import InfeasibleError
+
+    with pytest.raises(InfeasibleError, match="--elastic-pp with --cost-model llama-7b:a100-40g-8x4:0: .*model states"):
+        validate_args(parse("--num-layers", "32", "--num-attention-heads", "32", "--mock-data", "--elastic-pp",
+                            "--pipeline-model-parallel-size", "2", "--cost-model", "llama-7b:a100-40g-8x4:0"),
+                      world_size=32)
 
 
 def test_plan_ahead_beyond_one_step_is_not_supported_yet():

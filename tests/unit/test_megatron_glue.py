@@ -125,6 +125,35 @@ def test_report_step_logs_line_tensorboard_and_planner_log(tmp_path):
     assert len(lines) == 1 and len(log.read_text().splitlines()) == 2
 
 
+def test_elastic_step_record_line_and_scalars(tmp_path):
+    from megatron_ext.data.loader import Step
+    from megatron_ext.megatron.cost import load_cost_model
+    from megatron_ext.megatron.step import report_step
+    from megatron_ext.planner import PlannerOptions, make_plan
+
+    lengths = np.array([3000, 300, 200, 50])
+    plan = make_plan("elastic_pp", lengths, load_cost_model(str(ROOT / "configs/megatron/cost/tiny-cpu4.yaml")),
+                     PlannerOptions(pp=2, sp=2))
+    step = Step(3, plan, [np.arange(n) for n in lengths], lengths,
+                np.stack([np.arange(4), np.zeros(4, int), lengths], axis=1), "d1g3st", "planner", 0.002)
+    lines, writer = [], FakeWriter()
+    log = tmp_path / "plans.jsonl"
+    rec = report_step(step, 2.0, [1.2, 1.5], args=Namespace(curr_iteration=3, log_interval=1, planner_log=str(log)),
+                      writer=writer, printer=lines.append)
+    chunks = sum(len(p.chunks) for p in plan.pipelines)
+    assert rec["kind"] == "elastic_pp" and rec["micro_batches"] == chunks and rec["measured_stage_busy_s"] == [1.2, 1.5]
+    assert rec["pipelines"][0]["stages"] == 2 and rec["pipelines"][0]["sp_degree"] == 2
+    sliced = sum(any(x.start > 0 or x.end < lengths[x.seq_id] for x in c.pieces) for p in plan.pipelines
+                 for c in p.chunks)
+    assert sum(p["sliced_chunks"] for p in rec["pipelines"]) == sliced
+    assert lines[0].startswith(" elastic-pp iteration        4 | plan elastic_pp (planner")
+    assert f"x 2 stages x SP 2 | chunks {chunks} ({sliced} with slices) | recomputed layers 0 |" in lines[0]
+    names = {name for name, _, _ in writer.scalars}
+    assert {"elastic-pp/num-microbatches", "elastic-pp/max-sp-degree", "elastic-pp/recomputed-layers",
+            "elastic-pp/measured-fwd-bwd-time"} <= names
+    assert json.loads(log.read_text())["plan"]["kind"] == "elastic_pp"
+
+
 def test_pad_id_falls_back_to_eod():
     from megatron_ext.megatron.step import _pad_id
 
@@ -152,7 +181,7 @@ def fake_megatron_args(monkeypatch):
 
 def test_hooks_call_megatrons_functions_without_flexsp(fake_megatron_args, monkeypatch):
     from megatron_ext.megatron.hooks import wrap_pretrain_gpt
-    from megatron_ext.megatron.step import flexsp_forward_backward
+    from megatron_ext.megatron.step import elastic_forward_backward, flexsp_forward_backward
 
     calls = []
 
@@ -183,6 +212,10 @@ def test_hooks_call_megatrons_functions_without_flexsp(fake_megatron_args, monke
     assert fwd.get_forward_backward_func() is flexsp_forward_backward
     with pytest.raises(RuntimeError, match="training.py is not patched"):
         fwd("it", "m")
+    fake_megatron_args.flexsp, fake_megatron_args.elastic_pp = False, True
+    assert fwd.get_forward_backward_func() is elastic_forward_backward and ds.is_distributed
+    with pytest.raises(RuntimeError, match="--elastic-pp: .*training.py is not patched"):
+        fwd("it", "m")
     assert callable(extra)
 
 
@@ -211,7 +244,7 @@ def test_ulysses_swap_keeps_parameters_and_outputs(one_rank):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_ext.megatron.model import flexsp_model_builder, use_ulysses_attention
+    from megatron_ext.megatron.model import ulysses_model_builder, use_ulysses_attention
     from megatron_ext.runtime.attention import UlyssesAttention, UlyssesPackedSeqParams
 
     def build(args, pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
@@ -224,12 +257,12 @@ def test_ulysses_swap_keeps_parameters_and_outputs(one_rank):
                         position_embedding_type="rope")
 
     stock = build(None, True, True)
-    flex = flexsp_model_builder(build)(Namespace(flexsp=True, flexsp_attention_backend="sdpa"), True, True)
+    flex = ulysses_model_builder(build)(Namespace(flexsp=True, flexsp_attention_backend="sdpa"), True, True)
     assert [n for n, _ in stock.named_parameters()] == [n for n, _ in flex.named_parameters()]
     assert all(torch.equal(a, b) for a, b in zip(stock.parameters(), flex.parameters()))
     assert sum(isinstance(m, UlyssesAttention) for m in flex.modules()) == 2
     assert use_ulysses_attention(flex) == 0  # idempotent
-    plain = flexsp_model_builder(build)(Namespace(flexsp=False), True, True)
+    plain = ulysses_model_builder(build)(Namespace(flexsp=False), True, True)
     assert not any(isinstance(m, UlyssesAttention) for m in plain.modules())
 
     tokens = torch.randint(0, 128, (1, 48))
