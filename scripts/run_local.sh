@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # Run Megatron-LM's (patched) pretrain_gpt.py on CPU ranks with gloo, on this machine.
 #
-#   scripts/run_local.sh [--dry-run] [--nproc N] [--megatron DIR] [--args FILE] [--] [ARGS...]
+#   scripts/run_local.sh [--dry-run] [--nproc N] [--pp P] [--megatron DIR] [--args FILE] [--] [ARGS...]
 #
 #   --megatron DIR  the patched Megatron-LM checkout (default: $MEGATRON_LM_DIR)
 #   --nproc N       CPU ranks (default 2)
+#   --pp P          elastic pipelines instead of FlexSP: --elastic-pp --pipeline-model-parallel-size P
+#                   (P >= 2 stages; the N / P ranks of a stage are its Ulysses group); the file's
+#                   FlexSP-only flags are dropped
 #   --args FILE     a Megatron argument file (default configs/megatron/tiny-cpu.args: the tiny
 #                   model with --flexsp for 10 iterations); ARGS come after the file's, and
 #                   argparse keeps the last value of a repeated option
 #   --dry-run       print the commands, run nothing
 #
 # Without --data-path PREFIX (a Megatron indexed dataset) among the arguments, --mock-data is added;
-# with --flexsp and no --cost-model, configs/megatron/cost/tiny-cpu<N>.yaml (N = 2 or 4 ranks).
+# with --flexsp or --elastic-pp and no --cost-model, configs/megatron/cost/tiny-cpu<N>.yaml (N = 2
+# or 4 ranks: with --flexsp the data-parallel size, with --elastic-pp the whole job).
 # The same script file as on GPUs; megatron_ext.megatron.launch applies the CPU patches (no
 # CUDA: gloo, local transformer, fusions off) and runs it under torchrun --standalone.
-# Example: MEGATRON_LM_DIR=~/Megatron-LM scripts/run_local.sh --nproc 4 -- --train-iters 20
+# Examples: MEGATRON_LM_DIR=~/Megatron-LM scripts/run_local.sh --nproc 4 -- --train-iters 20
+#           MEGATRON_LM_DIR=~/Megatron-LM scripts/run_local.sh --nproc 4 --pp 2 -- --seq-length 2048
 set -euo pipefail
 
 MEGATRON_EXT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,6 +30,7 @@ usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' 
 
 dry_run=0
 nproc=2
+pp=
 megatron="${MEGATRON_LM_DIR:-}"
 args_file="$MEGATRON_EXT_DIR/configs/megatron/tiny-cpu.args"
 while [[ $# -gt 0 ]]; do
@@ -32,6 +38,8 @@ while [[ $# -gt 0 ]]; do
     --dry-run) dry_run=1; shift ;;
     --nproc) nproc="$2"; shift 2 ;;
     --nproc=*) nproc="${1#*=}"; shift ;;
+    --pp) pp="$2"; shift 2 ;;
+    --pp=*) pp="${1#*=}"; shift ;;
     --megatron) megatron="$2"; shift 2 ;;
     --megatron=*) megatron="${1#*=}"; shift ;;
     --args) args_file="$2"; shift 2 ;;
@@ -46,12 +54,22 @@ if ! [[ "$nproc" =~ ^[1-9][0-9]*$ ]]; then
   exit 2
 fi
 
+if [[ -n "$pp" ]] && ! [[ "$pp" =~ ^[1-9][0-9]*$ ]]; then
+  echo "run_local.sh: --pp must be a positive integer, got $pp" >&2
+  exit 2
+fi
+
 mapfile -t file_args < <(args_from_file "$args_file")
 all_args=("${file_args[@]}" "$@")
+if [[ -n "$pp" ]]; then
+  mapfile -t all_args < <(without_flexsp_flags "${all_args[@]}")
+  all_args+=(--elastic-pp --pipeline-model-parallel-size "$pp")
+fi
 if ! has_flag --data-path "${all_args[@]}" && ! has_flag --mock-data "${all_args[@]}"; then
   all_args+=(--mock-data)
 fi
-if has_flag --flexsp "${all_args[@]}" && ! has_flag --cost-model "${all_args[@]}"; then
+if { has_flag --flexsp "${all_args[@]}" || has_flag --elastic-pp "${all_args[@]}"; } &&
+   ! has_flag --cost-model "${all_args[@]}"; then
   cost="configs/megatron/cost/tiny-cpu$nproc.yaml"
   if [[ ! -f "$MEGATRON_EXT_DIR/$cost" ]]; then
     echo "run_local.sh: no cost model for $nproc ranks ($cost); pass --cost-model PATH|MODEL:CLUSTER" >&2

@@ -38,6 +38,21 @@ flag_value() {
   printf '%s\n' "$value"
 }
 
+# without_flexsp_flags ARGS...: ARGS, one per line, without the FlexSP-only flags an argument file
+# may carry (--flexsp, and --flexsp-planner, --flexsp-static-degree, --flexsp-max-sp-size with their
+# values): what --elastic-pp runs keep.
+without_flexsp_flags() {
+  local a skip=0
+  for a in "$@"; do
+    if [[ $skip -eq 1 ]]; then skip=0; continue; fi
+    case "$a" in
+      --flexsp|--flexsp-planner=*|--flexsp-static-degree=*|--flexsp-max-sp-size=*) ;;
+      --flexsp-planner|--flexsp-static-degree|--flexsp-max-sp-size) skip=1 ;;
+      *) printf '%s\n' "$a" ;;
+    esac
+  done
+}
+
 # show_cmd ARGS...: one shell-quoted command line, as --dry-run prints it.
 show_cmd() {
   local out="" a

@@ -81,18 +81,7 @@ case "$MODE" in
   *) echo "launch.sh: unknown MODE $MODE" >&2; exit 2 ;;
 esac
 if [[ "$MODE" == elastic_pp ]]; then
-  # Drop the FlexSP-only flags the argument files carry (one file serves both modes).
-  kept=()
-  skip=0
-  for a in "${args[@]}"; do
-    if [[ $skip -eq 1 ]]; then skip=0; continue; fi
-    case "$a" in
-      --flexsp) ;;
-      --plan-ahead|--flexsp-planner|--flexsp-static-degree) skip=1 ;;
-      *) kept+=("$a") ;;
-    esac
-  done
-  args=("${kept[@]}")
+  mapfile -t args < <(without_flexsp_flags "${args[@]}")  # one argument file serves both modes
 fi
 if ! has_flag --cost-model "${args[@]}"; then
   zero=0
@@ -142,9 +131,5 @@ if [[ $dry_run -eq 1 ]]; then
   exit 0
 fi
 check_megatron_dir "$megatron" || exit $?
-if [[ "$MODE" == elastic_pp ]]; then
-  echo "$MODE.sbatch: note: pretrain_gpt.py validates --elastic-pp and stops: the elastic pipeline runtime" \
-       "is not yet supported (docs/megatron.md)" >&2
-fi
 cd "$MEGATRON_EXT_DIR"
 exec "${cmd[@]}"

@@ -1,4 +1,5 @@
-"""Megatron-LM's own pretrain_gpt.py, patched, training with --flexsp on 2-4 CPU ranks (gloo).
+"""Megatron-LM's own pretrain_gpt.py, patched, training with --flexsp and --elastic-pp on 2-4 CPU
+ranks (gloo).
 
 Needs a Megatron-LM checkout at tag core_v0.16.1: set MEGATRON_LM_DIR to it (skipped otherwise).
 The checkout is not modified: the tests copy its Python sources twice into a temporary
@@ -8,11 +9,15 @@ directory, one copy patched with scripts/apply_patches.sh and one unpatched, and
 - --flexsp with --mock-data, and with a real indexed dataset (.bin/.idx written with
   megatron_ext.data.datasets.write_indexed_dataset), trains: losses are finite and fall, every
   step is planned, the planner log has one record per step;
+- --elastic-pp with 2 pipeline stages of SP degree 2 (4 ranks, through run_local.sh --pp 2)
+  trains on mock data with sequences cut into slices, and evaluates;
 - the patched script with --flexsp reports the same loss and grad norm at the first iterations
   as the *unpatched* script with static settings (Megatron's GPT dataset, data parallelism,
   --micro-batch-size 1) on the same data and seed (``equivalence_runs``, below): the same token
-  sequences in every global batch, per-document attention and loss in both;
-- conflicts and --elastic-pp stop at argument parsing with their explanation.
+  sequences in every global batch, per-document attention and loss in both; and so does
+  --elastic-pp against the unpatched script's 1F1B pipeline with the same pipeline size
+  (``elastic_equivalence_runs``);
+- conflicts stop at argument parsing with their explanation.
 
 ``python tests/e2e/test_megatron_lm.py`` runs the equivalence measurement and prints its table.
 """
@@ -147,9 +152,10 @@ def static_sample_order(cache_dir: Path, num: int) -> list[int]:
     return order
 
 
-def flexsp_dataset(work: Path, parts, order: list[int], batch: int, per_sample: int, seed: int, seq_len: int) -> str:
-    """The real documents, placed so that FlexSP's step k (``batch * per_sample`` documents) holds
-    exactly the documents of the static run's step k (``batch`` samples)."""
+def planned_dataset(work: Path, parts, order: list[int], batch: int, per_sample: int, seed: int, seq_len: int) -> str:
+    """The real documents, placed so that the planned runs' step k (``batch * per_sample``
+    documents) holds exactly the documents of the static run's step k (``batch`` samples): the
+    planning data loader's batches depend on the data, seed, batch size and length cap only."""
     from megatron_ext.cost import CostModel
     from megatron_ext.data.datasets import InMemoryDocuments, write_indexed_dataset
     from megatron_ext.data.loader import PlanningDataLoader
@@ -168,7 +174,25 @@ def flexsp_dataset(work: Path, parts, order: list[int], batch: int, per_sample: 
             slots[int(slot)] = d
     rest = iter(d for s in range(len(parts)) if s not in used for d in parts[s])
     slots = [s if s is not None else next(rest) for s in slots]
-    return write_indexed_dataset(work / "flexsp", slots)
+    return write_indexed_dataset(work / "planned", slots)
+
+
+def static_and_planned(unpatched: Path, work: Path, iters: int, batch: int, per_sample: int, seq_len: int,
+                       seed: int, static_extra: tuple = (), nproc: int = 2):
+    """The equivalence data, the unpatched static run on it (``static_extra`` added) and the
+    planned runs' dataset. Returns (static args, planned args without a mode flag, static
+    iterations)."""
+    work.mkdir(parents=True, exist_ok=True)
+    prefix, parts = equivalence_data(work, seq_len, per_sample, iters * batch + 8)
+    common = MODEL_ARGS + ["--seq-length", str(seq_len), "--max-position-embeddings", str(seq_len),
+                           "--train-iters", str(iters), "--calculate-per-token-loss", "--use-cpu-initialization"]
+    cache = work / "cache"
+    static_args = common + ["--global-batch-size", str(batch), "--data-path", prefix, "--data-cache-path", str(cache),
+                            "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
+    static = _ok(run_pretrain(unpatched, static_args + list(static_extra), nproc=nproc), iters)
+    order = static_sample_order(cache, iters * batch)
+    planned = planned_dataset(work, parts, order, batch, per_sample, seed, seq_len)
+    return static_args, common + ["--global-batch-size", str(batch * per_sample), "--data-path", planned], static
 
 
 def equivalence_runs(unpatched: Path, patched: Path, work: Path, iters: int = 3, batch: int = 4,
@@ -181,18 +205,9 @@ def equivalence_runs(unpatched: Path, patched: Path, work: Path, iters: int = 3,
     initialize on the CPU (--use-cpu-initialization), so TP ranks hold slices of the same weights.
     Returns {"iterations": {name: {iteration: (loss, grad norm)}}, "reference": {name: the static
     run it must match}, "plans": [flexsp records]}."""
-    work.mkdir(parents=True, exist_ok=True)
-    prefix, parts = equivalence_data(work, seq_len, per_sample, iters * batch + 8)
-    common = MODEL_ARGS + ["--seq-length", str(seq_len), "--max-position-embeddings", str(seq_len),
-                           "--train-iters", str(iters), "--calculate-per-token-loss", "--use-cpu-initialization"]
-    cache = work / "cache"
-    static_args = common + ["--global-batch-size", str(batch), "--data-path", prefix, "--data-cache-path", str(cache),
-                            "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
-    out = {"static (unpatched)": _ok(run_pretrain(unpatched, static_args), iters)}
-    order = static_sample_order(cache, iters * batch)
-    flex_prefix = flexsp_dataset(work, parts, order, batch, per_sample, seed, seq_len)
-    flex_common = common + ["--global-batch-size", str(batch * per_sample), "--data-path", flex_prefix,
-                            "--flexsp", "--cost-model", COST_2]
+    static_args, planned, static = static_and_planned(unpatched, work, iters, batch, per_sample, seq_len, seed)
+    out = {"static (unpatched)": static}
+    flex_common = planned + ["--flexsp", "--cost-model", COST_2]
     flex = run_pretrain(patched, flex_common + ["--planner-log", str(work / "plans.jsonl")])
     out["flexsp (patched)"] = _ok(flex, iters)
     ulysses = run_pretrain(patched, flex_common + ["--flexsp-planner", "static_ulysses", "--flexsp-static-degree", "2"])
@@ -205,6 +220,34 @@ def equivalence_runs(unpatched: Path, patched: Path, work: Path, iters: int = 3,
         reference["static TP=2 (unpatched)"] = reference["flexsp TP=2 (patched)"] = "static TP=2 (unpatched)"
     plans = [json.loads(line) for line in (work / "plans.jsonl").read_text().splitlines()]
     return {"iterations": out, "reference": reference, "plans": plans}
+
+
+def elastic_equivalence_runs(unpatched: Path, patched: Path, work: Path, iters: int = 3, batch: int = 4,
+                             per_sample: int = 1, seq_len: int = 2048, seed: int = 1234) -> dict:
+    """Runs on the same token sequences, 4 ranks, --pipeline-model-parallel-size 2 in both (Megatron
+    seeds each stage's weights by its pipeline rank, so a pipeline has its own static reference):
+    the unpatched script's 1F1B over micro-batches of one sample with data parallelism 2, and the
+    patched one with --elastic-pp, each stage's 2 ranks one Ulysses group. Documents of up to
+    ``seq_len`` - 16 tokens, long enough for the planner to cut some into slices. Same result
+    shape as ``equivalence_runs``."""
+    pp = ["--pipeline-model-parallel-size", "2"]
+    _, planned, static = static_and_planned(unpatched, work, iters, batch, per_sample, seq_len, seed, tuple(pp),
+                                            nproc=4)
+    log = work / "plans.jsonl"
+    elastic = run_pretrain(patched, planned + pp + ["--elastic-pp", "--cost-model", COST_4, "--planner-log", str(log)],
+                           nproc=4)
+    out = {"static PP=2 (unpatched)": static, "elastic-pp PP=2 SP=2 (patched)": _ok(elastic, iters)}
+    plans = [json.loads(line) for line in log.read_text().splitlines()]
+    return {"iterations": out, "reference": {name: "static PP=2 (unpatched)" for name in out}, "plans": plans}
+
+
+def assert_same_as_reference(result: dict) -> None:
+    runs = result["iterations"]
+    for name, its in runs.items():
+        static = runs[result["reference"][name]]
+        for i, (loss, grad) in its.items():
+            assert loss == pytest.approx(static[i][0], rel=2e-5), (name, i, its, static)
+            assert grad == pytest.approx(static[i][1], abs=2e-3), (name, i, its, static)
 
 
 # ---- tests -----------------------------------------------------------------------------------------
@@ -241,14 +284,44 @@ def test_flexsp_trains_on_indexed_data_with_4_ranks(checkouts, tmp_path):
 def test_flexsp_matches_unpatched_static_settings(checkouts, tmp_path):
     unpatched, patched = checkouts
     result = equivalence_runs(unpatched, patched, tmp_path)
-    runs = result["iterations"]
-    for name, its in runs.items():
-        static = runs[result["reference"][name]]
-        for i, (loss, grad) in its.items():
-            assert loss == pytest.approx(static[i][0], rel=2e-5), (name, i, its, static)
-            assert grad == pytest.approx(static[i][1], abs=2e-3), (name, i, its, static)
+    assert_same_as_reference(result)
     # The flexsp run really was planned per step, and not as one fixed layout.
     assert all(r["plan_source"].endswith("planner") for r in result["plans"])
+
+
+def test_elastic_pp_matches_unpatched_static_pipeline(checkouts, tmp_path):
+    unpatched, patched = checkouts
+    result = elastic_equivalence_runs(unpatched, patched, tmp_path, iters=2)  # 4 ranks on few cores: 2 suffice
+    assert_same_as_reference(result)
+    plans = result["plans"]
+    assert all(r["kind"] == "elastic_pp" and r["plan_source"].endswith("planner") for r in plans)
+    assert any(p["sliced_chunks"] for r in plans for p in r["pipelines"]), "no step cut a sequence into slices"
+
+
+def test_elastic_pp_trains_on_mock_data_with_4_ranks(checkouts, tmp_path):
+    """Through run_local.sh --pp 2: 2 stages of SP degree 2, per-chunk recompute planned, a
+    validation split evaluated through the elastic runtime's forward-only programs."""
+    _, patched = checkouts
+    log = tmp_path / "plans.jsonl"
+    proc = subprocess.run(["bash", str(ROOT / "scripts/run_local.sh"), "--megatron", str(patched), "--nproc", "4",
+                           "--pp", "2", "--", "--seq-length", "2048", "--max-position-embeddings", "2048",
+                           "--train-iters", "4", "--hidden-dropout", "0", "--attention-dropout", "0",
+                           "--eval-iters", "1", "--eval-interval", "2", "--split", "90,10,0", "--adaptive-recompute",
+                           "--planner-log", str(log)], capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, PYTHON=sys.executable, PYTHONWARNINGS="ignore"))
+    its = {int(m[1]): (float(m[2]), float(m[3])) for m in ITERATION.finditer(proc.stdout)}
+    assert proc.returncode == 0 and sorted(its) == [1, 2, 3, 4], (proc.stdout + proc.stderr)[-6000:]
+    assert all(np.isfinite(loss) and loss > 0 and np.isfinite(grad) for loss, grad in its.values())
+    assert its[4][0] < its[1][0]
+    assert "elastic-pp iteration        1 | plan elastic_pp" in proc.stdout
+    assert "x 2 stages x SP 2 | chunks" in proc.stdout
+    validation = re.findall(r"validation loss at iteration 4 \| lm loss value: ([0-9.Ee+-]+)", proc.stdout)
+    assert validation and np.isfinite(float(validation[0])), proc.stdout[-3000:]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4]
+    assert all(r["plan"]["kind"] == "elastic_pp" and r["plan_source"].endswith("planner") for r in records)
+    assert any(p["sliced_chunks"] for r in records for p in r["pipelines"]), "no step cut a sequence into slices"
+    assert all(len(r["measured_stage_busy_s"]) == 2 and min(r["measured_stage_busy_s"]) > 0 for r in records)
 
 
 def test_run_local_script_trains(checkouts):
@@ -271,7 +344,7 @@ def test_unpatched_checkout_without_flexsp_flags_still_rejects_them(checkouts):
 
 @pytest.mark.parametrize("extra, message", [
     (["--context-parallel-size", "2"], "replaces context parallelism"),
-    (["--elastic-pp", "--pipeline-model-parallel-size", "2"], "not yet supported in the runtime"),
+    (["--elastic-pp", "--pipeline-model-parallel-size", "2", "--cost-model", COST_4], "describes 4 GPUs"),
 ])
 def test_conflicts_stop_at_parsing(checkouts, extra, message):
     _, patched = checkouts
@@ -293,17 +366,25 @@ def main() -> int:
         return 2
     work = Path(tempfile.mkdtemp(prefix="mx-megatron-eq-"))
     unpatched, patched = prepare_checkouts(Path(MEGATRON_LM_DIR), work / "src")
-    result = equivalence_runs(unpatched, patched, work / "runs", iters=int(os.environ.get("ITERS", "3")))
-    runs = result["iterations"]
-    for ref in dict.fromkeys(result["reference"].values()):
-        names = [n for n in runs if result["reference"][n] == ref]
-        print(f"{'iteration':>9}  " + "  ".join(f"{n:>32}" for n in names))
-        for i in sorted(runs[names[0]]):
-            print(f"{i:>9}  " + "  ".join(f"{'loss %.6E grad %.3f' % runs[n][i]:>32}" for n in names))
-        print()
-    for r in result["plans"]:
+    iters = int(os.environ.get("ITERS", "3"))
+    flexsp = equivalence_runs(unpatched, patched, work / "runs", iters=iters)
+    elastic = elastic_equivalence_runs(unpatched, patched, work / "elastic", iters=iters)
+    for result in (flexsp, elastic):
+        runs = result["iterations"]
+        for ref in dict.fromkeys(result["reference"].values()):
+            names = [n for n in runs if result["reference"][n] == ref]
+            print(f"{'iteration':>9}  " + "  ".join(f"{n:>32}" for n in names))
+            for i in sorted(runs[names[0]]):
+                print(f"{i:>9}  " + "  ".join(f"{'loss %.6E grad %.3f' % runs[n][i]:>32}" for n in names))
+            print()
+    for r in flexsp["plans"]:
         print(f"flexsp plan, iteration {r['iteration']}: {r['micro_batches']} micro-batches, groups by degree "
               f"{r['groups_by_degree']}, {r['sequences']} sequences, {r['tokens']} tokens ({r['plan_source']})")
+    for r in elastic["plans"]:
+        p = r["pipelines"]
+        print(f"elastic-pp plan, iteration {r['iteration']}: {len(p)} pipeline(s), {r['micro_batches']} chunks "
+              f"({sum(x['sliced_chunks'] for x in p)} with slices), {r['sequences']} sequences, {r['tokens']} "
+              f"tokens ({r['plan_source']})")
     print(f"(work files in {work})")
     return 0
 

@@ -191,6 +191,18 @@ def test_run_local_dry_run(tmp_path):
     assert r.returncode == 2 and "no cost model for 3 ranks" in r.stderr
 
 
+def test_run_local_dry_run_with_elastic_pipelines(tmp_path):
+    r = run(ROOT / "scripts/run_local.sh", "--dry-run", "--nproc", "4", "--pp", "2", "--megatron", tmp_path, "--",
+            "--flexsp-planner", "batchada", "--train-iters", "3")
+    assert r.returncode == 0, r.stderr
+    cmd = r.stdout.strip().splitlines()[-1].split()
+    assert "--flexsp" not in cmd and "--flexsp-planner" not in cmd and "batchada" not in cmd
+    assert cmd[-6:-2] == ["--elastic-pp", "--pipeline-model-parallel-size", "2", "--mock-data"]
+    assert cmd[-2:] == ["--cost-model", f"{ROOT}/configs/megatron/cost/tiny-cpu4.yaml"]
+    r = run(ROOT / "scripts/run_local.sh", "--dry-run", "--pp", "two")
+    assert r.returncode == 2 and "--pp must be a positive integer" in r.stderr
+
+
 def test_run_local_refuses_an_unpatched_checkout(tmp_path):
     r = run(ROOT / "scripts/run_local.sh", "--megatron", tmp_path, env={"PYTHON": "false"})
     assert r.returncode == 2 and "not a Megatron-LM checkout" in r.stderr
@@ -223,9 +235,16 @@ def test_elastic_pp_sbatch_dry_run():
     r = sbatch_dry_run("elastic_pp", "configs/megatron/llama-7b.args", "a800-80g-8x4")
     assert r.returncode == 0, r.stderr
     cmd = r.stdout.strip().splitlines()[-1]
-    assert "--elastic-pp" in cmd and "--flexsp" not in cmd and "--plan-ahead" not in cmd
+    assert "--elastic-pp" in cmd and "--flexsp" not in cmd and "--plan-ahead 1" in cmd
     assert cmd.split().count("--pipeline-model-parallel-size") == 2 and cmd.endswith("--distributed-backend nccl")
     assert "--pipeline-model-parallel-size 4" in cmd and "--cost-model llama-7b:a800-80g-8x4:1" in cmd
+    # the command validates: 4 stages of 8 GPUs, the cost model spanning all 32
+    from megatron_ext.megatron.arguments import validate_args
+    from test_megatron_arguments import megatron_like_parser
+
+    args, _ = megatron_like_parser().parse_known_args(cmd.split("pretrain_gpt.py", 1)[1].split() + ["--mock-data"])
+    v = validate_args(args, world_size=32)
+    assert v.enabled and v.data_parallel_size == 8
 
 
 def test_sbatch_refuses_an_allocation_that_is_not_the_cluster():
