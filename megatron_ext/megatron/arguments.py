@@ -117,6 +117,15 @@ def _get(args, name, default=None):
     return getattr(args, name, default)
 
 
+def mode_flag(args) -> str | None:
+    """The flag of the run's planned runtime, "--flexsp" or "--elastic-pp"; None: Megatron's own."""
+    if _get(args, "flexsp", False):
+        return "--flexsp"
+    if _get(args, "elastic_pp", False):
+        return "--elastic-pp"
+    return None
+
+
 def _is_power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
@@ -211,7 +220,7 @@ def validate_args(args, world_size: int | None = None) -> Validated:
     if flexsp and elastic:
         _conflict("--flexsp and --elastic-pp are two runtimes; choose one (--elastic-pp runs Ulysses SP "
                   "inside each of its stages)")
-    flag = "--flexsp" if flexsp else "--elastic-pp"
+    flag = mode_flag(args)
     world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else int(world_size)
     tp, pp, cp, dp = _parallel_sizes(args, world)
     _check_common(args, flag, tp, cp)
@@ -396,8 +405,7 @@ def check_or_exit(args, prog: str = "pretrain_gpt.py") -> Validated:
             print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     if result.enabled and result.notes and _rank() == 0:
-        print(f"megatron_ext: {'--flexsp' if args.flexsp else '--elastic-pp'} set " + "; ".join(result.notes),
-              flush=True)
+        print(f"megatron_ext: {mode_flag(args)} set " + "; ".join(result.notes), flush=True)
     return result
 
 

@@ -20,19 +20,15 @@ import functools
 import inspect
 
 from megatron_ext.megatron.arguments import extra_args_provider as _extra_args_provider
+from megatron_ext.megatron.arguments import mode_flag
 from megatron_ext.megatron.model import ulysses_model_builder
 
 
 def planned_mode() -> str | None:
-    """The runtime of this run: "flexsp", "elastic_pp", or None (Megatron's own)."""
+    """"--flexsp" or "--elastic-pp" when this run is planned by megatron_ext, else None."""
     from megatron.training import get_args
 
-    args = get_args()
-    if getattr(args, "flexsp", False):
-        return "flexsp"
-    if getattr(args, "elastic_pp", False):
-        return "elastic_pp"
-    return None
+    return mode_flag(get_args())
 
 
 class ForwardStep:
@@ -55,7 +51,7 @@ class ForwardStep:
     def __call__(self, data_iterator, model, *args, **kwargs):
         mode = planned_mode()
         if mode is not None:
-            raise RuntimeError(f"--{mode.replace('_', '-')}: Megatron called the forward step with its own "
+            raise RuntimeError(f"{mode}: Megatron called the forward step with its own "
                                f"forward-backward function; megatron/training/training.py is not patched "
                                f"(run scripts/apply_patches.sh)")
         return self.stock(data_iterator, model, *args, **kwargs)

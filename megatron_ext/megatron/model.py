@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 
+from megatron_ext.megatron.arguments import mode_flag
+
 
 def use_ulysses_attention(model, backend: str = "auto") -> int:
     """Replace the core attention of every SelfAttention in ``model`` (any wrapper) by
@@ -48,7 +50,7 @@ def ulysses_model_builder(builder):
     @functools.wraps(builder)
     def build(args, pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
         model = builder(args, pre_process, post_process, vp_stage, config=config, pg_collection=pg_collection)
-        if getattr(args, "flexsp", False) or getattr(args, "elastic_pp", False):
+        if mode_flag(args) is not None:
             n = use_ulysses_attention(model, getattr(args, "flexsp_attention_backend", "auto"))
             if n == 0:
                 raise NotImplementedError("megatron_ext: the model has no SelfAttention layer to give Ulysses "

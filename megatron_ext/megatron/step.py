@@ -80,10 +80,6 @@ def _pad_id(tokenizer) -> int:
 
 
 # ---- datasets ------------------------------------------------------------------------------------
-def _flag(args) -> str:
-    return "--elastic-pp" if getattr(args, "elastic_pp", False) else "--flexsp"
-
-
 def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     """Megatron's ``train_valid_test_datasets_provider`` for --flexsp and --elastic-pp: iterators of
     planned steps (train, valid, test; None for an empty split or with --eval-iters 0). Called on
@@ -91,12 +87,13 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     once (an elastic pipeline's SP groups are Megatron's data-parallel groups)."""
     from megatron.training import get_tokenizer, print_rank_0
 
+    from megatron_ext.megatron.arguments import mode_flag
     from megatron_ext.megatron.cost import cap_cost_model, head_degree_limit, load_cost_model
     from megatron_ext.megatron.data import SubsetDocuments, build_documents, make_loader, split_ranges
     from megatron_ext.runtime.groups import SPGroupPool
 
     args = _args()
-    flag = _flag(args)
+    flag = mode_flag(args)
     elastic = flag == "--elastic-pp"
     if not elastic and STATE.pool is None:
         STATE.pool = SPGroupPool.from_parallel_state()
@@ -283,7 +280,7 @@ def elastic_forward_backward(*, forward_step_func=None, data_iterator, model, nu
     return losses
 
 
-FORWARD_BACKWARD = {"flexsp": flexsp_forward_backward, "elastic_pp": elastic_forward_backward}
+FORWARD_BACKWARD = {"--flexsp": flexsp_forward_backward, "--elastic-pp": elastic_forward_backward}
 
 
 # ---- logging -------------------------------------------------------------------------------------
