@@ -192,6 +192,7 @@ def _train(args, rank: int, world: int) -> int:
                 dist.all_gather_object(ranks, mine)
                 if rank == 0:  # the one that reports
                     rec.update(_stage_report(ranks, step, cost))
+            rec["model"] = cost.model.name  # what `report` tells to re-profile
             records.append(rec)
             if rank == 0:
                 print(json.dumps(rec) if args.json else _line(rec), flush=True)

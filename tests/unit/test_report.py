@@ -29,10 +29,10 @@ def test_fidelity_by_hand(tmp_path):
 
 
 def test_recalibration_is_suggested_when_the_model_is_off(tmp_path, capsys):
-    recs = [_rec(k, 1.0, 0.5) for k in range(5)]
+    recs = [{**_rec(k, 1.0, 0.5), "model": "tiny4"} for k in range(5)]
     assert fidelity(recs)["recalibrate"]
     assert main(["report", str(_write(tmp_path, recs))]) == 0
-    assert "megatron-ext profile" in capsys.readouterr().out
+    assert "megatron-ext profile --model tiny4 --out" in capsys.readouterr().out
 
 
 def test_missing_or_malformed_run(tmp_path, capsys):
