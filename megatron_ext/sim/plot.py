@@ -28,16 +28,23 @@ from megatron_ext.errors import ConfigError
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.sim.simulator import SimResult, simulate
 
-# split sequences cycle through these (tab10 without its grey); packed short sequences are grey
+# split sequences: tab10 without its grey, then colours from Set1, Set2, Dark2 and tab20b picked to stay apart
+# from each other, from each other's light (forward) shade and from the grey of packed short sequences (tab20's
+# light half would match the forward shades); past 20 sequences the colours come back hatched
 SEQ_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf",
-              "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173"]
+              "#ffff33", "#fc8d62", "#e6ab02", "#a6761d", "#1b9e77", "#8ca252", "#d6616b", "#a6d854", "#bf5b17",
+              "#e7298a", "#e7ba52"]
+SEQ_HATCHES = ["", "..", "oo", "++"]
 PACKED_COLOR = "#9e9e9e"
-DEGREE_COLORS = {1: "#c6dbef", 2: "#9ecae1", 4: "#6baed6", 8: "#3182bd", 16: "#08519c", 32: "#08306b",
-                 64: "#041f4a", 128: "#02122c"}
+# Okabe-Ito (colour-blind safe), light to dark as the degree grows
+DEGREE_COLORS = {1: "#f0e442", 2: "#56b4e9", 4: "#e69f00", 8: "#cc79a7", 16: "#009e73", 32: "#d55e00",
+                 64: "#0072b2", 128: "#000000"}
 # length histogram of a pipeline: whole sequences grey (as their chunks), cut ones by slices (up to 2, 4, ...)
 SLICE_COLORS = {2: "#fd8d3c", 4: "#e6550d", 8: "#a63603", 16: "#7f2704"}
 DROPPED = 1 << 30  # histogram key of dropped sequences: sorts last, drawn on top
 DROPPED_COLOR = "#9467bd"
+RECOMPUTE_HATCH = "////"  # unlike the sequences' hatches
+RECOMPUTE_MIN_PX = 5  # recompute boxes are drawn at least this wide: a 0.2% recompute is a sliver otherwise
 
 
 @dataclass
@@ -96,9 +103,11 @@ class PlotData:
     step_time_s: float
     bubble_ratio: float
     colors: dict  # key -> colour, for the boxes' keys
-    legend: list[tuple[str, str, str]] = field(default_factory=list)  # (text, colour, hatch)
+    # (text, colour or [forward shade, backward shade] for a two-tone swatch, hatch)
+    legend: list[tuple[str, str | list, str]] = field(default_factory=list)
     marks: list[tuple[float, str]] = field(default_factory=list)  # vertical lines: (time s, text)
     hist: LengthHist | None = None
+    hatches: dict = field(default_factory=dict)  # key -> hatch, for split sequences past the colours
 
     def count(self, kind: str) -> int:
         return sum(1 for b in self.boxes if b.kind == kind)
@@ -111,9 +120,9 @@ def _lighten(color: str, amount: float = 0.55) -> tuple[float, float, float]:
     return (r + (1 - r) * amount, g + (1 - g) * amount, b + (1 - b) * amount)
 
 
-def _chunk_keys(plan: StepPlan, lengths: np.ndarray) -> tuple[dict[tuple[int, int], int | None], dict]:
+def _chunk_keys(plan: StepPlan, lengths: np.ndarray) -> tuple[dict[tuple[int, int], int | None], dict, dict]:
     """(pipeline, chunk id) -> the split sequence it carries a slice of (None: only whole short
-    sequences), and a colour per split sequence (longest first)."""
+    sequences), and a colour and a hatch per split sequence (longest first)."""
     keys: dict[tuple[int, int], int | None] = {}
     split: set[int] = set()
     for i, p in enumerate(plan.pipelines):
@@ -128,7 +137,8 @@ def _chunk_keys(plan: StepPlan, lengths: np.ndarray) -> tuple[dict[tuple[int, in
     order = sorted(split, key=lambda s: (-int(lengths[s]), s))
     colors = {s: SEQ_COLORS[j % len(SEQ_COLORS)] for j, s in enumerate(order)}
     colors[None] = PACKED_COLOR
-    return keys, colors
+    hatches = {s: SEQ_HATCHES[j // len(SEQ_COLORS) % len(SEQ_HATCHES)] for j, s in enumerate(order)}
+    return keys, colors, hatches
 
 
 def _title(plan: StepPlan, cost: CostModel, lengths: np.ndarray, layout: str, res: SimResult, detail: str) -> str:
@@ -195,7 +205,7 @@ def _pipeline_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: Si
     P = plan.pipelines[0].stages
     sp = plan.pipelines[0].sp_degree
     L_s = cost.model.num_layers // P
-    keys, colors = _chunk_keys(plan, lengths)
+    keys, colors, hatches = _chunk_keys(plan, lengths)
     multi = len(plan.pipelines) > 1
     boxes = []
     for e in res.events:
@@ -219,16 +229,19 @@ def _pipeline_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: Si
                   f"every stage")
     else:
         detail = f"{n_chunks} chunks of whole sequences; each chunk runs forward (F) then backward (B) on every stage"
+    # the shades in grey, each colour as a two-tone (forward | backward) swatch: "B" and "grey" differ
     grey = PACKED_COLOR
     legend = [("F: forward (light shade)", _lighten(grey), ""), ("B: backward (full shade)", grey, "")]
     if any(b.kind == "R" for b in boxes):
-        legend.append(("recompute (hatched, at the start of a backward)", grey, "////"))
+        legend.append(("recompute (hatched, at the start of a backward)", grey, RECOMPUTE_HATCH))
     if packed:
-        legend.append(("grey: chunk of whole sequences only", PACKED_COLOR, ""))
+        legend.append(("grey: chunk of whole sequences only", [_lighten(grey), grey], ""))
     for s in split[:8]:
-        legend.append((f"sequence {s} ({int(lengths[s]):,} tok) in {slices[s]} chunks", colors[s], ""))
+        legend.append((f"sequence {s} ({int(lengths[s]):,} tok) in {slices[s]} chunks",
+                       [_lighten(colors[s]), colors[s]], hatches[s]))
     if len(split) > 8:
-        legend.append((f"... {len(split) - 8} more cut sequences (colours repeat)", "white", ""))
+        repeat = " (colours repeat)" if len(split) > len(SEQ_COLORS) * len(SEQ_HATCHES) else ""
+        legend.append((f"... {len(split) - 8} more cut sequences{repeat}", "white", ""))
     marks = []
     if multi:  # where each later pipeline starts (its first forward on stage 0)
         for i in range(1, len(plan.pipelines)):
@@ -239,7 +252,7 @@ def _pipeline_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: Si
                     [f"stage {p}\n" + (f"layers {p * L_s}-{(p + 1) * L_s - 1}" if L_s > 1 else f"layer {p}")
                      for p in range(P)], boxes, memory,
                     res.budget_mb / 1024, res.step_time_s, res.bubble_ratio, colors, legend, marks,
-                    _slices_hist(plan, lengths))
+                    _slices_hist(plan, lengths), hatches)
 
 
 def _slices_hist(plan: StepPlan, lengths: np.ndarray) -> LengthHist:
@@ -290,7 +303,7 @@ def _flexsp_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: SimR
     memory = []
     for name, agg in (("max over GPUs", lv.max(axis=0)), ("mean over GPUs", lv.mean(axis=0))):
         memory.append((name, step_t, np.repeat(agg, 2)[:-1]))
-    colors = {d: DEGREE_COLORS.get(d, "#08306b") for d in degrees}
+    colors = {d: DEGREE_COLORS.get(d, DEGREE_COLORS[128]) for d in degrees}
     legend = [(f"SP group of degree {d}", colors[d], "") for d in sorted(degrees)]
     layout = f"{len(plan.micro_batches)} micro-batches"
     n_groups = sum(len(mb.groups) for mb in plan.micro_batches)
@@ -316,32 +329,40 @@ def _pyplot():
 
 
 def _draw_timeline(ax, data: PlotData, fig_width_px: float) -> None:
+    from matplotlib.colors import to_rgb
+    from matplotlib.legend_handler import HandlerTuple
     from matplotlib.patches import Patch, Rectangle
 
     span = max(data.step_time_s, 1e-9)
-    px_per_s = fig_width_px * 0.8 / span
+    px_per_s = fig_width_px * 0.72 / span  # the axes' width once tight_layout has made room for the legend
     px_per_row = ax.get_window_extent().height / data.rows  # 64 GPUs: a degree-1 group is too thin for text
+    px_per_pt = ax.figure.dpi / 72
     for b in data.boxes:
         base = data.colors.get(b.key, PACKED_COLOR)
-        if b.kind == "F":
-            face, hatch = _lighten(base), None
-        elif b.kind == "R":
-            face, hatch = base, "////"
-        else:
-            face, hatch = base, None
+        face = _lighten(base) if b.kind == "F" else base
+        hatch = RECOMPUTE_HATCH if b.kind == "R" else data.hatches.get(b.key) or None
+        width = max(b.width_s, RECOMPUTE_MIN_PX / px_per_s) if b.kind == "R" else b.width_s
         pad = 0.08 if data.kind == "elastic_pp" else 0.04
-        ax.add_patch(Rectangle((b.start_s, b.row + pad), b.width_s, b.height - 2 * pad, facecolor=face,
-                               edgecolor="black" if b.kind != "G" else "white", linewidth=0.3, hatch=hatch))
-        room = b.width_s * px_per_s
-        if b.kind != "R" and room > 8.5 * len(b.label) + 4 and b.height * px_per_row >= 12:
-            white = (b.kind == "B" and b.key is not None) or (b.kind == "G" and b.key >= 8)
-            ax.text(b.start_s + b.width_s / 2, b.row + b.height / 2, b.label, ha="center", va="center",
-                    fontsize=7, color="white" if white else "black", clip_on=True)
-    for t, text in data.marks:
-        ax.axvline(t, color="black", linewidth=0.8, linestyle=":")
-        ax.annotate(" " + text, (t, 0), xycoords=("data", "axes fraction"), xytext=(0, -2),
-                    textcoords="offset points", fontsize=7, va="top", ha="left",
-                    bbox=dict(boxstyle="square,pad=0.1", facecolor="white", edgecolor="none", alpha=0.8))
+        box = Rectangle((b.start_s, b.row + pad), width, b.height - 2 * pad, facecolor=face,
+                        edgecolor="black" if b.kind != "G" else "white", linewidth=0.3, hatch=hatch,
+                        zorder=1.5 if b.kind == "R" else 1)  # over the start of its backward when widened
+        ax.add_patch(box)
+        if b.kind == "R" or b.height * px_per_row < 12:
+            continue
+        # the label, else the chunk id alone and smaller, if it fits; clipped to its box, never on a neighbour
+        for text, size in ((b.label, 7), (b.label.lstrip("FB"), 6)):
+            if b.width_s * px_per_s >= len(text) * size * 0.65 * px_per_pt + 3:
+                r, g, bl = to_rgb(face)
+                label = ax.text(b.start_s + b.width_s / 2, b.row + b.height / 2, text, ha="center", va="center",
+                                fontsize=size, color="white" if 0.299 * r + 0.587 * g + 0.114 * bl < 0.5 else "black")
+                label.set_clip_path(box)
+                break
+    if data.marks:  # named above the plot: the time ticks are below
+        for t, _ in data.marks:
+            ax.axvline(t, color="black", linewidth=0.8, linestyle=":")
+        top = ax.secondary_xaxis("top")
+        top.set_xticks([t for t, _ in data.marks], [text for _, text in data.marks], fontsize=7, ha="left")
+        top.tick_params(length=3, pad=1)
     ax.set_xlim(0, span * 1.01)
     ax.set_ylim(data.rows, 0)
     if data.kind == "elastic_pp":
@@ -356,14 +377,14 @@ def _draw_timeline(ax, data: PlotData, fig_width_px: float) -> None:
         ax.set_ylabel("GPU")
     ax.set_xlabel("time (s)")
     ax.set_title(data.title, fontsize=10, loc="left")
-    handles = [Patch(facecolor=c, edgecolor="black", linewidth=0.3, hatch=h or None, label=t)
-               for t, c, h in data.legend]
-    if data.kind == "elastic_pp":
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False,
-                  title="boxes", title_fontsize=8)
-    else:
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False,
-                  title="boxes: one per SP group\n(its sequences' time)", title_fontsize=8)
+
+    def swatch(c, h):
+        return Patch(facecolor=c, edgecolor="black", linewidth=0.3, hatch=h or None)
+
+    handles = [tuple(swatch(x, h) for x in c) if isinstance(c, list) else swatch(c, h) for _, c, h in data.legend]
+    title = "boxes" if data.kind == "elastic_pp" else "boxes: one per SP group\n(its sequences' time)"
+    ax.legend(handles=handles, labels=[t for t, _, _ in data.legend], handler_map={tuple: HandlerTuple(None, pad=0)},
+              loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False, title=title, title_fontsize=8)
 
 
 def _draw_memory(ax, data: PlotData) -> None:
@@ -373,8 +394,9 @@ def _draw_memory(ax, data: PlotData) -> None:
     unit, f = ("GB", 1.0) if data.budget_gb >= 2 else ("MB", 1024.0)  # tiny (CPU) clusters in MB
     n = len(data.memory)
     for i, (label, t, gb) in enumerate(data.memory):
-        ax.plot(t, gb * f, label=label, color=cmap(i / max(1, n - 1) * 0.85), linewidth=1.1)
-    ax.axhline(data.budget_gb * f, color="#d62728", linestyle="--", linewidth=1,
+        ax.plot(t, gb * f, label=label, color=cmap(i / max(1, n - 1) * 0.85), linewidth=1.1, zorder=3)
+    # a wide pale band behind the curves: a peak right at the budget stays visible on it
+    ax.axhline(data.budget_gb * f, color="#d62728", alpha=0.35, linestyle="--", linewidth=3.5, zorder=2,
                label=f"budget {data.budget_gb * f:.0f} {unit}")
     ax.set_xlim(0, max(data.step_time_s, 1e-9) * 1.01)
     top = max([data.budget_gb] + [float(gb.max()) for _, _, gb in data.memory if len(gb)]) * f
@@ -397,6 +419,7 @@ def _draw_hist(ax, hist: LengthHist) -> None:
     x = np.arange(counts.shape[1])
     tok_ax = ax.twinx()
     low_n, low_s = np.zeros(len(x)), np.zeros(len(x))
+    label_bg = dict(boxstyle="square,pad=0.05", facecolor="white", edgecolor="none")  # hides a mark line behind
     for (label, color), n, sh in zip(hist.choices, counts, share):
         ax.bar(x + 0.08, n, 0.4, bottom=low_n, align="edge", color=color, edgecolor="black", linewidth=0.3)
         tok_ax.bar(x + 0.52, sh, 0.4, bottom=low_s, align="edge", color=color, edgecolor="black", linewidth=0.3,
@@ -405,16 +428,13 @@ def _draw_hist(ax, hist: LengthHist) -> None:
     for xi, n, sh in zip(x, low_n, low_s):  # totals on top: a bucket of 1 sequence is 1 px tall otherwise
         if n:
             ax.annotate(f"{n:.0f}", (xi + 0.28, n), xytext=(0, 1), textcoords="offset points", ha="center",
-                        va="bottom", fontsize=7)
+                        va="bottom", fontsize=7, bbox=label_bg)
         if sh >= 1:
             tok_ax.annotate(f"{sh:.0f}%", (xi + 0.72, sh), xytext=(0, 1), textcoords="offset points", ha="center",
-                            va="bottom", fontsize=7, color="#444444")
-    for i, (tokens, text) in enumerate(hist.marks):  # bucket b spans [b, b + 1), log2-linear inside
-        at = np.log2(tokens / hist.edges[0])
-        ax.axvline(at, color="black", linewidth=0.8, linestyle="--")
-        ax.annotate(text + " ", (at, 1), xycoords=("data", "axes fraction"), xytext=(0, -3 - 11 * i),  # stacked
-                    textcoords="offset points", fontsize=7, va="top", ha="right",
-                    bbox=dict(boxstyle="square,pad=0.1", facecolor="white", edgecolor="none", alpha=0.8))
+                            va="bottom", fontsize=7, color="#444444", bbox=label_bg)
+    # the marks are named in the legend, so no text of theirs lands on a bar label or on each other
+    marks = [ax.axvline(np.log2(tokens / hist.edges[0]), color="black", linewidth=0.9, linestyle=style, label=text)
+             for (tokens, text), style in zip(hist.marks, ["--", ":"])]  # bucket b spans [b, b + 1)
     ax.set_xlim(0, len(x))
     ax.set_xticks(np.arange(len(hist.edges)))
     ax.set_xticklabels([_tokens(e) for e in hist.edges], fontsize=8)
@@ -427,7 +447,7 @@ def _draw_hist(ax, hist: LengthHist) -> None:
     handles = [Patch(facecolor=c, edgecolor="black", linewidth=0.3, label=t) for t, c in hist.choices]
     handles += [Patch(facecolor="white", edgecolor="black", linewidth=0.3, label="left bar: sequences"),
                 Patch(facecolor="white", edgecolor="black", linewidth=0.3, hatch="///",
-                      label="right bar: share of tokens")]
+                      label="right bar: share of tokens")] + marks
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.045, 1.0), fontsize=7, frameon=False)
 
 

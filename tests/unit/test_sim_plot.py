@@ -12,7 +12,8 @@ from megatron_ext.plan import StepPlan
 from megatron_ext.planner import PlannerOptions, make_plan
 from megatron_ext.planner.pipeline import build_pipeline, plan_elastic_pp
 from megatron_ext.sim import simulate
-from megatron_ext.sim.plot import DROPPED_COLOR, PACKED_COLOR, plot_comparison, plot_data, plot_plan
+from megatron_ext.sim.plot import (DEGREE_COLORS, DROPPED_COLOR, PACKED_COLOR, SEQ_COLORS, SEQ_HATCHES, _lighten, draw,
+                                   plot_comparison, plot_data, plot_plan)
 
 COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -174,6 +175,79 @@ def test_cli_plot_flags(tmp_path, capsys):
     bad = tmp_path / "missing-dir" / "x.png"
     assert cli.main(["plan", "--planner", "elastic_pp", "--plot", str(bad), *base]) == 2
     assert "cannot write the plot" in capsys.readouterr().err
+
+
+def _lab(color) -> np.ndarray:
+    """CIE L*a*b* (D65): Euclidean distances there are perceived colour differences."""
+    from matplotlib.colors import to_rgb
+
+    c = np.array(to_rgb(color))
+    c = np.where(c > 0.04045, ((c + 0.055) / 1.055) ** 2.4, c / 12.92)
+    xyz = np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722], [0.0193, 0.1192, 0.9505]]) @ c
+    f = np.cbrt(np.maximum(xyz / np.array([0.9505, 1.0, 1.089]), 0.008856))
+    return np.array([116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])])
+
+
+def _min_distance(colors) -> float:
+    lab = [_lab(c) for c in colors]
+    return min(np.linalg.norm(a - b) for i, a in enumerate(lab) for b in lab[i + 1:])
+
+
+def test_palettes_are_distinct():
+    assert _min_distance(DEGREE_COLORS[d] for d in (1, 2, 4, 8, 16, 32, 64)) > 20
+    # the cut sequences' colours, in both shades (forward light, backward full), and the grey of whole ones
+    assert _min_distance(SEQ_COLORS + [PACKED_COLOR]) > 15
+    full = [_lab(c) for c in SEQ_COLORS + [PACKED_COLOR]]
+    for i, c in enumerate(SEQ_COLORS + [PACKED_COLOR]):
+        assert min(np.linalg.norm(_lab(_lighten(c)) - x) for j, x in enumerate(full) if j != i) > 12
+
+
+def test_many_cut_sequences_get_their_own_look():
+    cost = CostModel.from_presets("llama-7b", "a800-80g-8x4")
+    pc = PipelineCost(cost, 2, 16)
+    n = len(SEQ_COLORS) + 5
+    lengths = np.full(n, 4000)
+    built = build_pipeline([[(s, half * 2000, half * 2000 + 2000)] for s in range(n) for half in (0, 1)], pc, "none")
+    data = plot_data(StepPlan(kind="elastic_pp", num_gpus=32, planner="test", pipelines=[built.to_pipeline(pc)]),
+                     lengths, cost)
+    looks = {(data.colors[s], data.hatches[s]) for s in range(n)}
+    assert len(looks) == n and {h for _, h in looks} == set(SEQ_HATCHES[:2])
+    assert data.legend[-1][0] == f"... {n - 8} more cut sequences"  # no colour repeats
+
+
+def _overlaps(boxes) -> list:
+    return [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:] if a.overlaps(b)]
+
+
+def test_timeline_labels_do_not_collide():
+    lengths = np.array([60000, 20000, 9000, 3000, 3000, 800, 500, 100])
+    flex = plot_data(make_plan("flexsp", lengths, COST), lengths, COST)
+    fig = draw(flex)
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    marks = [t.get_window_extent(renderer) for t in ax.child_axes[0].get_xticklabels()]
+    assert [t.get_text() for t in ax.child_axes[0].get_xticklabels()] == [m for _, m in flex.marks]
+    ticks = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text()]
+    assert not any(m.overlaps(t) for m in marks for t in ticks)
+    # a pipeline of many chunks: every forward and backward box wide enough gets a label, inside it
+    cost, lengths, plan = _pipeline_plan("full")
+    data = plot_data(plan, lengths, cost)
+    fig = draw(data)
+    ax = fig.axes[0]
+    renderer = fig.canvas.get_renderer()
+    texts = [t for t in ax.texts if t.get_text()]
+    assert {t.get_text() for t in texts} <= {b.label for b in data.boxes} | {b.label[1:] for b in data.boxes}
+    assert len(texts) == data.count("F") + data.count("B")  # wide boxes: all labelled
+    assert not _overlaps([t.get_window_extent(renderer) for t in texts])
+    # recompute boxes are drawn wide enough to see
+    assert all(p.get_window_extent().width >= 4 for p in ax.patches if p.get_hatch() == "////")
+
+
+def test_histogram_marks_are_in_the_legend():
+    cost, lengths, plan = _pipeline_plan("none")
+    fig = draw(plot_data(plan, lengths, cost))
+    legend = [t.get_text() for t in fig.axes[2].get_legend().get_texts()]
+    assert legend[-2:] == ["largest chunk 11.7K", "longest slice 11.7K"]
 
 
 def test_plot_refuses_unknown_kinds():
