@@ -337,6 +337,10 @@ def _draw_timeline(ax, data: PlotData, fig_width_px: float) -> None:
     px_per_s = fig_width_px * 0.72 / span  # the axes' width once tight_layout has made room for the legend
     px_per_row = ax.get_window_extent().height / data.rows  # 64 GPUs: a degree-1 group is too thin for text
     px_per_pt = ax.figure.dpi / 72
+
+    def fits(text, size, px):  # DejaVu Sans: about 0.65 em per character
+        return px >= len(text) * size * 0.65 * px_per_pt + 3
+
     for b in data.boxes:
         base = data.colors.get(b.key, PACKED_COLOR)
         face = _lighten(base) if b.kind == "F" else base
@@ -351,17 +355,21 @@ def _draw_timeline(ax, data: PlotData, fig_width_px: float) -> None:
             continue
         # the label, else the chunk id alone and smaller, if it fits; clipped to its box, never on a neighbour
         for text, size in ((b.label, 7), (b.label.lstrip("FB"), 6)):
-            if b.width_s * px_per_s >= len(text) * size * 0.65 * px_per_pt + 3:
+            if fits(text, size, b.width_s * px_per_s):
                 r, g, bl = to_rgb(face)
                 label = ax.text(b.start_s + b.width_s / 2, b.row + b.height / 2, text, ha="center", va="center",
                                 fontsize=size, color="white" if 0.299 * r + 0.587 * g + 0.114 * bl < 0.5 else "black")
                 label.set_clip_path(box)
                 break
-    if data.marks:  # named above the plot: the time ticks are below
-        for t, _ in data.marks:
+    if data.marks:  # named above the plot (the time ticks are below); just the number where crowded
+        times = [t for t, _ in data.marks]
+        ends = times[1:] + [span * 1.01]
+        names = [text if fits(text, 7, (end - t) * px_per_s) else text.split()[-1]
+                 for (t, text), end in zip(data.marks, ends)]
+        for t in times:
             ax.axvline(t, color="black", linewidth=0.8, linestyle=":")
         top = ax.secondary_xaxis("top")
-        top.set_xticks([t for t, _ in data.marks], [text for _, text in data.marks], fontsize=7, ha="left")
+        top.set_xticks(times, names, fontsize=7, ha="left")
         top.tick_params(length=3, pad=1)
     ax.set_xlim(0, span * 1.01)
     ax.set_ylim(data.rows, 0)

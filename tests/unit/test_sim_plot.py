@@ -228,7 +228,7 @@ def test_timeline_labels_do_not_collide():
     marks = [t.get_window_extent(renderer) for t in ax.child_axes[0].get_xticklabels()]
     assert [t.get_text() for t in ax.child_axes[0].get_xticklabels()] == [m for _, m in flex.marks]
     ticks = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text()]
-    assert not any(m.overlaps(t) for m in marks for t in ticks)
+    assert not any(m.overlaps(t) for m in marks for t in ticks) and not _overlaps(marks)
     # a pipeline of many chunks: every forward and backward box wide enough gets a label, inside it
     cost, lengths, plan = _pipeline_plan("full")
     data = plot_data(plan, lengths, cost)
