@@ -104,7 +104,7 @@ def report_table(records: list[dict]) -> str:
                      "processes waiting to be scheduled); a `profile` of this model with as many stages measures "
                      "it as pipeline_op_overhead_ms")
     elif f["recalibrate"]:
-        model = records[0].get("model", "MODEL")
+        model = records[0].get("model", "<this run's model>")
         lines.append("the cost model is off for this machine: re-measure it with "
                      f"`megatron-ext profile --model {model} --out my-cost.yaml` and pass --cost-model my-cost.yaml")
     else:

@@ -192,7 +192,8 @@ def _train(args, rank: int, world: int) -> int:
                 dist.all_gather_object(ranks, mine)
                 if rank == 0:  # the one that reports
                     rec.update(_stage_report(ranks, step, cost))
-            rec["model"] = cost.model.name  # what `report` tells to re-profile
+            if not args.cost_model:  # the preset or YAML `report` tells to re-profile
+                rec["model"] = args.model
             records.append(rec)
             if rank == 0:
                 print(json.dumps(rec) if args.json else _line(rec), flush=True)
