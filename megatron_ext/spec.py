@@ -88,6 +88,9 @@ class ClusterSpec:
     # ms every forward or backward of a pipeline stage takes beyond the model's estimate (what
     # `profile` measures running a real pipeline; 0 in the published GPU presets)
     pipeline_op_overhead_ms: float = 0.0
+    # ms a FlexSP micro-batch takes beyond the model's estimate (what `profile` measures running
+    # a real FlexSP step: a micro-batch ends with its slowest group; 0 in the published GPU presets)
+    micro_batch_overhead_ms: float = 0.0
 
     @property
     def num_gpus(self) -> int:
@@ -176,7 +179,7 @@ def validate_cluster(c: ClusterSpec) -> ClusterSpec:
            f"the GPU count must be a power of two times the node size; num_nodes={c.num_nodes!r} "
            f"is not a power of two")
     _check(isinstance(c.memory_gb, (int, float)) and c.memory_gb > 0, what, "memory_gb must be positive")
-    for name in ("p2p_latency_ms", "pipeline_op_overhead_ms"):
+    for name in ("p2p_latency_ms", "pipeline_op_overhead_ms", "micro_batch_overhead_ms"):
         v = getattr(c, name)
         _check(isinstance(v, (int, float)) and v >= 0, what, f"{name} must be a non-negative number")
     bw = c.a2a_bandwidth_gbps

@@ -129,9 +129,15 @@ class CostModel:
             return 0.0
         return 8 * (self.model.num_layers if layers is None else layers) * self.cluster.a2a_latency(degree)
 
+    @property
+    def micro_batch_fixed_ms(self) -> float:
+        """What every FlexSP micro-batch pays whatever it runs: b1 and the measured overhead."""
+        return self.model.b1 + self.cluster.micro_batch_overhead_ms
+
     def group_fixed_ms(self, degree: int) -> float:
-        """What a group pays per micro-batch whatever it runs: b1 and its all-to-all latency."""
-        return self.model.b1 + self.a2a_latency_ms(degree)
+        """What a group pays per micro-batch whatever it runs: the micro-batch's fixed cost and
+        the group's all-to-all latency."""
+        return self.micro_batch_fixed_ms + self.a2a_latency_ms(degree)
 
     def seq_time_ms(self, seq_len, degree: int):
         """Time of sequence(s) in a degree-d group, without the per-group b1 (array-friendly)."""
@@ -164,13 +170,14 @@ class CostModel:
 
     def lower_bound_ms(self, lengths) -> float:
         """No step can be faster: every sequence at its cheapest degree, work spread perfectly
-        over all GPUs, the fewest micro-batches memory allows, each paying b1; and no faster
+        over all GPUs, the fewest micro-batches memory allows, each paying its fixed cost; and no faster
         than the slowest single sequence at its fastest degree."""
         lengths = np.asarray(lengths)
         if lengths.size == 0:
             return 0.0
-        spread = self.min_microbatches(lengths) * self.model.b1 + float(self.cheapest_gpu_ms(lengths).sum()) / self.num_gpus
+        spread = self.min_microbatches(lengths) * self.micro_batch_fixed_ms + \
+            float(self.cheapest_gpu_ms(lengths).sum()) / self.num_gpus
         longest = int(lengths.max())
         fastest = min(float(self.seq_time_ms(longest, d)) + self.a2a_latency_ms(d) for d in self.degrees
                       if longest <= self.token_capacity(d))
-        return max(spread, self.model.b1 + fastest)
+        return max(spread, self.micro_batch_fixed_ms + fastest)

@@ -44,9 +44,9 @@ class _Batch:
         gpu_ms = np.where(self.fits, self.time * self.degrees[None, :], np.inf)
         self.best_gpu_ms = gpu_ms.min(axis=1)
         self.fastest = np.where(self.fits, self.time, np.inf).min(axis=1)
-        self.b1 = cost.model.b1
+        self.b1 = cost.micro_batch_fixed_ms
         # per degree, what a group pays beyond b1 whatever it runs (its all-to-all latency)
-        self.lat = np.array([cost.group_fixed_ms(int(d)) - cost.model.b1 for d in self.degrees])
+        self.lat = np.array([cost.group_fixed_ms(int(d)) - self.b1 for d in self.degrees])
         self.n = cost.num_gpus
 
     def group_load(self, d: int, ids) -> float:

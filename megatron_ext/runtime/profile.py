@@ -293,6 +293,35 @@ def _handoff_latency_ms(world: int, hops: int = 20) -> float:
     return max(0.0, (min(out) - alone) * 1e3)
 
 
+def _micro_batch_overhead_ms(cost: CostModel, model, pool, max_len: int, repeats: int) -> tuple[float, dict]:
+    """ms a FlexSP micro-batch takes beyond the cost model, in place: a real FlexSP step on a
+    long-tailed batch, timed, against the plan's estimate with ``cost`` (linear in the overhead:
+    every micro-batch pays it once). A micro-batch ends with its slowest group, and on busy
+    ranks the slowest runs longer than the expected time single passes measure."""
+    from megatron_ext.data.lengths import sample_lengths
+    from megatron_ext.data.loader import Step, broadcast_plan
+    from megatron_ext.planner import make_plan
+    from megatron_ext.runtime.schedule import forward_backward_flexsp
+
+    lengths = sample_lengths("github", 16, 0, max_len)  # a training-sized step: several micro-batches
+    rng = np.random.default_rng(0)
+    batch = [rng.integers(0, cost.model.vocab_size, int(n)) for n in lengths]
+    plan = make_plan("flexsp", lengths, cost) if dist.get_rank() == 0 else None
+    plan, _ = broadcast_plan(plan)
+    step = Step(0, plan, batch, lengths, np.zeros((len(lengths), 3), dtype=np.int64), "", "profile", 0.0)
+
+    def run():
+        forward_backward_flexsp(step, model, pool, pad_id=0)
+        model.zero_grad(set_to_none=True)
+
+    measured = _time(run, repeats) * 1e3
+    predicted = plan.estimated_step_time_s * 1e3
+    mbs = len(plan.micro_batches)
+    return max(0.0, (measured - predicted) / mbs), {"flexsp_step_ms": round(measured, 1),
+                                                    "flexsp_estimated_ms": round(predicted, 1),
+                                                    "flexsp_micro_batches": mbs}
+
+
 def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int) -> tuple[float, dict]:
     """ms a pipeline stage's operation takes beyond the cost model, in place: a real elastic
     pipeline step (as many stages as the layers and ranks allow, SP = ranks / stages) on a
@@ -376,7 +405,7 @@ def _profile(args) -> int:
     vocab = base.model.vocab_size
     model, _ = build_pipeline_model(base.model, vocab, max(lengths), "auto", ddp=False)
     degrees = [d for d in (2**i for i in range(1, 12)) if d <= world]
-    total = len(lengths) + 3 * len(degrees) + 3 + len(degrees) * len(lengths)
+    total = len(lengths) + 3 * len(degrees) + 4 + len(degrees) * len(lengths)
     done = [0]
 
     def tick(what):
@@ -412,8 +441,11 @@ def _profile(args) -> int:
         dataclasses.replace(base.cluster, p2p_bandwidth_gbps=p2p, p2p_latency_ms=handoff_ms,
                             a2a_bandwidth_gbps={d: v["bandwidth_gbps"] for d, v in a2a.items()},
                             a2a_latency_ms={d: v["latency_ms"] for d, v in a2a.items()}))
+    mb_overhead, flexsp_run = _micro_batch_overhead_ms(fitted, model, pool, max(lengths), args.repeats)
+    tick("a real FlexSP step")
     op_overhead, pipeline_run = _pipeline_op_overhead_ms(fitted, max(lengths), args.repeats)
-    fitted = CostModel(fitted.model, dataclasses.replace(fitted.cluster, pipeline_op_overhead_ms=op_overhead))
+    fitted = CostModel(fitted.model, dataclasses.replace(fitted.cluster, pipeline_op_overhead_ms=op_overhead,
+                                                         micro_batch_overhead_ms=mb_overhead))
     tick("a real pipeline step")
     if rank == 0:
         doc = {
@@ -425,6 +457,7 @@ def _profile(args) -> int:
                 "fit_residual_ms": fit["residual_ms"],
                 "fit_rel_error": round(fit["rel_error"], 4),
                 "raw_a2a": {d: {k: round(x, 4) for k, x in v.items()} for d, v in raw.items()},
+                **flexsp_run,
                 **pipeline_run,
             },
         }
@@ -439,6 +472,7 @@ def _profile(args) -> int:
                         f"in place (raw: {raw[d]['bandwidth_gbps']:.3f} GB/s, {raw[d]['latency_ms']:.2f} ms)\n"
                         for d, v in a2a.items())
               + f"p2p {p2p:.3f} GB/s, {handoff_ms:.2f} ms per stage handoff\n"
+              f"FlexSP: {mb_overhead:.2f} ms per micro-batch beyond the model\n"
               f"pipeline: {op_overhead:.2f} ms per stage operation beyond the model\nwrote {out}", flush=True)
     return 0
 

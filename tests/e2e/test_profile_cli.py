@@ -26,13 +26,15 @@ def test_profile_writes_a_usable_cost_model(tmp_path):
     assert set(cost.cluster.a2a_latency_ms) == {2, 4} and all(v >= 0 for v in cost.cluster.a2a_latency_ms.values())
     assert cost.model.activation_bytes == 4  # the CPU runtime trains in fp32
     assert cost.cluster.p2p_latency_ms >= 0 and cost.cluster.p2p_bandwidth_gbps > 0
-    assert cost.cluster.pipeline_op_overhead_ms >= 0
+    assert cost.cluster.pipeline_op_overhead_ms >= 0 and cost.cluster.micro_batch_overhead_ms >= 0
     assert 0 < cost.model.head_time_share <= 0.95
     doc = yaml.safe_load(out.read_text())
     assert set(doc["profile"]["fwd_bwd_ms"]) == {1, 2, 4} and all(len(v) == 3 for v in doc["profile"]["fwd_bwd_ms"].values())
     assert all(len(v) == 3 for v in doc["profile"]["fit_residual_ms"].values())
     # a real 2-stage pipeline step of the 2-layer model was timed against the simulator
     assert doc["profile"]["pipeline_stages"] == 2 and doc["profile"]["pipeline_step_ms"] > 0
+    # and a real FlexSP step against its plan's estimate
+    assert doc["profile"]["flexsp_step_ms"] > 0 and doc["profile"]["flexsp_micro_batches"] >= 1
     plan = subprocess.run([sys.executable, "-m", "megatron_ext.cli", "plan", "--cost-model", str(out),
                            "--dist", "lmsys", "--batch", "16", "--json", "--no-baselines"],
                           capture_output=True, text=True, timeout=120)

@@ -117,6 +117,21 @@ def test_group_time_degree_16_uses_inter_node_bandwidth(c7b):
     assert c7b.group_time_ms(lengths, 16) == pytest.approx(726.958, abs=1e-3)
 
 
+def test_micro_batch_overhead_is_paid_once_per_micro_batch(c7b):
+    # profile's real FlexSP step measures it; groups, the planner's fixed cost and the bound pay it
+    busy = CostModel(c7b.model, dataclasses.replace(c7b.cluster, micro_batch_overhead_ms=40.0), c7b.zero_stage)
+    lengths = np.array([1000, 3000, 70000, 200000])
+    assert busy.micro_batch_fixed_ms == pytest.approx(629.36 + 40.0)
+    for d in (1, 8, 16):
+        assert busy.group_time_ms(lengths[:2], d) == pytest.approx(c7b.group_time_ms(lengths[:2], d) + 40.0)
+    m = c7b.min_microbatches(lengths)
+    spread = m * 629.36 + float(c7b.cheapest_gpu_ms(lengths).sum()) / c7b.num_gpus
+    assert c7b.lower_bound_ms(lengths) >= spread - 1e-9
+    assert busy.lower_bound_ms(lengths) >= spread + m * 40.0 - 1e-9
+    with pytest.raises(ConfigError, match="micro_batch_overhead_ms"):
+        load_cluster(dataclasses.replace(c7b.cluster, micro_batch_overhead_ms=-1.0))
+
+
 def test_seq_time_is_array_friendly(c7b):
     s = np.array([1, 100, 5000])
     for d in c7b.degrees:
