@@ -293,15 +293,19 @@ def _handoff_latency_ms(world: int, hops: int = 20) -> float:
     return max(0.0, (min(out) - alone) * 1e3)
 
 
-def _micro_batch_overhead_ms(cost: CostModel, model, pool, max_len: int, repeats: int) -> tuple[float, dict]:
+def _micro_batch_overhead_ms(cost: CostModel, pool, max_len: int, repeats: int) -> tuple[float, dict]:
     """ms a FlexSP micro-batch takes beyond the cost model, in place: a real FlexSP step on a
-    long-tailed batch, timed, against the plan's estimate with ``cost`` (linear in the overhead:
-    every micro-batch pays it once). A micro-batch ends with its slowest group, and on busy
-    ranks the slowest runs longer than the expected time single passes measure."""
+    long-tailed batch, with the DDP-wrapped model `train` runs, timed against the plan's estimate
+    with ``cost`` (linear in the overhead: every micro-batch pays it once). A micro-batch ends
+    with its slowest group, and on busy ranks the slowest runs longer than the expected time
+    single passes measure."""
     from megatron_ext.data.lengths import sample_lengths
     from megatron_ext.data.loader import Step, broadcast_plan
     from megatron_ext.planner import make_plan
+    from megatron_ext.runtime.pipeline import build_pipeline_model
     from megatron_ext.runtime.schedule import forward_backward_flexsp
+
+    model, _ = build_pipeline_model(cost.model, cost.model.vocab_size, max_len)
 
     lengths = sample_lengths("github", 16, 0, max_len)  # a training-sized step: several micro-batches
     rng = np.random.default_rng(0)
@@ -311,8 +315,8 @@ def _micro_batch_overhead_ms(cost: CostModel, model, pool, max_len: int, repeats
     step = Step(0, plan, batch, lengths, np.zeros((len(lengths), 3), dtype=np.int64), "", "profile", 0.0)
 
     def run():
+        model.zero_grad_buffer()
         forward_backward_flexsp(step, model, pool, pad_id=0)
-        model.zero_grad(set_to_none=True)
 
     measured = _time(run, repeats) * 1e3
     predicted = plan.estimated_step_time_s * 1e3
@@ -441,7 +445,7 @@ def _profile(args) -> int:
         dataclasses.replace(base.cluster, p2p_bandwidth_gbps=p2p, p2p_latency_ms=handoff_ms,
                             a2a_bandwidth_gbps={d: v["bandwidth_gbps"] for d, v in a2a.items()},
                             a2a_latency_ms={d: v["latency_ms"] for d, v in a2a.items()}))
-    mb_overhead, flexsp_run = _micro_batch_overhead_ms(fitted, model, pool, max(lengths), args.repeats)
+    mb_overhead, flexsp_run = _micro_batch_overhead_ms(fitted, pool, max(lengths), args.repeats)
     tick("a real FlexSP step")
     op_overhead, pipeline_run = _pipeline_op_overhead_ms(fitted, max(lengths), args.repeats)
     fitted = CostModel(fitted.model, dataclasses.replace(fitted.cluster, pipeline_op_overhead_ms=op_overhead,
