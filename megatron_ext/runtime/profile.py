@@ -293,25 +293,33 @@ def _handoff_latency_ms(world: int, hops: int = 20) -> float:
     return max(0.0, (min(out) - alone) * 1e3)
 
 
+def _planned_batch(planner: str, cost: CostModel, n: int, max_len: int, options=None):
+    """A training-sized long-tailed batch of ``n`` random-token sequences and its plan, made on
+    rank 0 and broadcast: (lengths, tokens per sequence, plan), the same on every rank."""
+    from megatron_ext.data.lengths import sample_lengths
+    from megatron_ext.data.loader import broadcast_plan
+    from megatron_ext.planner import PlannerOptions, make_plan
+
+    lengths = sample_lengths("github", n, 0, max_len)
+    rng = np.random.default_rng(0)
+    batch = [rng.integers(0, cost.model.vocab_size, int(x)) for x in lengths]
+    plan = make_plan(planner, lengths, cost, options or PlannerOptions()) if dist.get_rank() == 0 else None
+    plan, _ = broadcast_plan(plan)
+    return lengths, batch, plan
+
+
 def _micro_batch_overhead_ms(cost: CostModel, pool, max_len: int, repeats: int) -> tuple[float, dict]:
     """ms a FlexSP micro-batch takes beyond the cost model, in place: a real FlexSP step on a
     long-tailed batch, with the DDP-wrapped model `train` runs, timed against the plan's estimate
     with ``cost`` (linear in the overhead: every micro-batch pays it once). A micro-batch ends
     with its slowest group, and on busy ranks the slowest runs longer than the expected time
     single passes measure."""
-    from megatron_ext.data.lengths import sample_lengths
-    from megatron_ext.data.loader import Step, broadcast_plan
-    from megatron_ext.planner import make_plan
+    from megatron_ext.data.loader import Step
     from megatron_ext.runtime.pipeline import build_pipeline_model
     from megatron_ext.runtime.schedule import forward_backward_flexsp
 
     model, _ = build_pipeline_model(cost.model, cost.model.vocab_size, max_len)
-
-    lengths = sample_lengths("github", 16, 0, max_len)  # a training-sized step: several micro-batches
-    rng = np.random.default_rng(0)
-    batch = [rng.integers(0, cost.model.vocab_size, int(n)) for n in lengths]
-    plan = make_plan("flexsp", lengths, cost) if dist.get_rank() == 0 else None
-    plan, _ = broadcast_plan(plan)
+    lengths, batch, plan = _planned_batch("flexsp", cost, 16, max_len)  # several micro-batches
     step = Step(0, plan, batch, lengths, np.zeros((len(lengths), 3), dtype=np.int64), "", "profile", 0.0)
 
     def run():
@@ -334,9 +342,7 @@ def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int) -> tup
     parallel state at that many stages."""
     from megatron.core import parallel_state
 
-    from megatron_ext.data.lengths import sample_lengths
-    from megatron_ext.data.loader import broadcast_plan
-    from megatron_ext.planner import PlannerOptions, make_plan
+    from megatron_ext.planner import PlannerOptions
     from megatron_ext.runtime.pipeline import build_pipeline_model, forward_backward_elastic
     from megatron_ext.sim import simulate
 
@@ -347,12 +353,8 @@ def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int) -> tup
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, stages)
     model, _ = build_pipeline_model(spec, spec.vocab_size, max_len)
-    lengths = sample_lengths("github", 24, 0, max_len)  # a training-sized step: a dozen chunks or more
-    rng = np.random.default_rng(0)
-    batch = [rng.integers(0, spec.vocab_size, int(n)) for n in lengths]
-    plan = make_plan("elastic_pp", lengths, cost, PlannerOptions(pp=stages, sp=world // stages, time_limit=5.0)) \
-        if dist.get_rank() == 0 else None
-    plan, _ = broadcast_plan(plan)
+    lengths, batch, plan = _planned_batch("elastic_pp", cost, 24, max_len,  # a dozen chunks or more
+                                          PlannerOptions(pp=stages, sp=world // stages, time_limit=5.0))
 
     def step():
         model.zero_grad_buffer()
