@@ -107,7 +107,7 @@ def _plan_table(plan, lengths, cost, max_seq_len: int | None = None) -> str:
 
 
 def cmd_plan(args) -> int:
-    from megatron_ext.planner.pipeline import PP_PLANNERS
+    from megatron_ext.planner.pipeline_api import PP_PLANNERS
     from megatron_ext.sim.commands import run_pp_plan
 
     cost = cost_from_args(args)

@@ -47,7 +47,7 @@ from megatron_ext import errors
 from megatron_ext.errors import InvalidPlanError, MegatronExtError
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner import PLANNERS, PlannerOptions, make_plan
-from megatron_ext.planner.pipeline import PP_PLANNERS
+from megatron_ext.planner.pipeline_api import PP_PLANNERS
 
 __all__ = ["PlanningDataLoader", "Step", "PlanMismatchError", "plan_digest", "check_plan_agreement",
            "broadcast_plan", "make_samples", "fallback_plan", "rank_part", "group_shards", "RankShard",

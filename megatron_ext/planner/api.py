@@ -7,6 +7,7 @@ groups on aligned rank blocks, cost estimates, validation and baseline compariso
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -50,7 +51,7 @@ def register(name: str) -> Callable[[PlannerFn], PlannerFn]:
 def make_plan(name: str, lengths, cost: CostModel, options: PlannerOptions = PlannerOptions(),
               baselines: tuple[str, ...] = ()) -> StepPlan:
     """Plan one step with planner ``name``; time each named baseline on the same batch."""
-    from megatron_ext.planner.pipeline import PP_PLANNERS, make_pp_plan
+    from megatron_ext.planner.pipeline_api import PP_PLANNERS, make_pp_plan  # lazy: it imports this module
 
     if name in PP_PLANNERS:  # elastic pipelines: their own chunking, schedule and simulator timing
         return make_pp_plan(name, lengths, cost, options, baselines)
@@ -95,6 +96,22 @@ def make_plan(name: str, lengths, cost: CostModel, options: PlannerOptions = Pla
             "speedup": other.estimated_step_time_s / plan.estimated_step_time_s,
         }
     return plan
+
+
+def plan_flexsp_kind(name: str, lengths: np.ndarray, ids: np.ndarray, cost: CostModel, options) -> StepPlan:
+    """``make_plan`` of a FlexSP-kind planner (flexsp, static_ulysses, ...) on the sequences ``ids``
+    of the batch (already kept by the caller), with seq ids mapped back to the batch; ``options``
+    may be any options object (its PlannerOptions fields are used)."""
+    fields = {f.name for f in dataclasses.fields(PlannerOptions)}
+    kw = {k: getattr(options, k) for k in fields if options is not None and hasattr(options, k)}
+    kw["drop_over_max"] = False
+    kw["max_seq_len"] = None
+    sub = make_plan(name, lengths[ids], cost, PlannerOptions(**kw))
+    for mb in sub.micro_batches:
+        for g in mb.groups:
+            g.seq_ids = [int(ids[i]) for i in g.seq_ids]
+    sub.dropped_seq_ids = [int(i) for i in np.setdiff1d(np.arange(len(lengths)), ids)]
+    return sub
 
 
 # Importing the planner modules fills PLANNERS.

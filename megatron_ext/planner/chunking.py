@@ -250,3 +250,55 @@ def _ratio_fit(short, t_short, lengths, cap, token_cap, b_pieces, b_time, b_tok)
                 if r < best_r:
                     best, best_r = j, r
         _put(best if best >= 0 else None, sid, s, t, b_pieces, b_time, b_tok)
+
+
+# ---- packed micro-batches (Megatron-style packs and their Seq1F1B slices) ------------------------
+
+def pack_by_tokens(seq_ids: np.ndarray, lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Best-fit decreasing by tokens into packs of ``capacity`` tokens (longest first)."""
+    order = seq_ids[np.lexsort((seq_ids, -lengths[seq_ids]))]
+    packs: list[list[int]] = []
+    room = np.empty(len(order), dtype=np.int64)
+    for i in order.tolist():
+        s = int(lengths[i])
+        fits = np.flatnonzero(room[:len(packs)] >= s)
+        if fits.size:
+            j = int(fits[np.argmin(room[fits])])
+            packs[j].append(i)
+            room[j] -= s
+        else:
+            room[len(packs)] = capacity - s
+            packs.append([i])
+    return packs
+
+
+
+def split_pack(pack: list[int], lengths: np.ndarray, pc: PipelineCost, slices: int) -> list[Pieces]:
+    """Seq1F1B: cut a packed micro-batch into ``slices`` parts of equal compute (each document
+    attends causally to its own earlier tokens)."""
+    lens = [int(lengths[i]) for i in pack]
+    t_doc = [float(pc.prefix_ms(s)) for s in lens]
+    total = sum(t_doc)
+    cuts = []  # positions (doc index, token offset)
+    acc, d = 0.0, 0
+    for j in range(1, slices):
+        target = total * j / slices
+        while d < len(lens) - 1 and acc + t_doc[d] < target:
+            acc += t_doc[d]
+            d += 1
+        x = int(round(float(pc.prefix_tokens(max(0.0, target - acc)))))
+        x = min(max(x, 0), lens[d])
+        cuts.append((d, x))
+    bounds = [(0, 0)] + cuts + [(len(lens) - 1, lens[-1])]
+    out: list[Pieces] = []
+    for (d0, x0), (d1, x1) in zip(bounds, bounds[1:]):
+        piece: Pieces = []
+        for d in range(d0, d1 + 1):
+            a = x0 if d == d0 else 0
+            b = x1 if d == d1 else lens[d]
+            if b > a:
+                piece.append((pack[d], a, b))
+        if piece:
+            out.append(piece)
+    return out
+

@@ -1,4 +1,4 @@
-"""Elastic pipeline parallelism (InfiniPipe, PAPERS.md section 2) and pipeline baselines.
+"""Elastic pipeline parallelism (InfiniPipe, PAPERS.md section 2): the elastic_pp planner.
 
 ``plan_elastic_pp(lengths, cost, pp, sp)``:
 1. Grouping: the sequences, longest first, are cut into one or more consecutive groups, each run
@@ -26,17 +26,10 @@
 4. Recompute: the tied ILP of planner/checkpointing.py on the winner (greedy if HiGHS has nothing).
 5. The plan is validated and simulated; the simulator's step time is the estimate.
 
-Baselines through the same StepPlan / simulator:
-- ``batch_1f1b``: Megatron-style 1F1B over micro-batches packed (best-fit decreasing) up to
-  ``pack_tokens`` (default: the longest sequence, rounded up to 1K); static recompute: none if it
-  fits, else every layer.
-- ``seq1f1b``: the same packs, each cut into k slices of equal compute (Seq1F1B), k in
-  ``seq1f1b_slices`` (the best per step); static recompute as above.
-- FlexSP (one stage, adaptive SP) and static Ulysses: ``make_plan('flexsp' | 'static_ulysses')``,
-  simulated as micro-batches on SP groups.
-
-``plan_auto`` (planner ``auto``): per step, FlexSP and elastic_pp on every feasible (pp, sp)
-layout through the same simulator; the fastest plan wins (see its docstring).
+The pipeline baselines (batch 1F1B, Seq1F1B) are in planner/pipeline_baselines.py, the ``auto``
+planner in planner/auto.py and the entry point of every pipeline planner in
+planner/pipeline_api.py; this module owns what they share: ``PipelineOptions``, building and
+scoring one pipeline (``build_pipeline``) and turning pipelines into a validated StepPlan.
 """
 from __future__ import annotations
 
@@ -49,15 +42,15 @@ import numpy as np
 
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost, check_layout, default_layout
-from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError, MegatronExtError
+from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError
 from megatron_ext.plan.pipelines import validate_pipelines
 from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan, validate
 from megatron_ext.planner.checkpointing import greedy_recompute, solve_recompute
-from megatron_ext.planner.chunking import Pieces, balanced_chunks, ramp_chunks
+from megatron_ext.planner.chunking import Pieces, balanced_chunks, pack_by_tokens, ramp_chunks, split_pack
 from megatron_ext.sim.engine import (ChunkTable, analyze_chunks, backward_order, checkpoint_memory, greedy_orders,
                                      list_schedule, memory_checkpoints, memory_levels, one_f_one_b, op_times,
                                      order_names)
-from megatron_ext.sim.simulator import SimResult, simulate
+from megatron_ext.sim.simulator import simulate
 
 
 @dataclass(frozen=True)
@@ -370,7 +363,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     # packed-slice candidates (Seq1F1B's chunkings: packs of the context length cut into k
     # equal-compute slices; each slice holds at most one continued piece, so the tail rule holds)
     longest = int(lengths[seq_ids].max())
-    base_cap = _pack_tokens(seq_ids, lengths, opts)
+    base_cap = pack_capacity(seq_ids, lengths, opts)
     caps = {base_cap} | {-(-int(longest * f) // 1024) * 1024 for f in (1, 1.5, 2)}
     packed: dict[int, list[list[int]]] = {}
     for cap, k in [(c, k) for c in sorted(caps)
@@ -378,7 +371,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
         if late() and cap != base_cap:
             continue
         if cap not in packed:
-            packed[cap] = _pack(seq_ids, lengths, cap)
+            packed[cap] = pack_by_tokens(seq_ids, lengths, cap)
         pieces = [c for p in packed[cap] for c in split_pack(p, lengths, pc, k)]
         for order in (orders if cap == base_cap else orders[:1]):
             consider(pieces, -k, order)  # slices < 0 marks a packed-slice chunking in the status
@@ -443,7 +436,7 @@ def group_sequences(seq_ids, lengths, pc: PipelineCost, max_groups: int = 3) -> 
     return [order[i:j] for i, j in reversed(cuts) if j > i]
 
 
-def _resolve_layout(cost: CostModel, pp, sp) -> tuple[int, int]:
+def resolve_layout(cost: CostModel, pp, sp) -> tuple[int, int]:
     dpp, dsp = default_layout(cost)
     if pp is None and sp is None:
         pp, sp = dpp, dsp
@@ -454,14 +447,14 @@ def _resolve_layout(cost: CostModel, pp, sp) -> tuple[int, int]:
     return pp, sp
 
 
-def _pipeline_cost(cost: CostModel, pp, sp, opts: PipelineOptions) -> PipelineCost:
-    pp, sp = _resolve_layout(cost, pp, sp)
+def pipeline_cost(cost: CostModel, pp, sp, opts: PipelineOptions) -> PipelineCost:
+    pp, sp = resolve_layout(cost, pp, sp)
     pc = PipelineCost(cost, pp, sp, opts.b1_scale, opts.memory_mb)
     check_layout(cost, pp, sp)
     return pc
 
 
-def _finish(name: str, pipes: list[Pipeline], lengths: np.ndarray, cost: CostModel, pc: PipelineCost,
+def finish_plan(name: str, pipes: list[Pipeline], lengths: np.ndarray, cost: CostModel, pc: PipelineCost,
             opts: PipelineOptions, start: float, status: str, dropped=()) -> StepPlan:
     plan = StepPlan(kind="elastic_pp", num_gpus=cost.num_gpus, planner=name, pipelines=pipes,
                     solver_status=status, dropped_seq_ids=[int(i) for i in dropped])
@@ -475,7 +468,7 @@ def _finish(name: str, pipes: list[Pipeline], lengths: np.ndarray, cost: CostMod
     return plan
 
 
-def _opts(options, overrides) -> PipelineOptions:
+def pipeline_options(options, overrides) -> PipelineOptions:
     if options is None:
         options = PipelineOptions()
     elif not isinstance(options, PipelineOptions):  # a PlannerOptions (or anything with the fields)
@@ -484,7 +477,7 @@ def _opts(options, overrides) -> PipelineOptions:
     return dataclasses.replace(options, **overrides) if overrides else options
 
 
-def _kept(lengths, seq_ids) -> tuple[np.ndarray, np.ndarray]:
+def kept_sequences(lengths, seq_ids) -> tuple[np.ndarray, np.ndarray]:
     lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.ndim != 1 or lengths.size == 0:
         raise LengthsError("the batch is empty: nothing to plan")
@@ -506,9 +499,9 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     """Plan one step with elastic pipelines of ``pp`` stages of SP degree ``sp`` (pp x sp = GPUs).
     ``seq_ids``: the sequences to plan (default all); the others are reported as dropped."""
     start = time.perf_counter()
-    opts = _opts(options, overrides)
-    lengths, ids = _kept(lengths, seq_ids)
-    pc = _pipeline_cost(cost, pp if pp is not None else opts.pp, sp if sp is not None else opts.sp, opts)
+    opts = pipeline_options(options, overrides)
+    lengths, ids = kept_sequences(lengths, seq_ids)
+    pc = pipeline_cost(cost, pp if pp is not None else opts.pp, sp if sp is not None else opts.sp, opts)
     _check_sequences(ids, lengths, pc, opts)
     budget = opts.time_limit
 
@@ -561,30 +554,11 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     status = (f"{len(final)} pipeline{'s' if len(final) > 1 else ''} x {pc.pp} stages x SP {pc.sp}; "
               f"{', '.join(_chunking_note(b) for b in final)}; {sum(b.table.n for b in final)} chunks; {rec_note}")
     dropped = np.setdiff1d(np.arange(len(lengths)), ids)
-    return _finish("elastic_pp", pipes, lengths, cost, pc, opts, start, status, dropped)
+    return finish_plan("elastic_pp", pipes, lengths, cost, pc, opts, start, status, dropped)
 
 
-# ---- baselines ------------------------------------------------------------------------------
-
-def _pack(seq_ids: np.ndarray, lengths: np.ndarray, capacity: int) -> list[list[int]]:
-    """Best-fit decreasing by tokens into packs of ``capacity`` tokens (longest first)."""
-    order = seq_ids[np.lexsort((seq_ids, -lengths[seq_ids]))]
-    packs: list[list[int]] = []
-    room = np.empty(len(order), dtype=np.int64)
-    for i in order.tolist():
-        s = int(lengths[i])
-        fits = np.flatnonzero(room[:len(packs)] >= s)
-        if fits.size:
-            j = int(fits[np.argmin(room[fits])])
-            packs[j].append(i)
-            room[j] -= s
-        else:
-            room[len(packs)] = capacity - s
-            packs.append([i])
-    return packs
-
-
-def _pack_tokens(seq_ids, lengths, opts: PipelineOptions) -> int:
+def pack_capacity(seq_ids, lengths, opts: PipelineOptions) -> int:
+    """Tokens per packed micro-batch: ``pack_tokens``, or the longest sequence rounded up to 1K."""
     longest = int(lengths[seq_ids].max())
     if opts.pack_tokens is None:
         return -(-longest // 1024) * 1024
@@ -593,318 +567,6 @@ def _pack_tokens(seq_ids, lengths, opts: PipelineOptions) -> int:
     return int(opts.pack_tokens)
 
 
-def _packed_baseline(lengths, cost: CostModel, pp, sp, options, seq_ids, overrides):
-    """What the packed baselines share: options, kept sequences, the stage cost model, the pack
-    size and the packs (best-fit by tokens)."""
-    opts = _opts(options, overrides)
-    lengths, ids = _kept(lengths, seq_ids)
-    pc = _pipeline_cost(cost, pp if pp is not None else opts.pp, sp if sp is not None else opts.sp, opts)
-    cap = _pack_tokens(ids, lengths, opts)
-    return opts, lengths, ids, pc, cap, _pack(ids, lengths, cap)
-
-
-def plan_batch_1f1b(lengths, cost: CostModel, pp: int | None = None, sp: int | None = None,
-                    options: PipelineOptions | None = None, *, seq_ids=None, **overrides) -> StepPlan:
-    """Megatron-style 1F1B over packed micro-batches; static recompute (none if it fits, else full)."""
-    start = time.perf_counter()
-    opts, lengths, ids, pc, cap, packs = _packed_baseline(lengths, cost, pp, sp, options, seq_ids, overrides)
-    pieces = [[(i, 0, int(lengths[i])) for i in p] for p in packs]
-    b = build_pipeline(pieces, pc, opts.baseline_recompute, where="batch 1F1B pipeline")
-    status = f"{len(packs)} micro-batches of <= {cap} tokens x {pc.pp} stages x SP {pc.sp}; {b.status}"
-    return _finish("batch_1f1b", [b.to_pipeline(pc)], lengths, cost, pc, opts, start, status,
-                   np.setdiff1d(np.arange(len(lengths)), ids))
-
-
-def split_pack(pack: list[int], lengths: np.ndarray, pc: PipelineCost, slices: int) -> list[Pieces]:
-    """Seq1F1B: cut a packed micro-batch into ``slices`` parts of equal compute (each document
-    attends causally to its own earlier tokens)."""
-    lens = [int(lengths[i]) for i in pack]
-    t_doc = [float(pc.prefix_ms(s)) for s in lens]
-    total = sum(t_doc)
-    cuts = []  # positions (doc index, token offset)
-    acc, d = 0.0, 0
-    for j in range(1, slices):
-        target = total * j / slices
-        while d < len(lens) - 1 and acc + t_doc[d] < target:
-            acc += t_doc[d]
-            d += 1
-        x = int(round(float(pc.prefix_tokens(max(0.0, target - acc)))))
-        x = min(max(x, 0), lens[d])
-        cuts.append((d, x))
-    bounds = [(0, 0)] + cuts + [(len(lens) - 1, lens[-1])]
-    out: list[Pieces] = []
-    for (d0, x0), (d1, x1) in zip(bounds, bounds[1:]):
-        piece: Pieces = []
-        for d in range(d0, d1 + 1):
-            a = x0 if d == d0 else 0
-            b = x1 if d == d1 else lens[d]
-            if b > a:
-                piece.append((pack[d], a, b))
-        if piece:
-            out.append(piece)
-    return out
-
-
-def plan_seq1f1b(lengths, cost: CostModel, pp: int | None = None, sp: int | None = None,
-                 options: PipelineOptions | None = None, *, seq_ids=None, **overrides) -> StepPlan:
-    """Seq1F1B: packed micro-batches, each cut into k equal-compute slices (k searched over
-    ``seq1f1b_slices``); static recompute (none if it fits, else full)."""
-    start = time.perf_counter()
-    opts, lengths, ids, pc, cap, packs = _packed_baseline(lengths, cost, pp, sp, options, seq_ids, overrides)
-    best, best_k, err = None, 0, None
-    for k in opts.seq1f1b_slices:
-        pieces = [c for p in packs for c in split_pack(p, lengths, pc, k)]
-        try:
-            b = build_pipeline(pieces, pc, opts.baseline_recompute, where="Seq1F1B pipeline")
-        except InfeasibleError as e:
-            err = e
-            continue
-        if best is None or b.makespan_ms < best.makespan_ms:
-            best, best_k = b, k
-    if best is None:
-        raise err
-    status = f"{len(packs)} micro-batches of <= {cap} tokens, {best_k} slices each x {pc.pp} stages x SP {pc.sp}; " \
-             f"{best.status}"
-    return _finish("seq1f1b", [best.to_pipeline(pc)], lengths, cost, pc, opts, start, status,
-                   np.setdiff1d(np.arange(len(lengths)), ids))
-
-
-# ---- auto: FlexSP or elastic pipelines, per step ------------------------------------------------
-
-AUTO_FLEXSP_SHARE = 0.45  # of the time limit, for the FlexSP candidate (its work is count-bounded anyway)
-AUTO_PRUNE_MARGIN = 0.85  # a layout is skipped if this x its estimate is no faster than the best plan so far
-
-
-def pipeline_layouts(cost: CostModel, pp: int | None = None, sp: int | None = None) -> list[tuple[int, int]]:
-    """(pp, sp) layouts an elastic pipeline can use on the whole cluster: pp >= 2 stages dividing the
-    layers, sp = GPUs / pp an allowed Ulysses degree (power of two dividing the heads), the model
-    states fitting. ``pp`` / ``sp`` restrict the list to matching layouts."""
-    n, L = cost.num_gpus, cost.model.num_layers
-    out = []
-    for P in range(2, n + 1):
-        if n % P or L % P or (pp is not None and P != pp):
-            continue
-        d = n // P
-        if d not in cost.degrees or (sp is not None and d != sp):
-            continue
-        try:
-            PipelineCost(cost, P, d)
-        except MegatronExtError:
-            continue
-        out.append((P, d))
-    return out
-
-
-def layout_estimate_s(lengths: np.ndarray, pc: PipelineCost) -> float:
-    """Step time of one 1F1B pipeline of n equal chunks at the best n:
-    ``W + n b + (P - 1)(W / n + b)`` (W: work per stage, b: fixed cost per chunk); no memory
-    limit. Ramps and list scheduling beat it by up to ~7%; recompute makes it optimistic."""
-    W = float(pc.prefix_ms(np.asarray(lengths, dtype=np.float64)).sum())
-    P, b = pc.pp, pc.fixed_ms
-    n = np.arange(1, max(2, len(lengths)) + 1, dtype=np.float64)
-    return float((W + n * b + (P - 1) * (W / n + b)).min()) / 1e3
-
-
-def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = None,
-              options: PipelineOptions | None = None, *, seq_ids=None, **overrides) -> StepPlan:
-    """Unify FlexSP and elastic pipelines (DESIGN.md "Unify"): plan the step with FlexSP (adaptive
-    SP on all GPUs, i.e. pp = 1) and with elastic_pp on every feasible (pp, sp) layout, simulate each
-    with the same simulator and return the fastest plan (kind ``flexsp`` or ``elastic_pp``).
-    ``pp`` / ``sp`` (or the options') pin the layout: FlexSP is the pp = 1 layout, so a pinned
-    pp > 1 leaves only that pipeline layout, and pp = 1 only FlexSP.
-
-    ``solver_status`` names the choice; ``baselines`` holds every alternative's simulated time
-    (``"flexsp"``, ``"elastic_pp pp4 x sp8"``, ...). Time: a layout whose estimate
-    (``layout_estimate_s``), less 15%, is no faster than the best plan so far is skipped (reported
-    with its estimate), and so is any layout left when the time limit has run out. If no layout
-    can beat BatchAda's step (an upper bound of FlexSP's), FlexSP gets the whole time limit;
-    otherwise ``AUTO_FLEXSP_SHARE`` of it, and the layouts share the rest, most promising first."""
-    start = time.perf_counter()
-    opts = _opts(options, overrides)
-    lengths, ids = _kept(lengths, seq_ids)
-    budget = opts.time_limit
-    alts: dict[str, dict] = {}
-    plans: list[tuple[float, str, StepPlan]] = []
-
-    def record(name: str, plan: StepPlan, t0: float) -> None:
-        units = len(plan.micro_batches) if plan.kind == "flexsp" else sum(len(p.chunks) for p in plan.pipelines)
-        alts[name] = {"estimated_step_time_s": plan.estimated_step_time_s, "solve_time_s": time.perf_counter() - t0,
-                      "num_micro_batches": units, "status": plan.solver_status}
-        plans.append((plan.estimated_step_time_s, name, plan))
-
-    from megatron_ext.planner.api import PlannerOptions
-
-    pin_pp = pp if pp is not None else opts.pp
-    pin_sp = sp if sp is not None else opts.sp
-    with_flexsp = pin_pp is None or pin_pp == 1  # FlexSP is the pp = 1 layout (adaptive sp)
-    layouts = []
-    for P, d in pipeline_layouts(cost, pin_pp, pin_sp):
-        pc = PipelineCost(cost, P, d, opts.b1_scale, opts.memory_mb)
-        layouts.append((layout_estimate_s(lengths[ids], pc), P, d))
-    layouts.sort()
-    # BatchAda (one homogeneous degree, milliseconds to plan) bounds FlexSP's step from above: FlexSP
-    # keeps the best homogeneous packing among its candidates. If no layout can beat that bound,
-    # FlexSP gets the whole time limit.
-    try:
-        ub = _flexsp_kind("batchada", lengths, ids, cost, PlannerOptions()).estimated_step_time_s
-    except MegatronExtError:
-        ub = math.inf
-    hopeful = any(AUTO_PRUNE_MARGIN * est < ub for est, _, _ in layouts)
-    share = AUTO_FLEXSP_SHARE * budget if hopeful else budget - (time.perf_counter() - start)
-    t0 = time.perf_counter()
-    try:
-        if with_flexsp:
-            record("flexsp", _flexsp_kind("flexsp", lengths, ids, cost, PlannerOptions(time_limit=max(0.05, share))),
-                   t0)
-    except MegatronExtError as e:
-        alts["flexsp"] = {"error": str(e)}
-    for i, (est, P, d) in enumerate(layouts):
-        name = f"elastic_pp pp{P} x sp{d}"
-        best = min((t for t, _, _ in plans), default=math.inf)
-        left = budget - (time.perf_counter() - start)
-        if AUTO_PRUNE_MARGIN * est >= best:
-            alts[name] = {"skipped": f"estimated {est:.2f} s (one 1F1B pipeline of equal chunks), "
-                                     f"{AUTO_PRUNE_MARGIN:.0%} of it no faster than {best:.2f} s",
-                          "estimated_lower_s": AUTO_PRUNE_MARGIN * est}
-            continue
-        if left <= 0.02 and plans:
-            alts[name] = {"skipped": f"time limit reached (estimated {est:.2f} s)"}
-            continue
-        t0 = time.perf_counter()
-        try:
-            sub = plan_elastic_pp(lengths, cost, P, d, dataclasses.replace(opts, time_limit=max(0.05, left / (len(layouts) - i))),
-                                  seq_ids=ids)
-            record(name, sub, t0)
-        except MegatronExtError as e:
-            alts[name] = {"error": str(e)}
-    if not plans:
-        raise InfeasibleError("auto: no layout can run this batch: " +
-                              "; ".join(f"{k}: {v.get('error', v.get('skipped'))}" for k, v in alts.items()))
-    plans.sort(key=lambda x: (x[0], x[1]))
-    step, chosen, plan = plans[0]
-    for name, alt in alts.items():
-        if "estimated_step_time_s" in alt:
-            alt["speedup"] = alt["estimated_step_time_s"] / step
-    others = ", ".join(f"{k} {v['estimated_step_time_s']:.2f} s" for k, v in alts.items()
-                       if k != chosen and "estimated_step_time_s" in v)
-    plan.solver_status = f"auto chose {chosen} ({step:.2f} s" + (f"; vs {others}" if others else "") + \
-                         f"); {plan.solver_status}"
-    plan.baselines = {k: v for k, v in alts.items() if k != chosen}
-    plan.planner = "auto"
-    plan.solve_time_s = time.perf_counter() - start
-    return plan
-
-
-PP_PLANNERS = {"elastic_pp": plan_elastic_pp, "batch_1f1b": plan_batch_1f1b, "seq1f1b": plan_seq1f1b,
-               "auto": plan_auto}
-
-
-def make_pp_plan(name: str, lengths, cost: CostModel, options=None, baselines: tuple[str, ...] = (),
-                 **overrides) -> StepPlan:
-    """The make_plan of pipeline planners: drop or refuse over-long sequences (``max_seq_len`` /
-    ``drop_over_max`` of a PlannerOptions), plan, and time each baseline (pipeline planners and
-    FlexSP-kind planners alike) on the same batch."""
-    if name not in PP_PLANNERS:
-        raise ConfigError(f"unknown pipeline planner {name!r}; choose one of {', '.join(PP_PLANNERS)}")
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if lengths.size == 0:
-        raise LengthsError("the batch is empty: nothing to plan")
-    max_len = getattr(options, "max_seq_len", None)
-    ids = np.arange(len(lengths))
-    if max_len is not None:
-        over = lengths > max_len
-        if over.any():
-            if not getattr(options, "drop_over_max", False):
-                raise LengthsError(f"{int(over.sum())} sequence(s) exceed the maximum length {max_len} "
-                                   f"(longest {int(lengths.max())}); use --drop-over-max to drop them")
-            ids = np.flatnonzero(~over)
-    plan = PP_PLANNERS[name](lengths, cost, options=options, seq_ids=ids, **overrides)
-    opts = _opts(options, overrides)
-    for b in baselines:
-        if b == name or b in plan.baselines:  # (auto reports the alternatives it compared itself)
-            continue
-        try:
-            if b in PP_PLANNERS:
-                other = PP_PLANNERS[b](lengths, cost, options=options, seq_ids=ids, **overrides)
-                units = sum(len(p.chunks) for p in other.pipelines)
-            else:
-                other = _flexsp_kind(b, lengths, ids, cost, options)
-                units = len(other.micro_batches)
-            step = simulate(other, lengths, cost, b1_scale=opts.b1_scale, events=False).step_time_s
-            plan.baselines[b] = {"estimated_step_time_s": step, "solve_time_s": other.solve_time_s,
-                                 "num_micro_batches": units, "speedup": step / plan.estimated_step_time_s,
-                                 "status": other.solver_status}
-        except (MegatronExtError, ImportError) as e:  # a baseline that cannot run this batch
-            plan.baselines[b] = {"error": str(e)}
-    return plan
-
-
-def _flexsp_kind(name: str, lengths: np.ndarray, ids: np.ndarray, cost: CostModel, options) -> StepPlan:
-    """A FlexSP-kind planner (flexsp, static_ulysses, ...) on the same kept sequences."""
-    from megatron_ext.planner.api import PlannerOptions, make_plan  # lazy: api may import this module
-
-    fields = {f.name for f in dataclasses.fields(PlannerOptions)}
-    kw = {k: getattr(options, k) for k in fields if options is not None and hasattr(options, k)}
-    kw["drop_over_max"] = False
-    kw["max_seq_len"] = None
-    sub = make_plan(name, lengths[ids], cost, PlannerOptions(**kw))
-    # map back to the batch's ids
-    for mb in sub.micro_batches:
-        for g in mb.groups:
-            g.seq_ids = [int(ids[i]) for i in g.seq_ids]
-    sub.dropped_seq_ids = [int(i) for i in np.setdiff1d(np.arange(len(lengths)), ids)]
-    return sub
-
-
-def describe(plan: StepPlan, lengths, result: SimResult | None = None) -> str:
-    """A readable summary of a pipeline plan, or of an ``auto`` plan of either kind (for the CLI)."""
-    lengths = np.asarray(lengths)
-    if plan.kind == "flexsp":
-        lines = [f"{plan.planner} plan: FlexSP, {len(plan.micro_batches)} micro-batch(es); {plan.solver_status}"]
-        for m, mb in enumerate(plan.micro_batches):
-            degs: dict[int, list[int]] = {}
-            for g in mb.groups:
-                degs.setdefault(g.degree, []).append(len(g.seq_ids))
-            lines.append(f"  micro-batch {m}: {mb.estimated_time_s:.3f} s; groups "
-                         + ", ".join(f"{len(v)} x degree {d} ({sum(v)} seq)" for d, v in sorted(degs.items(), reverse=True)))
-    else:
-        lines = [f"{plan.planner} plan: {len(plan.pipelines)} pipeline(s); {plan.solver_status}"]
-    for i, p in enumerate(plan.pipelines):
-        n = len(p.chunks)
-        tok = [sum(x.end - x.start for x in c.pieces) for c in p.chunks]
-        kinds = {"split": 0, "hybrid": 0, "batched": 0}
-        for c in p.chunks:
-            split = [x for x in c.pieces if x.start > 0 or x.end < lengths[x.seq_id]]
-            kinds["split" if len(c.pieces) == 1 and split else "hybrid" if split else "batched"] += 1
-        warm = []
-        for o in p.order_per_stage:
-            first_b = next((j for j, op in enumerate(o) if op.startswith("B")), len(o))
-            warm.append(first_b)
-        rec = sum(sum(c.recompute_layers_per_stage) for c in p.chunks if c.recompute_layers_per_stage)
-        lines.append(f"  pipeline {i}: {p.stages} stages x SP {p.sp_degree}, {n} chunks ({kinds['split']} split, "
-                     f"{kinds['hybrid']} hybrid, {kinds['batched']} batched), tokens per chunk {min(tok)}..{max(tok)}, "
-                     f"warm-up per stage {warm}, recomputed layer-chunks {rec}")
-    bound = "work bound" if plan.kind == "elastic_pp" else "lower bound"
-    lines.append(f"estimated step time {plan.estimated_step_time_s:.3f} s ({bound} {plan.lower_bound_step_time_s:.3f} s), "
-                 f"planned in {plan.solve_time_s * 1e3:.0f} ms")
-    if result is not None:
-        where = "stage" if result.kind == "elastic_pp" else "GPU (max)"
-        peak = result.peak_memory_mb if result.kind == "elastic_pp" else [result.max_peak_memory_mb]
-        unit, div = ("GB", 1024.0) if result.budget_mb >= 2048 else ("MB", 1.0)
-        lines.append(f"bubble ratio {result.bubble_ratio:.1%}, recompute {result.recompute_ratio:.1%}, peak memory per "
-                     f"{where} {', '.join(f'{m / div:.1f}' for m in peak)} {unit} "
-                     f"(budget {result.budget_mb / div:.1f} {unit})")
-    width = max([16] + [len(n) for n in plan.baselines])
-    for name, b in plan.baselines.items():
-        if "error" in b:
-            lines.append(f"  vs {name:<{width}} infeasible: {b['error']}")
-        elif "skipped" in b:
-            lines.append(f"  vs {name:<{width}} skipped: {b['skipped']}")
-        else:
-            lines.append(f"  vs {name:<{width}} {b['estimated_step_time_s']:8.3f} s   speedup {b['speedup']:.2f}x")
-    return "\n".join(lines)
-
-
-__all__ = ["BuiltPipeline", "PP_BASELINES", "PP_PLANNERS", "PipelineOptions", "build_pipeline", "describe",
-           "group_sequences", "layout_estimate_s", "make_pp_plan", "pipeline_layouts", "plan_auto", "plan_batch_1f1b",
-           "plan_elastic_pp", "plan_group", "plan_seq1f1b", "split_pack"]
+__all__ = ["BuiltPipeline", "PP_BASELINES", "PipelineOptions", "build_pipeline", "finish_plan", "group_sequences",
+           "kept_sequences", "pack_capacity", "pipeline_cost", "pipeline_options", "plan_elastic_pp", "plan_group",
+           "resolve_layout"]

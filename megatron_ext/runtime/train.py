@@ -89,7 +89,7 @@ def _record(step, losses, grad_norm, tokens, step_time, plan, times) -> dict:
 def check_args(args, cost: CostModel, world: int) -> bool:
     """Refuse what cannot run, before anything starts (the launcher calls it too). Returns
     whether the planner is a pipeline planner."""
-    from megatron_ext.planner.pipeline import PP_PLANNERS
+    from megatron_ext.planner.pipeline_api import PP_PLANNERS
 
     if cost.num_gpus != world:
         raise ConfigError(f"cluster {cost.cluster.name} has {cost.num_gpus} GPUs but {world} ranks were launched")

@@ -7,13 +7,15 @@ per hook (see the functions' docstrings):
   ``plan`` (and ``simulate``).
 - ``run_pp_plan(args, cost, lengths)``: ``plan --planner elastic_pp|seq1f1b|batch_1f1b|auto``:
   plans, times the baselines, prints the summary (or the StepPlan JSON with ``--json``), and
-  draws the plan with ``--plot FILE.png``.
+  draws the plan with ``--plot FILE.png``; ``describe_plan`` is its summary.
 - ``plot_if_asked(args, plan, lengths, cost)``: the ``--plot`` hook for FlexSP-kind planners in
   cli.cmd_plan.
 """
 from __future__ import annotations
 
 import json
+
+import numpy as np
 
 from megatron_ext.data.lengths import DISTRIBUTIONS, read_lengths
 from megatron_ext.errors import ConfigError
@@ -54,7 +56,8 @@ def _pipeline_options(args):
 def run_pp_plan(args, cost, lengths) -> int:
     """Hook for cli.cmd_plan: ``if args.planner in PP_PLANNERS: return run_pp_plan(args, cost, lengths)``."""
     from megatron_ext.planner.api import PlannerOptions
-    from megatron_ext.planner.pipeline import PP_BASELINES, describe, make_pp_plan
+    from megatron_ext.planner.pipeline import PP_BASELINES
+    from megatron_ext.planner.pipeline_api import make_pp_plan
     from megatron_ext.sim import simulate
 
     opts = _pipeline_options(args)
@@ -71,9 +74,118 @@ def run_pp_plan(args, cost, lengths) -> int:
         res = simulate(plan, lengths, cost, b1_scale=opts.b1_scale, memory_mb=opts.memory_mb, events=False)
         print(f"{plan.planner} plan for {len(lengths)} sequences ({int(lengths.sum()):,} tokens) of {cost.model.name} "
               f"on {cost.cluster.name} ({cost.num_gpus} GPUs)\n")
-        print(describe(plan, lengths, res))
+        print(describe_plan(plan, lengths, res))
+        if plan.pipelines:
+            print("\n" + pipeline_tables(plan, lengths, cost, opts.b1_scale))
     plot_if_asked(args, plan, lengths, cost)
     return 0
+
+
+def _chunk_kind(chunk, lengths) -> str:
+    """InfiniPipe's chunk kinds: one slice of a long sequence (split), a slice packed with whole
+    sequences (hybrid), or whole sequences only (batched)."""
+    cut = any(x.start > 0 or x.end < lengths[x.seq_id] for x in chunk.pieces)
+    return ("split" if len(chunk.pieces) == 1 else "hybrid") if cut else "batched"
+
+
+def _wrap(head: str, items: list[str], width: int = 100) -> list[str]:
+    """``head`` then the items, continued on indented lines of at most ``width`` characters."""
+    lines, line = [], head
+    for it in items:
+        if len(line) + 1 + len(it) > width and line.strip() != head.strip():
+            lines.append(line)
+            line = " " * len(head)
+        line += " " + it
+    return lines + [line]
+
+
+def pipeline_tables(plan, lengths, cost, b1_scale: float = 1.0, max_pieces: int = 4) -> str:
+    """What each pipeline of a plan runs: its chunks (kind, tokens, average-stage time, pieces as
+    ``seq[start:end)``), every stage's operation order and the recompute table (layers each stage
+    recomputes per chunk)."""
+    from megatron_ext.cost.pipeline import PipelineCost
+    from megatron_ext.sim.engine import analyze_chunks
+
+    lengths = np.asarray(lengths)
+    out = []
+    for i, p in enumerate(plan.pipelines):
+        pc = PipelineCost(cost, p.stages, p.sp_degree, b1_scale)
+        table = analyze_chunks(p.chunks, pc, f"pipeline {i}")
+        ms = pc.stage_ms(table.work, table.tokens)
+        out += [f"pipeline {i} chunks (forward order; ms: forward+backward on an average stage):",
+                f"  {'chunk':>5}  {'kind':<7} {'tokens':>9} {'ms':>8}  pieces (sequence[start:end))"]
+        for c, tok, t in zip(p.chunks, table.tokens, ms):
+            pieces = [f"{x.seq_id}[{x.start}:{x.end})" for x in c.pieces[:max_pieces]]
+            more = len(c.pieces) - max_pieces
+            if more > 0:
+                pieces.append(f"+{more} whole sequence{'s' if more > 1 else ''}"
+                              if all(x.start == 0 and x.end == lengths[x.seq_id] for x in c.pieces[max_pieces:])
+                              else f"+{more} more")
+            out.append(f"  {c.id:>5}  {_chunk_kind(c, lengths):<7} {int(tok):>9,} {t:>8.1f}  {', '.join(pieces)}")
+        out.append(f"pipeline {i} order per stage (F3 / B3: forward / backward of chunk 3):")
+        for st, order in enumerate(p.order_per_stage):
+            out += _wrap(f"  stage {st}:", order)
+        layers = cost.model.num_layers // p.stages
+        rec = [c.recompute_layers_per_stage or [0] * p.stages for c in p.chunks]
+        if not any(any(r) for r in rec):
+            out.append(f"pipeline {i} recompute: none (every stage holds its chunks' activations)")
+            continue
+        out.append(f"pipeline {i} recompute (layers of {layers} per stage recomputed, by chunk; . = none):")
+        w = max(3, len(str(max(c.id for c in p.chunks))) + 1)
+        out += _wrap("  chunk   ", [f"{c.id:>{w}}" for c in p.chunks], 10_000)
+        for st in range(p.stages):
+            out += _wrap(f"  stage {st:<2}", [f"{(r[st] or '.'):>{w}}" for r in rec], 10_000)
+    return "\n".join(out)
+
+
+def describe_plan(plan, lengths, result=None) -> str:
+    """A readable summary of a pipeline plan, or of an ``auto`` plan of either kind, with the
+    simulated bubble, recompute and memory of ``result`` (a SimResult) if given."""
+    lengths = np.asarray(lengths)
+    if plan.kind == "flexsp":
+        lines = [f"{plan.planner} plan: FlexSP, {len(plan.micro_batches)} micro-batch(es); {plan.solver_status}"]
+        for m, mb in enumerate(plan.micro_batches):
+            degs: dict[int, list[int]] = {}
+            for g in mb.groups:
+                degs.setdefault(g.degree, []).append(len(g.seq_ids))
+            lines.append(f"  micro-batch {m}: {mb.estimated_time_s:.3f} s; groups "
+                         + ", ".join(f"{len(v)} x degree {d} ({sum(v)} seq)" for d, v in sorted(degs.items(), reverse=True)))
+    else:
+        lines = [f"{plan.planner} plan: {len(plan.pipelines)} pipeline(s); {plan.solver_status}"]
+    for i, p in enumerate(plan.pipelines):
+        n = len(p.chunks)
+        tok = [sum(x.end - x.start for x in c.pieces) for c in p.chunks]
+        kinds = {"split": 0, "hybrid": 0, "batched": 0}
+        for c in p.chunks:
+            kinds[_chunk_kind(c, lengths)] += 1
+        warm = []
+        for o in p.order_per_stage:
+            first_b = next((j for j, op in enumerate(o) if op.startswith("B")), len(o))
+            warm.append(first_b)
+        rec = sum(sum(c.recompute_layers_per_stage) for c in p.chunks if c.recompute_layers_per_stage)
+        lines.append(f"  pipeline {i}: {p.stages} stages x SP {p.sp_degree}, {n} chunks ({kinds['split']} split, "
+                     f"{kinds['hybrid']} hybrid, {kinds['batched']} batched), tokens per chunk {min(tok)}..{max(tok)}, "
+                     f"warm-up per stage {warm}, recomputed layer-chunks {rec}")
+    bound = "work bound" if plan.kind == "elastic_pp" else "lower bound"
+    lines.append(f"estimated step time {plan.estimated_step_time_s:.3f} s ({bound} {plan.lower_bound_step_time_s:.3f} s), "
+                 f"planned in {plan.solve_time_s * 1e3:.0f} ms")
+    if result is not None:
+        where = "stage" if result.kind == "elastic_pp" else "GPU (max)"
+        peak = result.peak_memory_mb if result.kind == "elastic_pp" else [result.max_peak_memory_mb]
+        unit, div = ("GB", 1024.0) if result.budget_mb >= 2048 else ("MB", 1.0)
+        lines.append(f"bubble ratio {result.bubble_ratio:.1%}, recompute {result.recompute_ratio:.1%}, peak memory per "
+                     f"{where} {', '.join(f'{m / div:.1f}' for m in peak)} {unit} "
+                     f"(budget {result.budget_mb / div:.1f} {unit})")
+    width = max([16] + [len(n) for n in plan.baselines])
+    for name, b in plan.baselines.items():
+        if "error" in b:
+            lines.append(f"  vs {name:<{width}} infeasible: {b['error']}")
+        elif "skipped" in b:
+            lines.append(f"  vs {name:<{width}} skipped: {b['skipped']}")
+        else:
+            lines.append(f"  vs {name:<{width}} {b['estimated_step_time_s']:8.3f} s   speedup {b['speedup']:.2f}x")
+    return "\n".join(lines)
+
 
 
 def plot_if_asked(args, plan, lengths, cost) -> None:

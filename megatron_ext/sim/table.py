@@ -23,15 +23,14 @@ DEFAULT_PLANNERS = ("elastic_pp", "flexsp", "seq1f1b", "batch_1f1b", "static_uly
 
 
 def _plan(name: str, lengths: np.ndarray, cost: CostModel, pp, sp, options, time_limit: float):
-    from megatron_ext.planner.pipeline import PP_PLANNERS, _flexsp_kind
+    from megatron_ext.planner.api import PlannerOptions, plan_flexsp_kind
+    from megatron_ext.planner.pipeline_api import PP_PLANNERS
 
     if name == "auto":  # every layout, unless the options pin one
         return PP_PLANNERS[name](lengths, cost, options=options)
     if name in PP_PLANNERS:
         return PP_PLANNERS[name](lengths, cost, pp, sp, options)
-    from megatron_ext.planner.api import PlannerOptions
-
-    return _flexsp_kind(name, lengths, np.arange(len(lengths)), cost, PlannerOptions(time_limit=time_limit))
+    return plan_flexsp_kind(name, lengths, np.arange(len(lengths)), cost, PlannerOptions(time_limit=time_limit))
 
 
 def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", cluster: str = "a800-80g-8x4",
@@ -43,7 +42,7 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
     "config": what was run, "plans": {planner: (plan, lengths)} of the first step if ``keep_plans``}. ``lengths`` (one batch) overrides ``dist``/``batch``/``steps``.
     ``options`` is a PipelineOptions for the pipeline planners (b1_scale, memory_mb, ...);
     ``max_seq_len`` also sets the baselines' pack size (Megatron packs to the context length)."""
-    from megatron_ext.planner.pipeline import PipelineOptions, _resolve_layout
+    from megatron_ext.planner.pipeline import PipelineOptions, resolve_layout
 
     cost = cost or CostModel.from_presets(model, cluster)
     opts = options or PipelineOptions()
@@ -52,7 +51,7 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
     opts = dataclasses.replace(opts, time_limit=time_limit)
     if max_seq_len is not None and opts.pack_tokens is None:
         opts = dataclasses.replace(opts, pack_tokens=int(max_seq_len))
-    pp, sp = _resolve_layout(cost, pp if pp is not None else opts.pp, sp if sp is not None else opts.sp)
+    pp, sp = resolve_layout(cost, pp if pp is not None else opts.pp, sp if sp is not None else opts.sp)
     if main not in planners:
         planners = (main,) + tuple(planners)
     if lengths is not None:

@@ -12,10 +12,12 @@ from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError
 from megatron_ext.plan import StepPlan, validate
 from megatron_ext.plan.pipelines import validate_pipelines
 from megatron_ext.planner import PlannerOptions
-from megatron_ext.planner.chunking import check_chunking
-from megatron_ext.planner.pipeline import (PipelineOptions, describe, group_sequences, layout_estimate_s,
-                                           make_pp_plan, pipeline_layouts, plan_auto, plan_batch_1f1b,
-                                           plan_elastic_pp, plan_seq1f1b, split_pack)
+from megatron_ext.planner.chunking import check_chunking, split_pack
+from megatron_ext.planner.auto import layout_estimate_s, pipeline_layouts, plan_auto
+from megatron_ext.planner.pipeline import PipelineOptions, group_sequences, plan_elastic_pp
+from megatron_ext.planner.pipeline_api import make_pp_plan
+from megatron_ext.planner.pipeline_baselines import plan_batch_1f1b, plan_seq1f1b
+from megatron_ext.sim.commands import describe_plan
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.data.lengths import sample_lengths
 from megatron_ext.sim import simulate, simulate_table
@@ -89,7 +91,7 @@ def test_elastic_beats_the_packed_baselines_on_a_long_tailed_batch():
     assert set(plan.baselines) == {"seq1f1b", "batch_1f1b", "flexsp", "static_ulysses"}
     for name in ("seq1f1b", "batch_1f1b"):
         assert plan.baselines[name]["speedup"] > 1.0, name
-    text = describe(plan, lengths, simulate(plan, lengths, COST))
+    text = describe_plan(plan, lengths, simulate(plan, lengths, COST))
     assert "bubble ratio" in text and "vs flexsp" in text
 
 
@@ -203,10 +205,43 @@ def test_cli_glue(capsys):
     assert run_pp_plan(args, COST, lengths) == 0
     text = capsys.readouterr().out
     assert "elastic_pp plan" in text and "vs flexsp" in text and "bubble ratio" in text
+    assert "pipeline 0 chunks" in text and "  stage 3: F" in text and "pipeline 0 recompute" in text
     args = p.parse_args(["--planner", "seq1f1b", "--json"])
     assert run_pp_plan(args, COST, lengths) == 0
     assert json.loads(capsys.readouterr().out)["planner"] == "seq1f1b"
 
+
+
+def test_plan_prints_chunks_orders_and_the_recompute_table():
+    """`plan --planner elastic_pp` shows every chunk with its pieces, each stage's order exactly as
+    planned, and the recompute table (rows = stages, columns = chunks) when anything recomputes."""
+    from megatron_ext.sim.commands import pipeline_tables
+
+    lengths = sample_lengths("github", 128, 3, 96 * 1024)
+    plan = plan_elastic_pp(lengths, COST, 4, 8, memory_mb=30000, time_limit=2.0)
+    pipe = plan.pipelines[0]
+    assert any(any(c.recompute_layers_per_stage) for c in pipe.chunks)  # memory binds: the table shows
+    lines = pipeline_tables(plan, lengths, COST).split("\n")
+    rows = {int(ln.split()[0]): ln.split() for ln in lines if ln.split() and ln.split()[0].isdigit()}
+    assert sorted(rows) == sorted(c.id for c in pipe.chunks)
+    for c in pipe.chunks:
+        assert int(rows[c.id][2].replace(",", "")) == sum(x.end - x.start for x in c.pieces)
+        assert f"{c.pieces[0].seq_id}[{c.pieces[0].start}:{c.pieces[0].end})" in " ".join(rows[c.id])
+    for stage, order in enumerate(pipe.order_per_stage):  # wrapped lines joined back = the plan's order
+        i = next(j for j, ln in enumerate(lines) if ln.startswith(f"  stage {stage}:"))
+        ops = lines[i].split()[2:]
+        while i + 1 < len(lines) and lines[i + 1].startswith("           "):
+            i += 1
+            ops += lines[i].split()
+        assert ops == order
+    header = next(ln for ln in lines if ln.startswith("  chunk   "))
+    assert [int(x) for x in header.split()[1:]] == [c.id for c in pipe.chunks]
+    for stage in range(pipe.stages):
+        row = next(ln for ln in lines if ln.startswith(f"  stage {stage:<2}") and ":" not in ln).split()[2:]
+        assert row == [str(c.recompute_layers_per_stage[stage] or ".") if c.recompute_layers_per_stage else "."
+                       for c in pipe.chunks]
+    quiet = plan_elastic_pp(lengths[:8], COST, 4, 8)
+    assert "recompute: none" in pipeline_tables(quiet, lengths[:8], COST)
 
 def test_layouts_and_their_estimate():
     assert pipeline_layouts(COST) == [(4, 8), (8, 4)]  # 40 layers, 40 heads: sp <= 8, pp | 40
@@ -271,7 +306,7 @@ def test_make_plan_auto_and_the_cli_summary(capsys):
     plan = make_plan("auto", lengths, COST, PlannerOptions(time_limit=1.0), baselines=("seq1f1b",))
     _auto_checks(plan, lengths)
     assert "seq1f1b" in plan.baselines and "speedup" in plan.baselines["seq1f1b"]
-    text = describe(plan, lengths, simulate(plan, lengths, COST))
+    text = describe_plan(plan, lengths, simulate(plan, lengths, COST))
     assert "auto chose" in text and "vs " in text
     # over-long sequences are dropped (or refused) for auto as for the other planners
     plan = make_plan("auto", np.array([200_000, 3000, 2000]), COST, PlannerOptions(max_seq_len=100_000,

@@ -1,0 +1,141 @@
+"""The ``auto`` planner: per step, FlexSP (pp = 1) or elastic pipelines on the layout that runs the
+batch fastest, every candidate timed by the same simulator (DESIGN.md "Unify")."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+
+from megatron_ext.cost import CostModel
+from megatron_ext.cost.pipeline import PipelineCost
+from megatron_ext.errors import InfeasibleError, MegatronExtError
+from megatron_ext.plan.schema import StepPlan
+from megatron_ext.planner.api import PlannerOptions, plan_flexsp_kind
+from megatron_ext.planner.pipeline import PipelineOptions, kept_sequences, pipeline_options, plan_elastic_pp
+
+AUTO_FLEXSP_SHARE = 0.45  # of the time limit, for the FlexSP candidate (its work is count-bounded anyway)
+AUTO_PRUNE_MARGIN = 0.85  # a layout is skipped if this x its estimate is no faster than the best plan so far
+
+
+def pipeline_layouts(cost: CostModel, pp: int | None = None, sp: int | None = None) -> list[tuple[int, int]]:
+    """(pp, sp) layouts an elastic pipeline can use on the whole cluster: pp >= 2 stages dividing the
+    layers, sp = GPUs / pp an allowed Ulysses degree (power of two dividing the heads), the model
+    states fitting. ``pp`` / ``sp`` restrict the list to matching layouts."""
+    n, L = cost.num_gpus, cost.model.num_layers
+    out = []
+    for P in range(2, n + 1):
+        if n % P or L % P or (pp is not None and P != pp):
+            continue
+        d = n // P
+        if d not in cost.degrees or (sp is not None and d != sp):
+            continue
+        try:
+            PipelineCost(cost, P, d)
+        except MegatronExtError:
+            continue
+        out.append((P, d))
+    return out
+
+
+def layout_estimate_s(lengths: np.ndarray, pc: PipelineCost) -> float:
+    """Step time of one 1F1B pipeline of n equal chunks at the best n:
+    ``W + n b + (P - 1)(W / n + b)`` (W: work per stage, b: fixed cost per chunk); no memory
+    limit. Ramps and list scheduling beat it by up to ~7%; recompute makes it optimistic."""
+    W = float(pc.prefix_ms(np.asarray(lengths, dtype=np.float64)).sum())
+    P, b = pc.pp, pc.fixed_ms
+    n = np.arange(1, max(2, len(lengths)) + 1, dtype=np.float64)
+    return float((W + n * b + (P - 1) * (W / n + b)).min()) / 1e3
+
+
+def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = None,
+              options: PipelineOptions | None = None, *, seq_ids=None, **overrides) -> StepPlan:
+    """Unify FlexSP and elastic pipelines (DESIGN.md "Unify"): plan the step with FlexSP (adaptive
+    SP on all GPUs, i.e. pp = 1) and with elastic_pp on every feasible (pp, sp) layout, simulate each
+    with the same simulator and return the fastest plan (kind ``flexsp`` or ``elastic_pp``).
+    ``pp`` / ``sp`` (or the options') pin the layout: FlexSP is the pp = 1 layout, so a pinned
+    pp > 1 leaves only that pipeline layout, and pp = 1 only FlexSP.
+
+    ``solver_status`` names the choice; ``baselines`` holds every alternative's simulated time
+    (``"flexsp"``, ``"elastic_pp pp4 x sp8"``, ...). Time: a layout whose estimate
+    (``layout_estimate_s``), less 15%, is no faster than the best plan so far is skipped (reported
+    with its estimate), and so is any layout left when the time limit has run out. If no layout
+    can beat BatchAda's step (an upper bound of FlexSP's), FlexSP gets the whole time limit;
+    otherwise ``AUTO_FLEXSP_SHARE`` of it, and the layouts share the rest, most promising first."""
+    start = time.perf_counter()
+    opts = pipeline_options(options, overrides)
+    lengths, ids = kept_sequences(lengths, seq_ids)
+    budget = opts.time_limit
+    alts: dict[str, dict] = {}
+    plans: list[tuple[float, str, StepPlan]] = []
+
+    def record(name: str, plan: StepPlan, t0: float) -> None:
+        units = len(plan.micro_batches) if plan.kind == "flexsp" else sum(len(p.chunks) for p in plan.pipelines)
+        alts[name] = {"estimated_step_time_s": plan.estimated_step_time_s, "solve_time_s": time.perf_counter() - t0,
+                      "num_micro_batches": units, "status": plan.solver_status}
+        plans.append((plan.estimated_step_time_s, name, plan))
+
+    pin_pp = pp if pp is not None else opts.pp
+    pin_sp = sp if sp is not None else opts.sp
+    with_flexsp = pin_pp is None or pin_pp == 1  # FlexSP is the pp = 1 layout (adaptive sp)
+    layouts = []
+    for P, d in pipeline_layouts(cost, pin_pp, pin_sp):
+        pc = PipelineCost(cost, P, d, opts.b1_scale, opts.memory_mb)
+        layouts.append((layout_estimate_s(lengths[ids], pc), P, d))
+    layouts.sort()
+    # BatchAda (one homogeneous degree, milliseconds to plan) bounds FlexSP's step from above: FlexSP
+    # keeps the best homogeneous packing among its candidates. If no layout can beat that bound,
+    # FlexSP gets the whole time limit.
+    try:
+        ub = plan_flexsp_kind("batchada", lengths, ids, cost, PlannerOptions()).estimated_step_time_s
+    except MegatronExtError:
+        ub = math.inf
+    hopeful = any(AUTO_PRUNE_MARGIN * est < ub for est, _, _ in layouts)
+    share = AUTO_FLEXSP_SHARE * budget if hopeful else budget - (time.perf_counter() - start)
+    t0 = time.perf_counter()
+    try:
+        if with_flexsp:
+            record("flexsp", plan_flexsp_kind("flexsp", lengths, ids, cost, PlannerOptions(time_limit=max(0.05, share))),
+                   t0)
+    except MegatronExtError as e:
+        alts["flexsp"] = {"error": str(e)}
+    for i, (est, P, d) in enumerate(layouts):
+        name = f"elastic_pp pp{P} x sp{d}"
+        best = min((t for t, _, _ in plans), default=math.inf)
+        left = budget - (time.perf_counter() - start)
+        if AUTO_PRUNE_MARGIN * est >= best:
+            alts[name] = {"skipped": f"estimated {est:.2f} s (one 1F1B pipeline of equal chunks), "
+                                     f"{AUTO_PRUNE_MARGIN:.0%} of it no faster than {best:.2f} s",
+                          "estimated_lower_s": AUTO_PRUNE_MARGIN * est}
+            continue
+        if left <= 0.02 and plans:
+            alts[name] = {"skipped": f"time limit reached (estimated {est:.2f} s)"}
+            continue
+        t0 = time.perf_counter()
+        try:
+            sub = plan_elastic_pp(lengths, cost, P, d, dataclasses.replace(opts, time_limit=max(0.05, left / (len(layouts) - i))),
+                                  seq_ids=ids)
+            record(name, sub, t0)
+        except MegatronExtError as e:
+            alts[name] = {"error": str(e)}
+    if not plans:
+        raise InfeasibleError("auto: no layout can run this batch: " +
+                              "; ".join(f"{k}: {v.get('error', v.get('skipped'))}" for k, v in alts.items()))
+    plans.sort(key=lambda x: (x[0], x[1]))
+    step, chosen, plan = plans[0]
+    for name, alt in alts.items():
+        if "estimated_step_time_s" in alt:
+            alt["speedup"] = alt["estimated_step_time_s"] / step
+    others = ", ".join(f"{k} {v['estimated_step_time_s']:.2f} s" for k, v in alts.items()
+                       if k != chosen and "estimated_step_time_s" in v)
+    plan.solver_status = f"auto chose {chosen} ({step:.2f} s" + (f"; vs {others}" if others else "") + \
+                         f"); {plan.solver_status}"
+    plan.baselines = {k: v for k, v in alts.items() if k != chosen}
+    plan.planner = "auto"
+    plan.solve_time_s = time.perf_counter() - start
+    return plan
+
+
+
+__all__ = ["AUTO_FLEXSP_SHARE", "AUTO_PRUNE_MARGIN", "layout_estimate_s", "pipeline_layouts", "plan_auto"]
