@@ -23,7 +23,9 @@
    would pass its room) or elastic 1F1B (sim/engine.one_f_one_b: warm-up P - 1 - p + slices of
    the first split sequence - 1); "best" tries both, and 1F1B is always tried where memory binds
    (its recompute ties along the schedule's diagonals).
-4. Recompute: the tied ILP of planner/checkpointing.py on the winner (greedy if HiGHS has nothing).
+4. Recompute: the ILP of planner/checkpointing.py on the winner (greedy if HiGHS has nothing), tied
+   along the schedule's diagonals (the paper's), untied (one variable per stage and chunk) or, by
+   default, both: the faster simulated plan wins (``ties``).
 5. The plan is validated and simulated; the simulator's step time is the estimate.
 
 The pipeline baselines (batch 1F1B, Seq1F1B) are in planner/pipeline_baselines.py, the ``auto``
@@ -63,7 +65,8 @@ class PipelineOptions:
     granularity: int = 128  # slice boundaries are multiples of this many tokens
     min_slice_tokens: int = 1024  # the finest slicing of a sequence
     fit: str = "best"  # chunking: "best" (tightest by time) or "ratio" (lowest time/tokens, the paper's)
-    tied: bool = True  # recompute ILP: diagonal tying (the paper's) or one variable per (stage, chunk)
+    ties: str = "best"  # recompute ILP: "tied" (the paper's diagonals), "untied" (one variable per (stage,
+    # chunk)) or "best" (both; the faster simulated plan wins)
     recompute: str = "ilp"  # elastic_pp: "ilp" | "greedy" | "none" | "full"
     max_pipelines: int = 3
     pack_tokens: int | None = None  # baselines: micro-batch capacity (default: the longest sequence)
@@ -73,6 +76,12 @@ class PipelineOptions:
     ramp: bool = True  # elastic_pp: try small warm-up / cool-down chunks (chunking.ramp_chunks)
     search_targets: int = 8  # elastic_pp: chunk-time targets tried per token cap, likeliest first
     baseline_recompute: str = "auto"  # baselines: "auto" (none if it fits, else full) | "none" | "full"
+
+    def __post_init__(self):
+        for name, allowed in (("recompute", ("ilp", "greedy", "none", "full", "auto")), ("ties", ("best", "tied", "untied")),
+                              ("order", ("best", "greedy", "1f1b")), ("baseline_recompute", ("auto", "none", "full"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"unknown {name.replace('_', ' ')} {getattr(self, name)!r}; use {', '.join(allowed)}")
 
 
 PP_BASELINES = ("flexsp", "static_ulysses", "seq1f1b", "batch_1f1b")
@@ -306,6 +315,9 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     errors = []
     ramps = _ramps(pc.pp, opts)
     orders = ("greedy", "1f1b") if opts.order == "best" else (opts.order,)
+    # candidates are scored with the greedy's recompute (the ILP runs on the winner); with a fixed
+    # rule (none / every layer) the search must find chunks that fit under that rule
+    search_recompute = opts.recompute if opts.recompute in ("none", "full") else "greedy"
 
     def late() -> bool:
         return deadline is not None and best is not None and time.perf_counter() > deadline
@@ -313,7 +325,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     def consider(pieces, slices, order, ramp=((), ())) -> BuiltPipeline | None:
         nonlocal best
         try:
-            b = build_pipeline(pieces, pc, "greedy", opts.tied, where=where, order=order)
+            b = build_pipeline(pieces, pc, search_recompute, opts.ties != "untied", where=where, order=order)
         except InfeasibleError as e:
             errors.append(str(e))
             return None
@@ -545,10 +557,14 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
         if opts.recompute == "greedy" or (opts.recompute == "ilp" and not b.recompute.any()):
             final.append(b)
             continue
-        left = max(0.05, opts.time_limit - (time.perf_counter() - start)) / (len(built) - i)
-        nb = build_pipeline(b.pieces, pc, opts.recompute, opts.tied, left, f"pipeline {i}", order=b.order)
-        nb.slices, nb.ramp = b.slices, b.ramp
-        final.append(nb if nb.makespan_ms <= b.makespan_ms + 1e-9 or opts.recompute != "ilp" else b)
+        ties = (True, False) if opts.ties == "best" and opts.recompute == "ilp" else (opts.ties != "untied",)
+        for tied in ties:
+            left = max(0.05, opts.time_limit - (time.perf_counter() - start)) / (len(built) - i) / len(ties)
+            nb = build_pipeline(b.pieces, pc, opts.recompute, tied, left, f"pipeline {i}", order=b.order)
+            nb.slices, nb.ramp = b.slices, b.ramp
+            if nb.makespan_ms <= b.makespan_ms + 1e-9 or opts.recompute != "ilp":
+                b = nb
+        final.append(b)
     pipes = [b.to_pipeline(pc) for b in final]
     rec_note = "; ".join(sorted({b.status for b in final}))
     status = (f"{len(final)} pipeline{'s' if len(final) > 1 else ''} x {pc.pp} stages x SP {pc.sp}; "

@@ -39,6 +39,12 @@ def add_pipeline_args(p) -> None:
                         "(default 1: a chunk pays per layer what a FlexSP micro-batch pays, the InfiniPipe formula; "
                         "see docs/elastic_pp.md)")
     g.add_argument("--memory-mb", type=float, metavar="MB", help="per-GPU budget (default: the cluster's)")
+    g.add_argument("--recompute", choices=("ilp", "greedy", "none", "full"), default="ilp",
+                   help="elastic_pp's activation recompute: per (stage, chunk) by the HiGHS ILP (default), by the "
+                        "greedy, none (fails if memory binds) or every layer")
+    g.add_argument("--recompute-ties", choices=("best", "tied", "untied"), default="best",
+                   help="the ILP's variables: tied along the schedule's diagonals (InfiniPipe), one per stage and "
+                        "chunk, or both and the faster simulated plan (default)")
     g.add_argument("--plot", metavar="FILE.png",
                    help="draw the plan: timeline (stages or GPUs x seconds) and memory per GPU over time")
 
@@ -49,6 +55,7 @@ def _pipeline_options(args):
     if getattr(args, "time_limit", 1.0) <= 0:
         raise ConfigError(f"--time-limit must be positive, got {args.time_limit}")
     return PipelineOptions(pp=args.pp, sp=args.sp, b1_scale=args.b1_scale, memory_mb=args.memory_mb,
+                           recompute=args.recompute, ties=args.recompute_ties,
                            time_limit=getattr(args, "time_limit", 1.0),
                            pack_tokens=getattr(args, "max_seq_len", None))
 
