@@ -316,8 +316,9 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     ramps = _ramps(pc.pp, opts)
     orders = ("greedy", "1f1b") if opts.order == "best" else (opts.order,)
     # candidates are scored with the greedy's recompute (the ILP runs on the winner); with a fixed
-    # rule (none / every layer) the search must find chunks that fit under that rule
-    search_recompute = opts.recompute if opts.recompute in ("none", "full") else "greedy"
+    # rule (none, every layer, or "auto": none if it fits, else every layer) the search scores
+    # each candidate under that rule
+    search_recompute = "greedy" if opts.recompute in ("ilp", "greedy") else opts.recompute
 
     def late() -> bool:
         return deadline is not None and best is not None and time.perf_counter() > deadline
