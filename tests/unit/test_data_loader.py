@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from small_cost import small_cost
-from megatron_ext.cost import CostModel
 from megatron_ext.data.datasets import DataError, InMemoryDocuments
 from megatron_ext.data.loader import (PlanMismatchError, PlanningDataLoader, _describe_mismatch,
                                       check_plan_agreement, make_samples, plan_digest)

@@ -4,7 +4,6 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from small_cost import small_cost
-from megatron_ext.cost import CostModel
 from megatron_ext.data.sharding import (IGNORE_INDEX, group_shards, num_loss_tokens, padded_buffer_length, rank_part,
                                         shard_bounds, shard_tokens)
 from megatron_ext.errors import InvalidPlanError

@@ -74,7 +74,6 @@ def test_untied_never_needs_more_recompute_than_tied():
 
 
 def test_no_recompute_when_memory_is_plenty():
-    lengths = np.array([30000, 2000, 1000])
     pc = PipelineCost(COST, 4, 8)
     built = build_pipeline([[(0, 0, 30000)], [(1, 0, 2000), (2, 0, 1000)]], pc, "ilp")
     assert not built.recompute.any() and built.status == "no recompute needed"
@@ -82,7 +81,6 @@ def test_no_recompute_when_memory_is_plenty():
 
 
 def test_greedy_and_ilp_refuse_the_impossible():
-    lengths = np.array([60000, 60000])
     pc = PipelineCost(COST, 4, 8, memory_mb=7200)  # ~550 MB of activation room
     table_pieces = [[(0, 0, 60000)], [(1, 0, 60000)]]
     with pytest.raises(InfeasibleError, match="stage 0 is \\d+ MB per GPU over its activation room"):
