@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 import numpy as np
@@ -25,7 +26,7 @@ def parse_tokens(text: str) -> int:
     scale = {"K": 1024, "M": 1024**2}.get(t[-1:], 1)
     try:
         value = int(float(t[:-1] if scale > 1 else t) * scale)
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number, or inf / nan
         raise argparse.ArgumentTypeError(f"expected a token count like 8192 or 384K, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive token count, got {text!r}")
@@ -37,33 +38,36 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="gpt-7b", help="model preset or YAML path (default: gpt-7b)")
     g.add_argument("--cluster", default="a100-40g-8x8", help="cluster preset or YAML path (default: a100-40g-8x8)")
     g.add_argument("--cost-model", metavar="PATH", help="cost-model YAML (overrides --model/--cluster)")
-    g.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage of model states")
+    g.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage of model states (default 3)")
 
 
 def add_planner_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("planner")
     g.add_argument("--planner", default="flexsp",
                    help=f"one of: {', '.join(PLANNERS)}, elastic_pp, seq1f1b, batch_1f1b, auto (default: flexsp)")
-    g.add_argument("--time-limit", type=float, default=1.0, metavar="SEC", help="solver time limit per step")
+    g.add_argument("--time-limit", type=float, default=1.0, metavar="SEC", help="solver time limit per step (default 1)")
     g.add_argument("--static-degree", type=int, help="degree of static_ulysses (default: the largest allowed)")
     g.add_argument("--drop-over-max", action="store_true",
                    help="drop (and report) sequences no group can hold instead of failing")
 
 
 def cost_from_args(args) -> CostModel:
-    if args.cost_model:
-        return CostModel.from_yaml(args.cost_model)
-    return CostModel.from_presets(args.model, args.cluster, args.zero_stage)
+    cost = (CostModel.from_yaml(args.cost_model) if args.cost_model
+            else CostModel.from_presets(args.model, args.cluster, args.zero_stage))
+    memory = getattr(args, "memory_mb", None)  # plan / simulate: one budget for every planner
+    return cost if memory is None else cost.with_memory(memory)
 
 
 def options_from_args(args) -> PlannerOptions:
-    if args.time_limit <= 0:
-        raise ConfigError(f"--time-limit must be positive, got {args.time_limit}")
+    if not (math.isfinite(args.time_limit) and args.time_limit > 0):
+        raise ConfigError(f"--time-limit must be positive (seconds), got {args.time_limit}")
     return PlannerOptions(time_limit=args.time_limit, static_degree=args.static_degree,
                           drop_over_max=args.drop_over_max, max_seq_len=args.max_seq_len)
 
 
-def lengths_from_args(args, cost: CostModel) -> np.ndarray:
+def lengths_from_args(args, limit: int) -> np.ndarray:
+    """The batch of ``--lengths FILE`` (refused if over ``--max-seq-len`` without ``--drop-over-max``;
+    the planners drop or refuse what they cannot run) or sampled from ``--dist`` up to ``limit``."""
     if args.lengths:
         lengths = read_lengths(args.lengths)
         if args.max_seq_len:
@@ -72,7 +76,7 @@ def lengths_from_args(args, cost: CostModel) -> np.ndarray:
                 raise ConfigError(f"{int(over.sum())} sequence(s) exceed --max-seq-len {args.max_seq_len} "
                                   f"(longest {int(lengths.max())}); use --drop-over-max to drop them")
         return lengths
-    return sample_lengths(args.dist, args.batch, args.seed, args.max_seq_len or cost.max_seq_len)
+    return sample_lengths(args.dist, args.batch, args.seed, limit)
 
 
 def _plan_table(plan, lengths, cost, max_seq_len: int | None = None) -> str:
@@ -107,12 +111,17 @@ def _plan_table(plan, lengths, cost, max_seq_len: int | None = None) -> str:
 
 
 def cmd_plan(args) -> int:
-    from megatron_ext.planner.pipeline_api import PP_PLANNERS
-    from megatron_ext.sim.commands import run_pp_plan
+    from megatron_ext.planner.pipeline_api import PP_PLANNERS, max_seq_len
+    from megatron_ext.sim.commands import check_args, pipeline_options_from_args, run_pp_plan
 
+    if args.planner not in PLANNERS and args.planner not in PP_PLANNERS:
+        raise ConfigError(f"unknown planner {args.planner!r}; choose one of {', '.join([*PLANNERS, *PP_PLANNERS])}")
+    pipelines = args.planner in PP_PLANNERS
+    check_args(args, pipelines)
     cost = cost_from_args(args)
-    lengths = lengths_from_args(args, cost)
-    if args.planner in PP_PLANNERS:
+    limit = args.max_seq_len or max_seq_len(args.planner, cost, pipeline_options_from_args(args) if pipelines else None)
+    lengths = lengths_from_args(args, limit)
+    if pipelines:
         return run_pp_plan(args, cost, lengths)
     plan = make_plan(args.planner, lengths, cost, options_from_args(args),
                      baselines=() if args.no_baselines else BASELINES)
@@ -238,9 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="plan one step from lengths and print the StepPlan")
     add_batch_source_args(p, default_dist="wikipedia")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed with --dist")
     p.add_argument("--max-seq-len", type=parse_tokens, metavar="L",
-                   help="longest sequence, e.g. 384K (default: the longest the cluster can hold)")
+                   help="longest sequence, e.g. 384K (default: the longest the planner can run on the cluster)")
     p.add_argument("--json", action="store_true", help="print the StepPlan JSON")
     p.add_argument("--no-baselines", action="store_true", help="skip timing the baselines")
     add_cost_args(p)

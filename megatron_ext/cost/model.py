@@ -9,6 +9,7 @@ max over its groups, a step the sum over its micro-batches. Pure Python + numpy:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -57,6 +58,13 @@ class CostModel:
         if isinstance(cluster, dict):
             cluster = cluster_from_mapping({"name": Path(path).stem, **cluster})
         return cls.from_presets(model, cluster, data.get("zero_stage", 3))
+
+    def with_memory(self, memory_mb: float) -> "CostModel":
+        """The same model on GPUs with ``memory_mb`` usable each (``--memory-mb``: every planner,
+        the simulator and the length limits then see one budget)."""
+        if not (isinstance(memory_mb, (int, float)) and math.isfinite(memory_mb) and memory_mb > 0):
+            raise ConfigError(f"the memory budget must be a positive number of MB, got {memory_mb!r}")
+        return dataclasses.replace(self, cluster=dataclasses.replace(self.cluster, memory_gb=memory_mb / 1024.0))
 
     # ---- memory -------------------------------------------------------------------------
     @property

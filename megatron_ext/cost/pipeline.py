@@ -57,6 +57,7 @@ Pure Python + numpy.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -84,17 +85,19 @@ class PipelineCost:
         if not isinstance(self.pp, int) or isinstance(self.pp, bool) or self.pp < 1:
             raise ConfigError(f"pipeline degree must be a positive integer, got {self.pp!r}")
         if m.num_layers % self.pp:
-            divisors = [d for d in range(1, m.num_layers + 1) if m.num_layers % d == 0]
+            fits = [d for d in range(1, m.num_layers + 1)
+                    if m.num_layers % d == 0 and c.num_gpus % d == 0 and c.num_gpus // d in self.cost.degrees]
             raise ConfigError(f"pipeline degree {self.pp} does not divide the {m.num_layers} layers of {m.name}; "
-                              f"choose one of {', '.join(map(str, divisors))}")
+                              f"on {c.name} ({c.num_gpus} GPUs) choose one of {', '.join(map(str, fits))}")
         if not isinstance(self.sp, int) or isinstance(self.sp, bool) or self.sp not in self.cost.degrees:
             raise ConfigError(f"SP degree {self.sp!r} is not allowed for {m.name} on {c.name}; allowed: "
                               f"{', '.join(map(str, self.cost.degrees))} (powers of two that divide the heads)")
         if self.pp * self.sp > c.num_gpus:
             raise ConfigError(f"pp {self.pp} x sp {self.sp} = {self.pp * self.sp} GPUs, {c.name} has {c.num_gpus}")
-        if not (isinstance(self.b1_scale, (int, float)) and self.b1_scale >= 0):
+        if not (isinstance(self.b1_scale, (int, float)) and math.isfinite(self.b1_scale) and self.b1_scale >= 0):
             raise ConfigError(f"b1_scale must be a non-negative number, got {self.b1_scale!r}")
-        if self.memory_mb is not None and not (isinstance(self.memory_mb, (int, float)) and self.memory_mb > 0):
+        if self.memory_mb is not None and not (isinstance(self.memory_mb, (int, float))
+                                               and math.isfinite(self.memory_mb) and self.memory_mb > 0):
             raise ConfigError(f"memory budget must be a positive number of MB, got {self.memory_mb!r}")
         if self.activation_room_mb <= 0:
             raise InfeasibleError(
@@ -267,6 +270,24 @@ class PipelineCost:
         one = (s * (self.act_layer_mb - self.input_layer_mb) + (seq_len - s) * self.kv_layer_mb) * L_s
         return kept + one + self.dkv_mb(seq_len)
 
+    def max_seq_len(self, slice_tokens: int) -> int:
+        """Longest sequence a stage can hold cut into ``slice_tokens``-token slices with every
+        layer recomputed (``min_sequence_memory_mb`` within the activation room; 0 if none)."""
+        room = self.activation_room_mb
+
+        def fits(s: int) -> bool:
+            return self.min_sequence_memory_mb(s, slice_tokens) <= room
+
+        if not fits(1):
+            return 0
+        lo, hi = 1, 2
+        while fits(hi) and hi < 2**40:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
     def zero_domain_b1_scale(self) -> float:
         """An estimate of b1_scale when a stage shards parameters inside its node: the ratio of
         the all-to-all bandwidth over the whole cluster to that inside the stage's SP group."""
@@ -277,9 +298,15 @@ class PipelineCost:
 
 
 def default_layout(cost: CostModel) -> tuple[int, int]:
-    """(pp, sp) when none is given: Ulysses inside a node (up to the head limit), stages across."""
+    """(pp, sp) when none is given: Ulysses inside a node (up to the head limit), stages across;
+    on one node (where that would be a single stage), the fewest stages >= 2 that divide the
+    layers and leave an allowed SP degree."""
     sp = min(cost.cluster.gpus_per_node, cost.degrees[-1])
     pp = cost.num_gpus // sp
+    if pp == 1:
+        L, n = cost.model.num_layers, cost.num_gpus
+        pp = next((p for p in range(2, n + 1) if L % p == 0 and n % p == 0 and n // p in cost.degrees), 1)
+        sp = n // pp
     return pp, sp
 
 

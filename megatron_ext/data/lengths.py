@@ -59,6 +59,8 @@ def sample_lengths(dist: str, batch: int, seed: int, max_len: int | None = None)
         raise LengthsError(f"unknown length distribution {dist!r}; choose one of {', '.join(DISTRIBUTIONS)}")
     if batch < 1:
         raise LengthsError(f"--batch must be at least 1, got {batch}")
+    if seed < 0:
+        raise LengthsError(f"--seed must be non-negative, got {seed}")
     return DISTRIBUTIONS[dist].sample(batch, np.random.default_rng(seed), max_len)
 
 

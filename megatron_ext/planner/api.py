@@ -56,7 +56,7 @@ def make_plan(name: str, lengths, cost: CostModel, options: PlannerOptions = Pla
     if name in PP_PLANNERS:  # elastic pipelines: their own chunking, schedule and simulator timing
         return make_pp_plan(name, lengths, cost, options, baselines)
     if name not in PLANNERS:
-        raise ConfigError(f"unknown planner {name!r}; choose one of {', '.join(PLANNERS)}")
+        raise ConfigError(f"unknown planner {name!r}; choose one of {', '.join([*PLANNERS, *PP_PLANNERS])}")
     lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.size == 0:
         raise LengthsError("the batch is empty: nothing to plan")

@@ -10,13 +10,22 @@ import numpy as np
 
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
-from megatron_ext.errors import InfeasibleError, MegatronExtError
+from megatron_ext.errors import ConfigError, InfeasibleError, MegatronExtError
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner.api import PlannerOptions, plan_flexsp_kind
-from megatron_ext.planner.pipeline import PipelineOptions, kept_sequences, pipeline_options, plan_elastic_pp
+from megatron_ext.planner.pipeline import (PipelineOptions, kept_sequences, pipeline_cost, pipeline_options,
+                                           plan_elastic_pp)
 
 AUTO_FLEXSP_SHARE = 0.45  # of the time limit, for the FlexSP candidate (its work is count-bounded anyway)
 AUTO_PRUNE_MARGIN = 0.85  # a layout is skipped if this x its estimate is no faster than the best plan so far
+
+
+def plan_units(plan: StepPlan) -> dict[str, int]:
+    """How much a plan runs, for its entry among another plan's baselines: ``num_micro_batches``
+    (FlexSP kind) or ``num_chunks`` (pipelines; a Seq1F1B slice is a chunk)."""
+    if plan.kind == "flexsp":
+        return {"num_micro_batches": len(plan.micro_batches)}
+    return {"num_chunks": sum(len(p.chunks) for p in plan.pipelines)}
 
 
 def pipeline_layouts(cost: CostModel, pp: int | None = None, sp: int | None = None) -> list[tuple[int, int]]:
@@ -71,9 +80,8 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     plans: list[tuple[float, str, StepPlan]] = []
 
     def record(name: str, plan: StepPlan, t0: float) -> None:
-        units = len(plan.micro_batches) if plan.kind == "flexsp" else sum(len(p.chunks) for p in plan.pipelines)
         alts[name] = {"estimated_step_time_s": plan.estimated_step_time_s, "solve_time_s": time.perf_counter() - t0,
-                      "num_micro_batches": units, "status": plan.solver_status}
+                      **plan_units(plan), "status": plan.solver_status}
         plans.append((plan.estimated_step_time_s, name, plan))
 
     pin_pp = pp if pp is not None else opts.pp
@@ -84,6 +92,10 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         pc = PipelineCost(cost, P, d, opts.b1_scale, opts.memory_mb)
         layouts.append((layout_estimate_s(lengths[ids], pc), P, d))
     layouts.sort()
+    if not layouts and not with_flexsp:
+        pipeline_cost(cost, pin_pp, pin_sp, opts)  # raises why the pinned layout cannot run
+        raise ConfigError(f"auto: no pipeline layout of {cost.model.name} on {cost.cluster.name} matches "
+                          f"pp {pin_pp}" + (f" x sp {pin_sp}" if pin_sp is not None else ""))
     # BatchAda (one homogeneous degree, milliseconds to plan) bounds FlexSP's step from above: FlexSP
     # keeps the best homogeneous packing among its candidates. If no layout can beat that bound,
     # FlexSP gets the whole time limit.
@@ -138,4 +150,4 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
 
 
 
-__all__ = ["AUTO_FLEXSP_SHARE", "AUTO_PRUNE_MARGIN", "layout_estimate_s", "pipeline_layouts", "plan_auto"]
+__all__ = ["AUTO_FLEXSP_SHARE", "AUTO_PRUNE_MARGIN", "layout_estimate_s", "pipeline_layouts", "plan_auto", "plan_units"]

@@ -8,8 +8,8 @@ from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError, LengthsError, MegatronExtError
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner.api import plan_flexsp_kind
-from megatron_ext.planner.auto import plan_auto
-from megatron_ext.planner.pipeline import pipeline_options, plan_elastic_pp
+from megatron_ext.planner.auto import pipeline_layouts, plan_auto, plan_units
+from megatron_ext.planner.pipeline import pipeline_cost, pipeline_options, plan_elastic_pp, resolve_layout
 from megatron_ext.planner.pipeline_baselines import plan_batch_1f1b, plan_seq1f1b
 from megatron_ext.sim.simulator import simulate
 
@@ -17,26 +17,56 @@ PP_PLANNERS = {"elastic_pp": plan_elastic_pp, "batch_1f1b": plan_batch_1f1b, "se
                "auto": plan_auto}
 
 
+def max_seq_len(name: str, cost: CostModel, options=None) -> int:
+    """The longest sequence planner ``name`` can run: FlexSP-kind planners, the longest an SP group
+    can hold; pipeline planners, the longest a stage of their layout holds at the finest slicing
+    (every layer recomputed); ``auto``, the longest either kind can run on any layout."""
+    if name not in PP_PLANNERS:
+        return cost.max_seq_len
+    opts = pipeline_options(options, {})
+    layouts = (pipeline_layouts(cost, opts.pp, opts.sp) if name == "auto"
+               else [resolve_layout(cost, opts.pp, opts.sp)])
+    limits, err = [], None
+    for pp, sp in layouts:
+        try:
+            limits.append(pipeline_cost(cost, pp, sp, opts).max_seq_len(opts.min_slice_tokens))
+        except MegatronExtError as e:
+            err = e
+    if name == "auto" and (opts.pp is None or opts.pp == 1):
+        try:
+            limits.append(cost.max_seq_len)
+        except MegatronExtError as e:
+            err = err or e
+    if not limits:
+        if err is None:  # auto with a pinned layout that does not exist: say why
+            pipeline_cost(cost, opts.pp, opts.sp, opts)
+        raise err or ConfigError(f"{name}: no pipeline layout fits {cost.model.name} on {cost.cluster.name}")
+    return max(limits)
+
 
 def make_pp_plan(name: str, lengths, cost: CostModel, options=None, baselines: tuple[str, ...] = (),
                  **overrides) -> StepPlan:
-    """The make_plan of pipeline planners: drop or refuse over-long sequences (``max_seq_len`` /
-    ``drop_over_max`` of a PlannerOptions), plan, and time each baseline (pipeline planners and
-    FlexSP-kind planners alike) on the same batch."""
+    """The make_plan of pipeline planners: drop or refuse over-long sequences (over ``max_seq_len``
+    of a PlannerOptions, or over what the planner can run: ``drop_over_max`` drops them), plan,
+    and time each baseline (pipeline planners and FlexSP-kind planners alike) on the same batch."""
     if name not in PP_PLANNERS:
         raise ConfigError(f"unknown pipeline planner {name!r}; choose one of {', '.join(PP_PLANNERS)}")
     lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.size == 0:
         raise LengthsError("the batch is empty: nothing to plan")
-    max_len = getattr(options, "max_seq_len", None)
+    drop = getattr(options, "drop_over_max", False)
+    given = getattr(options, "max_seq_len", None)
     ids = np.arange(len(lengths))
-    if max_len is not None:
-        over = lengths > max_len
-        if over.any():
-            if not getattr(options, "drop_over_max", False):
-                raise LengthsError(f"{int(over.sum())} sequence(s) exceed the maximum length {max_len} "
-                                   f"(longest {int(lengths.max())}); use --drop-over-max to drop them")
-            ids = np.flatnonzero(~over)
+    limit = given if given is not None else max_seq_len(name, cost, pipeline_options(options, overrides))
+    over = lengths > limit
+    if over.any():
+        what = "the maximum length" if given is not None else f"the longest {name} can run,"
+        if not drop:
+            raise LengthsError(f"{int(over.sum())} sequence(s) exceed {what} {limit} tokens "
+                               f"(longest {int(lengths.max())}); use --drop-over-max to drop them")
+        ids = np.flatnonzero(~over)
+        if not ids.size:
+            raise LengthsError(f"every sequence exceeds {what} {limit} tokens: nothing left to plan")
     plan = PP_PLANNERS[name](lengths, cost, options=options, seq_ids=ids, **overrides)
     opts = pipeline_options(options, overrides)
     for b in baselines:
@@ -45,18 +75,15 @@ def make_pp_plan(name: str, lengths, cost: CostModel, options=None, baselines: t
         try:
             if b in PP_PLANNERS:
                 other = PP_PLANNERS[b](lengths, cost, options=options, seq_ids=ids, **overrides)
-                units = sum(len(p.chunks) for p in other.pipelines)
             else:
                 other = plan_flexsp_kind(b, lengths, ids, cost, options)
-                units = len(other.micro_batches)
             step = simulate(other, lengths, cost, b1_scale=opts.b1_scale, events=False).step_time_s
             plan.baselines[b] = {"estimated_step_time_s": step, "solve_time_s": other.solve_time_s,
-                                 "num_micro_batches": units, "speedup": step / plan.estimated_step_time_s,
+                                 **plan_units(other), "speedup": step / plan.estimated_step_time_s,
                                  "status": other.solver_status}
         except (MegatronExtError, ImportError) as e:  # a baseline that cannot run this batch
             plan.baselines[b] = {"error": str(e)}
     return plan
 
 
-
-__all__ = ["PP_PLANNERS", "make_pp_plan"]
+__all__ = ["PP_PLANNERS", "make_pp_plan", "max_seq_len"]

@@ -13,50 +13,87 @@ per hook (see the functions' docstrings):
 """
 from __future__ import annotations
 
+import argparse
 import json
+import math
 
 import numpy as np
 
 from megatron_ext.data.lengths import DISTRIBUTIONS, read_lengths
-from megatron_ext.errors import ConfigError
+from megatron_ext.errors import ConfigError, LengthsError
+
+
+PLOT_FORMATS = (".png", ".pdf", ".svg")
+PIPELINE_ONLY = {"pp": "--pp", "sp": "--sp", "b1_scale": "--b1-scale", "recompute": "--recompute",
+                 "recompute_ties": "--recompute-ties"}  # options that only pipeline planners use
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def add_batch_source_args(p, default_dist: str) -> None:
-    """Where a command's lengths come from: ``--lengths FILE`` or ``--dist NAME --batch N``."""
+    """Where a command's lengths come from: ``--lengths FILE`` or ``--dist NAME --batch N --seed S``."""
     src = p.add_mutually_exclusive_group()
     src.add_argument("--lengths", metavar="FILE", help="text file, one sequence length per line (one batch)")
     src.add_argument("--dist", default=default_dist, choices=sorted(DISTRIBUTIONS),
                      help=f"synthetic length distribution (default: {default_dist})")
-    p.add_argument("--batch", type=int, default=512, help="sequences per step with --dist (default 512)")
+    p.add_argument("--batch", type=int, default=512,
+                   help="sequences per step with --dist (default 512; ignored with --lengths)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed with --dist (default 0)")
 
 
 def add_pipeline_args(p) -> None:
-    g = p.add_argument_group("elastic pipelines (elastic_pp, seq1f1b, batch_1f1b)")
-    g.add_argument("--pp", type=int, help="pipeline stages (default: one per node)")
-    g.add_argument("--sp", type=int, help="Ulysses degree inside a stage (default: the node size, up to the head limit)")
-    g.add_argument("--b1-scale", type=float, default=1.0, metavar="X",
+    """``--memory-mb`` and ``--plot`` (every planner), and the pipeline planners' options."""
+    g = p.add_argument_group("memory and pictures (every planner)")
+    g.add_argument("--memory-mb", type=float, metavar="MB",
+                   help="usable memory per GPU, for every planner and the simulator (default: the cluster's)")
+    g.add_argument("--plot", metavar="FILE.png",
+                   help="draw the plan: timeline (stages or GPUs x seconds) and memory per GPU over time "
+                        f"({', '.join(PLOT_FORMATS)})")
+    g = p.add_argument_group("elastic pipelines (elastic_pp, seq1f1b, batch_1f1b, auto)")
+    g.add_argument("--pp", type=positive_int,
+                   help="pipeline stages (default: one per node; on one node, the fewest that fit)")
+    g.add_argument("--sp", type=positive_int,
+                   help="Ulysses degree inside a stage (default: GPUs / pp, up to the head limit)")
+    g.add_argument("--b1-scale", type=float, metavar="X",
                    help="per-chunk fixed cost of a stage = X * b1 / pp, b1 the model's per-micro-batch fixed cost "
                         "(default 1: a chunk pays per layer what a FlexSP micro-batch pays, the InfiniPipe formula; "
                         "see docs/elastic_pp.md)")
-    g.add_argument("--memory-mb", type=float, metavar="MB", help="per-GPU budget (default: the cluster's)")
-    g.add_argument("--recompute", choices=("ilp", "greedy", "none", "full"), default="ilp",
+    g.add_argument("--recompute", choices=("ilp", "greedy", "none", "full"),
                    help="elastic_pp's activation recompute: per (stage, chunk) by the HiGHS ILP (default), by the "
-                        "greedy, none (fails if memory binds) or every layer")
-    g.add_argument("--recompute-ties", choices=("best", "tied", "untied"), default="best",
+                        "greedy, none (chunks small enough to fit) or every layer")
+    g.add_argument("--recompute-ties", choices=("best", "tied", "untied"),
                    help="the ILP's variables: tied along the schedule's diagonals (InfiniPipe), one per stage and "
-                        "chunk, or both and the faster simulated plan (default)")
-    g.add_argument("--plot", metavar="FILE.png",
-                   help="draw the plan: timeline (stages or GPUs x seconds) and memory per GPU over time")
+                        "chunk, or both and the faster simulated plan (default: best)")
 
 
-def _pipeline_options(args):
+def check_args(args, pipelines: bool) -> None:
+    """Before any work: the plot file's format, and no pipeline option without a pipeline planner
+    (``pipelines``: the command runs one)."""
+    plot = getattr(args, "plot", None)
+    if plot and not plot.lower().endswith(PLOT_FORMATS):
+        raise ConfigError(f"--plot {plot}: the file name must end in {', '.join(PLOT_FORMATS)}")
+    given = [flag for name, flag in PIPELINE_ONLY.items() if getattr(args, name, None) is not None]
+    if given and not pipelines:
+        raise ConfigError(f"{', '.join(given)} only apply to pipeline planners (elastic_pp, seq1f1b, batch_1f1b, "
+                          f"auto), not to {getattr(args, 'planner', None) or getattr(args, 'planners', '')}")
+
+
+def pipeline_options_from_args(args):
     from megatron_ext.planner.pipeline import PipelineOptions
 
-    if getattr(args, "time_limit", 1.0) <= 0:
-        raise ConfigError(f"--time-limit must be positive, got {args.time_limit}")
-    return PipelineOptions(pp=args.pp, sp=args.sp, b1_scale=args.b1_scale, memory_mb=args.memory_mb,
-                           recompute=args.recompute, ties=args.recompute_ties,
-                           time_limit=getattr(args, "time_limit", 1.0),
+    t = getattr(args, "time_limit", 1.0)
+    if not (math.isfinite(t) and t > 0):
+        raise ConfigError(f"--time-limit must be positive (seconds), got {t}")
+    return PipelineOptions(pp=args.pp, sp=args.sp, b1_scale=1.0 if args.b1_scale is None else args.b1_scale,
+                           recompute=args.recompute or "ilp", ties=args.recompute_ties or "best", time_limit=t,
                            pack_tokens=getattr(args, "max_seq_len", None))
 
 
@@ -67,7 +104,7 @@ def run_pp_plan(args, cost, lengths) -> int:
     from megatron_ext.planner.pipeline_api import make_pp_plan
     from megatron_ext.sim import simulate
 
-    opts = _pipeline_options(args)
+    opts = pipeline_options_from_args(args)
     drop = PlannerOptions(time_limit=opts.time_limit, drop_over_max=getattr(args, "drop_over_max", False),
                           max_seq_len=getattr(args, "max_seq_len", None))
     import dataclasses
@@ -78,7 +115,7 @@ def run_pp_plan(args, cost, lengths) -> int:
     if getattr(args, "json", False):
         print(plan.to_json(indent=1))
     else:
-        res = simulate(plan, lengths, cost, b1_scale=opts.b1_scale, memory_mb=opts.memory_mb, events=False)
+        res = simulate(plan, lengths, cost, b1_scale=opts.b1_scale, events=False)
         print(f"{plan.planner} plan for {len(lengths)} sequences ({int(lengths.sum()):,} tokens) of {cost.model.name} "
               f"on {cost.cluster.name} ({cost.num_gpus} GPUs)\n")
         print(describe_plan(plan, lengths, res))
@@ -86,6 +123,10 @@ def run_pp_plan(args, cost, lengths) -> int:
             print("\n" + pipeline_tables(plan, lengths, cost, opts.b1_scale))
     plot_if_asked(args, plan, lengths, cost)
     return 0
+
+
+def _count(n: int, word: str, plural: str = "s") -> str:
+    return f"{n} {word}{'' if n == 1 else plural}"
 
 
 def _chunk_kind(chunk, lengths) -> str:
@@ -150,7 +191,8 @@ def describe_plan(plan, lengths, result=None) -> str:
     simulated bubble, recompute and memory of ``result`` (a SimResult) if given."""
     lengths = np.asarray(lengths)
     if plan.kind == "flexsp":
-        lines = [f"{plan.planner} plan: FlexSP, {len(plan.micro_batches)} micro-batch(es); {plan.solver_status}"]
+        lines = [f"{plan.planner} plan: FlexSP, {_count(len(plan.micro_batches), 'micro-batch', 'es')}; "
+                 f"{plan.solver_status}"]
         for m, mb in enumerate(plan.micro_batches):
             degs: dict[int, list[int]] = {}
             for g in mb.groups:
@@ -158,7 +200,7 @@ def describe_plan(plan, lengths, result=None) -> str:
             lines.append(f"  micro-batch {m}: {mb.estimated_time_s:.3f} s; groups "
                          + ", ".join(f"{len(v)} x degree {d} ({sum(v)} seq)" for d, v in sorted(degs.items(), reverse=True)))
     else:
-        lines = [f"{plan.planner} plan: {len(plan.pipelines)} pipeline(s); {plan.solver_status}"]
+        lines = [f"{plan.planner} plan: {plan.solver_status}"]
     for i, p in enumerate(plan.pipelines):
         n = len(p.chunks)
         tok = [sum(x.end - x.start for x in c.pieces) for c in p.chunks]
@@ -170,9 +212,14 @@ def describe_plan(plan, lengths, result=None) -> str:
             first_b = next((j for j, op in enumerate(o) if op.startswith("B")), len(o))
             warm.append(first_b)
         rec = sum(sum(c.recompute_layers_per_stage) for c in p.chunks if c.recompute_layers_per_stage)
-        lines.append(f"  pipeline {i}: {p.stages} stages x SP {p.sp_degree}, {n} chunks ({kinds['split']} split, "
+        lines.append(f"  pipeline {i}: {_count(p.stages, 'stage')} x SP {p.sp_degree}, {_count(n, 'chunk')} "
+                     f"({kinds['split']} split, "
                      f"{kinds['hybrid']} hybrid, {kinds['batched']} batched), tokens per chunk {min(tok)}..{max(tok)}, "
                      f"warm-up per stage {warm}, recomputed layer-chunks {rec}")
+    if plan.dropped_seq_ids:
+        ids = plan.dropped_seq_ids
+        lines.append(f"dropped {_count(len(ids), 'sequence')} over the length limit "
+                     f"({int(lengths[ids].max()):,} tokens the longest): ids {ids[:10]}{' ...' if len(ids) > 10 else ''}")
     bound = "work bound" if plan.kind == "elastic_pp" else "lower bound"
     lines.append(f"estimated step time {plan.estimated_step_time_s:.3f} s ({bound} {plan.lower_bound_step_time_s:.3f} s), "
                  f"planned in {plan.solve_time_s * 1e3:.0f} ms")
@@ -204,9 +251,9 @@ def plot_if_asked(args, plan, lengths, cost) -> None:
 
     from megatron_ext.sim.plot import plot_plan
 
-    opts = _pipeline_options(args)
+    opts = pipeline_options_from_args(args)
     try:
-        plot_plan(plan, lengths, cost, path, b1_scale=opts.b1_scale, memory_mb=opts.memory_mb)
+        plot_plan(plan, lengths, cost, path, b1_scale=opts.b1_scale)
     except OSError as e:
         raise ConfigError(f"cannot write the plot to {path}: {e.strerror or e}") from None
     print(f"plot written to {path}", file=sys.stderr)
@@ -218,46 +265,75 @@ def add_simulate_command(sub, add_cost_args, cost_from_args, parse_tokens) -> No
 
     p = sub.add_parser("simulate", help="simulate many steps with every planner and compare them in one table")
     add_batch_source_args(p, default_dist="commoncrawl")
-    p.add_argument("--steps", type=int, default=5, help="steps with --dist (default 5)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=5, help="steps with --dist (default 5; ignored with --lengths)")
     p.add_argument("--max-seq-len", type=parse_tokens, metavar="L",
-                   help="max context, e.g. 48K (also the baselines' pack size)")
-    p.add_argument("--planners", default=",".join(DEFAULT_PLANNERS),
-                   help=f"comma-separated (default: {','.join(DEFAULT_PLANNERS)})")
-    p.add_argument("--main", default="elastic_pp", help="the planner whose speedups are reported")
-    p.add_argument("--time-limit", type=float, default=1.0, metavar="SEC", help="planning time limit per step")
+                   help="max context, e.g. 48K: the longest sampled sequence and the baselines' pack size "
+                        "(default: the longest every planner can run)")
+    p.add_argument("--drop-over-max", action="store_true",
+                   help="with --lengths: drop sequences over --max-seq-len (default: over what every planner can run) "
+                        "instead of failing")
+    p.add_argument("--planners", default="all",
+                   help=f"comma-separated planners to compare (default: all, i.e. {', '.join(DEFAULT_PLANNERS)})")
+    p.add_argument("--main", help="the planner the speedups are relative to (default: the first of --planners)")
+    p.add_argument("--time-limit", type=float, default=1.0, metavar="SEC", help="planning time limit per step (default 1)")
     p.add_argument("--json", action="store_true", help="rows, summary, compute floor and config as JSON")
     add_cost_args(p)
     add_pipeline_args(p)
 
     def cmd_simulate(args) -> int:
+        from megatron_ext.planner.pipeline_api import PP_PLANNERS
         from megatron_ext.sim.table import simulate_table
 
         if args.batch < 1 or args.steps < 1:
             raise ConfigError(f"--batch and --steps must be at least 1, got {args.batch} and {args.steps}")
+        planners = DEFAULT_PLANNERS if args.planners == "all" else tuple(x.strip() for x in args.planners.split(","))
+        check_args(args, pipelines=any(x in PP_PLANNERS for x in planners))
         cost = cost_from_args(args)
-        out = simulate_table(cost, lengths=read_lengths(args.lengths) if args.lengths else None, dist=args.dist,
-                             batch=args.batch, steps=args.steps, seed=args.seed, max_seq_len=args.max_seq_len,
-                             pp=args.pp, sp=args.sp, planners=tuple(x for x in args.planners.split(",") if x),
-                             main=args.main, options=_pipeline_options(args), time_limit=args.time_limit,
-                             keep_plans=bool(args.plot))
+        opts = pipeline_options_from_args(args)
+        lengths = None
+        if args.lengths:
+            lengths = _limited(read_lengths(args.lengths), args, cost, planners, opts)
+        out = simulate_table(cost, lengths=lengths, dist=args.dist, batch=args.batch, steps=args.steps, seed=args.seed,
+                             max_seq_len=args.max_seq_len, planners=planners, main=args.main, options=opts,
+                             time_limit=opts.time_limit, keep_plans=bool(args.plot))
         print(json.dumps({k: out[k] for k in ("config", "summary", "floor", "rows")}, indent=1) if args.json else out["table"])
         if args.plot:
             import sys
 
             from megatron_ext.sim.plot import plot_comparison
 
-            first = out["plans"].get(args.main)
+            main = out["config"]["main"]
+            first = out["plans"].get(main)
             if first is None:
-                raise ConfigError(f"--plot: {args.main} could not plan the first step, nothing to draw")
+                raise ConfigError(f"--plot: {main} could not plan the first step, nothing to draw")
             plan, lens = first
-            opts = _pipeline_options(args)
             try:
-                plot_comparison(plan, lens, cost, out["summary"], args.main, args.plot, out["config"]["source"],
-                                b1_scale=opts.b1_scale, memory_mb=opts.memory_mb)
+                plot_comparison(plan, lens, cost, out["summary"], main, args.plot, out["config"]["source"],
+                                b1_scale=opts.b1_scale)
             except OSError as e:
                 raise ConfigError(f"cannot write the plot to {args.plot}: {e.strerror or e}") from None
-            print(f"plot of {args.main}'s first step written to {args.plot}", file=sys.stderr)
+            print(f"plot of {main}'s first step written to {args.plot}", file=sys.stderr)
         return 0
 
     p.set_defaults(func=cmd_simulate)
+
+
+def _limited(lengths: np.ndarray, args, cost, planners, opts) -> np.ndarray:
+    """A lengths file's batch within ``--max-seq-len`` (default: what every planner can run), its
+    longer sequences dropped with ``--drop-over-max`` (a note on stderr says how many)."""
+    import sys
+
+    from megatron_ext.planner.pipeline_api import max_seq_len
+
+    limit = args.max_seq_len or min(max_seq_len(name, cost, opts) for name in planners)
+    over = lengths > limit
+    if not over.any():
+        return lengths
+    what = "--max-seq-len" if args.max_seq_len else "the longest every planner can run,"
+    if not args.drop_over_max:
+        raise LengthsError(f"{int(over.sum())} sequence(s) of {args.lengths} exceed {what} {limit} tokens "
+                           f"(longest {int(lengths.max())}); use --drop-over-max to drop them")
+    if over.all():
+        raise LengthsError(f"every sequence of {args.lengths} exceeds {what} {limit} tokens: nothing to simulate")
+    print(f"dropped {int(over.sum())} sequence(s) over {limit} tokens", file=sys.stderr)
+    return lengths[~over]

@@ -16,7 +16,7 @@ import numpy as np
 
 from megatron_ext.cost import CostModel
 from megatron_ext.data.lengths import sample_lengths
-from megatron_ext.errors import MegatronExtError
+from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.sim.simulator import simulate
 
 DEFAULT_PLANNERS = ("elastic_pp", "flexsp", "seq1f1b", "batch_1f1b", "static_ulysses", "auto")
@@ -36,13 +36,19 @@ def _plan(name: str, lengths: np.ndarray, cost: CostModel, pp, sp, options, time
 def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", cluster: str = "a800-80g-8x4",
                    lengths=None, dist: str = "commoncrawl", batch: int = 512, steps: int = 5, seed: int = 0,
                    max_seq_len: int | None = None, pp: int | None = None, sp: int | None = None,
-                   planners: tuple[str, ...] = DEFAULT_PLANNERS, main: str = "elastic_pp", options=None,
+                   planners: tuple[str, ...] = DEFAULT_PLANNERS, main: str | None = None, options=None,
                    b1_scale: float | None = None, time_limit: float = 1.0, keep_plans: bool = False) -> dict:
     """Returns {"rows": per step and planner, "summary": per planner, "table": printable text,
-    "config": what was run, "plans": {planner: (plan, lengths)} of the first step if ``keep_plans``}. ``lengths`` (one batch) overrides ``dist``/``batch``/``steps``.
-    ``options`` is a PipelineOptions for the pipeline planners (b1_scale, memory_mb, ...);
-    ``max_seq_len`` also sets the baselines' pack size (Megatron packs to the context length)."""
-    from megatron_ext.planner.pipeline import PipelineOptions, resolve_layout
+    "config": what was run, "plans": {planner: (plan, lengths)} of the first step if ``keep_plans``}.
+    ``lengths`` (one batch) overrides ``dist``/``batch``/``steps``. ``main`` (default: the first
+    planner) is the one the speedups are relative to. ``options`` is a PipelineOptions for the
+    pipeline planners (b1_scale, memory_mb, ...); ``max_seq_len`` (default: the longest every
+    planner can run) caps the sampled lengths and sets the baselines' pack size (Megatron packs to
+    the context length). A bad setup (unknown planner, a layout that cannot run) raises before
+    any planning; a step a planner cannot run is a row with its error."""
+    from megatron_ext.planner.api import PLANNERS
+    from megatron_ext.planner.pipeline import PipelineOptions, pipeline_cost, resolve_layout
+    from megatron_ext.planner.pipeline_api import PP_PLANNERS, max_seq_len as planner_max_seq_len
 
     cost = cost or CostModel.from_presets(model, cluster)
     opts = options or PipelineOptions()
@@ -51,14 +57,26 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
     opts = dataclasses.replace(opts, time_limit=time_limit)
     if max_seq_len is not None and opts.pack_tokens is None:
         opts = dataclasses.replace(opts, pack_tokens=int(max_seq_len))
-    pp, sp = resolve_layout(cost, pp if pp is not None else opts.pp, sp if sp is not None else opts.sp)
+    planners = tuple(dict.fromkeys(x for x in planners if x))
+    unknown = [x for x in planners if x not in PLANNERS and x not in PP_PLANNERS]
+    if not planners or unknown:
+        raise ConfigError(f"unknown planner(s) {', '.join(map(repr, unknown)) or '(none given)'}; choose from "
+                          f"{', '.join([*PLANNERS, *PP_PLANNERS])}")
+    main = main or planners[0]
     if main not in planners:
-        planners = (main,) + tuple(planners)
+        raise ConfigError(f"the main planner {main!r} is not among the planners ({', '.join(planners)})")
+    pp, sp = pp if pp is not None else opts.pp, sp if sp is not None else opts.sp
+    opts = dataclasses.replace(opts, pp=pp, sp=sp)
+    if any(x in PP_PLANNERS and (x != "auto" or pp is not None or sp is not None) for x in planners):
+        pipeline_cost(cost, pp, sp, opts)  # raises if the layout cannot run
+    if any(x in PLANNERS for x in planners):
+        cost.tokens_per_gpu  # raises if the model states leave FlexSP no room
+    pp, sp = resolve_layout(cost, pp, sp)
     if lengths is not None:
         batches = [np.asarray(lengths, dtype=np.int64)]
         source = f"{len(batches[0])} given lengths"
     else:
-        cap = max_seq_len or cost.max_seq_len
+        cap = max_seq_len or min(planner_max_seq_len(x, cost, opts) for x in planners)
         batches = [sample_lengths(dist, batch, seed + s, cap) for s in range(steps)]
         source = f"{dist}, batch {batch}, max length {cap:,}, {steps} step(s) from seed {seed}"
 
@@ -116,7 +134,7 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
                          if s.get("total_time_s") and floor_total > 0}}
     config = {"model": cost.model.name, "cluster": cost.cluster.name, "num_gpus": cost.num_gpus, "pp": pp, "sp": sp,
               "source": source, "b1_scale": opts.b1_scale, "memory_mb": opts.memory_mb or cost.cluster.memory_mb,
-              "time_limit": time_limit}
+              "time_limit": time_limit, "main": main}
     choices: dict[str, int] = {}
     for r in rows:
         if r["planner"] == "auto" and "error" not in r and r["status"].startswith("auto chose "):
@@ -145,9 +163,8 @@ def format_table(summary: list[dict], floor: dict, config: dict, main: str) -> s
         lines.append(f"{s['planner']:<16}{s['step_time_s']:>9.2f}{s['tokens_per_s']:>11,.0f}{s['bubble_ratio']:>8.1%}"
                      f"{s['recompute_ratio']:>8.1%}{s['peak_memory_gb']:>9.1f}{s['solve_time_s'] * 1e3:>9.0f}"
                      f"{s['max_solve_time_s'] * 1e3:>8.0f}{sp_txt:>22}{fail}")
-    sp = floor[f"speedup_of_{main}"]
     lines.append(f"{'(compute floor)':<16}{floor['step_time_s']:>9.2f}{floor['tokens_per_s']:>11,.0f}{'-':>8}{'-':>8}"
-                 f"{'-':>9}{'-':>9}{'-':>8}{'-' if sp is None else f'{sp:.2f}x':>22}")
+                 f"{'-':>9}{'-':>9}{'-':>8}{'-':>22}")
     if floor["ceiling"]:
         lines += ["", "no plan is faster than the compute floor; the most any plan could gain: "
                   + ", ".join(f"{v:.2f}x over {k}" for k, v in floor["ceiling"].items())]

@@ -189,6 +189,58 @@ def test_config_errors(capsys, argv, match):
     assert_one_line_error(*run(capsys, "plan", "--dist", "wikipedia", "--batch", "8", *argv), match)
 
 
+
+SMALL = ["--model", "llama-7b", "--cluster", "a800-80g-8x1"]  # one node of 8 GPUs, 32 layers
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["plan", "--planner", "flexsp", "--pp", "4"], "--pp only apply to pipeline planners"),
+    (["plan", "--planner", "flexsp", "--recompute", "none", "--b1-scale", "0.5"], "--b1-scale, --recompute only"),
+    (["plan", "--planner", "elastic_pp", "--plot", "out.txt"], "must end in .png, .pdf, .svg"),
+    (["plan", "--planner", "elastic_pp", "--seed", "-1"], "--seed must be non-negative"),
+    (["plan", "--planner", "elastic_pp", "--b1-scale", "inf"], "b1_scale must be a non-negative number"),
+    (["plan", "--planner", "elastic_pp", "--time-limit", "nan"], "--time-limit must be positive"),
+    (["plan", "--planner", "auto", "--pp", "3"], "pipeline degree 3 does not divide the 32 layers"),
+    (["plan", "--planner", "magic"], "elastic_pp, batch_1f1b, seq1f1b, auto"),
+    (["plan", "--planner", "elastic_pp", "--memory-mb", "100"], "below the model states of a stage"),
+    (["simulate", "--planners", "flexsp,nope"], "unknown planner(s) 'nope'"),
+    (["simulate", "--planners", "flexsp", "--main", "elastic_pp"], "main planner 'elastic_pp' is not among"),
+    (["simulate", "--planners", "elastic_pp", "--pp", "3"], "pipeline degree 3 does not divide"),
+    (["simulate", "--planners", "flexsp", "--sp", "2"], "--sp only apply to pipeline planners"),
+    (["simulate", "--steps", "0"], "--batch and --steps must be at least 1"),
+])
+def test_pipeline_and_simulate_config_errors(capsys, argv, match):
+    assert_one_line_error(*run(capsys, argv[0], *FAST, *SMALL, "--batch", "8", *argv[1:]), match)
+
+
+def test_memory_budget_and_length_limits_apply_to_every_planner(capsys, tmp_path):
+    """--memory-mb is the budget of FlexSP and its baselines too; pipeline planners drop what no
+    layout can run with --drop-over-max; simulate refuses (or drops) lengths over --max-seq-len."""
+    cap = CostModel.from_presets("llama-7b", "a800-80g-8x1").with_memory(20000).max_seq_len  # FlexSP's longest
+    f = write(tmp_path, "over.txt", f"{cap + 2000}\n3000\n200\n")
+    code, out, _ = run(capsys, "plan", "--planner", "elastic_pp", *SMALL, "--lengths", f, "--memory-mb", "20000", *FAST)
+    assert code == 0 and "(budget 19.5 GB)" in out  # 2 stages of SP 4 slice it; FlexSP cannot hold it
+    flex = next(line for line in out.splitlines() if line.strip().startswith("vs flexsp"))
+    assert "infeasible" in flex and f"at most {cap} tokens" in flex
+    f = write(tmp_path, "huge.txt", "100000000\n5000\n3000\n")
+    code, out, _ = run(capsys, "plan", "--planner", "elastic_pp", *SMALL, "--lengths", f, "--drop-over-max",
+                       "--no-baselines", *FAST)
+    assert code == 0 and "dropped 1 sequence over the length limit" in out and "ids [0]" in out
+    assert_one_line_error(*run(capsys, "plan", "--planner", "elastic_pp", *SMALL, "--lengths", f, *FAST),
+                          "use --drop-over-max")
+    long = write(tmp_path, "long.txt", "60000\n3000\n200\n")
+    assert_one_line_error(*run(capsys, "simulate", *SMALL, "--lengths", long, "--max-seq-len", "48K",
+                               "--planners", "elastic_pp,flexsp", *FAST), "exceed --max-seq-len 49152")
+    code, out, err = run(capsys, "simulate", *SMALL, "--lengths", long, "--max-seq-len", "48K", "--drop-over-max",
+                         "--planners", "flexsp,elastic_pp", *FAST)
+    assert code == 0 and "dropped 1 sequence(s)" in err and "2 given lengths" in out and "flexsp speedup" in out
+
+
+def test_one_node_pipelines_default_to_two_stages(capsys):
+    code, out, _ = run(capsys, "plan", "--planner", "elastic_pp", *SMALL, "--dist", "github", "--batch", "16",
+                       "--no-baselines", *FAST)
+    assert code == 0 and "2 stages x SP 4" in out
+
 def test_cluster_yaml_with_three_nodes(capsys, tmp_path):
     f = write(tmp_path, "three.yaml", "num_nodes: 3\ngpus_per_node: 8\nmemory_gb: 28\n"
                                       "a2a_bandwidth_gbps: {2: 100.0, 8: 90.0, 16: 10.0}\n")

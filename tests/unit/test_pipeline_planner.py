@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_ext.cost import CostModel
-from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError
+from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError, MegatronExtError
 from megatron_ext.plan import StepPlan, validate
 from megatron_ext.plan.pipelines import validate_pipelines
 from megatron_ext.planner import PlannerOptions
@@ -164,8 +164,18 @@ def test_simulate_table_small():
     for s in out["summary"]:
         assert floor["ceiling"][s["planner"]] >= 1.0
         assert floor["ceiling"][s["planner"]] == pytest.approx(s["total_time_s"] / sum(want), rel=1e-9)
-    one = simulate_table(small, lengths=[3000, 200, 100, 50], pp=2, sp=4, planners=("flexsp",))
-    assert [s["planner"] for s in one["summary"]] == ["elastic_pp", "flexsp"]
+    # the planners as given (duplicates once), the first the main one unless named
+    one = simulate_table(small, lengths=[3000, 200, 100, 50], planners=("flexsp", "static_ulysses", "flexsp"))
+    assert [s["planner"] for s in one["summary"]] == ["flexsp", "static_ulysses"] and one["config"]["main"] == "flexsp"
+    assert "flexsp speedup" in one["table"]
+    # a bad setup fails before any planning, naming what is wrong
+    for kw, msg in ((dict(planners=("flexsp", "nope")), "unknown planner.*'nope'"),
+                    (dict(planners=("flexsp",), main="elastic_pp"), "main planner 'elastic_pp' is not among"),
+                    (dict(planners=("elastic_pp",), pp=3), "pipeline degree 3 does not divide"),
+                    (dict(planners=("elastic_pp",), b1_scale=-1.0), "b1_scale must be a non-negative"),
+                    (dict(planners=("flexsp",), cost=small.with_memory(100)), "exceed the 100 MB")):
+        with pytest.raises(MegatronExtError, match=msg):
+            simulate_table(**{"cost": small, "lengths": [3000, 200], **kw})
 
 
 def test_tight_memory_plans_recompute_or_split_into_pipelines():
