@@ -147,16 +147,40 @@ def _title(plan: StepPlan, cost: CostModel, lengths: np.ndarray, layout: str, re
     if plan.planner == "auto" and plan.solver_status.startswith("auto chose "):
         who = plan.solver_status.split(");", 1)[0] + ")"  # e.g. "auto chose flexsp (12.55 s; vs ...)"
     head = (f"{who}{chr(10) if who != (plan.planner or plan.kind) else ': '}{cost.model.name} on {cost.cluster.name} "
-            f"({cost.num_gpus} GPUs), {layout}; {len(kept)} sequences, {int(lengths[kept].sum()):,} tokens")
-    rec = f", recompute {res.recompute_ratio:.1%}" if res.recompute_ratio > 0 else ""
+            f"({cost.num_gpus} GPUs), {layout}; {_plural(len(kept), 'sequence')}, {int(lengths[kept].sum()):,} tokens")
+    rec = f", recompute {_percent(res.recompute_ratio, 1)}" if res.recompute_ratio > 0 else ""
     unit, div = ("GB", 1024.0) if res.budget_mb >= 2048 else ("MB", 1.0)
+    # peak and budget to the same precision: "29.3 of 29 GB" would read as over budget
     return (f"{head}\nstep time {res.step_time_s:.2f} s, bubble (idle GPU time) {res.bubble_ratio:.1%}{rec}, peak memory "
-            f"{res.max_peak_memory_mb / div:.1f} of {res.budget_mb / div:.0f} {unit} per GPU\n{detail}")
+            f"{res.max_peak_memory_mb / div:.1f} of {res.budget_mb / div:.1f} {unit} per GPU\n{detail}")
 
 
 def _tokens(n: float) -> str:
-    """A length as --max-seq-len writes it: 512, 1K, 32K (K = 1024 tokens)."""
-    return f"{n / 1024:.3g}K" if n >= 1024 else f"{n:.0f}"
+    """A length as --max-seq-len writes it: 512, 1K, 32K, 1M (K = 1024 tokens, M = 1024K)."""
+    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size:
+            x = n / size  # 3 significant digits, but no exponent from 1000K to 1023K
+            return f"{x:.3g}{unit}" if x < 1000 else f"{x:.0f}{unit}"
+    return f"{n:.0f}"
+
+
+def _percent(x: float, digits: int = 0) -> str:
+    """A share as a percentage with ``digits`` decimals, one more where that would round a nonzero share
+    to 0% (or a partial one to 100%): 12%, 0.2%, <0.1%, 99.8%."""
+    text = f"{x:.{digits}%}"
+    if 0 < x < 1 and float(text[:-1]) in (0, 100):
+        text = f"{x:.{digits + 1}%}"
+        step = 10.0 ** -(digits + 1)
+        if float(text[:-1]) == 0:
+            return f"<{step:g}%"
+        if float(text[:-1]) == 100:
+            return f">{100 - step:g}%"
+    return text
+
+
+def _plural(n: int, noun: str, plural: str = "") -> str:
+    """'1 sequence', '3 sequences'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
 
 
 def _length_hist(plan: StepPlan, lengths: np.ndarray, keys, choices: dict[int, tuple[str, str]],
@@ -183,8 +207,9 @@ def _tail(lengths: np.ndarray, edges: np.ndarray) -> str:
         long = lengths >= e
         share = lengths[long].sum() / max(1, lengths.sum())
         if share >= 0.5:
-            return (f"the {long.sum()} sequences of {_tokens(e)}+ tokens ({long.mean():.0%} of them) hold "
-                    f"{share:.0%} of the tokens")
+            n = int(long.sum())
+            return (f"the {_plural(n, 'sequence')} of {_tokens(e)}+ tokens ({_percent(long.mean())} of them) "
+                    f"{'holds' if n == 1 else 'hold'} {_percent(share)} of the tokens")
     return ""  # pragma: no cover - the first edge is at most the shortest length, so share is 1 there
 
 
@@ -222,13 +247,13 @@ def _pipeline_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: Si
     split = sorted((k for k in colors if k is not None), key=lambda s: (-int(lengths[s]), s))
     slices = {s: sum(1 for k in keys.values() if k == s) for s in split}
     packed = sum(1 for k in keys.values() if k is None)
-    cut = "1 sequence" if len(split) == 1 else f"{len(split)} sequences"
     if split:
-        detail = (f"{n_chunks} chunks: {sum(slices.values())} hold a piece of {cut} cut across chunks (coloured), "
-                  f"{packed} hold only whole sequences (grey); each chunk runs forward (F) then backward (B) on "
-                  f"every stage")
+        detail = (f"{n_chunks} chunks: {sum(slices.values())} hold a piece of {_plural(len(split), 'sequence')} cut "
+                  f"across chunks (coloured), {packed} {'holds' if packed == 1 else 'hold'} only whole sequences "
+                  f"(grey); each chunk runs forward (F) then backward (B) on every stage")
     else:
-        detail = f"{n_chunks} chunks of whole sequences; each chunk runs forward (F) then backward (B) on every stage"
+        detail = (f"{_plural(n_chunks, 'chunk')} of whole sequences; each chunk runs forward (F) then backward (B) "
+                  f"on every stage")
     # the shades in grey, each colour as a two-tone (forward | backward) swatch: "B" and "grey" differ
     grey = PACKED_COLOR
     legend = [("F: forward (light shade)", _lighten(grey), ""), ("B: backward (full shade)", grey, "")]
@@ -305,10 +330,10 @@ def _flexsp_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: SimR
         memory.append((name, step_t, np.repeat(agg, 2)[:-1]))
     colors = {d: DEGREE_COLORS.get(d, DEGREE_COLORS[128]) for d in degrees}
     legend = [(f"SP group of degree {d}", colors[d], "") for d in sorted(degrees)]
-    layout = f"{len(plan.micro_batches)} micro-batches"
+    layout = _plural(len(plan.micro_batches), "micro-batch", "micro-batches")
     n_groups = sum(len(mb.groups) for mb in plan.micro_batches)
-    detail = (f"{n_groups} Ulysses SP groups; each box is one group: its GPUs (rows) busy with its sequences for the "
-              f"group's time; a micro-batch ends with its slowest group")
+    detail = (f"{_plural(n_groups, 'Ulysses SP group')}; each box is one group: its GPUs (rows) busy with its "
+              f"sequences for the group's time; a micro-batch ends with its slowest group")
     hist = _length_hist(plan, lengths, degree_of, {d: (f"degree {d}", colors[d]) for d in degrees},
                         "the degree of the SP group each ran in")
     return PlotData("flexsp", _title(plan, cost, lengths, layout, res, detail), n, [f"GPU {r}" for r in range(n)], boxes,
@@ -328,19 +353,20 @@ def _pyplot():
     return plt
 
 
-def _draw_timeline(ax, data: PlotData, fig_width_px: float) -> None:
+def _draw_timeline(ax, data: PlotData, fig_width_px: float):
+    """Draw the boxes; returns what fits their labels once the figure's layout is final."""
     from matplotlib.colors import to_rgb
     from matplotlib.legend_handler import HandlerTuple
     from matplotlib.patches import Patch, Rectangle
 
     span = max(data.step_time_s, 1e-9)
     px_per_s = fig_width_px * 0.72 / span  # the axes' width once tight_layout has made room for the legend
-    px_per_row = ax.get_window_extent().height / data.rows  # 64 GPUs: a degree-1 group is too thin for text
     px_per_pt = ax.figure.dpi / 72
 
     def fits(text, size, px):  # DejaVu Sans: about 0.65 em per character
         return px >= len(text) * size * 0.65 * px_per_pt + 3
 
+    labels = []
     for b in data.boxes:
         base = data.colors.get(b.key, PACKED_COLOR)
         face = _lighten(base) if b.kind == "F" else base
@@ -351,16 +377,13 @@ def _draw_timeline(ax, data: PlotData, fig_width_px: float) -> None:
                         edgecolor="black" if b.kind != "G" else "white", linewidth=0.3, hatch=hatch,
                         zorder=1.5 if b.kind == "R" else 1)  # over the start of its backward when widened
         ax.add_patch(box)
-        if b.kind == "R" or b.height * px_per_row < 12:
+        if b.kind == "R":
             continue
-        # the label, else the chunk id alone and smaller, if it fits; clipped to its box, never on a neighbour
-        for text, size in ((b.label, 7), (b.label.lstrip("FB"), 6)):
-            if fits(text, size, b.width_s * px_per_s):
-                r, g, bl = to_rgb(face)
-                label = ax.text(b.start_s + b.width_s / 2, b.row + b.height / 2, text, ha="center", va="center",
-                                fontsize=size, color="white" if 0.299 * r + 0.587 * g + 0.114 * bl < 0.5 else "black")
-                label.set_clip_path(box)
-                break
+        # the label, else the chunk id alone and smaller (the shade tells F from B), else none: see _fit_labels
+        r, g, bl = to_rgb(face)
+        label = ax.text(b.start_s + b.width_s / 2, b.row + b.height / 2, "", ha="center", va="center",
+                        color="white" if 0.299 * r + 0.587 * g + 0.114 * bl < 0.5 else "black")
+        labels.append((label, box, [(b.label, 7), (b.label.lstrip("FB"), 6)]))
     if data.marks:  # named above the plot (the time ticks are below); just the number where crowded
         times = [t for t, _ in data.marks]
         ends = times[1:] + [span * 1.01]
@@ -390,9 +413,28 @@ def _draw_timeline(ax, data: PlotData, fig_width_px: float) -> None:
         return Patch(facecolor=c, edgecolor="black", linewidth=0.3, hatch=h or None)
 
     handles = [tuple(swatch(x, h) for x in c) if isinstance(c, list) else swatch(c, h) for _, c, h in data.legend]
-    title = "boxes" if data.kind == "elastic_pp" else "boxes: one per SP group\n(its sequences' time)"
+    title = "boxes (narrow ones: chunk id alone)" if data.kind == "elastic_pp" else \
+        "boxes: one per SP group\n(its sequences' time)"
     ax.legend(handles=handles, labels=[t for t, _, _ in data.legend], handler_map={tuple: HandlerTuple(None, pad=0)},
               loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False, title=title, title_fontsize=8)
+    return lambda: _fit_labels(ax, labels)
+
+
+def _fit_labels(ax, labels) -> None:
+    """Give each box the first of its texts that fits inside it, width and height (a degree-1 group of
+    64 GPUs is too thin for any), measured on the final layout, else remove its label: a label is whole
+    or absent, never spilling onto a neighbour (``ax.text`` is not clipped) nor cut short."""
+    renderer = ax.figure.canvas.get_renderer()
+    for label, box, texts in labels:
+        room = box.get_window_extent(renderer)
+        for text, size in texts:
+            label.set_text(text)
+            label.set_fontsize(size)
+            ext = label.get_window_extent(renderer)
+            if ext.width + 3 <= room.width and ext.height <= room.height:
+                break
+        else:
+            label.remove()
 
 
 def _draw_memory(ax, data: PlotData) -> None:
@@ -405,7 +447,7 @@ def _draw_memory(ax, data: PlotData) -> None:
         ax.plot(t, gb * f, label=label, color=cmap(i / max(1, n - 1) * 0.85), linewidth=1.1, zorder=3)
     # a wide pale band behind the curves: a peak right at the budget stays visible on it
     ax.axhline(data.budget_gb * f, color="#d62728", alpha=0.35, linestyle="--", linewidth=3.5, zorder=2,
-               label=f"budget {data.budget_gb * f:.0f} {unit}")
+               label=f"budget {data.budget_gb * f:.1f} {unit}")  # as precise as the title's peak
     ax.set_xlim(0, max(data.step_time_s, 1e-9) * 1.01)
     top = max([data.budget_gb] + [float(gb.max()) for _, _, gb in data.memory if len(gb)]) * f
     ax.set_ylim(0, top * 1.08)
@@ -473,9 +515,11 @@ def draw(data: PlotData, path=None, *, extra=None):
     heights = [h for h, _ in panels]
     fig, axes = plt.subplots(len(heights), 1, figsize=(15, sum(heights) + 1.2),
                              gridspec_kw={"height_ratios": heights})
-    for ax, (_, fill) in zip(axes, panels):
-        fill(ax)
+    finish = [fill(ax) for ax, (_, fill) in zip(axes, panels)]
     fig.tight_layout()
+    for f in finish:  # what needs the final layout (the timeline's labels)
+        if f:
+            f()
     if path is not None:
         fig.savefig(path, dpi=110)
         plt.close(fig)

@@ -12,8 +12,9 @@ from megatron_ext.plan import StepPlan
 from megatron_ext.planner import PlannerOptions, make_plan
 from megatron_ext.planner.pipeline import build_pipeline, plan_elastic_pp
 from megatron_ext.sim import simulate
-from megatron_ext.sim.plot import (DEGREE_COLORS, DROPPED_COLOR, PACKED_COLOR, SEQ_COLORS, SEQ_HATCHES, _lighten, draw,
-                                   plot_comparison, plot_data, plot_plan)
+from megatron_ext.sim.plot import (DEGREE_COLORS, DROPPED_COLOR, PACKED_COLOR, SEQ_COLORS, SEQ_HATCHES, LengthHist,
+                                   _draw_hist, _lighten, _percent, _pyplot, _tail, _tokens, draw, plot_comparison,
+                                   plot_data, plot_plan)
 
 COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -113,7 +114,7 @@ def test_flexsp_length_histogram_by_degree():
         assert label == f"degree {degree[i]}" and color == data.colors[degree[i]]
     assert hist.edges[hist.bucket[0]] == 32768 and hist.edges[hist.bucket[-1]] == 64
     # the longest buckets holding half the tokens: 60000 alone holds 60000 / 96900
-    assert "the 1 sequences of 32K+ tokens (12% of them) hold 62% of the tokens" in hist.title
+    assert "the 1 sequence of 32K+ tokens (12% of them) holds 62% of the tokens" in hist.title
 
 
 def test_pipeline_length_histogram_by_slices():
@@ -241,6 +242,67 @@ def test_timeline_labels_do_not_collide():
     assert not _overlaps([t.get_window_extent(renderer) for t in texts])
     # recompute boxes are drawn wide enough to see
     assert all(p.get_window_extent().width >= 4 for p in ax.patches if p.get_hatch() == "////")
+
+
+def test_token_counts_read_like_max_seq_len():
+    assert [_tokens(2 ** k) for k in (9, 10, 11, 19, 20, 21)] == ["512", "1K", "2K", "512K", "1M", "2M"]
+    assert _tokens(12000) == "11.7K" and _tokens(1.5 * 2 ** 20) == "1.5M"
+    assert _tokens(1023 * 1024) == "1023K" and _tokens(1000) == "1000"  # never an exponent
+
+
+def test_histogram_ticks_are_powers_of_two_in_k_and_m():
+    lengths = np.array([1024, 5000, 300_000, 2 ** 20 + 5])
+    hist = LengthHist(2.0 ** np.arange(10, 22), lengths, np.zeros(4, dtype=np.int64), [("all", "grey")], "t")
+    plt = _pyplot()
+    fig, ax = plt.subplots()
+    _draw_hist(ax, hist)
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    plt.close(fig)
+    assert labels == [f"{2 ** k}K" for k in range(10)] + ["1M", "2M"]
+
+
+def test_shares_never_round_to_0_or_100_percent():
+    assert [_percent(x) for x in (0, 0.12, 0.004, 0.002, 0.0004, 0.996, 0.9996, 1)] == \
+        ["0%", "12%", "0.4%", "0.2%", "<0.1%", "99.6%", ">99.9%", "100%"]
+    assert _percent(0.0004, 1) == "0.04%" and _percent(0.00004, 1) == "<0.01%" and _percent(0.038, 1) == "3.8%"
+
+
+def test_tail_wording():
+    one = np.array([600_000] + [1000] * 511)  # one sequence of 512 holds 54% of the tokens
+    edges = 2.0 ** np.arange(9, 21)
+    assert _tail(one, edges) == "the 1 sequence of 512K+ tokens (0.2% of them) holds 54% of the tokens"
+    two = np.array([600_000, 600_000] + [1000] * 510)
+    assert _tail(two, edges) == "the 2 sequences of 512K+ tokens (0.4% of them) hold 70% of the tokens"
+
+
+def test_title_gives_peak_and_budget_the_same_precision():
+    cost, lengths, plan = _pipeline_plan("none")
+    title = plot_data(plan, lengths, cost, memory_mb=30000).title
+    assert "of 29.3 GB per GPU" in title  # 30000 MB: not "29.3 of 29 GB", which reads as over budget
+    assert "3 chunks: 2 hold a piece of 1 sequence cut across chunks (coloured), 1 holds only whole" in title
+
+
+def test_box_labels_are_whole_and_inside_their_box():
+    """Chunks from 60K tokens down to 200 (64 of them): wide boxes get "F3", narrower ones the chunk id alone,
+    the narrowest none; no label is cut short or wider than its box."""
+    cost = CostModel.from_presets("llama-7b", "a800-80g-8x4")
+    pc = PipelineCost(cost, 2, 16)
+    sizes = [60000, 30000, 12000, 6000] + [200] * 60
+    built = build_pipeline([[(s, 0, n)] for s, n in enumerate(sizes)], pc, "none")
+    data = plot_data(StepPlan(kind="elastic_pp", num_gpus=32, planner="test", pipelines=[built.to_pipeline(pc)]),
+                     np.array(sizes), cost)
+    fig = draw(data)
+    ax = fig.axes[0]
+    renderer = fig.canvas.get_renderer()
+    boxes = [p.get_window_extent(renderer) for p in ax.patches]
+    texts = {t.get_text() for t in ax.texts}
+    assert {"F0", "B0"} <= texts and any(t.isdigit() for t in texts) and len(ax.texts) < data.count("F") * 2
+    assert texts <= {b.label for b in data.boxes} | {b.label[1:] for b in data.boxes}
+    for t in ax.texts:
+        ext = t.get_window_extent(renderer)
+        box = next(b for b in boxes if b.contains((ext.x0 + ext.x1) / 2, (ext.y0 + ext.y1) / 2))
+        assert box.x0 < ext.x0 and ext.x1 < box.x1 and box.y0 <= ext.y0 and ext.y1 <= box.y1, t.get_text()
+    _pyplot().close(fig)
 
 
 def test_histogram_marks_are_in_the_legend():
