@@ -18,11 +18,18 @@ Given the sequences of one pipeline and a target chunk time ``T_t`` (stage milli
 
 When ``T_t`` is at least the longest sequence's time nothing is split and short sequences are
 packed up to ``T_t``. The planner (planner/pipeline.py) searches ``T_t`` (and so K).
+
+``max_slice_tokens`` (when memory binds): no slice holds more tokens than this. The mesh is then
+cut greedily from the start: each slice ends at the equal-time point or after
+``max_slice_tokens`` tokens, whichever comes first (``capped_mesh``), so the early slices, which
+hold the most tokens, are shortened without cutting the rest finer; equal-time slicing would
+need about (s_max / max_slice_tokens)^2 slices for the same cap where attention dominates.
 """
 from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,9 +67,39 @@ def slice_mesh(s_max: int, slices: int, pc: PipelineCost, granularity: int = 1) 
     return np.unique(x)
 
 
+def capped_mesh(seq_len: int, step_ms: float, pc: PipelineCost, granularity: int, max_tokens: int) -> np.ndarray:
+    """Interior cut points of a sequence of ``seq_len`` tokens: slices of ``step_ms`` of time
+    each, except that none holds more than ``max_tokens`` tokens. A step holds fewer tokens the
+    later it starts (causal attention), so the cap binds at the start only: slices of exactly
+    the cap up to the first point x* whose step holds at most the cap (less one granule, so that
+    rounding keeps it), then equal-time steps from x*. Cut points on multiples of
+    ``granularity``, at least one multiple apart."""
+    g = max(1, int(granularity))
+    cap = max(g, int(max_tokens) // g * g)
+    n = max(1, -(-int(seq_len) // cap))
+    x = np.arange(n, dtype=np.int64) * cap  # candidate starts of capped slices
+    reach = pc.prefix_tokens(pc.prefix_ms(x.astype(np.float64)) + step_ms) - x  # tokens of a step from x
+    free = np.flatnonzero(reach <= cap - g) if cap > g else np.flatnonzero(reach <= cap)
+    i = int(free[0]) if free.size else n
+    head = x[1:i + 1] if i < n else x[1:]
+    if i >= n:
+        return head[head < seq_len]
+    x0 = float(x[i])
+    t0 = float(pc.prefix_ms(x0))
+    m = int(math.ceil((float(pc.prefix_ms(seq_len)) - t0) / max(step_ms, 1e-12))) + 1
+    tail = np.round(pc.prefix_tokens(t0 + step_ms * np.arange(1, m + 1)) / g).astype(np.int64) * g
+    tail = tail[(tail > x0) & (tail < seq_len)]
+    return np.unique(np.concatenate([head[head < seq_len], tail]))
+
+
 def balanced_chunks(seq_ids, lengths, pc: PipelineCost, target_ms: float, token_cap: float = math.inf,
-                    granularity: int = 1, fit: str = "best", min_tail: int = 0) -> Chunking:
-    """Algorithm 1 for one pipeline's sequences at chunk time target ``target_ms``."""
+                    granularity: int = 1, fit: str = "best", min_tail: int = 0,
+                    max_slice_tokens: int | Callable[[int], int | None] | None = None) -> Chunking:
+    """Algorithm 1 for one pipeline's sequences at chunk time target ``target_ms``. With
+    ``max_slice_tokens`` (tokens, or a function of a sequence's length giving its cap, None for
+    none), no slice longer than that (``capped_mesh``; ``token_cap`` then caps the buckets only);
+    with a function, every long sequence is cut on its own capped mesh (same time step), so only
+    those that need it are cut finely."""
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
     if seq_ids.size == 0:
@@ -73,12 +110,25 @@ def balanced_chunks(seq_ids, lengths, pc: PipelineCost, target_ms: float, token_
     t_max = float(pc.prefix_ms(s_max))
     target_ms = max(float(target_ms), 1e-9)
     slices = max(1, math.ceil(t_max / target_ms - 1e-9))
-    # the largest slice (the first) must respect the token cap too
-    while slices < s_max and pc.prefix_tokens(t_max / slices) > token_cap:
-        slices += 1
-    mesh = slice_mesh(s_max, slices, pc, granularity)
-    slices = len(mesh) + 1
-    cap_ms = t_max / slices if slices > 1 else max(target_ms, t_max)
+    cap_of = None
+    if max_slice_tokens is not None:
+        cap_of = max_slice_tokens if callable(max_slice_tokens) else (lambda s, c=max_slice_tokens: c)
+
+        def own_mesh(s: int) -> np.ndarray:  # (the slices' cap is max_slice_tokens, not token_cap)
+            c = cap_of(s)
+            return capped_mesh(s, t_max / slices, pc, granularity, s if c is None else min(c, s))
+
+        mesh = own_mesh(s_max)
+        bounds = np.concatenate([[0], mesh, [s_max]])
+        slices = len(mesh) + 1
+        cap_ms = float(np.max(np.diff(pc.prefix_ms(bounds)))) if slices > 1 else max(target_ms, t_max)
+    else:
+        # the largest slice (the first) must respect the token cap too
+        while slices < s_max and pc.prefix_tokens(t_max / slices) > token_cap:
+            slices += 1
+        mesh = slice_mesh(s_max, slices, pc, granularity)
+        slices = len(mesh) + 1
+        cap_ms = t_max / slices if slices > 1 else max(target_ms, t_max)
     first_cut = int(mesh[0]) if mesh.size else s_max + 1
 
     split_chunks: list[list[Pieces]] = []  # per long sequence, its full slices
@@ -91,8 +141,10 @@ def balanced_chunks(seq_ids, lengths, pc: PipelineCost, target_ms: float, token_
         if s <= first_cut:
             short.append(sid)
             continue
-        cuts = [int(x) for x in mesh if x < s]
-        if min_tail and cuts and s - cuts[-1] < min_tail:
+        cuts = [int(x) for x in (mesh if cap_of is None or s == s_max or not callable(max_slice_tokens)
+                                 else own_mesh(s)) if x < s]
+        if min_tail and cuts and s - cuts[-1] < min_tail and (
+                cap_of is None or s - (cuts[-2] if len(cuts) > 1 else 0) <= (cap_of(s) or s)):
             cuts.pop()  # a tiny tail joins the previous slice
         bounds = [0] + cuts + [s]
         full = [[(sid, bounds[j], bounds[j + 1])] for j in range(len(bounds) - 2)]

@@ -1,20 +1,30 @@
 """Elastic pipeline parallelism (InfiniPipe, PAPERS.md section 2): the elastic_pp planner.
 
 ``plan_elastic_pp(lengths, cost, pp, sp)``:
+0. Feasibility: each of the longest sequences must fit alone at the finest slicing
+   (``finest_slice``: ``granularity``-token slices, at most ``MAX_SLICES``; every layer
+   recomputed; ``sequence_peak_mb``, the simulator's peak, worst on the last stage, which also
+   keeps every slice's logits). Otherwise the error says how long a sequence may be
+   (``longest_sequence``) and what else to change.
 1. Grouping: the sequences, longest first, are cut into one or more consecutive groups, each run
    as its own 1F1B pipeline, one after another, by the DP
    ``dp[j] = min_i dp[i] + T(i..j)`` with T an analytic estimate (work, per-chunk fixed cost,
-   warm-up/cool-down of P - 1 chunks, recompute forced by the stage-0 memory). When memory binds,
-   "the longest sequence in a pipeline of its own" is tried too. The one-pipeline plan is always
-   built; the fastest grouping (simulated) wins.
+   warm-up/cool-down of P - 1 chunks, recompute forced by the stage-0 memory); past
+   ``GROUP_BLOCKS`` sequences the DP runs over that many contiguous blocks of them. When memory
+   binds, "the longest sequence in a pipeline of its own" is tried too. The one-pipeline plan is
+   always built; the fastest grouping (simulated) wins.
 2. Chunking per pipeline (planner/chunking.py): the target chunk time (and so K) and the chunk
-   token cap are searched, likeliest first (at most ``search_targets`` per cap; the time limit
-   is a guard); each candidate is chunked, given a warm-up/cool-down ramp (a few small chunks of
-   whole short sequences first and last, ``chunking.ramp_chunks``), ordered, given greedy
-   recompute and simulated; the fastest wins. At the winning target the other ramps (and none)
-   and the other order are tried. Packed-slice chunkings (packs of the context length or 1-2x
-   the longest sequence, cut into k equal-compute slices) are candidates too, so elastic_pp can
-   always pick the Seq1F1B chunking.
+   token cap are searched, likeliest first (at most ``search_targets`` per cap); each candidate
+   is chunked, given a warm-up/cool-down ramp (a few small chunks of whole short sequences first
+   and last, ``chunking.ramp_chunks``), ordered, given greedy recompute and simulated; the
+   fastest wins. At the winning target the other ramps (and none) and the other order are tried.
+   Packed-slice chunkings (packs of the context length or 1-2x the longest sequence, cut into k
+   equal-compute slices) are candidates too, so elastic_pp can pick the Seq1F1B chunking. When no
+   equal-time slicing into slices of at least ``min_slice_tokens`` lets the longest sequence fit
+   (or none of those candidates fits), each long sequence's slices are token-capped as much as
+   it needs to fit alone (``_fit_cap``, ``chunking.capped_mesh``); if still nothing fits, ever
+   finer slices and smaller chunks are tried, down to the finest slicing. No candidate holds
+   more than ``MAX_CHUNKS`` chunks.
 3. Order (``order``): forward order = the ramp's small chunks, each long sequence's slices then
    its hybrid tail chunk (longest first), batched chunks slowest first, the cool-down ramp;
    backward order = the forward order with each split sequence's chunks reversed. Per stage,
@@ -27,6 +37,12 @@
    along the schedule's diagonals (the paper's), untied (one variable per stage and chunk) or, by
    default, both: the faster simulated plan wins (``ties``).
 5. The plan is validated and simulated; the simulator's step time is the estimate.
+
+Time limit (``time_limit``, the whole step's planning): every stage past the first feasible
+candidate yields to it -- the chunk search at 0.4 of it, the groupings at 0.7 (not started
+later), the ILP when none is left (the search's greedy recompute stands, noted in the status).
+A pipeline with nothing feasible yet at its deadline goes straight to the safest chunkings
+(the capped slices, then finer) and keeps trying until something fits.
 
 The pipeline baselines (batch 1F1B, Seq1F1B) are in planner/pipeline_baselines.py, the ``auto``
 planner in planner/auto.py and the entry point of every pipeline planner in
@@ -48,7 +64,7 @@ from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError
 from megatron_ext.plan.pipelines import validate_pipelines
 from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan, validate
 from megatron_ext.planner.checkpointing import greedy_recompute, solve_recompute
-from megatron_ext.planner.chunking import Pieces, balanced_chunks, pack_by_tokens, ramp_chunks, split_pack
+from megatron_ext.planner.chunking import Pieces, balanced_chunks, pack_by_tokens, ramp_chunks, slice_mesh, split_pack
 from megatron_ext.sim.engine import (ChunkTable, analyze_chunks, backward_order, checkpoint_memory, greedy_orders,
                                      list_schedule, memory_checkpoints, memory_levels, one_f_one_b, op_times,
                                      order_names)
@@ -104,8 +120,8 @@ class BuiltPipeline:
     held: int = 0  # greedy order: forwards held back by memory while a stage idled
 
     def to_pipeline(self, pc: PipelineCost) -> Pipeline:
-        chunks = [Chunk(c.id, c.pieces, [int(v) for v in self.recompute[:, i]] if self.recompute.any() else [])
-                  for i, c in enumerate(self.chunks)]
+        # one entry per stage for every chunk, zeros when nothing is recomputed (the StepPlan contract)
+        chunks = [Chunk(c.id, c.pieces, [int(v) for v in self.recompute[:, i]]) for i, c in enumerate(self.chunks)]
         return Pipeline(pc.pp, pc.sp, chunks, order_names(self.ops, self.table.ids))
 
 
@@ -212,20 +228,120 @@ def _finish_build(pieces, chunks, table, ops, rec, status, order, held, greedy_m
 
 # ---- elastic pipeline planner ---------------------------------------------------------------
 
+def sequence_peak_mb(pc: PipelineCost, bounds) -> float:
+    """Peak activation memory (MB per GPU, no model states) of one sequence alone on its worst
+    stage, the last (which also keeps the output layer's logits), cut at ``bounds``
+    (0 = b_0 < b_1 < ... < b_K = s) with every layer recomputed, as sim/engine counts it: all K
+    slices are in flight on every stage; during the backward of slice j (start a_j, t_j tokens,
+    end b_j) the stage holds the inputs and cached K/V of slices 1..j-1, slice j re-materialized
+    with the K/V of [0, b_j) it saved, the dK/dV of its prefix and the cached K/V of the slices
+    already run backward; the logits of slices 1..j. Per layer:
+    a_j (input + 2 kv) + t_j (act + 2 kv) + a_K kv (+ b_j head) for j < K (a_j > 0), and
+    a_K (input + 2 kv) + t_K act + s kv (+ s head) for the last slice. A lower bound of what any
+    plan cutting the sequence there needs (its other chunks only add)."""
+    b = np.asarray(bounds, dtype=np.float64)
+    L = pc.layers_per_stage
+    inp, kv, act, head = pc.input_layer_mb * L, pc.kv_layer_mb * L, pc.act_layer_mb * L, float(pc.head_mb)
+    s = b[-1]
+    if len(b) <= 2:
+        return float(s * (act + head))
+    a, t, e = b[:-2], np.diff(b)[:-1], b[1:-1]
+    a_last = b[-2]
+    during = a * (inp + kv) + t * (act + kv) + np.where(a > 0, e, 0.0) * kv + a_last * kv + e * head
+    last = a_last * (inp + 2 * kv) + (s - a_last) * act + s * kv + s * head
+    return float(max(during.max(), last))
+
+
+MAX_SLICES = 1024  # the finest slicing of a sequence: granularity-token slices, at most this many
+MAX_CHUNKS = 4096  # chunk candidates with more chunks are not built (their recompute tables grow as n^2)
+
+
+def finest_slice(seq_len: int, granularity: int) -> int:
+    """Tokens per slice of the finest slicing the planner tries: ``granularity``, or more (a
+    multiple of it) to keep a sequence within ``MAX_SLICES`` slices."""
+    g = max(1, int(granularity))
+    return max(g, -(-(-(-int(seq_len) // MAX_SLICES)) // g) * g)
+
+
+def _even_bounds(seq_len: int, slice_tokens: int) -> np.ndarray:
+    """Cut points of ``slice_tokens``-token slices (the last holds the rest)."""
+    return np.append(np.arange(0, seq_len, max(1, int(slice_tokens))), seq_len)
+
+
+def longest_sequence(pc: PipelineCost, granularity: int = 128) -> int:
+    """The longest sequence elastic_pp can run on this layout: alone, at the finest slicing it
+    tries (``finest_slice``), every layer recomputed, within a stage's activation room
+    (``sequence_peak_mb``); 0 if none."""
+    room = pc.activation_room_mb
+
+    def fits(s: int) -> bool:
+        return sequence_peak_mb(pc, _even_bounds(s, finest_slice(s, granularity))) <= room
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi) and hi < 2**40:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _mb(x: float) -> str:
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.1f}"
+
+
+def _what_to_change(pc: PipelineCost, opts: PipelineOptions) -> str:
+    longest = longest_sequence(pc, opts.granularity)
+    return (f"sequences up to {longest} tokens fit {pc.pp} stages x SP {pc.sp} in {_mb(pc.budget_mb)} MB: use a "
+            f"shorter --max-seq-len (at most {longest}) or drop the longest sequences, more stages (--pp), a larger "
+            f"SP degree (--sp) or more memory per GPU (--memory-mb)")
+
+
 def _check_sequences(seq_ids: np.ndarray, lengths: np.ndarray, pc: PipelineCost, opts: PipelineOptions) -> None:
+    """Refuse a batch whose longest sequences cannot run even alone at the finest slicing the
+    search reaches (``finest_slice``, every layer recomputed)."""
     room = pc.activation_room_mb
     for sid in seq_ids[np.argsort(-lengths[seq_ids], kind="stable")][:8].tolist():
         s = int(lengths[sid])
-        need = pc.min_sequence_memory_mb(s, opts.min_slice_tokens)
+        t = finest_slice(s, opts.granularity)
+        need = sequence_peak_mb(pc, _even_bounds(s, t))
         if need > room:
+            where = "its last stage (which also keeps the output layer's logits)" if pc.pp > 1 else "its stage"
             raise InfeasibleError(
-                f"sequence {sid} of {s} tokens does not fit a stage even cut into {opts.min_slice_tokens}-token slices "
-                f"with every layer recomputed: it needs {need:.0f} MB per GPU, a stage has {room:.0f} MB of "
-                f"activation room ({pc.budget_mb:.0f} MB budget - {pc.model_states_mb:.0f} MB model states); use more "
-                f"stages, a larger SP degree or drop it")
+                f"sequence {sid} of {s} tokens does not fit a stage even cut into {t}-token slices with every "
+                f"layer recomputed: it needs {_mb(need)} MB per GPU on {where}, a stage has {_mb(room)} MB of "
+                f"activation room ({_mb(pc.budget_mb)} MB budget - {_mb(pc.model_states_mb)} MB model states); "
+                + _what_to_change(pc, opts))
 
 
-def _targets(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions) -> list[float]:
+def _fit_cap(seq_len: int, pc: PipelineCost, opts: PipelineOptions) -> int | None:
+    """The most tokens a slice may hold for a sequence of ``seq_len`` tokens to fit alone cut
+    into slices of that many tokens (``sequence_peak_mb``; a multiple of ``granularity``, at
+    least ``finest_slice``); None when it fits unsliced."""
+    room = pc.activation_room_mb
+    if sequence_peak_mb(pc, [0, seq_len]) <= room:
+        return None
+    g = max(1, int(opts.granularity))
+    lo, hi = finest_slice(seq_len, g) // g, max(1, -(-seq_len // g))  # in multiples of g
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if sequence_peak_mb(pc, _even_bounds(seq_len, mid * g)) <= room else (lo, mid)
+    return lo * g
+
+
+def _needs_cap(seq_len: int, pc: PipelineCost, opts: PipelineOptions) -> bool:
+    """No equal-time slicing of the search's (slices of at least ``min_slice_tokens``) lets a
+    sequence of ``seq_len`` tokens fit alone: its mesh must be token-capped."""
+    room = pc.activation_room_mb
+    g = max(1, int(opts.granularity))
+    k_max = max(1, seq_len // max(1, opts.min_slice_tokens))
+    return not any(sequence_peak_mb(pc, np.concatenate([[0], slice_mesh(seq_len, k, pc, g), [seq_len]])) <= room
+                   for k in range(1, k_max + 1))
+
+
+def _targets(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, capped: bool = False) -> list[float]:
     """Candidate chunk-time targets: the longest sequence's time over K slices, and multiples of
     it when nothing needs splitting; the likeliest first (closest to the analytic optimum
     sqrt(b W / (P - 1)) of work W, per-chunk fixed cost b and P stages)."""
@@ -236,9 +352,10 @@ def _targets(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions) -> list[
     k_max = max(1, s_max // max(1, opts.min_slice_tokens))
     # Slicing finer than memory needs may still be faster; coarser cannot run: the first slice
     # (the longest in tokens) must fit on stage 0 with the sequence's other slices recomputed.
-    k_min = next((k for k in range(1, k_max + 1)
-                  if pc.min_sequence_memory_mb(s_max, int(pc.prefix_tokens(t_max / k))) <= pc.activation_room_mb),
-                 k_max)
+    # (With a token-capped mesh, ``capped``, memory is the cap's business: every K is a candidate.)
+    k_min = 1 if capped else next(
+        (k for k in range(1, k_max + 1)
+         if pc.min_sequence_memory_mb(s_max, int(pc.prefix_tokens(t_max / k))) <= pc.activation_room_mb), k_max)
     ks = sorted({k for k in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 64, 96, 128)
                  if k_min < k <= k_max} | {k_min})
     out = [t_max / k for k in ks]
@@ -302,13 +419,18 @@ def _ramp_note(front, back) -> str:
 def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadline: float | None = None,
                where: str = "pipeline") -> BuiltPipeline:
     """Search one pipeline's chunking and order; the fastest simulated candidate (greedy recompute)
-    wins. Past ``deadline`` the search keeps the best candidate found so far.
+    wins. Past ``deadline`` the search keeps the best candidate found so far (with none yet, it
+    goes straight to step 4).
 
     1. The chunk-time target (and so K) and the chunk token cap: Algorithm 1 (chunking.py) at
-       each, with the default warm-up/cool-down ramp, ordered by list scheduling (``greedy``).
+       each, with the default warm-up/cool-down ramp, ordered by list scheduling (``greedy``);
+       with token-capped slices when memory needs them (``_fit_cap``; first, if no equal-time
+       slicing of the longest sequence can fit, else if nothing else fitted).
     2. At the best target: the other ramps (and none), and the elastic 1F1B order.
     3. Packed-slice chunkings (Seq1F1B's: packs cut into k equal-compute slices), so elastic_pp
-       can always pick what Seq1F1B would run."""
+       can pick what Seq1F1B would run (time permitting).
+    4. Nothing fits yet: every sequence at its slice cap, then every slice and chunk at half the
+       longest sequence's cap, a quarter, ... down to its finest slicing."""
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
     best: BuiltPipeline | None = None
     best_ch = None
@@ -323,8 +445,14 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     def late() -> bool:
         return deadline is not None and best is not None and time.perf_counter() > deadline
 
+    def hurry() -> bool:  # out of time with nothing feasible yet: straight to the safest chunkings
+        return deadline is not None and best is None and time.perf_counter() > deadline
+
     def consider(pieces, slices, order, ramp=((), ())) -> BuiltPipeline | None:
         nonlocal best
+        if len(pieces) > MAX_CHUNKS:
+            errors.append(f"{where}: {len(pieces)} chunks, more than the {MAX_CHUNKS} a pipeline may have")
+            return None
         try:
             b = build_pipeline(pieces, pc, search_recompute, opts.ties != "untied", where=where, order=order)
         except InfeasibleError as e:
@@ -336,30 +464,55 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
             best = b
         return b
 
-    targets = _targets(seq_ids, lengths, pc, opts)
-    caps = _token_caps(seq_ids, lengths, pc)
-    finite = [c for c in caps if math.isfinite(c)]
-    # near the memory limit, finer caps as a last resort
-    fallback = [min(finite, default=float(lengths[seq_ids].max())) / 2 ** i for i in (1, 2)]
-    for ci, cap in enumerate(caps + fallback):
-        if ci >= len(caps) and best is not None:
-            break
-        if ci and best is not None and not best.recompute.any():
-            break  # a smaller cap only adds chunks when memory does not bind
-        for target in targets[:max(1, opts.search_targets)]:
-            if late():
+    longest = int(lengths[seq_ids].max())
+    g = max(1, int(opts.granularity))
+    # memory: each sequence's slice cap, the most tokens per slice that let it fit alone (None:
+    # it fits unsliced); ``capped`` when no equal-time slicing of the search's lets the longest
+    # fit, so every long sequence is cut on its own token-capped mesh
+    fit_caps: dict[int, int | None] = {}
+
+    def cap_of(s: int) -> int | None:
+        if s not in fit_caps:
+            fit_caps[s] = _fit_cap(s, pc, opts)
+        return fit_caps[s]
+
+    slice_cap = cap_of(longest)
+    capped = slice_cap is not None and _needs_cap(longest, pc, opts)
+
+    def search(mesh_cap) -> tuple[list[float], list[float]]:
+        """The chunk-time targets x token caps; returns (targets, finite caps)."""
+        nonlocal best_ch
+        targets = _targets(seq_ids, lengths, pc, opts, capped=mesh_cap is not None)
+        caps = _token_caps(seq_ids, lengths, pc)
+        if mesh_cap is not None:
+            caps = [c for c in caps if c > slice_cap] + [float(slice_cap)]
+        finite = [c for c in caps if math.isfinite(c)]
+        # near the memory limit, finer caps as a last resort
+        fallback = [min(finite, default=float(longest)) / 2 ** i for i in (1, 2)]
+        for ci, cap in enumerate(caps + fallback):
+            if ci >= len(caps) and best is not None:
                 break
-            ch = balanced_chunks(seq_ids, lengths, pc, target, cap, opts.granularity, opts.fit,
-                                 min_tail=opts.granularity)
-            pieces = ramp_chunks(ch.chunks, lengths, pc, ch.slice_ms, *ramps[0], token_cap=cap)
-            before = best
-            got = consider(pieces, ch.slices, orders[0], ramps[0])
-            if (got is None or got.recompute.any() or got.held) and len(orders) > 1:
-                # memory binds: the plain chunking in elastic 1F1B order, whose recompute ties
-                # along its diagonals, may beat list scheduling held back by memory
-                consider(ch.chunks, ch.slices, orders[1])
-            if best is not before:
-                best_ch = ch
+            if ci and best is not None and not best.recompute.any():
+                break  # a smaller cap only adds chunks when memory does not bind
+            for target in targets[:max(1, opts.search_targets)]:
+                if late() or hurry():
+                    break
+                ch = balanced_chunks(seq_ids, lengths, pc, target, cap, opts.granularity, opts.fit,
+                                     min_tail=opts.granularity, max_slice_tokens=mesh_cap)
+                pieces = ramp_chunks(ch.chunks, lengths, pc, ch.slice_ms, *ramps[0], token_cap=cap)
+                before = best
+                got = consider(pieces, ch.slices, orders[0], ramps[0])
+                if (got is None or got.recompute.any() or got.held) and len(orders) > 1 and not late():
+                    # memory binds: the plain chunking in elastic 1F1B order, whose recompute ties
+                    # along its diagonals, may beat list scheduling held back by memory
+                    consider(ch.chunks, ch.slices, orders[1])
+                if best is not before:
+                    best_ch = ch
+        return targets, finite
+
+    targets, finite = search(cap_of if capped else None)
+    if best is None and slice_cap is not None and not capped and not hurry():
+        targets, finite = search(cap_of)  # no equal-time mesh worked: cap the slices
     if best_ch is not None:
         for ramp in ramps[1:]:
             if late():
@@ -375,40 +528,79 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
                 best.ramp = top.ramp
     # packed-slice candidates (Seq1F1B's chunkings: packs of the context length cut into k
     # equal-compute slices; each slice holds at most one continued piece, so the tail rule holds)
-    longest = int(lengths[seq_ids].max())
     base_cap = pack_capacity(seq_ids, lengths, opts)
     caps = {base_cap} | {-(-int(longest * f) // 1024) * 1024 for f in (1, 1.5, 2)}
     packed: dict[int, list[list[int]]] = {}
     for cap, k in [(c, k) for c in sorted(caps)
                    for k in sorted(set(opts.pack_slices) | (set(opts.seq1f1b_slices) if c == base_cap else set()))]:
-        if late() and cap != base_cap:
-            continue
+        if late() or hurry():
+            break
+        if capped and longest / k > slice_cap:
+            continue  # the longest sequence's slices cannot fit
         if cap not in packed:
             packed[cap] = pack_by_tokens(seq_ids, lengths, cap)
         pieces = [c for p in packed[cap] for c in split_pack(p, lengths, pc, k)]
         for order in (orders if cap == base_cap else orders[:1]):
-            consider(pieces, -k, order)  # slices < 0 marks a packed-slice chunking in the status
+            if not late():
+                consider(pieces, -k, order)  # slices < 0 marks a packed-slice chunking in the status
+    # last resort, until something fits: every slice and chunk within the longest sequence's
+    # slice cap, then finer, down to the finest slicing
+    t = slice_cap or int(min(finite, default=longest)) // 2
+    finest = finest_slice(longest, g)
+    while best is None and t >= finest:
+        ch = balanced_chunks(seq_ids, lengths, pc, targets[0], float(t), opts.granularity, opts.fit,
+                             min_tail=opts.granularity,  # first each sequence at its own cap
+                             max_slice_tokens=cap_of if t == slice_cap else lambda s, t=t: min(t, cap_of(s) or s))
+        for order in orders:
+            if best is None:
+                consider(ch.chunks, ch.slices, order)
+        t = max(t // 2, finest) if t > finest else 0
     if best is None:
-        raise InfeasibleError(errors[-1] if errors else f"{where}: no feasible chunking")
+        raise InfeasibleError((errors[-1] if errors else f"{where}: no feasible chunking") + "; "
+                              + _what_to_change(pc, opts))
     return best
 
 
-def _group_estimates(order: np.ndarray, lengths: np.ndarray, pc: PipelineCost) -> np.ndarray:
-    """est[i, j]: estimated ms of a pipeline of the sorted sequences order[i:j] (inf if i >= j)."""
+GROUP_BLOCKS = 512  # the grouping DP runs over at most this many contiguous blocks of sequences
+
+
+def _group_bounds(order: np.ndarray, lengths: np.ndarray, pc: PipelineCost,
+                  max_blocks: int = GROUP_BLOCKS) -> np.ndarray:
+    """Where a group may start or end in the sorted sequences ``order``: every position for up to
+    ``max_blocks`` sequences; otherwise the edges of at most ``max_blocks`` contiguous blocks, half
+    of them of equal count and half of equal work (so the few long sequences, which carry most of
+    the work, keep a fine resolution). Always 0 and n."""
     n = len(order)
+    if n <= max_blocks:
+        return np.arange(n + 1)
+    half = max(1, max_blocks // 2)
+    by_count = np.round(np.linspace(0, n, half + 1)).astype(np.int64)
+    cw = np.cumsum(pc.prefix_ms(lengths[order]))
+    by_work = np.searchsorted(cw, cw[-1] * np.arange(1, half) / half, side="right")
+    return np.unique(np.concatenate([[0, 1, n], by_count, np.clip(by_work, 0, n)]))
+
+
+def _group_estimates(order: np.ndarray, lengths: np.ndarray, pc: PipelineCost,
+                     bounds: np.ndarray | None = None) -> np.ndarray:
+    """est[a, b]: estimated ms of a pipeline of the sorted sequences order[bounds[a]:bounds[b]]
+    (inf if a >= b); ``bounds`` defaults to every position (est[i, j] of order[i:j])."""
+    n = len(order)
+    if bounds is None:
+        bounds = np.arange(n + 1)
+    m = len(bounds) - 1
     w = pc.prefix_ms(lengths[order])
-    cw = np.concatenate([[0.0], np.cumsum(w)])
-    ct = np.concatenate([[0.0], np.cumsum(lengths[order].astype(np.float64))])
+    cw = np.concatenate([[0.0], np.cumsum(w)])[bounds]
+    ct = np.concatenate([[0.0], np.cumsum(lengths[order].astype(np.float64))])[bounds]
     P = pc.pp
     b = pc.fixed_ms
     act_tok = pc.act_layer_mb * pc.layers_per_stage
     save_tok = max(1e-12, (pc.act_layer_mb - pc.input_layer_mb - pc.kv_layer_mb) * pc.layers_per_stage)
     room = pc.activation_room_mb
-    est = np.full((n + 1, n + 1), np.inf)
-    for i in range(n):
+    est = np.full((m + 1, m + 1), np.inf)
+    for i in range(m):
         W = cw[i + 1:] - cw[i]
         tok = ct[i + 1:] - ct[i]
-        s_max = float(lengths[order[i]])
+        s_max = float(lengths[order[bounds[i]]])
         tau = np.sqrt(b * W / max(1, P - 1)) if P > 1 else W
         tau = np.clip(tau, min(W[0], 1e-9 + float(pc.prefix_ms(min(s_max, 1024)))), W)
         nch = np.maximum(1.0, W / tau)
@@ -422,29 +614,32 @@ def _group_estimates(order: np.ndarray, lengths: np.ndarray, pc: PipelineCost) -
 
 
 def group_sequences(seq_ids, lengths, pc: PipelineCost, max_groups: int = 3) -> list[np.ndarray]:
-    """The grouping DP over sequences sorted longest first (consecutive groups)."""
+    """The grouping DP over sequences sorted longest first (consecutive groups; past
+    ``GROUP_BLOCKS`` sequences, over contiguous blocks of them: ``_group_bounds``)."""
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
     order = seq_ids[np.lexsort((seq_ids, -lengths[seq_ids]))]
     n = len(order)
-    est = _group_estimates(order, lengths, pc)
+    bounds = _group_bounds(order, lengths, pc)
+    est = _group_estimates(order, lengths, pc, bounds)
+    m = len(bounds) - 1
     G = max(1, min(max_groups, n))
-    dp = np.full((G + 1, n + 1), np.inf)
-    arg = np.zeros((G + 1, n + 1), dtype=np.int64)
+    dp = np.full((G + 1, m + 1), np.inf)
+    arg = np.zeros((G + 1, m + 1), dtype=np.int64)
     dp[0, 0] = 0.0
     for g in range(1, G + 1):
-        for j in range(1, n + 1):
-            v = dp[g - 1, :j] + est[:j, j]
-            i = int(np.argmin(v))
-            dp[g, j], arg[g, j] = v[i], i
-    g = int(np.argmin(dp[1:, n])) + 1
-    if not np.isfinite(dp[g, n]):  # the estimate sees no feasible grouping: split by tokens
-        bounds = np.searchsorted(np.cumsum(lengths[order]), lengths[order].sum() * np.arange(1, G) / G) + 1
-        return [x for x in np.split(order, np.unique(np.clip(bounds, 1, n - 1))) if x.size]
+        v = dp[g - 1][:, None] + est  # v[i, j]: groups up to i, then one of i..j
+        arg[g] = np.argmin(v, axis=0)
+        dp[g] = v[arg[g], np.arange(m + 1)]
+        dp[g, 0] = np.inf
+    g = int(np.argmin(dp[1:, m])) + 1
+    if not np.isfinite(dp[g, m]):  # the estimate sees no feasible grouping: split by tokens
+        cuts = np.searchsorted(np.cumsum(lengths[order]), lengths[order].sum() * np.arange(1, G) / G) + 1
+        return [x for x in np.split(order, np.unique(np.clip(cuts, 1, n - 1))) if x.size]
     cuts = []
-    j = n
+    j = m
     for gg in range(g, 0, -1):
         i = int(arg[gg, j])
-        cuts.append((i, j))
+        cuts.append((int(bounds[i]), int(bounds[j])))
         j = i
     return [order[i:j] for i, j in reversed(cuts) if j > i]
 
@@ -539,6 +734,8 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
             order = ids[np.lexsort((ids, -lengths[ids]))]
             groupings.append([order[:1], order[1:]])
         for gi, groups in enumerate(groupings):
+            if candidates and time.perf_counter() > start + 0.7 * budget:
+                break  # out of time: keep what was found (only a batch nothing fit yet goes on)
             try:
                 built = []
                 for i, g in enumerate(groups):
@@ -553,17 +750,22 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     _, built, groups = candidates[0]
 
     # final recompute with the ILP, in the time left
+    # (the fixed rules none / full / auto were the search's own: their candidates are final)
     final = []
     for i, b in enumerate(built):
-        if opts.recompute == "greedy" or (opts.recompute == "ilp" and not b.recompute.any()):
+        if opts.recompute != "ilp" or not b.recompute.any():
             final.append(b)
             continue
-        ties = (True, False) if opts.ties == "best" and opts.recompute == "ilp" else (opts.ties != "untied",)
-        for tied in ties:
+        ties = (True, False) if opts.ties == "best" else (opts.ties != "untied",)
+        for j, tied in enumerate(ties):
+            if time.perf_counter() - start >= budget:  # the search's greedy recompute stands
+                if j == 0:
+                    b.status += " (no time left for the ILP)"
+                break
             left = max(0.05, opts.time_limit - (time.perf_counter() - start)) / (len(built) - i) / len(ties)
             nb = build_pipeline(b.pieces, pc, opts.recompute, tied, left, f"pipeline {i}", order=b.order)
             nb.slices, nb.ramp = b.slices, b.ramp
-            if nb.makespan_ms <= b.makespan_ms + 1e-9 or opts.recompute != "ilp":
+            if nb.makespan_ms <= b.makespan_ms + 1e-9:
                 b = nb
         final.append(b)
     pipes = [b.to_pipeline(pc) for b in final]
@@ -584,6 +786,6 @@ def pack_capacity(seq_ids, lengths, opts: PipelineOptions) -> int:
     return int(opts.pack_tokens)
 
 
-__all__ = ["BuiltPipeline", "PP_BASELINES", "PipelineOptions", "build_pipeline", "finish_plan", "group_sequences",
-           "kept_sequences", "pack_capacity", "pipeline_cost", "pipeline_options", "plan_elastic_pp", "plan_group",
-           "resolve_layout"]
+__all__ = ["BuiltPipeline", "PP_BASELINES", "PipelineOptions", "build_pipeline", "finest_slice", "finish_plan",
+           "group_sequences", "kept_sequences", "longest_sequence", "pack_capacity", "pipeline_cost", "pipeline_options",
+           "plan_elastic_pp", "plan_group", "resolve_layout", "sequence_peak_mb"]
