@@ -260,34 +260,6 @@ class PipelineCost:
         """Gradient buffer of the prefix K/V of a split sequence, for ``tokens`` prefix tokens."""
         return np.asarray(tokens, dtype=np.float64) * self.kv_layer_mb * self.layers_per_stage
 
-    def min_sequence_memory_mb(self, seq_len: int, slice_tokens: int) -> float:
-        """Least stage-0 activation memory a sequence needs alone: every slice in flight with
-        every layer recomputed (input + cached K/V kept), the last slice re-materialized for its
-        backward with its prefix's K/V."""
-        L_s = self.layers_per_stage
-        kept = seq_len * (self.input_layer_mb + self.kv_layer_mb) * L_s
-        s = min(slice_tokens, seq_len)
-        one = (s * (self.act_layer_mb - self.input_layer_mb) + (seq_len - s) * self.kv_layer_mb) * L_s
-        return kept + one + self.dkv_mb(seq_len)
-
-    def max_seq_len(self, slice_tokens: int) -> int:
-        """Longest sequence a stage can hold cut into ``slice_tokens``-token slices with every
-        layer recomputed (``min_sequence_memory_mb`` within the activation room; 0 if none)."""
-        room = self.activation_room_mb
-
-        def fits(s: int) -> bool:
-            return self.min_sequence_memory_mb(s, slice_tokens) <= room
-
-        if not fits(1):
-            return 0
-        lo, hi = 1, 2
-        while fits(hi) and hi < 2**40:
-            lo, hi = hi, hi * 2
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
-
     def zero_domain_b1_scale(self) -> float:
         """An estimate of b1_scale when a stage shards parameters inside its node: the ratio of
         the all-to-all bandwidth over the whole cluster to that inside the stage's SP group."""

@@ -331,14 +331,16 @@ def _fit_cap(seq_len: int, pc: PipelineCost, opts: PipelineOptions) -> int | Non
     return lo * g
 
 
-def _needs_cap(seq_len: int, pc: PipelineCost, opts: PipelineOptions) -> bool:
-    """No equal-time slicing of the search's (slices of at least ``min_slice_tokens``) lets a
-    sequence of ``seq_len`` tokens fit alone: its mesh must be token-capped."""
+def _fewest_slices(seq_len: int, pc: PipelineCost, opts: PipelineOptions) -> int | None:
+    """The fewest equal-time slices (of at least ``min_slice_tokens``, the search's meshes) that
+    let a sequence of ``seq_len`` tokens fit alone (``sequence_peak_mb``); None if none does, so
+    its mesh must be token-capped."""
     room = pc.activation_room_mb
     g = max(1, int(opts.granularity))
     k_max = max(1, seq_len // max(1, opts.min_slice_tokens))
-    return not any(sequence_peak_mb(pc, np.concatenate([[0], slice_mesh(seq_len, k, pc, g), [seq_len]])) <= room
-                   for k in range(1, k_max + 1))
+    return next((k for k in range(1, k_max + 1)
+                 if sequence_peak_mb(pc, np.concatenate([[0], slice_mesh(seq_len, k, pc, g), [seq_len]])) <= room),
+                None)
 
 
 def _targets(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, capped: bool = False) -> list[float]:
@@ -350,12 +352,10 @@ def _targets(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, capped: 
     t_max = float(pc.prefix_ms(s_max))
     total = float(pc.prefix_ms(lens).sum())
     k_max = max(1, s_max // max(1, opts.min_slice_tokens))
-    # Slicing finer than memory needs may still be faster; coarser cannot run: the first slice
-    # (the longest in tokens) must fit on stage 0 with the sequence's other slices recomputed.
-    # (With a token-capped mesh, ``capped``, memory is the cap's business: every K is a candidate.)
-    k_min = 1 if capped else next(
-        (k for k in range(1, k_max + 1)
-         if pc.min_sequence_memory_mb(s_max, int(pc.prefix_tokens(t_max / k))) <= pc.activation_room_mb), k_max)
+    # Slicing finer than memory needs may still be faster; coarser cannot run: the longest
+    # sequence must fit alone (with a token-capped mesh, ``capped``, memory is the cap's
+    # business: every K is a candidate).
+    k_min = 1 if capped else (_fewest_slices(s_max, pc, opts) or k_max)
     ks = sorted({k for k in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 64, 96, 128)
                  if k_min < k <= k_max} | {k_min})
     out = [t_max / k for k in ks]
@@ -477,7 +477,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
         return fit_caps[s]
 
     slice_cap = cap_of(longest)
-    capped = slice_cap is not None and _needs_cap(longest, pc, opts)
+    capped = slice_cap is not None and _fewest_slices(longest, pc, opts) is None
 
     def search(mesh_cap) -> tuple[list[float], list[float]]:
         """The chunk-time targets x token caps; returns (targets, finite caps)."""

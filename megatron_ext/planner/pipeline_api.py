@@ -9,7 +9,8 @@ from megatron_ext.errors import ConfigError, LengthsError, MegatronExtError
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner.api import plan_flexsp_kind
 from megatron_ext.planner.auto import pipeline_layouts, plan_auto, plan_units
-from megatron_ext.planner.pipeline import pipeline_cost, pipeline_options, plan_elastic_pp, resolve_layout
+from megatron_ext.planner.pipeline import (longest_sequence, pipeline_cost, pipeline_options, plan_elastic_pp,
+                                           resolve_layout)
 from megatron_ext.planner.pipeline_baselines import plan_batch_1f1b, plan_seq1f1b
 from megatron_ext.sim.simulator import simulate
 
@@ -19,8 +20,8 @@ PP_PLANNERS = {"elastic_pp": plan_elastic_pp, "batch_1f1b": plan_batch_1f1b, "se
 
 def max_seq_len(name: str, cost: CostModel, options=None) -> int:
     """The longest sequence planner ``name`` can run: FlexSP-kind planners, the longest an SP group
-    can hold; pipeline planners, the longest a stage of their layout holds at the finest slicing
-    (every layer recomputed); ``auto``, the longest either kind can run on any layout."""
+    can hold; pipeline planners, the longest their layout holds alone at the finest slicing
+    (``pipeline.longest_sequence``); ``auto``, the longest either kind can run on any layout."""
     if name not in PP_PLANNERS:
         return cost.max_seq_len
     opts = pipeline_options(options, {})
@@ -29,7 +30,7 @@ def max_seq_len(name: str, cost: CostModel, options=None) -> int:
     limits, err = [], None
     for pp, sp in layouts:
         try:
-            limits.append(pipeline_cost(cost, pp, sp, opts).max_seq_len(opts.min_slice_tokens))
+            limits.append(longest_sequence(pipeline_cost(cost, pp, sp, opts), opts.granularity))
         except MegatronExtError as e:
             err = e
     if name == "auto" and (opts.pp is None or opts.pp == 1):

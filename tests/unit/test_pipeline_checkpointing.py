@@ -77,7 +77,7 @@ def test_no_recompute_when_memory_is_plenty():
     pc = PipelineCost(COST, 4, 8)
     built = build_pipeline([[(0, 0, 30000)], [(1, 0, 2000), (2, 0, 1000)]], pc, "ilp")
     assert not built.recompute.any() and built.status == "no recompute needed"
-    assert built.to_pipeline(pc).chunks[0].recompute_layers_per_stage == []
+    assert built.to_pipeline(pc).chunks[0].recompute_layers_per_stage == [0, 0, 0, 0]  # one per stage, always
 
 
 def test_greedy_and_ilp_refuse_the_impossible():

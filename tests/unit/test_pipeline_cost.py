@@ -122,9 +122,6 @@ def test_memory_terms():
     full_pre, save_pre = pc.chunk_memory(1000, 1000, 3000, False)
     assert float(full_pre) == pytest.approx(float(full) + 4000 * pc.kv_layer_mb * 10)
     assert float(save_pre) == pytest.approx(float(save) + 3000 * pc.kv_layer_mb)
-    # a whole stage recomputed keeps input + K/V of every token
-    need = pc.min_sequence_memory_mb(100_000, 1024)
-    assert need > 100_000 * (pc.input_layer_mb + pc.kv_layer_mb) * 10
     # fp32 activations (the CPU runtime) double what is sent and kept per element
     fp32 = PipelineCost(CostModel(dataclasses.replace(m, activation_bytes=4), COST.cluster), 4, 8)
     assert fp32.input_layer_mb == pytest.approx(2 * pc.input_layer_mb)
