@@ -1,18 +1,13 @@
 """Elastic pipeline parallelism (InfiniPipe, PAPERS.md section 2): the elastic_pp planner.
 
 ``plan_elastic_pp(lengths, cost, pp, sp)``:
-0. Feasibility: each of the longest sequences must fit alone at the finest slicing
-   (``finest_slice``: ``granularity``-token slices, at most ``MAX_SLICES``; every layer
-   recomputed; ``sequence_peak_mb``, the simulator's peak, worst on the last stage, which also
-   keeps every slice's logits). Otherwise the error says how long a sequence may be
-   (``longest_sequence``) and what else to change.
-1. Grouping: the sequences, longest first, are cut into one or more consecutive groups, each run
-   as its own 1F1B pipeline, one after another, by the DP
-   ``dp[j] = min_i dp[i] + T(i..j)`` with T an analytic estimate (work, per-chunk fixed cost,
-   warm-up/cool-down of P - 1 chunks, recompute forced by the stage-0 memory); past
-   ``GROUP_BLOCKS`` sequences the DP runs over that many contiguous blocks of them. When memory
-   binds, "the longest sequence in a pipeline of its own" is tried too. The one-pipeline plan is
-   always built; the fastest grouping (simulated) wins.
+0. Feasibility (planner/sequence_limits.py): each of the longest sequences must fit alone at
+   the finest slicing (every layer recomputed); otherwise the error says how long a sequence may
+   be and what else to change.
+1. Grouping (planner/grouping.py): the sequences, longest first, are cut into one or more
+   consecutive groups, each run as its own 1F1B pipeline, one after another, by a DP over an
+   analytic estimate. When memory binds, "the longest sequence in a pipeline of its own" is
+   tried too. The one-pipeline plan is always built; the fastest grouping (simulated) wins.
 2. Chunking per pipeline (planner/chunking.py): the target chunk time (and so K) and the chunk
    token cap are searched, likeliest first (at most ``search_targets`` per cap); each candidate
    is chunked, given a warm-up/cool-down ramp (a few small chunks of whole short sequences first
@@ -22,7 +17,7 @@
    equal-compute slices) are candidates too, so elastic_pp can pick the Seq1F1B chunking. When no
    equal-time slicing into slices of at least ``min_slice_tokens`` lets the longest sequence fit
    (or none of those candidates fits), each long sequence's slices are token-capped as much as
-   it needs to fit alone (``_fit_cap``, ``chunking.capped_mesh``); if still nothing fits, ever
+   it needs to fit alone (``sequence_limits.fit_cap``, ``chunking.capped_mesh``); if still nothing fits, ever
    finer slices and smaller chunks are tried, down to the finest slicing. No candidate holds
    more than ``MAX_CHUNKS`` chunks.
 3. Order (``order``): forward order = the ramp's small chunks, each long sequence's slices then
@@ -64,7 +59,9 @@ from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError
 from megatron_ext.plan.pipelines import validate_pipelines
 from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan, validate
 from megatron_ext.planner.checkpointing import greedy_recompute, solve_recompute
-from megatron_ext.planner.chunking import Pieces, balanced_chunks, pack_by_tokens, ramp_chunks, slice_mesh, split_pack
+from megatron_ext.planner.chunking import Pieces, balanced_chunks, pack_by_tokens, ramp_chunks, split_pack
+from megatron_ext.planner.grouping import group_sequences
+from megatron_ext.planner.sequence_limits import check_sequences, fewest_slices, finest_slice, fit_cap, what_to_change
 from megatron_ext.sim.engine import (ChunkTable, analyze_chunks, backward_order, checkpoint_memory, greedy_orders,
                                      list_schedule, memory_checkpoints, memory_levels, one_f_one_b, op_times,
                                      order_names)
@@ -228,119 +225,7 @@ def _finish_build(pieces, chunks, table, ops, rec, status, order, held, greedy_m
 
 # ---- elastic pipeline planner ---------------------------------------------------------------
 
-def sequence_peak_mb(pc: PipelineCost, bounds) -> float:
-    """Peak activation memory (MB per GPU, no model states) of one sequence alone on its worst
-    stage, the last (which also keeps the output layer's logits), cut at ``bounds``
-    (0 = b_0 < b_1 < ... < b_K = s) with every layer recomputed, as sim/engine counts it: all K
-    slices are in flight on every stage; during the backward of slice j (start a_j, t_j tokens,
-    end b_j) the stage holds the inputs and cached K/V of slices 1..j-1, slice j re-materialized
-    with the K/V of [0, b_j) it saved, the dK/dV of its prefix and the cached K/V of the slices
-    already run backward; the logits of slices 1..j. Per layer:
-    a_j (input + 2 kv) + t_j (act + 2 kv) + a_K kv (+ b_j head) for j < K (a_j > 0), and
-    a_K (input + 2 kv) + t_K act + s kv (+ s head) for the last slice. A lower bound of what any
-    plan cutting the sequence there needs (its other chunks only add)."""
-    b = np.asarray(bounds, dtype=np.float64)
-    L = pc.layers_per_stage
-    inp, kv, act, head = pc.input_layer_mb * L, pc.kv_layer_mb * L, pc.act_layer_mb * L, float(pc.head_mb)
-    s = b[-1]
-    if len(b) <= 2:
-        return float(s * (act + head))
-    a, t, e = b[:-2], np.diff(b)[:-1], b[1:-1]
-    a_last = b[-2]
-    during = a * (inp + kv) + t * (act + kv) + np.where(a > 0, e, 0.0) * kv + a_last * kv + e * head
-    last = a_last * (inp + 2 * kv) + (s - a_last) * act + s * kv + s * head
-    return float(max(during.max(), last))
-
-
-MAX_SLICES = 1024  # the finest slicing of a sequence: granularity-token slices, at most this many
 MAX_CHUNKS = 4096  # chunk candidates with more chunks are not built (their recompute tables grow as n^2)
-
-
-def finest_slice(seq_len: int, granularity: int) -> int:
-    """Tokens per slice of the finest slicing the planner tries: ``granularity``, or more (a
-    multiple of it) to keep a sequence within ``MAX_SLICES`` slices."""
-    g = max(1, int(granularity))
-    return max(g, -(-(-(-int(seq_len) // MAX_SLICES)) // g) * g)
-
-
-def _even_bounds(seq_len: int, slice_tokens: int) -> np.ndarray:
-    """Cut points of ``slice_tokens``-token slices (the last holds the rest)."""
-    return np.append(np.arange(0, seq_len, max(1, int(slice_tokens))), seq_len)
-
-
-def longest_sequence(pc: PipelineCost, granularity: int = 128) -> int:
-    """The longest sequence elastic_pp can run on this layout: alone, at the finest slicing it
-    tries (``finest_slice``), every layer recomputed, within a stage's activation room
-    (``sequence_peak_mb``); 0 if none."""
-    room = pc.activation_room_mb
-
-    def fits(s: int) -> bool:
-        return sequence_peak_mb(pc, _even_bounds(s, finest_slice(s, granularity))) <= room
-
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while fits(hi) and hi < 2**40:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
-
-
-def _mb(x: float) -> str:
-    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.1f}"
-
-
-def _what_to_change(pc: PipelineCost, opts: PipelineOptions) -> str:
-    longest = longest_sequence(pc, opts.granularity)
-    return (f"sequences up to {longest} tokens fit {pc.pp} stages x SP {pc.sp} in {_mb(pc.budget_mb)} MB: use a "
-            f"shorter --max-seq-len (at most {longest}) or drop the longest sequences, more stages (--pp), a larger "
-            f"SP degree (--sp) or more memory per GPU (--memory-mb)")
-
-
-def _check_sequences(seq_ids: np.ndarray, lengths: np.ndarray, pc: PipelineCost, opts: PipelineOptions) -> None:
-    """Refuse a batch whose longest sequences cannot run even alone at the finest slicing the
-    search reaches (``finest_slice``, every layer recomputed)."""
-    room = pc.activation_room_mb
-    for sid in seq_ids[np.argsort(-lengths[seq_ids], kind="stable")][:8].tolist():
-        s = int(lengths[sid])
-        t = finest_slice(s, opts.granularity)
-        need = sequence_peak_mb(pc, _even_bounds(s, t))
-        if need > room:
-            where = "its last stage (which also keeps the output layer's logits)" if pc.pp > 1 else "its stage"
-            raise InfeasibleError(
-                f"sequence {sid} of {s} tokens does not fit a stage even cut into {t}-token slices with every "
-                f"layer recomputed: it needs {_mb(need)} MB per GPU on {where}, a stage has {_mb(room)} MB of "
-                f"activation room ({_mb(pc.budget_mb)} MB budget - {_mb(pc.model_states_mb)} MB model states); "
-                + _what_to_change(pc, opts))
-
-
-def _fit_cap(seq_len: int, pc: PipelineCost, opts: PipelineOptions) -> int | None:
-    """The most tokens a slice may hold for a sequence of ``seq_len`` tokens to fit alone cut
-    into slices of that many tokens (``sequence_peak_mb``; a multiple of ``granularity``, at
-    least ``finest_slice``); None when it fits unsliced."""
-    room = pc.activation_room_mb
-    if sequence_peak_mb(pc, [0, seq_len]) <= room:
-        return None
-    g = max(1, int(opts.granularity))
-    lo, hi = finest_slice(seq_len, g) // g, max(1, -(-seq_len // g))  # in multiples of g
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if sequence_peak_mb(pc, _even_bounds(seq_len, mid * g)) <= room else (lo, mid)
-    return lo * g
-
-
-def _fewest_slices(seq_len: int, pc: PipelineCost, opts: PipelineOptions) -> int | None:
-    """The fewest equal-time slices (of at least ``min_slice_tokens``, the search's meshes) that
-    let a sequence of ``seq_len`` tokens fit alone (``sequence_peak_mb``); None if none does, so
-    its mesh must be token-capped."""
-    room = pc.activation_room_mb
-    g = max(1, int(opts.granularity))
-    k_max = max(1, seq_len // max(1, opts.min_slice_tokens))
-    return next((k for k in range(1, k_max + 1)
-                 if sequence_peak_mb(pc, np.concatenate([[0], slice_mesh(seq_len, k, pc, g), [seq_len]])) <= room),
-                None)
 
 
 def _targets(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, capped: bool = False) -> list[float]:
@@ -355,7 +240,7 @@ def _targets(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, capped: 
     # Slicing finer than memory needs may still be faster; coarser cannot run: the longest
     # sequence must fit alone (with a token-capped mesh, ``capped``, memory is the cap's
     # business: every K is a candidate).
-    k_min = 1 if capped else (_fewest_slices(s_max, pc, opts) or k_max)
+    k_min = 1 if capped else (fewest_slices(s_max, pc, opts.granularity, opts.min_slice_tokens) or k_max)
     ks = sorted({k for k in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 64, 96, 128)
                  if k_min < k <= k_max} | {k_min})
     out = [t_max / k for k in ks]
@@ -424,7 +309,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
 
     1. The chunk-time target (and so K) and the chunk token cap: Algorithm 1 (chunking.py) at
        each, with the default warm-up/cool-down ramp, ordered by list scheduling (``greedy``);
-       with token-capped slices when memory needs them (``_fit_cap``; first, if no equal-time
+       with token-capped slices when memory needs them (``sequence_limits.fit_cap``; first, if no equal-time
        slicing of the longest sequence can fit, else if nothing else fitted).
     2. At the best target: the other ramps (and none), and the elastic 1F1B order.
     3. Packed-slice chunkings (Seq1F1B's: packs cut into k equal-compute slices), so elastic_pp
@@ -473,11 +358,11 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
 
     def cap_of(s: int) -> int | None:
         if s not in fit_caps:
-            fit_caps[s] = _fit_cap(s, pc, opts)
+            fit_caps[s] = fit_cap(s, pc, opts.granularity)
         return fit_caps[s]
 
     slice_cap = cap_of(longest)
-    capped = slice_cap is not None and _fewest_slices(longest, pc, opts) is None
+    capped = slice_cap is not None and fewest_slices(longest, pc, opts.granularity, opts.min_slice_tokens) is None
 
     def search(mesh_cap) -> tuple[list[float], list[float]]:
         """The chunk-time targets x token caps; returns (targets, finite caps)."""
@@ -557,91 +442,8 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
         t = max(t // 2, finest) if t > finest else 0
     if best is None:
         raise InfeasibleError((errors[-1] if errors else f"{where}: no feasible chunking") + "; "
-                              + _what_to_change(pc, opts))
+                              + what_to_change(pc, opts.granularity))
     return best
-
-
-GROUP_BLOCKS = 512  # the grouping DP runs over at most this many contiguous blocks of sequences
-
-
-def _group_bounds(order: np.ndarray, lengths: np.ndarray, pc: PipelineCost,
-                  max_blocks: int = GROUP_BLOCKS) -> np.ndarray:
-    """Where a group may start or end in the sorted sequences ``order``: every position for up to
-    ``max_blocks`` sequences; otherwise the edges of at most ``max_blocks`` contiguous blocks, half
-    of them of equal count and half of equal work (so the few long sequences, which carry most of
-    the work, keep a fine resolution). Always 0 and n."""
-    n = len(order)
-    if n <= max_blocks:
-        return np.arange(n + 1)
-    half = max(1, max_blocks // 2)
-    by_count = np.round(np.linspace(0, n, half + 1)).astype(np.int64)
-    cw = np.cumsum(pc.prefix_ms(lengths[order]))
-    by_work = np.searchsorted(cw, cw[-1] * np.arange(1, half) / half, side="right")
-    return np.unique(np.concatenate([[0, 1, n], by_count, np.clip(by_work, 0, n)]))
-
-
-def _group_estimates(order: np.ndarray, lengths: np.ndarray, pc: PipelineCost,
-                     bounds: np.ndarray | None = None) -> np.ndarray:
-    """est[a, b]: estimated ms of a pipeline of the sorted sequences order[bounds[a]:bounds[b]]
-    (inf if a >= b); ``bounds`` defaults to every position (est[i, j] of order[i:j])."""
-    n = len(order)
-    if bounds is None:
-        bounds = np.arange(n + 1)
-    m = len(bounds) - 1
-    w = pc.prefix_ms(lengths[order])
-    cw = np.concatenate([[0.0], np.cumsum(w)])[bounds]
-    ct = np.concatenate([[0.0], np.cumsum(lengths[order].astype(np.float64))])[bounds]
-    P = pc.pp
-    b = pc.fixed_ms
-    act_tok = pc.act_layer_mb * pc.layers_per_stage
-    save_tok = max(1e-12, (pc.act_layer_mb - pc.input_layer_mb - pc.kv_layer_mb) * pc.layers_per_stage)
-    room = pc.activation_room_mb
-    est = np.full((m + 1, m + 1), np.inf)
-    for i in range(m):
-        W = cw[i + 1:] - cw[i]
-        tok = ct[i + 1:] - ct[i]
-        s_max = float(lengths[order[bounds[i]]])
-        tau = np.sqrt(b * W / max(1, P - 1)) if P > 1 else W
-        tau = np.clip(tau, min(W[0], 1e-9 + float(pc.prefix_ms(min(s_max, 1024)))), W)
-        nch = np.maximum(1.0, W / tau)
-        T = W + nch * b + (P - 1) * (tau + b)
-        inflight = act_tok * (s_max + (P - 1) * tok / nch)
-        excess = np.maximum(0.0, inflight - room)
-        frac = excess / np.maximum(1e-9, save_tok * (s_max + (P - 1) * tok / nch))
-        T = np.where(frac > 1, np.inf, T + frac * W / 3)
-        est[i, i + 1:] = T
-    return est
-
-
-def group_sequences(seq_ids, lengths, pc: PipelineCost, max_groups: int = 3) -> list[np.ndarray]:
-    """The grouping DP over sequences sorted longest first (consecutive groups; past
-    ``GROUP_BLOCKS`` sequences, over contiguous blocks of them: ``_group_bounds``)."""
-    seq_ids = np.asarray(seq_ids, dtype=np.int64)
-    order = seq_ids[np.lexsort((seq_ids, -lengths[seq_ids]))]
-    n = len(order)
-    bounds = _group_bounds(order, lengths, pc)
-    est = _group_estimates(order, lengths, pc, bounds)
-    m = len(bounds) - 1
-    G = max(1, min(max_groups, n))
-    dp = np.full((G + 1, m + 1), np.inf)
-    arg = np.zeros((G + 1, m + 1), dtype=np.int64)
-    dp[0, 0] = 0.0
-    for g in range(1, G + 1):
-        v = dp[g - 1][:, None] + est  # v[i, j]: groups up to i, then one of i..j
-        arg[g] = np.argmin(v, axis=0)
-        dp[g] = v[arg[g], np.arange(m + 1)]
-        dp[g, 0] = np.inf
-    g = int(np.argmin(dp[1:, m])) + 1
-    if not np.isfinite(dp[g, m]):  # the estimate sees no feasible grouping: split by tokens
-        cuts = np.searchsorted(np.cumsum(lengths[order]), lengths[order].sum() * np.arange(1, G) / G) + 1
-        return [x for x in np.split(order, np.unique(np.clip(cuts, 1, n - 1))) if x.size]
-    cuts = []
-    j = m
-    for gg in range(g, 0, -1):
-        i = int(arg[gg, j])
-        cuts.append((int(bounds[i]), int(bounds[j])))
-        j = i
-    return [order[i:j] for i, j in reversed(cuts) if j > i]
 
 
 def resolve_layout(cost: CostModel, pp, sp) -> tuple[int, int]:
@@ -710,7 +512,7 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     opts = pipeline_options(options, overrides)
     lengths, ids = kept_sequences(lengths, seq_ids)
     pc = pipeline_cost(cost, pp if pp is not None else opts.pp, sp if sp is not None else opts.sp, opts)
-    _check_sequences(ids, lengths, pc, opts)
+    check_sequences(ids, lengths, pc, opts.granularity)
     budget = opts.time_limit
 
     candidates: list[tuple[float, list[BuiltPipeline], list[np.ndarray]]] = []
@@ -786,6 +588,6 @@ def pack_capacity(seq_ids, lengths, opts: PipelineOptions) -> int:
     return int(opts.pack_tokens)
 
 
-__all__ = ["BuiltPipeline", "PP_BASELINES", "PipelineOptions", "build_pipeline", "finest_slice", "finish_plan",
-           "group_sequences", "kept_sequences", "longest_sequence", "pack_capacity", "pipeline_cost", "pipeline_options",
-           "plan_elastic_pp", "plan_group", "resolve_layout", "sequence_peak_mb"]
+__all__ = ["BuiltPipeline", "MAX_CHUNKS", "PP_BASELINES", "PipelineOptions", "build_pipeline", "finish_plan",
+           "kept_sequences", "pack_capacity", "pipeline_cost", "pipeline_options", "plan_elastic_pp", "plan_group",
+           "resolve_layout"]

@@ -1,0 +1,97 @@
+"""Grouping a step's sequences into consecutive 1F1B pipelines run one after another (InfiniPipe's
+DP, PAPERS.md section 2): ``dp[j] = min_i dp[i] + T(i..j)`` over the sequences sorted longest
+first, T an analytic estimate of a pipeline (work, per-chunk fixed cost, warm-up/cool-down, the
+recompute forced by stage-0 memory). Past ``GROUP_BLOCKS`` sequences the DP runs over that many
+contiguous blocks. Pure Python + numpy.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from megatron_ext.cost.pipeline import PipelineCost
+
+
+GROUP_BLOCKS = 512  # the grouping DP runs over at most this many contiguous blocks of sequences
+
+
+def _group_bounds(order: np.ndarray, lengths: np.ndarray, pc: PipelineCost,
+                  max_blocks: int = GROUP_BLOCKS) -> np.ndarray:
+    """Where a group may start or end in the sorted sequences ``order``: every position for up to
+    ``max_blocks`` sequences; otherwise the edges of at most ``max_blocks`` contiguous blocks, half
+    of them of equal count and half of equal work (so the few long sequences, which carry most of
+    the work, keep a fine resolution). Always 0 and n."""
+    n = len(order)
+    if n <= max_blocks:
+        return np.arange(n + 1)
+    half = max(1, max_blocks // 2)
+    by_count = np.round(np.linspace(0, n, half + 1)).astype(np.int64)
+    cw = np.cumsum(pc.prefix_ms(lengths[order]))
+    by_work = np.searchsorted(cw, cw[-1] * np.arange(1, half) / half, side="right")
+    return np.unique(np.concatenate([[0, 1, n], by_count, np.clip(by_work, 0, n)]))
+
+
+def _group_estimates(order: np.ndarray, lengths: np.ndarray, pc: PipelineCost,
+                     bounds: np.ndarray | None = None) -> np.ndarray:
+    """est[a, b]: estimated ms of a pipeline of the sorted sequences order[bounds[a]:bounds[b]]
+    (inf if a >= b); ``bounds`` defaults to every position (est[i, j] of order[i:j])."""
+    n = len(order)
+    if bounds is None:
+        bounds = np.arange(n + 1)
+    m = len(bounds) - 1
+    w = pc.prefix_ms(lengths[order])
+    cw = np.concatenate([[0.0], np.cumsum(w)])[bounds]
+    ct = np.concatenate([[0.0], np.cumsum(lengths[order].astype(np.float64))])[bounds]
+    P = pc.pp
+    b = pc.fixed_ms
+    act_tok = pc.act_layer_mb * pc.layers_per_stage
+    save_tok = max(1e-12, (pc.act_layer_mb - pc.input_layer_mb - pc.kv_layer_mb) * pc.layers_per_stage)
+    room = pc.activation_room_mb
+    est = np.full((m + 1, m + 1), np.inf)
+    for i in range(m):
+        W = cw[i + 1:] - cw[i]
+        tok = ct[i + 1:] - ct[i]
+        s_max = float(lengths[order[bounds[i]]])
+        tau = np.sqrt(b * W / max(1, P - 1)) if P > 1 else W
+        tau = np.clip(tau, min(W[0], 1e-9 + float(pc.prefix_ms(min(s_max, 1024)))), W)
+        nch = np.maximum(1.0, W / tau)
+        T = W + nch * b + (P - 1) * (tau + b)
+        inflight = act_tok * (s_max + (P - 1) * tok / nch)
+        excess = np.maximum(0.0, inflight - room)
+        frac = excess / np.maximum(1e-9, save_tok * (s_max + (P - 1) * tok / nch))
+        T = np.where(frac > 1, np.inf, T + frac * W / 3)
+        est[i, i + 1:] = T
+    return est
+
+
+def group_sequences(seq_ids, lengths, pc: PipelineCost, max_groups: int = 3) -> list[np.ndarray]:
+    """The grouping DP over sequences sorted longest first (consecutive groups; past
+    ``GROUP_BLOCKS`` sequences, over contiguous blocks of them: ``_group_bounds``)."""
+    seq_ids = np.asarray(seq_ids, dtype=np.int64)
+    order = seq_ids[np.lexsort((seq_ids, -lengths[seq_ids]))]
+    n = len(order)
+    bounds = _group_bounds(order, lengths, pc)
+    est = _group_estimates(order, lengths, pc, bounds)
+    m = len(bounds) - 1
+    G = max(1, min(max_groups, n))
+    dp = np.full((G + 1, m + 1), np.inf)
+    arg = np.zeros((G + 1, m + 1), dtype=np.int64)
+    dp[0, 0] = 0.0
+    for g in range(1, G + 1):
+        v = dp[g - 1][:, None] + est  # v[i, j]: groups up to i, then one of i..j
+        arg[g] = np.argmin(v, axis=0)
+        dp[g] = v[arg[g], np.arange(m + 1)]
+        dp[g, 0] = np.inf
+    g = int(np.argmin(dp[1:, m])) + 1
+    if not np.isfinite(dp[g, m]):  # the estimate sees no feasible grouping: split by tokens
+        cuts = np.searchsorted(np.cumsum(lengths[order]), lengths[order].sum() * np.arange(1, G) / G) + 1
+        return [x for x in np.split(order, np.unique(np.clip(cuts, 1, n - 1))) if x.size]
+    cuts = []
+    j = m
+    for gg in range(g, 0, -1):
+        i = int(arg[gg, j])
+        cuts.append((int(bounds[i]), int(bounds[j])))
+        j = i
+    return [order[i:j] for i, j in reversed(cuts) if j > i]
+
+
+__all__ = ["GROUP_BLOCKS", "group_sequences"]

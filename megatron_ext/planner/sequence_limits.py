@@ -1,0 +1,136 @@
+"""How long a sequence an elastic pipeline can run, and how finely it must be cut.
+
+A sequence cut into slices runs with all its slices in flight on every stage; its peak is on
+the last stage, which also keeps every slice's logits (``sequence_peak_mb``, exactly what the
+simulator counts for the sequence alone with every layer recomputed). From it: the finest
+slicing the planner tries (``finest_slice``), the longest sequence a layout can run
+(``longest_sequence``), the check with an error that says what to change
+(``check_sequences``), the largest slice that lets a sequence fit (``fit_cap``) and the
+fewest equal-time slices that do (``fewest_slices``). Pure Python + numpy.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from megatron_ext.cost.pipeline import PipelineCost
+from megatron_ext.errors import InfeasibleError
+from megatron_ext.planner.chunking import slice_mesh
+
+
+def sequence_peak_mb(pc: PipelineCost, bounds) -> float:
+    """Peak activation memory (MB per GPU, no model states) of one sequence alone on its worst
+    stage, the last (which also keeps the output layer's logits), cut at ``bounds``
+    (0 = b_0 < b_1 < ... < b_K = s) with every layer recomputed, as sim/engine counts it: all K
+    slices are in flight on every stage; during the backward of slice j (start a_j, t_j tokens,
+    end b_j) the stage holds the inputs and cached K/V of slices 1..j-1, slice j re-materialized
+    with the K/V of [0, b_j) it saved, the dK/dV of its prefix and the cached K/V of the slices
+    already run backward; the logits of slices 1..j. Per layer:
+    a_j (input + 2 kv) + t_j (act + 2 kv) + a_K kv (+ b_j head) for j < K (a_j > 0), and
+    a_K (input + 2 kv) + t_K act + s kv (+ s head) for the last slice. A lower bound of what any
+    plan cutting the sequence there needs (its other chunks only add)."""
+    b = np.asarray(bounds, dtype=np.float64)
+    L = pc.layers_per_stage
+    inp, kv, act, head = pc.input_layer_mb * L, pc.kv_layer_mb * L, pc.act_layer_mb * L, float(pc.head_mb)
+    s = b[-1]
+    if len(b) <= 2:
+        return float(s * (act + head))
+    a, t, e = b[:-2], np.diff(b)[:-1], b[1:-1]
+    a_last = b[-2]
+    during = a * (inp + kv) + t * (act + kv) + np.where(a > 0, e, 0.0) * kv + a_last * kv + e * head
+    last = a_last * (inp + 2 * kv) + (s - a_last) * act + s * kv + s * head
+    return float(max(during.max(), last))
+
+
+MAX_SLICES = 1024  # the finest slicing of a sequence: granularity-token slices, at most this many
+
+
+def finest_slice(seq_len: int, granularity: int) -> int:
+    """Tokens per slice of the finest slicing the planner tries: ``granularity``, or more (a
+    multiple of it) to keep a sequence within ``MAX_SLICES`` slices."""
+    g = max(1, int(granularity))
+    return max(g, -(-(-(-int(seq_len) // MAX_SLICES)) // g) * g)
+
+
+def even_bounds(seq_len: int, slice_tokens: int) -> np.ndarray:
+    """Cut points of ``slice_tokens``-token slices (the last holds the rest)."""
+    return np.append(np.arange(0, seq_len, max(1, int(slice_tokens))), seq_len)
+
+
+def longest_sequence(pc: PipelineCost, granularity: int = 128) -> int:
+    """The longest sequence elastic_pp can run on this layout: alone, at the finest slicing it
+    tries (``finest_slice``), every layer recomputed, within a stage's activation room
+    (``sequence_peak_mb``); 0 if none."""
+    room = pc.activation_room_mb
+
+    def fits(s: int) -> bool:
+        return sequence_peak_mb(pc, even_bounds(s, finest_slice(s, granularity))) <= room
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi) and hi < 2**40:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _mb(x: float) -> str:
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.1f}"
+
+
+def what_to_change(pc: PipelineCost, granularity: int) -> str:
+    """The end of an error about a sequence too long for the layout: the limit, and what to change."""
+    longest = longest_sequence(pc, granularity)
+    return (f"sequences up to {longest} tokens fit {pc.pp} stages x SP {pc.sp} in {_mb(pc.budget_mb)} MB: use a "
+            f"shorter --max-seq-len (at most {longest}) or drop the longest sequences, more stages (--pp), a larger "
+            f"SP degree (--sp) or more memory per GPU (--memory-mb)")
+
+
+def check_sequences(seq_ids: np.ndarray, lengths: np.ndarray, pc: PipelineCost, granularity: int) -> None:
+    """Refuse a batch whose longest sequences cannot run even alone at the finest slicing the
+    search reaches (``finest_slice``, every layer recomputed)."""
+    room = pc.activation_room_mb
+    for sid in seq_ids[np.argsort(-lengths[seq_ids], kind="stable")][:8].tolist():
+        s = int(lengths[sid])
+        t = finest_slice(s, granularity)
+        need = sequence_peak_mb(pc, even_bounds(s, t))
+        if need > room:
+            where = "its last stage (which also keeps the output layer's logits)" if pc.pp > 1 else "its stage"
+            raise InfeasibleError(
+                f"sequence {sid} of {s} tokens does not fit a stage even cut into {t}-token slices with every "
+                f"layer recomputed: it needs {_mb(need)} MB per GPU on {where}, a stage has {_mb(room)} MB of "
+                f"activation room ({_mb(pc.budget_mb)} MB budget - {_mb(pc.model_states_mb)} MB model states); "
+                + what_to_change(pc, granularity))
+
+
+def fit_cap(seq_len: int, pc: PipelineCost, granularity: int) -> int | None:
+    """The most tokens a slice may hold for a sequence of ``seq_len`` tokens to fit alone cut
+    into slices of that many tokens (``sequence_peak_mb``; a multiple of ``granularity``, at
+    least ``finest_slice``); None when it fits unsliced."""
+    room = pc.activation_room_mb
+    if sequence_peak_mb(pc, [0, seq_len]) <= room:
+        return None
+    g = max(1, int(granularity))
+    lo, hi = finest_slice(seq_len, g) // g, max(1, -(-seq_len // g))  # in multiples of g
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if sequence_peak_mb(pc, even_bounds(seq_len, mid * g)) <= room else (lo, mid)
+    return lo * g
+
+
+def fewest_slices(seq_len: int, pc: PipelineCost, granularity: int, min_slice_tokens: int) -> int | None:
+    """The fewest equal-time slices (of at least ``min_slice_tokens``, the search's meshes) that
+    let a sequence of ``seq_len`` tokens fit alone (``sequence_peak_mb``); None if none does, so
+    its mesh must be token-capped."""
+    room = pc.activation_room_mb
+    g = max(1, int(granularity))
+    k_max = max(1, seq_len // max(1, min_slice_tokens))
+    return next((k for k in range(1, k_max + 1)
+                 if sequence_peak_mb(pc, np.concatenate([[0], slice_mesh(seq_len, k, pc, g), [seq_len]])) <= room),
+                None)
+
+
+__all__ = ["MAX_SLICES", "check_sequences", "even_bounds", "fewest_slices", "finest_slice", "fit_cap",
+           "longest_sequence", "sequence_peak_mb", "what_to_change"]
