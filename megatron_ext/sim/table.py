@@ -101,17 +101,22 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
             rows.append(row)
 
     summary = []
-    ok_steps = [s for s in range(len(batches))
-                if all("error" not in r for r in rows if r["step"] == s)]  # steps every planner ran
-    main_total = sum(r["step_time_s"] for r in rows if r["planner"] == main and r["step"] in ok_steps)
+    times = {(r["planner"], r["step"]): r["step_time_s"] for r in rows if "error" not in r}
+
+    def total(name: str, steps) -> float:
+        return sum(times[(name, st)] for st in steps)
+
+    def ran(name: str, *others: str) -> list[int]:
+        return [st for st in range(len(batches)) if all((x, st) in times for x in (name, *others))]
+
     for name in planners:
         mine = [r for r in rows if r["planner"] == name]
         good = [r for r in mine if "error" not in r]
         if not good:
             summary.append({"planner": name, "error": mine[0].get("error", "no steps") if mine else "no steps"})
             continue
-        common = [r for r in good if r["step"] in ok_steps]
-        total = sum(r["step_time_s"] for r in common)
+        both = ran(name, main)  # speedups over the steps both planners ran
+        main_total = total(main, both)
         summary.append({
             "planner": name,
             "steps": len(good),
@@ -123,15 +128,17 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
             "peak_memory_gb": max(r["peak_memory_gb"] for r in good),
             "solve_time_s": statistics.mean(r["solve_time_s"] for r in good),
             "max_solve_time_s": max(r["solve_time_s"] for r in good),
-            f"speedup_of_{main}": (total / main_total) if main_total > 0 and common else None,
-            "total_time_s": total,
+            f"speedup_of_{main}": total(name, both) / main_total if both and main_total > 0 else None,
+            "total_time_s": total(name, ran(name)),
+            # the most any plan could gain over this planner on the steps it ran
+            "ceiling": total(name, ran(name)) / max(1e-12, sum(floors[st] for st in ran(name))),
         })
-    floor_total = sum(floors[s] for s in ok_steps)
+    main_steps = ran(main)
     floor = {"step_time_s": statistics.mean(floors),
              "tokens_per_s": sum(int(b.sum()) for b in batches) / sum(floors),
-             f"speedup_of_{main}": (floor_total / main_total) if main_total > 0 and ok_steps else None,
-             "ceiling": {s["planner"]: s["total_time_s"] / floor_total for s in summary
-                         if s.get("total_time_s") and floor_total > 0}}
+             f"speedup_of_{main}": (sum(floors[st] for st in main_steps) / total(main, main_steps)
+                                    if main_steps else None),
+             "ceiling": {x["planner"]: x["ceiling"] for x in summary if "ceiling" in x}}
     config = {"model": cost.model.name, "cluster": cost.cluster.name, "num_gpus": cost.num_gpus, "pp": pp, "sp": sp,
               "source": source, "b1_scale": opts.b1_scale, "memory_mb": opts.memory_mb or cost.cluster.memory_mb,
               "time_limit": time_limit, "main": main}
@@ -171,7 +178,7 @@ def format_table(summary: list[dict], floor: dict, config: dict, main: str) -> s
     if "auto_choices" in config:
         lines += ["", "auto chose: " + ", ".join(f"{k} x{v}" for k, v in config["auto_choices"].items())]
     lines += ["", "step s: mean simulated step time; bubble: idle share of GPU-time; recomp: recompute share; "
-              f"speedup: total time of that planner / total time of {main} over the steps all planners ran; "
+              f"speedup: total time of that planner / total time of {main} over the steps both ran; "
               "compute floor: the batch's compute spread over every GPU, nothing else (no all-to-all, "
               "fixed cost or idle time)."]
     return "\n".join(lines)

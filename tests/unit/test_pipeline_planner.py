@@ -179,6 +179,20 @@ def test_simulate_table_small():
             simulate_table(**{"cost": small, "lengths": [3000, 200], **kw})
 
 
+
+def test_speedups_skip_only_the_steps_a_planner_could_not_run():
+    """A planner that cannot run a step (FlexSP past its longest sequence at a 40 GB budget) shows
+    the error; the others' speedups are over the steps they and the main planner both ran."""
+    tight = COST.with_memory(40_000)
+    longest = tight.max_seq_len
+    out = simulate_table(tight, lengths=[longest + 8000, 20000, 3000] + [500] * 40,
+                         planners=("elastic_pp", "flexsp", "seq1f1b"), time_limit=1.0)
+    by = {s["planner"]: s for s in out["summary"]}
+    assert "error" in by["flexsp"] and f"at most {longest} tokens" in by["flexsp"]["error"]
+    assert by["seq1f1b"]["speedup_of_elastic_pp"] == pytest.approx(
+        by["seq1f1b"]["total_time_s"] / by["elastic_pp"]["total_time_s"], rel=1e-9)
+    assert "n/a" not in out["table"]
+
 def test_tight_memory_plans_recompute_or_split_into_pipelines():
     from megatron_ext.data.lengths import sample_lengths
 
