@@ -186,8 +186,8 @@ def build_pipeline(pieces: list[Pieces], pc: PipelineCost, recompute: str = "gre
             p = next(p for p, c in enumerate(cps) if not (checkpoint_memory(c, save, rec[p]) <= room[p] + 1e-6).all())
             mem = checkpoint_memory(cps[p], save, rec[p])
             cp = cps[p][int(np.argmax(mem))]
-            raise InfeasibleError(f"{where}: stage {p} needs {mem.max() + pc.model_states_mb:.0f} MB per GPU at "
-                                  f"{name(cp.kind, cp.chunk)} with {status}, over the {pc.budget_mb:.0f} MB budget")
+            raise InfeasibleError(f"{where}: stage {p} needs {mem.max() + pc.model_states_mb:.1f} MB per GPU at "
+                                  f"{name(cp.kind, cp.chunk)} with {status}, over the {pc.budget_mb:.1f} MB budget")
     elif recompute == "greedy":
         rec = greedy_recompute(cps, save, rc, L_s, room, bpos, tied, where, name)
         status = "greedy recompute"
@@ -450,9 +450,12 @@ def resolve_layout(cost: CostModel, pp, sp) -> tuple[int, int]:
     dpp, dsp = default_layout(cost)
     if pp is None and sp is None:
         pp, sp = dpp, dsp
-    elif pp is None:
-        pp = cost.num_gpus // sp if isinstance(sp, int) and sp > 0 else sp
-    elif sp is None:
+    elif pp is None:  # the stages follow from sp: refuse an sp that leaves none, naming sp
+        if not (isinstance(sp, int) and sp in cost.degrees and cost.num_gpus % sp == 0):
+            raise ConfigError(f"SP degree {sp!r} is not allowed for {cost.model.name} on {cost.cluster.name}; allowed: "
+                              f"{', '.join(map(str, cost.degrees))} (powers of two that divide the heads)")
+        pp = cost.num_gpus // sp
+    elif sp is None:  # (PipelineCost / check_layout name what is wrong with pp)
         sp = cost.num_gpus // pp if isinstance(pp, int) and pp > 0 else pp
     return pp, sp
 
@@ -572,8 +575,9 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
         final.append(b)
     pipes = [b.to_pipeline(pc) for b in final]
     rec_note = "; ".join(sorted({b.status for b in final}))
-    status = (f"{len(final)} pipeline{'s' if len(final) > 1 else ''} x {pc.pp} stages x SP {pc.sp}; "
-              f"{', '.join(_chunking_note(b) for b in final)}; {sum(b.table.n for b in final)} chunks; {rec_note}")
+    n = sum(b.table.n for b in final)
+    status = (f"{len(final)} pipeline{'s' if len(final) > 1 else ''} x {pc.pp} stage{'s' if pc.pp > 1 else ''} x SP "
+              f"{pc.sp}; {', '.join(_chunking_note(b) for b in final)}; {n} chunk{'s' if n > 1 else ''}; {rec_note}")
     dropped = np.setdiff1d(np.arange(len(lengths)), ids)
     return finish_plan("elastic_pp", pipes, lengths, cost, pc, opts, start, status, dropped)
 

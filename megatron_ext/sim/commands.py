@@ -82,7 +82,7 @@ def check_args(args, pipelines: bool) -> None:
         raise ConfigError(f"--plot {plot}: the file name must end in {', '.join(PLOT_FORMATS)}")
     given = [flag for name, flag in PIPELINE_ONLY.items() if getattr(args, name, None) is not None]
     if given and not pipelines:
-        raise ConfigError(f"{', '.join(given)} only apply to pipeline planners (elastic_pp, seq1f1b, batch_1f1b, "
+        raise ConfigError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to pipeline planners (elastic_pp, seq1f1b, batch_1f1b, "
                           f"auto), not to {getattr(args, 'planner', None) or getattr(args, 'planners', '')}")
 
 

@@ -154,10 +154,12 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
 
 
 def format_table(summary: list[dict], floor: dict, config: dict, main: str) -> str:
+    # memory in GB, or in MB on small (CPU-rank) budgets where GB would read 0
+    unit, div, prec = ("GB", 1024.0, 0) if config["memory_mb"] >= 2048 else ("MB", 1.0, 1)
     head = (f"{config['model']} on {config['cluster']} ({config['num_gpus']} GPUs; pipelines: pp {config['pp']} x "
             f"sp {config['sp']}); {config['source']}; b1_scale {config['b1_scale']:g}; "
-            f"memory {config['memory_mb'] / 1024:.0f} GB per GPU")
-    cols = (f"{'planner':<16}{'step s':>9}{'tokens/s':>11}{'bubble':>8}{'recomp':>8}{'peak GB':>9}"
+            f"memory {config['memory_mb'] / div:.{prec}f} {unit} per GPU")
+    cols = (f"{'planner':<16}{'step s':>9}{'tokens/s':>11}{'bubble':>8}{'recomp':>8}{'peak ' + unit:>9}"
             f"{'plan ms':>9}{'max ms':>8}{main + ' speedup':>22}")
     lines = [head, "", cols]
     for s in summary:
@@ -168,7 +170,7 @@ def format_table(summary: list[dict], floor: dict, config: dict, main: str) -> s
         sp_txt = "-" if s["planner"] == main else ("n/a" if sp is None else f"{sp:.2f}x")
         fail = f"  ({s['failed_steps']} step(s) infeasible)" if s["failed_steps"] else ""
         lines.append(f"{s['planner']:<16}{s['step_time_s']:>9.2f}{s['tokens_per_s']:>11,.0f}{s['bubble_ratio']:>8.1%}"
-                     f"{s['recompute_ratio']:>8.1%}{s['peak_memory_gb']:>9.1f}{s['solve_time_s'] * 1e3:>9.0f}"
+                     f"{s['recompute_ratio']:>8.1%}{s['peak_memory_gb'] * 1024 / div:>9.1f}{s['solve_time_s'] * 1e3:>9.0f}"
                      f"{s['max_solve_time_s'] * 1e3:>8.0f}{sp_txt:>22}{fail}")
     lines.append(f"{'(compute floor)':<16}{floor['step_time_s']:>9.2f}{floor['tokens_per_s']:>11,.0f}{'-':>8}{'-':>8}"
                  f"{'-':>9}{'-':>9}{'-':>8}{'-':>22}")

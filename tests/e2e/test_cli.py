@@ -194,8 +194,8 @@ SMALL = ["--model", "llama-7b", "--cluster", "a800-80g-8x1"]  # one node of 8 GP
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["plan", "--planner", "flexsp", "--pp", "4"], "--pp only apply to pipeline planners"),
-    (["plan", "--planner", "flexsp", "--recompute", "none", "--b1-scale", "0.5"], "--b1-scale, --recompute only"),
+    (["plan", "--planner", "flexsp", "--pp", "4"], "--pp applies only to pipeline planners"),
+    (["plan", "--planner", "flexsp", "--recompute", "none", "--b1-scale", "0.5"], "--b1-scale, --recompute apply only"),
     (["plan", "--planner", "elastic_pp", "--plot", "out.txt"], "must end in .png, .pdf, .svg"),
     (["plan", "--planner", "elastic_pp", "--seed", "-1"], "--seed must be non-negative"),
     (["plan", "--planner", "elastic_pp", "--b1-scale", "inf"], "b1_scale must be a non-negative number"),
@@ -206,7 +206,7 @@ SMALL = ["--model", "llama-7b", "--cluster", "a800-80g-8x1"]  # one node of 8 GP
     (["simulate", "--planners", "flexsp,nope"], "unknown planner(s) 'nope'"),
     (["simulate", "--planners", "flexsp", "--main", "elastic_pp"], "main planner 'elastic_pp' is not among"),
     (["simulate", "--planners", "elastic_pp", "--pp", "3"], "pipeline degree 3 does not divide"),
-    (["simulate", "--planners", "flexsp", "--sp", "2"], "--sp only apply to pipeline planners"),
+    (["simulate", "--planners", "flexsp", "--sp", "2"], "--sp applies only to pipeline planners"),
     (["simulate", "--steps", "0"], "--batch and --steps must be at least 1"),
 ])
 def test_pipeline_and_simulate_config_errors(capsys, argv, match):
