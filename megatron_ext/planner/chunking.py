@@ -94,12 +94,11 @@ def capped_mesh(seq_len: int, step_ms: float, pc: PipelineCost, granularity: int
 
 def balanced_chunks(seq_ids, lengths, pc: PipelineCost, target_ms: float, token_cap: float = math.inf,
                     granularity: int = 1, fit: str = "best", min_tail: int = 0,
-                    max_slice_tokens: int | Callable[[int], int | None] | None = None) -> Chunking:
+                    max_slice_tokens: Callable[[int], int | None] | None = None) -> Chunking:
     """Algorithm 1 for one pipeline's sequences at chunk time target ``target_ms``. With
-    ``max_slice_tokens`` (tokens, or a function of a sequence's length giving its cap, None for
-    none), no slice longer than that (``capped_mesh``; ``token_cap`` then caps the buckets only);
-    with a function, every long sequence is cut on its own capped mesh (same time step), so only
-    those that need it are cut finely."""
+    ``max_slice_tokens`` (a function of a sequence's length giving its slice cap in tokens, None
+    for none), every long sequence is cut on its own capped mesh (``capped_mesh``, the same time
+    step), so only those that need it are cut finely; ``token_cap`` then caps the buckets only."""
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
     if seq_ids.size == 0:
@@ -110,9 +109,8 @@ def balanced_chunks(seq_ids, lengths, pc: PipelineCost, target_ms: float, token_
     t_max = float(pc.prefix_ms(s_max))
     target_ms = max(float(target_ms), 1e-9)
     slices = max(1, math.ceil(t_max / target_ms - 1e-9))
-    cap_of = None
-    if max_slice_tokens is not None:
-        cap_of = max_slice_tokens if callable(max_slice_tokens) else (lambda s, c=max_slice_tokens: c)
+    cap_of = max_slice_tokens
+    if cap_of is not None:
 
         def own_mesh(s: int) -> np.ndarray:  # (the slices' cap is max_slice_tokens, not token_cap)
             c = cap_of(s)
@@ -141,8 +139,7 @@ def balanced_chunks(seq_ids, lengths, pc: PipelineCost, target_ms: float, token_
         if s <= first_cut:
             short.append(sid)
             continue
-        cuts = [int(x) for x in (mesh if cap_of is None or s == s_max or not callable(max_slice_tokens)
-                                 else own_mesh(s)) if x < s]
+        cuts = [int(x) for x in (mesh if cap_of is None or s == s_max else own_mesh(s)) if x < s]
         if min_tail and cuts and s - cuts[-1] < min_tail and (
                 cap_of is None or s - (cuts[-2] if len(cuts) > 1 else 0) <= (cap_of(s) or s)):
             cuts.pop()  # a tiny tail joins the previous slice
@@ -322,7 +319,6 @@ def pack_by_tokens(seq_ids: np.ndarray, lengths: np.ndarray, capacity: int) -> l
             room[len(packs)] = capacity - s
             packs.append([i])
     return packs
-
 
 
 def split_pack(pack: list[int], lengths: np.ndarray, pc: PipelineCost, slices: int) -> list[Pieces]:

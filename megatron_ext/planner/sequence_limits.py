@@ -70,6 +70,11 @@ def longest_sequence(pc: PipelineCost, granularity: int = 128) -> int:
     lo, hi = 1, 2
     while fits(hi) and hi < 2**40:
         lo, hi = hi, hi * 2
+    return _largest(fits, lo, hi)
+
+
+def _largest(fits, lo: int, hi: int) -> int:
+    """The largest x in [lo, hi) with ``fits(x)``, for a monotone ``fits`` true at ``lo``."""
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
@@ -113,11 +118,9 @@ def fit_cap(seq_len: int, pc: PipelineCost, granularity: int) -> int | None:
     if sequence_peak_mb(pc, [0, seq_len]) <= room:
         return None
     g = max(1, int(granularity))
-    lo, hi = finest_slice(seq_len, g) // g, max(1, -(-seq_len // g))  # in multiples of g
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if sequence_peak_mb(pc, even_bounds(seq_len, mid * g)) <= room else (lo, mid)
-    return lo * g
+    m = _largest(lambda m: sequence_peak_mb(pc, even_bounds(seq_len, m * g)) <= room,  # in multiples of g
+                 finest_slice(seq_len, g) // g, max(1, -(-seq_len // g)))
+    return m * g
 
 
 def fewest_slices(seq_len: int, pc: PipelineCost, granularity: int, min_slice_tokens: int) -> int | None:

@@ -14,6 +14,7 @@ per hook (see the functions' docstrings):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -107,8 +108,6 @@ def run_pp_plan(args, cost, lengths) -> int:
     opts = pipeline_options_from_args(args)
     drop = PlannerOptions(time_limit=opts.time_limit, drop_over_max=getattr(args, "drop_over_max", False),
                           max_seq_len=getattr(args, "max_seq_len", None))
-    import dataclasses
-
     overrides = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
     plan = make_pp_plan(args.planner, lengths, cost, drop,
                         baselines=() if getattr(args, "no_baselines", False) else PP_BASELINES, **overrides)

@@ -117,6 +117,7 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
             continue
         both = ran(name, main)  # speedups over the steps both planners ran
         main_total = total(main, both)
+        own = ran(name)
         summary.append({
             "planner": name,
             "steps": len(good),
@@ -129,9 +130,9 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
             "solve_time_s": statistics.mean(r["solve_time_s"] for r in good),
             "max_solve_time_s": max(r["solve_time_s"] for r in good),
             f"speedup_of_{main}": total(name, both) / main_total if both and main_total > 0 else None,
-            "total_time_s": total(name, ran(name)),
+            "total_time_s": total(name, own),
             # the most any plan could gain over this planner on the steps it ran
-            "ceiling": total(name, ran(name)) / max(1e-12, sum(floors[st] for st in ran(name))),
+            "ceiling": total(name, own) / max(1e-12, sum(floors[st] for st in own)),
         })
     main_steps = ran(main)
     floor = {"step_time_s": statistics.mean(floors),
