@@ -14,6 +14,9 @@ chunk). Solved with HiGHS (time-limited, 2% gap); if HiGHS has no incumbent in t
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import highspy
 import numpy as np
 
@@ -28,21 +31,41 @@ def _var_map(P: int, n: int, bpos: np.ndarray, tied: bool) -> np.ndarray:
     return np.arange(P * n).reshape(P, n)
 
 
-def _rows(cps: list[list[Checkpoint]], save: np.ndarray, room: np.ndarray, var: np.ndarray, where: str):
-    """Constraint rows sum_j coef_j x_j >= need, one per checkpoint that is over its room."""
-    rows = []
-    for p, stage in enumerate(cps):
-        for cp in stage:
-            need = cp.const - room[p]
-            if need <= 1e-9:
-                continue
-            coef: dict[int, float] = {}
-            for k in cp.reducible:
-                if save[k] > 0:
-                    j = int(var[p, k])
-                    coef[j] = coef.get(j, 0.0) + float(save[k])
-            rows.append((p, cp, need, coef))
-    return rows
+@dataclass
+class _Rows:
+    """The moments over their room as constraints ``sum_j val x[col] >= need`` (CSR: row r's
+    entries are ``indptr[r]:indptr[r + 1]``). A row belongs to one stage, whose chunks have
+    distinct variables (tied: distinct diagonals), so a row never repeats a column."""
+
+    stage: np.ndarray  # [rows]
+    cps: list  # [rows] Checkpoint
+    need: np.ndarray  # [rows] MB to save
+    indptr: np.ndarray  # [rows + 1]
+    chunk: np.ndarray  # [nnz] the chunk of each entry
+    col: np.ndarray  # [nnz] its variable
+    val: np.ndarray  # [nnz] MB one recomputed layer of it saves
+
+    @property
+    def row_of(self) -> np.ndarray:
+        return np.repeat(np.arange(len(self.need)), np.diff(self.indptr))
+
+
+def _rows(cps: list[list[Checkpoint]], save: np.ndarray, room: np.ndarray, var: np.ndarray) -> _Rows:
+    stage, over, need, parts = [], [], [], []
+    for p, st in enumerate(cps):
+        for cp in st:
+            nd = cp.const - room[p]
+            if nd > 1e-9:
+                ks = np.asarray(cp.reducible, dtype=np.int64)
+                parts.append(ks[save[ks] > 0])
+                stage.append(p)
+                over.append(cp)
+                need.append(nd)
+    stage_a = np.asarray(stage, dtype=np.int64)
+    chunk = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    indptr = np.concatenate([[0], np.cumsum([len(k) for k in parts], dtype=np.int64)])
+    col = var[np.repeat(stage_a, np.diff(indptr)), chunk] if len(chunk) else chunk
+    return _Rows(stage_a, over, np.asarray(need, dtype=np.float64), indptr, chunk, col, save[chunk])
 
 
 def _infeasible(p: int, cp: Checkpoint, need: float, where: str, name) -> InfeasibleError:
@@ -51,45 +74,46 @@ def _infeasible(p: int, cp: Checkpoint, need: float, where: str, name) -> Infeas
                            f"even with every layer of every in-flight chunk recomputed")
 
 
+def _greedy(rows: _Rows, save: np.ndarray, rc: np.ndarray, layers: int, nvar: int, where: str, name) -> np.ndarray:
+    """Row by row, raise the variables of the chunks that save the most MB per recompute ms
+    until the row holds. Returns x [nvar]."""
+    x = np.zeros(nvar, dtype=np.int64)
+    n = len(save)
+    rank = np.empty(n, dtype=np.int64)
+    rank[np.lexsort((np.arange(n), -save / np.maximum(rc, 1e-12)))] = np.arange(n)
+    by_col = np.argsort(rows.col, kind="stable")  # CSC view: a variable's entries over the rows
+    col_ptr = np.searchsorted(rows.col[by_col], np.arange(nvar + 1))
+    row_of = rows.row_of
+    reduced = np.zeros(len(rows.need))
+    for r in range(len(rows.need)):
+        need = rows.need[r] - reduced[r]
+        if need <= 1e-9:
+            continue
+        a, b = rows.indptr[r], rows.indptr[r + 1]
+        for e in a + np.argsort(rank[rows.chunk[a:b]], kind="stable"):
+            j = rows.col[e]
+            free = layers - x[j]
+            if free <= 0:
+                continue
+            add = int(min(free, np.ceil(need / rows.val[e] - 1e-9)))
+            x[j] += add
+            es = by_col[col_ptr[j]:col_ptr[j + 1]]
+            reduced[row_of[es]] += rows.val[es] * add
+            need = rows.need[r] - reduced[r]
+            if need <= 1e-9:
+                break
+        if need > 1e-6:
+            raise _infeasible(int(rows.stage[r]), rows.cps[r], need, where, name)
+    return x
+
+
 def greedy_recompute(cps: list[list[Checkpoint]], save: np.ndarray, rc: np.ndarray, layers: int,
                      room: np.ndarray, bpos: np.ndarray, tied: bool = True, where: str = "pipeline",
                      name=None) -> np.ndarray:
     """Raise recompute where memory is over, moment by moment, most MB saved per ms first. [P, n] ints."""
-    P, n = len(cps), len(save)
-    var = _var_map(P, n, bpos, tied)
+    var = _var_map(len(cps), len(save), bpos, tied)
     nvar = int(var.max()) + 1 if var.size else 0
-    x = np.zeros(nvar, dtype=np.int64)
-    over = [(p, cp) for p, stage in enumerate(cps) for cp in stage if cp.const - room[p] > 1e-9]
-    if not over:
-        return x[var]
-    # A[row, j]: MB that one more layer of variable j saves at checkpoint row
-    A = np.zeros((len(over), nvar))
-    for r, (p, cp) in enumerate(over):
-        if cp.reducible:
-            ks = np.asarray(cp.reducible, dtype=np.int64)
-            np.add.at(A[r], var[p, ks], save[ks])
-    need0 = np.array([cp.const - room[p] for p, cp in over])
-    reduced = np.zeros(len(over))
-    value = save / np.maximum(rc, 1e-12)
-    for r, (p, cp) in enumerate(over):
-        need = need0[r] - reduced[r]
-        if need <= 1e-9:
-            continue
-        cand = sorted((k for k in cp.reducible if save[k] > 0), key=lambda k: (-value[k], k))
-        for k in cand:
-            j = var[p, k]
-            free = layers - x[j]
-            if free <= 0:
-                continue
-            add = int(min(free, np.ceil(need / A[r, j] - 1e-9)))
-            x[j] += add
-            reduced += A[:, j] * add
-            need = need0[r] - reduced[r]
-            if need <= 1e-9:
-                break
-        if need > 1e-6:
-            raise _infeasible(p, cp, need, where, name)
-    return x[var]
+    return _greedy(_rows(cps, save, room, var), save, rc, layers, nvar, where, name)[var]
 
 
 def solve_recompute(cps: list[list[Checkpoint]], save: np.ndarray, rc: np.ndarray, layers: int,
@@ -97,41 +121,38 @@ def solve_recompute(cps: list[list[Checkpoint]], save: np.ndarray, rc: np.ndarra
                     gap: float = 0.02, where: str = "pipeline", name=None) -> tuple[np.ndarray, str]:
     """The ILP; returns (r [P, n] ints, status). Raises InfeasibleError if even recomputing every
     layer of every in-flight chunk leaves a stage over its room."""
+    started = time.perf_counter()
     P, n = len(cps), len(save)
     var = _var_map(P, n, bpos, tied)
-    rows = _rows(cps, save, room, var, where)
-    if not rows:
+    rows = _rows(cps, save, room, var)
+    if not len(rows.need):
         return np.zeros((P, n), dtype=np.int64), "no recompute needed"
-    for p, cp, need, coef in rows:
-        if sum(coef.values()) * layers < need - 1e-6:
-            raise _infeasible(p, cp, need - sum(coef.values()) * layers, where, name)
+    most = np.bincount(rows.row_of, weights=rows.val, minlength=len(rows.need)) * layers
+    short = np.flatnonzero(most < rows.need - 1e-6)
+    if len(short):
+        r = int(short[0])
+        raise _infeasible(int(rows.stage[r]), rows.cps[r], rows.need[r] - most[r], where, name)
     nvar = int(var.max()) + 1
     cost = np.zeros(nvar)
     np.add.at(cost, var.ravel(), np.broadcast_to(rc, (P, n)).ravel())
-    greedy = greedy_recompute(cps, save, rc, layers, room, bpos, tied, where, name)
+    x0 = _greedy(rows, save, rc, layers, nvar, where, name)
+    greedy = x0[var]
+    left = time_limit - (time.perf_counter() - started)  # the limit covers building the model too
+    if left <= 0.01:
+        return greedy, "greedy (no time left for the ILP)"
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("threads", 1)
-    h.setOptionValue("time_limit", float(time_limit))
+    h.setOptionValue("time_limit", float(left))
     h.setOptionValue("mip_rel_gap", float(gap))
     h.addVars(nvar, np.zeros(nvar), np.full(nvar, float(layers)))
     h.changeColsCost(nvar, np.arange(nvar, dtype=np.int32), cost)
     h.changeColsIntegrality(nvar, np.arange(nvar, dtype=np.int32),
                             np.full(nvar, highspy.HighsVarType.kInteger, dtype=np.uint8))
-    lo, starts, idx, val = [], [], [], []
-    for p, cp, need, coef in rows:
-        lo.append(need)
-        starts.append(len(idx))
-        idx.extend(coef)
-        val.extend(coef.values())
-    h.addRows(len(lo), np.array(lo), np.full(len(lo), highspy.kHighsInf), len(idx),
-              np.array(starts, dtype=np.int32), np.array(idx, dtype=np.int32), np.array(val, dtype=np.float64))
-    # warm start from the greedy answer (the diagonal/column values it chose)
-    x0 = np.zeros(nvar)
-    for p in range(P):
-        for k in range(n):
-            x0[var[p, k]] = max(x0[var[p, k]], greedy[p, k])
-    h.setSolution(nvar, np.arange(nvar, dtype=np.int32), x0)
+    m = len(rows.need)
+    h.addRows(m, rows.need, np.full(m, highspy.kHighsInf), len(rows.col), rows.indptr[:-1].astype(np.int32),
+              rows.col.astype(np.int32), rows.val.astype(np.float64))
+    h.setSolution(nvar, np.arange(nvar, dtype=np.int32), x0.astype(np.float64))  # warm start: the greedy
     h.run()
     if h.getInfo().primal_solution_status != 2:
         return greedy, "greedy (HiGHS found no solution in time)"

@@ -115,6 +115,7 @@ class BuiltPipeline:
     order: str = "1f1b"
     ramp: str = ""
     held: int = 0  # greedy order: forwards held back by memory while a stage idled
+    build_s: float = 0.0  # seconds building it took (what rebuilding or simulating it will take, about)
 
     def to_pipeline(self, pc: PipelineCost) -> Pipeline:
         # one entry per stage for every chunk, zeros when nothing is recomputed (the StepPlan contract)
@@ -146,6 +147,7 @@ def build_pipeline(pieces: list[Pieces], pc: PipelineCost, recompute: str = "gre
         return a if a.makespan_ms <= b.makespan_ms + 1e-9 else b
     if order not in ("1f1b", "greedy"):
         raise ConfigError(f"unknown pipeline order {order!r}; use 1f1b, greedy or best")
+    started = time.perf_counter()
     chunks = [Chunk(i, [Piece(int(s), int(a), int(b)) for s, a, b in c]) for i, c in enumerate(pieces)]
     table = analyze_chunks(chunks, pc, where)
     forward = list(range(table.n))
@@ -165,7 +167,7 @@ def build_pipeline(pieces: list[Pieces], pc: PipelineCost, recompute: str = "gre
         if recompute not in ("none", "auto", "greedy", "ilp"):
             raise ConfigError(f"unknown recompute mode {recompute!r}; use ilp, greedy, none, full or auto")
         return _finish_build(pieces, chunks, table, ops, rec, status, order, held,
-                             greedy_ms if order == "greedy" else None, pc)
+                             greedy_ms if order == "greedy" else None, pc, started)
     cps, save = _checkpoints(table, ops, pc)
     rc = pc.recompute_ms(table.work, table.tokens, 1)
     bpos = np.empty(n, dtype=np.int64)
@@ -196,7 +198,7 @@ def build_pipeline(pieces: list[Pieces], pc: PipelineCost, recompute: str = "gre
     else:
         raise ConfigError(f"unknown recompute mode {recompute!r}; use ilp, greedy, none, full or auto")
     return _finish_build(pieces, chunks, table, ops, rec, status, order, held,
-                         greedy_ms if order == "greedy" else None, pc)
+                         greedy_ms if order == "greedy" else None, pc, started)
 
 
 def _fits_without_recompute(table: ChunkTable, ops, pc: PipelineCost) -> bool:
@@ -211,7 +213,7 @@ def _fits_without_recompute(table: ChunkTable, ops, pc: PipelineCost) -> bool:
     return True
 
 
-def _finish_build(pieces, chunks, table, ops, rec, status, order, held, greedy_ms, pc) -> BuiltPipeline:
+def _finish_build(pieces, chunks, table, ops, rec, status, order, held, greedy_ms, pc, started) -> BuiltPipeline:
     n = table.n
     if greedy_ms is not None and not rec.any():  # the list scheduler's times are the greedy's own
         makespan = greedy_ms
@@ -220,7 +222,8 @@ def _finish_build(pieces, chunks, table, ops, rec, status, order, held, greedy_m
         _, end = list_schedule(ops, fwd, bwd, p2p, table.fwd_pred, table.bwd_pred,
                                name=lambda kind, k: f"{'FB'[kind]}{table.ids[k]}")
         makespan = float(np.nanmax(end)) if n else 0.0
-    return BuiltPipeline(pieces, chunks, table, ops, rec, makespan, status, order=order, held=held)
+    return BuiltPipeline(pieces, chunks, table, ops, rec, makespan, status, order=order, held=held,
+                         build_s=time.perf_counter() - started)
 
 
 # ---- elastic pipeline planner ---------------------------------------------------------------
@@ -554,8 +557,10 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     candidates.sort(key=lambda c: c[0])
     _, built, groups = candidates[0]
 
-    # final recompute with the ILP, in the time left
-    # (the fixed rules none / full / auto were the search's own: their candidates are final)
+    # final recompute with the ILP, in the time left after what checking and simulating the plan
+    # will take (about what building its pipelines took); the fixed rules none / full / auto were
+    # the search's own: their candidates are final
+    end = start + budget - sum(b.build_s for b in built)
     final = []
     for i, b in enumerate(built):
         if opts.recompute != "ilp" or not b.recompute.any():
@@ -563,12 +568,12 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
             continue
         ties = (True, False) if opts.ties == "best" else (opts.ties != "untied",)
         for j, tied in enumerate(ties):
-            if time.perf_counter() - start >= budget:  # the search's greedy recompute stands
+            left = (end - time.perf_counter()) / (len(built) - i) / (len(ties) - j)
+            if left < 2 * b.build_s:  # too little to build it again and solve: the greedy stands
                 if j == 0:
                     b.status += " (no time left for the ILP)"
                 break
-            left = max(0.05, opts.time_limit - (time.perf_counter() - start)) / (len(built) - i) / len(ties)
-            nb = build_pipeline(b.pieces, pc, opts.recompute, tied, left, f"pipeline {i}", order=b.order)
+            nb = build_pipeline(b.pieces, pc, opts.recompute, tied, left - b.build_s, f"pipeline {i}", order=b.order)
             nb.slices, nb.ramp = b.slices, b.ramp
             if nb.makespan_ms <= b.makespan_ms + 1e-9:
                 b = nb

@@ -17,7 +17,7 @@ from megatron_ext.planner.checkpointing import greedy_recompute, solve_recompute
 from megatron_ext.planner.chunking import balanced_chunks
 from megatron_ext.planner.pipeline import _checkpoints, build_pipeline
 from megatron_ext.sim import simulate
-from megatron_ext.sim.engine import backward_order
+from megatron_ext.sim.engine import backward_order, checkpoint_memory
 
 COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
 lengths_st = st.lists(st.one_of(st.integers(1, 4096), st.integers(4096, 98_304)), min_size=1, max_size=25)
@@ -102,3 +102,21 @@ def test_solver_entry_points_directly():
     assert status.startswith(("ilp", "greedy"))
     assert (rc[None, :] * r).sum() <= (rc[None, :] * g).sum() + 1e-6
     assert r.max() <= 10 and r.min() >= 0
+
+
+def test_a_limit_spent_building_the_model_leaves_the_greedy_answer():
+    # the time limit covers building the rows and the greedy, not only HiGHS: with none left the
+    # greedy answer stands (and still fits), named as such
+    lengths = np.array([50000, 40000, 8000, 8000, 8000])
+    pc = PipelineCost(COST, 4, 8, memory_mb=16 * 1024)
+    built = build_pipeline([[(i, 0, int(s))] for i, s in enumerate(lengths)], pc, "full")
+    cps, save = _checkpoints(built.table, built.ops, pc)
+    rc = pc.recompute_ms(built.table.work, built.table.tokens, 1)
+    room = np.full(4, pc.activation_room_mb)
+    for tied in (True, False):
+        bpos = np.arange(5)
+        r, status = solve_recompute(cps, save, rc, 10, room, bpos, tied, 0.0)
+        assert status == "greedy (no time left for the ILP)"
+        assert (r == greedy_recompute(cps, save, rc, 10, room, bpos, tied)).all() and r.any()
+        for p in range(4):
+            assert checkpoint_memory(cps[p], save, r[p]).max() <= room[p] + 1e-6
