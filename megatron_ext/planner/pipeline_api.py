@@ -83,8 +83,21 @@ def make_pp_plan(name: str, lengths, cost: CostModel, options=None, baselines: t
                                  **plan_units(other), "speedup": step / plan.estimated_step_time_s,
                                  "status": other.solver_status}
         except (MegatronExtError, ImportError) as e:  # a baseline that cannot run this batch
-            plan.baselines[b] = {"error": str(e)}
+            plan.baselines[b] = {"error": _baseline_error(b, e, lengths[ids], cost, options)}
     return plan
+
+
+def _baseline_error(name: str, err: Exception, lengths: np.ndarray, cost: CostModel, options) -> str:
+    """Why a baseline could not run the batch; when it is the batch's length, the limit that
+    would make the comparison (the batch reaches the pipeline's limit, longer than others run)."""
+    try:
+        limit = max_seq_len(name, cost, options)
+    except MegatronExtError:
+        return str(err)
+    if int(lengths.max()) <= limit:
+        return str(err)
+    return (f"it runs sequences of up to {limit:,} tokens, this batch's longest has {int(lengths.max()):,} "
+            f"(to compare on a batch both can run, pass --max-seq-len {limit})")
 
 
 __all__ = ["PP_PLANNERS", "make_pp_plan", "max_seq_len"]

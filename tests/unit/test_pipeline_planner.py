@@ -107,6 +107,17 @@ def test_make_pp_plan_takes_planner_options_and_drops():
         make_pp_plan("nope", lengths, COST)
 
 
+def test_a_baseline_that_cannot_hold_the_longest_sequence_names_the_length_to_compare_at():
+    # a pipeline slices what no SP group holds whole: FlexSP says how long a batch both run
+    limit = COST.max_seq_len
+    lengths = np.array([limit + 20_000, 3000, 2000])
+    plan = make_pp_plan("elastic_pp", lengths, COST, PipelineOptions(time_limit=1.0), baselines=("flexsp", "seq1f1b"))
+    assert plan.baselines["flexsp"]["error"] == (
+        f"it runs sequences of up to {limit:,} tokens, this batch's longest has {limit + 20_000:,} "
+        f"(to compare on a batch both can run, pass --max-seq-len {limit})")
+    assert "speedup" in plan.baselines["seq1f1b"]
+
+
 def test_grouping_dp_returns_consecutive_groups():
     pc = PipelineCost(COST, 4, 8, memory_mb=20 * 1024)
     lengths = np.array([90000, 80000, 1000, 500] + [4000] * 50)
