@@ -1,8 +1,9 @@
 """Cost model of a pipeline stage (InfiniPipe, PAPERS.md section 2, Eq. 1-11), built on CostModel.
 
 A pipeline has ``pp`` stages of ``L_s = L / pp`` layers each; every stage is one Ulysses group of
-``sp`` GPUs. The whole-model FlexSP coefficients (a1, a2, b1: fwd+bwd, ms) are spread evenly over
-the layers, so a stage does ``L_s / L`` of them. For one chunk on one stage (milliseconds):
+``sp`` GPUs; the cluster runs GPUs / (pp x sp) replicas of it side by side (``replicas``). The
+whole-model FlexSP coefficients (a1, a2, b1: fwd+bwd, ms) are spread evenly over the layers, so a
+stage does ``L_s / L`` of them. For one chunk on one stage (milliseconds):
 
     work    = sum over pieces of  a1 ((C + s)^2 - C^2) + a2 s       (C: prefix already processed)
     compute = (L_s / L * attention + share_p * a2 tokens) / sp      (attention = work - a2 tokens)
@@ -40,7 +41,8 @@ per-micro-batch fixed cost b1 spread over the stages: ``fixed = b1_scale * b1 / 
 
 Memory per GPU of a stage, MB:
 - model states of the stage's layers (params_b / pp), ZeRO-sharded over the stage's sp ranks
-  at the CostModel's ZeRO stage;
+  at the CostModel's ZeRO stage (with replicas, not over them: a stage gathers its parameters
+  inside its node, which is what the per-chunk fixed cost assumes);
 - per in-flight chunk: ``tokens * act_layer * L_s``, plus on the last stage what the output
   layer and loss keep, ``tokens * (vocab * 4 + 2 * hidden * e) bytes / sp`` (fp32 logits, the
   inputs of the final norm and of the output layer). act_mb_per_token is the whole model's
@@ -92,8 +94,9 @@ class PipelineCost:
         if not isinstance(self.sp, int) or isinstance(self.sp, bool) or self.sp not in self.cost.degrees:
             raise ConfigError(f"SP degree {self.sp!r} is not allowed for {m.name} on {c.name}; allowed: "
                               f"{', '.join(map(str, self.cost.degrees))} (powers of two that divide the heads)")
-        if self.pp * self.sp > c.num_gpus:
-            raise ConfigError(f"pp {self.pp} x sp {self.sp} = {self.pp * self.sp} GPUs, {c.name} has {c.num_gpus}")
+        if c.num_gpus % (self.pp * self.sp):
+            raise ConfigError(f"pp {self.pp} x sp {self.sp} = {self.pp * self.sp} GPUs does not divide the "
+                              f"{c.num_gpus} GPUs of {c.name} (they run {c.num_gpus} / (pp x sp) pipeline replicas)")
         if not (isinstance(self.b1_scale, (int, float)) and math.isfinite(self.b1_scale) and self.b1_scale >= 0):
             raise ConfigError(f"b1_scale must be a non-negative number, got {self.b1_scale!r}")
         if self.memory_mb is not None and not (isinstance(self.memory_mb, (int, float))
@@ -106,6 +109,11 @@ class PipelineCost:
                 f"{self.cost.zero_stage} over {self.sp} GPUs); use more stages, a larger SP degree or more memory")
 
     # ---- shape --------------------------------------------------------------------------
+    @property
+    def replicas(self) -> int:
+        """Data-parallel copies of the pipeline, side by side (each runs its share of the batch)."""
+        return self.cost.num_gpus // (self.pp * self.sp)
+
     @property
     def layers_per_stage(self) -> int:
         return self.cost.model.num_layers // self.pp
@@ -283,11 +291,11 @@ def default_layout(cost: CostModel) -> tuple[int, int]:
 
 
 def check_layout(cost: CostModel, pp: int, sp: int) -> None:
-    """A pipeline plan uses every GPU: pp * sp must equal the GPU count (no data parallelism yet)."""
-    if isinstance(pp, int) and isinstance(sp, int) and pp * sp != cost.num_gpus:
-        raise ConfigError(f"pp {pp} x sp {sp} = {pp * sp} GPUs, but {cost.cluster.name} has {cost.num_gpus}: "
-                          f"an elastic pipeline spans every GPU (data parallelism across pipelines is not "
-                          f"supported yet)")
+    """A pipeline layout uses every GPU: pp x sp divides the GPU count, and the cluster runs
+    GPUs / (pp x sp) replicas of the pipeline side by side (data parallelism)."""
+    if isinstance(pp, int) and isinstance(sp, int) and pp > 0 and sp > 0 and cost.num_gpus % (pp * sp):
+        raise ConfigError(f"pp {pp} x sp {sp} = {pp * sp} GPUs does not divide the {cost.num_gpus} GPUs of "
+                          f"{cost.cluster.name}: the cluster runs GPUs / (pp x sp) replicas of the pipeline")
 
 
 __all__ = ["FWD_FRACTION", "PipelineCost", "check_layout", "default_layout"]

@@ -18,9 +18,37 @@ def _int(v) -> bool:
     return isinstance(v, Integral) and not isinstance(v, bool)
 
 
+def replica_groups(plan: StepPlan, num_gpus: int) -> list[list[int]]:
+    """The plan's pipelines by data-parallel replica (``Pipeline.replica``), in plan order; a
+    replica may run none. A layout of ``stages x sp_degree`` GPUs runs ``num_gpus / (stages x
+    sp_degree)`` replicas side by side; pipelines of different layouts (one after another on
+    every GPU) are allowed only without replicas."""
+    layouts = {}
+    for i, p in enumerate(plan.pipelines):
+        if not (_int(p.stages) and _int(p.sp_degree)) or p.stages < 1 or p.sp_degree < 1:
+            raise InvalidPlanError(f"pipeline {i}: stages and sp_degree must be positive integers")
+        if not _int(p.replica) or p.replica < 0:
+            raise InvalidPlanError(f"pipeline {i}: replica must be a non-negative integer, got {p.replica!r}")
+        if num_gpus % (p.stages * p.sp_degree):
+            raise InvalidPlanError(f"pipeline {i}: {p.stages} stages x SP {p.sp_degree} = {p.stages * p.sp_degree} "
+                                   f"GPUs does not divide the cluster's {num_gpus}")
+        layouts.setdefault((p.stages, p.sp_degree), i)
+    R = {num_gpus // (a * b) for a, b in layouts}
+    if len(layouts) > 1 and R != {1}:
+        raise InvalidPlanError("pipelines of different layouts run one after another on every GPU: each needs "
+                               f"stages x SP = {num_gpus} GPUs, got " + ", ".join(f"{a} x {b}" for a, b in layouts))
+    R = R.pop() if R else 1
+    for i, p in enumerate(plan.pipelines):
+        if p.replica >= R:
+            raise InvalidPlanError(f"pipeline {i}: replica {p.replica}, but {p.stages} stages x SP {p.sp_degree} on "
+                                   f"{num_gpus} GPUs makes {R} replica{'s' if R > 1 else ''} (0..{R - 1})")
+    return [[i for i, p in enumerate(plan.pipelines) if p.replica == r] for r in range(R)]
+
+
 def validate_pipelines(plan: StepPlan, lengths, cost: CostModel) -> StepPlan:
     """Raise InvalidPlanError unless every pipeline of an elastic_pp plan is well formed:
-    - ``stages`` divides the layers, ``sp_degree`` is an allowed Ulysses degree, stages x sp = GPUs;
+    - ``stages`` divides the layers, ``sp_degree`` is an allowed Ulysses degree, stages x sp divides
+      the GPUs and ``replica`` is one of the replicas that makes (``replica_groups``);
     - chunk ids are unique integers, every chunk has pieces within its sequence;
     - ``recompute_layers_per_stage`` is empty or one integer in [0, layers per stage] per stage;
     - ``order_per_stage`` has one list per stage naming each chunk's F and B exactly once, the F
@@ -31,19 +59,15 @@ def validate_pipelines(plan: StepPlan, lengths, cost: CostModel) -> StepPlan:
     if not plan.pipelines:
         raise InvalidPlanError("an elastic_pp plan needs at least one pipeline")
     L = cost.model.num_layers
+    replica_groups(plan, cost.num_gpus)
     owner: dict[int, int] = {}
     for i, p in enumerate(plan.pipelines):
         where = f"pipeline {i}"
-        if not (_int(p.stages) and _int(p.sp_degree)) or p.stages < 1:
-            raise InvalidPlanError(f"{where}: stages and sp_degree must be positive integers")
         if L % p.stages:
             raise InvalidPlanError(f"{where}: {p.stages} stages do not divide the {L} layers of {cost.model.name}")
         if p.sp_degree not in cost.degrees:
             raise InvalidPlanError(f"{where}: SP degree {p.sp_degree} is not allowed (allowed: "
                                    f"{', '.join(map(str, cost.degrees))})")
-        if p.stages * p.sp_degree != cost.num_gpus:
-            raise InvalidPlanError(f"{where}: {p.stages} stages x SP {p.sp_degree} = {p.stages * p.sp_degree} GPUs, "
-                                   f"the cluster has {cost.num_gpus}")
         if not p.chunks:
             raise InvalidPlanError(f"{where}: has no chunks")
         layers = L // p.stages

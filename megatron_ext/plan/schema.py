@@ -61,6 +61,9 @@ class Pipeline:
     sp_degree: int
     chunks: list[Chunk]
     order_per_stage: list[list[str]] = field(default_factory=list)
+    # data-parallel replica that runs it: replicas run side by side on disjoint GPUs (replica r
+    # on the r-th block of stages x sp_degree), a replica's pipelines one after another
+    replica: int = 0
 
 
 @dataclass
@@ -99,7 +102,7 @@ class StepPlan:
                 Pipeline(p["stages"], p["sp_degree"],
                          [Chunk(c["id"], [Piece(**x) for x in c["pieces"]], c.get("recompute_layers_per_stage", []))
                           for c in p["chunks"]],
-                         p.get("order_per_stage", []))
+                         p.get("order_per_stage", []), p.get("replica", 0))
                 for p in d.get("pipelines", [])
             ]
             return cls(**d)

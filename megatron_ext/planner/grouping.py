@@ -1,4 +1,5 @@
-"""Grouping a step's sequences into consecutive 1F1B pipelines run one after another (InfiniPipe's
+"""Sharing a step's sequences among side-by-side pipeline replicas (``split_replicas``), and
+grouping a replica's sequences into consecutive 1F1B pipelines run one after another (InfiniPipe's
 DP, PAPERS.md section 2): ``dp[j] = min_i dp[i] + T(i..j)`` over the sequences sorted longest
 first, T an analytic estimate of a pipeline (work, per-chunk fixed cost, warm-up/cool-down, the
 recompute forced by stage-0 memory). Past ``GROUP_BLOCKS`` sequences the DP runs over that many
@@ -94,4 +95,21 @@ def group_sequences(seq_ids, lengths, pc: PipelineCost, max_groups: int = 3) -> 
     return [order[i:j] for i, j in reversed(cuts) if j > i]
 
 
-__all__ = ["GROUP_BLOCKS", "group_sequences"]
+def split_replicas(seq_ids, lengths, pc: PipelineCost, replicas: int) -> list[np.ndarray]:
+    """The sequences over ``replicas`` pipelines that run side by side (data parallelism): longest
+    processing time first -- each sequence, by its stage time, longest first, goes to the replica
+    with the least work so far. Each replica's ids in ascending order; a replica may get none."""
+    seq_ids = np.asarray(seq_ids, dtype=np.int64)
+    if replicas <= 1:
+        return [seq_ids]
+    work = pc.prefix_ms(lengths[seq_ids])
+    load = np.zeros(replicas)
+    owner = np.empty(len(seq_ids), dtype=np.int64)
+    for i in np.lexsort((seq_ids, -work)):
+        r = int(np.argmin(load))
+        owner[i] = r
+        load[r] += work[i]
+    return [np.sort(seq_ids[owner == r]) for r in range(replicas)]
+
+
+__all__ = ["GROUP_BLOCKS", "group_sequences", "split_replicas"]

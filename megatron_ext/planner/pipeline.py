@@ -60,7 +60,7 @@ from megatron_ext.plan.pipelines import validate_pipelines
 from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan, validate
 from megatron_ext.planner.checkpointing import greedy_recompute, solve_recompute
 from megatron_ext.planner.chunking import Pieces, balanced_chunks, pack_by_tokens, ramp_chunks, split_pack
-from megatron_ext.planner.grouping import group_sequences
+from megatron_ext.planner.grouping import group_sequences, split_replicas
 from megatron_ext.planner.sequence_limits import check_sequences, fewest_slices, finest_slice, fit_cap, what_to_change
 from megatron_ext.sim.engine import (ChunkTable, analyze_chunks, backward_order, checkpoint_memory, greedy_orders,
                                      list_schedule, memory_checkpoints, memory_levels, one_f_one_b, op_times,
@@ -117,10 +117,10 @@ class BuiltPipeline:
     held: int = 0  # greedy order: forwards held back by memory while a stage idled
     build_s: float = 0.0  # seconds building it took (what rebuilding or simulating it will take, about)
 
-    def to_pipeline(self, pc: PipelineCost) -> Pipeline:
+    def to_pipeline(self, pc: PipelineCost, replica: int = 0) -> Pipeline:
         # one entry per stage for every chunk, zeros when nothing is recomputed (the StepPlan contract)
         chunks = [Chunk(c.id, c.pieces, [int(v) for v in self.recompute[:, i]]) for i, c in enumerate(self.chunks)]
-        return Pipeline(pc.pp, pc.sp, chunks, order_names(self.ops, self.table.ids))
+        return Pipeline(pc.pp, pc.sp, chunks, order_names(self.ops, self.table.ids), replica)
 
 
 def _checkpoints(table: ChunkTable, ops, pc: PipelineCost):
@@ -460,6 +460,9 @@ def resolve_layout(cost: CostModel, pp, sp) -> tuple[int, int]:
         pp = cost.num_gpus // sp
     elif sp is None:  # (PipelineCost / check_layout name what is wrong with pp)
         sp = cost.num_gpus // pp if isinstance(pp, int) and pp > 0 else pp
+        if isinstance(sp, int) and sp not in cost.degrees and cost.num_gpus % pp == 0:
+            # more GPUs per stage than Ulysses can use: the largest degree that fits, and replicas
+            sp = max(d for d in cost.degrees if sp % d == 0)
     return pp, sp
 
 
@@ -480,7 +483,7 @@ def finish_plan(name: str, pipes: list[Pipeline], lengths: np.ndarray, cost: Cos
     plan.solve_time_s = time.perf_counter() - start
     plan.estimated_step_time_s = res.step_time_s
     kept = np.delete(lengths, list(dropped)) if len(dropped) else lengths
-    plan.lower_bound_step_time_s = (float(pc.prefix_ms(kept).sum()) + pc.fixed_ms) / 1e3
+    plan.lower_bound_step_time_s = (float(pc.prefix_ms(kept).sum()) / pc.replicas + pc.fixed_ms) / 1e3
     return plan
 
 
@@ -510,21 +513,15 @@ def _chunking_note(b: BuiltPipeline) -> str:
     return note + (f", {b.ramp}" if b.ramp else "") + f", {b.order} order"
 
 
-def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | None = None,
-                    options: PipelineOptions | None = None, *, seq_ids=None, **overrides) -> StepPlan:
-    """Plan one step with elastic pipelines of ``pp`` stages of SP degree ``sp`` (pp x sp = GPUs).
-    ``seq_ids``: the sequences to plan (default all); the others are reported as dropped."""
-    start = time.perf_counter()
-    opts = pipeline_options(options, overrides)
-    lengths, ids = kept_sequences(lengths, seq_ids)
-    pc = pipeline_cost(cost, pp if pp is not None else opts.pp, sp if sp is not None else opts.sp, opts)
-    check_sequences(ids, lengths, pc, opts.granularity)
-    budget = opts.time_limit
-
+def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOptions, start: float,
+                  budget: float, first: int = 0) -> list[BuiltPipeline]:
+    """One replica's pipelines (run one after another), planned in ``budget`` seconds from
+    ``start``: one pipeline, or the sequences grouped into up to ``max_pipelines``; then the ILP's
+    recompute on the winner. ``first``: the plan's index of its first pipeline (for messages)."""
     candidates: list[tuple[float, list[BuiltPipeline], list[np.ndarray]]] = []
     err = None
     try:
-        one = plan_group(ids, lengths, pc, opts, start + 0.4 * budget, "pipeline 0")
+        one = plan_group(ids, lengths, pc, opts, start + 0.4 * budget, f"pipeline {first}")
         candidates.append((one.makespan_ms, [one], [ids]))
     except InfeasibleError as e:
         err = e
@@ -548,14 +545,15 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
                 built = []
                 for i, g in enumerate(groups):
                     frac = (gi + (i + 1) / len(groups)) / len(groupings)
-                    built.append(plan_group(g, lengths, pc, opts, start + budget * (0.4 + 0.3 * frac), f"pipeline {i}"))
+                    built.append(plan_group(g, lengths, pc, opts, start + budget * (0.4 + 0.3 * frac),
+                                            f"pipeline {first + i}"))
                 candidates.append((sum(b.makespan_ms for b in built), built, groups))
             except InfeasibleError as e:
                 err = err or e
     if not candidates:
         raise err
     candidates.sort(key=lambda c: c[0])
-    _, built, groups = candidates[0]
+    built = candidates[0][1]
 
     # final recompute with the ILP, in the time left after what checking and simulating the plan
     # will take (about what building its pipelines took); the fixed rules none / full / auto were
@@ -573,16 +571,42 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
                 if j == 0:
                     b.status += " (no time left for the ILP)"
                 break
-            nb = build_pipeline(b.pieces, pc, opts.recompute, tied, left - b.build_s, f"pipeline {i}", order=b.order)
+            nb = build_pipeline(b.pieces, pc, opts.recompute, tied, left - b.build_s, f"pipeline {first + i}",
+                                order=b.order)
             nb.slices, nb.ramp = b.slices, b.ramp
             if nb.makespan_ms <= b.makespan_ms + 1e-9:
                 b = nb
         final.append(b)
-    pipes = [b.to_pipeline(pc) for b in final]
+    return final
+
+
+def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | None = None,
+                    options: PipelineOptions | None = None, *, seq_ids=None, **overrides) -> StepPlan:
+    """Plan one step with elastic pipelines of ``pp`` stages of SP degree ``sp``; with pp x sp
+    below the GPU count, GPUs / (pp x sp) replicas run side by side, each its share of the
+    sequences (``grouping.split_replicas``). ``seq_ids``: the sequences to plan (default all);
+    the others are reported as dropped."""
+    start = time.perf_counter()
+    opts = pipeline_options(options, overrides)
+    lengths, ids = kept_sequences(lengths, seq_ids)
+    pc = pipeline_cost(cost, pp if pp is not None else opts.pp, sp if sp is not None else opts.sp, opts)
+    check_sequences(ids, lengths, pc, opts.granularity)
+    parts = split_replicas(ids, lengths, pc, pc.replicas)
+    pipes, final = [], []
+    for r, part in enumerate(parts):
+        if not part.size:
+            continue
+        now = time.perf_counter()  # what is left, shared by the replicas still to plan
+        window = max(0.0, start + opts.time_limit - now) / sum(1 for q in parts[r:] if q.size)
+        built = _plan_replica(part, lengths, pc, opts, now, window, len(pipes))
+        pipes += [b.to_pipeline(pc, r) for b in built]
+        final += built
     rec_note = "; ".join(sorted({b.status for b in final}))
     n = sum(b.table.n for b in final)
-    status = (f"{len(final)} pipeline{'s' if len(final) > 1 else ''} x {pc.pp} stage{'s' if pc.pp > 1 else ''} x SP "
-              f"{pc.sp}; {', '.join(_chunking_note(b) for b in final)}; {n} chunk{'s' if n > 1 else ''}; {rec_note}")
+    reps = f"{pc.replicas} replicas x " if pc.replicas > 1 else ""
+    status = (f"{reps}{len(final)} pipeline{'s' if len(final) > 1 else ''} x {pc.pp} stage{'s' if pc.pp > 1 else ''} "
+              f"x SP {pc.sp}; {', '.join(_chunking_note(b) for b in final)}; {n} chunk{'s' if n > 1 else ''}; "
+              f"{rec_note}")
     dropped = np.setdiff1d(np.arange(len(lengths)), ids)
     return finish_plan("elastic_pp", pipes, lengths, cost, pc, opts, start, status, dropped)
 

@@ -1,8 +1,9 @@
 """Discrete-event simulation of a StepPlan: timeline, step time, bubble ratio, peak memory.
 
-- ``elastic_pp`` plans: the pipelines run one after another on all GPUs (a pipeline of the same
-  layout as the previous one starts on each stage as soon as that stage is done with the
-  previous one; a change of layout waits for every stage). Every stage runs its operations in
+- ``elastic_pp`` plans: each data-parallel replica (``Pipeline.replica``, on its own GPUs) runs
+  its pipelines one after another (a pipeline of the same layout as the previous one starts on
+  each stage as soon as that stage is done with the previous one; a change of layout waits for
+  every stage); the step ends with the slowest replica. Every stage runs its operations in
   the plan's order; each operation starts when its stage is free and its dependencies (previous
   stage + p2p, earlier/later slices of the same sequence) are done. Recompute runs at the start
   of a backward. Memory is tracked per stage along its order (sim/engine.py).
@@ -21,6 +22,7 @@ import numpy as np
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import InvalidPlanError
+from megatron_ext.plan.pipelines import replica_groups
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.sim.engine import (BWD, FWD, analyze_chunks, checkpoint_memory, list_schedule,
                                      memory_checkpoints, memory_levels, op_times, parse_order, warmup_counts)
@@ -130,6 +132,20 @@ def _recompute_matrix(chunks, P: int, layers: int, where: str) -> np.ndarray:
     return r
 
 
+@dataclass
+class _ReplicaRun:
+    end_ms: float
+    busy_gpu_ms: float
+    rec_gpu_ms: float
+    stage_busy: list[float]
+    stage_peak: list[float]
+    warm: list[list[int]]
+    events: list[Event]
+    memory: list[list[tuple[float, float]]]
+    tokens: int
+    budget: float
+
+
 def _simulate_pipelines(plan, lengths, cost, b1_scale, memory_mb, want_events) -> SimResult:
     if not plan.pipelines:
         raise InvalidPlanError("an elastic_pp plan needs at least one pipeline")
@@ -141,6 +157,39 @@ def _simulate_pipelines(plan, lengths, cost, b1_scale, memory_mb, want_events) -
                     raise InvalidPlanError(f"sequence {x.seq_id} has pieces in pipelines {owner[int(x.seq_id)]} and {i}: "
                                            f"a sequence must stay in one pipeline")
     n_gpus = cost.num_gpus
+    replicas = replica_groups(plan, n_gpus)
+    P = plan.pipelines[0].stages
+    runs = [_simulate_replica(plan, idx, cost, b1_scale, memory_mb, want_events, r * P)
+            for r, idx in enumerate(replicas)]
+    t_end = max(run.end_ms for run in runs)
+    step = t_end / 1e3
+    mem_pts = [[(float(t), float(v)) for t, v in pts + [(step, pts[-1][1])]] for run in runs for pts in run.memory]
+    denom = n_gpus * t_end
+    busy_gpu = sum(run.busy_gpu_ms for run in runs)
+    rec_gpu = sum(run.rec_gpu_ms for run in runs)
+    return SimResult("elastic_pp", plan.planner, step, max(0.0, 1 - busy_gpu / denom) if denom > 0 else 0.0,
+                     rec_gpu / denom if denom > 0 else 0.0, [x for run in runs for x in run.stage_peak],
+                     [x for run in runs for x in run.stage_busy], sum(run.tokens for run in runs), n_gpus,
+                     runs[0].budget or cost.cluster.memory_mb, [w for run in runs for w in run.warm],
+                     [e for run in runs for e in run.events], mem_pts)
+
+
+def _stage_cost(plan, i: int, cost, b1_scale, memory_mb) -> PipelineCost:
+    p = plan.pipelines[i]
+    try:
+        return PipelineCost(cost, p.stages, p.sp_degree, b1_scale, memory_mb)
+    except Exception as e:  # ConfigError / InfeasibleError: a plan the cluster cannot run
+        raise InvalidPlanError(f"pipeline {i}: {e}") from None
+
+
+def _simulate_replica(plan, pipes: list[int], cost, b1_scale, memory_mb, want_events, row0: int) -> _ReplicaRun:
+    """One replica's pipelines, one after another on its GPUs; events on rows ``row0 + stage``.
+    A replica with no pipeline idles: its stages hold their model states."""
+    if not pipes:
+        P = plan.pipelines[0].stages
+        pc = _stage_cost(plan, 0, cost, b1_scale, memory_mb)
+        return _ReplicaRun(0.0, 0.0, 0.0, [0.0] * P, [pc.model_states_mb] * P, [], [],
+                           [[(0.0, pc.model_states_mb)] for _ in range(P)] if want_events else [], 0, pc.budget_mb)
     budget = None
     evs: list[Event] = []
     busy_gpu = 0.0
@@ -153,7 +202,8 @@ def _simulate_pipelines(plan, lengths, cost, b1_scale, memory_mb, want_events) -
     tokens = 0
     # segments: runs of consecutive pipelines with the same layout flow without a barrier
     segments: list[list[int]] = []
-    for i, pipe in enumerate(plan.pipelines):
+    for i in pipes:
+        pipe = plan.pipelines[i]
         key = (pipe.stages, pipe.sp_degree)
         if segments and (plan.pipelines[segments[-1][0]].stages, plan.pipelines[segments[-1][0]].sp_degree) == key:
             segments[-1].append(i)
@@ -162,14 +212,7 @@ def _simulate_pipelines(plan, lengths, cost, b1_scale, memory_mb, want_events) -
     for seg in segments:
         first = plan.pipelines[seg[0]]
         P, sp = first.stages, first.sp_degree
-        if not isinstance(P, int) or not isinstance(sp, int):
-            raise InvalidPlanError(f"pipeline {seg[0]}: stages and sp_degree must be integers")
-        try:
-            pc = PipelineCost(cost, P, sp, b1_scale, memory_mb)
-        except Exception as e:  # ConfigError / InfeasibleError: a plan the cluster cannot run
-            raise InvalidPlanError(f"pipeline {seg[0]}: {e}") from None
-        if P * sp != n_gpus:
-            raise InvalidPlanError(f"pipeline {seg[0]}: {P} stages x SP {sp} = {P * sp} GPUs, the cluster has {n_gpus}")
+        pc = _stage_cost(plan, seg[0], cost, b1_scale, memory_mb)
         budget = pc.budget_mb
         room = pc.activation_room_mb
         L_s = pc.layers_per_stage
@@ -241,13 +284,13 @@ def _simulate_pipelines(plan, lengths, cost, b1_scale, memory_mb, want_events) -
                 for kind, k in ops_all[p]:
                     s, e = begin[kind, p, k], end[kind, p, k]
                     if kind == BWD and rc[p, k] > 0:
-                        evs.append(Event(p, "R", labels[k], s / 1e3, (s + rc[p, k]) / 1e3))
+                        evs.append(Event(row0 + p, "R", labels[k], s / 1e3, (s + rc[p, k]) / 1e3))
                         s += rc[p, k]
-                    evs.append(Event(p, "FB"[kind], labels[k], s / 1e3, e / 1e3))
+                    evs.append(Event(row0 + p, "FB"[kind], labels[k], s / 1e3, e / 1e3))
                     if kind == FWD and p < P - 1:
-                        evs.append(Event(p, "P2P", labels[k], e / 1e3, (e + p2p[k]) / 1e3))
+                        evs.append(Event(row0 + p, "P2P", labels[k], e / 1e3, (e + p2p[k]) / 1e3))
                     if kind == BWD and p > 0:
-                        evs.append(Event(p, "P2P", labels[k], e / 1e3, (e + p2p[k]) / 1e3))
+                        evs.append(Event(row0 + p, "P2P", labels[k], e / 1e3, (e + p2p[k]) / 1e3))
                 if len(mem_pts) < P:
                     mem_pts = [[(0.0, pc.model_states_mb)] for _ in range(P)]
                 lv = np.concatenate(levels[p]) + pc.model_states_mb
@@ -259,9 +302,4 @@ def _simulate_pipelines(plan, lengths, cost, b1_scale, memory_mb, want_events) -
                     else:  # re-materialized for the backward, freed at its end
                         pts += [(s, lv[j, 0]), (s, lv[j, 1]), (e, lv[j, 1]), (e, lv[j, 2])]
         t0 = seg_end
-    step = t0 / 1e3
-    mem_pts = [[(float(t), float(v)) for t, v in pts + [(step, pts[-1][1])]] for pts in mem_pts]
-    denom = n_gpus * t0
-    return SimResult("elastic_pp", plan.planner, step, max(0.0, 1 - busy_gpu / denom) if denom > 0 else 0.0,
-                     rec_gpu / denom if denom > 0 else 0.0, stage_peak, stage_busy, tokens, n_gpus,
-                     budget or cost.cluster.memory_mb, warm, evs, mem_pts)
+    return _ReplicaRun(t0, busy_gpu, rec_gpu, stage_busy, stage_peak, warm, evs, mem_pts, tokens, budget)

@@ -152,8 +152,10 @@ def test_layout_errors():
         PipelineCost(COST, 4, 8, memory_mb=1024)
     with pytest.raises(ConfigError, match="b1_scale"):
         PipelineCost(COST, 4, 8, b1_scale=-1)
-    with pytest.raises(ConfigError, match="every GPU"):
-        check_layout(COST, 2, 8)
+    with pytest.raises(ConfigError, match="20 GPUs does not divide the 32 GPUs"):
+        check_layout(COST, 5, 4)
+    check_layout(COST, 2, 8)  # 16 GPUs: two replicas of the pipeline side by side
+    assert PipelineCost(COST, 2, 8).replicas == 2 and PipelineCost(COST, 4, 8).replicas == 1
     assert default_layout(COST) == (4, 8)
     assert default_layout(CostModel.from_presets("llama-30b", "a800-80g-8x4")) == (8, 4)
     assert math.isclose(PipelineCost(COST, 4, 8, memory_mb=40_000).budget_mb, 40_000)

@@ -132,8 +132,8 @@ def test_bad_input_errors():
     lengths = np.array([1000, 2000])
     with pytest.raises(ConfigError, match="pipeline degree 3 does not divide the 40 layers"):
         plan_elastic_pp(lengths, COST, 3, 8)
-    with pytest.raises(ConfigError, match="every GPU"):
-        plan_elastic_pp(lengths, COST, 2, 8)
+    with pytest.raises(ConfigError, match="20 GPUs does not divide the 32 GPUs"):
+        plan_elastic_pp(lengths, COST, 5, 4)
     with pytest.raises(InfeasibleError, match="below the model states"):
         plan_elastic_pp(lengths, COST, 4, 8, memory_mb=4096)
     with pytest.raises(InfeasibleError, match="sequence 1 of 2000000 tokens does not fit a stage even cut into"):

@@ -163,7 +163,7 @@ def test_bad_orders_and_layouts_are_refused():
     with pytest.raises(InvalidPlanError, match="B0 comes before F0"):
         validate_pipelines(plan, lengths, cost)
     cost, plan = _two_chunk_plan([["F0", "F1", "B0", "B1"]] * 3, stages=3)
-    with pytest.raises(InvalidPlanError, match="do not divide"):
+    with pytest.raises(InvalidPlanError, match="3 stages x SP 8 = 24 GPUs does not divide"):
         validate_pipelines(plan, lengths, cost)
     plan.pipelines[0].chunks[0].recompute_layers_per_stage = [99, 0]
     plan.pipelines[0].stages = 2
