@@ -96,7 +96,7 @@ class PipelineCost:
                               f"{', '.join(map(str, self.cost.degrees))} (powers of two that divide the heads)")
         if c.num_gpus % (self.pp * self.sp):
             raise ConfigError(f"pp {self.pp} x sp {self.sp} = {self.pp * self.sp} GPUs does not divide the "
-                              f"{c.num_gpus} GPUs of {c.name} (they run {c.num_gpus} / (pp x sp) pipeline replicas)")
+                              f"{c.num_gpus} GPUs of {c.name} (a layout runs as GPUs / (pp x sp) replicas side by side)")
         if not (isinstance(self.b1_scale, (int, float)) and math.isfinite(self.b1_scale) and self.b1_scale >= 0):
             raise ConfigError(f"b1_scale must be a non-negative number, got {self.b1_scale!r}")
         if self.memory_mb is not None and not (isinstance(self.memory_mb, (int, float))
@@ -290,12 +290,4 @@ def default_layout(cost: CostModel) -> tuple[int, int]:
     return pp, sp
 
 
-def check_layout(cost: CostModel, pp: int, sp: int) -> None:
-    """A pipeline layout uses every GPU: pp x sp divides the GPU count, and the cluster runs
-    GPUs / (pp x sp) replicas of the pipeline side by side (data parallelism)."""
-    if isinstance(pp, int) and isinstance(sp, int) and pp > 0 and sp > 0 and cost.num_gpus % (pp * sp):
-        raise ConfigError(f"pp {pp} x sp {sp} = {pp * sp} GPUs does not divide the {cost.num_gpus} GPUs of "
-                          f"{cost.cluster.name}: the cluster runs GPUs / (pp x sp) replicas of the pipeline")
-
-
-__all__ = ["FWD_FRACTION", "PipelineCost", "check_layout", "default_layout"]
+__all__ = ["FWD_FRACTION", "PipelineCost", "default_layout"]

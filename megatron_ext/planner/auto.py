@@ -14,7 +14,8 @@ from megatron_ext.errors import ConfigError, InfeasibleError, MegatronExtError
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner.api import PlannerOptions, plan_flexsp_kind
 from megatron_ext.planner.pipeline import (PipelineOptions, kept_sequences, pipeline_cost, pipeline_options,
-                                           plan_elastic_pp)
+                                           plan_elastic_pp, resolve_layout)
+from megatron_ext.planner.sequence_limits import longest_sequence
 
 AUTO_FLEXSP_SHARE = 0.45  # of the time limit, for the FlexSP candidate (its work is count-bounded anyway)
 AUTO_PRUNE_MARGIN = 0.85  # a layout is skipped if this x its estimate is no faster than the best plan so far
@@ -29,32 +30,39 @@ def plan_units(plan: StepPlan) -> dict[str, int]:
 
 
 def pipeline_layouts(cost: CostModel, pp: int | None = None, sp: int | None = None) -> list[tuple[int, int]]:
-    """(pp, sp) layouts an elastic pipeline can use on the whole cluster: pp >= 2 stages dividing the
-    layers, sp = GPUs / pp an allowed Ulysses degree (power of two dividing the heads), the model
-    states fitting. ``pp`` / ``sp`` restrict the list to matching layouts."""
+    """(pp, sp) layouts an elastic pipeline can use: pp >= 2 stages dividing the layers, sp an
+    allowed Ulysses degree (power of two dividing the heads), pp x sp dividing the GPUs (the rest
+    run side by side as replicas), the model states fitting. ``pp`` / ``sp`` restrict the list to
+    matching layouts; ``pp`` alone, with the SP degree elastic_pp takes for it (``resolve_layout``)."""
     n, L = cost.num_gpus, cost.model.num_layers
+    if pp is not None and sp is None and isinstance(pp, int) and pp > 0:
+        sp = resolve_layout(cost, pp, None)[1]
     out = []
     for P in range(2, n + 1):
         if n % P or L % P or (pp is not None and P != pp):
             continue
-        d = n // P
-        if d not in cost.degrees or (sp is not None and d != sp):
-            continue
-        try:
-            PipelineCost(cost, P, d)
-        except MegatronExtError:
-            continue
-        out.append((P, d))
+        for d in cost.degrees:
+            if (n // P) % d or (sp is not None and d != sp):
+                continue
+            try:
+                PipelineCost(cost, P, d)
+            except MegatronExtError:
+                continue
+            out.append((P, d))
     return out
 
 
+def layout_name(pc: PipelineCost) -> str:
+    return f"elastic_pp pp{pc.pp} x sp{pc.sp}" + (f" x dp{pc.replicas}" if pc.replicas > 1 else "")
+
+
 def layout_estimate_s(lengths: np.ndarray, pc: PipelineCost) -> float:
-    """Step time of one 1F1B pipeline of n equal chunks at the best n:
-    ``W + n b + (P - 1)(W / n + b)`` (W: work per stage, b: fixed cost per chunk); no memory
-    limit. Ramps and list scheduling beat it by up to ~7%; recompute makes it optimistic."""
-    W = float(pc.prefix_ms(np.asarray(lengths, dtype=np.float64)).sum())
+    """Step time of one 1F1B pipeline of n equal chunks at the best n, on each replica's share of
+    the work: ``W + n b + (P - 1)(W / n + b)`` (W: work per stage, b: fixed cost per chunk); no
+    memory limit. Ramps and list scheduling beat it by up to ~7%; recompute makes it optimistic."""
+    W = float(pc.prefix_ms(np.asarray(lengths, dtype=np.float64)).sum()) / pc.replicas
     P, b = pc.pp, pc.fixed_ms
-    n = np.arange(1, max(2, len(lengths)) + 1, dtype=np.float64)
+    n = np.arange(1, max(2, -(-len(lengths) // pc.replicas)) + 1, dtype=np.float64)
     return float((W + n * b + (P - 1) * (W / n + b)).min()) / 1e3
 
 
@@ -67,7 +75,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     pp > 1 leaves only that pipeline layout, and pp = 1 only FlexSP.
 
     ``solver_status`` names the choice; ``baselines`` holds every alternative's simulated time
-    (``"flexsp"``, ``"elastic_pp pp4 x sp8"``, ...). Time: a layout whose estimate
+    (``"flexsp"``, ``"elastic_pp pp4 x sp8"``, ``"elastic_pp pp2 x sp8 x dp2"`` with replicas, ...). Time: a layout whose estimate
     (``layout_estimate_s``), less 15%, is no faster than the best plan so far is skipped (reported
     with its estimate), and so is any layout left when the time limit has run out. If no layout
     can beat BatchAda's step (an upper bound of FlexSP's), FlexSP gets the whole time limit;
@@ -88,11 +96,19 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     pin_sp = sp if sp is not None else opts.sp
     with_flexsp = pin_pp is None or pin_pp == 1  # FlexSP is the pp = 1 layout (adaptive sp)
     layouts = []
+    longest = int(lengths[ids].max())
     for P, d in pipeline_layouts(cost, pin_pp, pin_sp):
         pc = PipelineCost(cost, P, d, opts.b1_scale, opts.memory_mb)
-        layouts.append((layout_estimate_s(lengths[ids], pc), P, d))
+        limit = longest_sequence(pc, opts.granularity)
+        if longest > limit:  # (cheap to know; planning it would only fail)
+            alts[layout_name(pc)] = {"skipped": f"a stage holds sequences of up to {limit:,} tokens, this batch's "
+                                                f"longest has {longest:,}"}
+            continue
+        layouts.append((layout_estimate_s(lengths[ids], pc), layout_name(pc), P, d))
     layouts.sort()
     if not layouts and not with_flexsp:
+        if alts:  # the pinned layout cannot hold the batch
+            raise InfeasibleError("auto: " + "; ".join(f"{k}: {v['skipped']}" for k, v in alts.items()))
         pipeline_cost(cost, pin_pp, pin_sp, opts)  # raises why the pinned layout cannot run
         raise ConfigError(f"auto: no pipeline layout of {cost.model.name} on {cost.cluster.name} matches "
                           f"pp {pin_pp}" + (f" x sp {pin_sp}" if pin_sp is not None else ""))
@@ -103,7 +119,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         ub = plan_flexsp_kind("batchada", lengths, ids, cost, PlannerOptions()).estimated_step_time_s
     except MegatronExtError:
         ub = math.inf
-    hopeful = any(AUTO_PRUNE_MARGIN * est < ub for est, _, _ in layouts)
+    hopeful = any(AUTO_PRUNE_MARGIN * est < ub for est, *_ in layouts)
     share = AUTO_FLEXSP_SHARE * budget if hopeful else budget - (time.perf_counter() - start)
     t0 = time.perf_counter()
     try:
@@ -112,8 +128,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
                    t0)
     except MegatronExtError as e:
         alts["flexsp"] = {"error": str(e)}
-    for i, (est, P, d) in enumerate(layouts):
-        name = f"elastic_pp pp{P} x sp{d}"
+    for i, (est, name, P, d) in enumerate(layouts):
         best = min((t for t, _, _ in plans), default=math.inf)
         left = budget - (time.perf_counter() - start)
         if AUTO_PRUNE_MARGIN * est >= best:
@@ -126,8 +141,8 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
             continue
         t0 = time.perf_counter()
         try:
-            sub = plan_elastic_pp(lengths, cost, P, d, dataclasses.replace(opts, time_limit=max(0.05, left / (len(layouts) - i))),
-                                  seq_ids=ids)
+            sub = plan_elastic_pp(lengths, cost, P, d,
+                                  dataclasses.replace(opts, time_limit=max(0.05, left / (len(layouts) - i))), seq_ids=ids)
             record(name, sub, t0)
         except MegatronExtError as e:
             alts[name] = {"error": str(e)}
@@ -150,4 +165,5 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
 
 
 
-__all__ = ["AUTO_FLEXSP_SHARE", "AUTO_PRUNE_MARGIN", "layout_estimate_s", "pipeline_layouts", "plan_auto", "plan_units"]
+__all__ = ["AUTO_FLEXSP_SHARE", "AUTO_PRUNE_MARGIN", "layout_estimate_s", "layout_name", "pipeline_layouts", "plan_auto",
+           "plan_units"]

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_ext.cost import CostModel
-from megatron_ext.cost.pipeline import PipelineCost, check_layout, default_layout
+from megatron_ext.cost.pipeline import PipelineCost, default_layout
 from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError
 from megatron_ext.plan.pipelines import validate_pipelines
 from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan, validate
@@ -458,7 +458,7 @@ def resolve_layout(cost: CostModel, pp, sp) -> tuple[int, int]:
             raise ConfigError(f"SP degree {sp!r} is not allowed for {cost.model.name} on {cost.cluster.name}; allowed: "
                               f"{', '.join(map(str, cost.degrees))} (powers of two that divide the heads)")
         pp = cost.num_gpus // sp
-    elif sp is None:  # (PipelineCost / check_layout name what is wrong with pp)
+    elif sp is None:  # (PipelineCost names what is wrong with pp)
         sp = cost.num_gpus // pp if isinstance(pp, int) and pp > 0 else pp
         if isinstance(sp, int) and sp not in cost.degrees and cost.num_gpus % pp == 0:
             # more GPUs per stage than Ulysses can use: the largest degree that fits, and replicas
@@ -468,9 +468,7 @@ def resolve_layout(cost: CostModel, pp, sp) -> tuple[int, int]:
 
 def pipeline_cost(cost: CostModel, pp, sp, opts: PipelineOptions) -> PipelineCost:
     pp, sp = resolve_layout(cost, pp, sp)
-    pc = PipelineCost(cost, pp, sp, opts.b1_scale, opts.memory_mb)
-    check_layout(cost, pp, sp)
-    return pc
+    return PipelineCost(cost, pp, sp, opts.b1_scale, opts.memory_mb)
 
 
 def finish_plan(name: str, pipes: list[Pipeline], lengths: np.ndarray, cost: CostModel, pc: PipelineCost,
@@ -603,9 +601,9 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
         final += built
     rec_note = "; ".join(sorted({b.status for b in final}))
     n = sum(b.table.n for b in final)
-    reps = f"{pc.replicas} replicas x " if pc.replicas > 1 else ""
-    status = (f"{reps}{len(final)} pipeline{'s' if len(final) > 1 else ''} x {pc.pp} stage{'s' if pc.pp > 1 else ''} "
-              f"x SP {pc.sp}; {', '.join(_chunking_note(b) for b in final)}; {n} chunk{'s' if n > 1 else ''}; "
+    reps = f" over {pc.replicas} replicas" if pc.replicas > 1 else ""
+    status = (f"{len(final)} pipeline{'s' if len(final) > 1 else ''} x {pc.pp} stage{'s' if pc.pp > 1 else ''} "
+              f"x SP {pc.sp}{reps}; {', '.join(_chunking_note(b) for b in final)}; {n} chunk{'s' if n > 1 else ''}; "
               f"{rec_note}")
     dropped = np.setdiff1d(np.arange(len(lengths)), ids)
     return finish_plan("elastic_pp", pipes, lengths, cost, pc, opts, start, status, dropped)

@@ -62,7 +62,9 @@ def add_pipeline_args(p) -> None:
     g.add_argument("--pp", type=positive_int,
                    help="pipeline stages (default: one per node; on one node, the fewest that fit)")
     g.add_argument("--sp", type=positive_int,
-                   help="Ulysses degree inside a stage (default: GPUs / pp, up to the head limit)")
+                   help="Ulysses degree inside a stage (default: GPUs / pp, up to the head limit); with pp x sp "
+                        "below the GPU count, GPUs / (pp x sp) replicas of the pipeline run side by side, each "
+                        "its share of the sequences")
     g.add_argument("--b1-scale", type=float, metavar="X",
                    help="per-chunk fixed cost of a stage = X * b1 / pp, b1 the model's per-micro-batch fixed cost "
                         "(default 1: a chunk pays per layer what a FlexSP micro-batch pays, the InfiniPipe formula; "
@@ -159,7 +161,8 @@ def pipeline_tables(plan, lengths, cost, b1_scale: float = 1.0, max_pieces: int 
         pc = PipelineCost(cost, p.stages, p.sp_degree, b1_scale)
         table = analyze_chunks(p.chunks, pc, f"pipeline {i}")
         ms = pc.stage_ms(table.work, table.tokens)
-        out += [f"pipeline {i} chunks (forward order; ms: forward+backward on an average stage):",
+        rep = f" (replica {p.replica})" if any(q.replica for q in plan.pipelines) else ""
+        out += [f"pipeline {i}{rep} chunks (forward order; ms: forward+backward on an average stage):",
                 f"  {'chunk':>5}  {'kind':<7} {'tokens':>9} {'ms':>8}  pieces (sequence[start:end))"]
         for c, tok, t in zip(p.chunks, table.tokens, ms):
             pieces = [f"{x.seq_id}[{x.start}:{x.end})" for x in c.pieces[:max_pieces]]
@@ -211,7 +214,8 @@ def describe_plan(plan, lengths, result=None) -> str:
             first_b = next((j for j, op in enumerate(o) if op.startswith("B")), len(o))
             warm.append(first_b)
         rec = sum(sum(c.recompute_layers_per_stage) for c in p.chunks if c.recompute_layers_per_stage)
-        lines.append(f"  pipeline {i}: {_count(p.stages, 'stage')} x SP {p.sp_degree}, {_count(n, 'chunk')} "
+        rep = f" (replica {p.replica})" if any(q.replica for q in plan.pipelines) else ""
+        lines.append(f"  pipeline {i}{rep}: {_count(p.stages, 'stage')} x SP {p.sp_degree}, {_count(n, 'chunk')} "
                      f"({kinds['split']} split, "
                      f"{kinds['hybrid']} hybrid, {kinds['batched']} batched), tokens per chunk {min(tok)}..{max(tok)}, "
                      f"warm-up per stage {warm}, recomputed layer-chunks {rec}")
@@ -225,6 +229,10 @@ def describe_plan(plan, lengths, result=None) -> str:
     if result is not None:
         where = "stage" if result.kind == "elastic_pp" else "GPU (max)"
         peak = result.peak_memory_mb if result.kind == "elastic_pp" else [result.max_peak_memory_mb]
+        if result.kind == "elastic_pp" and len(peak) > plan.pipelines[0].stages:  # replicas, side by side
+            P = plan.pipelines[0].stages
+            where = f"stage (max over {len(peak) // P} replicas)"
+            peak = [max(peak[p::P]) for p in range(P)]
         unit, div = ("GB", 1024.0) if result.budget_mb >= 2048 else ("MB", 1.0)
         lines.append(f"bubble ratio {result.bubble_ratio:.1%}, recompute {result.recompute_ratio:.1%}, peak memory per "
                      f"{where} {', '.join(f'{m / div:.1f}' for m in peak)} {unit} "

@@ -157,8 +157,9 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
 def format_table(summary: list[dict], floor: dict, config: dict, main: str) -> str:
     # memory in GB, or in MB on small (CPU-rank) budgets where GB would read 0
     unit, div, prec = ("GB", 1024.0, 0) if config["memory_mb"] >= 2048 else ("MB", 1.0, 1)
+    reps = config["num_gpus"] // (config["pp"] * config["sp"])
     head = (f"{config['model']} on {config['cluster']} ({config['num_gpus']} GPUs; pipelines: pp {config['pp']} x "
-            f"sp {config['sp']}); {config['source']}; b1_scale {config['b1_scale']:g}; "
+            f"sp {config['sp']}{f' x {reps} replicas' if reps > 1 else ''}); {config['source']}; b1_scale {config['b1_scale']:g}; "
             f"memory {config['memory_mb'] / div:.{prec}f} {unit} per GPU")
     cols = (f"{'planner':<16}{'step s':>9}{'tokens/s':>11}{'bubble':>8}{'recomp':>8}{'peak ' + unit:>9}"
             f"{'plan ms':>9}{'max ms':>8}{main + ' speedup':>22}")

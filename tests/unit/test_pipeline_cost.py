@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from megatron_ext.cost import CostModel
-from megatron_ext.cost.pipeline import FWD_FRACTION, PipelineCost, check_layout, default_layout
+from megatron_ext.cost.pipeline import FWD_FRACTION, PipelineCost, default_layout
 from megatron_ext.errors import ConfigError, InfeasibleError
 from megatron_ext.spec import load_cluster, load_model
 
@@ -153,8 +153,7 @@ def test_layout_errors():
     with pytest.raises(ConfigError, match="b1_scale"):
         PipelineCost(COST, 4, 8, b1_scale=-1)
     with pytest.raises(ConfigError, match="20 GPUs does not divide the 32 GPUs"):
-        check_layout(COST, 5, 4)
-    check_layout(COST, 2, 8)  # 16 GPUs: two replicas of the pipeline side by side
+        PipelineCost(COST, 5, 4)
     assert PipelineCost(COST, 2, 8).replicas == 2 and PipelineCost(COST, 4, 8).replicas == 1
     assert default_layout(COST) == (4, 8)
     assert default_layout(CostModel.from_presets("llama-30b", "a800-80g-8x4")) == (8, 4)

@@ -13,7 +13,7 @@ from megatron_ext.plan import StepPlan, validate
 from megatron_ext.plan.pipelines import validate_pipelines
 from megatron_ext.planner import PlannerOptions
 from megatron_ext.planner.chunking import check_chunking, split_pack
-from megatron_ext.planner.auto import layout_estimate_s, pipeline_layouts, plan_auto
+from megatron_ext.planner.auto import layout_estimate_s, layout_name, pipeline_layouts, plan_auto
 from megatron_ext.planner.grouping import group_sequences
 from megatron_ext.planner.pipeline import PipelineOptions, plan_elastic_pp
 from megatron_ext.planner.pipeline_api import make_pp_plan
@@ -311,10 +311,14 @@ def test_fixed_recompute_rules_search_chunks_that_fit_under_them():
 
 
 def test_layouts_and_their_estimate():
-    assert pipeline_layouts(COST) == [(4, 8), (8, 4)]  # 40 layers, 40 heads: sp <= 8, pp | 40
+    # 40 layers, 40 heads: sp <= 8, pp | 40, pp x sp | 32 (the rest replicas); pp 2 x sp 1 cannot
+    # hold 20 layers' model states on one GPU
+    assert pipeline_layouts(COST) == [(2, 2), (2, 4), (2, 8), (4, 1), (4, 2), (4, 4), (4, 8), (8, 1), (8, 2), (8, 4)]
     assert pipeline_layouts(COST, pp=8) == [(8, 4)] and pipeline_layouts(COST, sp=16) == []
+    assert pipeline_layouts(COST, pp=2) == [(2, 8)]  # sp 16 is not allowed: 8, and two replicas
+    assert pipeline_layouts(COST, sp=8) == [(2, 8), (4, 8)]
     c7 = CostModel.from_presets("llama-7b", "a800-80g-8x4")  # 32 layers, 32 heads
-    assert pipeline_layouts(c7) == [(2, 16), (4, 8), (8, 4), (16, 2), (32, 1)]
+    assert [x for x in pipeline_layouts(c7) if x[0] * x[1] == 32] == [(2, 16), (4, 8), (8, 4), (16, 2), (32, 1)]
     lengths = np.array([40000, 20000] + [2000] * 50)
     pc = PipelineCost(COST, 4, 8)
     W = float(pc.prefix_ms(lengths).sum())
@@ -322,6 +326,11 @@ def test_layouts_and_their_estimate():
     b = pc.fixed_ms
     assert est == pytest.approx(min(W + n * b + 3 * (W / n + b) for n in range(1, 53)))
     assert est > W + 4 * b
+    # two replicas: each does half the work
+    pc2 = PipelineCost(COST, 2, 8)
+    W2 = float(pc2.prefix_ms(lengths).sum()) / 2
+    assert layout_estimate_s(lengths, pc2) * 1e3 == pytest.approx(
+        min(W2 + n * pc2.fixed_ms + (W2 / n + pc2.fixed_ms) for n in range(1, 27)))
 
 
 def _auto_checks(plan, lengths, cost=COST, **sim):
@@ -352,8 +361,8 @@ def test_auto_picks_the_fastest_of_flexsp_and_every_layout():
     plan = plan_auto(lengths, COST, b1_scale=0.06, time_limit=5.0)
     chosen = _auto_checks(plan, lengths, b1_scale=0.06)
     assert chosen.startswith("elastic_pp pp") and plan.kind == "elastic_pp"
-    names = {"flexsp", "elastic_pp pp4 x sp8", "elastic_pp pp8 x sp4"}
-    assert set(plan.baselines) | {chosen} == names
+    names = {"flexsp"} | {layout_name(PipelineCost(COST, p, d)) for p, d in pipeline_layouts(COST)}
+    assert set(plan.baselines) | {chosen} == names and "elastic_pp pp2 x sp8 x dp2" in names
     for k, v in plan.baselines.items():
         assert "estimated_step_time_s" in v or "skipped" in v, (k, v)
     # a pinned layout: FlexSP is the pp = 1 layout

@@ -1,0 +1,118 @@
+"""Data-parallel replicas of an elastic pipeline (pp x sp below the GPU count): the sequences are
+shared out, each replica runs its pipelines on its own GPUs, side by side; the simulator's step is
+the slowest replica's, exactly what each replica simulates alone on a cluster of its size."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_ext.cost import CostModel
+from megatron_ext.cost.pipeline import PipelineCost
+from megatron_ext.errors import InvalidPlanError
+from megatron_ext.plan import StepPlan, validate
+from megatron_ext.plan.pipelines import replica_groups, validate_pipelines
+from megatron_ext.planner.grouping import split_replicas
+from megatron_ext.planner.pipeline import plan_elastic_pp
+from megatron_ext.planner.pipeline_baselines import plan_batch_1f1b, plan_seq1f1b
+from megatron_ext.sim import simulate
+
+COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")  # 32 GPUs
+HALF = dataclasses.replace(COST, cluster=dataclasses.replace(COST.cluster, num_nodes=2))  # one replica's 16
+
+
+def _alone(plan: StepPlan, r: int) -> StepPlan:
+    """Replica r's pipelines as a plan of their own on a cluster of one replica's GPUs."""
+    pipes = [dataclasses.replace(p, replica=0) for p in plan.pipelines if p.replica == r]
+    return StepPlan(kind="elastic_pp", num_gpus=HALF.num_gpus, planner="alone", pipelines=pipes)
+
+
+@pytest.mark.parametrize("planner", [plan_elastic_pp, plan_seq1f1b, plan_batch_1f1b])
+def test_replicas_run_side_by_side_and_the_step_is_the_slowest(planner):
+    rng = np.random.default_rng(3)
+    lengths = np.concatenate([rng.integers(20_000, 90_000, 4), rng.integers(100, 6000, 60)])
+    plan = planner(lengths, COST, 2, 8)
+    assert {p.replica for p in plan.pipelines} == {0, 1}
+    assert all((p.stages, p.sp_degree) == (2, 8) for p in plan.pipelines)
+    validate(plan, lengths, COST)  # every sequence exactly once over both replicas
+    validate_pipelines(plan, lengths, COST)
+    res = simulate(plan, lengths, COST)
+    assert res.step_time_s == pytest.approx(plan.estimated_step_time_s, rel=1e-12)
+    alone = [simulate(_alone(plan, r), lengths, HALF) for r in (0, 1)]
+    assert res.step_time_s == pytest.approx(max(a.step_time_s for a in alone), rel=1e-12)
+    assert res.peak_memory_mb == pytest.approx(alone[0].peak_memory_mb + alone[1].peak_memory_mb)
+    assert res.busy_s == pytest.approx(alone[0].busy_s + alone[1].busy_s)
+    busy_gpu_s = sum(a.step_time_s * (1 - a.bubble_ratio) * HALF.num_gpus for a in alone)
+    assert res.bubble_ratio == pytest.approx(1 - busy_gpu_s / (COST.num_gpus * res.step_time_s))
+    assert {e.where for e in res.events} == set(range(4))  # rows: replica x stages + stage
+    assert res.tokens == int(lengths.sum())
+
+
+def test_the_status_and_bound_name_the_replicas():
+    lengths = np.array([60_000, 30_000, 5000, 4000, 3000, 2000])
+    plan = plan_elastic_pp(lengths, COST, pp=2)  # sp 16 is over the head limit: 8, and 2 replicas
+    assert "x SP 8 over 2 replicas" in plan.solver_status
+    pc = PipelineCost(COST, 2, 8)  # the busier replica does at least half of every stage's work
+    assert plan.lower_bound_step_time_s == pytest.approx((float(pc.prefix_ms(lengths).sum()) / 2 + pc.fixed_ms) / 1e3)
+    assert plan.lower_bound_step_time_s <= plan.estimated_step_time_s
+
+
+def test_a_replica_with_nothing_to_run_idles():
+    lengths = np.array([30_000])
+    plan = plan_elastic_pp(lengths, COST, 2, 8)
+    assert [p.replica for p in plan.pipelines] == [0]
+    res = simulate(plan, lengths, COST)
+    alone = simulate(_alone(plan, 0), lengths, HALF)
+    assert res.step_time_s == pytest.approx(alone.step_time_s)
+    states = PipelineCost(COST, 2, 8).model_states_mb
+    assert res.busy_s[2:] == [0.0, 0.0] and res.peak_memory_mb[2:] == pytest.approx([states, states])
+    assert res.bubble_ratio > 0.5  # half the GPUs idle all step
+    assert len(res.memory) == 4
+
+
+def test_replica_rules_are_checked():
+    lengths = np.array([3000, 2000])
+    plan = plan_elastic_pp(lengths, COST, 2, 8)
+    bad = StepPlan.from_json(plan.to_json())
+    bad.pipelines[0].replica = 2
+    with pytest.raises(InvalidPlanError, match="replica 2, but 2 stages x SP 8 on 32 GPUs makes 2 replicas"):
+        simulate(bad, lengths, COST)
+    bad.pipelines[0].replica = -1
+    with pytest.raises(InvalidPlanError, match="replica must be a non-negative integer"):
+        validate_pipelines(bad, lengths, COST)
+    bad.pipelines[0].replica = 0
+    assert len(bad.pipelines) == 2 and replica_groups(bad, COST.num_gpus) == [[0], [1]]
+    bad.pipelines[1].stages = 4  # a second layout beside a replicated one
+    with pytest.raises(InvalidPlanError, match="different layouts"):
+        replica_groups(bad, COST.num_gpus)
+
+
+def test_json_keeps_the_replica_and_old_plans_load_as_replica_zero():
+    lengths = np.array([40_000, 3000, 2000, 1000])
+    plan = plan_elastic_pp(lengths, COST, 2, 8)
+    back = StepPlan.from_json(plan.to_json())
+    assert [p.replica for p in back.pipelines] == [p.replica for p in plan.pipelines]
+    d = json.loads(plan_elastic_pp(lengths, COST, 4, 8).to_json())
+    for p in d["pipelines"]:
+        del p["replica"]  # a plan written before replicas existed
+    assert all(p.replica == 0 for p in StepPlan.from_dict(d).pipelines)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 120_000), min_size=1, max_size=80), replicas=st.sampled_from([1, 2, 3, 4]))
+def test_split_replicas_is_a_partition_balanced_longest_first(lengths, replicas):
+    lengths = np.array(lengths)
+    pc = PipelineCost(COST, 4, 8)
+    ids = np.arange(len(lengths))
+    parts = split_replicas(ids, lengths, pc, replicas)
+    assert len(parts) == replicas
+    assert sorted(np.concatenate(parts).tolist()) == ids.tolist()
+    assert all((np.diff(p) > 0).all() for p in parts)
+    work = pc.prefix_ms(lengths)
+    loads = [float(work[p].sum()) for p in parts]
+    # longest processing time first: no replica ends more than one sequence over the average
+    assert max(loads) <= sum(loads) / replicas + float(work.max()) + 1e-6
