@@ -5,6 +5,7 @@ lengths, 48K and 96K max context, batch 512. Everything goes through the same si
 
     .venv/bin/python benchmarks/elastic_pp.py                 # the tables of docs/elastic_pp.md
     .venv/bin/python benchmarks/elastic_pp.py --plots docs/img --crossover
+    .venv/bin/python benchmarks/elastic_pp.py --b1-scale 1 --pp 2 --sp 8   # two replicas of 2 stages
 
 ``--b1-scale`` takes numbers and ``zero`` (PipelineCost.zero_domain_b1_scale(): a stage's
 per-chunk fixed cost if it were all parameter traffic, gathered over NVLink inside the node
@@ -61,6 +62,8 @@ def main() -> None:
     ap.add_argument("--dists", default="commoncrawl,github")
     ap.add_argument("--contexts", default="48K,96K")
     ap.add_argument("--b1-scale", nargs="+", default=["1", "zero"])
+    ap.add_argument("--pp", type=int, help="pipeline stages of every pipeline planner (default: one per node)")
+    ap.add_argument("--sp", type=int, help="Ulysses degree of a stage; pp x sp below the GPUs: replicas side by side")
     ap.add_argument("--planners", default=",".join(DEFAULT_PLANNERS))
     ap.add_argument("--plots", metavar="DIR", help="write the doc's figures (first step of the first setting) here")
     ap.add_argument("--crossover", action="store_true", help="b1_scale where elastic_pp meets FlexSP, per setting")
@@ -75,7 +78,7 @@ def main() -> None:
                 max_len = int(ctx.rstrip("Kk")) * 1024
                 first = args.plots and di == 0 and ci == 0
                 out = simulate_table(cost, dist=dist, batch=args.batch, steps=args.steps, max_seq_len=max_len,
-                                     b1_scale=b1, planners=planners, keep_plans=bool(first))
+                                     pp=args.pp, sp=args.sp, b1_scale=b1, planners=planners, keep_plans=bool(first))
                 print(out["table"].split("\n\nstep s:")[0], "\n")
                 by = {s["planner"]: s for s in out["summary"]}
                 row = {"b1_scale": b1, "dist": dist, "ctx": ctx, **{k: v for k, v in by.items()}}
