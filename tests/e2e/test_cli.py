@@ -241,6 +241,20 @@ def test_one_node_pipelines_default_to_two_stages(capsys):
                        "--no-baselines", *FAST)
     assert code == 0 and "2 stages x SP 4" in out
 
+def test_pipeline_replicas_from_pp_and_sp(capsys):
+    # 2 stages x SP 8 on 32 GPUs: two replicas side by side, each with its pipelines
+    args = ("--model", "llama-13b", "--cluster", "a800-80g-8x4", "--dist", "github", "--batch", "64", "--pp", "2")
+    code, out, _ = run(capsys, "plan", "--planner", "elastic_pp", *args, "--sp", "8", *FAST)
+    assert code == 0 and "x SP 8 over 2 replicas" in out and "(replica 1)" in out and "vs seq1f1b" in out
+    code, out, _ = run(capsys, "plan", "--planner", "elastic_pp", *args, "--json", *FAST)  # sp 8 follows
+    plan = StepPlan.from_json(out)
+    assert {p.replica for p in plan.pipelines} == {0, 1} and {p.sp_degree for p in plan.pipelines} == {8}
+    code, out, _ = run(capsys, "simulate", *args, "--steps", "1", "--planners", "elastic_pp,seq1f1b", *FAST)
+    assert code == 0 and "pp 2 x sp 8 x 2 replicas" in out
+    assert_one_line_error(*run(capsys, "plan", "--planner", "elastic_pp", *args[:-1], "5", "--sp", "4"),
+                          "pp 5 x sp 4 = 20 GPUs does not divide the 32 GPUs")
+
+
 def test_cluster_yaml_with_three_nodes(capsys, tmp_path):
     f = write(tmp_path, "three.yaml", "num_nodes: 3\ngpus_per_node: 8\nmemory_gb: 28\n"
                                       "a2a_bandwidth_gbps: {2: 100.0, 8: 90.0, 16: 10.0}\n")
