@@ -89,13 +89,17 @@ def test_greedy_and_ilp_refuse_the_impossible():
         build_pipeline(table_pieces, pc, "greedy")
 
 
-def test_solver_entry_points_directly():
+def _solver_inputs():
+    """Five whole sequences on 4 stages, 16 GB per GPU: (checkpoints, save, recompute ms, room)."""
     lengths = np.array([50000, 40000, 8000, 8000, 8000])
     pc = PipelineCost(COST, 4, 8, memory_mb=16 * 1024)
     built = build_pipeline([[(i, 0, int(s))] for i, s in enumerate(lengths)], pc, "full")
     cps, save = _checkpoints(built.table, built.ops, pc)
-    rc = pc.recompute_ms(built.table.work, built.table.tokens, 1)
-    room = np.full(4, pc.activation_room_mb)
+    return cps, save, pc.recompute_ms(built.table.work, built.table.tokens, 1), np.full(4, pc.activation_room_mb)
+
+
+def test_solver_entry_points_directly():
+    cps, save, rc, room = _solver_inputs()
     bpos = np.arange(5)
     g = greedy_recompute(cps, save, rc, 10, room, bpos, True)
     r, status = solve_recompute(cps, save, rc, 10, room, bpos, True, 1.0)
@@ -107,12 +111,7 @@ def test_solver_entry_points_directly():
 def test_a_limit_spent_building_the_model_leaves_the_greedy_answer():
     # the time limit covers building the rows and the greedy, not only HiGHS: with none left the
     # greedy answer stands (and still fits), named as such
-    lengths = np.array([50000, 40000, 8000, 8000, 8000])
-    pc = PipelineCost(COST, 4, 8, memory_mb=16 * 1024)
-    built = build_pipeline([[(i, 0, int(s))] for i, s in enumerate(lengths)], pc, "full")
-    cps, save = _checkpoints(built.table, built.ops, pc)
-    rc = pc.recompute_ms(built.table.work, built.table.tokens, 1)
-    room = np.full(4, pc.activation_room_mb)
+    cps, save, rc, room = _solver_inputs()
     for tied in (True, False):
         bpos = np.arange(5)
         r, status = solve_recompute(cps, save, rc, 10, room, bpos, tied, 0.0)
