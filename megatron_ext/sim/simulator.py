@@ -30,7 +30,8 @@ from megatron_ext.sim.engine import (BWD, FWD, analyze_chunks, checkpoint_memory
 
 @dataclass
 class Event:
-    """One interval of a timeline: ``where`` is a stage (elastic_pp) or a rank (flexsp)."""
+    """One interval of a timeline: ``where`` is a stage (elastic_pp: replica x stages + stage) or a
+    rank (flexsp)."""
 
     where: int
     kind: str  # "F", "B", "R" (recompute), "P2P" (send to where+1 / where-1), "MB" (a group's pass)
@@ -46,8 +47,10 @@ class SimResult:
     step_time_s: float
     bubble_ratio: float  # idle share of GPU-time (recompute counts as busy)
     recompute_ratio: float  # recompute share of GPU-time
-    peak_memory_mb: list[float]  # per stage (elastic_pp) or rank (flexsp), with model states
-    busy_s: list[float]  # per stage / rank
+    # per stage (elastic_pp; with replicas, replica-major: replica r's stage p at r x stages + p,
+    # the row of its events) or rank (flexsp); memory with model states
+    peak_memory_mb: list[float]
+    busy_s: list[float]
     tokens: int
     num_gpus: int
     budget_mb: float
