@@ -108,6 +108,7 @@ class PlotData:
     marks: list[tuple[float, str]] = field(default_factory=list)  # vertical lines: (time s, text)
     hist: LengthHist | None = None
     hatches: dict = field(default_factory=dict)  # key -> hatch, for split sequences past the colours
+    separators: list[float] = field(default_factory=list)  # rows between side-by-side pipeline replicas
 
     def count(self, kind: str) -> int:
         return sum(1 for b in self.boxes if b.kind == kind)
@@ -229,6 +230,7 @@ def plot_data(plan: StepPlan, lengths, cost: CostModel, *, b1_scale: float = 1.0
 def _pipeline_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: SimResult) -> PlotData:
     P = plan.pipelines[0].stages
     sp = plan.pipelines[0].sp_degree
+    R = max(1, len(res.peak_memory_mb) // P)  # replicas side by side: rows r x P + p (the simulator's)
     L_s = cost.model.num_layers // P
     keys, colors, hatches = _chunk_keys(plan, lengths)
     multi = len(plan.pipelines) > 1
@@ -241,9 +243,21 @@ def _pipeline_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: Si
         name = f"{pi}.{cid}" if multi else f"{cid}"
         boxes.append(Box(e.where, 1, e.start_s, e.end_s, e.kind, keys[(pi, cid)], f"{e.kind}{name}"))
     n_chunks = sum(len(p.chunks) for p in plan.pipelines)
-    layout = (f"{len(plan.pipelines)} pipelines x " if multi else "") + f"{P} stages x SP {sp}"
-    memory = [(f"stage {p}", np.array([t for t, _ in pts]), np.array([v for _, v in pts]) / 1024)
-              for p, pts in enumerate(res.memory)]
+    layout = f"{P} stages x SP {sp}"
+    if R > 1:
+        layout = f"{R} replicas x {layout} ({_plural(len(plan.pipelines), 'pipeline')})"
+    elif multi:
+        layout = f"{len(plan.pipelines)} pipelines x {layout}"
+
+    def where(r: int, p: int) -> str:
+        return f"replica {r}, stage {p}" if R > 1 else f"stage {p}"
+
+    if R <= 2:
+        memory = [(where(*divmod(i, P)), np.array([t for t, _ in pts]), np.array([v for _, v in pts]) / 1024)
+                  for i, pts in enumerate(res.memory)]
+    else:  # a line per replica and stage would tangle: each stage's highest replica
+        memory = [m for p in range(P)
+                  for m in _aggregate_memory(res.memory[p::P], ((f"stage {p}, max over {R} replicas", np.max),))]
     split = sorted((k for k in colors if k is not None), key=lambda s: (-int(lengths[s]), s))
     slices = {s: sum(1 for k in keys.values() if k == s) for s in split}
     packed = sum(1 for k in keys.values() if k is None)
@@ -268,16 +282,20 @@ def _pipeline_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: Si
         repeat = " (colours repeat)" if len(split) > len(SEQ_COLORS) * len(SEQ_HATCHES) else ""
         legend.append((f"... {len(split) - 8} more cut sequences{repeat}", "white", ""))
     marks = []
-    if multi:  # where each later pipeline starts (its first forward on stage 0)
-        for i in range(1, len(plan.pipelines)):
-            starts = [b.start_s for b in boxes if b.row == 0 and b.kind == "F" and b.label.startswith(f"F{i}.")]
+    seen: set[int] = set()
+    for i, pipe in enumerate(plan.pipelines):  # where each later pipeline of a replica starts
+        if pipe.replica in seen:  # (its first forward on the replica's first stage)
+            starts = [b.start_s for b in boxes if b.row == pipe.replica * P and b.kind == "F"
+                      and b.label.startswith(f"F{i}.")]
             if starts:
                 marks.append((min(starts), f"pipeline {i}"))
-    return PlotData("elastic_pp", _title(plan, cost, lengths, layout, res, detail), P,
-                    [f"stage {p}\n" + (f"layers {p * L_s}-{(p + 1) * L_s - 1}" if L_s > 1 else f"layer {p}")
-                     for p in range(P)], boxes, memory,
+        seen.add(pipe.replica)
+    marks.sort()
+    layers = [f"layers {p * L_s}-{(p + 1) * L_s - 1}" if L_s > 1 else f"layer {p}" for p in range(P)]
+    return PlotData("elastic_pp", _title(plan, cost, lengths, layout, res, detail), R * P,
+                    [f"{where(r, p)}\n{layers[p]}" for r in range(R) for p in range(P)], boxes, memory,
                     res.budget_mb / 1024, res.step_time_s, res.bubble_ratio, colors, legend, marks,
-                    _slices_hist(plan, lengths), hatches)
+                    _slices_hist(plan, lengths), hatches, [float(r * P) for r in range(1, R)])
 
 
 def _slices_hist(plan: StepPlan, lengths: np.ndarray) -> LengthHist:
@@ -297,6 +315,22 @@ def _slices_hist(plan: StepPlan, lengths: np.ndarray) -> LengthHist:
                         "across chunks", marks)
 
 
+def _aggregate_memory(curves, aggregates) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """(name, times s, GB) of ``agg`` over step ``curves`` (time s, MB corners), on the union of their
+    breakpoints, for each (name, agg) of ``aggregates``."""
+    grid = np.unique(np.concatenate([[x for x, _ in pts] for pts in curves])) if curves else np.zeros(1)
+    levels = []
+    for pts in curves:
+        ts = np.array([x for x, _ in pts])
+        vs = np.array([v for _, v in pts])
+        # the level in force just after each grid time (right-continuous step)
+        idx = np.searchsorted(ts, grid, side="right") - 1
+        levels.append(vs[np.clip(idx, 0, len(vs) - 1)])
+    lv = np.array(levels) / 1024 if levels else np.zeros((1, 1))
+    step_t = np.repeat(grid, 2)[1:]
+    return [(name, step_t, np.repeat(agg(lv, axis=0), 2)[:-1]) for name, agg in aggregates]
+
+
 def _flexsp_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: SimResult) -> PlotData:
     boxes, marks = [], []
     t = 0.0
@@ -314,20 +348,8 @@ def _flexsp_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: SimR
             span = max(span, ms)
         t += span
     n = cost.num_gpus
-    # memory: max and mean over GPUs on the union of every GPU's breakpoints
-    grid = np.unique(np.concatenate([[x for x, _ in pts] for pts in res.memory])) if res.memory else np.zeros(1)
-    levels = []
-    for pts in res.memory:
-        ts = np.array([x for x, _ in pts])
-        vs = np.array([v for _, v in pts])
-        # the level in force just after each grid time (right-continuous step)
-        idx = np.searchsorted(ts, grid, side="right") - 1
-        levels.append(vs[np.clip(idx, 0, len(vs) - 1)])
-    lv = np.array(levels) / 1024 if levels else np.zeros((1, 1))
-    step_t = np.repeat(grid, 2)[1:]
-    memory = []
-    for name, agg in (("max over GPUs", lv.max(axis=0)), ("mean over GPUs", lv.mean(axis=0))):
-        memory.append((name, step_t, np.repeat(agg, 2)[:-1]))
+    # memory: max and mean over GPUs
+    memory = _aggregate_memory(res.memory, (("max over GPUs", np.max), ("mean over GPUs", np.mean)))
     colors = {d: DEGREE_COLORS.get(d, DEGREE_COLORS[128]) for d in degrees}
     legend = [(f"SP group of degree {d}", colors[d], "") for d in sorted(degrees)]
     layout = _plural(len(plan.micro_batches), "micro-batch", "micro-batches")
@@ -398,8 +420,11 @@ def _draw_timeline(ax, data: PlotData, fig_width_px: float):
     ax.set_ylim(data.rows, 0)
     if data.kind == "elastic_pp":
         ax.set_yticks(np.arange(data.rows) + 0.5)
-        ax.set_yticklabels(data.row_labels, fontsize=8)
-        ax.set_ylabel("pipeline stage (each a Ulysses group)")
+        ax.set_yticklabels(data.row_labels, fontsize=8 if data.rows <= 8 else 7)
+        ax.set_ylabel("pipeline stage (each a Ulysses group)" if not data.separators
+                      else "replica and stage (each stage a Ulysses group)")
+        for y in data.separators:  # replicas run side by side on their own GPUs
+            ax.axhline(y, color="black", linewidth=1.2)
     else:
         step = max(1, data.rows // 16)
         ticks = np.arange(0, data.rows, step)
@@ -505,7 +530,7 @@ def draw(data: PlotData, path=None, *, extra=None):
     """Render ``data`` (timeline, memory, the length histogram; ``extra(ax)`` draws a last panel) to
     ``path``; returns the figure."""
     plt = _pyplot()
-    rows_h = 3.2 if data.kind == "elastic_pp" else 4.2
+    rows_h = (3.2 if data.rows <= 4 else min(6.4, 0.6 * data.rows)) if data.kind == "elastic_pp" else 4.2
     panels = [(rows_h, lambda ax: _draw_timeline(ax, data, ax.figure.get_figwidth() * ax.figure.dpi)),
               (2.0, lambda ax: _draw_memory(ax, data))]
     if data.hist is not None:

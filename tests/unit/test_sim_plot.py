@@ -317,3 +317,39 @@ def test_plot_refuses_unknown_kinds():
 
     with pytest.raises(ConfigError, match="cannot plot"):
         plot_data(StepPlan(kind="other", num_gpus=32), np.array([1]), COST, result=argparse.Namespace(events=[1]))
+
+
+def test_replicas_get_their_own_rows_and_separators(tmp_path):
+    rng = np.random.default_rng(5)
+    lengths = np.concatenate([rng.integers(20_000, 60_000, 3), rng.integers(100, 4000, 40)])
+    plan = plan_elastic_pp(lengths, COST, 2, 8)  # 2 replicas of 2 stages
+    data = plot_data(plan, lengths, COST)
+    assert data.rows == 4 and data.separators == [2.0]
+    assert [label.split("\n")[0] for label in data.row_labels] == [
+        "replica 0, stage 0", "replica 0, stage 1", "replica 1, stage 0", "replica 1, stage 1"]
+    assert data.row_labels[3].endswith("layers 20-39")
+    # each replica's boxes on its own rows: the pipelines of replica r on rows 2r and 2r + 1
+    for b in data.boxes:
+        pipe = int(b.label[1:].split(".")[0])
+        assert b.row // 2 == plan.pipelines[pipe].replica
+    assert "2 replicas x 2 stages x SP 8" in data.title
+    assert [name for name, _, _ in data.memory] == [r for r in (label.split("\n")[0] for label in data.row_labels)]
+    # four replicas: the memory panel keeps one line per stage, the highest replica's
+    plan4 = plan_elastic_pp(lengths, COST, 2, 4)
+    data4 = plot_data(plan4, lengths, COST)
+    assert data4.rows == 8 and data4.separators == [2.0, 4.0, 6.0]
+    res = simulate(plan4, lengths, COST)
+    assert [name for name, _, _ in data4.memory] == ["stage 0, max over 4 replicas", "stage 1, max over 4 replicas"]
+    for p, (_, _, gb) in enumerate(data4.memory):
+        assert gb.max() * 1024 == pytest.approx(max(res.peak_memory_mb[p::2]))
+    draw(data4, tmp_path / "r4.png")
+    assert (tmp_path / "r4.png").read_bytes().startswith(PNG)
+
+
+def test_an_idle_replica_still_draws(tmp_path):
+    lengths = np.array([30_000])
+    plan = plan_elastic_pp(lengths, COST, 2, 8)  # one sequence: replica 1 has nothing to run
+    data = plot_data(plan, lengths, COST)
+    assert data.rows == 4 and all(b.row < 2 for b in data.boxes)
+    plot_plan(plan, lengths, COST, tmp_path / "idle.png")
+    assert (tmp_path / "idle.png").read_bytes().startswith(PNG)
