@@ -4,7 +4,11 @@ The layout is megatron's: ``parallel_state.initialize_model_parallel(1, P)`` on 
 stages of ``d = N / P`` ranks each (stage p holds ranks ``[p d, (p + 1) d)``); every stage builds a
 GPTModel with its ``L / P`` layers (``build_pipeline_model``: ``pre_process`` on the first stage,
 ``post_process`` on the last) and its data-parallel group is the Ulysses group of the stage. A
-plan's pipeline must have ``stages == P`` and ``sp_degree == d``.
+plan's pipeline must have ``stages == P`` and ``sp_degree`` dividing d: with ``sp_degree = s < d``
+the stage's data-parallel ranks form d / s replicas (aligned blocks of s ranks, each its own
+Ulysses group from an ``SPGroupPool``), and each rank runs the pipelines of its replica
+(``Pipeline.replica``); megatron's pipeline group links the same data-parallel rank of every
+stage, so a replica's stages talk only to each other.
 
 Per pipeline of the plan, on every rank (``forward_backward_elastic``):
 
@@ -33,8 +37,8 @@ Per pipeline of the plan, on every rank (``forward_backward_elastic``):
    layers of the stage, each under ``tensor_parallel.checkpoint``). B runs megatron's
    ``backward_step``. The last stage computes the per-token loss sum and token count.
 4. After every pipeline, gradients are reduced as megatron does: ``config.finalize_model_grads_func``
-   (DDP's grad all-reduce over the stage's data-parallel = SP group, embedding grads across stages,
-   per-token scaling by the global token count).
+   (DDP's grad all-reduce over the stage's data-parallel group -- its SP group, or every replica's
+   -- embedding grads across stages, per-token scaling by the global token count).
 
 Pipelines of one plan run one after another. Loss contract: ``calculate_per_token_loss=True``; any
 split or packing of the same batch gives the same loss and gradients as one process.
@@ -457,6 +461,7 @@ class PipelineStepStats:
     than one pipeline in the plan: ("F3 of pipeline 1", ...), as the simulator names them)."""
 
     ops: list[tuple[str, float]] = field(default_factory=list)
+    replica: int = 0  # the rank's pipeline replica (its stats are row replica x stages + stage of a simulation)
     comm_wait_s: float = 0.0
     prefix_cache_peak_bytes: int = 0
     # Activation memory measured, not modelled: bytes autograd saved for backward by the chunks
@@ -465,9 +470,13 @@ class PipelineStepStats:
 
 
 class _Stage:
-    """This rank's view of the pipeline layout (megatron parallel_state)."""
+    """This rank's view of the pipeline layout (megatron parallel_state): its stage and, for plans of
+    SP degree ``sp`` below the stage's data-parallel size d, its replica (``Pipeline.replica``):
+    the aligned block of ``sp`` data-parallel ranks it belongs to (block r: ranks [r sp, (r + 1) sp)).
+    Megatron's pipeline group joins the same data-parallel index on every stage, so the stages of
+    a replica talk only to each other."""
 
-    def __init__(self):
+    def __init__(self, sp: Optional[int] = None, sp_groups=None):
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
@@ -484,16 +493,28 @@ class _Stage:
         if ps.get_virtual_pipeline_model_parallel_world_size() not in (None, 1):
             raise NotImplementedError("the elastic pipeline runtime does not support virtual pipeline stages")
         dp = ps.get_data_parallel_group()
-        self.d = dist.get_world_size(dp)
-        self.sp_group = dp if self.d > 1 else None
-        self.sp_rank = dist.get_rank(dp)
+        d, dp_rank = dist.get_world_size(dp), dist.get_rank(dp)
+        self.sp = d if sp is None else int(sp)
+        if self.sp < 1 or d % self.sp:
+            raise InvalidPlanError(f"the plan's SP degree {self.sp} does not divide a stage's {d} data-parallel ranks")
+        self.replicas = d // self.sp
+        self.replica = dp_rank // self.sp
+        if self.replicas == 1:
+            self.sp_group = dp if d > 1 else None
+        elif self.sp == 1:  # every rank its own replica: no all-to-all
+            self.sp_group = None
+        elif sp_groups is None:
+            raise InvalidPlanError(f"a plan of SP degree {self.sp} on stages of {d} ranks runs {self.replicas} "
+                                   f"replicas: pass sp_groups (an SPGroupPool over the data-parallel groups)")
+        else:
+            self.sp_group = sp_groups.get(range(self.replica * self.sp, (self.replica + 1) * self.sp))
 
 
 def build_schedules(plan: StepPlan, lengths: Sequence[int], stages: int, sp_degree: int,
                     layers_per_stage: Optional[int] = None, op_time=default_op_time,
                     forward_only: bool = False) -> list[PipelineSchedule]:
-    """``build_schedule`` for every pipeline of an elastic_pp plan (a sequence in two pipelines is
-    refused too)."""
+    """``build_schedule`` for every pipeline of an elastic_pp plan, every replica's (a sequence in
+    two pipelines is refused too)."""
     if plan.kind != "elastic_pp":
         raise InvalidPlanError(f"the pipeline runtime runs elastic_pp plans, not {plan.kind!r} plans")
     if not plan.pipelines:
@@ -514,7 +535,7 @@ def build_schedules(plan: StepPlan, lengths: Sequence[int], stages: int, sp_degr
 def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: int = 0, forward_only: bool = False,
                              schedules: Optional[list[PipelineSchedule]] = None, device="cpu",
                              finalize: bool = True, forward_step_func: Optional[Callable] = None,
-                             ) -> tuple[list[dict], PipelineStepStats]:
+                             sp_groups=None) -> tuple[list[dict], PipelineStepStats]:
     """Forward and backward of every chunk of an elastic_pp ``plan`` on this rank's stage (module
     doc). ``batch``: the step's token arrays indexed by seq id; ``model``: this stage's model (a
     megatron DDP-wrapped GPTModel from ``build_pipeline_model``, or a bare one). Returns megatron's
@@ -522,8 +543,10 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
     rank's op timings. ``finalize=False`` skips ``finalize_model_grads`` (e.g. to accumulate several
     plans). ``forward_step_func(data_iterator, model) -> (output, loss_func)``: megatron's contract;
     the iterator yields one ``ChunkInput`` (default: GPTModel with labels and ``per_token_loss``).
-    ``schedules``: from ``build_schedules`` (e.g. built one step ahead). Every rank must call it
-    with the same plan."""
+    ``schedules``: from ``build_schedules`` (e.g. built one step ahead). ``sp_groups``: an
+    ``SPGroupPool.from_parallel_state()``, needed when the plan's SP degree is below a stage's
+    data-parallel size (replicas side by side; each rank runs its replica's pipelines). Every rank
+    must call it with the same plan."""
     import torch
     import torch.distributed as dist
     from megatron.core.pipeline_parallel.schedules import backward_step, deallocate_output_tensor, forward_step
@@ -535,18 +558,22 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
     if not config.calculate_per_token_loss:
         raise ValueError("the elastic pipeline runtime needs calculate_per_token_loss=True (per-token loss "
                          "normalisation makes every chunking give the same loss)")
-    st = _Stage()
+    st = _Stage(plan.pipelines[0].sp_degree if plan.pipelines else None, sp_groups)
     lengths = [len(s) for s in batch]
     block = _unwrap(model).decoder
     if schedules is None:
-        schedules = build_schedules(plan, lengths, st.P, st.d, block.num_layers_per_pipeline_rank,
+        schedules = build_schedules(plan, lengths, st.P, st.sp, block.num_layers_per_pipeline_rank,
                                     forward_only=forward_only)
+    several = len(schedules) > 1
+    # this rank's replica's pipelines (by their index in the plan); a replica may have none and
+    # then only takes part in the gradient reduction
+    schedules = [(i, s) for i, s in enumerate(schedules) if plan.pipelines[i].replica == st.replica]
     step_func = forward_step_func or chunk_forward_step
     dtype = config.pipeline_dtype or config.params_dtype
     hidden = config.hidden_size
     model_type = get_model_type(model)
-    n_chunks = sum(len(s.chunks) for s in schedules)
-    stats = PipelineStepStats()
+    n_chunks = sum(len(s.chunks) for _, s in schedules)
+    stats = PipelineStepStats(replica=st.replica)
     store: list = []
     total_tokens = torch.zeros((), dtype=torch.int, device=device)
 
@@ -557,7 +584,7 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
         sync_ctx.__enter__()
     last_b = None  # (pipeline index, step index) of this rank's last backward
     if not forward_only:
-        for i, s in enumerate(schedules):
+        for i, s in schedules:
             for j, step in enumerate(s.program(st.p)):
                 if step.op and step.op[0] == BWD:
                     last_b = (i, j)
@@ -567,7 +594,7 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
     param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
     live_bytes: dict[int, int] = {}  # chunk -> bytes saved for its backward, while in flight
     try:
-        for pi, sched in enumerate(schedules):
+        for pi, sched in schedules:
             cache = PrefixKVCache()
             saved: dict[int, tuple] = {}  # chunk -> (input tensor, output tensor)
             outgoing: dict[tuple[str, int], object] = {}  # (kind, chunk) -> tensor to send
@@ -667,7 +694,7 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
                     gx = backward_step(x, out, g, model_type, config)
                     if not st.first:
                         outgoing[("grad", c)] = gx
-                stats.ops.append((f"{kind}{c}" + (f" of pipeline {pi}" if len(schedules) > 1 else ""),
+                stats.ops.append((f"{kind}{c}" + (f" of pipeline {pi}" if several else ""),
                                   time.perf_counter() - t1))
             for work, _, _ in sends:
                 work.wait()

@@ -7,8 +7,9 @@ equal the uncut sequences run by megatron's stock GPTModel, one sequence at a ti
 
 Part 2 (pp=2 x dp=2, then pp=4 x dp=1): elastic pipelines through ``forward_backward_elastic``
 with megatron DDP and finalize_model_grads: split, batched and hybrid chunks, several pipelines,
-planner-made plans with recompute, orders that differ per stage, and refused plans. Each must
-give the loss and gradients of one process running the uncut sequences.
+planner-made plans with recompute, orders that differ per stage, refused plans, and replicas side
+by side (pp=2 x SP 1 and pp=1 x SP 2 on 4 ranks, one replica idle). Each must give the loss and
+gradients of one process running the uncut sequences.
 """
 from __future__ import annotations
 
@@ -321,8 +322,9 @@ def _plan(pipelines):
     return StepPlan(kind="elastic_pp", num_gpus=dist.get_world_size(), planner="test", pipelines=pipelines)
 
 
-def run_pipeline_plan(plan, lengths, seed, what="", tied=False):
-    """One step of ``plan`` through forward_backward_elastic vs the uncut reference."""
+def run_pipeline_plan(plan, lengths, seed, what="", tied=False, sp_groups=None):
+    """One step of ``plan`` through forward_backward_elastic vs the uncut reference (with
+    replicas, the loss and token count summed over them, and the gradients reduced over them)."""
     from megatron.core import parallel_state
 
     from megatron_ext.runtime.pipeline import forward_backward_elastic
@@ -331,12 +333,12 @@ def run_pipeline_plan(plan, lengths, seed, what="", tied=False):
     batch = _batch(lengths, seed)
     ref_loss, ref_grads, n_tokens = _reference(ref, batch)
     model.zero_grad_buffer()
-    losses, stats = forward_backward_elastic(plan, batch, model)
+    losses, stats = forward_backward_elastic(plan, batch, model, sp_groups=sp_groups)
     total = torch.stack([d["lm loss"] for d in losses]).sum(0) if losses else torch.zeros(2)
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
     fails = Failures()
     if parallel_state.is_pipeline_last_stage():
-        n = sum(len(p.chunks) for p in plan.pipelines)
+        n = sum(len(p.chunks) for p in plan.pipelines if p.replica == stats.replica)
         fails.true(len(losses) == n, f"{len(losses)} loss records for {n} chunks")
         fails.true(int(total[1]) == n_tokens, f"{what}: token count {int(total[1])} vs {n_tokens}")
         fails.close(float(total[0]) / n_tokens, ref_loss, f"{what}: loss", atol=1e-6, rtol=1e-6)
@@ -544,6 +546,59 @@ def pipeline_pp2_planner_plans_match_reference():
     assert "split" in seen, f"chunk kinds covered: {seen}"  # (the planner's choice; hand-made plans cover all)
 
 
+def _sp_groups():
+    """The SP group pool over this layout's data-parallel groups (collective: every rank)."""
+    from megatron_ext.runtime.groups import SPGroupPool
+
+    return SPGroupPool.from_parallel_state()
+
+
+@check
+def pipeline_replicas_pp2_sp1_match_reference():
+    # 2 stages x SP 1 on 4 ranks: two replicas side by side, each its own sequences; replica 1
+    # runs two pipelines one after another
+    _init_pipeline(2)
+    lengths = [60, 25, 9, 40, 14, 31]
+    r0 = _pipeline([[(0, 0, 35)], [(0, 35, 60), (2, 0, 9)]], 2, 1, recompute=[[1, 0], None])
+    r1a = _pipeline([[(1, 0, 25)], [(3, 0, 22)], [(3, 22, 40), (4, 0, 14)]], 2, 1)
+    r1b = _pipeline([[(5, 0, 31)]], 2, 1)
+    r1a.replica = r1b.replica = 1
+    stats = run_pipeline_plan(_plan([r0, r1a, r1b]), lengths, seed=90, what="2 replicas of 2 stages")
+    mine = {op.split(" of ")[1] for op, _ in stats.ops}
+    assert mine == ({"pipeline 0"} if stats.replica == 0 else {"pipeline 1", "pipeline 2"}), mine
+    # replica 1 with nothing to run still reduces its (zero) gradients with replica 0's
+    alone = _pipeline([[(0, 0, 35)], [(0, 35, 60), (1, 0, 9)]], 2, 1, recompute=[[1, 0], None])
+    run_pipeline_plan(_plan([alone]), [60, 9], seed=91, what="an idle replica")
+
+
+@check
+def pipeline_replicas_pp1_sp2_use_their_own_ulysses_groups():
+    # one stage of 4 data-parallel ranks as 2 replicas of SP 2: each replica's chunks (split
+    # sequences with a prefix included) all-to-all inside its own pair of ranks
+    _init_pipeline(1)
+    pool = _sp_groups()
+    lengths = [70, 9, 30, 44, 12]
+    r0 = _pipeline([[(0, 0, 30)], [(0, 30, 51), (1, 0, 9)], [(0, 51, 70)]], 1, 2, recompute=[[1], [0], [4]])
+    r1 = _pipeline([[(2, 0, 30), (4, 0, 12)], [(3, 0, 20)], [(3, 20, 44)]], 1, 2)
+    r1.replica = 1
+    run_pipeline_plan(_plan([r0, r1]), lengths, seed=92, what="2 replicas of SP 2", sp_groups=pool)
+    import pytest
+
+    from megatron_ext.errors import InvalidPlanError
+    with pytest.raises(InvalidPlanError, match="pass sp_groups"):
+        run_pipeline_plan(_plan([r0, r1]), lengths, seed=92)
+
+
+@check
+def pipeline_replicas_planner_plans_match_reference():
+    _init_pipeline(2)
+    rng = np.random.default_rng(11)
+    lengths = np.concatenate([rng.integers(3, 30, 7), rng.integers(90, 150, 2)])
+    plan = _planner_plan(lengths, 2, 1, 4.0)
+    assert {p.replica for p in plan.pipelines} == {0, 1}, plan.solver_status
+    run_pipeline_plan(plan, lengths, seed=93, what=f"planner plan: {plan.solver_status}")
+
+
 @check
 def pipeline_pp2_impossible_orders_are_refused_before_running():
     import pytest
@@ -576,8 +631,9 @@ def pipeline_pp2_impossible_orders_are_refused_before_running():
                 PL.forward_backward_elastic(_plan([_pipeline(chunks, 2, 2, orders=orders)]), batch, model)
         with pytest.raises(InvalidPlanError, match="3 stages"):
             PL.forward_backward_elastic(_plan([_pipeline(chunks, 3, 2, orders=[["F0"]] * 3)]), batch, model)
-        with pytest.raises(InvalidPlanError, match="SP degree"):
-            PL.forward_backward_elastic(_plan([_pipeline(chunks, 2, 1)]), batch, model)
+        with pytest.raises(InvalidPlanError, match="SP degree 3 does not divide a stage's 2 data-parallel ranks"):
+            gpipe = [["F0", "F1", "F2", "B2", "B1", "B0"]] * 2
+            PL.forward_backward_elastic(_plan([_pipeline(chunks, 2, 3, orders=gpipe)]), batch, model)
         with pytest.raises(InvalidPlanError, match="do not tile|end at"):
             PL.forward_backward_elastic(_plan([_pipeline([[(0, 0, 20)], [(1, 0, 17)]], 2, 2)]), batch, model)
         with pytest.raises(InvalidPlanError, match="recompute"):
