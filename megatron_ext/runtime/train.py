@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.cost import CostModel
+from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.planner import PLANNERS, PlannerOptions
 from megatron_ext.spec import ModelSpec
@@ -30,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-ext train", description=__doc__.splitlines()[0])
     p.add_argument("--planner", default="flexsp",
                    help=f"one of: {', '.join(PLANNERS)}; with --pp: elastic_pp, seq1f1b, batch_1f1b")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (Ulysses degree inside a stage: ranks / pp)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (Ulysses degree inside a stage: --sp)")
+    p.add_argument("--sp", type=int, help="with --pp: Ulysses degree inside a stage (default: ranks / pp); below "
+                   "that, ranks / (pp x sp) replicas of the pipeline run side by side, each its share of the batch")
     p.add_argument("--model", default="tiny", help="model preset or YAML (its layers, hidden size and heads)")
     p.add_argument("--cluster", default="cpu-4", help="cluster preset or YAML: its GPU count is the rank count")
     p.add_argument("--cost-model", metavar="PATH", help="cost-model YAML (overrides --model/--cluster)")
@@ -86,6 +89,14 @@ def _record(step, losses, grad_norm, tokens, step_time, plan, times) -> dict:
     }
 
 
+def stage_sp(args, cost: CostModel) -> int:
+    """The Ulysses degree of a pipeline stage: ``--sp``, else ranks / pp (or, over the head limit,
+    the largest allowed degree dividing it; the rest run as replicas)."""
+    from megatron_ext.planner.pipeline import resolve_layout
+
+    return resolve_layout(cost, args.pp, args.sp)[1]
+
+
 def check_args(args, cost: CostModel, world: int) -> bool:
     """Refuse what cannot run, before anything starts (the launcher calls it too). Returns
     whether the planner is a pipeline planner."""
@@ -102,6 +113,11 @@ def check_args(args, cost: CostModel, world: int) -> bool:
         raise ConfigError(f"--pp {args.pp} needs a pipeline planner ({', '.join(PP_PLANNERS)}), not {args.planner}")
     if world % args.pp or cost.model.num_layers % args.pp:
         raise ConfigError(f"--pp {args.pp} must divide the {world} ranks and the {cost.model.num_layers} layers")
+    if args.sp is not None and not pipelined:
+        raise ConfigError(f"--sp applies only to pipeline planners ({', '.join(PP_PLANNERS)}); {args.planner} "
+                          f"chooses its SP degrees itself")
+    if pipelined:
+        PipelineCost(cost, args.pp, stage_sp(args, cost))  # names what is wrong with the layout
     if not pipelined and args.max_seq_len > cost.max_seq_len:
         raise ConfigError(f"--max-seq-len {args.max_seq_len} is over the {cost.max_seq_len} tokens the largest SP group "
                           f"of {cost.cluster.name} holds; lower it or use a pipeline planner (--pp, elastic_pp)")
@@ -153,10 +169,17 @@ def _train(args, rank: int, world: int) -> int:
     model, _ = build_pipeline_model(cost.model, tok.vocab_size, args.max_seq_len, args.attention_backend)
     model.module.load_state_dict(stage_state_dict(weights, model))
     optimizer = build_optimizer(model, args.lr)
-    pool = None if pipelined else SPGroupPool()
+    sp = stage_sp(args, cost) if pipelined else None
+    # FlexSP: every aligned group of the world; pipelines of several replicas: their SP groups
+    # inside each stage's data-parallel ranks (collective: every rank builds the pool)
+    pool = None
+    if not pipelined:
+        pool = SPGroupPool()
+    elif world // args.pp > sp > 1:
+        pool = SPGroupPool.from_parallel_state()
     docs = IndexedDocuments(prefix)
     options = PlannerOptions(time_limit=args.time_limit, static_degree=args.static_degree,
-                             pp=args.pp if pipelined else None, sp=world // args.pp if pipelined else None)
+                             pp=args.pp if pipelined else None, sp=sp)
     loader = PlanningDataLoader(docs, cost, args.global_batch, planner=args.planner, options=options, seed=args.seed,
                                 max_seq_len=args.max_seq_len, num_steps=args.steps, sync="broadcast",
                                 fallback="batch_1f1b" if pipelined else "batchada")
@@ -172,9 +195,11 @@ def _train(args, rank: int, world: int) -> int:
             model.zero_grad_buffer()
             optimizer.zero_grad()
             if pipelined:
-                losses, pstats = forward_backward_elastic(step.plan, step.batch, model, pad_id=tok.pad)
+                losses, pstats = forward_backward_elastic(step.plan, step.batch, model, pad_id=tok.pad,
+                                                          sp_groups=pool)
                 mb_times = torch.zeros(0, dtype=torch.float64)
-                mine = (parallel_state.get_pipeline_model_parallel_rank(), pstats)
+                # the simulator's row of this rank's stage: replica x stages + stage
+                mine = (pstats.replica * args.pp + parallel_state.get_pipeline_model_parallel_rank(), pstats)
             else:
                 losses, times = forward_backward_flexsp(step, model, pool, tok.pad)
                 mb_times = torch.tensor(times.micro_batches, dtype=torch.float64)
@@ -209,7 +234,8 @@ def _train(args, rank: int, world: int) -> int:
 def _stage_report(ranks: list, step, cost: CostModel) -> dict:
     """Each stage measured (its slowest rank) next to what the simulator predicts for the same
     plan: activation peak (MB per rank), forward and backward time (s, recompute included), p2p
-    wait, and every operation's measured and predicted seconds, in the stage's order."""
+    wait, and every operation's measured and predicted seconds, in the stage's order. With
+    replicas a "stage" is one replica's stage, replica-major (the simulator's rows)."""
     from megatron_ext.cost.pipeline import PipelineCost
     from megatron_ext.sim import simulate
 
@@ -224,7 +250,7 @@ def _stage_report(ranks: list, step, cost: CostModel) -> dict:
             pi, cid = e.label.split(":", 1)  # "p<pipeline>:<chunk>"
             key = (e.where, ("B" if e.kind == "R" else e.kind) + cid + (f" of pipeline {pi[1:]}" if several else ""))
             predicted[key] = predicted.get(key, 0.0) + e.end_s - e.start_s
-    P = pipe.stages
+    P = len(sim.peak_memory_mb)  # replicas x stages
     peak, fwd, bwd, wait = [0.0] * P, [0.0] * P, [0.0] * P, [0.0] * P
     ops: list[dict[str, float]] = [{} for _ in range(P)]
     for stage, st in ranks:

@@ -1,7 +1,7 @@
 """`megatron-ext train` end to end: real training on 4 CPU ranks (torchrun + gloo) with per-step
-plans. Three launches: flexsp, static_ulysses and a 2-stage elastic pipeline on the same seed
-must report the same loss and grad norm at every step (one function computed, whatever the
-layout)."""
+plans. Four launches: flexsp, static_ulysses, a 2-stage elastic pipeline of SP 2 and two replicas
+of a 2-stage pipeline of SP 1 on the same seed must report the same loss and grad norm at every
+step (one function computed, whatever the layout)."""
 from __future__ import annotations
 
 import json
@@ -24,6 +24,7 @@ def _train(planner: str, *extra: str) -> list[dict]:
 def runs():
     runs = {p: _train(p) for p in ("flexsp", "static_ulysses")}
     runs["elastic_pp"] = _train("elastic_pp", "--pp", "2")
+    runs["elastic_pp replicas"] = _train("elastic_pp", "--pp", "2", "--sp", "1")
     return runs
 
 
@@ -36,7 +37,7 @@ def test_records_have_the_contract_keys(runs):
             assert r["tokens"] > 0 and r["step_time_s"] > 0 and r["loss"] > 0
 
 
-@pytest.mark.parametrize("other", ["static_ulysses", "elastic_pp"])
+@pytest.mark.parametrize("other", ["static_ulysses", "elastic_pp", "elastic_pp replicas"])
 def test_same_loss_and_grad_norm_every_step(runs, other):
     a, b = runs["flexsp"], runs[other]
     assert [r["tokens"] for r in a] == [r["tokens"] for r in b]
@@ -50,6 +51,18 @@ def test_pipeline_run_used_two_stages_of_sp2(runs):
     assert all(r["degrees"] == [2] and r["planner"] == "elastic_pp" for r in runs["elastic_pp"])
     for r in runs["elastic_pp"]:
         _check_stage_records(r)
+
+
+def test_pipeline_replicas_report_each_replicas_stages(runs):
+    for r in runs["elastic_pp replicas"]:
+        assert r["degrees"] == [1]
+        # rows: replica 0's two stages, then replica 1's; every chunk's F and B once per stage
+        assert len(r["activation_peak_mb_per_stage"]) == 4 and len(r["ops_per_stage"]) == 4
+        for p in (0, 1):
+            ops = r["ops_per_stage"][p] + r["ops_per_stage"][2 + p]
+            assert len(ops) == 2 * r["micro_batches"]
+            assert all(measured > 0 and predicted > 0 for _, measured, predicted in ops)
+        assert max(r["activation_peak_mb_per_stage"]) <= r["activation_room_mb"]
 
 
 def _check_stage_records(r: dict) -> None:
@@ -100,3 +113,12 @@ def test_bad_option_is_one_line_error():
     done = subprocess.run([*CLI, "train", "--no-such-flag"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr.strip().startswith("megatron-ext: error:") and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--planner", "elastic_pp", "--pp", "2", "--sp", "3"], "SP degree 3 is not allowed for tiny on cpu-4"),
+    (["--sp", "2"], "--sp applies only to pipeline planners"),
+])
+def test_bad_pipeline_layout_is_refused_before_launching(argv, match):
+    done = subprocess.run([*CLI, "train", "--steps", "1", *argv], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.startswith("megatron-ext: error: ") and match in done.stderr
