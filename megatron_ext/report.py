@@ -68,6 +68,7 @@ def fidelity(records: list[dict]) -> dict:
         out["planned_activation_mb_per_stage"] = np.max([r["planned_activation_mb_per_stage"] for r in stages],
                                                         axis=0).tolist()
         out["activation_room_mb"] = stages[0]["activation_room_mb"]
+        out["stages"] = stages[0].get("stages", P)  # below P: the rows are replicas' stages
         over = [(r["step"], p) for r in stages for p, x in enumerate(r["activation_peak_mb_per_stage"])
                 if x > r["activation_room_mb"]]
         out["steps_over_memory_budget"] = over
@@ -84,8 +85,13 @@ def report_table(records: list[dict]) -> str:
                      f"p90 {f['micro_batch_p90_abs_error']:.1%}")
     lines.append(f"drift (last third - first third of the run): {f['drift']:+.1%}")
     if "stage_op_time_ratio" in f:
+        S = f["stages"]
+
+        def row(p):
+            return f"stage {p}" if S == len(f["stage_op_time_ratio"]) else f"replica {p // S} stage {p % S}"
+
         lines.append("stage operations, measured / predicted time: "
-                     + ", ".join(f"stage {p} {x:.2f}x" for p, x in enumerate(f["stage_op_time_ratio"]) if x))
+                     + ", ".join(f"{row(p)} {x:.2f}x" for p, x in enumerate(f["stage_op_time_ratio"]) if x))
         lines.append("activation peak per stage, MB (measured / planned; room "
                      f"{f['activation_room_mb']:.1f}): "
                      + ", ".join(f"{m:.1f} / {q:.1f}" for m, q in zip(f["activation_peak_mb_per_stage"],

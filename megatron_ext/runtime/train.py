@@ -264,7 +264,8 @@ def _stage_report(ranks: list, step, cost: CostModel) -> dict:
     def r(xs):
         return [round(float(x), 4) for x in xs]
 
-    return {"activation_room_mb": round(pc.activation_room_mb, 4), "activation_peak_mb_per_stage": r(peak),
+    return {"stages": pipe.stages, "activation_room_mb": round(pc.activation_room_mb, 4),
+            "activation_peak_mb_per_stage": r(peak),
             "planned_activation_mb_per_stage": r(x - states for x in sim.peak_memory_mb),
             "forward_s_per_stage": r(fwd), "backward_s_per_stage": r(bwd), "p2p_wait_s_per_stage": r(wait),
             "predicted_busy_s_per_stage": r(sim.busy_s),

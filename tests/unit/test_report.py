@@ -61,6 +61,14 @@ def test_pipeline_runs_report_stage_times_and_memory(tmp_path, capsys):
     assert "stage 0 1.50x, stage 1 1.00x" in out and "OVER the budget at (step, stage) [(2, 1)]" in out
 
 
+def test_pipeline_replicas_are_named_by_replica_and_stage(tmp_path, capsys):
+    ops = [[["F0", 0.3, 0.2], ["B0", 0.6, 0.4]], [["F0", 0.2, 0.2], ["B0", 0.4, 0.4]]] * 2
+    recs = [{**_pp_rec(k, [20.0] * 4, ops), "stages": 2, "planned_activation_mb_per_stage": [25.0] * 4}
+            for k in range(3)]
+    assert main(["report", str(_write(tmp_path, recs))]) == 0
+    assert "replica 0 stage 0 1.50x, replica 0 stage 1 1.00x, replica 1 stage 0 1.50x" in capsys.readouterr().out
+
+
 def test_pipeline_waits_are_told_apart_from_a_wrong_profile(tmp_path, capsys):
     ops = [[["F0", 0.2, 0.2], ["B0", 0.4, 0.4]], [["F0", 0.21, 0.2], ["B0", 0.4, 0.4]]]
     recs = [{**_pp_rec(k, [20.0, 20.0], ops), "step_time_s": 2.0, "predicted_step_time_s": 1.2} for k in range(4)]
