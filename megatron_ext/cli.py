@@ -80,7 +80,8 @@ def lengths_from_args(args, limit: int) -> np.ndarray:
 
 
 def _plan_table(plan, lengths, cost, max_seq_len: int | None = None) -> str:
-    lines = [f"{plan.planner} plan for {len(lengths)} sequences ({int(lengths.sum()):,} tokens) "
+    lines = [f"{plan.planner} plan for {len(lengths)} sequence{'s' if len(lengths) != 1 else ''} "
+             f"({int(lengths.sum()):,} tokens) "
              f"of {cost.model.name} on {cost.cluster.name} ({cost.num_gpus} GPUs)", ""]
     lines.append(f"{'mb':>3} {'time s':>8}  groups (degree x count: sequences, tokens)")
     for m, mb in enumerate(plan.micro_batches):

@@ -94,8 +94,10 @@ def report_table(records: list[dict]) -> str:
                      + ", ".join(f"{row(p)} {x:.2f}x" for p, x in enumerate(f["stage_op_time_ratio"]) if x))
         lines.append("activation peak per stage, MB (measured / planned; room "
                      f"{f['activation_room_mb']:.1f}): "
-                     + ", ".join(f"{m:.1f} / {q:.1f}" for m, q in zip(f["activation_peak_mb_per_stage"],
-                                                                    f["planned_activation_mb_per_stage"]))
+                     + ", ".join(f"{m:.1f} / {q:.1f}" if S == len(f["stage_op_time_ratio"]) else
+                                 f"{row(p)} {m:.1f} / {q:.1f}"
+                                 for p, (m, q) in enumerate(zip(f["activation_peak_mb_per_stage"],
+                                                                f["planned_activation_mb_per_stage"])))
                      + ("; within the budget at every step" if not f["steps_over_memory_budget"] else
                         f"; OVER the budget at (step, stage) {f['steps_over_memory_budget']}"))
     ratios = [x for x in f.get("stage_op_time_ratio", []) if x]

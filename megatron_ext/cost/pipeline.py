@@ -87,8 +87,7 @@ class PipelineCost:
         if not isinstance(self.pp, int) or isinstance(self.pp, bool) or self.pp < 1:
             raise ConfigError(f"pipeline degree must be a positive integer, got {self.pp!r}")
         if m.num_layers % self.pp:
-            fits = [d for d in range(1, m.num_layers + 1)
-                    if m.num_layers % d == 0 and c.num_gpus % d == 0 and c.num_gpus // d in self.cost.degrees]
+            fits = [d for d in range(1, m.num_layers + 1) if m.num_layers % d == 0 and c.num_gpus % d == 0]
             raise ConfigError(f"pipeline degree {self.pp} does not divide the {m.num_layers} layers of {m.name}; "
                               f"on {c.name} ({c.num_gpus} GPUs) choose one of {', '.join(map(str, fits))}")
         if not isinstance(self.sp, int) or isinstance(self.sp, bool) or self.sp not in self.cost.degrees:

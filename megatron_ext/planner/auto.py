@@ -95,6 +95,9 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     pin_pp = pp if pp is not None else opts.pp
     pin_sp = sp if sp is not None else opts.sp
     with_flexsp = pin_pp is None or pin_pp == 1  # FlexSP is the pp = 1 layout (adaptive sp)
+    if pin_pp == 1 and pin_sp is not None:
+        raise ConfigError(f"auto: pp 1 is FlexSP, which chooses its SP degrees per group; drop sp {pin_sp}, or plan "
+                          f"one-stage pipeline replicas with the elastic_pp planner")
     layouts = []
     longest = int(lengths[ids].max())
     for P, d in pipeline_layouts(cost, pin_pp, pin_sp):

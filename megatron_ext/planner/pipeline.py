@@ -450,18 +450,24 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
 
 
 def resolve_layout(cost: CostModel, pp, sp) -> tuple[int, int]:
-    dpp, dsp = default_layout(cost)
+    """(pp, sp) from what was given: both, the default layout, or one of them with the other the
+    most the GPUs allow (the rest of the GPUs run replicas)."""
+    n, L = cost.num_gpus, cost.model.num_layers
     if pp is None and sp is None:
-        pp, sp = dpp, dsp
-    elif pp is None:  # the stages follow from sp: refuse an sp that leaves none, naming sp
-        if not (isinstance(sp, int) and sp in cost.degrees and cost.num_gpus % sp == 0):
+        return default_layout(cost)
+    if pp is None:  # the stages follow from sp: refuse an sp that leaves none, naming sp
+        if not (isinstance(sp, int) and sp in cost.degrees and n % sp == 0):
             raise ConfigError(f"SP degree {sp!r} is not allowed for {cost.model.name} on {cost.cluster.name}; allowed: "
                               f"{', '.join(map(str, cost.degrees))} (powers of two that divide the heads)")
-        pp = cost.num_gpus // sp
-    elif sp is None:  # (PipelineCost names what is wrong with pp)
-        sp = cost.num_gpus // pp if isinstance(pp, int) and pp > 0 else pp
-        if isinstance(sp, int) and sp not in cost.degrees and cost.num_gpus % pp == 0:
-            # more GPUs per stage than Ulysses can use: the largest degree that fits, and replicas
+        # the most stages that divide both the layers and the GPUs left
+        return max(p for p in range(1, n // sp + 1) if (n // sp) % p == 0 and L % p == 0), sp
+    if sp is None and isinstance(pp, int) and pp > 0:  # (PipelineCost names what else is wrong with pp)
+        if n % pp:
+            fits = [p for p in range(1, n + 1) if n % p == 0 and L % p == 0]
+            raise ConfigError(f"pipeline degree {pp} does not divide the {n} GPUs of {cost.cluster.name}; choose one "
+                              f"of {', '.join(map(str, fits))}")
+        sp = n // pp
+        if sp not in cost.degrees:  # more GPUs per stage than Ulysses can use: the largest degree, and replicas
             sp = max(d for d in cost.degrees if sp % d == 0)
     return pp, sp
 
@@ -602,8 +608,10 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     rec_note = "; ".join(sorted({b.status for b in final}))
     n = sum(b.table.n for b in final)
     reps = f" over {pc.replicas} replicas" if pc.replicas > 1 else ""
+    chunkings = "; ".join(_chunking_note(b) if len(final) == 1 else f"pipeline {i}: {_chunking_note(b)}"
+                          for i, b in enumerate(final))
     status = (f"{len(final)} pipeline{'s' if len(final) > 1 else ''} x {pc.pp} stage{'s' if pc.pp > 1 else ''} "
-              f"x SP {pc.sp}{reps}; {', '.join(_chunking_note(b) for b in final)}; {n} chunk{'s' if n > 1 else ''}; "
+              f"x SP {pc.sp}{reps}; {chunkings}; {n} chunk{'s' if n > 1 else ''}; "
               f"{rec_note}")
     dropped = np.setdiff1d(np.arange(len(lengths)), ids)
     return finish_plan("elastic_pp", pipes, lengths, cost, pc, opts, start, status, dropped)

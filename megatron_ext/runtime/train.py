@@ -100,24 +100,31 @@ def stage_sp(args, cost: CostModel) -> int:
 def check_args(args, cost: CostModel, world: int) -> bool:
     """Refuse what cannot run, before anything starts (the launcher calls it too). Returns
     whether the planner is a pipeline planner."""
-    from megatron_ext.planner.pipeline_api import PP_PLANNERS
+    from megatron_ext.planner.pipeline_api import PP_PLANNERS, max_seq_len
 
     if cost.num_gpus != world:
         raise ConfigError(f"cluster {cost.cluster.name} has {cost.num_gpus} GPUs but {world} ranks were launched")
     pipelined = args.planner in PP_PLANNERS
+    runnable = ", ".join(p for p in PP_PLANNERS if p != "auto")  # (auto's layout changes per step)
     if args.planner == "auto":  # its plan's kind changes per step; the runtime runs one kind per run
         raise ConfigError("train runs one layout per run: choose flexsp (or a baseline) or, with --pp, a pipeline planner")
     if args.planner not in PLANNERS and not pipelined:
         raise ConfigError(f"unknown planner {args.planner!r}; choose one of {', '.join([*PLANNERS, *PP_PLANNERS])}")
     if args.pp > 1 and not pipelined:
-        raise ConfigError(f"--pp {args.pp} needs a pipeline planner ({', '.join(PP_PLANNERS)}), not {args.planner}")
+        raise ConfigError(f"--pp {args.pp} needs a pipeline planner ({runnable}), not {args.planner}")
     if world % args.pp or cost.model.num_layers % args.pp:
         raise ConfigError(f"--pp {args.pp} must divide the {world} ranks and the {cost.model.num_layers} layers")
     if args.sp is not None and not pipelined:
-        raise ConfigError(f"--sp applies only to pipeline planners ({', '.join(PP_PLANNERS)}); {args.planner} "
-                          f"chooses its SP degrees itself")
+        raise ConfigError(f"--sp applies only to pipeline planners ({runnable}); {args.planner} chooses its SP "
+                          f"degrees itself")
     if pipelined:
-        PipelineCost(cost, args.pp, stage_sp(args, cost))  # names what is wrong with the layout
+        sp = stage_sp(args, cost)
+        PipelineCost(cost, args.pp, sp)  # names what is wrong with the layout
+        limit = max_seq_len(args.planner, cost, PlannerOptions(pp=args.pp, sp=sp))
+        if args.max_seq_len > limit:
+            raise ConfigError(f"--max-seq-len {args.max_seq_len} is over the {limit} tokens a {args.pp}-stage pipeline "
+                              f"of SP {sp} holds even at the finest slicing; lower it, or use a larger --sp or more "
+                              f"--pp")
     if not pipelined and args.max_seq_len > cost.max_seq_len:
         raise ConfigError(f"--max-seq-len {args.max_seq_len} is over the {cost.max_seq_len} tokens the largest SP group "
                           f"of {cost.cluster.name} holds; lower it or use a pipeline planner (--pp, elastic_pp)")

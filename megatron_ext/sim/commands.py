@@ -117,7 +117,7 @@ def run_pp_plan(args, cost, lengths) -> int:
         print(plan.to_json(indent=1))
     else:
         res = simulate(plan, lengths, cost, b1_scale=opts.b1_scale, events=False)
-        print(f"{plan.planner} plan for {len(lengths)} sequences ({int(lengths.sum()):,} tokens) of {cost.model.name} "
+        print(f"{plan.planner} plan for {_count(len(lengths), 'sequence')} ({int(lengths.sum()):,} tokens) of {cost.model.name} "
               f"on {cost.cluster.name} ({cost.num_gpus} GPUs)\n")
         print(describe_plan(plan, lengths, res))
         if plan.pipelines:
@@ -148,6 +148,13 @@ def _wrap(head: str, items: list[str], width: int = 100) -> list[str]:
     return lines + [line]
 
 
+def _replicas(plan) -> int:
+    """Pipeline replicas side by side in an elastic_pp plan (1 for any other)."""
+    if not plan.pipelines:
+        return 1
+    return plan.num_gpus // (plan.pipelines[0].stages * plan.pipelines[0].sp_degree)
+
+
 def pipeline_tables(plan, lengths, cost, b1_scale: float = 1.0, max_pieces: int = 4) -> str:
     """What each pipeline of a plan runs: its chunks (kind, tokens, average-stage time, pieces as
     ``seq[start:end)``), every stage's operation order and the recompute table (layers each stage
@@ -161,7 +168,7 @@ def pipeline_tables(plan, lengths, cost, b1_scale: float = 1.0, max_pieces: int 
         pc = PipelineCost(cost, p.stages, p.sp_degree, b1_scale)
         table = analyze_chunks(p.chunks, pc, f"pipeline {i}")
         ms = pc.stage_ms(table.work, table.tokens)
-        rep = f" (replica {p.replica})" if any(q.replica for q in plan.pipelines) else ""
+        rep = f" (replica {p.replica})" if _replicas(plan) > 1 else ""
         out += [f"pipeline {i}{rep} chunks (forward order; ms: forward+backward on an average stage):",
                 f"  {'chunk':>5}  {'kind':<7} {'tokens':>9} {'ms':>8}  pieces (sequence[start:end))"]
         for c, tok, t in zip(p.chunks, table.tokens, ms):
@@ -214,11 +221,15 @@ def describe_plan(plan, lengths, result=None) -> str:
             first_b = next((j for j, op in enumerate(o) if op.startswith("B")), len(o))
             warm.append(first_b)
         rec = sum(sum(c.recompute_layers_per_stage) for c in p.chunks if c.recompute_layers_per_stage)
-        rep = f" (replica {p.replica})" if any(q.replica for q in plan.pipelines) else ""
+        rep = f" (replica {p.replica})" if _replicas(plan) > 1 else ""
         lines.append(f"  pipeline {i}{rep}: {_count(p.stages, 'stage')} x SP {p.sp_degree}, {_count(n, 'chunk')} "
                      f"({kinds['split']} split, "
                      f"{kinds['hybrid']} hybrid, {kinds['batched']} batched), tokens per chunk {min(tok)}..{max(tok)}, "
                      f"warm-up per stage {warm}, recomputed layer-chunks {rec}")
+    idle = sorted(set(range(_replicas(plan))) - {p.replica for p in plan.pipelines}) if plan.pipelines else []
+    if idle:
+        lines.append(f"  replica{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))}: idle (fewer sequences "
+                     f"than replicas)")
     if plan.dropped_seq_ids:
         ids = plan.dropped_seq_ids
         lines.append(f"dropped {_count(len(ids), 'sequence')} over the length limit "

@@ -292,8 +292,10 @@ def _pipeline_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: Si
         seen.add(pipe.replica)
     marks.sort()
     layers = [f"layers {p * L_s}-{(p + 1) * L_s - 1}" if L_s > 1 else f"layer {p}" for p in range(P)]
-    return PlotData("elastic_pp", _title(plan, cost, lengths, layout, res, detail), R * P,
-                    [f"{where(r, p)}\n{layers[p]}" for r in range(R) for p in range(P)], boxes, memory,
+    # past 8 rows two-line labels overlap: one short line each ("r1 s3")
+    labels = ([f"{where(r, p)}\n{layers[p]}" for r in range(R) for p in range(P)] if R * P <= 8 else
+              [f"r{r} s{p}" if R > 1 else f"stage {p}" for r in range(R) for p in range(P)])
+    return PlotData("elastic_pp", _title(plan, cost, lengths, layout, res, detail), R * P, labels, boxes, memory,
                     res.budget_mb / 1024, res.step_time_s, res.bubble_ratio, colors, legend, marks,
                     _slices_hist(plan, lengths), hatches, [float(r * P) for r in range(1, R)])
 
@@ -422,7 +424,8 @@ def _draw_timeline(ax, data: PlotData, fig_width_px: float):
         ax.set_yticks(np.arange(data.rows) + 0.5)
         ax.set_yticklabels(data.row_labels, fontsize=8 if data.rows <= 8 else 7)
         ax.set_ylabel("pipeline stage (each a Ulysses group)" if not data.separators
-                      else "replica and stage (each stage a Ulysses group)")
+                      else "replica and stage (each stage a Ulysses group)"
+                      if data.rows <= 8 else "replica r, stage s (each stage a Ulysses group)")
         for y in data.separators:  # replicas run side by side on their own GPUs
             ax.axhline(y, color="black", linewidth=1.2)
     else:

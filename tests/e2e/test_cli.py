@@ -200,7 +200,7 @@ SMALL = ["--model", "llama-7b", "--cluster", "a800-80g-8x1"]  # one node of 8 GP
     (["plan", "--planner", "elastic_pp", "--seed", "-1"], "--seed must be non-negative"),
     (["plan", "--planner", "elastic_pp", "--b1-scale", "inf"], "b1_scale must be a non-negative number"),
     (["plan", "--planner", "elastic_pp", "--time-limit", "nan"], "--time-limit must be positive"),
-    (["plan", "--planner", "auto", "--pp", "3"], "pipeline degree 3 does not divide the 32 layers"),
+    (["plan", "--planner", "auto", "--pp", "3"], "pipeline degree 3 does not divide the 8 GPUs of a800-80g-8x1; choose one of 1, 2, 4, 8"),
     (["plan", "--planner", "magic"], "elastic_pp, batch_1f1b, seq1f1b, auto"),
     (["plan", "--planner", "elastic_pp", "--memory-mb", "100"], "below the model states of a stage"),
     (["simulate", "--planners", "flexsp,nope"], "unknown planner(s) 'nope'"),

@@ -116,3 +116,21 @@ def test_split_replicas_is_a_partition_balanced_longest_first(lengths, replicas)
     loads = [float(work[p].sum()) for p in parts]
     # longest processing time first: no replica ends more than one sequence over the average
     assert max(loads) <= sum(loads) / replicas + float(work.max()) + 1e-6
+
+
+def test_one_of_pp_and_sp_gives_the_other_the_most_the_gpus_allow():
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.planner.auto import plan_auto
+    from megatron_ext.planner.pipeline import resolve_layout
+
+    assert resolve_layout(COST, 2, None) == (2, 8)  # sp 16 is over the 40 heads' limit: 2 replicas
+    assert resolve_layout(COST, None, 1) == (8, 1)  # 32 stages do not divide 40 layers: 8, 4 replicas
+    assert resolve_layout(COST, None, 8) == (4, 8)
+    with pytest.raises(ConfigError, match="pipeline degree 5 does not divide the 32 GPUs of a800-80g-8x4; "
+                                          "choose one of 1, 2, 4, 8"):
+        resolve_layout(COST, 5, None)
+    lengths = np.array([3000, 2000, 1000])
+    with pytest.raises(ConfigError, match="auto: pp 1 is FlexSP"):
+        plan_auto(lengths, COST, pp=1, sp=8)
+    plan = plan_elastic_pp(np.array([50_000, 40_000, 3000, 2000]), COST, 2, 8)
+    assert "; pipeline 0: " in plan.solver_status and "; pipeline 1: " in plan.solver_status

@@ -66,7 +66,9 @@ def test_pipeline_replicas_are_named_by_replica_and_stage(tmp_path, capsys):
     recs = [{**_pp_rec(k, [20.0] * 4, ops), "stages": 2, "planned_activation_mb_per_stage": [25.0] * 4}
             for k in range(3)]
     assert main(["report", str(_write(tmp_path, recs))]) == 0
-    assert "replica 0 stage 0 1.50x, replica 0 stage 1 1.00x, replica 1 stage 0 1.50x" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "replica 0 stage 0 1.50x, replica 0 stage 1 1.00x, replica 1 stage 0 1.50x" in out
+    assert "replica 1 stage 1 20.0 / 25.0" in out
 
 
 def test_pipeline_waits_are_told_apart_from_a_wrong_profile(tmp_path, capsys):
