@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.data.loader import Step
+from megatron_ext.errors import InvalidPlanError
 from megatron_ext.runtime.schedule import StepTimes, flexsp_forward_step, micro_batch_inputs
 
 logger = logging.getLogger(__name__)
@@ -253,6 +254,21 @@ def _elastic_forward_step(data_iterator, model):
     return output, _checked(loss_func)
 
 
+def _one_replica(plan) -> None:
+    """Refuse a plan of pipeline replicas (SP below a stage's data-parallel size): Megatron-LM's
+    --elastic-pp plans and reports one pipeline whose stages' data-parallel ranks are its SP groups."""
+    from megatron.core import parallel_state
+
+    dp = parallel_state.get_data_parallel_world_size()
+    for p in plan.pipelines:
+        if p.sp_degree != dp:
+            many = f" ({dp // p.sp_degree} replicas side by side)" if dp % p.sp_degree == 0 else ""
+            raise InvalidPlanError(
+                f"--elastic-pp: the plan's layout is {p.stages} stages x SP {p.sp_degree} on {dist.get_world_size()} "
+                f"ranks{many}, but Megatron-LM runs one pipeline whose SP degree is a stage's data-parallel size, "
+                f"{dp}; pipeline replicas run under `megatron-ext train --sp`")
+
+
 def elastic_forward_backward(*, forward_step_func=None, data_iterator, model, num_microbatches=None,
                              seq_length=None, micro_batch_size=None, forward_only=False, **kwargs):
     """Megatron's forward_backward_func for --elastic-pp (same keywords). Consumes one ``Step``
@@ -266,6 +282,7 @@ def elastic_forward_backward(*, forward_step_func=None, data_iterator, model, nu
 
     step = _planned_step(data_iterator, "--elastic-pp")
     chunk = _one_model_chunk(model, "--elastic-pp")
+    _one_replica(step.plan)
     _sync()
     start = time.perf_counter()
     losses, stats = forward_backward_elastic(step.plan, step.batch, chunk, pad_id=STATE.pad_id,

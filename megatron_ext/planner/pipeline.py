@@ -518,14 +518,14 @@ def _chunking_note(b: BuiltPipeline) -> str:
 
 
 def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOptions, start: float,
-                  budget: float, first: int = 0) -> list[BuiltPipeline]:
+                  budget: float) -> list[BuiltPipeline]:
     """One replica's pipelines (run one after another), planned in ``budget`` seconds from
     ``start``: one pipeline, or the sequences grouped into up to ``max_pipelines``; then the ILP's
-    recompute on the winner. ``first``: the plan's index of its first pipeline (for messages)."""
+    recompute on the winner."""
     candidates: list[tuple[float, list[BuiltPipeline], list[np.ndarray]]] = []
     err = None
     try:
-        one = plan_group(ids, lengths, pc, opts, start + 0.4 * budget, f"pipeline {first}")
+        one = plan_group(ids, lengths, pc, opts, start + 0.4 * budget, "pipeline 0")
         candidates.append((one.makespan_ms, [one], [ids]))
     except InfeasibleError as e:
         err = e
@@ -550,7 +550,7 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
                 for i, g in enumerate(groups):
                     frac = (gi + (i + 1) / len(groups)) / len(groupings)
                     built.append(plan_group(g, lengths, pc, opts, start + budget * (0.4 + 0.3 * frac),
-                                            f"pipeline {first + i}"))
+                                            f"pipeline {i}"))
                 candidates.append((sum(b.makespan_ms for b in built), built, groups))
             except InfeasibleError as e:
                 err = err or e
@@ -575,13 +575,54 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
                 if j == 0:
                     b.status += " (no time left for the ILP)"
                 break
-            nb = build_pipeline(b.pieces, pc, opts.recompute, tied, left - b.build_s, f"pipeline {first + i}",
+            nb = build_pipeline(b.pieces, pc, opts.recompute, tied, left - b.build_s, f"pipeline {i}",
                                 order=b.order)
             nb.slices, nb.ramp = b.slices, b.ramp
             if nb.makespan_ms <= b.makespan_ms + 1e-9:
                 b = nb
         final.append(b)
     return final
+
+
+REBALANCE_AFTER = 0.8  # of the time limit: replicas are planned by then, the rest evens out their ends
+
+
+def _rebalance(parts: list[np.ndarray], plans: dict, lengths, pc: PipelineCost, opts: PipelineOptions,
+               deadline: float, rounds: int = 3) -> None:
+    """Even out the replicas' ends (in place): the replica holding the longest sequence tends to
+    finish last, as its slices run one after another. Move sequences (never the slowest replica's
+    longest) worth about half the gap from the slowest replica to the fastest, replan both, and
+    keep the move if the slower of the two now ends earlier; a few rounds, in the time left."""
+    def end(r: int) -> float:
+        return sum(b.makespan_ms for b in plans[r]) if r in plans else 0.0
+
+    for _ in range(rounds):
+        ends = {r: end(r) for r in range(len(parts))}
+        slow, fast = max(ends, key=ends.get), min(ends, key=ends.get)
+        took = sum(b.build_s for r in (slow, fast) if r in plans for b in plans[r])
+        if ends[slow] <= ends[fast] * 1.02 or deadline - time.perf_counter() < 4 * took:
+            return
+        cand = parts[slow][np.argsort(-pc.prefix_ms(lengths[parts[slow]]), kind="stable")][1:]
+        room, moved = (ends[slow] - ends[fast]) / 2, []
+        for i in cand:
+            w = float(pc.prefix_ms(lengths[i]))
+            if w <= room:
+                moved.append(int(i))
+                room -= w
+        if not moved:
+            return
+        new_slow = np.setdiff1d(parts[slow], moved)
+        new_fast = np.union1d(parts[fast], moved)
+        now = time.perf_counter()
+        window = (deadline - now) / 2
+        try:
+            a = _plan_replica(new_slow, lengths, pc, opts, now, window)
+            b = _plan_replica(new_fast, lengths, pc, opts, time.perf_counter(), window)
+        except InfeasibleError:
+            return
+        if max(sum(x.makespan_ms for x in a), sum(x.makespan_ms for x in b)) >= ends[slow] - 1e-9:
+            return
+        parts[slow], parts[fast], plans[slow], plans[fast] = new_slow, new_fast, a, b
 
 
 def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | None = None,
@@ -596,15 +637,20 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     pc = pipeline_cost(cost, pp if pp is not None else opts.pp, sp if sp is not None else opts.sp, opts)
     check_sequences(ids, lengths, pc, opts.granularity)
     parts = split_replicas(ids, lengths, pc, pc.replicas)
-    pipes, final = [], []
+    # with replicas, part of the time is kept to even out their ends (_rebalance)
+    first_end = start + opts.time_limit * (REBALANCE_AFTER if pc.replicas > 1 else 1.0)
+    plans: dict[int, list[BuiltPipeline]] = {}
     for r, part in enumerate(parts):
-        if not part.size:
-            continue
-        now = time.perf_counter()  # what is left, shared by the replicas still to plan
-        window = max(0.0, start + opts.time_limit - now) / sum(1 for q in parts[r:] if q.size)
-        built = _plan_replica(part, lengths, pc, opts, now, window, len(pipes))
-        pipes += [b.to_pipeline(pc, r) for b in built]
-        final += built
+        if part.size:
+            now = time.perf_counter()  # what is left, shared by the replicas still to plan
+            window = max(0.0, first_end - now) / sum(1 for q in parts[r:] if q.size)
+            plans[r] = _plan_replica(part, lengths, pc, opts, now, window)
+    if pc.replicas > 1:
+        _rebalance(parts, plans, lengths, pc, opts, start + opts.time_limit)
+    pipes, final = [], []
+    for r in sorted(plans):
+        pipes += [b.to_pipeline(pc, r) for b in plans[r]]
+        final += plans[r]
     rec_note = "; ".join(sorted({b.status for b in final}))
     n = sum(b.table.n for b in final)
     reps = f" over {pc.replicas} replicas" if pc.replicas > 1 else ""

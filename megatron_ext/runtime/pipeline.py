@@ -224,8 +224,8 @@ def build_schedule(pipeline: Pipeline, lengths: Sequence[int], *, stages: Option
     if stages is not None and P != stages:
         raise InvalidPlanError(f"{where}: the plan has {P} stages, the runtime runs {stages}")
     if sp_degree is not None and pipeline.sp_degree != sp_degree:
-        raise InvalidPlanError(f"{where}: the plan's SP degree is {pipeline.sp_degree}, a stage of the runtime has "
-                               f"{sp_degree} ranks")
+        raise InvalidPlanError(f"{where}: the plan's SP degree is {pipeline.sp_degree}, the runtime's is {sp_degree} "
+                               f"(every pipeline of a plan runs at one degree)")
     if not pipeline.chunks:
         raise InvalidPlanError(f"{where}: has no chunks")
     chunks = chunk_layouts(pipeline, lengths, layers_per_stage, where)
@@ -457,8 +457,8 @@ def recompute_layers(model, n: int):
 
 @dataclass
 class PipelineStepStats:
-    """Wall time of this rank's ops (seconds), in execution order: ("F3", 0.012), ... (with more
-    than one pipeline in the plan: ("F3 of pipeline 1", ...), as the simulator names them)."""
+    """Wall time of this rank's ops (seconds), in execution order: ("F3", 0.012), ... (when the rank's
+    replica runs more than one pipeline: ("F3 of pipeline 1", ...), as the simulator names them)."""
 
     ops: list[tuple[str, float]] = field(default_factory=list)
     replica: int = 0  # the rank's pipeline replica (its stats are row replica x stages + stage of a simulation)
@@ -552,6 +552,7 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
     from megatron.core.pipeline_parallel.schedules import backward_step, deallocate_output_tensor, forward_step
     from megatron.core.utils import get_model_config, get_model_type
 
+    from megatron_ext.plan.pipelines import replica_groups
     from megatron_ext.runtime.slices import PrefixKVCache
 
     config = get_model_config(model)
@@ -564,10 +565,18 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
     if schedules is None:
         schedules = build_schedules(plan, lengths, st.P, st.sp, block.num_layers_per_pipeline_rank,
                                     forward_only=forward_only)
-    several = len(schedules) > 1
     # this rank's replica's pipelines (by their index in the plan); a replica may have none and
     # then only takes part in the gradient reduction
-    schedules = [(i, s) for i, s in enumerate(schedules) if plan.pipelines[i].replica == st.replica]
+    replicas = replica_groups(plan, dist.get_world_size())
+    if not forward_only and not all(replicas) and getattr(getattr(model, "ddp_config", None),
+                                                          "overlap_grad_reduce", False):
+        # (megatron's overlapped reduce starts a bucket when its grads are ready: an idle rank has none)
+        idle = [r for r, g in enumerate(replicas) if not g]
+        raise InvalidPlanError(f"replica{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} of the plan "
+                               f"run{'' if len(idle) > 1 else 's'} no pipeline: not supported with DDP's "
+                               f"overlap_grad_reduce")
+    schedules = [(i, schedules[i]) for i in replicas[st.replica]]
+    several = len(schedules) > 1  # the simulator names ops by pipeline only then
     step_func = forward_step_func or chunk_forward_step
     dtype = config.pipeline_dtype or config.params_dtype
     hidden = config.hidden_size

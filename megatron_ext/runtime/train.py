@@ -112,7 +112,7 @@ def check_args(args, cost: CostModel, world: int) -> bool:
         raise ConfigError(f"unknown planner {args.planner!r}; choose one of {', '.join([*PLANNERS, *PP_PLANNERS])}")
     if args.pp > 1 and not pipelined:
         raise ConfigError(f"--pp {args.pp} needs a pipeline planner ({runnable}), not {args.planner}")
-    if world % args.pp or cost.model.num_layers % args.pp:
+    if args.pp < 1 or world % args.pp or cost.model.num_layers % args.pp:
         raise ConfigError(f"--pp {args.pp} must divide the {world} ranks and the {cost.model.num_layers} layers")
     if args.sp is not None and not pipelined:
         raise ConfigError(f"--sp applies only to pipeline planners ({runnable}); {args.planner} chooses its SP "
@@ -243,7 +243,7 @@ def _stage_report(ranks: list, step, cost: CostModel) -> dict:
     plan: activation peak (MB per rank), forward and backward time (s, recompute included), p2p
     wait, and every operation's measured and predicted seconds, in the stage's order. With
     replicas a "stage" is one replica's stage, replica-major (the simulator's rows)."""
-    from megatron_ext.cost.pipeline import PipelineCost
+    from megatron_ext.plan.pipelines import replica_groups
     from megatron_ext.sim import simulate
 
     pipe = step.plan.pipelines[0]
@@ -251,11 +251,13 @@ def _stage_report(ranks: list, step, cost: CostModel) -> dict:
     states = pc.model_states_mb
     sim = simulate(step.plan, step.lengths, cost)
     predicted: dict[tuple[int, str], float] = {}
-    several = len(step.plan.pipelines) > 1
+    # ops are named by pipeline when their replica runs more than one (the runtime's and simulator's names)
+    several = [len(g) > 1 for g in replica_groups(step.plan, cost.num_gpus)]
     for e in sim.events:  # a backward's recompute ("R") counts toward the backward
         if e.kind in ("F", "B", "R"):
             pi, cid = e.label.split(":", 1)  # "p<pipeline>:<chunk>"
-            key = (e.where, ("B" if e.kind == "R" else e.kind) + cid + (f" of pipeline {pi[1:]}" if several else ""))
+            name = ("B" if e.kind == "R" else e.kind) + cid
+            key = (e.where, name + (f" of pipeline {pi[1:]}" if several[e.where // pipe.stages] else ""))
             predicted[key] = predicted.get(key, 0.0) + e.end_s - e.start_s
     P = len(sim.peak_memory_mb)  # replicas x stages
     peak, fwd, bwd, wait = [0.0] * P, [0.0] * P, [0.0] * P, [0.0] * P

@@ -8,8 +8,8 @@ equal the uncut sequences run by megatron's stock GPTModel, one sequence at a ti
 Part 2 (pp=2 x dp=2, then pp=4 x dp=1): elastic pipelines through ``forward_backward_elastic``
 with megatron DDP and finalize_model_grads: split, batched and hybrid chunks, several pipelines,
 planner-made plans with recompute, orders that differ per stage, refused plans, and replicas side
-by side (pp=2 x SP 1 and pp=1 x SP 2 on 4 ranks, one replica idle). Each must give the loss and
-gradients of one process running the uncut sequences.
+by side (pp=2 x SP 1 and pp=1 x SP 2 on 4 ranks, hand-made and planned, one replica idle). Each must
+give the loss and gradients of one process running the uncut sequences.
 """
 from __future__ import annotations
 
@@ -557,18 +557,65 @@ def _sp_groups():
 def pipeline_replicas_pp2_sp1_match_reference():
     # 2 stages x SP 1 on 4 ranks: two replicas side by side, each its own sequences; replica 1
     # runs two pipelines one after another
+    from megatron.core import parallel_state as ps
+
     _init_pipeline(2)
+    # megatron's rank order (tp-cp-ep-dp-pp): a stage's data-parallel ranks are contiguous, and
+    # the pipeline neighbours of a rank hold its data-parallel index, i.e. are in its replica
+    dp_rank, stage = ps.get_data_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    assert dist.get_process_group_ranks(ps.get_data_parallel_group()) == [2 * stage, 2 * stage + 1]
+    pp_dp = [None] * 2
+    dist.all_gather_object(pp_dp, dp_rank, group=ps.get_pipeline_model_parallel_group())
+    assert pp_dp == [dp_rank, dp_rank], pp_dp
     lengths = [60, 25, 9, 40, 14, 31]
     r0 = _pipeline([[(0, 0, 35)], [(0, 35, 60), (2, 0, 9)]], 2, 1, recompute=[[1, 0], None])
     r1a = _pipeline([[(1, 0, 25)], [(3, 0, 22)], [(3, 22, 40), (4, 0, 14)]], 2, 1)
     r1b = _pipeline([[(5, 0, 31)]], 2, 1)
     r1a.replica = r1b.replica = 1
     stats = run_pipeline_plan(_plan([r0, r1a, r1b]), lengths, seed=90, what="2 replicas of 2 stages")
-    mine = {op.split(" of ")[1] for op, _ in stats.ops}
-    assert mine == ({"pipeline 0"} if stats.replica == 0 else {"pipeline 1", "pipeline 2"}), mine
-    # replica 1 with nothing to run still reduces its (zero) gradients with replica 0's
+    assert stats.replica == dp_rank
+    # ops named as the simulator names them: by pipeline only where the replica runs several
+    want = {"F0", "B0", "F1", "B1"} if stats.replica == 0 else \
+        {f"{k}{c} of pipeline 1" for k in "FB" for c in range(3)} | {"F0 of pipeline 2", "B0 of pipeline 2"}
+    assert {op for op, _ in stats.ops} == want, stats.ops
+
+
+@check
+def pipeline_replicas_an_idle_replica_reduces_and_does_not_hang():
+    # fewer sequences than replicas: replica 1 has no pipeline, runs nothing, and still reduces
+    # its (zero) gradients and token count with replica 0's
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_ext.errors import InvalidPlanError
+    from megatron_ext.runtime.pipeline import build_pipeline_model, forward_backward_elastic
+
+    _init_pipeline(2)
     alone = _pipeline([[(0, 0, 35)], [(0, 35, 60), (1, 0, 9)]], 2, 1, recompute=[[1, 0], None])
-    run_pipeline_plan(_plan([alone]), [60, 9], seed=91, what="an idle replica")
+    stats = run_pipeline_plan(_plan([alone]), [60, 9], seed=91, what="an idle replica")
+    assert (stats.ops == []) == (stats.replica == 1), stats
+    # megatron's overlapped grad reduce starts each bucket from its grads' hooks, which an idle
+    # rank never fires: refused on every rank before anything runs
+    module, config = build_pipeline_model(_spec(), VOCAB, 1024, backend="sdpa", ddp=False)
+    overlapped = DistributedDataParallel(
+        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True), module)
+    import pytest
+    with pytest.raises(InvalidPlanError, match="replica 1 of the plan runs no pipeline: not supported with"):
+        forward_backward_elastic(_plan([alone]), _batch([60, 9], 91), overlapped)
+    forward_backward_elastic(_plan([alone]), _batch([60, 9], 91), overlapped, forward_only=True)
+
+
+@check
+def pipeline_replicas_refused_by_the_megatron_lm_step():
+    # Megatron-LM's --elastic-pp runs one pipeline of SP = a stage's data-parallel size (2 here)
+    import pytest
+
+    from megatron_ext.errors import InvalidPlanError
+    from megatron_ext.megatron.step import _one_replica
+
+    _init_pipeline(2)
+    _one_replica(_plan([_pipeline([[(0, 0, 9)]], 2, 2)]))
+    with pytest.raises(InvalidPlanError, match=r"layout is 2 stages x SP 1 on 4 ranks \(2 replicas side by side\)"):
+        _one_replica(_plan([_pipeline([[(0, 0, 9)]], 2, 1)]))
 
 
 @check

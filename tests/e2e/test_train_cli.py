@@ -124,3 +124,29 @@ def test_bad_option_is_one_line_error():
 def test_bad_pipeline_layout_is_refused_before_launching(argv, match):
     done = subprocess.run([*CLI, "train", "--steps", "1", *argv], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stderr.startswith("megatron-ext: error: ") and match in done.stderr
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--pp", "0"], "--pp 0 must divide the 4 ranks and the 2 layers"),
+    (["--pp", "2", "--sp", "4"], "pp 2 x sp 4 = 8 GPUs does not divide the 4 GPUs of cpu-4"),
+    (["--pp", "2", "--sp", "0"], "SP degree 0 is not allowed for tiny on cpu-4"),
+])
+def test_check_args_refuses_layouts_the_ranks_cannot_hold(argv, match):
+    from megatron_ext.cost import CostModel
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.runtime.train import build_parser, check_args
+
+    args = build_parser().parse_args(["--planner", "elastic_pp", "--max-seq-len", "2048", *argv])
+    with pytest.raises(ConfigError, match=match):
+        check_args(args, CostModel.from_presets("tiny", "cpu-4"), 4)
+
+
+def test_check_args_runs_replicas_when_sp_is_below_ranks_per_stage():
+    from megatron_ext.cost import CostModel
+    from megatron_ext.runtime.train import build_parser, check_args, stage_sp
+
+    cost = CostModel.from_presets("tiny", "cpu-4")
+    for argv, sp in ((["--pp", "2"], 2), (["--pp", "2", "--sp", "1"], 1), (["--sp", "2"], 2)):
+        args = build_parser().parse_args(["--planner", "elastic_pp", "--max-seq-len", "2048", *argv])
+        assert check_args(args, cost, 4) and stage_sp(args, cost) == sp
+

@@ -134,3 +134,23 @@ def test_one_of_pp_and_sp_gives_the_other_the_most_the_gpus_allow():
         plan_auto(lengths, COST, pp=1, sp=8)
     plan = plan_elastic_pp(np.array([50_000, 40_000, 3000, 2000]), COST, 2, 8)
     assert "; pipeline 0: " in plan.solver_status and "; pipeline 1: " in plan.solver_status
+
+
+def test_rebalancing_moves_work_from_the_slowest_replica_to_the_fastest():
+    import time
+
+    from megatron_ext.planner.pipeline import _plan_replica, _rebalance, pipeline_options
+
+    opts = pipeline_options(None, {"time_limit": 5.0})
+    pc = PipelineCost(COST, 2, 8)
+    lengths = np.array([80_000] + [6000] * 30 + [3000] * 4)
+    parts = [np.arange(31), np.arange(31, 35)]  # a lopsided share: replica 0 has nearly everything
+    plans = {r: _plan_replica(p, lengths, pc, opts, time.perf_counter(), 2.0) for r, p in enumerate(parts)}
+    before = max(sum(b.makespan_ms for b in plans[r]) for r in plans)
+    _rebalance(parts, plans, lengths, pc, opts, time.perf_counter() + 20.0)
+    after = [sum(b.makespan_ms for b in plans[r]) for r in sorted(plans)]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(35))  # every sequence, once
+    assert 0 in parts[0]  # the slow replica keeps its longest sequence
+    assert max(after) < 0.8 * before and len(parts[1]) > 4
+    for r in plans:  # each replica's plan covers exactly its sequences
+        assert sorted({x[0] for b in plans[r] for c in b.pieces for x in c}) == sorted(parts[r].tolist())
