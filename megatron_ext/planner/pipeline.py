@@ -1,6 +1,9 @@
 """Elastic pipeline parallelism (InfiniPipe, PAPERS.md section 2): the elastic_pp planner.
 
-``plan_elastic_pp(lengths, cost, pp, sp)``:
+``plan_elastic_pp(lengths, cost, pp, sp)``; with pp x sp below the GPU count, the sequences are
+first shared out over GPUs / (pp x sp) replicas side by side (grouping.split_replicas), each
+planned as below in a share of the time limit, and the replicas' ends are evened out in the time
+left (``_rebalance``):
 0. Feasibility (planner/sequence_limits.py): each of the longest sequences must fit alone at
    the finest slicing (every layer recomputed); otherwise the error says how long a sequence may
    be and what else to change.
@@ -33,9 +36,9 @@
    default, both: the faster simulated plan wins (``ties``).
 5. The plan is validated and simulated; the simulator's step time is the estimate.
 
-Time limit (``time_limit``, the whole step's planning): every stage past the first feasible
-candidate yields to it -- the chunk search at 0.4 of it, the groupings at 0.7 (not started
-later), the ILP when none is left (the search's greedy recompute stands, noted in the status).
+Time limit (``time_limit``, the whole step's planning; with replicas, each replica's share of its
+first ``REBALANCE_AFTER``): every stage past the first feasible candidate yields to it -- the
+chunk search at 0.4 of it, the groupings at 0.7 (not started later), the ILP when none is left (the search's greedy recompute stands, noted in the status).
 A pipeline with nothing feasible yet at its deadline goes straight to the safest chunkings
 (the capped slices, then finer) and keeps trying until something fits.
 
