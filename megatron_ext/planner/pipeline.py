@@ -38,9 +38,10 @@ left (``_rebalance``):
 
 Time limit (``time_limit``, the whole step's planning; with replicas, each replica's share of its
 first ``REBALANCE_AFTER``): every stage past the first feasible candidate yields to it -- the
-chunk search at 0.4 of it, the groupings at 0.7 (not started later), the ILP when none is left (the search's greedy recompute stands, noted in the status).
-A pipeline with nothing feasible yet at its deadline goes straight to the safest chunkings
-(the capped slices, then finer) and keeps trying until something fits.
+chunk search at 0.4 of it, the groupings at 0.7 (not started later), the ILP when none is left
+(the search's greedy recompute stands, noted in the status). A pipeline with nothing feasible yet
+at its deadline goes straight to the safest chunkings (the capped slices, then finer) and keeps
+trying until something fits.
 
 The pipeline baselines (batch 1F1B, Seq1F1B) are in planner/pipeline_baselines.py, the ``auto``
 planner in planner/auto.py and the entry point of every pipeline planner in
