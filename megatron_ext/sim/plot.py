@@ -4,16 +4,17 @@ Two layers, so the drawing can be tested without looking at pixels:
 
 - ``plot_data(plan, lengths, cost)`` simulates the plan and turns it into plain data: the boxes
   of the timeline (``Box``: row, height, start, end, kind, colour key, label), the memory curves
-  and the title. Elastic pipelines: one row per stage; a forward (``F``) and a backward (``B``) box
-  per chunk and stage, and a recompute box (``R``) at the start of a backward that re-runs layers.
+  and the title. Elastic pipelines: one row per stage (per replica and stage when data-parallel
+  replicas run side by side, each replica's rows a block); a forward (``F``) and a backward (``B``)
+  box per chunk and stage, and a recompute box (``R``) at the start of a backward that re-runs layers.
   FlexSP-kind plans: one row per GPU; one box (``G``) per SP group and micro-batch, spanning the
   group's GPUs for its time. ``PlotData.hist`` (``LengthHist``) puts every sequence of the batch
   in a power-of-two length bucket with the plan's choice for it: the degree of its SP group
   (FlexSP) or whole / cut into k slices (elastic pipelines).
 - ``draw(data, path)`` renders it with matplotlib (Agg backend, no display needed): the timeline
-  on top, the memory per GPU of each stage (or the max/mean over GPUs) below, in seconds and GB,
-  then the length histogram: per bucket, a bar of sequences and a hatched bar of the bucket's share
-  of the tokens, both stacked by choice (a few long sequences hold most of the tokens).
+  on top, the memory per GPU of each stage (or the max over replicas, the max/mean over GPUs) below,
+  in seconds and GB, then the length histogram: per bucket, a bar of sequences and a hatched bar of
+  the bucket's share of the tokens, both stacked by choice (a few long sequences hold most of them).
 
 ``plot_plan`` does both; ``plot_comparison`` adds a bar per planner (``megatron-ext simulate``).
 """
@@ -25,6 +26,7 @@ import numpy as np
 
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError
+from megatron_ext.plan.pipelines import replica_groups
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.sim.simulator import SimResult, simulate
 
@@ -99,16 +101,21 @@ class PlotData:
     row_labels: list[str]
     boxes: list[Box]
     memory: list[tuple[str, np.ndarray, np.ndarray]]  # (label, times s, GB)
+    memory_title: str
     budget_gb: float
     step_time_s: float
     bubble_ratio: float
     colors: dict  # key -> colour, for the boxes' keys
     # (text, colour or [forward shade, backward shade] for a two-tone swatch, hatch)
     legend: list[tuple[str, str | list, str]] = field(default_factory=list)
-    marks: list[tuple[float, str]] = field(default_factory=list)  # vertical lines: (time s, text)
+    # vertical lines: (time s, text, (first row, end row) it spans: a replica's pipeline marks only its rows)
+    marks: list[tuple[float, str, tuple[float, float]]] = field(default_factory=list)
     hist: LengthHist | None = None
     hatches: dict = field(default_factory=dict)  # key -> hatch, for split sequences past the colours
     separators: list[float] = field(default_factory=list)  # rows between side-by-side pipeline replicas
+    # per memory curve (colour slot, line style); empty: a slot each, solid
+    memory_styles: list[tuple[int, str]] = field(default_factory=list)
+    notes: list[tuple[float, str]] = field(default_factory=list)  # text across the timeline at a row (idle replica)
 
     def count(self, kind: str) -> int:
         return sum(1 for b in self.boxes if b.kind == kind)
@@ -230,7 +237,8 @@ def plot_data(plan: StepPlan, lengths, cost: CostModel, *, b1_scale: float = 1.0
 def _pipeline_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: SimResult) -> PlotData:
     P = plan.pipelines[0].stages
     sp = plan.pipelines[0].sp_degree
-    R = max(1, len(res.peak_memory_mb) // P)  # replicas side by side: rows r x P + p (the simulator's)
+    groups = replica_groups(plan, cost.num_gpus)
+    R = len(groups)  # replicas side by side: rows r x P + p (the simulator's)
     L_s = cost.model.num_layers // P
     keys, colors, hatches = _chunk_keys(plan, lengths)
     multi = len(plan.pipelines) > 1
@@ -252,19 +260,26 @@ def _pipeline_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: Si
     def where(r: int, p: int) -> str:
         return f"replica {r}, stage {p}" if R > 1 else f"stage {p}"
 
-    if R <= 2:
+    # two replicas of up to 2 stages: every (replica, stage) curve, a stage's colour shared and the replica told by
+    # solid / dashed, so a stage's two curves read as a pair; more: a curve per stage, of its highest replica (what
+    # the budget is about; the timeline shows which replica runs what) -- 8 crossing curves tangle
+    if R == 1 or (R == 2 and P <= 2):
         memory = [(where(*divmod(i, P)), np.array([t for t, _ in pts]), np.array([v for _, v in pts]) / 1024)
                   for i, pts in enumerate(res.memory)]
-    else:  # a line per replica and stage would tangle: each stage's highest replica
+        styles = [(p, "-" if r == 0 else "--") for r in range(R) for p in range(P)]
+        memory_title = "memory per GPU of each replica and stage" if R > 1 else "memory per GPU of each stage"
+    else:
         memory = [m for p in range(P)
                   for m in _aggregate_memory(res.memory[p::P], ((f"stage {p}, max over {R} replicas", np.max),))]
+        styles = []
+        memory_title = f"memory per GPU of each stage, the highest of its {R} replicas at each time"
     split = sorted((k for k in colors if k is not None), key=lambda s: (-int(lengths[s]), s))
     slices = {s: sum(1 for k in keys.values() if k == s) for s in split}
     packed = sum(1 for k in keys.values() if k is None)
     if split:
+        whole = f", {packed} {'holds' if packed == 1 else 'hold'} only whole sequences (grey)" if packed else ""
         detail = (f"{n_chunks} chunks: {sum(slices.values())} hold a piece of {_plural(len(split), 'sequence')} cut "
-                  f"across chunks (coloured), {packed} {'holds' if packed == 1 else 'hold'} only whole sequences "
-                  f"(grey); each chunk runs forward (F) then backward (B) on every stage")
+                  f"across chunks (coloured){whole}; each chunk runs forward (F) then backward (B) on every stage")
     else:
         detail = (f"{_plural(n_chunks, 'chunk')} of whole sequences; each chunk runs forward (F) then backward (B) "
                   f"on every stage")
@@ -280,24 +295,22 @@ def _pipeline_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: Si
                        [_lighten(colors[s]), colors[s]], hatches[s]))
     if len(split) > 8:
         repeat = " (colours repeat)" if len(split) > len(SEQ_COLORS) * len(SEQ_HATCHES) else ""
-        legend.append((f"... {len(split) - 8} more cut sequences{repeat}", "white", ""))
+        legend.append((f"... {_plural(len(split) - 8, 'more cut sequence')}{repeat}", "white", ""))
     marks = []
-    seen: set[int] = set()
-    for i, pipe in enumerate(plan.pipelines):  # where each later pipeline of a replica starts
-        if pipe.replica in seen:  # (its first forward on the replica's first stage)
-            starts = [b.start_s for b in boxes if b.row == pipe.replica * P and b.kind == "F"
-                      and b.label.startswith(f"F{i}.")]
+    for r, pipes in enumerate(groups):  # where each later pipeline of a replica starts, over the replica's rows
+        for i in pipes[1:]:  # (its first forward on the replica's first stage)
+            starts = [b.start_s for b in boxes if b.row == r * P and b.label.startswith(f"F{i}.")]
             if starts:
-                marks.append((min(starts), f"pipeline {i}"))
-        seen.add(pipe.replica)
+                marks.append((min(starts), f"pipeline {i}", (r * P, (r + 1) * P)))
     marks.sort()
     layers = [f"layers {p * L_s}-{(p + 1) * L_s - 1}" if L_s > 1 else f"layer {p}" for p in range(P)]
-    # past 8 rows two-line labels overlap: one short line each ("r1 s3")
-    labels = ([f"{where(r, p)}\n{layers[p]}" for r in range(R) for p in range(P)] if R * P <= 8 else
+    # past 16 rows (draw's tallest timeline) two-line labels overlap: one short line each ("r1 s3")
+    labels = ([f"{where(r, p)}\n{layers[p]}" for r in range(R) for p in range(P)] if R * P <= 16 else
               [f"r{r} s{p}" if R > 1 else f"stage {p}" for r in range(R) for p in range(P)])
+    idle = [((r + 0.5) * P, f"replica {r} idle: no sequence to run") for r, pipes in enumerate(groups) if not pipes]
     return PlotData("elastic_pp", _title(plan, cost, lengths, layout, res, detail), R * P, labels, boxes, memory,
-                    res.budget_mb / 1024, res.step_time_s, res.bubble_ratio, colors, legend, marks,
-                    _slices_hist(plan, lengths), hatches, [float(r * P) for r in range(1, R)])
+                    memory_title, res.budget_mb / 1024, res.step_time_s, res.bubble_ratio, colors, legend, marks,
+                    _slices_hist(plan, lengths), hatches, [float(r * P) for r in range(1, R)], styles, idle)
 
 
 def _slices_hist(plan: StepPlan, lengths: np.ndarray) -> LengthHist:
@@ -340,7 +353,7 @@ def _flexsp_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: SimR
     degree_of = np.zeros(len(lengths), dtype=np.int64)  # per sequence: its group's degree (0: dropped)
     for m, mb in enumerate(plan.micro_batches):
         span = 0.0
-        marks.append((t, f"micro-batch {m}"))
+        marks.append((t, f"micro-batch {m}", (0, cost.num_gpus)))
         for g in mb.groups:
             d = len(g.ranks)
             ms = cost.group_time_ms(lengths[g.seq_ids], d) / 1e3
@@ -361,7 +374,8 @@ def _flexsp_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: SimR
     hist = _length_hist(plan, lengths, degree_of, {d: (f"degree {d}", colors[d]) for d in degrees},
                         "the degree of the SP group each ran in")
     return PlotData("flexsp", _title(plan, cost, lengths, layout, res, detail), n, [f"GPU {r}" for r in range(n)], boxes,
-                    memory, res.budget_mb / 1024, res.step_time_s, res.bubble_ratio, colors, legend, marks, hist)
+                    memory, "memory per GPU over the GPUs", res.budget_mb / 1024, res.step_time_s, res.bubble_ratio,
+                    colors, legend, marks, hist)
 
 
 # ---- drawing ---------------------------------------------------------------------------------
@@ -409,12 +423,12 @@ def _draw_timeline(ax, data: PlotData, fig_width_px: float):
                         color="white" if 0.299 * r + 0.587 * g + 0.114 * bl < 0.5 else "black")
         labels.append((label, box, [(b.label, 7), (b.label.lstrip("FB"), 6)]))
     if data.marks:  # named above the plot (the time ticks are below); just the number where crowded
-        times = [t for t, _ in data.marks]
+        times = [t for t, _, _ in data.marks]
         ends = times[1:] + [span * 1.01]
         names = [text if fits(text, 7, (end - t) * px_per_s) else text.split()[-1]
-                 for (t, text), end in zip(data.marks, ends)]
-        for t in times:
-            ax.axvline(t, color="black", linewidth=0.8, linestyle=":")
+                 for (t, text, _), end in zip(data.marks, ends)]
+        for t, _, (first, end) in data.marks:  # rows grow downwards: row 0 is the axes' top (1)
+            ax.axvline(t, 1 - end / data.rows, 1 - first / data.rows, color="black", linewidth=0.8, linestyle=":")
         top = ax.secondary_xaxis("top")
         top.set_xticks(times, names, fontsize=7, ha="left")
         top.tick_params(length=3, pad=1)
@@ -423,11 +437,18 @@ def _draw_timeline(ax, data: PlotData, fig_width_px: float):
     if data.kind == "elastic_pp":
         ax.set_yticks(np.arange(data.rows) + 0.5)
         ax.set_yticklabels(data.row_labels, fontsize=8 if data.rows <= 8 else 7)
-        ax.set_ylabel("pipeline stage (each a Ulysses group)" if not data.separators
-                      else "replica and stage (each stage a Ulysses group)"
-                      if data.rows <= 8 else "replica r, stage s (each stage a Ulysses group)")
-        for y in data.separators:  # replicas run side by side on their own GPUs
+        # two lines with replicas: one would overrun a timeline of 4 rows
+        ax.set_ylabel("pipeline stage (each a Ulysses group)" if not data.separators else
+                      f"{'replica, stage' if data.rows <= 16 else 'replica r, stage s'}\n(each stage a Ulysses group)")
+        # replicas run side by side on their own GPUs: a line between them, every other one shaded, so a
+        # replica's rows read as a block
+        edges = [0.0] + data.separators + [float(data.rows)]
+        for first, end in list(zip(edges, edges[1:]))[1::2]:
+            ax.axhspan(first, end, color="#eef2f7", zorder=0)
+        for y in data.separators:
             ax.axhline(y, color="black", linewidth=1.2)
+        for y, text in data.notes:
+            ax.text(span / 2, y, text, ha="center", va="center", fontsize=9, color="#555555")
     else:
         step = max(1, data.rows // 16)
         ticks = np.arange(0, data.rows, step)
@@ -470,9 +491,11 @@ def _draw_memory(ax, data: PlotData) -> None:
 
     cmap = matplotlib.colormaps["viridis"]
     unit, f = ("GB", 1.0) if data.budget_gb >= 2 else ("MB", 1024.0)  # tiny (CPU) clusters in MB
-    n = len(data.memory)
-    for i, (label, t, gb) in enumerate(data.memory):
-        ax.plot(t, gb * f, label=label, color=cmap(i / max(1, n - 1) * 0.85), linewidth=1.1, zorder=3)
+    styles = data.memory_styles or [(i, "-") for i in range(len(data.memory))]
+    slots = max((k for k, _ in styles), default=0) + 1
+    for (label, t, gb), (k, line) in zip(data.memory, styles):
+        ax.plot(t, gb * f, label=label, color=cmap(k / max(1, slots - 1) * 0.85), linestyle=line, linewidth=1.1,
+                zorder=3)
     # a wide pale band behind the curves: a peak right at the budget stays visible on it
     ax.axhline(data.budget_gb * f, color="#d62728", alpha=0.35, linestyle="--", linewidth=3.5, zorder=2,
                label=f"budget {data.budget_gb * f:.1f} {unit}")  # as precise as the title's peak
@@ -481,8 +504,7 @@ def _draw_memory(ax, data: PlotData) -> None:
     ax.set_ylim(0, top * 1.08)
     ax.set_xlabel("time (s)")
     ax.set_ylabel(f"memory per GPU ({unit})")
-    what = "of each stage" if data.kind == "elastic_pp" else "over the GPUs"
-    ax.set_title(f"memory per GPU {what}: model states + activations held between forward and backward",
+    ax.set_title(f"{data.memory_title}: model states + activations held between forward and backward",
                  fontsize=9, loc="left")
     ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
     ax.grid(axis="y", linewidth=0.3, alpha=0.6)
@@ -533,7 +555,8 @@ def draw(data: PlotData, path=None, *, extra=None):
     """Render ``data`` (timeline, memory, the length histogram; ``extra(ax)`` draws a last panel) to
     ``path``; returns the figure."""
     plt = _pyplot()
-    rows_h = (3.2 if data.rows <= 4 else min(6.4, 0.6 * data.rows)) if data.kind == "elastic_pp" else 4.2
+    # pipelines: rows tall enough for two-line labels up to 16 rows, one line past that
+    rows_h = (3.2 if data.rows <= 4 else min(8.0, 0.6 * data.rows)) if data.kind == "elastic_pp" else 4.2
     panels = [(rows_h, lambda ax: _draw_timeline(ax, data, ax.figure.get_figwidth() * ax.figure.dpi)),
               (2.0, lambda ax: _draw_memory(ax, data))]
     if data.hist is not None:

@@ -227,7 +227,8 @@ def test_timeline_labels_do_not_collide():
     renderer = fig.canvas.get_renderer()
     ax = fig.axes[0]
     marks = [t.get_window_extent(renderer) for t in ax.child_axes[0].get_xticklabels()]
-    assert [t.get_text() for t in ax.child_axes[0].get_xticklabels()] == [m for _, m in flex.marks]
+    assert [t.get_text() for t in ax.child_axes[0].get_xticklabels()] == [m for _, m, _ in flex.marks]
+    assert {rows for _, _, rows in flex.marks} == {(0, COST.num_gpus)}  # a micro-batch spans every GPU
     ticks = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text()]
     assert not any(m.overlaps(t) for m in marks for t in ticks) and not _overlaps(marks)
     # a pipeline of many chunks: every forward and backward box wide enough gets a label, inside it
@@ -319,31 +320,69 @@ def test_plot_refuses_unknown_kinds():
         plot_data(StepPlan(kind="other", num_gpus=32), np.array([1]), COST, result=argparse.Namespace(events=[1]))
 
 
-def test_replicas_get_their_own_rows_and_separators(tmp_path):
+def _replicated(pp: int, sp: int):
     rng = np.random.default_rng(5)
     lengths = np.concatenate([rng.integers(20_000, 60_000, 3), rng.integers(100, 4000, 40)])
-    plan = plan_elastic_pp(lengths, COST, 2, 8)  # 2 replicas of 2 stages
-    data = plot_data(plan, lengths, COST)
+    plan = plan_elastic_pp(lengths, COST, pp, sp, time_limit=0.5)
+    return lengths, plan, plot_data(plan, lengths, COST)
+
+
+def test_replicas_get_their_own_rows_and_separators():
+    lengths, plan, data = _replicated(2, 8)  # 2 replicas of 2 stages
     assert data.rows == 4 and data.separators == [2.0]
-    assert [label.split("\n")[0] for label in data.row_labels] == [
-        "replica 0, stage 0", "replica 0, stage 1", "replica 1, stage 0", "replica 1, stage 1"]
+    names = ["replica 0, stage 0", "replica 0, stage 1", "replica 1, stage 0", "replica 1, stage 1"]
+    assert [label.split("\n")[0] for label in data.row_labels] == names
     assert data.row_labels[3].endswith("layers 20-39")
     # each replica's boxes on its own rows: the pipelines of replica r on rows 2r and 2r + 1
     for b in data.boxes:
         pipe = int(b.label[1:].split(".")[0])
         assert b.row // 2 == plan.pipelines[pipe].replica
-    assert "2 replicas x 2 stages x SP 8" in data.title
-    assert [name for name, _, _ in data.memory] == [r for r in (label.split("\n")[0] for label in data.row_labels)]
-    # four replicas: the memory panel keeps one line per stage, the highest replica's
-    plan4 = plan_elastic_pp(lengths, COST, 2, 4)
-    data4 = plot_data(plan4, lengths, COST)
+    assert "2 replicas x 2 stages x SP 8" in data.title and not data.notes
+    # memory: a curve per replica and stage, a stage's colour shared, replica 1 dashed
+    assert [name for name, _, _ in data.memory] == names
+    assert data.memory_styles == [(0, "-"), (1, "-"), (0, "--"), (1, "--")]
+    fig = draw(data)
+    timeline, memory = fig.axes[:2]
+    assert [t.get_text() for t in timeline.get_yticklabels()] == data.row_labels
+    assert timeline.get_ylabel().startswith("replica, stage")
+    assert [line.get_ydata()[0] for line in timeline.get_lines()] == [2.0]  # the separator
+    curves = {line.get_label(): line for line in memory.get_lines()}
+    for p in range(2):
+        solid, dashed = curves[f"replica 0, stage {p}"], curves[f"replica 1, stage {p}"]
+        assert solid.get_color() == dashed.get_color()
+        assert (solid.get_linestyle(), dashed.get_linestyle()) == ("-", "--")
+    assert curves["replica 0, stage 0"].get_color() != curves["replica 0, stage 1"].get_color()
+    assert memory.get_title(loc="left").startswith("memory per GPU of each replica and stage")
+    _pyplot().close(fig)
+
+
+def test_many_replicas_keep_a_memory_curve_per_stage():
+    lengths, plan4, data4 = _replicated(2, 4)  # 4 replicas of 2 stages
     assert data4.rows == 8 and data4.separators == [2.0, 4.0, 6.0]
+    assert data4.row_labels[5] == "replica 2, stage 1\nlayers 20-39"
     res = simulate(plan4, lengths, COST)
     assert [name for name, _, _ in data4.memory] == ["stage 0, max over 4 replicas", "stage 1, max over 4 replicas"]
     for p, (_, _, gb) in enumerate(data4.memory):
         assert gb.max() * 1024 == pytest.approx(max(res.peak_memory_mb[p::2]))
-    draw(data4, tmp_path / "r4.png")
-    assert (tmp_path / "r4.png").read_bytes().startswith(PNG)
+    assert "highest of its 4 replicas" in data4.memory_title
+
+
+def test_a_later_pipeline_of_a_replica_is_marked_on_its_rows_only():
+    pc = PipelineCost(COST, 2, 8)
+    lengths = np.array([9000, 5000, 7000])
+    # replica 0 runs sequence 0's pipeline, then sequence 1's; replica 1 sequence 2's
+    pipes = [build_pipeline([[(s, 0, int(lengths[s]))]], pc, "none").to_pipeline(pc, r)
+             for s, r in ((0, 0), (1, 0), (2, 1))]
+    data = plot_data(StepPlan(kind="elastic_pp", num_gpus=32, planner="test", pipelines=pipes), lengths, COST)
+    assert {b.label for b in data.boxes if b.row == 0} == {"F0.0", "B0.0", "F1.0", "B1.0"}
+    assert [(text, rows) for _, text, rows in data.marks] == [("pipeline 1", (0, 2))]
+    start = min(b.start_s for b in data.boxes if b.label == "F1.0" and b.row == 0)
+    assert data.marks[0][0] == start
+    fig = draw(data)
+    dotted = [line for line in fig.axes[0].get_lines() if line.get_linestyle() == ":"]
+    assert len(dotted) == 1 and list(dotted[0].get_xdata()) == [start] * 2
+    assert list(dotted[0].get_ydata()) == [0.5, 1.0]  # the top half: replica 0's two rows of four
+    _pyplot().close(fig)
 
 
 def test_an_idle_replica_still_draws(tmp_path):
@@ -351,5 +390,8 @@ def test_an_idle_replica_still_draws(tmp_path):
     plan = plan_elastic_pp(lengths, COST, 2, 8)  # one sequence: replica 1 has nothing to run
     data = plot_data(plan, lengths, COST)
     assert data.rows == 4 and all(b.row < 2 for b in data.boxes)
-    plot_plan(plan, lengths, COST, tmp_path / "idle.png")
+    assert data.notes == [(3.0, "replica 1 idle: no sequence to run")]
+    assert [name for name, _, _ in data.memory][2:] == ["replica 1, stage 0", "replica 1, stage 1"]
+    fig = draw(data, tmp_path / "idle.png")
     assert (tmp_path / "idle.png").read_bytes().startswith(PNG)
+    assert "replica 1 idle: no sequence to run" in {t.get_text() for t in fig.axes[0].texts}
