@@ -86,16 +86,16 @@ def report_table(records: list[dict]) -> str:
     lines.append(f"drift (last third - first third of the run): {f['drift']:+.1%}")
     if "stage_op_time_ratio" in f:
         S = f["stages"]
+        replicas = S != len(f["stage_op_time_ratio"])  # then each row is one replica's stage
 
         def row(p):
-            return f"stage {p}" if S == len(f["stage_op_time_ratio"]) else f"replica {p // S} stage {p % S}"
+            return f"replica {p // S} stage {p % S}" if replicas else f"stage {p}"
 
         lines.append("stage operations, measured / predicted time: "
                      + ", ".join(f"{row(p)} {x:.2f}x" for p, x in enumerate(f["stage_op_time_ratio"]) if x))
         lines.append("activation peak per stage, MB (measured / planned; room "
                      f"{f['activation_room_mb']:.1f}): "
-                     + ", ".join(f"{m:.1f} / {q:.1f}" if S == len(f["stage_op_time_ratio"]) else
-                                 f"{row(p)} {m:.1f} / {q:.1f}"
+                     + ", ".join((f"{row(p)} " if replicas else "") + f"{m:.1f} / {q:.1f}"
                                  for p, (m, q) in enumerate(zip(f["activation_peak_mb_per_stage"],
                                                                 f["planned_activation_mb_per_stage"])))
                      + ("; within the budget at every step" if not f["steps_over_memory_budget"] else

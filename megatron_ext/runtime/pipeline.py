@@ -497,14 +497,13 @@ class _Stage:
         self.sp = d if sp is None else int(sp)
         if self.sp < 1 or d % self.sp:
             raise InvalidPlanError(f"the plan's SP degree {self.sp} does not divide a stage's {d} data-parallel ranks")
-        self.replicas = d // self.sp
         self.replica = dp_rank // self.sp
-        if self.replicas == 1:
+        if self.sp == d:
             self.sp_group = dp if d > 1 else None
         elif self.sp == 1:  # every rank its own replica: no all-to-all
             self.sp_group = None
         elif sp_groups is None:
-            raise InvalidPlanError(f"a plan of SP degree {self.sp} on stages of {d} ranks runs {self.replicas} "
+            raise InvalidPlanError(f"a plan of SP degree {self.sp} on stages of {d} ranks runs {d // self.sp} "
                                    f"replicas: pass sp_groups (an SPGroupPool over the data-parallel groups)")
         else:
             self.sp_group = sp_groups.get(range(self.replica * self.sp, (self.replica + 1) * self.sp))

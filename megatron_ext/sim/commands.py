@@ -22,6 +22,7 @@ import numpy as np
 
 from megatron_ext.data.lengths import DISTRIBUTIONS, read_lengths
 from megatron_ext.errors import ConfigError, LengthsError
+from megatron_ext.plan.pipelines import replica_groups
 
 
 PLOT_FORMATS = (".png", ".pdf", ".svg")
@@ -85,8 +86,8 @@ def check_args(args, pipelines: bool) -> None:
         raise ConfigError(f"--plot {plot}: the file name must end in {', '.join(PLOT_FORMATS)}")
     given = [flag for name, flag in PIPELINE_ONLY.items() if getattr(args, name, None) is not None]
     if given and not pipelines:
-        raise ConfigError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to pipeline planners (elastic_pp, seq1f1b, batch_1f1b, "
-                          f"auto), not to {getattr(args, 'planner', None) or getattr(args, 'planners', '')}")
+        raise ConfigError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to pipeline planners "
+                          f"(elastic_pp, seq1f1b, batch_1f1b, auto), not to {getattr(args, 'planner', None) or getattr(args, 'planners', '')}")
 
 
 def pipeline_options_from_args(args):
@@ -117,8 +118,8 @@ def run_pp_plan(args, cost, lengths) -> int:
         print(plan.to_json(indent=1))
     else:
         res = simulate(plan, lengths, cost, b1_scale=opts.b1_scale, events=False)
-        print(f"{plan.planner} plan for {_count(len(lengths), 'sequence')} ({int(lengths.sum()):,} tokens) of {cost.model.name} "
-              f"on {cost.cluster.name} ({cost.num_gpus} GPUs)\n")
+        print(f"{plan.planner} plan for {_count(len(lengths), 'sequence')} ({int(lengths.sum()):,} tokens) of "
+              f"{cost.model.name} on {cost.cluster.name} ({cost.num_gpus} GPUs)\n")
         print(describe_plan(plan, lengths, res))
         if plan.pipelines:
             print("\n" + pipeline_tables(plan, lengths, cost, opts.b1_scale))
@@ -148,13 +149,6 @@ def _wrap(head: str, items: list[str], width: int = 100) -> list[str]:
     return lines + [line]
 
 
-def _replicas(plan) -> int:
-    """Pipeline replicas side by side in an elastic_pp plan (1 for any other)."""
-    if not plan.pipelines:
-        return 1
-    return plan.num_gpus // (plan.pipelines[0].stages * plan.pipelines[0].sp_degree)
-
-
 def pipeline_tables(plan, lengths, cost, b1_scale: float = 1.0, max_pieces: int = 4) -> str:
     """What each pipeline of a plan runs: its chunks (kind, tokens, average-stage time, pieces as
     ``seq[start:end)``), every stage's operation order and the recompute table (layers each stage
@@ -163,12 +157,13 @@ def pipeline_tables(plan, lengths, cost, b1_scale: float = 1.0, max_pieces: int 
     from megatron_ext.sim.engine import analyze_chunks
 
     lengths = np.asarray(lengths)
+    groups = replica_groups(plan, plan.num_gpus)
     out = []
     for i, p in enumerate(plan.pipelines):
         pc = PipelineCost(cost, p.stages, p.sp_degree, b1_scale)
         table = analyze_chunks(p.chunks, pc, f"pipeline {i}")
         ms = pc.stage_ms(table.work, table.tokens)
-        rep = f" (replica {p.replica})" if _replicas(plan) > 1 else ""
+        rep = f" (replica {p.replica})" if len(groups) > 1 else ""
         out += [f"pipeline {i}{rep} chunks (forward order; ms: forward+backward on an average stage):",
                 f"  {'chunk':>5}  {'kind':<7} {'tokens':>9} {'ms':>8}  pieces (sequence[start:end))"]
         for c, tok, t in zip(p.chunks, table.tokens, ms):
@@ -199,6 +194,7 @@ def describe_plan(plan, lengths, result=None) -> str:
     """A readable summary of a pipeline plan, or of an ``auto`` plan of either kind, with the
     simulated bubble, recompute and memory of ``result`` (a SimResult) if given."""
     lengths = np.asarray(lengths)
+    groups = replica_groups(plan, plan.num_gpus)  # (a FlexSP plan: one replica, without pipelines)
     if plan.kind == "flexsp":
         lines = [f"{plan.planner} plan: FlexSP, {_count(len(plan.micro_batches), 'micro-batch', 'es')}; "
                  f"{plan.solver_status}"]
@@ -221,12 +217,12 @@ def describe_plan(plan, lengths, result=None) -> str:
             first_b = next((j for j, op in enumerate(o) if op.startswith("B")), len(o))
             warm.append(first_b)
         rec = sum(sum(c.recompute_layers_per_stage) for c in p.chunks if c.recompute_layers_per_stage)
-        rep = f" (replica {p.replica})" if _replicas(plan) > 1 else ""
+        rep = f" (replica {p.replica})" if len(groups) > 1 else ""
         lines.append(f"  pipeline {i}{rep}: {_count(p.stages, 'stage')} x SP {p.sp_degree}, {_count(n, 'chunk')} "
                      f"({kinds['split']} split, "
                      f"{kinds['hybrid']} hybrid, {kinds['batched']} batched), tokens per chunk {min(tok)}..{max(tok)}, "
                      f"warm-up per stage {warm}, recomputed layer-chunks {rec}")
-    idle = sorted(set(range(_replicas(plan))) - {p.replica for p in plan.pipelines}) if plan.pipelines else []
+    idle = [r for r, pipes in enumerate(groups) if not pipes] if len(groups) > 1 else []
     if idle:
         lines.append(f"  replica{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))}: idle (fewer sequences "
                      f"than replicas)")
