@@ -35,8 +35,8 @@ def _scale(text: str, cost: CostModel) -> float:
 def crossover(cost: CostModel, lengths: np.ndarray, lo: float = 0.0, hi: float = 1.0, iters: int = 7) -> float | None:
     """The b1_scale at which elastic_pp (pp x sp of the default layout) takes as long as FlexSP on
     this batch (bisection; None if elastic_pp is slower even at ``lo``, ``hi`` if faster at ``hi``)."""
-    from megatron_ext.planner.pipeline import plan_elastic_pp
     from megatron_ext.planner.api import PlannerOptions, plan_flexsp_kind
+    from megatron_ext.planner.elastic_pp import plan_elastic_pp
 
     flex = plan_flexsp_kind("flexsp", lengths, np.arange(len(lengths)), cost, PlannerOptions()).estimated_step_time_s
 

@@ -13,8 +13,8 @@ from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import ConfigError, InfeasibleError, MegatronExtError
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner.api import PlannerOptions, plan_flexsp_kind
-from megatron_ext.planner.pipeline import (PipelineOptions, kept_sequences, pipeline_cost, pipeline_options,
-                                           plan_elastic_pp, resolve_layout)
+from megatron_ext.planner.elastic_pp import plan_elastic_pp
+from megatron_ext.planner.pipeline import PipelineOptions, kept_sequences, pipeline_cost, pipeline_options, resolve_layout
 from megatron_ext.planner.sequence_limits import longest_sequence
 
 AUTO_FLEXSP_SHARE = 0.45  # of the time limit, for the FlexSP candidate (its work is count-bounded anyway)

@@ -17,7 +17,7 @@ Given the sequences of one pipeline and a target chunk time ``T_t`` (stage milli
    tails never share a chunk.
 
 When ``T_t`` is at least the longest sequence's time nothing is split and short sequences are
-packed up to ``T_t``. The planner (planner/pipeline.py) searches ``T_t`` (and so K).
+packed up to ``T_t``. The planner (planner/chunk_search.py) searches ``T_t`` (and so K).
 
 ``max_slice_tokens`` (when memory binds): no slice holds more tokens than this. The mesh is then
 cut greedily from the start: each slice ends at the equal-time point or after

@@ -9,7 +9,8 @@ from megatron_ext.errors import ConfigError, LengthsError, MegatronExtError
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner.api import plan_flexsp_kind
 from megatron_ext.planner.auto import pipeline_layouts, plan_auto, plan_units
-from megatron_ext.planner.pipeline import pipeline_cost, pipeline_options, plan_elastic_pp, resolve_layout
+from megatron_ext.planner.elastic_pp import plan_elastic_pp
+from megatron_ext.planner.pipeline import pipeline_cost, pipeline_options, resolve_layout
 from megatron_ext.planner.pipeline_baselines import plan_batch_1f1b, plan_seq1f1b
 from megatron_ext.planner.sequence_limits import longest_sequence
 from megatron_ext.sim.simulator import simulate

@@ -15,7 +15,8 @@ from megatron_ext.planner import PlannerOptions
 from megatron_ext.planner.chunking import check_chunking, split_pack
 from megatron_ext.planner.auto import layout_estimate_s, layout_name, pipeline_layouts, plan_auto
 from megatron_ext.planner.grouping import group_sequences
-from megatron_ext.planner.pipeline import PipelineOptions, plan_elastic_pp
+from megatron_ext.planner.elastic_pp import plan_elastic_pp
+from megatron_ext.planner.pipeline import PipelineOptions
 from megatron_ext.planner.pipeline_api import make_pp_plan
 from megatron_ext.planner.pipeline_baselines import plan_batch_1f1b, plan_seq1f1b
 from megatron_ext.sim.commands import describe_plan

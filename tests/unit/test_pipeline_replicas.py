@@ -17,7 +17,7 @@ from megatron_ext.errors import InvalidPlanError
 from megatron_ext.plan import StepPlan, validate
 from megatron_ext.plan.pipelines import replica_groups, validate_pipelines
 from megatron_ext.planner.grouping import split_replicas
-from megatron_ext.planner.pipeline import plan_elastic_pp
+from megatron_ext.planner.elastic_pp import plan_elastic_pp
 from megatron_ext.planner.pipeline_baselines import plan_batch_1f1b, plan_seq1f1b
 from megatron_ext.sim import simulate
 
@@ -139,7 +139,8 @@ def test_one_of_pp_and_sp_gives_the_other_the_most_the_gpus_allow():
 def test_rebalancing_moves_work_from_the_slowest_replica_to_the_fastest():
     import time
 
-    from megatron_ext.planner.pipeline import _plan_replica, _rebalance, pipeline_options
+    from megatron_ext.planner.elastic_pp import _plan_replica, _rebalance
+    from megatron_ext.planner.pipeline import pipeline_options
 
     opts = pipeline_options(None, {"time_limit": 5.0})
     pc = PipelineCost(COST, 2, 8)

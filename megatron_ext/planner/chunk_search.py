@@ -1,0 +1,239 @@
+"""One elastic pipeline's chunking and order, searched (``plan_group``; steps 2-3 of the
+elastic_pp planner, planner/elastic_pp.py): candidate chunkings (chunking.py) are built and
+simulated (pipeline.build_pipeline) with the greedy's recompute, and the fastest wins."""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from megatron_ext.cost.pipeline import PipelineCost
+from megatron_ext.errors import InfeasibleError
+from megatron_ext.planner.chunking import balanced_chunks, pack_by_tokens, ramp_chunks, split_pack
+from megatron_ext.planner.pipeline import BuiltPipeline, PipelineOptions, build_pipeline, pack_capacity
+from megatron_ext.planner.sequence_limits import fewest_slices, finest_slice, fit_cap, what_to_change
+
+
+MAX_CHUNKS = 4096  # chunk candidates with more chunks are not built (their recompute tables grow as n^2)
+
+
+def _targets(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, capped: bool = False) -> list[float]:
+    """Candidate chunk-time targets: the longest sequence's time over K slices, and multiples of
+    it when nothing needs splitting; the likeliest first (closest to the analytic optimum
+    sqrt(b W / (P - 1)) of work W, per-chunk fixed cost b and P stages)."""
+    lens = lengths[seq_ids]
+    s_max = int(lens.max())
+    t_max = float(pc.prefix_ms(s_max))
+    total = float(pc.prefix_ms(lens).sum())
+    k_max = max(1, s_max // max(1, opts.min_slice_tokens))
+    # Slicing finer than memory needs may still be faster; coarser cannot run: the longest
+    # sequence must fit alone (with a token-capped mesh, ``capped``, memory is the cap's
+    # business: every K is a candidate).
+    k_min = 1 if capped else (fewest_slices(s_max, pc, opts.granularity, opts.min_slice_tokens) or k_max)
+    ks = sorted({k for k in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 64, 96, 128)
+                 if k_min < k <= k_max} | {k_min})
+    out = [t_max / k for k in ks]
+    for m in (1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32):
+        if k_min == 1 and t_max * m <= total / max(1, pc.pp) * 1.5:
+            out.append(t_max * m)
+    guess = math.sqrt(max(pc.fixed_ms, 1e-3 * total / max(1, len(lens))) * total / max(1, pc.pp - 1))
+    out.sort(key=lambda t: abs(math.log(t / guess)))
+    return out
+
+
+def _token_caps(seq_ids, lengths, pc: PipelineCost) -> list[float]:
+    """Token caps of a batched/hybrid chunk to try: none; the cap that lets stage 0 hold the
+    longest sequence plus P - 1 full chunks without recompute; the same with every layer
+    recomputed (input and K/V kept, one chunk re-materialized); their geometric mean."""
+    P, L_s = pc.pp, pc.layers_per_stage
+    act_tok = pc.act_layer_mb * L_s
+    kept_tok = (pc.input_layer_mb + pc.kv_layer_mb) * L_s
+    s_max = float(lengths[seq_ids].max())
+    total = float(lengths[seq_ids].sum())
+    room = pc.activation_room_mb
+    caps = [math.inf]
+    if P > 1:
+        no_rec = (room / act_tok - s_max) / (P - 1)
+        full = (room - s_max * kept_tok - float(pc.dkv_mb(s_max))) / ((P - 1) * kept_tok + act_tok)
+        good = [c for c in (no_rec, full) if 0 < c < total]
+        caps += sorted(set(good), reverse=True)
+        if len(good) == 2 and min(good) > 0:
+            caps.insert(2, math.sqrt(good[0] * good[1]))
+    return caps
+
+
+def _ramps(P: int, opts: PipelineOptions) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
+    """Warm-up / cool-down ramps to try (fractions of the chunk time cap; see chunking.ramp_chunks),
+    the default first: two small chunks up front, P + 1 shrinking chunks at the end."""
+    if not opts.ramp:
+        return [((), ())]
+
+    def down(m: int, lo: float) -> tuple[float, ...]:
+        return tuple(round(1 - (1 - lo) * (i + 1) / m, 3) for i in range(m))
+
+    def up(m: int) -> tuple[float, ...]:
+        return tuple(round((i + 1) / (m + 1), 3) for i in range(m))
+
+    out = [(up(2), down(P + 1, 0.35)), ((), ()), (up(1), down(P - 1, 0.45)), (up(3), down(P + 1, 0.35)),
+           (up(2), down(2 * P, 0.3)), ((), down(P + 1, 0.35)), (up(2), ())]
+    seen, uniq = set(), []
+    for r in out:
+        if r not in seen:
+            seen.add(r)
+            uniq.append(r)
+    return uniq
+
+
+def _ramp_note(front, back) -> str:
+    if not front and not back:
+        return ""
+    return f"ramp {len(front)}+{len(back)}"
+
+
+def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadline: float | None = None,
+               where: str = "pipeline") -> BuiltPipeline:
+    """Search one pipeline's chunking and order; the fastest simulated candidate (greedy recompute)
+    wins. Past ``deadline`` the search keeps the best candidate found so far (with none yet, it
+    goes straight to step 4).
+
+    1. The chunk-time target (and so K) and the chunk token cap: Algorithm 1 (chunking.py) at
+       each, with the default warm-up/cool-down ramp, ordered by list scheduling (``greedy``);
+       with token-capped slices when memory needs them (``sequence_limits.fit_cap``; first, if no equal-time
+       slicing of the longest sequence can fit, else if nothing else fitted).
+    2. At the best target: the other ramps (and none), and the elastic 1F1B order.
+    3. Packed-slice chunkings (Seq1F1B's: packs cut into k equal-compute slices), so elastic_pp
+       can pick what Seq1F1B would run (time permitting).
+    4. Nothing fits yet: every sequence at its slice cap, then every slice and chunk at half the
+       longest sequence's cap, a quarter, ... down to its finest slicing."""
+    seq_ids = np.asarray(seq_ids, dtype=np.int64)
+    best: BuiltPipeline | None = None
+    best_ch = None
+    errors = []
+    ramps = _ramps(pc.pp, opts)
+    orders = ("greedy", "1f1b") if opts.order == "best" else (opts.order,)
+    # candidates are scored with the greedy's recompute (the ILP runs on the winner); with a fixed
+    # rule (none, every layer, or "auto": none if it fits, else every layer) the search scores
+    # each candidate under that rule
+    search_recompute = "greedy" if opts.recompute in ("ilp", "greedy") else opts.recompute
+
+    def late() -> bool:
+        return deadline is not None and best is not None and time.perf_counter() > deadline
+
+    def hurry() -> bool:  # out of time with nothing feasible yet: straight to the safest chunkings
+        return deadline is not None and best is None and time.perf_counter() > deadline
+
+    def consider(pieces, slices, order, ramp=((), ())) -> BuiltPipeline | None:
+        nonlocal best
+        if len(pieces) > MAX_CHUNKS:
+            errors.append(f"{where}: {len(pieces)} chunks, more than the {MAX_CHUNKS} a pipeline may have")
+            return None
+        try:
+            b = build_pipeline(pieces, pc, search_recompute, opts.ties != "untied", where=where, order=order)
+        except InfeasibleError as e:
+            errors.append(str(e))
+            return None
+        b.slices = slices
+        b.ramp = _ramp_note(*ramp)
+        if best is None or b.makespan_ms < best.makespan_ms - 1e-9:
+            best = b
+        return b
+
+    longest = int(lengths[seq_ids].max())
+    g = max(1, int(opts.granularity))
+    # memory: each sequence's slice cap, the most tokens per slice that let it fit alone (None:
+    # it fits unsliced); ``capped`` when no equal-time slicing of the search's lets the longest
+    # fit, so every long sequence is cut on its own token-capped mesh
+    fit_caps: dict[int, int | None] = {}
+
+    def cap_of(s: int) -> int | None:
+        if s not in fit_caps:
+            fit_caps[s] = fit_cap(s, pc, opts.granularity)
+        return fit_caps[s]
+
+    slice_cap = cap_of(longest)
+    capped = slice_cap is not None and fewest_slices(longest, pc, opts.granularity, opts.min_slice_tokens) is None
+
+    def search(mesh_cap) -> tuple[list[float], list[float]]:
+        """The chunk-time targets x token caps; returns (targets, finite caps)."""
+        nonlocal best_ch
+        targets = _targets(seq_ids, lengths, pc, opts, capped=mesh_cap is not None)
+        caps = _token_caps(seq_ids, lengths, pc)
+        if mesh_cap is not None:
+            caps = [c for c in caps if c > slice_cap] + [float(slice_cap)]
+        finite = [c for c in caps if math.isfinite(c)]
+        # near the memory limit, finer caps as a last resort
+        fallback = [min(finite, default=float(longest)) / 2 ** i for i in (1, 2)]
+        for ci, cap in enumerate(caps + fallback):
+            if ci >= len(caps) and best is not None:
+                break
+            if ci and best is not None and not best.recompute.any():
+                break  # a smaller cap only adds chunks when memory does not bind
+            for target in targets[:max(1, opts.search_targets)]:
+                if late() or hurry():
+                    break
+                ch = balanced_chunks(seq_ids, lengths, pc, target, cap, opts.granularity, opts.fit,
+                                     min_tail=opts.granularity, max_slice_tokens=mesh_cap)
+                pieces = ramp_chunks(ch.chunks, lengths, pc, ch.slice_ms, *ramps[0], token_cap=cap)
+                before = best
+                got = consider(pieces, ch.slices, orders[0], ramps[0])
+                if (got is None or got.recompute.any() or got.held) and len(orders) > 1 and not late():
+                    # memory binds: the plain chunking in elastic 1F1B order, whose recompute ties
+                    # along its diagonals, may beat list scheduling held back by memory
+                    consider(ch.chunks, ch.slices, orders[1])
+                if best is not before:
+                    best_ch = ch
+        return targets, finite
+
+    targets, finite = search(cap_of if capped else None)
+    if best is None and slice_cap is not None and not capped and not hurry():
+        targets, finite = search(cap_of)  # no equal-time mesh worked: cap the slices
+    if best_ch is not None:
+        for ramp in ramps[1:]:
+            if late():
+                break
+            pieces = ramp_chunks(best_ch.chunks, lengths, pc, best_ch.slice_ms, *ramp, token_cap=best_ch.token_cap)
+            consider(pieces, best_ch.slices, orders[0], ramp)
+        for order in orders[1:]:
+            if late():
+                break
+            top = best
+            consider(top.pieces, top.slices, order, ((), ()))
+            if best is not top:
+                best.ramp = top.ramp
+    # packed-slice candidates (Seq1F1B's chunkings: packs of the context length cut into k
+    # equal-compute slices; each slice holds at most one continued piece, so the tail rule holds)
+    base_cap = pack_capacity(seq_ids, lengths, opts)
+    caps = {base_cap} | {-(-int(longest * f) // 1024) * 1024 for f in (1, 1.5, 2)}
+    packed: dict[int, list[list[int]]] = {}
+    for cap, k in [(c, k) for c in sorted(caps)
+                   for k in sorted(set(opts.pack_slices) | (set(opts.seq1f1b_slices) if c == base_cap else set()))]:
+        if late() or hurry():
+            break
+        if capped and longest / k > slice_cap:
+            continue  # the longest sequence's slices cannot fit
+        if cap not in packed:
+            packed[cap] = pack_by_tokens(seq_ids, lengths, cap)
+        pieces = [c for p in packed[cap] for c in split_pack(p, lengths, pc, k)]
+        for order in (orders if cap == base_cap else orders[:1]):
+            if not late():
+                consider(pieces, -k, order)  # slices < 0 marks a packed-slice chunking in the status
+    # last resort, until something fits: every slice and chunk within the longest sequence's
+    # slice cap, then finer, down to the finest slicing
+    t = slice_cap or int(min(finite, default=longest)) // 2
+    finest = finest_slice(longest, g)
+    while best is None and t >= finest:
+        ch = balanced_chunks(seq_ids, lengths, pc, targets[0], float(t), opts.granularity, opts.fit,
+                             min_tail=opts.granularity,  # first each sequence at its own cap
+                             max_slice_tokens=cap_of if t == slice_cap else lambda s, t=t: min(t, cap_of(s) or s))
+        for order in orders:
+            if best is None:
+                consider(ch.chunks, ch.slices, order)
+        t = max(t // 2, finest) if t > finest else 0
+    if best is None:
+        raise InfeasibleError((errors[-1] if errors else f"{where}: no feasible chunking") + "; "
+                              + what_to_change(pc, opts.granularity))
+    return best
+
+
+__all__ = ["MAX_CHUNKS", "plan_group"]

@@ -1,0 +1,217 @@
+"""Elastic pipeline parallelism (InfiniPipe, PAPERS.md section 2): the elastic_pp planner.
+
+``plan_elastic_pp(lengths, cost, pp, sp)``; with pp x sp below the GPU count, the sequences are
+first shared out over GPUs / (pp x sp) replicas side by side (grouping.split_replicas), each
+planned as below in a share of the time limit, and the replicas' ends are evened out in the time
+left (``_rebalance``):
+0. Feasibility (planner/sequence_limits.py): each of the longest sequences must fit alone at
+   the finest slicing (every layer recomputed); otherwise the error says how long a sequence may
+   be and what else to change.
+1. Grouping (planner/grouping.py): the sequences, longest first, are cut into one or more
+   consecutive groups, each run as its own 1F1B pipeline, one after another, by a DP over an
+   analytic estimate. When memory binds, "the longest sequence in a pipeline of its own" is
+   tried too. The one-pipeline plan is always built; the fastest grouping (simulated) wins.
+2. Chunking per pipeline (planner/chunking.py): the target chunk time (and so K) and the chunk
+   token cap are searched, likeliest first (at most ``search_targets`` per cap); each candidate
+   is chunked, given a warm-up/cool-down ramp (a few small chunks of whole short sequences first
+   and last, ``chunking.ramp_chunks``), ordered, given greedy recompute and simulated; the
+   fastest wins. At the winning target the other ramps (and none) and the other order are tried.
+   Packed-slice chunkings (packs of the context length or 1-2x the longest sequence, cut into k
+   equal-compute slices) are candidates too, so elastic_pp can pick the Seq1F1B chunking. When no
+   equal-time slicing into slices of at least ``min_slice_tokens`` lets the longest sequence fit
+   (or none of those candidates fits), each long sequence's slices are token-capped as much as
+   it needs to fit alone (``sequence_limits.fit_cap``, ``chunking.capped_mesh``); if still nothing fits, ever
+   finer slices and smaller chunks are tried, down to the finest slicing. No candidate holds
+   more than ``MAX_CHUNKS`` chunks.
+3. Order (``order``): forward order = the ramp's small chunks, each long sequence's slices then
+   its hybrid tail chunk (longest first), batched chunks slowest first, the cool-down ramp;
+   backward order = the forward order with each split sequence's chunks reversed. Per stage,
+   either list scheduling (sim/engine.greedy_orders: a free stage runs whichever of its next
+   backward and next forward can start first, forwards held back when the stage's activations
+   would pass its room) or elastic 1F1B (sim/engine.one_f_one_b: warm-up P - 1 - p + slices of
+   the first split sequence - 1); "best" tries both, and 1F1B is always tried where memory binds
+   (its recompute ties along the schedule's diagonals).
+4. Recompute: the ILP of planner/checkpointing.py on the winner (greedy if HiGHS has nothing), tied
+   along the schedule's diagonals (the paper's), untied (one variable per stage and chunk) or, by
+   default, both: the faster simulated plan wins (``ties``).
+5. The plan is validated and simulated; the simulator's step time is the estimate.
+
+Time limit (``time_limit``, the whole step's planning; with replicas, each replica's share of its
+first ``REBALANCE_AFTER``): every stage past the first feasible candidate yields to it -- the
+chunk search at 0.4 of it, the groupings at 0.7 (not started later), the ILP when none is left
+(the search's greedy recompute stands, noted in the status). A pipeline with nothing feasible yet
+at its deadline goes straight to the safest chunkings (the capped slices, then finer) and keeps
+trying until something fits.
+
+Steps 2-3 (one pipeline's search) are in planner/chunk_search.py; building and scoring a pipeline
+and what the other pipeline planners share, in planner/pipeline.py.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from megatron_ext.cost import CostModel
+from megatron_ext.cost.pipeline import PipelineCost
+from megatron_ext.errors import InfeasibleError
+from megatron_ext.plan.schema import StepPlan
+from megatron_ext.planner.chunk_search import plan_group
+from megatron_ext.planner.grouping import group_sequences, split_replicas
+from megatron_ext.planner.pipeline import (BuiltPipeline, PipelineOptions, build_pipeline, finish_plan, kept_sequences,
+                                           pipeline_cost, pipeline_options)
+from megatron_ext.planner.sequence_limits import check_sequences
+
+
+def _chunking_note(b: BuiltPipeline) -> str:
+    note = f"K={b.slices}" if b.slices > 0 else f"packs cut in {-b.slices}"
+    return note + (f", {b.ramp}" if b.ramp else "") + f", {b.order} order"
+
+
+def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOptions, start: float,
+                  budget: float) -> list[BuiltPipeline]:
+    """One replica's pipelines (run one after another), planned in ``budget`` seconds from
+    ``start``: one pipeline, or the sequences grouped into up to ``max_pipelines``; then the ILP's
+    recompute on the winner."""
+    candidates: list[tuple[float, list[BuiltPipeline], list[np.ndarray]]] = []
+    err = None
+    try:
+        one = plan_group(ids, lengths, pc, opts, start + 0.4 * budget, "pipeline 0")
+        candidates.append((one.makespan_ms, [one], [ids]))
+    except InfeasibleError as e:
+        err = e
+    if opts.max_pipelines > 1 and len(ids) > 1:
+        groupings = []
+        groups = group_sequences(ids, lengths, pc, opts.max_pipelines)
+        if len(groups) == 1 and err is not None:  # the estimate missed: halve by tokens
+            order = groups[0]
+            cut = int(np.searchsorted(np.cumsum(lengths[order]), lengths[order].sum() / 2)) + 1
+            groups = [order[:cut], order[cut:]] if 0 < cut < len(order) else groups
+        if len(groups) > 1:
+            groupings.append(groups)
+        if err is not None or candidates[0][1][0].recompute.any():
+            # memory binds: the longest sequence in a pipeline of its own relieves the others
+            order = ids[np.lexsort((ids, -lengths[ids]))]
+            groupings.append([order[:1], order[1:]])
+        for gi, groups in enumerate(groupings):
+            if candidates and time.perf_counter() > start + 0.7 * budget:
+                break  # out of time: keep what was found (only a batch nothing fit yet goes on)
+            try:
+                built = []
+                for i, g in enumerate(groups):
+                    frac = (gi + (i + 1) / len(groups)) / len(groupings)
+                    built.append(plan_group(g, lengths, pc, opts, start + budget * (0.4 + 0.3 * frac),
+                                            f"pipeline {i}"))
+                candidates.append((sum(b.makespan_ms for b in built), built, groups))
+            except InfeasibleError as e:
+                err = err or e
+    if not candidates:
+        raise err
+    candidates.sort(key=lambda c: c[0])
+    built = candidates[0][1]
+
+    # final recompute with the ILP, in the time left after what checking and simulating the plan
+    # will take (about what building its pipelines took); the fixed rules none / full / auto were
+    # the search's own: their candidates are final
+    end = start + budget - sum(b.build_s for b in built)
+    final = []
+    for i, b in enumerate(built):
+        if opts.recompute != "ilp" or not b.recompute.any():
+            final.append(b)
+            continue
+        ties = (True, False) if opts.ties == "best" else (opts.ties != "untied",)
+        for j, tied in enumerate(ties):
+            left = (end - time.perf_counter()) / (len(built) - i) / (len(ties) - j)
+            if left < 2 * b.build_s:  # too little to build it again and solve: the greedy stands
+                if j == 0:
+                    b.status += " (no time left for the ILP)"
+                break
+            nb = build_pipeline(b.pieces, pc, opts.recompute, tied, left - b.build_s, f"pipeline {i}",
+                                order=b.order)
+            nb.slices, nb.ramp = b.slices, b.ramp
+            if nb.makespan_ms <= b.makespan_ms + 1e-9:
+                b = nb
+        final.append(b)
+    return final
+
+
+REBALANCE_AFTER = 0.8  # of the time limit: replicas are planned by then, the rest evens out their ends
+
+
+def _rebalance(parts: list[np.ndarray], plans: dict, lengths, pc: PipelineCost, opts: PipelineOptions,
+               deadline: float, rounds: int = 3) -> None:
+    """Even out the replicas' ends (in place): the replica holding the longest sequence tends to
+    finish last, as its slices run one after another. Move sequences (never the slowest replica's
+    longest) worth about half the gap from the slowest replica to the fastest, replan both, and
+    keep the move if the slower of the two now ends earlier; a few rounds, in the time left."""
+    def end(r: int) -> float:
+        return sum(b.makespan_ms for b in plans[r]) if r in plans else 0.0
+
+    for _ in range(rounds):
+        ends = {r: end(r) for r in range(len(parts))}
+        slow, fast = max(ends, key=ends.get), min(ends, key=ends.get)
+        took = sum(b.build_s for r in (slow, fast) if r in plans for b in plans[r])
+        if ends[slow] <= ends[fast] * 1.02 or deadline - time.perf_counter() < 4 * took:
+            return
+        cand = parts[slow][np.argsort(-pc.prefix_ms(lengths[parts[slow]]), kind="stable")][1:]
+        room, moved = (ends[slow] - ends[fast]) / 2, []
+        for i in cand:
+            w = float(pc.prefix_ms(lengths[i]))
+            if w <= room:
+                moved.append(int(i))
+                room -= w
+        if not moved:
+            return
+        new_slow = np.setdiff1d(parts[slow], moved)
+        new_fast = np.union1d(parts[fast], moved)
+        now = time.perf_counter()
+        window = (deadline - now) / 2
+        try:
+            a = _plan_replica(new_slow, lengths, pc, opts, now, window)
+            b = _plan_replica(new_fast, lengths, pc, opts, time.perf_counter(), window)
+        except InfeasibleError:
+            return
+        if max(sum(x.makespan_ms for x in a), sum(x.makespan_ms for x in b)) >= ends[slow] - 1e-9:
+            return
+        parts[slow], parts[fast], plans[slow], plans[fast] = new_slow, new_fast, a, b
+
+
+def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | None = None,
+                    options: PipelineOptions | None = None, *, seq_ids=None, **overrides) -> StepPlan:
+    """Plan one step with elastic pipelines of ``pp`` stages of SP degree ``sp``; with pp x sp
+    below the GPU count, GPUs / (pp x sp) replicas run side by side, each its share of the
+    sequences (``grouping.split_replicas``). ``seq_ids``: the sequences to plan (default all);
+    the others are reported as dropped."""
+    start = time.perf_counter()
+    opts = pipeline_options(options, overrides)
+    lengths, ids = kept_sequences(lengths, seq_ids)
+    pc = pipeline_cost(cost, pp if pp is not None else opts.pp, sp if sp is not None else opts.sp, opts)
+    check_sequences(ids, lengths, pc, opts.granularity)
+    parts = split_replicas(ids, lengths, pc, pc.replicas)
+    # with replicas, part of the time is kept to even out their ends (_rebalance)
+    first_end = start + opts.time_limit * (REBALANCE_AFTER if pc.replicas > 1 else 1.0)
+    plans: dict[int, list[BuiltPipeline]] = {}
+    for r, part in enumerate(parts):
+        if part.size:
+            now = time.perf_counter()  # what is left, shared by the replicas still to plan
+            window = max(0.0, first_end - now) / sum(1 for q in parts[r:] if q.size)
+            plans[r] = _plan_replica(part, lengths, pc, opts, now, window)
+    if pc.replicas > 1:
+        _rebalance(parts, plans, lengths, pc, opts, start + opts.time_limit)
+    pipes, final = [], []
+    for r in sorted(plans):
+        pipes += [b.to_pipeline(pc, r) for b in plans[r]]
+        final += plans[r]
+    rec_note = "; ".join(sorted({b.status for b in final}))
+    n = sum(b.table.n for b in final)
+    reps = f" over {pc.replicas} replicas" if pc.replicas > 1 else ""
+    chunkings = "; ".join(_chunking_note(b) if len(final) == 1 else f"pipeline {i}: {_chunking_note(b)}"
+                          for i, b in enumerate(final))
+    status = (f"{len(final)} pipeline{'s' if len(final) > 1 else ''} x {pc.pp} stage{'s' if pc.pp > 1 else ''} "
+              f"x SP {pc.sp}{reps}; {chunkings}; {n} chunk{'s' if n > 1 else ''}; "
+              f"{rec_note}")
+    dropped = np.setdiff1d(np.arange(len(lengths)), ids)
+    return finish_plan("elastic_pp", pipes, lengths, cost, pc, opts, start, status, dropped)
+
+
+__all__ = ["REBALANCE_AFTER", "plan_elastic_pp"]
