@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from megatron_ext.cost import CostModel
-from megatron_ext.cost.pipeline import PipelineCost
+from megatron_ext.cost.pipeline import FWD_FRACTION, PipelineCost
 from megatron_ext.errors import ConfigError, InfeasibleError, MegatronExtError
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner.api import PlannerOptions, plan_flexsp_kind
@@ -17,8 +17,8 @@ from megatron_ext.planner.elastic_pp import plan_elastic_pp
 from megatron_ext.planner.pipeline import PipelineOptions, kept_sequences, pipeline_cost, pipeline_options, resolve_layout
 from megatron_ext.planner.sequence_limits import longest_sequence
 
-AUTO_FLEXSP_SHARE = 0.45  # of the time limit, for the FlexSP candidate (its work is count-bounded anyway)
-AUTO_PRUNE_MARGIN = 0.85  # a layout is skipped if this x its estimate is no faster than the best plan so far
+AUTO_FLEXSP_SHARE = 0.45  # of the time limit, kept for FlexSP (planned after the layouts, in all the time left)
+AUTO_PRUNE_MARGIN = 0.85  # a layout is skipped if this x its estimate is no faster than a known step
 
 
 def plan_units(plan: StepPlan) -> dict[str, int]:
@@ -30,15 +30,15 @@ def plan_units(plan: StepPlan) -> dict[str, int]:
 
 
 def pipeline_layouts(cost: CostModel, pp: int | None = None, sp: int | None = None) -> list[tuple[int, int]]:
-    """(pp, sp) layouts an elastic pipeline can use: pp >= 2 stages dividing the layers, sp an
+    """(pp, sp) layouts an elastic pipeline can use: pp stages dividing the layers, sp an
     allowed Ulysses degree (power of two dividing the heads), pp x sp dividing the GPUs (the rest
-    run side by side as replicas), the model states fitting. ``pp`` / ``sp`` restrict the list to
-    matching layouts; ``pp`` alone, with the SP degree elastic_pp takes for it (``resolve_layout``)."""
+    run side by side as replicas, one-stage ones too), the model states fitting. ``pp`` / ``sp``
+    restrict the list to matching layouts; ``pp`` alone, with the SP degree elastic_pp takes for it (``resolve_layout``)."""
     n, L = cost.num_gpus, cost.model.num_layers
     if pp is not None and sp is None and isinstance(pp, int) and pp > 0:
         sp = resolve_layout(cost, pp, None)[1]
     out = []
-    for P in range(2, n + 1):
+    for P in range(1, n + 1):
         if n % P or L % P or (pp is not None and P != pp):
             continue
         for d in cost.degrees:
@@ -58,28 +58,43 @@ def layout_name(pc: PipelineCost) -> str:
 
 def layout_estimate_s(lengths: np.ndarray, pc: PipelineCost) -> float:
     """Step time of one 1F1B pipeline of n equal chunks at the best n, on each replica's share of
-    the work: ``W + n b + (P - 1)(W / n + b)`` (W: work per stage, b: fixed cost per chunk); no
-    memory limit. Ramps and list scheduling beat it by up to ~7%; recompute makes it optimistic."""
-    W = float(pc.prefix_ms(np.asarray(lengths, dtype=np.float64)).sum()) / pc.replicas
-    P, b = pc.pp, pc.fixed_ms
+    the work: ``W + n b + (P - 1)(W / n + b)`` (W: work per stage, b: fixed cost per chunk), with
+    at least the chunks memory needs: stage 0 holds P chunks in flight, either whole (no
+    recompute) or, with every layer recomputed (W grows by a forward), one whole and the others'
+    inputs and K/V. Ramps, list scheduling and partial recompute beat it by up to ~7%."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    W = float(pc.prefix_ms(lengths).sum()) / pc.replicas
+    tokens = float(lengths.sum()) / pc.replicas
+    P, b, L_s, room = pc.pp, pc.fixed_ms, pc.layers_per_stage, pc.activation_room_mb
+    whole, kept = pc.act_layer_mb * L_s, (pc.input_layer_mb + pc.kv_layer_mb) * L_s
     n = np.arange(1, max(2, -(-len(lengths) // pc.replicas)) + 1, dtype=np.float64)
-    return float((W + n * b + (P - 1) * (W / n + b)).min()) / 1e3
+    best = math.inf
+    for work, chunk_mb in ((W, P * whole), (W * (1 + FWD_FRACTION), (P - 1) * kept + whole)):
+        fits = n * room >= tokens * chunk_mb  # n chunks of tokens / n each
+        if fits.any():
+            best = min(best, float((work + n * b + (P - 1) * (work / n + b))[fits].min()))
+    if not math.isfinite(best):  # not even one chunk per sequence fits: no memory bound to offer
+        best = float((W + n * b + (P - 1) * (W / n + b)).min())
+    return best / 1e3
 
 
 def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = None,
               options: PipelineOptions | None = None, *, seq_ids=None, **overrides) -> StepPlan:
     """Unify FlexSP and elastic pipelines (DESIGN.md "Unify"): plan the step with FlexSP (adaptive
-    SP on all GPUs, i.e. pp = 1) and with elastic_pp on every feasible (pp, sp) layout, simulate each
-    with the same simulator and return the fastest plan (kind ``flexsp`` or ``elastic_pp``).
-    ``pp`` / ``sp`` (or the options') pin the layout: FlexSP is the pp = 1 layout, so a pinned
-    pp > 1 leaves only that pipeline layout, and pp = 1 only FlexSP.
+    SP on all GPUs, one stage) and with elastic_pp on every feasible (pp, sp) layout (one-stage
+    replicas of a fixed degree included), simulate each with the same simulator and return the
+    fastest plan (kind ``flexsp`` or ``elastic_pp``). ``pp`` / ``sp`` (or the options') pin the
+    layout: a pinned pp > 1 leaves only its pipeline layouts, pp = 1 FlexSP and the one-stage
+    layout; a pinned sp keeps the pipeline layouts of that degree, and FlexSP (which chooses its
+    own degrees) unless pp is pinned too.
 
     ``solver_status`` names the choice; ``baselines`` holds every alternative's simulated time
-    (``"flexsp"``, ``"elastic_pp pp4 x sp8"``, ``"elastic_pp pp2 x sp8 x dp2"`` with replicas, ...). Time: a layout whose estimate
-    (``layout_estimate_s``), less 15%, is no faster than the best plan so far is skipped (reported
-    with its estimate), and so is any layout left when the time limit has run out. If no layout
-    can beat BatchAda's step (an upper bound of FlexSP's), FlexSP gets the whole time limit;
-    otherwise ``AUTO_FLEXSP_SHARE`` of it, and the layouts share the rest, most promising first."""
+    (``"flexsp"``, ``"elastic_pp pp4 x sp8"``, ``"elastic_pp pp2 x sp8 x dp2"`` with replicas,
+    ...). Time: the layouts go first, most promising first, in at most 1 - ``AUTO_FLEXSP_SHARE``
+    of the limit; a layout whose estimate (``layout_estimate_s``), less 15%, is no faster than
+    BatchAda's step (an upper bound of FlexSP's) or the best layout so far is skipped (reported
+    with its estimate), and so is any layout left when their time has run out. FlexSP goes last,
+    in all the time left."""
     start = time.perf_counter()
     opts = pipeline_options(options, overrides)
     lengths, ids = kept_sequences(lengths, seq_ids)
@@ -94,10 +109,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
 
     pin_pp = pp if pp is not None else opts.pp
     pin_sp = sp if sp is not None else opts.sp
-    with_flexsp = pin_pp is None or pin_pp == 1  # FlexSP is the pp = 1 layout (adaptive sp)
-    if pin_pp == 1 and pin_sp is not None:
-        raise ConfigError(f"auto: pp 1 is FlexSP, which chooses its SP degrees per group; drop sp {pin_sp}, or plan "
-                          f"one-stage pipeline replicas with the elastic_pp planner")
+    with_flexsp = pin_pp is None or (pin_pp == 1 and pin_sp is None)  # one stage, adaptive degrees
     layouts = []
     longest = int(lengths[ids].max())
     for P, d in pipeline_layouts(cost, pin_pp, pin_sp):
@@ -116,39 +128,43 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         raise ConfigError(f"auto: no pipeline layout of {cost.model.name} on {cost.cluster.name} matches "
                           f"pp {pin_pp}" + (f" x sp {pin_sp}" if pin_sp is not None else ""))
     # BatchAda (one homogeneous degree, milliseconds to plan) bounds FlexSP's step from above: FlexSP
-    # keeps the best homogeneous packing among its candidates. If no layout can beat that bound,
-    # FlexSP gets the whole time limit.
-    try:
-        ub = plan_flexsp_kind("batchada", lengths, ids, cost, PlannerOptions()).estimated_step_time_s
-    except MegatronExtError:
-        ub = math.inf
-    hopeful = any(AUTO_PRUNE_MARGIN * est < ub for est, *_ in layouts)
-    share = AUTO_FLEXSP_SHARE * budget if hopeful else budget - (time.perf_counter() - start)
-    t0 = time.perf_counter()
-    try:
-        if with_flexsp:
-            record("flexsp", plan_flexsp_kind("flexsp", lengths, ids, cost, PlannerOptions(time_limit=max(0.05, share))),
-                   t0)
-    except MegatronExtError as e:
-        alts["flexsp"] = {"error": str(e)}
+    # keeps the best homogeneous packing among its candidates. The layouts go first, pruned against
+    # that bound and the best layout planned so far, in at most 1 - AUTO_FLEXSP_SHARE of the limit;
+    # FlexSP then gets all the time left, so its MILP never has less than its share (most steps, far
+    # more: the layouts are usually pruned).
+    ub = math.inf
+    if with_flexsp:
+        try:
+            ub = plan_flexsp_kind("batchada", lengths, ids, cost, PlannerOptions()).estimated_step_time_s
+        except MegatronExtError:
+            pass
+    layouts_end = start + (1 - AUTO_FLEXSP_SHARE) * budget if with_flexsp else start + budget
     for i, (est, name, P, d) in enumerate(layouts):
-        best = min((t for t, _, _ in plans), default=math.inf)
-        left = budget - (time.perf_counter() - start)
-        if AUTO_PRUNE_MARGIN * est >= best:
+        bound, against = min([(ub, "BatchAda (FlexSP's upper bound)")] + [(t, n) for t, n, _ in plans])
+        left = layouts_end - time.perf_counter()
+        if AUTO_PRUNE_MARGIN * est >= bound:
             alts[name] = {"skipped": f"estimated {est:.2f} s (one 1F1B pipeline of equal chunks), "
-                                     f"{AUTO_PRUNE_MARGIN:.0%} of it no faster than {best:.2f} s",
+                                     f"{AUTO_PRUNE_MARGIN:.0%} of it no faster than {against} ({bound:.2f} s)",
                           "estimated_lower_s": AUTO_PRUNE_MARGIN * est}
             continue
         if left <= 0.02 and plans:
             alts[name] = {"skipped": f"time limit reached (estimated {est:.2f} s)"}
             continue
         t0 = time.perf_counter()
+        share = left / sum(1 for e, *_ in layouts[i:] if AUTO_PRUNE_MARGIN * e < bound)  # among those still hopeful
         try:
-            sub = plan_elastic_pp(lengths, cost, P, d,
-                                  dataclasses.replace(opts, time_limit=max(0.05, left / (len(layouts) - i))), seq_ids=ids)
+            sub = plan_elastic_pp(lengths, cost, P, d, dataclasses.replace(opts, time_limit=max(0.05, share)),
+                                  seq_ids=ids)
             record(name, sub, t0)
         except MegatronExtError as e:
             alts[name] = {"error": str(e)}
+    if with_flexsp:
+        t0 = time.perf_counter()
+        try:
+            record("flexsp", plan_flexsp_kind("flexsp", lengths, ids, cost,
+                                              PlannerOptions(time_limit=max(0.05, budget - (t0 - start)))), t0)
+        except MegatronExtError as e:
+            alts["flexsp"] = {"error": str(e)}
     if not plans:
         raise InfeasibleError("auto: no layout can run this batch: " +
                               "; ".join(f"{k}: {v.get('error', v.get('skipped'))}" for k, v in alts.items()))

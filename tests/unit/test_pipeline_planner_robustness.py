@@ -218,8 +218,9 @@ def test_every_chunk_lists_recompute_for_every_stage():
     chunk, zeros when nothing is recomputed (not an empty list)."""
     quiet = sample_lengths("github", 8, 0, 48 * 1024)
     tight = sample_lengths("github", 256, 0, 48 * 1024)
-    for lengths, mem in ((quiet, None), (tight, 24000)):
-        plan = plan_elastic_pp(lengths, COST, 4, 8, memory_mb=mem, time_limit=0.5)
+    for lengths, mem in ((quiet, None), (tight, 24000)):  # (time for the whole search: a busy machine's
+        # cut-short search may stop at a chunking fine enough to need no recompute)
+        plan = plan_elastic_pp(lengths, COST, 4, 8, memory_mb=mem, time_limit=5.0)
         data = json.loads(plan.to_json())
         recs = [c["recompute_layers_per_stage"] for p in data["pipelines"] for c in p["chunks"]]
         assert recs and all(len(r) == p["stages"] for p in data["pipelines"]
