@@ -153,7 +153,13 @@ def _title(plan: StepPlan, cost: CostModel, lengths: np.ndarray, layout: str, re
     kept = np.setdiff1d(np.arange(len(lengths)), plan.dropped_seq_ids)
     who = plan.planner or plan.kind
     if plan.planner == "auto" and plan.solver_status.startswith("auto chose "):
-        who = plan.solver_status.split(");", 1)[0] + ")"  # e.g. "auto chose flexsp (12.55 s; vs ...)"
+        # "auto chose flexsp (12.55 s; next: ...)": the two fastest alternatives fit the title's width
+        who = plan.solver_status.split(" (", 1)[0] + f" ({plan.estimated_step_time_s:.2f} s"
+        alts = sorted((v["estimated_step_time_s"], k) for k, v in plan.baselines.items() if "estimated_step_time_s" in v)
+        if alts:
+            who += "; next: " + ", ".join(f"{k} {t:.2f} s" for t, k in alts[:2]) + \
+                (f", {len(alts) - 2} more planned" if len(alts) > 2 else "")
+        who += ")"
     head = (f"{who}{chr(10) if who != (plan.planner or plan.kind) else ': '}{cost.model.name} on {cost.cluster.name} "
             f"({cost.num_gpus} GPUs), {layout}; {_plural(len(kept), 'sequence')}, {int(lengths[kept].sum()):,} tokens")
     rec = f", recompute {_percent(res.recompute_ratio, 1)}" if res.recompute_ratio > 0 else ""
@@ -251,7 +257,7 @@ def _pipeline_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: Si
         name = f"{pi}.{cid}" if multi else f"{cid}"
         boxes.append(Box(e.where, 1, e.start_s, e.end_s, e.kind, keys[(pi, cid)], f"{e.kind}{name}"))
     n_chunks = sum(len(p.chunks) for p in plan.pipelines)
-    layout = f"{P} stages x SP {sp}"
+    layout = f"{_plural(P, 'stage')} x SP {sp}"
     if R > 1:
         layout = f"{R} replicas x {layout} ({_plural(len(plan.pipelines), 'pipeline')})"
     elif multi:

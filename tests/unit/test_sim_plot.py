@@ -284,6 +284,21 @@ def test_title_gives_peak_and_budget_the_same_precision():
     assert "3 chunks: 2 hold a piece of 1 sequence cut across chunks (coloured), 1 holds only whole" in title
 
 
+def test_auto_title_names_the_choice_and_the_two_fastest_alternatives():
+    from megatron_ext.data.lengths import sample_lengths
+    from megatron_ext.planner.auto import plan_auto
+
+    lengths = sample_lengths("github", 128, 0, 32 * 1024)
+    plan = plan_auto(lengths, COST, pp=1, b1_scale=0.06, time_limit=2.0)  # FlexSP and one-stage replicas
+    title = plot_data(plan, lengths, COST, b1_scale=0.06).title.split("\n")[0]
+    (alt, alt_s), = [(k, v["estimated_step_time_s"]) for k, v in plan.baselines.items()]
+    chosen = "flexsp" if plan.kind == "flexsp" else "elastic_pp pp1 x sp8 x dp4"
+    assert title == f"auto chose {chosen} ({plan.estimated_step_time_s:.2f} s; next: {alt} {alt_s:.2f} s)"
+    plan.baselines.update({f"x{i}": {"estimated_step_time_s": alt_s + 1 + i} for i in range(3)})
+    assert plot_data(plan, lengths, COST, b1_scale=0.06).title.split("\n")[0].endswith(
+        f"; next: {alt} {alt_s:.2f} s, x0 {alt_s + 1:.2f} s, 2 more planned)")
+
+
 def test_box_labels_are_whole_and_inside_their_box():
     """Chunks from 60K tokens down to 200 (64 of them): wide boxes get "F3", narrower ones the chunk id alone,
     the narrowest none; no label is cut short or wider than its box."""
