@@ -14,6 +14,10 @@ Flags (all off by default; without ``--flexsp`` / ``--elastic-pp`` Megatron runs
                            each step's sequences are cut into token-level slices and packed into
                            chunks, ordered per stage by the elastic_pp planner; each stage's
                            data-parallel ranks run every chunk as one Ulysses group.
+--elastic-pp-sp D          The Ulysses degree of an elastic pipeline's stages (default: the
+                           data-parallel size). Below it, each stage's data-parallel ranks split
+                           into data-parallel size / D groups of D: that many pipeline replicas
+                           run side by side, each its share of the step's sequences.
 --flexsp-max-sp-size D     Largest Ulysses degree a group may have (a power of two; default: the
                            data-parallel size, capped by what the heads divide by).
 --planner-time-limit SEC   Solver time limit per step (default 1.0). A step never waits longer:
@@ -40,8 +44,10 @@ Flags (all off by default; without ``--flexsp`` / ``--elastic-pp`` Megatron runs
 Conflicts (each explained when hit): --context-parallel-size > 1, --sequence-parallel with
 --tensor-model-parallel-size > 1, --micro-batch-size other than 1, --pipeline-model-parallel-size
 > 1 with --flexsp; with --elastic-pp: a pipeline size below 2 or not dividing the layers, tensor
-parallelism, virtual or uneven pipeline stages, a data-parallel size that is not a Ulysses degree
-of the heads, --recompute-granularity full, the --flexsp-* planner options; and for both:
+parallelism, virtual or uneven pipeline stages, an SP degree (--elastic-pp-sp, else the
+data-parallel size) that is not a Ulysses degree of the heads or does not divide the data-parallel
+size, fewer --global-batch-size sequences than pipeline replicas, --recompute-granularity full, the
+--flexsp-* planner options; --elastic-pp-sp without --elastic-pp; and for both:
 --rampup-batch-size, --dataloader-type other than external, data other than one --data-path
 prefix or --mock-data, legacy models, multi-latent attention, MoE, sliding-window attention,
 position embeddings other than rope / learned_absolute / none, FSDP (Megatron-FSDP, torch FSDP2),
@@ -83,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--elastic-pp", action="store_true",
                    help="elastic pipelines: token-level slices and packed chunks over the pipeline stages, "
                         "planned per step, with Ulysses SP over each stage's data-parallel ranks")
+    g.add_argument("--elastic-pp-sp", type=int, default=None, metavar="D",
+                   help="Ulysses degree of each elastic pipeline stage (default: the data-parallel size); below it "
+                        "the stage's data-parallel ranks run data-parallel size / D pipeline replicas side by side")
     g.add_argument("--flexsp-max-sp-size", type=int, default=None, metavar="D",
                    help="largest Ulysses degree of a group (power of two; default: the data-parallel size)")
     g.add_argument("--planner-time-limit", type=float, default=1.0, metavar="SEC",
@@ -211,6 +220,10 @@ def validate_args(args, world_size: int | None = None) -> Validated:
     own validate_args). Adjusts what it must (listed in ``notes``) and raises ArgumentConflict,
     NotYetSupported or ConfigError with an explanation. ``world_size`` defaults to $WORLD_SIZE."""
     flexsp, elastic = bool(_get(args, "flexsp", False)), bool(_get(args, "elastic_pp", False))
+    if _get(args, "elastic_pp_sp", None) is not None and not elastic:
+        _conflict("--elastic-pp-sp sets the Ulysses degree of --elastic-pp's pipeline stages; it has no effect "
+                  "without --elastic-pp" + (" (--flexsp chooses each group's degree: bound it with "
+                                            "--flexsp-max-sp-size)" if flexsp else ""))
     if not (flexsp or elastic):
         for name, flag in (("adaptive_recompute", "--adaptive-recompute"), ("planner_log", "--planner-log"),
                            ("cost_model", "--cost-model"), ("flexsp_max_sp_size", "--flexsp-max-sp-size")):
@@ -232,6 +245,8 @@ def validate_args(args, world_size: int | None = None) -> Validated:
     head_limit = head_degree_limit(heads, kv, tp) if heads else dp
     if elastic:
         cost = _check_elastic(args, world, tp, pp, dp, head_limit)
+        if _get(args, "elastic_pp_sp", None) is None:  # one pipeline: each stage's data-parallel ranks one SP group
+            args.elastic_pp_sp = dp
     else:
         cost = _check_flexsp(args, world, tp, pp, cp, dp, head_limit)
 
@@ -340,8 +355,9 @@ def _check_flexsp(args, world: int, tp: int, pp: int, cp: int, dp: int, head_lim
 
 
 def _check_elastic(args, world: int, tp: int, pp: int, dp: int, head_limit: int):
-    """--elastic-pp's own conflicts: P stages of the layers, each stage's data-parallel ranks one
-    Ulysses group of degree dp. Returns the cost model, its degrees capped by the heads."""
+    """--elastic-pp's own conflicts: P stages of the layers, each stage's data-parallel ranks
+    dp / D Ulysses groups of degree D (--elastic-pp-sp, default dp), one per pipeline replica.
+    Returns the cost model, its degrees capped by the heads."""
     if pp < 2:
         _conflict("--elastic-pp cuts sequences into pipeline chunks over stages; it needs "
                   "--pipeline-model-parallel-size of at least 2")
@@ -361,18 +377,34 @@ def _check_elastic(args, world: int, tp: int, pp: int, dp: int, head_limit: int)
     if layers and layers % pp:
         _conflict(f"--elastic-pp: --pipeline-model-parallel-size {pp} does not divide the {layers} layers "
                   f"(every stage holds the same number of layers)")
-    if not _is_power_of_two(dp) or dp > head_limit:
-        heads = _get(args, "num_attention_heads", None)
-        _conflict(f"--elastic-pp makes each stage's {dp} data-parallel ranks (world {world} / PP {pp}) one Ulysses "
-                  f"group, which must be a power of two dividing the {heads} attention heads and the KV heads "
-                  f"(up to {head_limit} here); change --pipeline-model-parallel-size or the number of ranks")
+    heads = _get(args, "num_attention_heads", None)
+    sp = _get(args, "elastic_pp_sp", None)
+    if sp is None:
+        sp = dp
+        if not _is_power_of_two(dp) or dp > head_limit:
+            _conflict(f"--elastic-pp makes each stage's {dp} data-parallel ranks (world {world} / PP {pp}) one "
+                      f"Ulysses group, which must be a power of two dividing the {heads} attention heads and the KV "
+                      f"heads (up to {head_limit} here); change --pipeline-model-parallel-size or the number of "
+                      f"ranks, or split the stages into pipeline replicas of a smaller SP with --elastic-pp-sp")
+    elif sp < 1 or dp % sp:
+        _conflict(f"--elastic-pp-sp {sp} must divide a stage's {dp} data-parallel ranks (world {world} / PP {pp}): "
+                  f"they split into data-parallel size / D pipeline replicas of SP D")
+    elif not _is_power_of_two(sp) or sp > head_limit:
+        _conflict(f"--elastic-pp-sp {sp} is not an allowed Ulysses degree: a power of two dividing the {heads} "
+                  f"attention heads and the KV heads (up to {head_limit} here)")
+    replicas = dp // sp
+    batch = _get(args, "global_batch_size", None)
+    if batch is not None and batch < replicas:
+        _conflict(f"--elastic-pp-sp {sp} runs {replicas} pipeline replicas side by side (a stage's {dp} data-parallel "
+                  f"ranks / SP {sp}), each on its share of a step's sequences: --global-batch-size {batch} leaves "
+                  f"some with none; give at least {replicas} sequences a step or a larger --elastic-pp-sp")
     if _get(args, "recompute_granularity", None) == "full":
         _conflict("--elastic-pp decides recomputation per chunk and stage itself (none when the step fits, every "
                   "layer when not; per chunk with --adaptive-recompute); drop --recompute-granularity full")
     for name in ("flexsp_max_sp_size", "flexsp_static_degree"):
         if _get(args, name, None) is not None:
-            _conflict(f"--{name.replace('_', '-')} belongs to --flexsp; --elastic-pp's SP degree is the "
-                      f"data-parallel size")
+            _conflict(f"--{name.replace('_', '-')} belongs to --flexsp; --elastic-pp's SP degree is "
+                      f"--elastic-pp-sp (default: the data-parallel size)")
     if _get(args, "flexsp_planner", "flexsp") != "flexsp":
         _conflict("--flexsp-planner belongs to --flexsp; --elastic-pp plans with the elastic_pp planner")
 
@@ -382,11 +414,11 @@ def _check_elastic(args, world: int, tp: int, pp: int, dp: int, head_limit: int)
     ref, cost = _cost_model(args, "--elastic-pp")
     if cost.num_gpus != world:
         _conflict(f"--cost-model {ref} describes {cost.num_gpus} GPUs ({cost.cluster.name}), but this job has "
-                  f"{world} ranks: an elastic pipeline spans every rank ({pp} stages x SP {dp}), so its cost "
-                  f"model describes the whole job")
+                  f"{world} ranks: elastic pipelines span every rank ({replicas} replica{'s' if replicas > 1 else ''} "
+                  f"x {pp} stages x SP {sp}), so their cost model describes the whole job")
     cost = cap_cost_model(cost, head_limit)
     try:  # the cost model's own layers and heads, and whether a stage's model states fit
-        PipelineCost(cost, pp, dp)
+        PipelineCost(cost, pp, sp)
     except MegatronExtError as e:
         raise type(e)(f"--elastic-pp with --cost-model {ref}: {e}") from None
     return cost

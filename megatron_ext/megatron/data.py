@@ -117,7 +117,9 @@ def build_documents(args, tokenizer):
 def make_loader(documents, cost, args, *, num_steps: int | None, start_step: int, seed: int):
     """The PlanningDataLoader of one split, configured from Megatron's and megatron_ext's args:
     with ``--elastic-pp`` the elastic_pp planner on ``--pipeline-model-parallel-size`` stages of SP
-    degree GPUs / stages (batch 1F1B when a plan is late), else ``--flexsp-planner`` (BatchAda when late)."""
+    degree ``--elastic-pp-sp`` (set by ``arguments.validate_args``; below GPUs / stages, that many
+    / SP pipeline replicas side by side), batch 1F1B when a plan is late; else ``--flexsp-planner``
+    (BatchAda when late)."""
     from megatron_ext.data.loader import PlanningDataLoader
     from megatron_ext.planner import PlannerOptions
 
@@ -128,7 +130,7 @@ def make_loader(documents, cost, args, *, num_steps: int | None, start_step: int
         max_len = int(args.seq_length)
         pp = int(args.pipeline_model_parallel_size)
         options = PlannerOptions(time_limit=limit, drop_over_max=True, max_seq_len=max_len, pp=pp,
-                                 sp=cost.num_gpus // pp, recompute="ilp" if args.adaptive_recompute else "auto")
+                                 sp=int(args.elastic_pp_sp), recompute="ilp" if args.adaptive_recompute else "auto")
         planner, fallback = "elastic_pp", "batch_1f1b"
     else:
         max_len = min(int(args.seq_length), cost.max_seq_len)

@@ -12,18 +12,23 @@ decides the micro-batches:
   ``forward_backward_no_pipelining`` over them with ``runtime.schedule.flexsp_forward_step``;
 * ``elastic_forward_backward`` takes the step and runs ``runtime.pipeline.forward_backward_elastic``
   on this rank's stage: the plan's chunks in each stage's planned order, point-to-point over
-  Megatron's pipeline group, each stage's data-parallel ranks one Ulysses group, the planned
-  layers recomputed per chunk, then Megatron's ``finalize_model_grads``.
+  Megatron's pipeline group, each stage's data-parallel ranks one Ulysses group (with
+  ``--elastic-pp-sp`` D below them: dp / D groups of D, one per pipeline replica, each replica
+  running its own pipelines), the planned layers recomputed per chunk, then Megatron's
+  ``finalize_model_grads``.
 
 Loss is per token (``--calculate-per-token-loss``): each micro-batch (chunk) returns its token-loss
 sum and token count; Megatron sums both over the data-parallel ranks (on the last pipeline stage),
-so its "lm loss" is the global batch's mean token loss whatever the plan.
+so its "lm loss" is the global batch's mean token loss whatever the plan (replicas included: the
+last stage's data-parallel ranks are every replica's last stage).
 
 A FlexSP rank with no sequence in a micro-batch runs the model on a single pad token whose loss
 counts zero: every module hook and collective of a real micro-batch runs (DDP marks every gradient
 ready, which ``--overlap-grad-reduce`` relies on in the last micro-batch; the distributed
 optimizer's ``--overlap-param-gather`` hooks fire), and no gradient changes. (In a pipeline every
-rank of a stage holds a shard of every chunk.)
+rank of a stage holds a shard of every chunk of its replica, and every replica has chunks: the
+planner gives each replica a sequence before any gets two, and ``arguments.validate_args`` asks
+for at least as many sequences a step as there are replicas.)
 
 After each training step the measured forward-backward time (slowest rank) is set beside the
 plan's prediction: every ``--log-interval`` iterations one line through Megatron's logger, every
@@ -43,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.data.loader import Step
-from megatron_ext.errors import InvalidPlanError
+from megatron_ext.plan.pipelines import replica_groups
 from megatron_ext.runtime.schedule import StepTimes, flexsp_forward_step, micro_batch_inputs
 
 logger = logging.getLogger(__name__)
@@ -51,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _State:
-    pool: object = None  # SPGroupPool over megatron's data-parallel groups
+    pool: object = None  # SPGroupPool over megatron's data-parallel groups (FlexSP; replicas of SP > 1)
     pad_id: int = 0
     device: object = "cpu"
     loaders: tuple = ()
@@ -84,8 +89,10 @@ def _pad_id(tokenizer) -> int:
 def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     """Megatron's ``train_valid_test_datasets_provider`` for --flexsp and --elastic-pp: iterators of
     planned steps (train, valid, test; None for an empty split or with --eval-iters 0). Called on
-    every rank (``is_distributed``); with --flexsp it also creates the SP group pool, collectively,
-    once (an elastic pipeline's SP groups are Megatron's data-parallel groups)."""
+    every rank (``is_distributed``); it also creates the SP group pool, collectively, once: FlexSP's
+    groups, or the groups of elastic pipeline replicas of SP above 1 (an elastic stage of one SP
+    group uses Megatron's data-parallel group itself, and SP 1 needs none)."""
+    from megatron.core import parallel_state
     from megatron.training import get_tokenizer, print_rank_0
 
     from megatron_ext.megatron.arguments import mode_flag
@@ -96,7 +103,8 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     args = _args()
     flag = mode_flag(args)
     elastic = flag == "--elastic-pp"
-    if not elastic and STATE.pool is None:
+    dp = parallel_state.get_data_parallel_world_size()
+    if STATE.pool is None and (not elastic or 1 < args.elastic_pp_sp < dp):
         STATE.pool = SPGroupPool.from_parallel_state()
     tokenizer = get_tokenizer()
     STATE.pad_id = _pad_id(tokenizer)
@@ -133,7 +141,9 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     atexit.register(_close_loaders)
     train = loaders[0]
     if elastic:
-        layout = (f"{train.options.pp} stages x SP {train.options.sp}, recompute "
+        replicas = dp // train.options.sp
+        layout = ((f"{replicas} pipeline replicas of " if replicas > 1 else "")
+                  + f"{train.options.pp} stages x SP {train.options.sp}, recompute "
                   + ("per chunk (--adaptive-recompute)" if train.options.recompute == "ilp"
                      else "none, or every layer when a step does not fit"))
     else:
@@ -254,40 +264,25 @@ def _elastic_forward_step(data_iterator, model):
     return output, _checked(loss_func)
 
 
-def _one_replica(plan) -> None:
-    """Refuse a plan of pipeline replicas (SP below a stage's data-parallel size): Megatron-LM's
-    --elastic-pp plans and reports one pipeline whose stages' data-parallel ranks are its SP groups."""
-    from megatron.core import parallel_state
-
-    dp = parallel_state.get_data_parallel_world_size()
-    for p in plan.pipelines:
-        if p.sp_degree != dp:
-            many = f" ({dp // p.sp_degree} replicas side by side)" if dp % p.sp_degree == 0 else ""
-            raise InvalidPlanError(
-                f"--elastic-pp: the plan's layout is {p.stages} stages x SP {p.sp_degree} on {dist.get_world_size()} "
-                f"ranks{many}, but Megatron-LM runs one pipeline whose SP degree is a stage's data-parallel size, "
-                f"{dp}; pipeline replicas run under `megatron-ext train --sp`")
-
-
 def elastic_forward_backward(*, forward_step_func=None, data_iterator, model, num_microbatches=None,
                              seq_length=None, micro_batch_size=None, forward_only=False, **kwargs):
     """Megatron's forward_backward_func for --elastic-pp (same keywords). Consumes one ``Step``
-    from ``data_iterator`` and runs its pipelines on this rank's stage (``forward_backward_elastic``,
-    which ends with Megatron's ``finalize_model_grads``). Returns the last stage's loss dicts, one
-    per chunk (``{"lm loss": [sum, tokens]}``), and nothing elsewhere, as Megatron's pipeline
-    schedules do; Megatron's other keywords are ignored (the plan decides)."""
+    from ``data_iterator`` and runs on this rank's stage the pipelines of this rank's replica
+    (``forward_backward_elastic``, which ends with Megatron's ``finalize_model_grads``). Returns
+    the last stage's loss dicts, one per chunk (``{"lm loss": [sum, tokens]}``), and nothing
+    elsewhere, as Megatron's pipeline schedules do; Megatron's other keywords are ignored (the
+    plan decides)."""
     from megatron.core import parallel_state
 
     from megatron_ext.runtime.pipeline import forward_backward_elastic
 
     step = _planned_step(data_iterator, "--elastic-pp")
     chunk = _one_model_chunk(model, "--elastic-pp")
-    _one_replica(step.plan)
     _sync()
     start = time.perf_counter()
     losses, stats = forward_backward_elastic(step.plan, step.batch, chunk, pad_id=STATE.pad_id,
                                              forward_only=forward_only, device=STATE.device,
-                                             forward_step_func=_elastic_forward_step)
+                                             forward_step_func=_elastic_forward_step, sp_groups=STATE.pool)
     _sync()
     end = time.perf_counter()
     if not forward_only:
@@ -310,19 +305,21 @@ def _degrees(plan) -> dict[int, int]:
 
 
 def _pipelines(plan, lengths) -> list[dict]:
-    """Each pipeline of an elastic_pp plan: its layout, chunks, chunks holding a slice (a piece
-    that is not its whole sequence) and layers recomputed (summed over chunks and stages)."""
+    """Each pipeline of an elastic_pp plan: its layout and replica, chunks, chunks holding a slice
+    (a piece that is not its whole sequence) and layers recomputed (summed over chunks and stages)."""
     out = []
     for p in plan.pipelines:
         sliced = sum(any(x.start > 0 or x.end < int(lengths[x.seq_id]) for x in c.pieces) for c in p.chunks)
-        out.append({"stages": p.stages, "sp_degree": p.sp_degree, "chunks": len(p.chunks), "sliced_chunks": sliced,
-                    "recomputed_layers": sum(sum(c.recompute_layers_per_stage or []) for c in p.chunks)})
+        out.append({"stages": p.stages, "sp_degree": p.sp_degree, "replica": p.replica, "chunks": len(p.chunks),
+                    "sliced_chunks": sliced, "recomputed_layers": sum(sum(c.recompute_layers_per_stage or [])
+                                                                      for c in p.chunks)})
     return out
 
 
 def step_record(step: Step, iteration: int, measured_s: float, measured_parts_s: list[float]) -> dict:
     """One step's record. ``measured_parts_s``: the time of each micro-batch (FlexSP) or each
-    stage's busy time, forward and backward ops without waits (elastic pipelines)."""
+    stage's busy time, forward and backward ops without waits (elastic pipelines; the slowest
+    replica's). ``replicas``: the pipeline replicas side by side (elastic pipelines)."""
     plan = step.plan
     predicted = float(plan.estimated_step_time_s)
     kept = [i for i in range(len(step.lengths)) if i not in set(plan.dropped_seq_ids)]
@@ -338,7 +335,7 @@ def step_record(step: Step, iteration: int, measured_s: float, measured_parts_s:
     if plan.kind == "elastic_pp":
         pipes = _pipelines(plan, step.lengths)
         rec.update(micro_batches=sum(p["chunks"] for p in pipes), pipelines=pipes,
-                   measured_stage_busy_s=measured_parts_s)
+                   replicas=len(replica_groups(plan, plan.num_gpus)), measured_stage_busy_s=measured_parts_s)
     else:
         rec.update(micro_batches=len(plan.micro_batches), groups_by_degree=_degrees(plan),
                    predicted_micro_batch_s=[mb.estimated_time_s for mb in plan.micro_batches],
@@ -353,7 +350,8 @@ def _mode(rec: dict) -> str:
 def summary_line(rec: dict) -> str:
     if rec.get("kind") == "elastic_pp":
         pipes = rec["pipelines"]
-        layout = (f"pipelines {len(pipes)} x {pipes[0]['stages']} stages x SP {pipes[0]['sp_degree']} | "
+        replicas = f" over {rec['replicas']} replicas" if rec["replicas"] > 1 else ""
+        layout = (f"pipelines {len(pipes)} x {pipes[0]['stages']} stages x SP {pipes[0]['sp_degree']}{replicas} | "
                   f"chunks {rec['micro_batches']} ({sum(p['sliced_chunks'] for p in pipes)} with slices) | "
                   f"recomputed layers {sum(p['recomputed_layers'] for p in pipes)}")
     else:

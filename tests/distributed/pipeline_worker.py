@@ -605,20 +605,6 @@ def pipeline_replicas_an_idle_replica_reduces_and_does_not_hang():
 
 
 @check
-def pipeline_replicas_refused_by_the_megatron_lm_step():
-    # Megatron-LM's --elastic-pp runs one pipeline of SP = a stage's data-parallel size (2 here)
-    import pytest
-
-    from megatron_ext.errors import InvalidPlanError
-    from megatron_ext.megatron.step import _one_replica
-
-    _init_pipeline(2)
-    _one_replica(_plan([_pipeline([[(0, 0, 9)]], 2, 2)]))
-    with pytest.raises(InvalidPlanError, match=r"layout is 2 stages x SP 1 on 4 ranks \(2 replicas side by side\)"):
-        _one_replica(_plan([_pipeline([[(0, 0, 9)]], 2, 1)]))
-
-
-@check
 def pipeline_replicas_pp1_sp2_use_their_own_ulysses_groups():
     # one stage of 4 data-parallel ranks as 2 replicas of SP 2: each replica's chunks (split
     # sequences with a prefix included) all-to-all inside its own pair of ranks

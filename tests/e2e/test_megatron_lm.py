@@ -16,7 +16,8 @@ directory, one copy patched with scripts/apply_patches.sh and one unpatched, and
   --micro-batch-size 1) on the same data and seed (``equivalence_runs``, below): the same token
   sequences in every global batch, per-document attention and loss in both; and so does
   --elastic-pp against the unpatched script's 1F1B pipeline with the same pipeline size
-  (``elastic_equivalence_runs``);
+  (``elastic_equivalence_runs``), one pipeline of SP 2 and, with --elastic-pp-sp 1, 2 pipeline
+  replicas of SP 1;
 - conflicts stop at argument parsing with their explanation.
 
 ``python tests/e2e/test_megatron_lm.py`` runs the equivalence measurement and prints its table.
@@ -222,22 +223,29 @@ def equivalence_runs(unpatched: Path, patched: Path, work: Path, iters: int = 3,
     return {"iterations": out, "reference": reference, "plans": plans}
 
 
+ELASTIC_SP2, ELASTIC_REPLICAS = "elastic-pp PP=2 SP=2 (patched)", "elastic-pp PP=2 2 replicas x SP=1 (patched)"
+
+
 def elastic_equivalence_runs(unpatched: Path, patched: Path, work: Path, iters: int = 3, batch: int = 4,
                              per_sample: int = 1, seq_len: int = 2048, seed: int = 1234) -> dict:
-    """Runs on the same token sequences, 4 ranks, --pipeline-model-parallel-size 2 in both (Megatron
+    """Runs on the same token sequences, 4 ranks, --pipeline-model-parallel-size 2 in all (Megatron
     seeds each stage's weights by its pipeline rank, so a pipeline has its own static reference):
-    the unpatched script's 1F1B over micro-batches of one sample with data parallelism 2, and the
-    patched one with --elastic-pp, each stage's 2 ranks one Ulysses group. Documents of up to
-    ``seq_len`` - 16 tokens, long enough for the planner to cut some into slices. Same result
-    shape as ``equivalence_runs``."""
+    the unpatched script's 1F1B over micro-batches of one sample with data parallelism 2, the
+    patched one with --elastic-pp, each stage's 2 ranks one Ulysses group, and with --elastic-pp
+    --elastic-pp-sp 1, 2 pipeline replicas of SP 1 side by side, each on its share of the
+    documents. Documents of ``seq_len`` tokens (one a sample), long enough for the planner to cut
+    them into slices. Same result shape as ``equivalence_runs``; "plans" maps each elastic run to its
+    planner-log records."""
     pp = ["--pipeline-model-parallel-size", "2"]
     _, planned, static = static_and_planned(unpatched, work, iters, batch, per_sample, seq_len, seed, tuple(pp),
                                             nproc=4)
-    log = work / "plans.jsonl"
-    elastic = run_pretrain(patched, planned + pp + ["--elastic-pp", "--cost-model", COST_4, "--planner-log", str(log)],
-                           nproc=4)
-    out = {"static PP=2 (unpatched)": static, "elastic-pp PP=2 SP=2 (patched)": _ok(elastic, iters)}
-    plans = [json.loads(line) for line in log.read_text().splitlines()]
+    out, plans = {"static PP=2 (unpatched)": static}, {}
+    for name, extra in ((ELASTIC_SP2, []), (ELASTIC_REPLICAS, ["--elastic-pp-sp", "1"])):
+        log = work / f"plans-{len(plans)}.jsonl"
+        run = run_pretrain(patched, planned + pp + ["--elastic-pp", "--cost-model", COST_4, "--planner-log", str(log),
+                                                    *extra], nproc=4)
+        out[name] = _ok(run, iters)
+        plans[name] = [json.loads(line) for line in log.read_text().splitlines()]
     return {"iterations": out, "reference": {name: "static PP=2 (unpatched)" for name in out}, "plans": plans}
 
 
@@ -289,13 +297,37 @@ def test_flexsp_matches_unpatched_static_settings(checkouts, tmp_path):
     assert all(r["plan_source"].endswith("planner") for r in result["plans"])
 
 
-def test_elastic_pp_matches_unpatched_static_pipeline(checkouts, tmp_path):
-    unpatched, patched = checkouts
-    result = elastic_equivalence_runs(unpatched, patched, tmp_path, iters=2)  # 4 ranks on few cores: 2 suffice
-    assert_same_as_reference(result)
-    plans = result["plans"]
+@pytest.fixture(scope="module")
+def elastic_equivalence(checkouts, tmp_path_factory):
+    unpatched, patched = checkouts  # 4 ranks on few cores: 2 iterations suffice
+    return elastic_equivalence_runs(unpatched, patched, tmp_path_factory.mktemp("elastic"), iters=2)
+
+
+def _assert_elastic_run_matches(result: dict, name: str) -> list[dict]:
+    """``name``'s losses and grad norms are the static pipeline's, every step came from the
+    planner; returns its planner-log records."""
+    assert_same_as_reference({"iterations": {k: result["iterations"][k] for k in (name, "static PP=2 (unpatched)")},
+                              "reference": result["reference"]})
+    plans = result["plans"][name]
+    assert [r["iteration"] for r in plans] == [1, 2]
     assert all(r["kind"] == "elastic_pp" and r["plan_source"].endswith("planner") for r in plans)
+    return plans
+
+
+def test_elastic_pp_matches_unpatched_static_pipeline(elastic_equivalence):
+    plans = _assert_elastic_run_matches(elastic_equivalence, ELASTIC_SP2)
+    assert all(r["replicas"] == 1 and {p["sp_degree"] for p in r["pipelines"]} == {2} for r in plans)
     assert any(p["sliced_chunks"] for r in plans for p in r["pipelines"]), "no step cut a sequence into slices"
+
+
+def test_elastic_pp_replicas_match_unpatched_static_pipeline(elastic_equivalence):
+    """--elastic-pp-sp 1: each stage's 2 data-parallel ranks run 2 pipeline replicas of SP 1, each
+    its share of the documents; Megatron's loss and gradient reductions over the data-parallel
+    ranks make them one step."""
+    plans = _assert_elastic_run_matches(elastic_equivalence, ELASTIC_REPLICAS)
+    for r in plans:
+        assert r["replicas"] == 2 and {p["replica"] for p in r["pipelines"]} == {0, 1}, r["pipelines"]
+        assert {(p["stages"], p["sp_degree"]) for p in r["pipelines"]} == {(2, 1)}
 
 
 def test_elastic_pp_trains_on_mock_data_with_4_ranks(checkouts, tmp_path):
@@ -345,6 +377,8 @@ def test_unpatched_checkout_without_flexsp_flags_still_rejects_them(checkouts):
 @pytest.mark.parametrize("extra, message", [
     (["--context-parallel-size", "2"], "replaces context parallelism"),
     (["--elastic-pp", "--pipeline-model-parallel-size", "2", "--cost-model", COST_4], "describes 4 GPUs"),
+    (["--elastic-pp", "--pipeline-model-parallel-size", "2", "--elastic-pp-sp", "2", "--cost-model", COST_2],
+     "--elastic-pp-sp 2 must divide a stage's 1 data-parallel ranks"),
 ])
 def test_conflicts_stop_at_parsing(checkouts, extra, message):
     _, patched = checkouts
@@ -380,11 +414,12 @@ def main() -> int:
     for r in flexsp["plans"]:
         print(f"flexsp plan, iteration {r['iteration']}: {r['micro_batches']} micro-batches, groups by degree "
               f"{r['groups_by_degree']}, {r['sequences']} sequences, {r['tokens']} tokens ({r['plan_source']})")
-    for r in elastic["plans"]:
-        p = r["pipelines"]
-        print(f"elastic-pp plan, iteration {r['iteration']}: {len(p)} pipeline(s), {r['micro_batches']} chunks "
-              f"({sum(x['sliced_chunks'] for x in p)} with slices), {r['sequences']} sequences, {r['tokens']} "
-              f"tokens ({r['plan_source']})")
+    for name, records in elastic["plans"].items():
+        for r in records:
+            p = r["pipelines"]
+            print(f"{name} plan, iteration {r['iteration']}: {len(p)} pipeline(s) over {r['replicas']} replica(s), "
+                  f"{r['micro_batches']} chunks ({sum(x['sliced_chunks'] for x in p)} with slices), {r['sequences']} "
+                  f"sequences, {r['tokens']} tokens ({r['plan_source']})")
     print(f"(work files in {work})")
     return 0
 

@@ -78,6 +78,7 @@ def test_flags_parse_with_their_defaults():
     assert (args.flexsp, args.elastic_pp, args.adaptive_recompute) == (False, False, False)
     assert args.planner_time_limit == 1.0 and args.plan_ahead == 1 and args.flexsp_planner == "flexsp"
     assert args.cost_model is None and args.planner_log is None and args.flexsp_max_sp_size is None
+    assert args.elastic_pp_sp is None and parse("--elastic-pp", "--elastic-pp-sp", "2").elastic_pp_sp == 2
     args = parse("--flexsp", "--flexsp-max-sp-size", "4", "--planner-time-limit", "0.5", "--cost-model", "x:y",
                  "--adaptive-recompute", "--plan-ahead", "0", "--planner-log", "/tmp/p.jsonl")
     assert (args.flexsp_max_sp_size, args.planner_time_limit, args.cost_model, args.plan_ahead) == (4, 0.5, "x:y", 0)
@@ -202,6 +203,7 @@ def elastic(*extra: str, world: int = 4, cost: str = COST_4):
 def test_elastic_pp_validates_and_adjusts():
     args, v = elastic()
     assert v.enabled and v.data_parallel_size == 2
+    assert args.elastic_pp_sp == 2  # the default: each stage's data-parallel ranks one SP group
     assert args.calculate_per_token_loss and args.dataloader_type == "external" and args.micro_batch_size == 1
     assert "--calculate-per-token-loss" in " ".join(v.notes)
     _, v = elastic("--adaptive-recompute", "--planner-log", "/tmp/plans.jsonl")
@@ -227,7 +229,47 @@ def test_elastic_pp_conflicts_are_explained(extra, world, match):
         elastic(*extra, world=world)
 
 
+def test_elastic_pp_sp_splits_the_stages_into_replicas():
+    args, v = elastic("--elastic-pp-sp", "1", "--global-batch-size", "2")
+    assert v.enabled and v.data_parallel_size == 2 and args.elastic_pp_sp == 1
+    assert not any("elastic-pp-sp" in note for note in v.notes)
+    # a data-parallel size the heads do not divide by is no obstacle to replicas of an allowed SP
+    with pytest.raises(ArgumentConflict, match="2 data-parallel ranks .*up to 1 here.* or split the stages into "
+                                               "pipeline replicas of a smaller SP with --elastic-pp-sp"):
+        elastic("--num-attention-heads", "6", "--num-query-groups", "3")
+    args, _ = elastic("--num-attention-heads", "6", "--num-query-groups", "3", "--elastic-pp-sp", "1")
+    assert args.elastic_pp_sp == 1
+
+
+@pytest.mark.parametrize("extra, world, match", [
+    (["--elastic-pp-sp", "4"], 4, r"^--elastic-pp-sp 4 must divide a stage's 2 data-parallel ranks \(world 4 / PP 2\)"),
+    (["--elastic-pp-sp", "0"], 4, r"^--elastic-pp-sp 0 must divide a stage's 2 data-parallel ranks"),
+    (["--elastic-pp-sp", "3"], 12, r"^--elastic-pp-sp 3 is not an allowed Ulysses degree: a power of two dividing "
+                                   r"the 8 attention heads"),
+    (["--elastic-pp-sp", "2", "--num-attention-heads", "6", "--num-query-groups", "3"], 4,
+     r"^--elastic-pp-sp 2 is not an allowed Ulysses degree: .*the 6 attention heads and the KV heads \(up to 1 here\)"),
+    (["--elastic-pp-sp", "1", "--global-batch-size", "1"], 4,
+     r"^--elastic-pp-sp 1 runs 2 pipeline replicas side by side .*--global-batch-size 1 leaves some with none; "
+     r"give at least 2 sequences"),
+])
+def test_elastic_pp_sp_conflicts_are_explained(extra, world, match):
+    with pytest.raises(ArgumentConflict, match=match):
+        elastic(*extra, world=world)
+
+
+def test_elastic_pp_sp_needs_elastic_pp():
+    with pytest.raises(ArgumentConflict, match="^--elastic-pp-sp sets the Ulysses degree of --elastic-pp's pipeline "
+                                               "stages; it has no effect without --elastic-pp$"):
+        validate_args(parse(*TINY, "--elastic-pp-sp", "1"), world_size=2)
+    with pytest.raises(ArgumentConflict, match=r"no effect without --elastic-pp \(--flexsp chooses each group's "
+                                               r"degree: bound it with --flexsp-max-sp-size\)"):
+        flexsp("--elastic-pp-sp", "1")
+
+
 def test_elastic_pp_cost_model_spans_the_world():
+    with pytest.raises(ArgumentConflict, match=r"this job has 4 ranks: elastic pipelines span every rank "
+                                               r"\(2 replicas x 2 stages x SP 1\)"):
+        elastic("--elastic-pp-sp", "1", cost=COST_2)
     with pytest.raises(ArgumentConflict, match="describes 2 GPUs .* this job has 4 ranks"):
         elastic(cost=COST_2)
     with pytest.raises(ArgumentConflict, match="--elastic-pp needs --cost-model"):

@@ -80,6 +80,29 @@ def test_subset_documents():
         sub.get(10)
 
 
+@pytest.mark.parametrize("sp, replicas", [(2, [0]), (1, [0, 1])])
+def test_elastic_loader_plans_stages_of_the_given_sp(sp, replicas):
+    """--elastic-pp-sp D (validate_args sets the data-parallel size when it is not given): the
+    loader plans 2 stages x SP D, and below a stage's 2 ranks, 2 / D replicas each running
+    pipelines; so does its fallback."""
+    from megatron_ext.megatron.cost import load_cost_model
+    from megatron_ext.megatron.data import make_loader
+    from megatron_ext.plan.pipelines import replica_groups
+    from megatron_ext.planner import make_plan
+
+    cost = load_cost_model(str(ROOT / "configs/megatron/cost/tiny-cpu4.yaml"))
+    args = Namespace(elastic_pp=True, elastic_pp_sp=sp, pipeline_model_parallel_size=2, seq_length=2048,
+                     planner_time_limit=0.5, adaptive_recompute=False, global_batch_size=8, plan_ahead=0)
+    loader = make_loader(MockDocuments(64, 100, 99, 3, 4096), cost, args, num_steps=1, start_step=0, seed=3)
+    assert (loader.planner, loader.fallback) == ("elastic_pp", "batch_1f1b")
+    assert (loader.options.pp, loader.options.sp) == (2, sp)
+    for planner in (loader.planner, loader.fallback):
+        plan = make_plan(planner, loader.batch_lengths(0), cost, loader.options)
+        assert {(p.stages, p.sp_degree) for p in plan.pipelines} == {(2, sp)}, planner
+        assert sorted({p.replica for p in plan.pipelines}) == replicas, planner
+        assert all(replica_groups(plan, cost.num_gpus)), planner
+
+
 # ---- step records and logs ---------------------------------------------------------------------------
 def _step():
     from megatron_ext.data.loader import Step
@@ -125,7 +148,8 @@ def test_report_step_logs_line_tensorboard_and_planner_log(tmp_path):
     assert len(lines) == 1 and len(log.read_text().splitlines()) == 2
 
 
-def test_elastic_step_record_line_and_scalars(tmp_path):
+@pytest.mark.parametrize("sp, layout", [(2, "x 2 stages x SP 2 |"), (1, "x 2 stages x SP 1 over 2 replicas |")])
+def test_elastic_step_record_line_and_scalars(tmp_path, sp, layout):
     from megatron_ext.data.loader import Step
     from megatron_ext.megatron.cost import load_cost_model
     from megatron_ext.megatron.step import report_step
@@ -133,7 +157,7 @@ def test_elastic_step_record_line_and_scalars(tmp_path):
 
     lengths = np.array([3000, 300, 200, 50])
     plan = make_plan("elastic_pp", lengths, load_cost_model(str(ROOT / "configs/megatron/cost/tiny-cpu4.yaml")),
-                     PlannerOptions(pp=2, sp=2))
+                     PlannerOptions(pp=2, sp=sp))
     step = Step(3, plan, [np.arange(n) for n in lengths], lengths,
                 np.stack([np.arange(4), np.zeros(4, int), lengths], axis=1), "d1g3st", "planner", 0.002)
     lines, writer = [], FakeWriter()
@@ -142,12 +166,15 @@ def test_elastic_step_record_line_and_scalars(tmp_path):
                       writer=writer, printer=lines.append)
     chunks = sum(len(p.chunks) for p in plan.pipelines)
     assert rec["kind"] == "elastic_pp" and rec["micro_batches"] == chunks and rec["measured_stage_busy_s"] == [1.2, 1.5]
-    assert rec["pipelines"][0]["stages"] == 2 and rec["pipelines"][0]["sp_degree"] == 2
+    assert rec["pipelines"][0]["stages"] == 2 and rec["pipelines"][0]["sp_degree"] == sp
+    assert rec["replicas"] == 2 // sp
+    assert [p["replica"] for p in rec["pipelines"]] == [p.replica for p in plan.pipelines]
     sliced = sum(any(x.start > 0 or x.end < lengths[x.seq_id] for x in c.pieces) for p in plan.pipelines
                  for c in p.chunks)
     assert sum(p["sliced_chunks"] for p in rec["pipelines"]) == sliced
     assert lines[0].startswith(" elastic-pp iteration        4 | plan elastic_pp (planner")
-    assert f"x 2 stages x SP 2 | chunks {chunks} ({sliced} with slices) | recomputed layers 0 |" in lines[0]
+    recomputed = sum(sum(c.recompute_layers_per_stage or []) for p in plan.pipelines for c in p.chunks)
+    assert f"{layout} chunks {chunks} ({sliced} with slices) | recomputed layers {recomputed} |" in lines[0]
     names = {name for name, _, _ in writer.scalars}
     assert {"elastic-pp/num-microbatches", "elastic-pp/max-sp-degree", "elastic-pp/recomputed-layers",
             "elastic-pp/measured-fwd-bwd-time"} <= names
