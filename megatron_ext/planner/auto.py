@@ -91,7 +91,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     ``solver_status`` names the choice; ``baselines`` holds every alternative's simulated time
     (``"flexsp"``, ``"elastic_pp pp4 x sp8"``, ``"elastic_pp pp2 x sp8 x dp2"`` with replicas,
     ...). Time: the layouts go first, most promising first, in at most 1 - ``AUTO_FLEXSP_SHARE``
-    of the limit; a layout whose estimate (``layout_estimate_s``), less 15%, is no faster than
+    of the limit (each may use all of it that is left); a layout whose estimate (``layout_estimate_s``), less 15%, is no faster than
     BatchAda's step (an upper bound of FlexSP's) or the best layout so far is skipped (reported
     with its estimate), and so is any layout left when their time has run out. FlexSP goes last,
     in all the time left."""
@@ -139,7 +139,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         except MegatronExtError:
             pass
     layouts_end = start + (1 - AUTO_FLEXSP_SHARE) * budget if with_flexsp else start + budget
-    for i, (est, name, P, d) in enumerate(layouts):
+    for est, name, P, d in layouts:
         bound, against = min([(ub, "BatchAda (FlexSP's upper bound)")] + [(t, n) for t, n, _ in plans])
         left = layouts_end - time.perf_counter()
         if AUTO_PRUNE_MARGIN * est >= bound:
@@ -151,9 +151,8 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
             alts[name] = {"skipped": f"time limit reached (estimated {est:.2f} s)"}
             continue
         t0 = time.perf_counter()
-        share = left / sum(1 for e, *_ in layouts[i:] if AUTO_PRUNE_MARGIN * e < bound)  # among those still hopeful
-        try:
-            sub = plan_elastic_pp(lengths, cost, P, d, dataclasses.replace(opts, time_limit=max(0.05, share)),
+        try:  # all the layouts' time left: the likeliest go first, and a search that ends early leaves the rest
+            sub = plan_elastic_pp(lengths, cost, P, d, dataclasses.replace(opts, time_limit=max(0.05, left)),
                                   seq_ids=ids)
             record(name, sub, t0)
         except MegatronExtError as e:
