@@ -29,10 +29,12 @@ def plan_units(plan: StepPlan) -> dict[str, int]:
     return {"num_chunks": sum(len(p.chunks) for p in plan.pipelines)}
 
 
-def pipeline_layouts(cost: CostModel, pp: int | None = None, sp: int | None = None) -> list[tuple[int, int]]:
+def pipeline_layouts(cost: CostModel, pp: int | None = None, sp: int | None = None,
+                     memory_mb: float | None = None) -> list[tuple[int, int]]:
     """(pp, sp) layouts an elastic pipeline can use: pp stages dividing the layers, sp an
     allowed Ulysses degree (power of two dividing the heads), pp x sp dividing the GPUs (the rest
-    run side by side as replicas, one-stage ones too), the model states fitting. ``pp`` / ``sp``
+    run side by side as replicas, one-stage ones too), the model states fitting (in ``memory_mb``
+    per GPU, default the cluster's). ``pp`` / ``sp``
     restrict the list to matching layouts; ``pp`` alone, with the SP degree elastic_pp takes for it (``resolve_layout``)."""
     n, L = cost.num_gpus, cost.model.num_layers
     if pp is not None and sp is None and isinstance(pp, int) and pp > 0:
@@ -45,7 +47,7 @@ def pipeline_layouts(cost: CostModel, pp: int | None = None, sp: int | None = No
             if (n // P) % d or (sp is not None and d != sp):
                 continue
             try:
-                PipelineCost(cost, P, d)
+                PipelineCost(cost, P, d, memory_mb=memory_mb)
             except MegatronExtError:
                 continue
             out.append((P, d))
@@ -112,7 +114,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     with_flexsp = pin_pp is None or (pin_pp == 1 and pin_sp is None)  # one stage, adaptive degrees
     layouts = []
     longest = int(lengths[ids].max())
-    for P, d in pipeline_layouts(cost, pin_pp, pin_sp):
+    for P, d in pipeline_layouts(cost, pin_pp, pin_sp, opts.memory_mb):
         pc = PipelineCost(cost, P, d, opts.b1_scale, opts.memory_mb)
         limit = longest_sequence(pc, opts.granularity)
         if longest > limit:  # (cheap to know; planning it would only fail)
@@ -133,12 +135,14 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     # FlexSP then gets all the time left, so its MILP never has less than its share (most steps, far
     # more: the layouts are usually pruned).
     ub = math.inf
+    flex_cost = cost if opts.memory_mb is None else cost.with_memory(opts.memory_mb)  # one budget for all
     if with_flexsp:
         try:
-            ub = plan_flexsp_kind("batchada", lengths, ids, cost, PlannerOptions()).estimated_step_time_s
+            ub = plan_flexsp_kind("batchada", lengths, ids, flex_cost, PlannerOptions()).estimated_step_time_s
         except MegatronExtError:
             pass
-    layouts_end = start + (1 - AUTO_FLEXSP_SHARE) * budget if with_flexsp else start + budget
+    # (no BatchAda plan: no FlexSP plan either, so its share goes to the layouts)
+    layouts_end = start + budget * (1 - AUTO_FLEXSP_SHARE if math.isfinite(ub) else 1)
     for est, name, P, d in layouts:
         bound, against = min([(ub, "BatchAda (FlexSP's upper bound)")] + [(t, n) for t, n, _ in plans])
         left = layouts_end - time.perf_counter()
@@ -160,7 +164,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     if with_flexsp:
         t0 = time.perf_counter()
         try:
-            record("flexsp", plan_flexsp_kind("flexsp", lengths, ids, cost,
+            record("flexsp", plan_flexsp_kind("flexsp", lengths, ids, flex_cost,
                                               PlannerOptions(time_limit=max(0.05, budget - (t0 - start)))), t0)
         except MegatronExtError as e:
             alts["flexsp"] = {"error": str(e)}

@@ -26,7 +26,7 @@ def max_seq_len(name: str, cost: CostModel, options=None) -> int:
     if name not in PP_PLANNERS:
         return cost.max_seq_len
     opts = pipeline_options(options, {})
-    layouts = (pipeline_layouts(cost, opts.pp, opts.sp) if name == "auto"
+    layouts = (pipeline_layouts(cost, opts.pp, opts.sp, opts.memory_mb) if name == "auto"
                else [resolve_layout(cost, opts.pp, opts.sp)])
     limits, err = [], None
     for pp, sp in layouts:

@@ -376,6 +376,17 @@ def test_auto_picks_the_fastest_of_flexsp_and_every_layout():
     assert set(plan.baselines) == {"flexsp"}
 
 
+def test_auto_holds_every_candidate_to_one_memory_budget():
+    """``memory_mb`` binds FlexSP too: at 40 GB an 85K-token sequence fits no SP-8 group, so FlexSP
+    (and its BatchAda bound) cannot run and a pipeline, which slices it, is chosen; layouts whose
+    model states are over the budget are left out, not an error."""
+    lengths = np.array([85_000, 30_000] + [2_000] * 60)
+    plan = plan_auto(lengths, COST, memory_mb=40_000, time_limit=2.0)
+    assert _auto_checks(plan, lengths, memory_mb=40_000).startswith("elastic_pp pp")
+    assert "does not fit" in plan.baselines["flexsp"]["error"]
+    assert plan_auto(lengths, COST, time_limit=2.0).estimated_step_time_s < plan.estimated_step_time_s
+
+
 def test_make_plan_auto_and_the_cli_summary(capsys):
     from megatron_ext.planner import make_plan
     from megatron_ext.sim.commands import run_pp_plan
