@@ -14,7 +14,7 @@ from megatron_ext.errors import ConfigError, InfeasibleError, MegatronExtError
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner.api import PlannerOptions, plan_flexsp_kind
 from megatron_ext.planner.elastic_pp import plan_elastic_pp
-from megatron_ext.planner.pipeline import PipelineOptions, kept_sequences, pipeline_cost, pipeline_options, resolve_layout
+from megatron_ext.planner.pipeline import PipelineOptions, kept_sequences, pipeline_cost, pipeline_options
 from megatron_ext.planner.sequence_limits import longest_sequence
 
 AUTO_FLEXSP_SHARE = 0.45  # of the time limit, kept for FlexSP (planned after the layouts, in all the time left)
@@ -34,11 +34,8 @@ def pipeline_layouts(cost: CostModel, pp: int | None = None, sp: int | None = No
     """(pp, sp) layouts an elastic pipeline can use: pp stages dividing the layers, sp an
     allowed Ulysses degree (power of two dividing the heads), pp x sp dividing the GPUs (the rest
     run side by side as replicas, one-stage ones too), the model states fitting (in ``memory_mb``
-    per GPU, default the cluster's). ``pp`` / ``sp``
-    restrict the list to matching layouts; ``pp`` alone, with the SP degree elastic_pp takes for it (``resolve_layout``)."""
+    per GPU, default the cluster's). ``pp`` / ``sp`` restrict the list to matching layouts."""
     n, L = cost.num_gpus, cost.model.num_layers
-    if pp is not None and sp is None and isinstance(pp, int) and pp > 0:
-        sp = resolve_layout(cost, pp, None)[1]
     out = []
     for P in range(1, n + 1):
         if n % P or L % P or (pp is not None and P != pp):
@@ -86,9 +83,9 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     SP on all GPUs, one stage) and with elastic_pp on every feasible (pp, sp) layout (one-stage
     replicas of a fixed degree included), simulate each with the same simulator and return the
     fastest plan (kind ``flexsp`` or ``elastic_pp``). ``pp`` / ``sp`` (or the options') pin the
-    layout: a pinned pp > 1 leaves only its pipeline layouts, pp = 1 FlexSP and the one-stage
-    layout; a pinned sp keeps the pipeline layouts of that degree, and FlexSP (which chooses its
-    own degrees) unless pp is pinned too.
+    layout: a pinned pp > 1 leaves only its pipeline layouts (of every SP degree), pp = 1 FlexSP
+    and the one-stage layouts; a pinned sp keeps the pipeline layouts of that degree, and FlexSP
+    (which chooses its own degrees) unless pp is pinned too.
 
     ``solver_status`` names the choice; ``baselines`` holds every alternative's simulated time
     (``"flexsp"``, ``"elastic_pp pp4 x sp8"``, ``"elastic_pp pp2 x sp8 x dp2"`` with replicas,

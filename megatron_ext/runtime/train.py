@@ -30,10 +30,12 @@ from megatron_ext.spec import ModelSpec
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-ext train", description=__doc__.splitlines()[0])
     p.add_argument("--planner", default="flexsp",
-                   help=f"one of: {', '.join(PLANNERS)}; with --pp: elastic_pp, seq1f1b, batch_1f1b")
+                   help=f"one of: {', '.join(PLANNERS)}; with --pp: elastic_pp, seq1f1b, batch_1f1b; auto: per "
+                   f"step, the fastest of FlexSP (at --pp 1) and the pipelines of --pp stages")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (Ulysses degree inside a stage: --sp)")
-    p.add_argument("--sp", type=int, help="with --pp: Ulysses degree inside a stage (default: ranks / pp); below "
-                   "that, ranks / (pp x sp) replicas of the pipeline run side by side, each its share of the batch")
+    p.add_argument("--sp", type=int, help="with --pp: Ulysses degree inside a stage (default: ranks / pp; auto: "
+                   "per step); below that, ranks / (pp x sp) replicas of the pipeline run side by side, each its "
+                   "share of the batch")
     p.add_argument("--model", default="tiny", help="model preset or YAML (its layers, hidden size and heads)")
     p.add_argument("--cluster", default="cpu-4", help="cluster preset or YAML: its GPU count is the rank count")
     p.add_argument("--cost-model", metavar="PATH", help="cost-model YAML (overrides --model/--cluster)")
@@ -84,7 +86,7 @@ def _record(step, losses, grad_norm, tokens, step_time, plan, times) -> dict:
         "longest_sequence": int(step.lengths.max()) if len(step.lengths) else 0, "step_time_s": step_time,
         "predicted_step_time_s": plan.estimated_step_time_s,
         "micro_batches": len(plan.micro_batches) or sum(len(p.chunks) for p in plan.pipelines),
-        "degrees": degrees, "planner": plan.planner, "plan_source": step.plan_source,
+        "degrees": degrees, "planner": plan.planner, "kind": plan.kind, "plan_source": step.plan_source,
         "micro_batch_times_s": times, "predicted_micro_batch_times_s": [mb.estimated_time_s for mb in plan.micro_batches],
     }
 
@@ -99,15 +101,14 @@ def stage_sp(args, cost: CostModel) -> int:
 
 def check_args(args, cost: CostModel, world: int) -> bool:
     """Refuse what cannot run, before anything starts (the launcher calls it too). Returns
-    whether the planner is a pipeline planner."""
+    whether the planner plans pipelines (``auto`` included: its steps are FlexSP or pipelines of
+    the run's stages, whichever is faster, as the model's stages are fixed for the run)."""
     from megatron_ext.planner.pipeline_api import PP_PLANNERS, max_seq_len
 
     if cost.num_gpus != world:
         raise ConfigError(f"cluster {cost.cluster.name} has {cost.num_gpus} GPUs but {world} ranks were launched")
     pipelined = args.planner in PP_PLANNERS
-    runnable = ", ".join(p for p in PP_PLANNERS if p != "auto")  # (auto's layout changes per step)
-    if args.planner == "auto":  # its plan's kind changes per step; the runtime runs one kind per run
-        raise ConfigError("train runs one layout per run: choose flexsp (or a baseline) or, with --pp, a pipeline planner")
+    runnable = ", ".join(PP_PLANNERS)
     if args.planner not in PLANNERS and not pipelined:
         raise ConfigError(f"unknown planner {args.planner!r}; choose one of {', '.join([*PLANNERS, *PP_PLANNERS])}")
     if args.pp > 1 and not pipelined:
@@ -120,10 +121,13 @@ def check_args(args, cost: CostModel, world: int) -> bool:
     if pipelined:
         sp = stage_sp(args, cost)
         PipelineCost(cost, args.pp, sp)  # names what is wrong with the layout
+        if args.planner == "auto":
+            sp = args.sp  # (its degree changes per step unless pinned)
         limit = max_seq_len(args.planner, cost, PlannerOptions(pp=args.pp, sp=sp))
         if args.max_seq_len > limit:
+            what = f"SP {sp}" if sp is not None else "any SP degree"
             raise ConfigError(f"--max-seq-len {args.max_seq_len} is over the {limit} tokens a {args.pp}-stage pipeline "
-                              f"of SP {sp} holds even at the finest slicing; lower it, or use a larger --sp or more "
+                              f"of {what} holds even at the finest slicing; lower it, or use a larger --sp or more "
                               f"--pp")
     if not pipelined and args.max_seq_len > cost.max_seq_len:
         raise ConfigError(f"--max-seq-len {args.max_seq_len} is over the {cost.max_seq_len} tokens the largest SP group "
@@ -176,20 +180,22 @@ def _train(args, rank: int, world: int) -> int:
     model, _ = build_pipeline_model(cost.model, tok.vocab_size, args.max_seq_len, args.attention_backend)
     model.module.load_state_dict(stage_state_dict(weights, model))
     optimizer = build_optimizer(model, args.lr)
-    sp = stage_sp(args, cost) if pipelined else None
-    # FlexSP: every aligned group of the world; pipelines of several replicas: their SP groups
-    # inside each stage's data-parallel ranks (collective: every rank builds the pool)
+    auto = args.planner == "auto"
+    sp = args.sp if auto else stage_sp(args, cost) if pipelined else None
+    # FlexSP: every aligned group of the world; pipelines of several replicas (or of any degree,
+    # auto): their SP groups inside each stage's data-parallel ranks, which at one stage are the
+    # world's (collective: every rank builds the pool)
     pool = None
     if not pipelined:
         pool = SPGroupPool()
-    elif world // args.pp > sp > 1:
+    elif auto or world // args.pp > sp > 1:
         pool = SPGroupPool.from_parallel_state()
     docs = IndexedDocuments(prefix)
     options = PlannerOptions(time_limit=args.time_limit, static_degree=args.static_degree,
                              pp=args.pp if pipelined else None, sp=sp)
     loader = PlanningDataLoader(docs, cost, args.global_batch, planner=args.planner, options=options, seed=args.seed,
                                 max_seq_len=args.max_seq_len, num_steps=args.steps, sync="broadcast",
-                                fallback="batch_1f1b" if pipelined else "batchada")
+                                fallback="batchada" if not pipelined or (auto and args.pp == 1) else "batch_1f1b")
     records = []
     log = None
     if rank == 0 and args.run_dir:
@@ -201,7 +207,8 @@ def _train(args, rank: int, world: int) -> int:
             start = time.perf_counter()
             model.zero_grad_buffer()
             optimizer.zero_grad()
-            if pipelined:
+            piped = step.plan.kind == "elastic_pp"  # (auto: per step)
+            if piped:
                 losses, pstats = forward_backward_elastic(step.plan, step.batch, model, pad_id=tok.pad,
                                                           sp_groups=pool)
                 mb_times = torch.zeros(0, dtype=torch.float64)
@@ -219,7 +226,7 @@ def _train(args, rank: int, world: int) -> int:
             dist.all_reduce(mb_times, op=dist.ReduceOp.MAX)  # a micro-batch lasts as long as its slowest rank
             rec = _record(step, float(total[0] / total[1]), float(grad_norm), int(total[1]), step_time, step.plan,
                           mb_times.tolist())
-            if pipelined:
+            if piped:
                 ranks = [None] * world
                 dist.all_gather_object(ranks, mine)
                 if rank == 0:  # the one that reports

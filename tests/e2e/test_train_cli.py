@@ -1,7 +1,8 @@
 """`megatron-ext train` end to end: real training on 4 CPU ranks (torchrun + gloo) with per-step
-plans. Four launches: flexsp, static_ulysses, a 2-stage elastic pipeline of SP 2 and two replicas
-of a 2-stage pipeline of SP 1 on the same seed must report the same loss and grad norm at every
-step (one function computed, whatever the layout)."""
+plans. Five launches: flexsp, static_ulysses, a 2-stage elastic pipeline of SP 2, two replicas
+of a 2-stage pipeline of SP 1 and auto (per step FlexSP or one-stage pipeline replicas, on the
+same model) on the same seed must report the same loss and grad norm at every step (one function
+computed, whatever the layout)."""
 from __future__ import annotations
 
 import json
@@ -25,6 +26,7 @@ def runs():
     runs = {p: _train(p) for p in ("flexsp", "static_ulysses")}
     runs["elastic_pp"] = _train("elastic_pp", "--pp", "2")
     runs["elastic_pp replicas"] = _train("elastic_pp", "--pp", "2", "--sp", "1")
+    runs["auto"] = _train("auto")
     return runs
 
 
@@ -37,7 +39,7 @@ def test_records_have_the_contract_keys(runs):
             assert r["tokens"] > 0 and r["step_time_s"] > 0 and r["loss"] > 0
 
 
-@pytest.mark.parametrize("other", ["static_ulysses", "elastic_pp", "elastic_pp replicas"])
+@pytest.mark.parametrize("other", ["static_ulysses", "elastic_pp", "elastic_pp replicas", "auto"])
 def test_same_loss_and_grad_norm_every_step(runs, other):
     a, b = runs["flexsp"], runs[other]
     assert [r["tokens"] for r in a] == [r["tokens"] for r in b]
@@ -45,6 +47,20 @@ def test_same_loss_and_grad_norm_every_step(runs, other):
         assert abs(x["loss"] - y["loss"]) / y["loss"] < 1e-4, (x, y)
         assert abs(x["grad_norm"] - y["grad_norm"]) / y["grad_norm"] < 1e-4, (x, y)
     assert a[-1]["loss"] < a[0]["loss"], "three steps of Adam should lower the loss"
+
+
+def test_auto_runs_each_step_as_the_kind_it_planned(runs):
+    """FlexSP steps report micro-batches, one-stage pipeline steps their stage records (one row
+    per replica); which kind a step gets is the planner's choice (on this seed both, when the
+    machine is idle)."""
+    for r in runs["auto"]:
+        assert r["planner"] == "auto" and r["kind"] in ("flexsp", "elastic_pp")
+        if r["kind"] == "elastic_pp":  # a row per replica: 4 ranks / its SP degree
+            assert r["stages"] == 1 and len(r["ops_per_stage"]) == 4 // r["degrees"][0]
+            assert max(r["activation_peak_mb_per_stage"]) <= r["activation_room_mb"], r
+            assert all(measured > 0 and predicted > 0 for ops in r["ops_per_stage"] for _, measured, predicted in ops)
+        else:
+            assert "stages" not in r and r["micro_batch_times_s"]
 
 
 def test_pipeline_run_used_two_stages_of_sp2(runs):
@@ -117,7 +133,7 @@ def test_bad_option_is_one_line_error():
 
 @pytest.mark.parametrize("argv, match", [
     (["--planner", "elastic_pp", "--pp", "2", "--sp", "3"], "SP degree 3 is not allowed for tiny on cpu-4"),
-    (["--sp", "2"], "--sp applies only to pipeline planners (elastic_pp, batch_1f1b, seq1f1b)"),
+    (["--sp", "2"], "--sp applies only to pipeline planners (elastic_pp, batch_1f1b, seq1f1b, auto)"),
     (["--planner", "elastic_pp", "--pp", "2", "--sp", "1"],
      "--max-seq-len 4096 is over the 3449 tokens a 2-stage pipeline of SP 1 holds even at the finest slicing"),
 ])
@@ -150,3 +166,21 @@ def test_check_args_runs_replicas_when_sp_is_below_ranks_per_stage():
         args = build_parser().parse_args(["--planner", "elastic_pp", "--max-seq-len", "2048", *argv])
         assert check_args(args, cost, 4) and stage_sp(args, cost) == sp
 
+
+
+def test_check_args_takes_auto_at_any_stage_count():
+    """auto plans per step, on the run's stages: any --pp, an optional --sp; its length limit is the
+    longest either kind runs on those stages."""
+    from megatron_ext.cost import CostModel
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.planner import PlannerOptions
+    from megatron_ext.planner.pipeline_api import max_seq_len
+    from megatron_ext.runtime.train import build_parser, check_args
+
+    cost = CostModel.from_presets("tiny", "cpu-4")
+    for argv in ([], ["--pp", "2"], ["--pp", "1", "--sp", "2"]):
+        assert check_args(build_parser().parse_args(["--planner", "auto", "--max-seq-len", "2048", *argv]), cost, 4)
+    limit = max_seq_len("auto", cost, PlannerOptions(pp=2))
+    args = build_parser().parse_args(["--planner", "auto", "--pp", "2", "--max-seq-len", str(limit + 1)])
+    with pytest.raises(ConfigError, match=f"over the {limit} tokens a 2-stage pipeline of any SP degree holds"):
+        check_args(args, cost, 4)

@@ -316,9 +316,10 @@ def test_layouts_and_their_estimate():
     # hold 20 layers' model states on one GPU, nor one stage 40 layers' on 1-2 GPUs
     assert pipeline_layouts(COST) == [(1, 4), (1, 8), (2, 2), (2, 4), (2, 8), (4, 1), (4, 2), (4, 4), (4, 8), (8, 1),
                                       (8, 2), (8, 4)]
-    assert pipeline_layouts(COST, pp=8) == [(8, 4)] and pipeline_layouts(COST, sp=16) == []
-    assert pipeline_layouts(COST, pp=2) == [(2, 8)]  # sp 16 is not allowed: 8, and two replicas
-    assert pipeline_layouts(COST, sp=8) == [(1, 8), (2, 8), (4, 8)] and pipeline_layouts(COST, pp=1) == [(1, 8)]
+    assert pipeline_layouts(COST, pp=8) == [(8, 1), (8, 2), (8, 4)] and pipeline_layouts(COST, sp=16) == []
+    assert pipeline_layouts(COST, pp=2) == [(2, 2), (2, 4), (2, 8)]  # sp 16 is not allowed
+    assert pipeline_layouts(COST, sp=8) == [(1, 8), (2, 8), (4, 8)] and pipeline_layouts(COST, pp=1) == [(1, 4), (1, 8)]
+    assert pipeline_layouts(COST, pp=2, sp=8) == [(2, 8)]
     c7 = CostModel.from_presets("llama-7b", "a800-80g-8x4")  # 32 layers, 32 heads
     assert [x for x in pipeline_layouts(c7) if x[0] * x[1] == 32] == [(1, 32), (2, 16), (4, 8), (8, 4), (16, 2),
                                                                                (32, 1)]
@@ -368,12 +369,16 @@ def test_auto_picks_the_fastest_of_flexsp_and_every_layout():
     assert set(plan.baselines) | {chosen} == names and "elastic_pp pp2 x sp8 x dp2" in names
     for k, v in plan.baselines.items():
         assert "estimated_step_time_s" in v or "skipped" in v, (k, v)
-    # a pinned layout: pp 8 leaves its pipelines; pp 1 FlexSP and one-stage replicas (faster here)
-    plan = plan_auto(lengths, COST, pp=8, time_limit=5.0)
+    # pinned: pp 8 and sp 4 leave one layout; pp 1 FlexSP and one-stage replicas (faster here)
+    plan = plan_auto(lengths, COST, pp=8, sp=4, time_limit=5.0)
     assert _auto_checks(plan, lengths) == "elastic_pp pp8 x sp4" and not plan.baselines
+    plan = plan_auto(lengths, COST, pp=8, time_limit=5.0)
+    assert _auto_checks(plan, lengths).startswith("elastic_pp pp8 x sp")
+    assert set(plan.baselines) | {"elastic_pp pp8 x sp4"} == {"elastic_pp pp8 x sp1 x dp4", "elastic_pp pp8 x sp2 x dp2",
+                                                              "elastic_pp pp8 x sp4"}
     plan = plan_auto(lengths, COST, pp=1, b1_scale=0.06)
     assert _auto_checks(plan, lengths, b1_scale=0.06) == "elastic_pp pp1 x sp8 x dp4"
-    assert set(plan.baselines) == {"flexsp"}
+    assert set(plan.baselines) == {"flexsp", "elastic_pp pp1 x sp4 x dp8"}
 
 
 def test_auto_holds_every_candidate_to_one_memory_budget():
