@@ -119,10 +119,9 @@ def check_args(args, cost: CostModel, world: int) -> bool:
         raise ConfigError(f"--sp applies only to pipeline planners ({runnable}); {args.planner} chooses its SP "
                           f"degrees itself")
     if pipelined:
-        sp = stage_sp(args, cost)
-        PipelineCost(cost, args.pp, sp)  # names what is wrong with the layout
-        if args.planner == "auto":
-            sp = args.sp  # (its degree changes per step unless pinned)
+        sp = args.sp if args.planner == "auto" else stage_sp(args, cost)  # (auto: per step, unless pinned)
+        if sp is not None:
+            PipelineCost(cost, args.pp, sp)  # names what is wrong with the layout
         limit = max_seq_len(args.planner, cost, PlannerOptions(pp=args.pp, sp=sp))
         if args.max_seq_len > limit:
             what = f"SP {sp}" if sp is not None else "any SP degree"
