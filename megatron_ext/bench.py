@@ -12,6 +12,7 @@ import statistics
 import numpy as np
 
 from megatron_ext.cost import CostModel
+from megatron_ext.errors import InfeasibleError
 from megatron_ext.data.lengths import sample_lengths
 from megatron_ext.planner import PlannerOptions, make_plan
 from megatron_ext.planner.api import BASELINES
@@ -21,6 +22,9 @@ SCALE_GPUS, SCALE_SEQS = 1024, 8192
 
 def _row(planner: str, lengths: np.ndarray, cost: CostModel, options: PlannerOptions, baselines) -> dict:
     plan = make_plan(planner, lengths, cost, options, baselines=baselines)
+    for b, v in plan.baselines.items():  # a table of speedups needs every baseline on every batch
+        if "error" in v:
+            raise InfeasibleError(f"baseline {b} cannot run a {len(lengths)}-sequence batch: {v['error']}")
     return {
         "seqs": len(lengths), "tokens": int(lengths.sum()), "dropped": len(plan.dropped_seq_ids),
         "micro_batches": len(plan.micro_batches), "solve_time_s": plan.solve_time_s,

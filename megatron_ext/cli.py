@@ -106,7 +106,8 @@ def _plan_table(plan, lengths, cost, max_seq_len: int | None = None) -> str:
     if plan.baselines:
         lines += ["", f"{'baseline':<22} {'step s':>8} {'mbs':>4} {'speedup of ' + plan.planner:>20}"]
         for name, b in plan.baselines.items():
-            lines.append(f"{name:<22} {b['estimated_step_time_s']:>8.3f} {b['num_micro_batches']:>4} "
+            lines.append(f"{name:<22} infeasible: {b['error']}" if "error" in b else
+                         f"{name:<22} {b['estimated_step_time_s']:>8.3f} {b['num_micro_batches']:>4} "
                          f"{b['speedup']:>19.2f}x")
     return "\n".join(lines)
 
@@ -120,6 +121,8 @@ def cmd_plan(args) -> int:
     pipelines = args.planner in PP_PLANNERS
     check_args(args, pipelines)
     cost = cost_from_args(args)
+    if args.static_degree is not None:
+        cost.check_degree(args.static_degree)
     limit = args.max_seq_len or max_seq_len(args.planner, cost, pipeline_options_from_args(args) if pipelines else None)
     lengths = lengths_from_args(args, limit)
     if pipelines:

@@ -101,6 +101,13 @@ class CostModel:
         top = min(self.num_gpus, self.model.max_sp_degree)
         return tuple(2**i for i in range(int(math.log2(top)) + 1))
 
+    def check_degree(self, degree) -> None:
+        """Refuse an SP degree no group can have, naming the ones it can."""
+        if not isinstance(degree, int) or isinstance(degree, bool) or degree not in self.degrees:
+            raise ConfigError(f"SP degree {degree!r} is not allowed for {self.model.name} on {self.cluster.name}; "
+                              f"allowed: {', '.join(map(str, self.degrees))} (powers of two up to the GPU count "
+                              f"that divide the heads)")
+
     @property
     def max_seq_len(self) -> int:
         """Longest sequence any group can hold."""

@@ -90,9 +90,7 @@ class PipelineCost:
             fits = [d for d in range(1, m.num_layers + 1) if m.num_layers % d == 0 and c.num_gpus % d == 0]
             raise ConfigError(f"pipeline degree {self.pp} does not divide the {m.num_layers} layers of {m.name}; "
                               f"on {c.name} ({c.num_gpus} GPUs) choose one of {', '.join(map(str, fits))}")
-        if not isinstance(self.sp, int) or isinstance(self.sp, bool) or self.sp not in self.cost.degrees:
-            raise ConfigError(f"SP degree {self.sp!r} is not allowed for {m.name} on {c.name}; allowed: "
-                              f"{', '.join(map(str, self.cost.degrees))} (powers of two that divide the heads)")
+        self.cost.check_degree(self.sp)
         if c.num_gpus % (self.pp * self.sp):
             raise ConfigError(f"pp {self.pp} x sp {self.sp} = {self.pp * self.sp} GPUs does not divide the "
                               f"{c.num_gpus} GPUs of {c.name} (a layout runs as GPUs / (pp x sp) replicas side by side)")

@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 
 from megatron_ext.cost import CostModel
-from megatron_ext.errors import ConfigError, LengthsError
+from megatron_ext.errors import ConfigError, LengthsError, MegatronExtError
 from megatron_ext.plan import MicroBatchPlan, SPGroup, StepPlan, fill_estimates, validate
 from megatron_ext.planner.placement import place_groups
 
@@ -88,7 +88,11 @@ def make_plan(name: str, lengths, cost: CostModel, options: PlannerOptions = Pla
     for b in baselines:
         if b == name:
             continue
-        other = make_plan(b, lengths, cost, options)
+        try:
+            other = make_plan(b, lengths, cost, options)
+        except MegatronExtError as e:  # e.g. a --static-degree too small for the batch: the row says why
+            plan.baselines[b] = {"error": str(e)}
+            continue
         plan.baselines[b] = {
             "estimated_step_time_s": other.estimated_step_time_s,
             "solve_time_s": other.solve_time_s,

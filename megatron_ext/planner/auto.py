@@ -108,6 +108,8 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
 
     pin_pp = pp if pp is not None else opts.pp
     pin_sp = sp if sp is not None else opts.sp
+    if pin_sp is not None:  # (FlexSP alone would otherwise run and say nothing of it)
+        cost.check_degree(pin_sp)
     with_flexsp = pin_pp is None or (pin_pp == 1 and pin_sp is None)  # one stage, adaptive degrees
     layouts = []
     longest = int(lengths[ids].max())
@@ -181,7 +183,6 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     plan.planner = "auto"
     plan.solve_time_s = time.perf_counter() - start
     return plan
-
 
 
 __all__ = ["AUTO_FLEXSP_SHARE", "AUTO_PRUNE_MARGIN", "layout_estimate_s", "layout_name", "pipeline_layouts", "plan_auto",

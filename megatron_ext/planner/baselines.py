@@ -91,10 +91,7 @@ def static_packing(lengths: np.ndarray, cost: CostModel, degree: int) -> list[Gr
     """Every group of degree ``degree``, N/degree groups per micro-batch, the fewest micro-batches
     best-fit packing by tokens allows. Within that count, the better (by estimated time) of the
     best-fit bins and a time-balanced (LPT) spread over all the micro-batches' group slots."""
-    if degree not in cost.degrees:
-        raise ConfigError(f"SP degree {degree} is not allowed for {cost.model.name} on {cost.cluster.name}; "
-                          f"allowed degrees: {', '.join(map(str, cost.degrees))} (powers of two up to the GPU "
-                          f"count that divide the attention and KV heads)")
+    cost.check_degree(degree)
     capacity = cost.token_capacity(degree)
     longest = int(lengths.max())
     if longest > capacity:

@@ -21,6 +21,7 @@ import highspy
 import numpy as np
 
 from megatron_ext.errors import InfeasibleError
+from megatron_ext.planner.highs import new_highs
 from megatron_ext.sim.engine import Checkpoint
 
 
@@ -140,10 +141,7 @@ def solve_recompute(cps: list[list[Checkpoint]], save: np.ndarray, rc: np.ndarra
     left = time_limit - (time.perf_counter() - started)  # the limit covers building the model too
     if left <= 0.01:
         return greedy, "greedy (no time left for the ILP)"
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
-    h.setOptionValue("threads", 1)
-    h.setOptionValue("time_limit", float(left))
+    h = new_highs(left)
     h.setOptionValue("mip_rel_gap", float(gap))
     h.addVars(nvar, np.zeros(nvar), np.full(nvar, float(layers)))
     h.changeColsCost(nvar, np.arange(nvar, dtype=np.int32), cost)

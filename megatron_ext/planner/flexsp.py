@@ -28,6 +28,7 @@ from megatron_ext.cost import CostModel
 from megatron_ext.planner.api import Groups, PlannerOptions, register
 from megatron_ext.planner.baselines import best_fit_bins, static_packing
 from megatron_ext.planner.blaster import balanced_split, dp_buckets
+from megatron_ext.planner.highs import new_highs
 
 
 class _Batch:
@@ -70,9 +71,7 @@ class _DegreeLP:
         ok = np.stack([batch.fits[b[-1]] for b in self.buckets])
         self.cols = [(q, d) for q in range(len(self.buckets)) for d in range(D) if ok[q, d]]
         nf = len(self.cols)
-        h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
-        h.setOptionValue("threads", 1)
+        h = new_highs()
         # Columns: f[q, d] in [0, 1], then n[d] in [0, N/d]; minimize GPUs = sum d n[d].
         cost = np.concatenate([np.zeros(nf), batch.degrees.astype(np.float64)])
         lower = np.zeros(nf + D)
@@ -334,10 +333,7 @@ def _milp_improve(batch: _Batch, ids: np.ndarray, incumbent: tuple[list[int], li
     pairs = [(k, p) for k in range(K) for p in range(P)
              if batch.fits[ids[k], groups[p]] and batch.time[ids[k], groups[p]] + batch.lat[groups[p]] <= T * (1 + 1e-9)]
     nx = len(pairs)
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
-    h.setOptionValue("threads", 1)
-    h.setOptionValue("time_limit", float(time_limit))  # a guard; the node limit decides
+    h = new_highs(time_limit)  # the limit is a guard; the node limit decides
     h.setOptionValue("mip_max_nodes", 30)
     h.setOptionValue("mip_rel_gap", 0.005)
     ncol = nx + P + 1  # x[k,p], m[p], C

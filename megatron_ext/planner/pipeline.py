@@ -195,9 +195,7 @@ def resolve_layout(cost: CostModel, pp, sp) -> tuple[int, int]:
     if pp is None and sp is None:
         return default_layout(cost)
     if pp is None:  # the stages follow from sp: refuse an sp that leaves none, naming sp
-        if not (isinstance(sp, int) and sp in cost.degrees and n % sp == 0):
-            raise ConfigError(f"SP degree {sp!r} is not allowed for {cost.model.name} on {cost.cluster.name}; allowed: "
-                              f"{', '.join(map(str, cost.degrees))} (powers of two that divide the heads)")
+        cost.check_degree(sp)  # (an allowed degree divides the GPUs)
         # the most stages that divide both the layers and the GPUs left
         return max(p for p in range(1, n // sp + 1) if (n // sp) % p == 0 and L % p == 0), sp
     if sp is None and isinstance(pp, int) and pp > 0:  # (PipelineCost names what else is wrong with pp)

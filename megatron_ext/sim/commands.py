@@ -109,7 +109,8 @@ def run_pp_plan(args, cost, lengths) -> int:
     from megatron_ext.sim import simulate
 
     opts = pipeline_options_from_args(args)
-    drop = PlannerOptions(time_limit=opts.time_limit, drop_over_max=getattr(args, "drop_over_max", False),
+    drop = PlannerOptions(time_limit=opts.time_limit, static_degree=getattr(args, "static_degree", None),
+                          drop_over_max=getattr(args, "drop_over_max", False),
                           max_seq_len=getattr(args, "max_seq_len", None))
     overrides = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
     plan = make_pp_plan(args.planner, lengths, cost, drop,

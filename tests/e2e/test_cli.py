@@ -208,6 +208,8 @@ SMALL = ["--model", "llama-7b", "--cluster", "a800-80g-8x1"]  # one node of 8 GP
     (["simulate", "--planners", "elastic_pp", "--pp", "3"], "pipeline degree 3 does not divide"),
     (["simulate", "--planners", "flexsp", "--sp", "2"], "--sp applies only to pipeline planners"),
     (["simulate", "--steps", "0"], "--batch and --steps must be at least 1"),
+    (["plan", "--planner", "auto", "--sp", "3"], "SP degree 3 is not allowed"),  # not FlexSP alone, silently
+    (["plan", "--planner", "auto", "--static-degree", "16"], "SP degree 16 is not allowed"),
 ])
 def test_pipeline_and_simulate_config_errors(capsys, argv, match):
     assert_one_line_error(*run(capsys, argv[0], *FAST, *SMALL, "--batch", "8", *argv[1:]), match)
@@ -234,6 +236,20 @@ def test_memory_budget_and_length_limits_apply_to_every_planner(capsys, tmp_path
     code, out, err = run(capsys, "simulate", *SMALL, "--lengths", long, "--max-seq-len", "48K", "--drop-over-max",
                          "--planners", "flexsp,elastic_pp", *FAST)
     assert code == 0 and "dropped 1 sequence(s)" in err and "2 given lengths" in out and "flexsp speedup" in out
+
+
+def test_static_degree_reaches_static_ulysses_from_every_planner(capsys, lengths_file):
+    """--static-degree is the degree of the static_ulysses row, whichever planner leads; one too
+    small for the batch makes that row say so, and the plan still prints."""
+    code, out, _ = run(capsys, "plan", "--lengths", lengths_file, "--static-degree", "1", *FAST)
+    row = next(line for line in out.splitlines() if line.startswith("static_ulysses"))
+    assert code == 0 and "infeasible: at SP degree 1 a group holds at most" in row
+    steps = {}
+    for d in ("4", "8"):
+        code, out, _ = run(capsys, "plan", "--planner", "elastic_pp", *SMALL, "--dist", "github", "--batch", "16",
+                           "--static-degree", d, "--json", *FAST)
+        steps[d] = json.loads(out)["baselines"]["static_ulysses"]["estimated_step_time_s"]
+    assert steps["4"] != steps["8"]
 
 
 def test_one_node_pipelines_default_to_two_stages(capsys):
