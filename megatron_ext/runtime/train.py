@@ -14,6 +14,7 @@ import json
 import sys
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -288,9 +289,17 @@ def _stage_report(ranks: list, step, cost: CostModel) -> dict:
                                for op, t in ops[p].items()] for p in range(P)]}
 
 
+def _layout(r: dict) -> str:
+    """What ran the step: flexsp, or an elastic pipeline's pp x sp."""
+    if r["kind"] == "flexsp":
+        return "flexsp"
+    replicas = len(r["activation_peak_mb_per_stage"]) // r["stages"]
+    return f"pp{r['stages']} x sp{r['degrees'][0]}" + (f" x dp{replicas}" if replicas > 1 else "")
+
+
 def _line(r: dict) -> str:
     peak = r.get("activation_peak_mb_per_stage")
-    return (f"step {r['step']:>3}  loss {r['loss']:.4f}  grad {r['grad_norm']:.3f}  tokens {r['tokens']:>7,}  "
+    return (f"step {r['step']:>3}  " + (f"[{_layout(r)}]  " if r["planner"] == "auto" else "") + f"loss {r['loss']:.4f}  grad {r['grad_norm']:.3f}  tokens {r['tokens']:>7,}  "
             f"time {r['step_time_s']:6.2f}s  predicted {r['predicted_step_time_s']:6.2f}s  "
             f"{'chunks' if peak else 'mbs'} {r['micro_batches']}  degrees {','.join(map(str, r['degrees']))}"
             + (f"  activations MB/stage {'/'.join(f'{x:.1f}' for x in peak)} (room {r['activation_room_mb']:.1f})"
@@ -305,7 +314,9 @@ def _summary(records: list[dict]) -> str:
     predicted = np.array([r["predicted_step_time_s"] for r in records[1:] or records])
     err = np.median(np.abs(predicted - measured) / measured)
     tokens = sum(r["tokens"] for r in records[1:] or records)
-    return (f"{records[0]['planner']}: {len(records)} steps, median step {np.median(measured):.2f} s, "
+    kinds = Counter(_layout(r) for r in records)
+    chose = f" ({', '.join(f'{n} {k}' for k, n in kinds.most_common())})" if records[0]["planner"] == "auto" else ""
+    return (f"{records[0]['planner']}: {len(records)} steps{chose}, median step {np.median(measured):.2f} s, "
             f"{tokens / measured.sum():,.0f} tokens/s (after the first step); cost-model error {err:.0%} (median)")
 
 

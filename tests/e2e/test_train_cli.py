@@ -63,6 +63,19 @@ def test_auto_runs_each_step_as_the_kind_it_planned(runs):
             assert "stages" not in r and r["micro_batch_times_s"]
 
 
+def test_auto_lines_name_each_steps_layout(runs):
+    from megatron_ext.runtime.train import _line, _summary
+
+    names = []
+    for r in runs["auto"]:
+        sp = r["degrees"][0]
+        names.append("flexsp" if r["kind"] == "flexsp" else f"pp1 x sp{sp}" + (f" x dp{4 // sp}" if sp < 4 else ""))
+        assert _line(r).startswith(f"step {r['step']:>3}  [{names[-1]}]  loss ")
+    assert _summary(runs["auto"]).startswith("auto: 3 steps (" + ", ".join(
+        f"{names.count(n)} {n}" for n in sorted(set(names), key=lambda n: (-names.count(n), names.index(n)))) + ")")
+    assert "[" not in _line(runs["flexsp"][0]) and "steps (" not in _summary(runs["flexsp"])
+
+
 def test_pipeline_run_used_two_stages_of_sp2(runs):
     assert all(r["degrees"] == [2] and r["planner"] == "elastic_pp" for r in runs["elastic_pp"])
     for r in runs["elastic_pp"]:
