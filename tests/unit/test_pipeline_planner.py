@@ -373,8 +373,8 @@ def test_auto_picks_the_fastest_of_flexsp_and_every_layout():
     plan = plan_auto(lengths, COST, pp=8, sp=4, time_limit=5.0)
     assert _auto_checks(plan, lengths) == "elastic_pp pp8 x sp4" and not plan.baselines
     plan = plan_auto(lengths, COST, pp=8, time_limit=5.0)
-    assert _auto_checks(plan, lengths).startswith("elastic_pp pp8 x sp")
-    assert set(plan.baselines) | {"elastic_pp pp8 x sp4"} == {"elastic_pp pp8 x sp1 x dp4", "elastic_pp pp8 x sp2 x dp2",
+    chosen = _auto_checks(plan, lengths)
+    assert set(plan.baselines) | {chosen} == {"elastic_pp pp8 x sp1 x dp4", "elastic_pp pp8 x sp2 x dp2",
                                                               "elastic_pp pp8 x sp4"}
     plan = plan_auto(lengths, COST, pp=1, b1_scale=0.06)
     assert _auto_checks(plan, lengths, b1_scale=0.06) == "elastic_pp pp1 x sp8 x dp4"
@@ -399,9 +399,10 @@ def test_make_plan_auto_and_the_cli_summary(capsys):
     from megatron_ext.sim.commands import add_pipeline_args
 
     lengths = np.array([45000, 30000, 20000, 12000] + [3000] * 20 + [800] * 60 + [200] * 100)
-    plan = make_plan("auto", lengths, COST, PlannerOptions(time_limit=1.0), baselines=("seq1f1b",))
+    plan = make_plan("auto", lengths, COST, PlannerOptions(time_limit=1.0), baselines=("seq1f1b", "flexsp"))
     _auto_checks(plan, lengths)
     assert "seq1f1b" in plan.baselines and "speedup" in plan.baselines["seq1f1b"]
+    assert ("flexsp" in plan.baselines) == (plan.kind == "elastic_pp")  # never a baseline of itself
     text = describe_plan(plan, lengths, simulate(plan, lengths, COST))
     assert "auto chose" in text and "vs " in text
     # over-long sequences are dropped (or refused) for auto as for the other planners
