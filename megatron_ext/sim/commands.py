@@ -191,14 +191,20 @@ def pipeline_tables(plan, lengths, cost, b1_scale: float = 1.0, max_pieces: int 
     return "\n".join(out)
 
 
+def _status_lines(head: str, status: str) -> list[str]:
+    # a status names every pipeline and every alternative auto timed: wrapped at its clauses
+    clauses = status.split("; ")
+    return _wrap(head, [c + ";" for c in clauses[:-1]] + clauses[-1:], width=110)
+
+
 def describe_plan(plan, lengths, result=None) -> str:
     """A readable summary of a pipeline plan, or of an ``auto`` plan of either kind, with the
     simulated bubble, recompute and memory of ``result`` (a SimResult) if given."""
     lengths = np.asarray(lengths)
     groups = replica_groups(plan, plan.num_gpus)  # (a FlexSP plan: one replica, without pipelines)
     if plan.kind == "flexsp":
-        lines = [f"{plan.planner} plan: FlexSP, {_count(len(plan.micro_batches), 'micro-batch', 'es')}; "
-                 f"{plan.solver_status}"]
+        lines = _status_lines(f"{plan.planner} plan:", f"FlexSP, {_count(len(plan.micro_batches), 'micro-batch', 'es')}; "
+                                                     f"{plan.solver_status}")
         for m, mb in enumerate(plan.micro_batches):
             degs: dict[int, list[int]] = {}
             for g in mb.groups:
@@ -206,7 +212,7 @@ def describe_plan(plan, lengths, result=None) -> str:
             lines.append(f"  micro-batch {m}: {mb.estimated_time_s:.3f} s; groups "
                          + ", ".join(f"{len(v)} x degree {d} ({sum(v)} seq)" for d, v in sorted(degs.items(), reverse=True)))
     else:
-        lines = [f"{plan.planner} plan: {plan.solver_status}"]
+        lines = _status_lines(f"{plan.planner} plan:", plan.solver_status)
     for i, p in enumerate(plan.pipelines):
         n = len(p.chunks)
         tok = [sum(x.end - x.start for x in c.pieces) for c in p.chunks]
@@ -254,7 +260,6 @@ def describe_plan(plan, lengths, result=None) -> str:
         else:
             lines.append(f"  vs {name:<{width}} {b['estimated_step_time_s']:8.3f} s   speedup {b['speedup']:.2f}x")
     return "\n".join(lines)
-
 
 
 def plot_if_asked(args, plan, lengths, cost) -> None:
