@@ -132,6 +132,11 @@ def check_args(args, cost: CostModel, world: int) -> bool:
     if not pipelined and args.max_seq_len > cost.max_seq_len:
         raise ConfigError(f"--max-seq-len {args.max_seq_len} is over the {cost.max_seq_len} tokens the largest SP group "
                           f"of {cost.cluster.name} holds; lower it or use a pipeline planner (--pp, elastic_pp)")
+    if args.static_degree is not None:  # (every planner takes it, so that --compare can pass it to all)
+        cost.check_degree(args.static_degree)
+        if args.planner == "static_ulysses" and args.max_seq_len > cost.token_capacity(args.static_degree):
+            raise ConfigError(f"--max-seq-len {args.max_seq_len} is over the {cost.token_capacity(args.static_degree)} "
+                              f"tokens a group of --static-degree {args.static_degree} holds; lower it or raise the degree")
     if args.steps < 1 or args.global_batch < 1:
         raise ConfigError("--steps and --global-batch must be at least 1")
     return pipelined
@@ -241,7 +246,7 @@ def _train(args, rank: int, world: int) -> int:
     if log:
         log.close()
     if rank == 0 and not args.json:
-        print(_summary(records), flush=True)
+        print(_summary(args.planner, records), flush=True)
     return 0
 
 
@@ -307,7 +312,7 @@ def _line(r: dict) -> str:
             + ("" if r["plan_source"].endswith("planner") else f"  [{r['plan_source']}]"))
 
 
-def _summary(records: list[dict]) -> str:
+def _summary(planner: str, records: list[dict]) -> str:
     if not records:
         return "no steps run"
     measured = np.array([r["step_time_s"] for r in records[1:] or records])
@@ -315,9 +320,12 @@ def _summary(records: list[dict]) -> str:
     err = np.median(np.abs(predicted - measured) / measured)
     tokens = sum(r["tokens"] for r in records[1:] or records)
     kinds = Counter(_layout(r) for r in records)
-    chose = f" ({', '.join(f'{n} {k}' for k, n in kinds.most_common())})" if records[0]["planner"] == "auto" else ""
-    return (f"{records[0]['planner']}: {len(records)} steps{chose}, median step {np.median(measured):.2f} s, "
-            f"{tokens / measured.sum():,.0f} tokens/s (after the first step); cost-model error {err:.0%} (median)")
+    chose = f" ({', '.join(f'{n} {k}' for k, n in kinds.most_common())})" if planner == "auto" else ""
+    late = sum(r["plan_source"].endswith("fallback") for r in records)
+    return (f"{planner}: {len(records)} step{'s' if len(records) > 1 else ''}{chose}"
+            + (f", {late} of them on a fallback plan" if late else "")
+            + f", median step {np.median(measured):.2f} s, {tokens / measured.sum():,.0f} tokens/s (after the first "
+              f"step); cost-model error {err:.0%} (median)")
 
 
 if __name__ == "__main__":

@@ -71,9 +71,9 @@ def test_auto_lines_name_each_steps_layout(runs):
         sp = r["degrees"][0]
         names.append("flexsp" if r["kind"] == "flexsp" else f"pp1 x sp{sp}" + (f" x dp{4 // sp}" if sp < 4 else ""))
         assert _line(r).startswith(f"step {r['step']:>3}  [{names[-1]}]  loss ")
-    assert _summary(runs["auto"]).startswith("auto: 3 steps (" + ", ".join(
+    assert _summary("auto", runs["auto"]).startswith("auto: 3 steps (" + ", ".join(
         f"{names.count(n)} {n}" for n in sorted(set(names), key=lambda n: (-names.count(n), names.index(n)))) + ")")
-    assert "[" not in _line(runs["flexsp"][0]) and "steps (" not in _summary(runs["flexsp"])
+    assert "[" not in _line(runs["flexsp"][0]) and "steps (" not in _summary("flexsp", runs["flexsp"])
 
 
 def test_pipeline_run_used_two_stages_of_sp2(runs):
@@ -179,6 +179,23 @@ def test_check_args_runs_replicas_when_sp_is_below_ranks_per_stage():
         args = build_parser().parse_args(["--planner", "elastic_pp", "--max-seq-len", "2048", *argv])
         assert check_args(args, cost, 4) and stage_sp(args, cost) == sp
 
+
+@pytest.mark.parametrize("argv, match", [
+    (["--planner", "static_ulysses", "--static-degree", "3"], "SP degree 3 is not allowed for tiny on cpu-4"),
+    (["--planner", "flexsp", "--static-degree", "8"], "SP degree 8 is not allowed"),
+    (["--planner", "static_ulysses", "--static-degree", "1"], "over the 2028 tokens a group of --static-degree 1"),
+])
+def test_check_args_refuses_a_static_degree_that_cannot_run(argv, match):
+    """Not a silent fallback to BatchAda on every step."""
+    from megatron_ext.cost import CostModel
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.runtime.train import build_parser, check_args
+
+    cost = CostModel.from_presets("tiny", "cpu-4")
+    with pytest.raises(ConfigError, match=match):
+        check_args(build_parser().parse_args(["--max-seq-len", "2048", *argv]), cost, 4)
+    argv[-1] = "2"  # a degree that holds 2048 tokens runs, under any planner (--compare passes it to all)
+    assert not check_args(build_parser().parse_args(["--max-seq-len", "2048", *argv]), cost, 4)
 
 
 def test_check_args_takes_auto_at_any_stage_count():
