@@ -9,6 +9,7 @@ import argparse
 import json
 import math
 import sys
+from collections import Counter
 
 import numpy as np
 
@@ -227,9 +228,11 @@ def cmd_profile(rest: list[str]) -> int:
 def compare_table(runs: dict[str, list[dict]]) -> str:
     """Measured step time (median after the first step), tokens/s, the cost model's median error,
     and the largest loss / grad-norm difference from the first planner's run at any step."""
+    from megatron_ext.report import step_layout
+
     first = next(iter(runs.values()))
     lines = [f"{'planner':<22}{'steps':>6}{'step s':>9}{'tokens/s':>10}{'vs first':>9}{'model err':>10}"
-             f"{'max loss diff':>15}{'max grad diff':>15}"]
+             f"{'max loss diff':>15}{'max grad diff':>15}  ran"]
     base_time = None
     for name, recs in runs.items():
         body = recs[1:] or recs  # the first step pays start-up costs
@@ -241,7 +244,8 @@ def compare_table(runs: dict[str, list[dict]]) -> str:
         grad_diff = max(abs(a["grad_norm"] - b["grad_norm"]) / abs(b["grad_norm"]) for a, b in zip(recs, first))
         lines.append(f"{name:<22}{len(recs):>6}{t:>9.3f}{sum(r['tokens'] for r in body) / measured.sum():>10,.0f}"
                      f"{base_time / t:>8.2f}x{np.median(np.abs(predicted - measured) / measured):>9.0%} "
-                     f"{loss_diff:>14.1e}{grad_diff:>15.1e}")
+                     f"{loss_diff:>14.1e}{grad_diff:>15.1e}  "
+                     + ", ".join(f"{n} {k}" for k, n in Counter(step_layout(r) for r in recs).most_common()))
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ the cost model should be re-measured (``megatron-ext profile``).
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -58,49 +59,71 @@ def fidelity(records: list[dict]) -> dict:
         "drift": float(np.median(thirds[-1]) - np.median(thirds[0])),
     }
     out["recalibrate"] = out["step_median_abs_error"] > DRIFT_THRESHOLD or out["drift"] > DRIFT_THRESHOLD / 2
-    stages = [r for r in body if "ops_per_stage" in r]
-    if stages:
-        P = len(stages[0]["ops_per_stage"])
-        measured = [sum(m for r in stages for _, m, q in r["ops_per_stage"][p] if q is not None) for p in range(P)]
-        predicted = [sum(q for r in stages for _, _, q in r["ops_per_stage"][p] if q is not None) for p in range(P)]
-        out["stage_op_time_ratio"] = [m / q if q > 0 else None for m, q in zip(measured, predicted)]
-        out["activation_peak_mb_per_stage"] = np.max([r["activation_peak_mb_per_stage"] for r in stages], axis=0).tolist()
-        out["planned_activation_mb_per_stage"] = np.max([r["planned_activation_mb_per_stage"] for r in stages],
-                                                        axis=0).tolist()
-        out["activation_room_mb"] = stages[0]["activation_room_mb"]
-        out["stages"] = stages[0].get("stages", P)  # below P: the rows are replicas' stages
-        over = [(r["step"], p) for r in stages for p, x in enumerate(r["activation_peak_mb_per_stage"])
-                if x > r["activation_room_mb"]]
-        out["steps_over_memory_budget"] = over
+    out["layouts"] = dict(Counter(step_layout(r) for r in body))
+    stages = [r for r in body if "ops_per_stage" in r]  # a run of auto may hold pipelines of several layouts
+    out["pipelines"] = [_stage_fidelity(name, [r for r in stages if step_layout(r) == name])
+                        for name in dict.fromkeys(step_layout(r) for r in stages)]
     return out
+
+
+def step_layout(r: dict) -> str:
+    """What ran a step: the planner of its SP groups (``flexsp`` for auto; ``batchada`` for a
+    fallback plan), or an elastic pipeline's ``pp{P} x sp{D}``, `` x dp{R}`` with R replicas side
+    by side (a record has a row per replica's stage)."""
+    if "ops_per_stage" not in r:
+        return "flexsp" if r.get("planner", "auto") == "auto" else r["planner"]
+    rows = len(r["ops_per_stage"])
+    stages = r.get("stages", rows)
+    return f"pp{stages} x sp{r['degrees'][0]}" + (f" x dp{rows // stages}" if rows > stages else "")
+
+
+def _stage_fidelity(layout: str, stages: list[dict]) -> dict:
+    """Per stage of one pipeline layout: measured / predicted operation time, the activation
+    peaks against the planned ones and the room, and the (step, stage) pairs over it."""
+    P = len(stages[0]["ops_per_stage"])
+    measured = [sum(m for r in stages for _, m, q in r["ops_per_stage"][p] if q is not None) for p in range(P)]
+    predicted = [sum(q for r in stages for _, _, q in r["ops_per_stage"][p] if q is not None) for p in range(P)]
+    return {
+        "layout": layout, "steps": len(stages), "stages": stages[0].get("stages", P),  # below P: replicas' stages
+        "stage_op_time_ratio": [m / q if q > 0 else None for m, q in zip(measured, predicted)],
+        "activation_peak_mb_per_stage": np.max([r["activation_peak_mb_per_stage"] for r in stages], axis=0).tolist(),
+        "planned_activation_mb_per_stage": np.max([r["planned_activation_mb_per_stage"] for r in stages],
+                                                  axis=0).tolist(),
+        "activation_room_mb": stages[0]["activation_room_mb"],
+        "steps_over_memory_budget": [(r["step"], p) for r in stages for p, x in enumerate(r["activation_peak_mb_per_stage"])
+                                     if x > r["activation_room_mb"]],
+    }
 
 
 def report_table(records: list[dict]) -> str:
     f = fidelity(records)
-    lines = [f"{records[0].get('planner', '?')}: {f['steps']} steps (the first is left out)",
+    ran = "; ran " + ", ".join(f"{n} {k}" for k, n in Counter(f["layouts"]).most_common()) if len(f["layouts"]) > 1 else ""
+    lines = [f"{records[0].get('planner', '?')}: {f['steps']} steps (the first is left out){ran}",
              f"step time error:        median {f['step_median_abs_error']:.1%}, p90 {f['step_p90_abs_error']:.1%}, "
              f"bias {f['step_bias']:+.1%} ({'over' if f['step_bias'] > 0 else 'under'}-predicts)"]
     if f["micro_batch_median_abs_error"] is not None:
         lines.append(f"micro-batch time error: median {f['micro_batch_median_abs_error']:.1%}, "
                      f"p90 {f['micro_batch_p90_abs_error']:.1%}")
     lines.append(f"drift (last third - first third of the run): {f['drift']:+.1%}")
-    if "stage_op_time_ratio" in f:
-        S = f["stages"]
-        replicas = S != len(f["stage_op_time_ratio"])  # then each row is one replica's stage
+    for pipe in f["pipelines"]:
+        S = pipe["stages"]
+        replicas = S != len(pipe["stage_op_time_ratio"])  # then each row is one replica's stage
+        head = f"{pipe['layout']} ({pipe['steps']} step{'s' if pipe['steps'] > 1 else ''}): " \
+            if len(f["layouts"]) > 1 else ""
 
         def row(p):
             return f"replica {p // S} stage {p % S}" if replicas else f"stage {p}"
 
-        lines.append("stage operations, measured / predicted time: "
-                     + ", ".join(f"{row(p)} {x:.2f}x" for p, x in enumerate(f["stage_op_time_ratio"]) if x))
-        lines.append("activation peak per stage, MB (measured / planned; room "
-                     f"{f['activation_room_mb']:.1f}): "
+        lines.append(head + "stage operations, measured / predicted time: "
+                     + ", ".join(f"{row(p)} {x:.2f}x" for p, x in enumerate(pipe["stage_op_time_ratio"]) if x))
+        lines.append(head + "activation peak per stage, MB (measured / planned; room "
+                     f"{pipe['activation_room_mb']:.1f}): "
                      + ", ".join((f"{row(p)} " if replicas else "") + f"{m:.1f} / {q:.1f}"
-                                 for p, (m, q) in enumerate(zip(f["activation_peak_mb_per_stage"],
-                                                                f["planned_activation_mb_per_stage"])))
-                     + ("; within the budget at every step" if not f["steps_over_memory_budget"] else
-                        f"; OVER the budget at (step, stage) {f['steps_over_memory_budget']}"))
-    ratios = [x for x in f.get("stage_op_time_ratio", []) if x]
+                                 for p, (m, q) in enumerate(zip(pipe["activation_peak_mb_per_stage"],
+                                                                pipe["planned_activation_mb_per_stage"])))
+                     + ("; within the budget at every step" if not pipe["steps_over_memory_budget"] else
+                        f"; OVER the budget at (step, stage) {pipe['steps_over_memory_budget']}"))
+    ratios = [x for pipe in f["pipelines"] for x in pipe["stage_op_time_ratio"] if x]
     if ratios and min(ratios) > 1 + DRIFT_THRESHOLD / 2:
         lines.append(f"every stage's operations ran {min(ratios):.2f}x or more their predicted time: profile this "
                      "model (`megatron-ext profile --model ...`), whose pipeline step measures the overhead per "

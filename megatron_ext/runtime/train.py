@@ -25,6 +25,7 @@ from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.planner import PLANNERS, PlannerOptions
+from megatron_ext.report import step_layout
 from megatron_ext.spec import ModelSpec
 
 
@@ -294,17 +295,10 @@ def _stage_report(ranks: list, step, cost: CostModel) -> dict:
                                for op, t in ops[p].items()] for p in range(P)]}
 
 
-def _layout(r: dict) -> str:
-    """What ran the step: flexsp, or an elastic pipeline's pp x sp."""
-    if r["kind"] == "flexsp":
-        return "flexsp"
-    replicas = len(r["activation_peak_mb_per_stage"]) // r["stages"]
-    return f"pp{r['stages']} x sp{r['degrees'][0]}" + (f" x dp{replicas}" if replicas > 1 else "")
-
-
 def _line(r: dict) -> str:
     peak = r.get("activation_peak_mb_per_stage")
-    return (f"step {r['step']:>3}  " + (f"[{_layout(r)}]  " if r["planner"] == "auto" else "") + f"loss {r['loss']:.4f}  grad {r['grad_norm']:.3f}  tokens {r['tokens']:>7,}  "
+    return (f"step {r['step']:>3}  " + (f"[{step_layout(r)}]  " if r["planner"] == "auto" else "")
+            + f"loss {r['loss']:.4f}  grad {r['grad_norm']:.3f}  tokens {r['tokens']:>7,}  "
             f"time {r['step_time_s']:6.2f}s  predicted {r['predicted_step_time_s']:6.2f}s  "
             f"{'chunks' if peak else 'mbs'} {r['micro_batches']}  degrees {','.join(map(str, r['degrees']))}"
             + (f"  activations MB/stage {'/'.join(f'{x:.1f}' for x in peak)} (room {r['activation_room_mb']:.1f})"
@@ -319,7 +313,7 @@ def _summary(planner: str, records: list[dict]) -> str:
     predicted = np.array([r["predicted_step_time_s"] for r in records[1:] or records])
     err = np.median(np.abs(predicted - measured) / measured)
     tokens = sum(r["tokens"] for r in records[1:] or records)
-    kinds = Counter(_layout(r) for r in records)
+    kinds = Counter(step_layout(r) for r in records)
     chose = f" ({', '.join(f'{n} {k}' for k, n in kinds.most_common())})" if planner == "auto" else ""
     late = sum(r["plan_source"].endswith("fallback") for r in records)
     return (f"{planner}: {len(records)} step{'s' if len(records) > 1 else ''}{chose}"

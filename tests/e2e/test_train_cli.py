@@ -64,16 +64,29 @@ def test_auto_runs_each_step_as_the_kind_it_planned(runs):
 
 
 def test_auto_lines_name_each_steps_layout(runs):
+    from megatron_ext.cli import compare_table
     from megatron_ext.runtime.train import _line, _summary
 
-    names = []
-    for r in runs["auto"]:
+    def name(r):  # (a late plan is BatchAda's fallback, and its line says so instead)
+        if r["kind"] == "flexsp":
+            return "flexsp" if r["planner"] == "auto" else r["planner"]
         sp = r["degrees"][0]
-        names.append("flexsp" if r["kind"] == "flexsp" else f"pp1 x sp{sp}" + (f" x dp{4 // sp}" if sp < 4 else ""))
-        assert _line(r).startswith(f"step {r['step']:>3}  [{names[-1]}]  loss ")
-    assert _summary("auto", runs["auto"]).startswith("auto: 3 steps (" + ", ".join(
-        f"{names.count(n)} {n}" for n in sorted(set(names), key=lambda n: (-names.count(n), names.index(n)))) + ")")
+        return f"pp1 x sp{sp}" + (f" x dp{4 // sp}" if sp < 4 else "")
+
+    def counts(recs):
+        names = [name(r) for r in recs]
+        return ", ".join(f"{names.count(n)} {n}" for n in sorted(set(names), key=lambda n: (-names.count(n),
+                                                                                          names.index(n))))
+
+    for r in runs["auto"]:
+        if r["planner"] == "auto":
+            assert _line(r).startswith(f"step {r['step']:>3}  [{name(r)}]  loss ")
+    assert _summary("auto", runs["auto"]).startswith(f"auto: 3 steps ({counts(runs['auto'])})")
     assert "[" not in _line(runs["flexsp"][0]) and "steps (" not in _summary("flexsp", runs["flexsp"])
+    # train --compare: what each run ran, in its last column
+    table = compare_table({"flexsp": runs["flexsp"], "auto": runs["auto"]}).splitlines()
+    assert table[0].endswith("  ran") and table[2].startswith("auto ")
+    assert table[1].endswith("  " + counts(runs["flexsp"])) and table[2].endswith("  " + counts(runs["auto"]))
 
 
 def test_pipeline_run_used_two_stages_of_sp2(runs):

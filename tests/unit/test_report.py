@@ -44,7 +44,7 @@ def test_missing_or_malformed_run(tmp_path, capsys):
 
 
 def _pp_rec(step, peaks, ops):
-    return {**_rec(step, 1.0, 0.9), "planner": "elastic_pp", "activation_room_mb": 30.0,
+    return {**_rec(step, 1.0, 0.9), "planner": "elastic_pp", "degrees": [2], "activation_room_mb": 30.0,
             "activation_peak_mb_per_stage": peaks, "planned_activation_mb_per_stage": [25.0, 26.0],
             "ops_per_stage": ops}
 
@@ -53,9 +53,11 @@ def test_pipeline_runs_report_stage_times_and_memory(tmp_path, capsys):
     ops = [[["F0", 0.3, 0.2], ["B0", 0.6, 0.4]], [["F0", 0.2, 0.2], ["B0", 0.4, 0.4]]]
     recs = [_pp_rec(0, [40.0, 40.0], ops), _pp_rec(1, [24.0, 27.0], ops), _pp_rec(2, [26.0, 31.0], ops)]
     f = fidelity(recs)  # the first step is left out, its memory too
-    assert f["stage_op_time_ratio"] == pytest.approx([1.5, 1.0])
-    assert f["activation_peak_mb_per_stage"] == [26.0, 31.0]
-    assert f["steps_over_memory_budget"] == [(2, 1)]
+    assert f["layouts"] == {"pp2 x sp2": 2} and len(f["pipelines"]) == 1
+    pipe = f["pipelines"][0]
+    assert pipe["stage_op_time_ratio"] == pytest.approx([1.5, 1.0])
+    assert pipe["activation_peak_mb_per_stage"] == [26.0, 31.0]
+    assert pipe["steps_over_memory_budget"] == [(2, 1)]
     assert main(["report", str(_write(tmp_path, recs))]) == 0
     out = capsys.readouterr().out
     assert "stage 0 1.50x, stage 1 1.00x" in out and "OVER the budget at (step, stage) [(2, 1)]" in out
@@ -77,3 +79,23 @@ def test_pipeline_waits_are_told_apart_from_a_wrong_profile(tmp_path, capsys):
     assert main(["report", str(_write(tmp_path, recs))]) == 0
     out = capsys.readouterr().out
     assert "so the profile holds" in out and "megatron-ext profile" not in out
+
+
+def test_auto_runs_report_each_layout_apart(tmp_path, capsys):
+    """auto's steps may be FlexSP or pipelines of different replica counts: each pipeline layout
+    gets its own stage rows (not one table over rows that do not line up)."""
+    one = [[["F0", 0.3, 0.2], ["B0", 0.6, 0.4]]]
+    recs = [{**_rec(0, 1.0, 0.9), "planner": "auto"}, {**_rec(1, 1.0, 0.9), "planner": "auto"},
+            {**_pp_rec(2, [20.0, 21.0], one * 2), "planner": "auto", "stages": 1,
+             "planned_activation_mb_per_stage": [25.0] * 2},
+            {**_pp_rec(3, [35.0], one), "planner": "auto", "stages": 1, "degrees": [4],
+             "planned_activation_mb_per_stage": [25.0]}]
+    f = fidelity(recs)
+    assert f["layouts"] == {"flexsp": 1, "pp1 x sp2 x dp2": 1, "pp1 x sp4": 1}
+    assert [p["layout"] for p in f["pipelines"]] == ["pp1 x sp2 x dp2", "pp1 x sp4"]
+    assert f["pipelines"][1]["steps_over_memory_budget"] == [(3, 0)]
+    assert main(["report", str(_write(tmp_path, recs))]) == 0
+    out = capsys.readouterr().out
+    assert "ran 1 flexsp, 1 pp1 x sp2 x dp2, 1 pp1 x sp4" in out
+    assert "pp1 x sp2 x dp2 (1 step): stage operations, measured / predicted time: replica 0 stage 0 1.50x" in out
+    assert "pp1 x sp4 (1 step): activation peak per stage" in out and "OVER the budget at (step, stage) [(3, 0)]" in out
