@@ -152,11 +152,13 @@ def make_samples(doc_lengths, max_seq_len: int) -> np.ndarray:
 
 
 def fallback_plan(lengths, cost: CostModel, options: PlannerOptions, fallback: str = "batchada",
-                  reason: str = "") -> StepPlan:
-    """A quick valid plan: ``fallback`` (then static Ulysses if that fails), marked as a fallback
-    in ``solver_status``."""
+                  reason: str = "", last_resort: str | None = None) -> StepPlan:
+    """A quick valid plan: ``fallback`` (then static Ulysses if that fails, then ``last_resort``,
+    a pipeline planner for a runtime that runs both kinds: it slices what no SP group holds),
+    marked as a fallback in ``solver_status``."""
     # A pipeline runtime needs a pipeline plan: FlexSP-kind stand-ins only for FlexSP-kind fallbacks.
     names = [fallback] + ([n for n in ("batchada", "static_ulysses") if n != fallback] if fallback in PLANNERS else [])
+    names += [last_resort] if last_resort else []
     last: Exception | None = None
     for name in names:
         try:
@@ -421,7 +423,8 @@ class PlanningDataLoader:
         short = ("late" if "deadline" in reason else "planner error" if "failed:" in reason
                  else "planner unavailable")
         try:
-            plan = fallback_plan(lengths, self.cost, self.options, self.fallback, reason=short)
+            plan = fallback_plan(lengths, self.cost, self.options, self.fallback, reason=short,
+                                 last_resort="seq1f1b" if self.planner == "auto" and self.fallback in PLANNERS else None)
         except MegatronExtError as e:  # name both failures: the planner's is usually the one to fix
             if self.fallback == self.planner:
                 raise

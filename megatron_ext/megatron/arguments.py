@@ -28,13 +28,16 @@ Flags (all off by default; without ``--flexsp`` / ``--elastic-pp`` Megatron runs
                            Its GPU count must be the data-parallel size with --flexsp, the
                            world size with --elastic-pp. Required.
 --adaptive-recompute       Stage-aware per-chunk activation recomputation (planned with HiGHS);
-                           belongs to elastic pipelines: needs --elastic-pp. Without it an
-                           elastic step recomputes nothing when it fits, every layer when not.
+                           belongs to elastic pipelines: needs --elastic-pp or --flexsp-planner
+                           auto. Without it an elastic step recomputes nothing when it fits,
+                           every layer when not.
 --plan-ahead N             Plan N steps ahead in a background process on rank 0 (default 1);
                            0 plans each step inline, right before it runs.
 --planner-log PATH         Rank 0 appends one JSON record per step: the plan, where it came from,
                            its predicted and the measured forward-backward time.
---flexsp-planner NAME      The planner (default flexsp); the baselines static_ulysses, batchada and
+--flexsp-planner NAME      The planner (default flexsp); auto plans each step both as FlexSP and
+                           as one-stage elastic pipeline replicas of each SP degree and runs the
+                           faster; the baselines static_ulysses, batchada and
                            megatron_balanced_cp run through the same runtime for comparisons.
 --flexsp-static-degree D   The fixed degree of --flexsp-planner static_ulysses (1: plain data
                            parallelism, every sequence on one rank).
@@ -47,7 +50,9 @@ Conflicts (each explained when hit): --context-parallel-size > 1, --sequence-par
 parallelism, virtual or uneven pipeline stages, an SP degree (--elastic-pp-sp, else the
 data-parallel size) that is not a Ulysses degree of the heads or does not divide the data-parallel
 size, fewer --global-batch-size sequences than pipeline replicas, --recompute-granularity full, the
---flexsp-* planner options; --elastic-pp-sp without --elastic-pp; and for both:
+--flexsp-* planner options; --elastic-pp-sp without --elastic-pp; with --flexsp-planner auto:
+tensor parallelism, fewer --global-batch-size sequences than data-parallel ranks,
+--recompute-granularity full; and for both:
 --rampup-batch-size, --dataloader-type other than external, data other than one --data-path
 prefix or --mock-data, legacy models, multi-latent attention, MoE, sliding-window attention,
 position embeddings other than rope / learned_absolute / none, FSDP (Megatron-FSDP, torch FSDP2),
@@ -99,13 +104,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--cost-model", default=None, metavar="PATH|PRESET",
                    help="cost-model YAML, or MODEL:CLUSTER[:ZERO] presets (e.g. gpt-7b:a100-40g-8x8:1)")
     g.add_argument("--adaptive-recompute", action="store_true",
-                   help="per-chunk activation recomputation planned per step (needs --elastic-pp)")
+                   help="per-chunk activation recomputation planned per step (needs --elastic-pp or "
+                        "--flexsp-planner auto)")
     g.add_argument("--plan-ahead", type=int, default=1, metavar="N",
                    help="steps planned ahead in a background process (default 1; 0: plan inline)")
     g.add_argument("--planner-log", default=None, metavar="PATH",
                    help="append one JSON record per step (plan, predicted and measured time) on rank 0")
     g.add_argument("--flexsp-planner", default="flexsp", metavar="NAME",
-                   help="planner: flexsp (default), or a baseline: static_ulysses, batchada, megatron_balanced_cp")
+                   help="planner: flexsp (default); auto (per step, FlexSP or one-stage pipeline replicas, whichever "
+                        "is faster); or a baseline: static_ulysses, batchada, megatron_balanced_cp")
     g.add_argument("--flexsp-static-degree", type=int, default=None, metavar="D",
                    help="degree of --flexsp-planner static_ulysses (1: plain data parallelism)")
     g.add_argument("--flexsp-attention-backend", default="auto", choices=ATTENTION_BACKENDS,
@@ -311,18 +318,21 @@ def _check_flexsp(args, world: int, tp: int, pp: int, cp: int, dp: int, head_lim
     if pp > 1:
         _conflict(f"--flexsp runs each micro-batch's SP groups on one pipeline stage; use "
                   f"--pipeline-model-parallel-size 1 (got {pp}), or --elastic-pp for pipelines")
-    if _get(args, "adaptive_recompute", False):
-        _conflict("--adaptive-recompute plans recomputation per pipeline chunk and stage: it needs --elastic-pp. "
-                  "With --flexsp use Megatron's --recompute-granularity / --recompute-method.")
+    from megatron_ext.planner import PLANNERS  # numpy + highspy, no torch
+
+    planner = _get(args, "flexsp_planner", "flexsp")
+    if planner not in PLANNERS and planner != "auto":
+        _conflict(f"--flexsp-planner {planner!r} is not a planner; choose one of {', '.join(PLANNERS)}, auto")
+    if _get(args, "adaptive_recompute", False) and planner != "auto":
+        _conflict("--adaptive-recompute plans recomputation per pipeline chunk and stage: it needs --elastic-pp "
+                  "(or --flexsp-planner auto, for its pipeline steps). With --flexsp use Megatron's "
+                  "--recompute-granularity / --recompute-method.")
+    if planner == "auto":
+        _check_auto(args, tp, dp)
     if not _is_power_of_two(dp):
         _conflict(f"--flexsp needs a power-of-two data-parallel size (its SP groups are aligned power-of-two "
                   f"blocks of ranks); world {world} / (TP {tp} x PP {pp} x CP {cp}) = {dp}")
 
-    from megatron_ext.planner import PLANNERS  # numpy + highspy, no torch
-
-    planner = _get(args, "flexsp_planner", "flexsp")
-    if planner not in PLANNERS:
-        _conflict(f"--flexsp-planner {planner!r} is not a planner; choose one of {', '.join(PLANNERS)}")
     static = _get(args, "flexsp_static_degree", None)
     if static is not None and planner != "static_ulysses":
         _conflict("--flexsp-static-degree sets the degree of --flexsp-planner static_ulysses only")
@@ -352,6 +362,22 @@ def _check_flexsp(args, world: int, tp: int, pp: int, cp: int, dp: int, head_lim
                   f"spreads sequences over exactly the data-parallel ranks")
     cost.max_seq_len  # raises InfeasibleError when the model states alone do not fit
     return cap_cost_model(cost, min(cap or dp, head_limit))
+
+
+def _check_auto(args, tp: int, dp: int) -> None:
+    """--flexsp-planner auto runs each step as FlexSP or as one-stage elastic pipeline replicas
+    (of any SP degree), whichever the planner finds faster: the elastic runtime's conditions hold."""
+    if tp > 1:
+        _conflict(f"--flexsp-planner auto runs some steps as one-stage pipeline replicas, whose Ulysses groups "
+                  f"span whole ranks: use --tensor-model-parallel-size 1 (got {tp})")
+    batch = _get(args, "global_batch_size", None)
+    if batch is not None and batch < dp:
+        _conflict(f"--flexsp-planner auto may run a step as {dp} one-stage pipeline replicas of SP 1, each on its "
+                  f"share of the sequences: --global-batch-size {batch} leaves some with none; give at least {dp}")
+    if _get(args, "recompute_granularity", None) == "full":
+        _conflict("--flexsp-planner auto decides recomputation of its pipeline steps per chunk itself (none when "
+                  "the step fits, every layer when not; per chunk with --adaptive-recompute); drop "
+                  "--recompute-granularity full")
 
 
 def _check_elastic(args, world: int, tp: int, pp: int, dp: int, head_limit: int):

@@ -25,6 +25,7 @@ resumed at iteration k reads the same batch as an uninterrupted run.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -119,7 +120,7 @@ def make_loader(documents, cost, args, *, num_steps: int | None, start_step: int
     with ``--elastic-pp`` the elastic_pp planner on ``--pipeline-model-parallel-size`` stages of SP
     degree ``--elastic-pp-sp`` (set by ``arguments.validate_args``; below GPUs / stages, that many
     / SP pipeline replicas side by side), batch 1F1B when a plan is late; else ``--flexsp-planner``
-    (BatchAda when late)."""
+    (``auto``: each step FlexSP or one-stage pipeline replicas; BatchAda when late)."""
     from megatron_ext.data.loader import PlanningDataLoader
     from megatron_ext.planner import PlannerOptions
 
@@ -132,6 +133,15 @@ def make_loader(documents, cost, args, *, num_steps: int | None, start_step: int
         options = PlannerOptions(time_limit=limit, drop_over_max=True, max_seq_len=max_len, pp=pp,
                                  sp=int(args.elastic_pp_sp), recompute="ilp" if args.adaptive_recompute else "auto")
         planner, fallback = "elastic_pp", "batch_1f1b"
+    elif args.flexsp_planner == "auto":
+        # FlexSP or one-stage pipeline replicas (which slice what no group holds), per step
+        from megatron_ext.planner.pipeline_api import max_seq_len
+
+        options = PlannerOptions(time_limit=limit, drop_over_max=True, pp=1,
+                                 recompute="ilp" if args.adaptive_recompute else "auto")
+        max_len = min(int(args.seq_length), max_seq_len("auto", cost, options))
+        options = dataclasses.replace(options, max_seq_len=max_len)
+        planner, fallback = "auto", "batchada"
     else:
         max_len = min(int(args.seq_length), cost.max_seq_len)
         options = PlannerOptions(time_limit=limit, static_degree=args.flexsp_static_degree, drop_over_max=True,

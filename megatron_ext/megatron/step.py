@@ -147,7 +147,8 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
                   + ("per chunk (--adaptive-recompute)" if train.options.recompute == "ilp"
                      else "none, or every layer when a step does not fit"))
     else:
-        layout = f"degrees {list(cost.degrees)}"
+        layout = f"degrees {list(cost.degrees)}" + (" or, per step, one-stage pipeline replicas"
+                                                    if train.planner == "auto" else "")
     print_rank_0(f"> {flag[2:]}: {len(docs)} documents ({'mock' if args.mock_data else args.data_path[0]}), "
                  f"split {[b - a for a, b in ranges]}; planner {train.planner} with {cost.model.name} on "
                  f"{cost.cluster.name}, {layout}, sequences up to {train.max_seq_len} tokens")
@@ -233,10 +234,13 @@ def flexsp_forward_backward(*, forward_step_func=None, data_iterator, model, num
                             seq_length=None, micro_batch_size=None, forward_only=False, **kwargs):
     """Megatron's forward_backward_func for --flexsp (same keywords). Consumes one ``Step`` from
     ``data_iterator`` and runs its micro-batches through megatron-core's schedule; Megatron's
-    ``num_microbatches``, ``seq_length`` and ``forward_step_func`` are ignored (the plan decides)."""
+    ``num_microbatches``, ``seq_length`` and ``forward_step_func`` are ignored (the plan decides).
+    A step ``--flexsp-planner auto`` planned as one-stage pipeline replicas runs as an elastic step."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     step = _planned_step(data_iterator, "--flexsp")
+    if step.plan.kind == "elastic_pp":  # --flexsp-planner auto: this step runs as one-stage pipeline replicas
+        return _run_elastic(step, model, forward_only, "--flexsp")
     if STATE.pool is None:
         raise RuntimeError("--flexsp: the SP group pool is missing (the planned datasets provider did not run)")
     chunk = _one_model_chunk(model, "--flexsp")
@@ -272,12 +276,15 @@ def elastic_forward_backward(*, forward_step_func=None, data_iterator, model, nu
     the last stage's loss dicts, one per chunk (``{"lm loss": [sum, tokens]}``), and nothing
     elsewhere, as Megatron's pipeline schedules do; Megatron's other keywords are ignored (the
     plan decides)."""
+    return _run_elastic(_planned_step(data_iterator, "--elastic-pp"), model, forward_only, "--elastic-pp")
+
+
+def _run_elastic(step: Step, model, forward_only: bool, flag: str):
     from megatron.core import parallel_state
 
     from megatron_ext.runtime.pipeline import forward_backward_elastic
 
-    step = _planned_step(data_iterator, "--elastic-pp")
-    chunk = _one_model_chunk(model, "--elastic-pp")
+    chunk = _one_model_chunk(model, flag)
     _sync()
     start = time.perf_counter()
     losses, stats = forward_backward_elastic(step.plan, step.batch, chunk, pad_id=STATE.pad_id,
@@ -344,14 +351,17 @@ def step_record(step: Step, iteration: int, measured_s: float, measured_parts_s:
 
 
 def _mode(rec: dict) -> str:
-    return "elastic-pp" if rec.get("kind") == "elastic_pp" else "flexsp"
+    """The run's flag, without dashes (an auto run's pipeline steps are --flexsp's)."""
+    return "elastic-pp" if rec.get("kind") == "elastic_pp" and rec.get("planner") != "auto" else "flexsp"
 
 
 def summary_line(rec: dict) -> str:
     if rec.get("kind") == "elastic_pp":
         pipes = rec["pipelines"]
         replicas = f" over {rec['replicas']} replicas" if rec["replicas"] > 1 else ""
-        layout = (f"pipelines {len(pipes)} x {pipes[0]['stages']} stages x SP {pipes[0]['sp_degree']}{replicas} | "
+        stages = pipes[0]["stages"]
+        layout = (f"pipelines {len(pipes)} x {stages} stage{'s' if stages > 1 else ''} x SP {pipes[0]['sp_degree']}"
+                  f"{replicas} | "
                   f"chunks {rec['micro_batches']} ({sum(p['sliced_chunks'] for p in pipes)} with slices) | "
                   f"recomputed layers {sum(p['recomputed_layers'] for p in pipes)}")
     else:

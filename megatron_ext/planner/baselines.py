@@ -27,7 +27,7 @@ import warnings
 import numpy as np
 
 from megatron_ext.cost import CostModel
-from megatron_ext.errors import ConfigError, InfeasibleError, InvalidPlanError
+from megatron_ext.errors import InfeasibleError, InvalidPlanError
 from megatron_ext.planner.api import Groups, PlannerOptions, register
 
 

@@ -201,7 +201,8 @@ def equivalence_runs(unpatched: Path, patched: Path, work: Path, iters: int = 3,
     """Runs on the same token sequences: the unpatched script (static: GPT dataset, plain data
     parallelism on 2 ranks), the patched one with --flexsp (planner flexsp), with --flexsp
     --flexsp-planner static_ulysses --flexsp-static-degree 2 (every sequence split over both
-    ranks) and, with ``tp2``, the unpatched and the --flexsp runs again on 4 ranks with
+    ranks), with --flexsp --flexsp-planner auto (FlexSP or one-stage pipeline replicas per step)
+    and, with ``tp2``, the unpatched and the --flexsp runs again on 4 ranks with
     --tensor-model-parallel-size 2. All
     initialize on the CPU (--use-cpu-initialization), so TP ranks hold slices of the same weights.
     Returns {"iterations": {name: {iteration: (loss, grad norm)}}, "reference": {name: the static
@@ -213,6 +214,8 @@ def equivalence_runs(unpatched: Path, patched: Path, work: Path, iters: int = 3,
     out["flexsp (patched)"] = _ok(flex, iters)
     ulysses = run_pretrain(patched, flex_common + ["--flexsp-planner", "static_ulysses", "--flexsp-static-degree", "2"])
     out["static Ulysses SP=2 (patched)"] = _ok(ulysses, iters)
+    auto = run_pretrain(patched, flex_common + ["--flexsp-planner", "auto", "--planner-log", str(work / "auto.jsonl")])
+    out["flexsp auto (patched)"] = _ok(auto, iters)
     reference = {name: "static (unpatched)" for name in out}
     if tp2:  # Megatron initializes TP=2 weights differently from TP=1: compare with its own TP=2 run
         tp_args = ["--tensor-model-parallel-size", "2"]
@@ -220,7 +223,8 @@ def equivalence_runs(unpatched: Path, patched: Path, work: Path, iters: int = 3,
         out["flexsp TP=2 (patched)"] = _ok(run_pretrain(patched, flex_common + tp_args, nproc=4), iters)
         reference["static TP=2 (unpatched)"] = reference["flexsp TP=2 (patched)"] = "static TP=2 (unpatched)"
     plans = [json.loads(line) for line in (work / "plans.jsonl").read_text().splitlines()]
-    return {"iterations": out, "reference": reference, "plans": plans}
+    auto_plans = [json.loads(line) for line in (work / "auto.jsonl").read_text().splitlines()]
+    return {"iterations": out, "reference": reference, "plans": plans, "auto_plans": auto_plans}
 
 
 ELASTIC_SP2, ELASTIC_REPLICAS = "elastic-pp PP=2 SP=2 (patched)", "elastic-pp PP=2 2 replicas x SP=1 (patched)"
@@ -289,12 +293,36 @@ def test_flexsp_trains_on_indexed_data_with_4_ranks(checkouts, tmp_path):
     assert degrees, run["output"][-3000:]
 
 
+def test_flexsp_auto_slices_what_no_group_holds(checkouts, tmp_path):
+    """--flexsp-planner auto: documents longer than any FlexSP group of the 2 ranks holds (3,810
+    tokens on tiny-cpu2) train, as one-stage pipeline replicas that cut them into slices."""
+    from megatron_ext.data.datasets import write_indexed_dataset
+
+    _, patched = checkouts
+    log = tmp_path / "plans.jsonl"
+    prefix = write_indexed_dataset(tmp_path / "docs", _random_docs(200, 5, 4500, 6000))
+    run = run_pretrain(patched, MODEL_ARGS + [
+        "--seq-length", "6144", "--max-position-embeddings", "6144", "--global-batch-size", "4",
+        "--train-iters", "2", "--data-path", prefix, "--flexsp", "--flexsp-planner", "auto", "--cost-model", COST_2,
+        "--planner-log", str(log)])
+    its = _ok(run, 2)
+    assert all(np.isfinite(loss) and loss > 0 for loss, _ in its.values())
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(r["kind"], r["plan_source"]) for r in records] == [("elastic_pp", "planner")] * 2, records
+    assert all(sum(p["sliced_chunks"] for p in r["pipelines"]) > 0 for r in records), records
+
+
 def test_flexsp_matches_unpatched_static_settings(checkouts, tmp_path):
     unpatched, patched = checkouts
     result = equivalence_runs(unpatched, patched, tmp_path)
     assert_same_as_reference(result)
     # The flexsp run really was planned per step, and not as one fixed layout.
     assert all(r["plan_source"].endswith("planner") for r in result["plans"])
+    # --flexsp-planner auto ran each step as the kind it planned (FlexSP, or one-stage pipeline replicas)
+    for r in result["auto_plans"]:
+        assert r["plan"]["kind"] == r["kind"] and r["kind"] in ("flexsp", "elastic_pp"), r
+        if r["kind"] == "elastic_pp":
+            assert {p["stages"] for p in r["pipelines"]} == {1} and r["replicas"] * r["pipelines"][0]["sp_degree"] == 2
 
 
 @pytest.fixture(scope="module")

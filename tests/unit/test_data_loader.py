@@ -111,6 +111,27 @@ def test_late_plan_uses_fallback_and_warns(caplog):
     np.testing.assert_array_equal(steps[1].samples, _loader().batch_samples(1))
 
 
+def test_fallback_of_auto_slices_what_no_group_holds():
+    """auto's FlexSP-kind fallbacks cannot hold a sequence only its pipelines slice: the last
+    resort, Seq1F1B on the same one stage, can."""
+    from megatron_ext.data.loader import fallback_plan
+    from megatron_ext.errors import MegatronExtError
+
+    from megatron_ext.cost import CostModel
+
+    cost = CostModel.from_presets("tiny", "cpu-4")  # one-stage pipelines slice up to 13,151 tokens
+    options = PlannerOptions(pp=1, recompute="auto")
+    lengths = np.array([cost.max_seq_len + 500, 300, 40])
+    with pytest.raises(MegatronExtError):
+        fallback_plan(lengths, cost, options)
+    plan = fallback_plan(lengths, cost, options, reason="late", last_resort="seq1f1b")
+    assert plan.planner == "seq1f1b" and plan.kind == "elastic_pp" and plan.solver_status.startswith("fallback (late)")
+    assert {p.stages for p in plan.pipelines} == {1}
+    assert len({(x.start, x.end) for p in plan.pipelines for c in p.chunks for x in c.pieces if x.seq_id == 0}) > 1
+    plan = fallback_plan(lengths[1:], cost, options, last_resort="seq1f1b")  # the usual fallback first
+    assert plan.planner == "batchada"
+
+
 def test_dead_worker_falls_back(caplog):
     with caplog.at_level(logging.WARNING, logger="megatron_ext.data.loader"):
         with _loader(background=True, num_steps=2, worker_imports=("megatron_ext_no_such_module",)) as dl:

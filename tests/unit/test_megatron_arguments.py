@@ -126,10 +126,20 @@ def test_flexsp_adjusts_what_it_must_and_says_so():
     (["--flexsp-static-degree", "2"], 2, "static_ulysses only"),
     (["--planner-time-limit", "0"], 2, "must be positive"),
     (["--data-path", "a", "b"], 2, "give --data-path or --mock-data, not both"),
+    (["--flexsp-planner", "auto", "--tensor-model-parallel-size", "2"], 4, "--tensor-model-parallel-size 1 \\(got 2\\)"),
+    (["--flexsp-planner", "auto", "--global-batch-size", "1"], 2, "leaves some with none; give at least 2"),
+    (["--flexsp-planner", "auto", "--recompute-granularity", "full"], 2, "drop --recompute-granularity full"),
+    (["--flexsp-planner", "auto", "--flexsp-static-degree", "2"], 2, "static_ulysses only"),
 ])
 def test_conflicts_are_explained(extra, world, match):
     with pytest.raises(ArgumentConflict, match=match):
         flexsp(*extra, world=world, cost=COST_4 if world == 4 else COST_2)
+
+
+def test_flexsp_planner_auto_takes_adaptive_recompute():
+    """auto's pipeline steps recompute per chunk with --adaptive-recompute, as --elastic-pp's do."""
+    args, v = flexsp("--flexsp-planner", "auto", "--adaptive-recompute", "--global-batch-size", "8")
+    assert v.enabled and args.flexsp_planner == "auto"
 
 
 def test_the_cost_model_must_fit_the_job():

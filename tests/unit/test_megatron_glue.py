@@ -103,6 +103,35 @@ def test_elastic_loader_plans_stages_of_the_given_sp(sp, replicas):
         assert all(replica_groups(plan, cost.num_gpus)), planner
 
 
+def test_flexsp_auto_loader_plans_one_stage_and_logs_under_flexsp(tmp_path):
+    """--flexsp-planner auto: the loader plans with auto on one stage (FlexSP or one-stage
+    pipeline replicas), over FlexSP's length limit up to what the pipelines slice; a pipeline
+    step of it logs under flexsp/, the run's flag."""
+    from megatron_ext.data.loader import Step
+    from megatron_ext.megatron.cost import load_cost_model
+    from megatron_ext.megatron.data import make_loader
+    from megatron_ext.megatron.step import report_step
+    from megatron_ext.planner import make_plan
+
+    cost = load_cost_model(str(ROOT / "configs/megatron/cost/tiny-cpu2.yaml"))
+    args = Namespace(elastic_pp=False, flexsp_planner="auto", flexsp_static_degree=None, seq_length=8192,
+                     planner_time_limit=0.5, adaptive_recompute=True, global_batch_size=4, plan_ahead=0)
+    loader = make_loader(MockDocuments(64, 100, 99, 3, 8192), cost, args, num_steps=1, start_step=0, seed=3)
+    assert (loader.planner, loader.fallback) == ("auto", "batchada")
+    assert (loader.options.pp, loader.options.recompute) == (1, "ilp")
+    assert cost.max_seq_len < loader.max_seq_len == loader.options.max_seq_len < 8192
+    lengths = np.array([cost.max_seq_len + 1000, 300, 200, 50])  # no FlexSP group holds the first
+    plan = make_plan("auto", lengths, cost, loader.options)
+    assert plan.kind == "elastic_pp" and {p.stages for p in plan.pipelines} == {1}
+    step = Step(0, plan, [np.arange(n) for n in lengths], lengths,
+                np.stack([np.arange(4), np.zeros(4, int), lengths], axis=1), "d1g3st", "planner", 0.002)
+    lines, writer = [], FakeWriter()
+    report_step(step, 1.0, [1.0], args=Namespace(curr_iteration=0, log_interval=1, planner_log=None),
+                writer=writer, printer=lines.append)
+    assert lines[0].startswith(" flexsp iteration        1 | plan auto (planner") and " x 1 stage x SP " in lines[0]
+    assert {name.split("/")[0] for name, _, _ in writer.scalars} == {"flexsp"}
+
+
 # ---- step records and logs ---------------------------------------------------------------------------
 def _step():
     from megatron_ext.data.loader import Step
