@@ -19,6 +19,7 @@ from megatron_ext.planner.sequence_limits import longest_sequence
 
 AUTO_FLEXSP_SHARE = 0.45  # of the time limit, kept for FlexSP (planned after the layouts, in all the time left)
 AUTO_PRUNE_MARGIN = 0.85  # a layout is skipped if this x its estimate is no faster than a known step
+AUTO_RESERVE = 0.03  # of the time limit, left for FlexSP's plan check and the choice, after its solve
 
 
 def plan_units(plan: StepPlan) -> dict[str, int]:
@@ -93,7 +94,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     of the limit (each may use all of it that is left); a layout whose estimate (``layout_estimate_s``), less 15%, is no faster than
     BatchAda's step (an upper bound of FlexSP's) or the best layout so far is skipped (reported
     with its estimate), and so is any layout left when their time has run out. FlexSP goes last,
-    in all the time left."""
+    in all the time left but ``AUTO_RESERVE`` of the limit (for its plan's check)."""
     start = time.perf_counter()
     opts = pipeline_options(options, overrides)
     lengths, ids = kept_sequences(lengths, seq_ids)
@@ -163,8 +164,9 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     if with_flexsp:
         t0 = time.perf_counter()
         try:
-            record("flexsp", plan_flexsp_kind("flexsp", lengths, ids, flex_cost,
-                                              PlannerOptions(time_limit=max(0.05, budget - (t0 - start)))), t0)
+            left = budget * (1 - AUTO_RESERVE) - (t0 - start)
+            record("flexsp", plan_flexsp_kind("flexsp", lengths, ids, flex_cost, PlannerOptions(time_limit=max(0.05, left))),
+                   t0)
         except MegatronExtError as e:
             alts["flexsp"] = {"error": str(e)}
     if not plans:
@@ -185,5 +187,5 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     return plan
 
 
-__all__ = ["AUTO_FLEXSP_SHARE", "AUTO_PRUNE_MARGIN", "layout_estimate_s", "layout_name", "pipeline_layouts", "plan_auto",
-           "plan_units"]
+__all__ = ["AUTO_FLEXSP_SHARE", "AUTO_PRUNE_MARGIN", "AUTO_RESERVE", "layout_estimate_s", "layout_name",
+           "pipeline_layouts", "plan_auto", "plan_units"]
