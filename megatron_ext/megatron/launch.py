@@ -261,7 +261,18 @@ def main(argv: list[str] | None = None) -> int:
 
     with _CpuDeviceMode():
         run_as_main(script)
+    _destroy_process_group()
     return 0
+
+
+def _destroy_process_group() -> None:
+    """Megatron's ``pretrain`` leaves the process group to interpreter teardown, where gloo's
+    threads can abort a rank that has finished ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def run_as_main(script: str) -> None:

@@ -45,6 +45,21 @@ def test_run_as_main_gives_the_script_a_main_spec(tmp_path, monkeypatch):
     assert json.loads(out.read_text()) == ["__main__", "__main__"]  # spawn children skip re-running it
 
 
+def test_launcher_destroys_the_process_group_megatron_leaves(tmp_path):
+    """After the script, the launcher ends the default group itself (after a barrier), not gloo's
+    threads at interpreter teardown."""
+    import subprocess
+
+    code = ("import torch.distributed as dist\n"
+            "from megatron_ext.megatron.launch import _destroy_process_group\n"
+            f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0, world_size=1)\n"
+            "_destroy_process_group()\n"
+            "print(dist.is_initialized())\n"
+            "_destroy_process_group()  # nothing left to end: no error\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
+
+
 # ---- data -----------------------------------------------------------------------------------------
 def test_split_ranges():
     assert split_ranges(1000, "969,30,1") == [(0, 969), (969, 999), (999, 1000)]
