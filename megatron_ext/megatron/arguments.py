@@ -14,10 +14,11 @@ Flags (all off by default; without ``--flexsp`` / ``--elastic-pp`` Megatron runs
                            each step's sequences are cut into token-level slices and packed into
                            chunks, ordered per stage by the elastic_pp planner; each stage's
                            data-parallel ranks run every chunk as one Ulysses group.
---elastic-pp-sp D          The Ulysses degree of an elastic pipeline's stages (default: the
+--elastic-pp-sp D|auto     The Ulysses degree of an elastic pipeline's stages (default: the
                            data-parallel size). Below it, each stage's data-parallel ranks split
                            into data-parallel size / D groups of D: that many pipeline replicas
-                           run side by side, each its share of the step's sequences.
+                           run side by side, each its share of the step's sequences. auto: the
+                           degree the auto planner finds fastest, per step.
 --flexsp-max-sp-size D     Largest Ulysses degree a group may have (a power of two; default: the
                            data-parallel size, capped by what the heads divide by).
 --planner-time-limit SEC   Solver time limit per step (default 1.0). A step never waits longer:
@@ -85,6 +86,16 @@ class NotYetSupported(MegatronExtError):
     """A valid flag value that megatron_ext does not support yet."""
 
 
+def _sp_degree(text: str):
+    """--elastic-pp-sp: a degree, or "auto" (chosen per step)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an SP degree or auto, got {text!r}") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add megatron_ext's group to a Megatron-LM (or any) argparse parser; returns the parser."""
     g = parser.add_argument_group(
@@ -94,9 +105,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--elastic-pp", action="store_true",
                    help="elastic pipelines: token-level slices and packed chunks over the pipeline stages, "
                         "planned per step, with Ulysses SP over each stage's data-parallel ranks")
-    g.add_argument("--elastic-pp-sp", type=int, default=None, metavar="D",
+    g.add_argument("--elastic-pp-sp", type=_sp_degree, default=None, metavar="D|auto",
                    help="Ulysses degree of each elastic pipeline stage (default: the data-parallel size); below it "
-                        "the stage's data-parallel ranks run data-parallel size / D pipeline replicas side by side")
+                        "the stage's data-parallel ranks run data-parallel size / D pipeline replicas side by side; "
+                        "auto: per step, the degree (and replicas) the simulator finds fastest")
     g.add_argument("--flexsp-max-sp-size", type=int, default=None, metavar="D",
                    help="largest Ulysses degree of a group (power of two; default: the data-parallel size)")
     g.add_argument("--planner-time-limit", type=float, default=1.0, metavar="SEC",
@@ -412,18 +424,22 @@ def _check_elastic(args, world: int, tp: int, pp: int, dp: int, head_limit: int)
                       f"Ulysses group, which must be a power of two dividing the {heads} attention heads and the KV "
                       f"heads (up to {head_limit} here); change --pipeline-model-parallel-size or the number of "
                       f"ranks, or split the stages into pipeline replicas of a smaller SP with --elastic-pp-sp")
+    elif sp == "auto":  # per step, any degree a stage's ranks allow: down to SP 1, dp replicas
+        pass
     elif sp < 1 or dp % sp:
         _conflict(f"--elastic-pp-sp {sp} must divide a stage's {dp} data-parallel ranks (world {world} / PP {pp}): "
                   f"they split into data-parallel size / D pipeline replicas of SP D")
     elif not _is_power_of_two(sp) or sp > head_limit:
         _conflict(f"--elastic-pp-sp {sp} is not an allowed Ulysses degree: a power of two dividing the {heads} "
                   f"attention heads and the KV heads (up to {head_limit} here)")
-    replicas = dp // sp
+    replicas = dp if sp == "auto" else dp // sp
     batch = _get(args, "global_batch_size", None)
     if batch is not None and batch < replicas:
-        _conflict(f"--elastic-pp-sp {sp} runs {replicas} pipeline replicas side by side (a stage's {dp} data-parallel "
-                  f"ranks / SP {sp}), each on its share of a step's sequences: --global-batch-size {batch} leaves "
-                  f"some with none; give at least {replicas} sequences a step or a larger --elastic-pp-sp")
+        runs = "may run" if sp == "auto" else "runs"
+        _conflict(f"--elastic-pp-sp {sp} {runs} {replicas} pipeline replicas side by side (a stage's {dp} "
+                  f"data-parallel ranks / SP {1 if sp == 'auto' else sp}), each on its share of a step's sequences: "
+                  f"--global-batch-size {batch} leaves some with none; give at least {replicas} sequences a step or "
+                  f"a larger --elastic-pp-sp")
     if _get(args, "recompute_granularity", None) == "full":
         _conflict("--elastic-pp decides recomputation per chunk and stage itself (none when the step fits, every "
                   "layer when not; per chunk with --adaptive-recompute); drop --recompute-granularity full")
@@ -440,14 +456,19 @@ def _check_elastic(args, world: int, tp: int, pp: int, dp: int, head_limit: int)
     ref, cost = _cost_model(args, "--elastic-pp")
     if cost.num_gpus != world:
         _conflict(f"--cost-model {ref} describes {cost.num_gpus} GPUs ({cost.cluster.name}), but this job has "
-                  f"{world} ranks: elastic pipelines span every rank ({replicas} replica{'s' if replicas > 1 else ''} "
-                  f"x {pp} stages x SP {sp}), so their cost model describes the whole job")
+                  f"{world} ranks: elastic pipelines span every rank ("
+                  + (f"{pp} stages x any SP, and replicas" if sp == "auto" else
+                     f"{replicas} replica{'s' if replicas > 1 else ''} x {pp} stages x SP {sp}")
+                  + "), so their cost model describes the whole job")
     cost = cap_cost_model(cost, head_limit)
-    try:  # the cost model's own layers and heads, and whether a stage's model states fit
-        PipelineCost(cost, pp, sp)
-    except MegatronExtError as e:
-        raise type(e)(f"--elastic-pp with --cost-model {ref}: {e}") from None
-    return cost
+    error = None
+    for d in ([d for d in cost.degrees if dp % d == 0] if sp == "auto" else [sp]):
+        try:  # the cost model's own layers and heads, and whether a stage's model states fit
+            PipelineCost(cost, pp, d)
+            return cost
+        except MegatronExtError as e:
+            error = e
+    raise type(error)(f"--elastic-pp with --cost-model {ref}: {error}") from None
 
 
 def _rank() -> int:

@@ -119,7 +119,8 @@ def make_loader(documents, cost, args, *, num_steps: int | None, start_step: int
     """The PlanningDataLoader of one split, configured from Megatron's and megatron_ext's args:
     with ``--elastic-pp`` the elastic_pp planner on ``--pipeline-model-parallel-size`` stages of SP
     degree ``--elastic-pp-sp`` (set by ``arguments.validate_args``; below GPUs / stages, that many
-    / SP pipeline replicas side by side), batch 1F1B when a plan is late; else ``--flexsp-planner``
+    / SP pipeline replicas side by side; ``auto``: the auto planner on those stages, any degree per
+    step), batch 1F1B when a plan is late; else ``--flexsp-planner``
     (``auto``: each step FlexSP or one-stage pipeline replicas; BatchAda when late)."""
     from megatron_ext.data.loader import PlanningDataLoader
     from megatron_ext.planner import PlannerOptions
@@ -130,9 +131,11 @@ def make_loader(documents, cost, args, *, num_steps: int | None, start_step: int
         # --adaptive-recompute a step recomputes nothing if it fits, else every layer ("auto").
         max_len = int(args.seq_length)
         pp = int(args.pipeline_model_parallel_size)
+        auto = args.elastic_pp_sp == "auto"  # per step, the SP degree (and replicas) the simulator finds fastest
         options = PlannerOptions(time_limit=limit, drop_over_max=True, max_seq_len=max_len, pp=pp,
-                                 sp=int(args.elastic_pp_sp), recompute="ilp" if args.adaptive_recompute else "auto")
-        planner, fallback = "elastic_pp", "batch_1f1b"
+                                 sp=None if auto else int(args.elastic_pp_sp),
+                                 recompute="ilp" if args.adaptive_recompute else "auto")
+        planner, fallback = ("auto" if auto else "elastic_pp"), "batch_1f1b"
     elif args.flexsp_planner == "auto":
         # FlexSP or one-stage pipeline replicas (which slice what no group holds), per step
         from megatron_ext.planner.pipeline_api import max_seq_len

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.data.loader import Step
+from megatron_ext.megatron.arguments import mode_flag
 from megatron_ext.plan.pipelines import replica_groups
 from megatron_ext.runtime.schedule import StepTimes, flexsp_forward_step, micro_batch_inputs
 
@@ -56,7 +57,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _State:
-    pool: object = None  # SPGroupPool over megatron's data-parallel groups (FlexSP; replicas of SP > 1)
+    pool: object = None  # SPGroupPool over megatron's data-parallel groups (FlexSP; replicas of SP > 1 or auto)
     pad_id: int = 0
     device: object = "cpu"
     loaders: tuple = ()
@@ -90,12 +91,12 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     """Megatron's ``train_valid_test_datasets_provider`` for --flexsp and --elastic-pp: iterators of
     planned steps (train, valid, test; None for an empty split or with --eval-iters 0). Called on
     every rank (``is_distributed``); it also creates the SP group pool, collectively, once: FlexSP's
-    groups, or the groups of elastic pipeline replicas of SP above 1 (an elastic stage of one SP
-    group uses Megatron's data-parallel group itself, and SP 1 needs none)."""
+    groups, or the groups of elastic pipeline replicas of SP above 1, or of every degree with
+    --elastic-pp-sp auto (an elastic stage of one SP group uses Megatron's data-parallel group
+    itself, and SP 1 needs none)."""
     from megatron.core import parallel_state
     from megatron.training import get_tokenizer, print_rank_0
 
-    from megatron_ext.megatron.arguments import mode_flag
     from megatron_ext.megatron.cost import cap_cost_model, head_degree_limit, load_cost_model
     from megatron_ext.megatron.data import SubsetDocuments, build_documents, make_loader, split_ranges
     from megatron_ext.runtime.groups import SPGroupPool
@@ -104,7 +105,7 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     flag = mode_flag(args)
     elastic = flag == "--elastic-pp"
     dp = parallel_state.get_data_parallel_world_size()
-    if STATE.pool is None and (not elastic or 1 < args.elastic_pp_sp < dp):
+    if STATE.pool is None and (not elastic or args.elastic_pp_sp == "auto" or 1 < args.elastic_pp_sp < dp):
         STATE.pool = SPGroupPool.from_parallel_state()
     tokenizer = get_tokenizer()
     STATE.pad_id = _pad_id(tokenizer)
@@ -141,9 +142,10 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     atexit.register(_close_loaders)
     train = loaders[0]
     if elastic:
-        replicas = dp // train.options.sp
+        sp = train.options.sp
+        replicas = 1 if sp is None else dp // sp
         layout = ((f"{replicas} pipeline replicas of " if replicas > 1 else "")
-                  + f"{train.options.pp} stages x SP {train.options.sp}, recompute "
+                  + f"{train.options.pp} stages x SP {sp or 'chosen per step (and replicas)'}, recompute "
                   + ("per chunk (--adaptive-recompute)" if train.options.recompute == "ilp"
                      else "none, or every layer when a step does not fit"))
     else:
@@ -350,11 +352,6 @@ def step_record(step: Step, iteration: int, measured_s: float, measured_parts_s:
     return rec
 
 
-def _mode(rec: dict) -> str:
-    """The run's flag, without dashes (an auto run's pipeline steps are --flexsp's)."""
-    return "elastic-pp" if rec.get("kind") == "elastic_pp" and rec.get("planner") != "auto" else "flexsp"
-
-
 def summary_line(rec: dict) -> str:
     if rec.get("kind") == "elastic_pp":
         pipes = rec["pipelines"]
@@ -368,7 +365,7 @@ def summary_line(rec: dict) -> str:
         layout = (f"micro-batches {rec['micro_batches']} | groups (degree x count) "
                   + " ".join(f"{d}x{n}" for d, n in rec["groups_by_degree"].items()))
     err = rec["cost_model_error"]
-    return (f" {_mode(rec)} iteration {rec['iteration']:>8} | plan {rec['planner']} ({rec['plan_source']}, "
+    return (f" {rec['mode']} iteration {rec['iteration']:>8} | plan {rec['planner']} ({rec['plan_source']}, "
             f"{rec['solve_time_s'] * 1e3:.0f} ms, waited {rec['plan_wait_s'] * 1e3:.0f} ms) | "
             f"{rec['sequences']} seqs {rec['tokens']} tokens | {layout} | fwd-bwd predicted "
             f"{rec['predicted_step_s']:.3f} s measured {rec['measured_step_s']:.3f} s"
@@ -389,6 +386,8 @@ def report_step(step: Step, elapsed_s: float, parts_s: list[float], *, args=None
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     iteration = int(getattr(args, "curr_iteration", step.step)) + 1
     rec = step_record(step, iteration, float(t[0]), [float(x) for x in t[1:]])
+    flag = mode_flag(args)  # the run's, not the step's kind: --flexsp-planner auto runs pipeline steps too
+    rec["mode"] = flag[2:] if flag else "elastic-pp" if rec["kind"] == "elastic_pp" else "flexsp"
     STATE.last_record = rec
     rank = dist.get_rank() if dist.is_initialized() else 0
     interval = max(1, int(getattr(args, "log_interval", 1) or 1))
@@ -402,7 +401,7 @@ def report_step(step: Step, elapsed_s: float, parts_s: list[float], *, args=None
         writer = get_tensorboard_writer()
     if writer is not None:
         for name, value in tensorboard_scalars(rec).items():
-            writer.add_scalar(f"{_mode(rec)}/{name}", value, iteration)
+            writer.add_scalar(f"{rec['mode']}/{name}", value, iteration)
     path = getattr(args, "planner_log", None)
     if path and rank == 0:
         with open(path, "a") as f:

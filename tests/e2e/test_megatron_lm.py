@@ -228,6 +228,7 @@ def equivalence_runs(unpatched: Path, patched: Path, work: Path, iters: int = 3,
 
 
 ELASTIC_SP2, ELASTIC_REPLICAS = "elastic-pp PP=2 SP=2 (patched)", "elastic-pp PP=2 2 replicas x SP=1 (patched)"
+ELASTIC_AUTO = "elastic-pp PP=2 SP auto (patched)"
 
 
 def elastic_equivalence_runs(unpatched: Path, patched: Path, work: Path, iters: int = 3, batch: int = 4,
@@ -235,16 +236,17 @@ def elastic_equivalence_runs(unpatched: Path, patched: Path, work: Path, iters: 
     """Runs on the same token sequences, 4 ranks, --pipeline-model-parallel-size 2 in all (Megatron
     seeds each stage's weights by its pipeline rank, so a pipeline has its own static reference):
     the unpatched script's 1F1B over micro-batches of one sample with data parallelism 2, the
-    patched one with --elastic-pp, each stage's 2 ranks one Ulysses group, and with --elastic-pp
+    patched one with --elastic-pp, each stage's 2 ranks one Ulysses group, with --elastic-pp
     --elastic-pp-sp 1, 2 pipeline replicas of SP 1 side by side, each on its share of the
-    documents. Documents of ``seq_len`` tokens (one a sample), long enough for the planner to cut
+    documents, and with --elastic-pp-sp auto, either per step. Documents of ``seq_len`` tokens (one a sample), long enough for the planner to cut
     them into slices. Same result shape as ``equivalence_runs``; "plans" maps each elastic run to its
     planner-log records."""
     pp = ["--pipeline-model-parallel-size", "2"]
     _, planned, static = static_and_planned(unpatched, work, iters, batch, per_sample, seq_len, seed, tuple(pp),
                                             nproc=4)
     out, plans = {"static PP=2 (unpatched)": static}, {}
-    for name, extra in ((ELASTIC_SP2, []), (ELASTIC_REPLICAS, ["--elastic-pp-sp", "1"])):
+    for name, extra in ((ELASTIC_SP2, []), (ELASTIC_REPLICAS, ["--elastic-pp-sp", "1"]),
+                        (ELASTIC_AUTO, ["--elastic-pp-sp", "auto"])):
         log = work / f"plans-{len(plans)}.jsonl"
         run = run_pretrain(patched, planned + pp + ["--elastic-pp", "--cost-model", COST_4, "--planner-log", str(log),
                                                     *extra], nproc=4)
@@ -356,6 +358,15 @@ def test_elastic_pp_replicas_match_unpatched_static_pipeline(elastic_equivalence
     for r in plans:
         assert r["replicas"] == 2 and {p["replica"] for p in r["pipelines"]} == {0, 1}, r["pipelines"]
         assert {(p["stages"], p["sp_degree"]) for p in r["pipelines"]} == {(2, 1)}
+
+
+def test_elastic_pp_sp_auto_matches_unpatched_static_pipeline(elastic_equivalence):
+    """--elastic-pp-sp auto: each step one pipeline of SP 2 or 2 replicas of SP 1, whichever the
+    planner finds faster; the same loss and grad norm either way."""
+    plans = _assert_elastic_run_matches(elastic_equivalence, ELASTIC_AUTO)
+    for r in plans:
+        layout = {(p["stages"], p["sp_degree"]) for p in r["pipelines"]}
+        assert layout in ({(2, 2)}, {(2, 1)}) and r["replicas"] == 2 // r["pipelines"][0]["sp_degree"], r
 
 
 def test_elastic_pp_trains_on_mock_data_with_4_ranks(checkouts, tmp_path):

@@ -267,6 +267,20 @@ def test_elastic_pp_sp_conflicts_are_explained(extra, world, match):
         elastic(*extra, world=world)
 
 
+def test_elastic_pp_sp_auto_chooses_per_step():
+    """--elastic-pp-sp auto: the degree (and the replicas) of the stages' SP is the auto planner's
+    choice per step; every replica of SP 1 needs a sequence, and the cost model spans the job."""
+    args, v = elastic("--elastic-pp-sp", "auto", "--global-batch-size", "2")
+    assert v.enabled and args.elastic_pp_sp == "auto"
+    with pytest.raises(ArgumentConflict, match=r"^--elastic-pp-sp auto may run 2 pipeline replicas side by side "
+                                               r"\(a stage's 2 data-parallel ranks / SP 1\)"):
+        elastic("--elastic-pp-sp", "auto", "--global-batch-size", "1")
+    with pytest.raises(ArgumentConflict, match=r"span every rank \(2 stages x any SP, and replicas\)"):
+        elastic("--elastic-pp-sp", "auto", cost=COST_2)
+    with pytest.raises(SystemExit):
+        parse("--elastic-pp", "--elastic-pp-sp", "two")
+
+
 def test_elastic_pp_sp_needs_elastic_pp():
     with pytest.raises(ArgumentConflict, match="^--elastic-pp-sp sets the Ulysses degree of --elastic-pp's pipeline "
                                                "stages; it has no effect without --elastic-pp$"):

@@ -95,6 +95,24 @@ def test_subset_documents():
         sub.get(10)
 
 
+def test_elastic_loader_with_sp_auto_plans_any_degree_per_step():
+    """--elastic-pp-sp auto: the auto planner on the run's 2 stages (any SP degree, so replicas or
+    not, per step), batch 1F1B on 2 stages when late; the SP group pool covers every degree."""
+    from megatron_ext.megatron.cost import load_cost_model
+    from megatron_ext.megatron.data import make_loader
+    from megatron_ext.planner import make_plan
+
+    cost = load_cost_model(str(ROOT / "configs/megatron/cost/tiny-cpu4.yaml"))
+    args = Namespace(elastic_pp=True, elastic_pp_sp="auto", pipeline_model_parallel_size=2, seq_length=2048,
+                     planner_time_limit=0.5, adaptive_recompute=False, global_batch_size=8, plan_ahead=0)
+    loader = make_loader(MockDocuments(64, 100, 99, 3, 4096), cost, args, num_steps=1, start_step=0, seed=3)
+    assert (loader.planner, loader.fallback) == ("auto", "batch_1f1b")
+    assert (loader.options.pp, loader.options.sp) == (2, None)
+    for planner in (loader.planner, loader.fallback):
+        plan = make_plan(planner, loader.batch_lengths(0), cost, loader.options)
+        assert plan.kind == "elastic_pp" and {p.stages for p in plan.pipelines} == {2}, planner
+
+
 @pytest.mark.parametrize("sp, replicas", [(2, [0]), (1, [0, 1])])
 def test_elastic_loader_plans_stages_of_the_given_sp(sp, replicas):
     """--elastic-pp-sp D (validate_args sets the data-parallel size when it is not given): the
@@ -141,7 +159,7 @@ def test_flexsp_auto_loader_plans_one_stage_and_logs_under_flexsp(tmp_path):
     step = Step(0, plan, [np.arange(n) for n in lengths], lengths,
                 np.stack([np.arange(4), np.zeros(4, int), lengths], axis=1), "d1g3st", "planner", 0.002)
     lines, writer = [], FakeWriter()
-    report_step(step, 1.0, [1.0], args=Namespace(curr_iteration=0, log_interval=1, planner_log=None),
+    report_step(step, 1.0, [1.0], args=Namespace(flexsp=True, curr_iteration=0, log_interval=1, planner_log=None),
                 writer=writer, printer=lines.append)
     assert lines[0].startswith(" flexsp iteration        1 | plan auto (planner") and " x 1 stage x SP " in lines[0]
     assert {name.split("/")[0] for name, _, _ in writer.scalars} == {"flexsp"}
