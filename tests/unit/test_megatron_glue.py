@@ -95,29 +95,12 @@ def test_subset_documents():
         sub.get(10)
 
 
-def test_elastic_loader_with_sp_auto_plans_any_degree_per_step():
-    """--elastic-pp-sp auto: the auto planner on the run's 2 stages (any SP degree, so replicas or
-    not, per step), batch 1F1B on 2 stages when late; the SP group pool covers every degree."""
-    from megatron_ext.megatron.cost import load_cost_model
-    from megatron_ext.megatron.data import make_loader
-    from megatron_ext.planner import make_plan
-
-    cost = load_cost_model(str(ROOT / "configs/megatron/cost/tiny-cpu4.yaml"))
-    args = Namespace(elastic_pp=True, elastic_pp_sp="auto", pipeline_model_parallel_size=2, seq_length=2048,
-                     planner_time_limit=0.5, adaptive_recompute=False, global_batch_size=8, plan_ahead=0)
-    loader = make_loader(MockDocuments(64, 100, 99, 3, 4096), cost, args, num_steps=1, start_step=0, seed=3)
-    assert (loader.planner, loader.fallback) == ("auto", "batch_1f1b")
-    assert (loader.options.pp, loader.options.sp) == (2, None)
-    for planner in (loader.planner, loader.fallback):
-        plan = make_plan(planner, loader.batch_lengths(0), cost, loader.options)
-        assert plan.kind == "elastic_pp" and {p.stages for p in plan.pipelines} == {2}, planner
-
-
-@pytest.mark.parametrize("sp, replicas", [(2, [0]), (1, [0, 1])])
+@pytest.mark.parametrize("sp, replicas", [(2, [0]), (1, [0, 1]), ("auto", None)])
 def test_elastic_loader_plans_stages_of_the_given_sp(sp, replicas):
     """--elastic-pp-sp D (validate_args sets the data-parallel size when it is not given): the
     loader plans 2 stages x SP D, and below a stage's 2 ranks, 2 / D replicas each running
-    pipelines; so does its fallback."""
+    pipelines; so does its fallback. auto: the auto planner on the 2 stages, any degree (and so
+    replicas or not) per step; batch 1F1B on 2 stages when late."""
     from megatron_ext.megatron.cost import load_cost_model
     from megatron_ext.megatron.data import make_loader
     from megatron_ext.plan.pipelines import replica_groups
@@ -127,12 +110,14 @@ def test_elastic_loader_plans_stages_of_the_given_sp(sp, replicas):
     args = Namespace(elastic_pp=True, elastic_pp_sp=sp, pipeline_model_parallel_size=2, seq_length=2048,
                      planner_time_limit=0.5, adaptive_recompute=False, global_batch_size=8, plan_ahead=0)
     loader = make_loader(MockDocuments(64, 100, 99, 3, 4096), cost, args, num_steps=1, start_step=0, seed=3)
-    assert (loader.planner, loader.fallback) == ("elastic_pp", "batch_1f1b")
-    assert (loader.options.pp, loader.options.sp) == (2, sp)
+    auto = sp == "auto"
+    assert (loader.planner, loader.fallback) == ("auto" if auto else "elastic_pp", "batch_1f1b")
+    assert (loader.options.pp, loader.options.sp) == (2, None if auto else sp)
     for planner in (loader.planner, loader.fallback):
         plan = make_plan(planner, loader.batch_lengths(0), cost, loader.options)
-        assert {(p.stages, p.sp_degree) for p in plan.pipelines} == {(2, sp)}, planner
-        assert sorted({p.replica for p in plan.pipelines}) == replicas, planner
+        degree = plan.pipelines[0].sp_degree if auto else sp
+        assert {(p.stages, p.sp_degree) for p in plan.pipelines} == {(2, degree)}, planner
+        assert sorted({p.replica for p in plan.pipelines}) == (replicas or list(range(2 // degree))), planner
         assert all(replica_groups(plan, cost.num_gpus)), planner
 
 
