@@ -93,11 +93,15 @@ def _record(step, losses, grad_norm, tokens, step_time, plan, times) -> dict:
     }
 
 
-def stage_sp(args, cost: CostModel) -> int:
-    """The Ulysses degree of a pipeline stage: ``--sp``, else ranks / pp (or, over the head limit,
-    the largest allowed degree dividing it; the rest run as replicas)."""
+def stage_sp(args, cost: CostModel) -> int | None:
+    """The Ulysses degree of the run's pipeline stages: ``--sp``, else ranks / pp (or, over the
+    head limit, the largest allowed degree dividing it; the rest run as replicas). None without
+    pipelines, and for auto without ``--sp`` (chosen per step)."""
     from megatron_ext.planner.pipeline import resolve_layout
+    from megatron_ext.planner.pipeline_api import PP_PLANNERS
 
+    if args.planner not in PP_PLANNERS or args.planner == "auto":
+        return args.sp if args.planner == "auto" else None
     return resolve_layout(cost, args.pp, args.sp)[1]
 
 
@@ -121,7 +125,7 @@ def check_args(args, cost: CostModel, world: int) -> bool:
         raise ConfigError(f"--sp applies only to pipeline planners ({runnable}); {args.planner} chooses its SP "
                           f"degrees itself")
     if pipelined:
-        sp = args.sp if args.planner == "auto" else stage_sp(args, cost)  # (auto: per step, unless pinned)
+        sp = stage_sp(args, cost)  # (auto: per step, unless pinned)
         if sp is not None:
             PipelineCost(cost, args.pp, sp)  # names what is wrong with the layout
         limit = max_seq_len(args.planner, cost, PlannerOptions(pp=args.pp, sp=sp))
@@ -187,7 +191,7 @@ def _train(args, rank: int, world: int) -> int:
     model.module.load_state_dict(stage_state_dict(weights, model))
     optimizer = build_optimizer(model, args.lr)
     auto = args.planner == "auto"
-    sp = args.sp if auto else stage_sp(args, cost) if pipelined else None
+    sp = stage_sp(args, cost)
     # FlexSP: every aligned group of the world; pipelines of several replicas (or of any degree,
     # auto): their SP groups inside each stage's data-parallel ranks, which at one stage are the
     # world's (collective: every rank builds the pool)
@@ -202,6 +206,8 @@ def _train(args, rank: int, world: int) -> int:
     loader = PlanningDataLoader(docs, cost, args.global_batch, planner=args.planner, options=options, seed=args.seed,
                                 max_seq_len=args.max_seq_len, num_steps=args.steps, sync="broadcast",
                                 fallback="batchada" if not pipelined or (auto and args.pp == 1) else "batch_1f1b")
+    if rank == 0 and not args.json:
+        print(_header(args, cost, world), flush=True)
     records = []
     log = None
     if rank == 0 and args.run_dir:
@@ -293,6 +299,23 @@ def _stage_report(ranks: list, step, cost: CostModel) -> dict:
             "predicted_busy_s_per_stage": r(sim.busy_s),
             "ops_per_stage": [[[op, round(t, 5), round(predicted[(p, op)], 5) if (p, op) in predicted else None]
                                for op, t in ops[p].items()] for p in range(P)]}
+
+
+def _header(args, cost: CostModel, world: int) -> str:
+    """What the run trains, on what, with which planner (printed before its steps)."""
+    sp = stage_sp(args, cost)
+    if args.planner == "auto":
+        layout = ("FlexSP or one-stage pipeline replicas per step" if args.pp == 1 else
+                  f"pipelines of {args.pp} stages" + (f" x SP {sp}" if sp else ", their SP degree per step"))
+    elif sp is not None:
+        layout = f"pipelines of {args.pp} stages x SP {sp}" + (f", {world // (args.pp * sp)} replicas"
+                                                              if world > args.pp * sp else "")
+    else:
+        layout = "SP groups per micro-batch"
+    return (f"train: {cost.model.name} on {cost.cluster.name} ({world} ranks), planner {args.planner} ({layout}); "
+            f"{args.global_batch} sequences a step of up to {args.max_seq_len:,} tokens, {args.steps} "
+            f"step{'s' if args.steps != 1 else ''}, "
+            f"seed {args.seed}")
 
 
 def _line(r: dict) -> str:

@@ -211,6 +211,23 @@ def test_check_args_refuses_a_static_degree_that_cannot_run(argv, match):
     assert not check_args(build_parser().parse_args(["--max-seq-len", "2048", *argv]), cost, 4)
 
 
+@pytest.mark.parametrize("argv, layout", [
+    ([], "planner flexsp (SP groups per micro-batch)"),
+    (["--planner", "auto"], "planner auto (FlexSP or one-stage pipeline replicas per step)"),
+    (["--planner", "auto", "--pp", "2"], "planner auto (pipelines of 2 stages, their SP degree per step)"),
+    (["--planner", "elastic_pp", "--pp", "2", "--sp", "1"], "planner elastic_pp (pipelines of 2 stages x SP 1, 2 replicas)"),
+])
+def test_the_run_says_what_it_trains(argv, layout):
+    from megatron_ext.cost import CostModel
+    from megatron_ext.runtime.train import _header, build_parser, check_args
+
+    cost = CostModel.from_presets("tiny", "cpu-4")
+    args = build_parser().parse_args(["--max-seq-len", "2048", "--steps", "1", *argv])
+    check_args(args, cost, 4)
+    assert _header(args, cost, 4) == (f"train: tiny on cpu-4 (4 ranks), {layout}; 8 sequences a step "
+                                                     f"of up to 2,048 tokens, 1 step, seed 0")
+
+
 def test_check_args_takes_auto_at_any_stage_count():
     """auto plans per step, on the run's stages: any --pp, an optional --sp; its length limit is the
     longest either kind runs on those stages."""
