@@ -100,8 +100,10 @@ def stage_sp(args, cost: CostModel) -> int | None:
     from megatron_ext.planner.pipeline import resolve_layout
     from megatron_ext.planner.pipeline_api import PP_PLANNERS
 
-    if args.planner not in PP_PLANNERS or args.planner == "auto":
-        return args.sp if args.planner == "auto" else None
+    if args.planner == "auto":
+        return args.sp
+    if args.planner not in PP_PLANNERS:
+        return None
     return resolve_layout(cost, args.pp, args.sp)[1]
 
 
