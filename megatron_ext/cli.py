@@ -9,7 +9,6 @@ import argparse
 import json
 import math
 import sys
-from collections import Counter
 
 import numpy as np
 
@@ -228,7 +227,7 @@ def cmd_profile(rest: list[str]) -> int:
 def compare_table(runs: dict[str, list[dict]]) -> str:
     """Measured step time (median after the first step), tokens/s, the cost model's median error,
     and the largest loss / grad-norm difference from the first planner's run at any step."""
-    from megatron_ext.report import step_layout
+    from megatron_ext.report import layout_counts, layouts_text
 
     first = next(iter(runs.values()))
     lines = [f"{'planner':<22}{'steps':>6}{'step s':>9}{'tokens/s':>10}{'vs first':>9}{'model err':>10}"
@@ -245,7 +244,7 @@ def compare_table(runs: dict[str, list[dict]]) -> str:
         lines.append(f"{name:<22}{len(recs):>6}{t:>9.3f}{sum(r['tokens'] for r in body) / measured.sum():>10,.0f}"
                      f"{base_time / t:>8.2f}x{np.median(np.abs(predicted - measured) / measured):>9.0%} "
                      f"{loss_diff:>14.1e}{grad_diff:>15.1e}  "
-                     + ", ".join(f"{n} {k}" for k, n in Counter(step_layout(r) for r in recs).most_common()))
+                     + layouts_text(layout_counts(recs)))
     return "\n".join(lines)
 
 

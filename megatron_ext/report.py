@@ -59,7 +59,7 @@ def fidelity(records: list[dict]) -> dict:
         "drift": float(np.median(thirds[-1]) - np.median(thirds[0])),
     }
     out["recalibrate"] = out["step_median_abs_error"] > DRIFT_THRESHOLD or out["drift"] > DRIFT_THRESHOLD / 2
-    out["layouts"] = dict(Counter(step_layout(r) for r in body))
+    out["layouts"] = layout_counts(body)
     stages = [r for r in body if "ops_per_stage" in r]  # a run of auto may hold pipelines of several layouts
     out["pipelines"] = [_stage_fidelity(name, [r for r in stages if step_layout(r) == name])
                         for name in dict.fromkeys(step_layout(r) for r in stages)]
@@ -75,6 +75,16 @@ def step_layout(r: dict) -> str:
     rows = len(r["ops_per_stage"])
     stages = r.get("stages", rows)
     return f"pp{stages} x sp{r['degrees'][0]}" + (f" x dp{rows // stages}" if rows > stages else "")
+
+
+def layout_counts(records: list[dict]) -> dict[str, int]:
+    """How many of ``records`` each layout (``step_layout``) ran, the most common first."""
+    return dict(Counter(step_layout(r) for r in records).most_common())
+
+
+def layouts_text(counts: dict[str, int]) -> str:
+    """``layout_counts`` as "2 flexsp, 1 pp1 x sp2 x dp2"."""
+    return ", ".join(f"{n} {k}" for k, n in counts.items())
 
 
 def _stage_fidelity(layout: str, stages: list[dict]) -> dict:
@@ -97,7 +107,7 @@ def _stage_fidelity(layout: str, stages: list[dict]) -> dict:
 
 def report_table(records: list[dict]) -> str:
     f = fidelity(records)
-    ran = "; ran " + ", ".join(f"{n} {k}" for k, n in Counter(f["layouts"]).most_common()) if len(f["layouts"]) > 1 else ""
+    ran = "; ran " + layouts_text(f["layouts"]) if len(f["layouts"]) > 1 else ""
     lines = [f"{records[0].get('planner', '?')}: {f['steps']} steps (the first is left out){ran}",
              f"step time error:        median {f['step_median_abs_error']:.1%}, p90 {f['step_p90_abs_error']:.1%}, "
              f"bias {f['step_bias']:+.1%} ({'over' if f['step_bias'] > 0 else 'under'}-predicts)"]

@@ -382,14 +382,23 @@ def _check_auto(args, tp: int, dp: int) -> None:
     if tp > 1:
         _conflict(f"--flexsp-planner auto runs some steps as one-stage pipeline replicas, whose Ulysses groups "
                   f"span whole ranks: use --tensor-model-parallel-size 1 (got {tp})")
+    _check_replicas_have_sequences(args, dp, f"--flexsp-planner auto may run a step as {dp} one-stage pipeline "
+                                            f"replicas of SP 1", "")
+    _check_no_full_recompute(args, "--flexsp-planner auto decides recomputation of its pipeline steps per chunk")
+
+
+def _check_replicas_have_sequences(args, replicas: int, runs: str, hint: str) -> None:
+    """Every pipeline replica needs a sequence a step (its ranks run a forward and a backward)."""
     batch = _get(args, "global_batch_size", None)
-    if batch is not None and batch < dp:
-        _conflict(f"--flexsp-planner auto may run a step as {dp} one-stage pipeline replicas of SP 1, each on its "
-                  f"share of the sequences: --global-batch-size {batch} leaves some with none; give at least {dp}")
+    if batch is not None and batch < replicas:
+        _conflict(f"{runs}, each on its share of a step's sequences: --global-batch-size {batch} leaves some with "
+                  f"none; give at least {replicas} sequences a step{hint}")
+
+
+def _check_no_full_recompute(args, who: str) -> None:
     if _get(args, "recompute_granularity", None) == "full":
-        _conflict("--flexsp-planner auto decides recomputation of its pipeline steps per chunk itself (none when "
-                  "the step fits, every layer when not; per chunk with --adaptive-recompute); drop "
-                  "--recompute-granularity full")
+        _conflict(f"{who} itself (none when the step fits, every layer when not; per chunk with "
+                  f"--adaptive-recompute); drop --recompute-granularity full")
 
 
 def _check_elastic(args, world: int, tp: int, pp: int, dp: int, head_limit: int):
@@ -433,16 +442,11 @@ def _check_elastic(args, world: int, tp: int, pp: int, dp: int, head_limit: int)
         _conflict(f"--elastic-pp-sp {sp} is not an allowed Ulysses degree: a power of two dividing the {heads} "
                   f"attention heads and the KV heads (up to {head_limit} here)")
     replicas = dp if sp == "auto" else dp // sp
-    batch = _get(args, "global_batch_size", None)
-    if batch is not None and batch < replicas:
-        runs = "may run" if sp == "auto" else "runs"
-        _conflict(f"--elastic-pp-sp {sp} {runs} {replicas} pipeline replicas side by side (a stage's {dp} "
-                  f"data-parallel ranks / SP {1 if sp == 'auto' else sp}), each on its share of a step's sequences: "
-                  f"--global-batch-size {batch} leaves some with none; give at least {replicas} sequences a step or "
-                  f"a larger --elastic-pp-sp")
-    if _get(args, "recompute_granularity", None) == "full":
-        _conflict("--elastic-pp decides recomputation per chunk and stage itself (none when the step fits, every "
-                  "layer when not; per chunk with --adaptive-recompute); drop --recompute-granularity full")
+    _check_replicas_have_sequences(
+        args, replicas, f"--elastic-pp-sp {sp} {'may run' if sp == 'auto' else 'runs'} {replicas} pipeline replicas "
+                        f"side by side (a stage's {dp} data-parallel ranks / SP {1 if sp == 'auto' else sp})",
+        " or a larger --elastic-pp-sp")
+    _check_no_full_recompute(args, "--elastic-pp decides recomputation per chunk and stage")
     for name in ("flexsp_max_sp_size", "flexsp_static_degree"):
         if _get(args, name, None) is not None:
             _conflict(f"--{name.replace('_', '-')} belongs to --flexsp; --elastic-pp's SP degree is "

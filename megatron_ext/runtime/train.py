@@ -14,7 +14,6 @@ import json
 import sys
 import time
 import warnings
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.planner import PLANNERS, PlannerOptions
-from megatron_ext.report import step_layout
+from megatron_ext.report import layout_counts, layouts_text, step_layout
 from megatron_ext.spec import ModelSpec
 
 
@@ -338,8 +337,7 @@ def _summary(planner: str, records: list[dict]) -> str:
     predicted = np.array([r["predicted_step_time_s"] for r in records[1:] or records])
     err = np.median(np.abs(predicted - measured) / measured)
     tokens = sum(r["tokens"] for r in records[1:] or records)
-    kinds = Counter(step_layout(r) for r in records)
-    chose = f" ({', '.join(f'{n} {k}' for k, n in kinds.most_common())})" if planner == "auto" else ""
+    chose = f" ({layouts_text(layout_counts(records))})" if planner == "auto" else ""
     late = sum(r["plan_source"].endswith("fallback") for r in records)
     return (f"{planner}: {len(records)} step{'s' if len(records) > 1 else ''}{chose}"
             + (f", {late} of them on a fallback plan" if late else "")
