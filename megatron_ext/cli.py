@@ -13,6 +13,7 @@ import sys
 import numpy as np
 
 from megatron_ext.cost import CostModel
+from megatron_ext.data.batches import dataset_batches
 from megatron_ext.data.lengths import read_lengths, sample_lengths
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.planner import PLANNERS, PlannerOptions, make_plan
@@ -67,7 +68,15 @@ def options_from_args(args) -> PlannerOptions:
 
 def lengths_from_args(args, limit: int) -> np.ndarray:
     """The batch of ``--lengths FILE`` (refused if over ``--max-seq-len`` without ``--drop-over-max``;
-    the planners drop or refuse what they cannot run) or sampled from ``--dist`` up to ``limit``."""
+    the planners drop or refuse what they cannot run), step ``--step`` of ``--data`` (documents
+    cut into pieces of at most ``limit``, as ``train`` cuts them; its source on stderr), or sampled
+    from ``--dist`` up to ``limit`` with the seed ``simulate`` gives that step."""
+    if args.step < 0:
+        raise ConfigError(f"--step must be a step number (0 or more), got {args.step}")
+    if args.data:
+        batches, source = dataset_batches(args.data, args.batch, limit, args.seed, range(args.step, args.step + 1))
+        print(f"batch: {source}", file=sys.stderr)
+        return batches[0]
     if args.lengths:
         lengths = read_lengths(args.lengths)
         if args.max_seq_len:
@@ -76,7 +85,7 @@ def lengths_from_args(args, limit: int) -> np.ndarray:
                 raise ConfigError(f"{int(over.sum())} sequence(s) exceed --max-seq-len {args.max_seq_len} "
                                   f"(longest {int(lengths.max())}); use --drop-over-max to drop them")
         return lengths
-    return sample_lengths(args.dist, args.batch, args.seed, limit)
+    return sample_lengths(args.dist, args.batch, args.seed + args.step, limit)
 
 
 def _plan_table(plan, lengths, cost, max_seq_len: int | None = None) -> str:
@@ -254,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="plan one step from lengths and print the StepPlan")
     add_batch_source_args(p, default_dist="wikipedia")
+    p.add_argument("--step", type=int, default=0, metavar="K",
+                   help="with --dist or --data: plan step K of `simulate` (seed + K) or of a `train --data` run "
+                        "(default 0)")
     p.add_argument("--max-seq-len", type=parse_tokens, metavar="L",
                    help="longest sequence, e.g. 384K (default: the longest the planner can run on the cluster)")
     p.add_argument("--json", action="store_true", help="print the StepPlan JSON")

@@ -3,12 +3,9 @@
 Per step it yields a ``Step``: the global batch (token arrays indexed by seq id, no padding), its
 ``StepPlan`` and a digest of the plan's decisions and the batch's identity.
 
-Batches. Documents longer than ``max_seq_len`` (default: the longest sequence the cost model can
-place) are cut into consecutive ``max_seq_len`` pieces; the pieces are the samples. Each epoch is a
-permutation of the samples drawn from ``(seed, epoch)``; step k takes ``global_batch_size``
-consecutive samples of its epoch (an epoch's remainder is not used). The batches depend on the
-data, the seed, the batch size and ``max_seq_len`` only -- never on the planner -- so every planner
-sees the same batches.
+Batches are ``GlobalBatches`` (``data/batches.py``): documents cut into pieces of at most
+``max_seq_len`` (default: the longest sequence the cost model can place), shuffled per epoch by
+the seed, the same for every planner.
 
 Planning. A background process (``multiprocessing`` spawn context, ``plan_worker.py``; it imports
 no torch) plans step k+1 while step k trains. When step k+1 is asked for, the loader waits at most
@@ -40,6 +37,7 @@ from typing import Iterator
 import numpy as np
 
 from megatron_ext.cost import CostModel
+from megatron_ext.data.batches import GlobalBatches
 from megatron_ext.data.datasets import DataError, Documents
 from megatron_ext.data.sharding import (IGNORE_INDEX, RankShard, ShardTokens, group_shards, num_loss_tokens,
                                         padded_buffer_length, rank_part, shard_bounds, shard_tokens)
@@ -50,7 +48,7 @@ from megatron_ext.planner import PLANNERS, PlannerOptions, make_plan
 from megatron_ext.planner.pipeline_api import PP_PLANNERS
 
 __all__ = ["PlanningDataLoader", "Step", "PlanMismatchError", "plan_digest", "check_plan_agreement",
-           "broadcast_plan", "make_samples", "fallback_plan", "rank_part", "group_shards", "RankShard",
+           "broadcast_plan", "fallback_plan", "rank_part", "group_shards", "RankShard",
            "shard_tokens", "ShardTokens", "padded_buffer_length", "shard_bounds", "num_loss_tokens",
            "IGNORE_INDEX"]
 
@@ -135,22 +133,6 @@ def broadcast_plan(plan: StepPlan | None, src: int = 0, group=None, source: str 
     return StepPlan.from_json(text), source
 
 
-# ---- samples --------------------------------------------------------------------------------
-def make_samples(doc_lengths, max_seq_len: int) -> np.ndarray:
-    """Samples of the documents, shape [n, 3]: (doc, start, end). A document longer than
-    ``max_seq_len`` becomes consecutive pieces of ``max_seq_len`` tokens (the last shorter);
-    empty documents are left out."""
-    if max_seq_len < 1:
-        raise DataError(f"max_seq_len must be at least 1, got {max_seq_len}")
-    lengths = np.asarray(doc_lengths, dtype=np.int64)
-    pieces = -(-lengths // max_seq_len)  # 0 for empty documents
-    doc = np.repeat(np.arange(lengths.size, dtype=np.int64), pieces)
-    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
-    start = (np.arange(doc.size, dtype=np.int64) - first) * max_seq_len
-    end = np.minimum(start + max_seq_len, lengths[doc])
-    return np.stack([doc, start, end], axis=1)
-
-
 def fallback_plan(lengths, cost: CostModel, options: PlannerOptions, fallback: str = "batchada",
                   reason: str = "", last_resort: str | None = None) -> StepPlan:
     """A quick valid plan: ``fallback`` (then static Ulysses if that fails, then ``last_resort``,
@@ -205,7 +187,7 @@ def _stop_worker(proc, tasks) -> None:
         proc.join(timeout=2.0)
 
 
-class PlanningDataLoader:
+class PlanningDataLoader(GlobalBatches):
     """Global batches of variable-length documents with a plan per step (see the module doc).
 
     ``documents``: any ``Documents`` (indexed dataset, JSONL, text). ``cost``: the cost model the
@@ -233,22 +215,18 @@ class PlanningDataLoader:
             raise DataError(f"unknown fallback planner {fallback!r}; choose one of {', '.join(known)}")
         if sync not in (None, "check", "broadcast"):
             raise DataError(f"sync must be None, 'check' or 'broadcast', got {sync!r}")
-        if global_batch_size < 1:
-            raise DataError(f"global_batch_size must be at least 1, got {global_batch_size}")
         if num_steps is not None and num_steps < 0 or start_step < 0:
             raise DataError("num_steps and start_step must be non-negative")
         self.documents = documents
         self.cost = cost
-        self.global_batch_size = int(global_batch_size)
         self.planner = planner
         self.options = options or PlannerOptions()
-        self.seed = int(seed)
         limit = cost.max_seq_len if self.options.max_seq_len is None else min(self.options.max_seq_len,
                                                                               cost.max_seq_len)
-        self.max_seq_len = int(limit if max_seq_len is None else max_seq_len)
+        super().__init__(documents.lengths, global_batch_size, limit if max_seq_len is None else max_seq_len,
+                         seed, shuffle)
         self.num_steps = num_steps
         self.start_step = int(start_step)
-        self.shuffle = shuffle
         self.background = background
         self.deadline_s = self.options.time_limit + 1.0 if deadline_s is None else float(deadline_s)
         self.fallback = fallback
@@ -258,19 +236,6 @@ class PlanningDataLoader:
         self.plan_delay_s = float(plan_delay_s)
         self.sync, self.group, self.src_rank = sync, group, src_rank
 
-        self.samples = make_samples(documents.lengths, self.max_seq_len)
-        split = int(np.count_nonzero(np.asarray(documents.lengths) > self.max_seq_len))
-        if split:
-            logger.info("%d document(s) longer than %d tokens are split into pieces of at most %d tokens "
-                        "(%d samples from %d documents)", split, self.max_seq_len, self.max_seq_len,
-                        len(self.samples), len(documents))
-        if len(self.samples) < self.global_batch_size:
-            raise DataError(f"the dataset has {len(self.samples)} samples, fewer than one global batch of "
-                            f"{self.global_batch_size}")
-        self.steps_per_epoch = len(self.samples) // self.global_batch_size
-        self._perm_epoch: int | None = None
-        self._perm: np.ndarray | None = None
-
         self._proc = None
         self._ready = False
         self._dead = False
@@ -279,25 +244,6 @@ class PlanningDataLoader:
         # How steps got their plans: "planner", "inline", "fallback", plus worker results that came
         # too late ("late_discarded") and tasks the worker skipped as stale ("skipped").
         self.stats: Counter[str] = Counter()
-
-    # ---- batches ----------------------------------------------------------------------------
-    def batch_sample_ids(self, step: int) -> np.ndarray:
-        """Sample ids of step ``step``'s global batch (its seq ids index this array)."""
-        epoch, k = divmod(int(step), self.steps_per_epoch)
-        if epoch != self._perm_epoch:
-            n = len(self.samples)
-            self._perm = (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle
-                          else np.arange(n))
-            self._perm_epoch = epoch
-        b = self.global_batch_size
-        return self._perm[k * b:(k + 1) * b]
-
-    def batch_samples(self, step: int) -> np.ndarray:
-        return self.samples[self.batch_sample_ids(step)]
-
-    def batch_lengths(self, step: int) -> np.ndarray:
-        s = self.batch_samples(step)
-        return s[:, 2] - s[:, 1]
 
     def read_batch(self, samples: np.ndarray) -> list[np.ndarray]:
         return [np.array(self.documents.get(int(d), int(a), int(e - a)), dtype=np.int64) for d, a, e in samples]

@@ -41,14 +41,19 @@ def positive_int(text: str) -> int:
 
 
 def add_batch_source_args(p, default_dist: str) -> None:
-    """Where a command's lengths come from: ``--lengths FILE`` or ``--dist NAME --batch N --seed S``."""
+    """Where a command's lengths come from: ``--lengths FILE``, ``--dist NAME`` or ``--data PREFIX``
+    (with ``--batch N --seed S``)."""
     src = p.add_mutually_exclusive_group()
     src.add_argument("--lengths", metavar="FILE", help="text file, one sequence length per line (one batch)")
     src.add_argument("--dist", default=default_dist, choices=sorted(DISTRIBUTIONS),
                      help=f"synthetic length distribution (default: {default_dist})")
+    src.add_argument("--data", metavar="PREFIX",
+                     help="Megatron indexed dataset (PREFIX.bin/.idx): the batches `train --data PREFIX` draws, "
+                          "documents over --max-seq-len cut into pieces")
     p.add_argument("--batch", type=int, default=512,
-                   help="sequences per step with --dist (default 512; ignored with --lengths)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed with --dist (default 0)")
+                   help="sequences per step with --dist or --data (default 512; ignored with --lengths)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed with --dist, shuffling seed with --data (train's --seed) (default 0)")
 
 
 def add_pipeline_args(p) -> None:
@@ -285,7 +290,7 @@ def add_simulate_command(sub, add_cost_args, cost_from_args, parse_tokens) -> No
 
     p = sub.add_parser("simulate", help="simulate many steps with every planner and compare them in one table")
     add_batch_source_args(p, default_dist="commoncrawl")
-    p.add_argument("--steps", type=int, default=5, help="steps with --dist (default 5; ignored with --lengths)")
+    p.add_argument("--steps", type=int, default=5, help="steps with --dist or --data (default 5; ignored with --lengths)")
     p.add_argument("--max-seq-len", type=parse_tokens, metavar="L",
                    help="max context, e.g. 48K: the longest sampled sequence and the baselines' pack size "
                         "(default: the longest every planner can run)")
@@ -313,7 +318,8 @@ def add_simulate_command(sub, add_cost_args, cost_from_args, parse_tokens) -> No
         lengths = None
         if args.lengths:
             lengths = _limited(read_lengths(args.lengths), args, cost, planners, opts)
-        out = simulate_table(cost, lengths=lengths, dist=args.dist, batch=args.batch, steps=args.steps, seed=args.seed,
+        out = simulate_table(cost, lengths=lengths, dist=args.dist, data=args.data, batch=args.batch, steps=args.steps,
+                             seed=args.seed,
                              max_seq_len=args.max_seq_len, planners=planners, main=args.main, options=opts,
                              time_limit=opts.time_limit, keep_plans=bool(args.plot))
         print(json.dumps({k: out[k] for k in ("config", "summary", "floor", "rows")}, indent=1) if args.json else out["table"])

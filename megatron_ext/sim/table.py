@@ -1,6 +1,6 @@
 """``simulate_table``: many steps, every planner, one table (for ``megatron-ext simulate``).
 
-For each step (a batch sampled from a length distribution, or the given lengths), every planner
+For each step (a batch sampled from a length distribution, a dataset's batch, or the given lengths), every planner
 plans it and the simulator times the plan: step time, tokens/s, bubble ratio, recompute share,
 peak memory, planning time. The summary row of each planner aggregates the steps (times summed,
 so tokens/s is total tokens over total time), and the main planner's speedup over each other
@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from megatron_ext.cost import CostModel
+from megatron_ext.data.batches import dataset_batches
 from megatron_ext.data.lengths import sample_lengths
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.sim.simulator import simulate
@@ -34,13 +35,16 @@ def _plan(name: str, lengths: np.ndarray, cost: CostModel, pp, sp, options, time
 
 
 def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", cluster: str = "a800-80g-8x4",
-                   lengths=None, dist: str = "commoncrawl", batch: int = 512, steps: int = 5, seed: int = 0,
+                   lengths=None, dist: str = "commoncrawl", data: str | None = None, batch: int = 512,
+                   steps: int = 5, seed: int = 0,
                    max_seq_len: int | None = None, pp: int | None = None, sp: int | None = None,
                    planners: tuple[str, ...] = DEFAULT_PLANNERS, main: str | None = None, options=None,
                    b1_scale: float | None = None, time_limit: float = 1.0, keep_plans: bool = False) -> dict:
     """Returns {"rows": per step and planner, "summary": per planner, "table": printable text,
     "config": what was run, "plans": {planner: (plan, lengths)} of the first step if ``keep_plans``}.
-    ``lengths`` (one batch) overrides ``dist``/``batch``/``steps``. ``main`` (default: the first
+    ``lengths`` (one batch) overrides ``dist``/``batch``/``steps``; ``data`` (a Megatron indexed
+    dataset prefix) replaces ``dist`` with the batches of a ``train --data`` run: documents over
+    ``max_seq_len`` cut into pieces, shuffled by ``seed``. ``main`` (default: the first
     planner) is the one the speedups are relative to. ``options`` is a PipelineOptions for the
     pipeline planners (b1_scale, memory_mb, ...); ``max_seq_len`` (default: the longest every
     planner can run) caps the sampled lengths and sets the baselines' pack size (Megatron packs to
@@ -77,8 +81,11 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
         source = f"{len(batches[0])} given lengths"
     else:
         cap = max_seq_len or min(planner_max_seq_len(x, cost, opts) for x in planners)
-        batches = [sample_lengths(dist, batch, seed + s, cap) for s in range(steps)]
-        source = f"{dist}, batch {batch}, max length {cap:,}, {steps} step(s) from seed {seed}"
+        if data is not None:
+            batches, source = dataset_batches(data, batch, cap, seed, range(steps))
+        else:
+            batches = [sample_lengths(dist, batch, seed + s, cap) for s in range(steps)]
+            source = f"{dist}, batch {batch}, max length {cap:,}, {steps} step(s) from seed {seed}"
 
     rows = []
     plans: dict = {}

@@ -10,10 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from megatron_ext.cli import main
 from megatron_ext.cost import CostModel
+from megatron_ext.data.datasets import IndexedDocuments, write_indexed_dataset
+from megatron_ext.data.loader import PlanningDataLoader
 from megatron_ext.plan import StepPlan, validate
 from megatron_ext.planner.api import BASELINES
 
@@ -188,6 +191,58 @@ def test_nonexistent_lengths_file(capsys, tmp_path):
 def test_config_errors(capsys, argv, match):
     assert_one_line_error(*run(capsys, "plan", "--dist", "wikipedia", "--batch", "8", *argv), match)
 
+
+
+# ---- --data: a Megatron indexed dataset --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    rng = np.random.default_rng(5)
+    lengths = [*rng.integers(50, 3000, 60).tolist(), 9000, 20000]
+    prefix = str(tmp_path_factory.mktemp("corpus") / "docs")
+    write_indexed_dataset(prefix, [rng.integers(0, 1000, n).astype(np.uint16) for n in lengths])
+    return prefix
+
+
+def test_plan_and_simulate_draw_the_batches_train_draws(capsys, corpus):
+    from megatron_ext.cli import build_parser, lengths_from_args
+
+    docs = IndexedDocuments(corpus)
+    loader = PlanningDataLoader(docs, C7B, 16, seed=3, max_seq_len=8192, background=False)
+    args = build_parser().parse_args(["plan", "--data", corpus, "--batch", "16", "--seed", "3", "--step", "4"])
+    got = lengths_from_args(args, 8192)
+    np.testing.assert_array_equal(got, loader.batch_lengths(4))
+    # The 20,000-token document is cut into pieces as train cuts it, never dropped.
+    all_ids = np.concatenate([loader.batch_sample_ids(k) for k in range(loader.steps_per_epoch)])
+    assert (loader.samples[:, 2] - loader.samples[:, 1]).max() == 8192 and len(loader.samples) == 62 + 2 + 1
+    assert len(set(all_ids.tolist())) == len(all_ids)
+
+    code, out, err = run(capsys, "plan", "--data", corpus + ".idx", "--batch", "16", "--seed", "3", "--step", "4",
+                         "--max-seq-len", "8K", "--json", *FAST)
+    assert code == 0, err
+    assert f"batch: {corpus}: 62 documents, 2 cut into pieces, batch 16" in err and "step 4 from seed 3" in err
+    validate(StepPlan.from_json(out), got, C7B)
+
+    code, out, err = run(capsys, "simulate", "--data", corpus, "--batch", "16", "--steps", "2", "--seed", "3",
+                         "--max-seq-len", "8K", "--planners", "flexsp,static_ulysses", "--model", "gpt-7b",
+                         "--cluster", "a100-40g-8x1", "--json", *FAST)
+    assert code == 0, err
+    res = json.loads(out)
+    assert corpus in res["config"]["source"] and "steps 0-1 from seed 3" in res["config"]["source"]
+    tokens = {(r["step"], r["planner"]): r["tokens"] for r in res["rows"]}
+    for k in (0, 1):
+        assert tokens[(k, "flexsp")] == tokens[(k, "static_ulysses")] == int(loader.batch_lengths(k).sum())
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--data", "{tmp}/nothing"], "no indexed dataset at"),
+    (["--data", "{corpus}", "--batch", "100"], "fewer than one global batch of 100"),
+    (["--data", "{corpus}", "--step", "-1"], "--step must be a step number"),
+    (["--data", "{corpus}", "--seed", "-2"], "--seed must be non-negative"),
+])
+def test_data_errors(capsys, tmp_path, corpus, argv, match):
+    argv = [a.format(tmp=tmp_path, corpus=corpus) for a in argv]
+    assert_one_line_error(*run(capsys, "plan", *FAST, *argv), match)
 
 
 SMALL = ["--model", "llama-7b", "--cluster", "a800-80g-8x1"]  # one node of 8 GPUs, 32 layers

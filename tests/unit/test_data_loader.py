@@ -10,8 +10,9 @@ import pytest
 
 from small_cost import small_cost
 from megatron_ext.data.datasets import DataError, InMemoryDocuments
+from megatron_ext.data.batches import make_samples
 from megatron_ext.data.loader import (PlanMismatchError, PlanningDataLoader, _describe_mismatch,
-                                      check_plan_agreement, make_samples, plan_digest)
+                                      check_plan_agreement, plan_digest)
 from megatron_ext.plan import validate
 from megatron_ext.planner import PlannerOptions, make_plan
 
