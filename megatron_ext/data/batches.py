@@ -3,17 +3,27 @@
 Documents longer than ``max_seq_len`` are cut into consecutive ``max_seq_len`` pieces; the pieces
 are the samples. Each epoch is a permutation of the samples drawn from ``(seed, epoch)``; step k
 takes ``global_batch_size`` consecutive samples of its epoch (an epoch's remainder is not used).
-The batches depend on the data, the seed, the batch size and ``max_seq_len`` only -- never on the
-planner -- so every planner, and ``plan`` / ``simulate --data`` on a laptop, see the batches a
-training run sees.
+
+A weighted blend of sources (Megatron's ``--data-path W1 PREFIX1 W2 PREFIX2``) gives every source
+its share of each batch: source i's cumulative count after step k stays within one sample of
+w_i * k * batch. Each source runs through its own epochs (permutations drawn from ``(seed, i,
+epoch)``), so a small source with a large weight is seen several times while a large one is
+not finished (and a batch where such a source starts a new epoch may hold one of its samples
+twice, as in Megatron's own blends). Unweighted sources (``PREFIX1 PREFIX2``: Megatron weighs them by size) are one
+dataset, their documents one after another.
+
+The batches depend on the data, the seed, the batch size, the weights and ``max_seq_len`` only --
+never on the planner -- so every planner, and ``plan`` / ``simulate --data`` on a laptop, see the
+batches a training run sees.
 """
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 
-from megatron_ext.data.datasets import DataError, IndexedDocuments
+from megatron_ext.data.datasets import ConcatDocuments, DataError, IndexedDocuments, parse_blend
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +45,12 @@ def make_samples(doc_lengths, max_seq_len: int) -> np.ndarray:
 
 class GlobalBatches:
     """The global batch of every step: ``batch_sample_ids(k)`` index ``samples`` ((doc, start,
-    end) rows), and the batch's seq ids index those ids in order."""
+    end) rows), and the batch's seq ids index those ids in order. ``source_sizes`` and
+    ``weights``: the documents are sources one after another, ``source_sizes[i]`` documents each,
+    blended by ``weights`` (see the module doc; ``steps_per_epoch`` is then None)."""
 
     def __init__(self, doc_lengths, global_batch_size: int, max_seq_len: int, seed: int = 0,
-                 shuffle: bool = True):
+                 shuffle: bool = True, source_sizes=None, weights=None):
         if global_batch_size < 1:
             raise DataError(f"global_batch_size must be at least 1, got {global_batch_size}")
         if seed < 0:
@@ -54,23 +66,74 @@ class GlobalBatches:
             logger.info("%d document(s) longer than %d tokens are split into pieces of at most %d tokens "
                         "(%d samples from %d documents)", self.split_documents, self.max_seq_len,
                         self.max_seq_len, len(self.samples), self.num_documents)
-        if len(self.samples) < self.global_batch_size:
-            raise DataError(f"the dataset has {len(self.samples)} samples, fewer than one global batch of "
-                            f"{self.global_batch_size}")
-        self.steps_per_epoch = len(self.samples) // self.global_batch_size
-        self._perm_epoch: int | None = None
-        self._perm: np.ndarray | None = None
+        self._perms: dict[tuple[int, int], np.ndarray] = {}
+        self.weights = None if weights is None or len(weights) < 2 else self._blend(source_sizes, weights)
+        if self.weights is None:
+            if len(self.samples) < self.global_batch_size:
+                raise DataError(f"the dataset has {len(self.samples)} samples, fewer than one global batch of "
+                                f"{self.global_batch_size}")
+            self.steps_per_epoch = len(self.samples) // self.global_batch_size
+        else:
+            self.steps_per_epoch = None
+            self._counts = [np.zeros(len(self.weights), dtype=np.int64)]  # per source, after step k
+
+    def _blend(self, source_sizes, weights) -> np.ndarray:
+        w = np.asarray(weights, dtype=np.float64)
+        if source_sizes is None or len(source_sizes) != w.size:
+            raise DataError(f"a blend of {w.size} weights needs the document count of each of its sources")
+        if not (np.all(np.isfinite(w)) and np.all(w >= 0) and w.sum() > 0):
+            raise DataError(f"blend weights must be non-negative numbers, not all zero: {list(weights)}")
+        w = w / w.sum()
+        bounds = np.concatenate([[0], np.cumsum(source_sizes)])
+        if bounds[-1] != self.num_documents:
+            raise DataError(f"the sources hold {bounds[-1]} documents, the dataset {self.num_documents}")
+        owner = np.searchsorted(bounds, self.samples[:, 0], side="right") - 1
+        self._source_samples = [np.flatnonzero(owner == i) for i in range(w.size)]
+        for i, ids in enumerate(self._source_samples):
+            need = math.ceil(w[i] * self.global_batch_size - 1e-9)
+            if len(ids) < need:
+                raise DataError(f"source {i} of the blend has {len(ids)} samples, fewer than its share of one "
+                                f"global batch ({need} of {self.global_batch_size} at weight {w[i]:.3g})")
+        return w
+
+    def _perm(self, source: int, epoch: int, n: int) -> np.ndarray:
+        key = (source, epoch)
+        if key not in self._perms:
+            if len(self._perms) > 64:  # steps move forward: old epochs are not asked for again
+                self._perms.clear()
+            seed = [self.seed, epoch] if source < 0 else [self.seed, source, epoch]
+            self._perms[key] = np.random.default_rng(seed).permutation(n) if self.shuffle else np.arange(n)
+        return self._perms[key]
+
+    def _blend_counts(self, step: int) -> np.ndarray:
+        """Samples of each source in steps 0..step-1: the cumulative targets w * k * batch,
+        rounded so each step takes exactly ``global_batch_size`` (largest remainders first)."""
+        b = self.global_batch_size
+        while len(self._counts) <= step:
+            have = self._counts[-1]
+            due = self.weights * len(self._counts) * b - have
+            take = np.maximum(np.floor(due), 0).astype(np.int64)  # a source ahead of its share waits
+            extra = b - int(take.sum())
+            if extra > 0:
+                take[np.argsort(-(due - take), kind="stable")[:extra]] += 1
+            self._counts.append(have + take)
+        return self._counts[step]
 
     def batch_sample_ids(self, step: int) -> np.ndarray:
         """Sample ids of step ``step``'s global batch (its seq ids index this array)."""
-        epoch, k = divmod(int(step), self.steps_per_epoch)
-        if epoch != self._perm_epoch:
-            n = len(self.samples)
-            self._perm = (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle
-                          else np.arange(n))
-            self._perm_epoch = epoch
+        step = int(step)
         b = self.global_batch_size
-        return self._perm[k * b:(k + 1) * b]
+        if self.weights is None:
+            epoch, k = divmod(step, self.steps_per_epoch)
+            return self._perm(-1, epoch, len(self.samples))[k * b:(k + 1) * b]
+        lo, hi = self._blend_counts(step), self._blend_counts(step + 1)
+        parts = []
+        for i, ids in enumerate(self._source_samples):
+            pos = np.arange(lo[i], hi[i])
+            for epoch in np.unique(pos // len(ids)) if pos.size else ():
+                at = pos[pos // len(ids) == epoch] % len(ids)
+                parts.append(ids[self._perm(i, int(epoch), len(ids))[at]])
+        return np.concatenate(parts)
 
     def batch_samples(self, step: int) -> np.ndarray:
         return self.samples[self.batch_sample_ids(step)]
@@ -80,18 +143,25 @@ class GlobalBatches:
         return s[:, 2] - s[:, 1]
 
 
-def dataset_batches(prefix: str, global_batch_size: int, max_seq_len: int, seed: int,
+def dataset_batches(values, global_batch_size: int, max_seq_len: int, seed: int,
                     steps: range) -> tuple[list[np.ndarray], str]:
-    """The lengths of ``steps`` of a training run on the Megatron indexed dataset at ``prefix``
-    (``train --data PREFIX --seed S --global-batch N --max-seq-len L``), and a line naming them."""
-    for ext in (".bin", ".idx"):  # the prefix, or either of its files
-        if prefix.endswith(ext):
-            prefix = prefix[:-len(ext)]
-    docs = IndexedDocuments(prefix)
-    batches = GlobalBatches(docs.lengths, global_batch_size, max_seq_len, seed)
+    """The lengths of ``steps`` of a training run on Megatron indexed datasets: ``values`` as
+    Megatron's ``--data-path`` takes them (``parse_blend``: one prefix or a blend), and a line
+    naming them."""
+    pairs = parse_blend([values] if isinstance(values, str) else values)
+    parts = [IndexedDocuments(prefix) for _, prefix in pairs]
+    sizes = [len(p) for p in parts]
+    weights = [w for w, _ in pairs] if pairs[0][0] is not None else None
+    docs = parts[0] if len(parts) == 1 else ConcatDocuments(parts)
+    batches = GlobalBatches(docs.lengths, global_batch_size, max_seq_len, seed, source_sizes=sizes,
+                            weights=weights)
+    w = batches.weights
+    name = pairs[0][1] if len(parts) == 1 else " + ".join(
+        f"{p} ({sizes[i]:,} documents{f', {w[i]:.0%} of each batch' if w is not None else ''})"
+        for i, (_, p) in enumerate(pairs))
     split = f", {batches.split_documents:,} cut into pieces" if batches.split_documents else ""
     first, last = steps[0], steps[-1]
     which = f"step {first}" if first == last else f"steps {first}-{last}"
-    source = (f"{prefix}: {batches.num_documents:,} documents{split}, batch {global_batch_size}, "
+    source = (f"{name}: {batches.num_documents:,} documents{split}, batch {global_batch_size}, "
               f"at most {max_seq_len:,} tokens each, {which} from seed {seed}")
     return [batches.batch_lengths(k) for k in steps], source

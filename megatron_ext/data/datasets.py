@@ -327,6 +327,67 @@ class IndexedDocuments:
         return self._ds.get(int(self._first_seq[i]), offset=offset, length=length)
 
 
+class ConcatDocuments:
+    """Several ``Documents`` one after another (the sources of a blend): document i of the whole
+    is document i - offset of the part holding it."""
+
+    def __init__(self, parts: Sequence[Documents]):
+        if not parts:
+            raise DataError("no documents to concatenate")
+        self.parts = list(parts)
+        self.sizes = [len(p) for p in self.parts]
+        self._offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        self._lengths = np.concatenate([np.asarray(p.lengths, dtype=np.int64) for p in self.parts])
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self._lengths
+
+    def __len__(self) -> int:
+        return int(self._lengths.size)
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        if not 0 <= i < len(self):
+            raise IndexError(f"document {i} out of range (there are {len(self)})")
+        k = int(np.searchsorted(self._offsets, i, side="right")) - 1
+        return self.parts[k].get(int(i - self._offsets[k]), offset, length)
+
+
+def parse_blend(values: Sequence[str]) -> list[tuple[float | None, str]]:
+    """Megatron's ``--data-path`` forms: ``PREFIX``, ``W1 PREFIX1 W2 PREFIX2 ...`` (weights: shares of
+    every batch, normalised), or ``PREFIX1 PREFIX2 ...`` (weight None: by size). A ``.bin`` /
+    ``.idx`` ending is taken off."""
+    values = [str(v) for v in values]
+
+    def weight(text: str) -> float | None:
+        try:
+            return float(text)
+        except ValueError:
+            return None
+
+    weights = [weight(v) for v in values[::2]]
+    if len(values) >= 2 and all(w is not None for w in weights):
+        if len(values) % 2:
+            raise DataError(f"a blend is weight-prefix pairs, got an odd count: {' '.join(values)}")
+        pairs = [(weights[k], values[2 * k + 1]) for k in range(len(weights))]
+        bad = [w for w, _ in pairs if not (np.isfinite(w) and w >= 0)]
+        if bad or not any(w > 0 for w, _ in pairs):
+            raise DataError(f"blend weights must be non-negative numbers, not all zero: {' '.join(values)}")
+    else:
+        pairs = [(None, v) for v in values]
+    out = []
+    for w, prefix in pairs:
+        if weight(prefix) is not None:
+            raise DataError(f"expected a dataset prefix, got the number {prefix!r} (a blend is W1 PREFIX1 W2 PREFIX2 ...)")
+        for ext in (".bin", ".idx"):
+            if prefix.endswith(ext):
+                prefix = prefix[:-len(ext)]
+        out.append((w, prefix))
+    if not out:
+        raise DataError("no dataset given")
+    return out
+
+
 def open_documents(path: str | Path, tokenizer: ByteTokenizer | None = None, key: str = "text",
                    max_len: int | None = None) -> Documents:
     """A dataset by path: an indexed-dataset prefix (``X`` with ``X.bin``/``X.idx``, or either file),

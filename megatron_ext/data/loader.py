@@ -190,7 +190,8 @@ def _stop_worker(proc, tasks) -> None:
 class PlanningDataLoader(GlobalBatches):
     """Global batches of variable-length documents with a plan per step (see the module doc).
 
-    ``documents``: any ``Documents`` (indexed dataset, JSONL, text). ``cost``: the cost model the
+    ``documents``: any ``Documents`` (indexed dataset, JSONL, text; ``source_sizes`` and
+    ``weights``: a blend of sources, see ``GlobalBatches``). ``cost``: the cost model the
     planner uses. ``global_batch_size``: sequences per step. ``planner``: a name in
     ``megatron_ext.planner.PLANNERS``. ``num_steps``: stop after that many (None: endless), starting
     at ``start_step`` (resume). ``background=False`` plans inline in the caller with no deadline.
@@ -207,7 +208,8 @@ class PlanningDataLoader(GlobalBatches):
                  shuffle: bool = True, background: bool = True, deadline_s: float | None = None,
                  fallback: str = "batchada", baselines: tuple[str, ...] = (),
                  startup_timeout_s: float = 60.0, worker_imports: tuple[str, ...] = (),
-                 plan_delay_s: float = 0.0, sync: str | None = None, group=None, src_rank: int = 0):
+                 plan_delay_s: float = 0.0, sync: str | None = None, group=None, src_rank: int = 0,
+                 source_sizes=None, weights=None):
         known = [*PLANNERS, *PP_PLANNERS]
         if planner not in known and not worker_imports:
             raise DataError(f"unknown planner {planner!r}; choose one of {', '.join(known)}")
@@ -224,7 +226,7 @@ class PlanningDataLoader(GlobalBatches):
         limit = cost.max_seq_len if self.options.max_seq_len is None else min(self.options.max_seq_len,
                                                                               cost.max_seq_len)
         super().__init__(documents.lengths, global_batch_size, limit if max_seq_len is None else max_seq_len,
-                         seed, shuffle)
+                         seed, shuffle, source_sizes, weights)
         self.num_steps = num_steps
         self.start_step = int(start_step)
         self.background = background

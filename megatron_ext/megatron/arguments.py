@@ -54,8 +54,8 @@ size, fewer --global-batch-size sequences than pipeline replicas, --recompute-gr
 --flexsp-* planner options; --elastic-pp-sp without --elastic-pp; with --flexsp-planner auto:
 tensor parallelism, fewer --global-batch-size sequences than data-parallel ranks,
 --recompute-granularity full; and for both:
---rampup-batch-size, --dataloader-type other than external, data other than one --data-path
-prefix or --mock-data, legacy models, multi-latent attention, MoE, sliding-window attention,
+--rampup-batch-size, --dataloader-type other than external, data other than --data-path (one
+prefix or a blend) or --mock-data, legacy models, multi-latent attention, MoE, sliding-window attention,
 position embeddings other than rope / learned_absolute / none, FSDP (Megatron-FSDP, torch FSDP2),
 --iterations-to-skip. Adjusted with a note:
 --calculate-per-token-loss is turned on, --dataloader-type becomes external, an unset
@@ -220,7 +220,7 @@ def _check_common(args, flag: str, tp: int, cp: int) -> None:
     split_paths = [n for n in ("train_data_path", "valid_data_path", "test_data_path", "data_args_path",
                                "per_split_data_args_path") if _get(args, n)]
     if split_paths:
-        _conflict(f"{flag} reads one --data-path PREFIX (split by --split) or --mock-data; "
+        _conflict(f"{flag} reads --data-path (one prefix or a blend, split by --split) or --mock-data; "
                   f"--{split_paths[0].replace('_', '-')} is not supported")
     data_path = _get(args, "data_path", None)
     if _get(args, "mock_data", False) and data_path:
@@ -229,9 +229,12 @@ def _check_common(args, flag: str, tp: int, cp: int) -> None:
         if not data_path:
             _conflict(f"{flag} needs data: --data-path PREFIX (a Megatron indexed dataset, PREFIX.bin and "
                       f"PREFIX.idx) or --mock-data")
-        if len(data_path) != 1:
-            _conflict(f"{flag} reads a single indexed dataset; --data-path got {len(data_path)} values "
-                      f"({' '.join(map(str, data_path))}): blends are not supported yet")
+        from megatron_ext.data.datasets import DataError, parse_blend
+
+        try:
+            parse_blend(data_path)
+        except DataError as e:
+            _conflict(f"{flag}: --data-path {' '.join(map(str, data_path))}: {e}")
 
 
 def validate_args(args, world_size: int | None = None) -> Validated:

@@ -13,7 +13,9 @@ Documents come from:
 * ``--data-path PREFIX``: a Megatron indexed dataset (``PREFIX.bin`` / ``PREFIX.idx``, as made by
   Megatron's ``tools/preprocess_data.py`` or ``megatron_ext.data.datasets.write_indexed_dataset``),
   one entry per document; ``--split`` divides the documents (in file order) into train, valid
-  and test ranges by its ratios;
+  and test ranges by its ratios. A blend (``--data-path W1 PREFIX1 W2 PREFIX2 ...``) splits each
+  dataset so, and gives each its weight's share of every global batch
+  (``megatron_ext.data.batches``); unweighted prefixes are one dataset, one after another;
 * ``--mock-data``: synthetic documents, their lengths drawn from a long-tailed distribution
   (``megatron_ext.data.lengths``, "wikipedia"), their tokens random ids below the tokenizer's
   vocabulary size ending in ``<eod>``, all from ``--seed``: every rank sees the same documents.
@@ -105,17 +107,37 @@ def split_ranges(num_docs: int, split: str | None) -> list[tuple[int, int]]:
     return [(bounds[k], bounds[k + 1]) for k in range(3)]
 
 
-def build_documents(args, tokenizer):
-    """All documents of the run: the indexed dataset of ``--data-path`` or mock documents."""
+def build_documents(args, tokenizer) -> list[tuple[float | None, object]]:
+    """The sources of the run, (weight, documents) each: mock documents, or the indexed datasets
+    of ``--data-path`` (one prefix, or a blend; weight None: unweighted)."""
     if getattr(args, "mock_data", False):
-        return MockDocuments(MOCK_DOCUMENTS, tokenizer.vocab_size, tokenizer.eod, args.seed,
-                             max_len=4 * int(args.seq_length))
-    from megatron_ext.data.datasets import IndexedDocuments
+        return [(None, MockDocuments(MOCK_DOCUMENTS, tokenizer.vocab_size, tokenizer.eod, args.seed,
+                                     max_len=4 * int(args.seq_length)))]
+    from megatron_ext.data.datasets import IndexedDocuments, parse_blend
 
-    return IndexedDocuments(args.data_path[0])
+    return [(w, IndexedDocuments(prefix)) for w, prefix in parse_blend(args.data_path)]
 
 
-def make_loader(documents, cost, args, *, num_steps: int | None, start_step: int, seed: int):
+def split_sources(sources, split: str | None) -> list[tuple[object, list[int] | None, list[float] | None]]:
+    """Train, valid and test: each source cut by ``--split`` (as Megatron splits every dataset of a
+    blend), one split's parts one after another, with the part sizes and weights ``GlobalBatches``
+    blends by (None unless the sources are weighted)."""
+    from megatron_ext.data.datasets import ConcatDocuments
+
+    ranges = [split_ranges(len(docs), split) for _, docs in sources]
+    weights = [w for w, _ in sources] if len(sources) > 1 and sources[0][0] is not None else None
+    out = []
+    for k in range(3):
+        parts = [SubsetDocuments(docs, *r[k]) for (_, docs), r in zip(sources, ranges)]
+        if len(parts) == 1:
+            out.append((parts[0], None, None))
+        else:
+            out.append((ConcatDocuments(parts), [len(p) for p in parts], weights))
+    return out
+
+
+def make_loader(documents, cost, args, *, num_steps: int | None, start_step: int, seed: int,
+                source_sizes=None, weights=None):
     """The PlanningDataLoader of one split, configured from Megatron's and megatron_ext's args:
     with ``--elastic-pp`` the elastic_pp planner on ``--pipeline-model-parallel-size`` stages of SP
     degree ``--elastic-pp-sp`` (set by ``arguments.validate_args``; below GPUs / stages, that many
@@ -152,4 +174,5 @@ def make_loader(documents, cost, args, *, num_steps: int | None, start_step: int
         planner, fallback = args.flexsp_planner, "batchada"
     return PlanningDataLoader(documents, cost, int(args.global_batch_size), planner=planner, options=options,
                               seed=seed, max_seq_len=max_len, num_steps=num_steps, start_step=start_step,
-                              background=int(args.plan_ahead) >= 1, fallback=fallback, sync="broadcast")
+                              background=int(args.plan_ahead) >= 1, fallback=fallback, sync="broadcast",
+                              source_sizes=source_sizes, weights=weights)

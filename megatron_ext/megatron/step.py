@@ -98,7 +98,8 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     from megatron.training import get_tokenizer, print_rank_0
 
     from megatron_ext.megatron.cost import cap_cost_model, head_degree_limit, load_cost_model
-    from megatron_ext.megatron.data import SubsetDocuments, build_documents, make_loader, split_ranges
+    from megatron_ext.data.datasets import DataError
+    from megatron_ext.megatron.data import build_documents, make_loader, split_sources
     from megatron_ext.runtime.groups import SPGroupPool
 
     args = _args()
@@ -117,27 +118,28 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     if not elastic:
         cap = min(cap, args.flexsp_max_sp_size or STATE.pool.size)
     cost = cap_cost_model(load_cost_model(args.cost_model), cap)
-    docs = build_documents(args, tokenizer)
-    ranges = split_ranges(len(docs), args.split)
+    sources = build_documents(args, tokenizer)
+    splits = split_sources(sources, args.split)
     start = int(args.iteration)
     loaders = []
-    for k, (a, b) in enumerate(ranges):
-        if k == 0:
-            if b - a < args.global_batch_size:
-                raise ValueError(f"{flag}: the train split holds {b - a} documents, fewer than one global "
-                                 f"batch ({args.global_batch_size})")
-            steps = max(0, int(args.train_iters) - start) if args.train_iters else None
-            loaders.append(make_loader(SubsetDocuments(docs, a, b), cost, args, num_steps=steps, start_step=start,
-                                       seed=args.seed))
-        elif args.eval_iters and b - a >= args.global_batch_size:
-            loaders.append(make_loader(SubsetDocuments(docs, a, b), cost, args, num_steps=None, start_step=0,
-                                       seed=args.seed + k))
-        else:
-            if args.eval_iters and k == 1:
-                raise ValueError(f"{flag}: --eval-iters {args.eval_iters} needs a validation split of at least one "
-                                 f"global batch ({args.global_batch_size} documents), --split {args.split} gives "
-                                 f"{b - a}; set --eval-iters 0 or change --split")
+    for k, (docs, sizes, weights) in enumerate(splits):
+        n = len(docs)
+        if k == 0 and n < args.global_batch_size:
+            raise ValueError(f"{flag}: the train split holds {n} documents, fewer than one global "
+                             f"batch ({args.global_batch_size})")
+        if k == 1 and args.eval_iters and n < args.global_batch_size:
+            raise ValueError(f"{flag}: --eval-iters {args.eval_iters} needs a validation split of at least one "
+                             f"global batch ({args.global_batch_size} documents), --split {args.split} gives "
+                             f"{n}; set --eval-iters 0 or change --split")
+        if k > 0 and not (args.eval_iters and n >= args.global_batch_size):
             loaders.append(None)
+            continue
+        steps = (max(0, int(args.train_iters) - start) if args.train_iters else None) if k == 0 else None
+        try:
+            loaders.append(make_loader(docs, cost, args, num_steps=steps, start_step=start if k == 0 else 0,
+                                       seed=args.seed + k, source_sizes=sizes, weights=weights))
+        except DataError as e:
+            raise ValueError(f"{flag}: the {('train', 'validation', 'test')[k]} split: {e}") from None
     STATE.loaders = tuple(loaders)
     atexit.register(_close_loaders)
     train = loaders[0]
@@ -151,8 +153,10 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     else:
         layout = f"degrees {list(cost.degrees)}" + (" or, per step, one-stage pipeline replicas"
                                                     if train.planner == "auto" else "")
-    print_rank_0(f"> {flag[2:]}: {len(docs)} documents ({'mock' if args.mock_data else args.data_path[0]}), "
-                 f"split {[b - a for a, b in ranges]}; planner {train.planner} with {cost.model.name} on "
+    names = "mock" if args.mock_data else " + ".join(
+        f"{w:g} x {d.prefix}" if w is not None else d.prefix for w, d in sources)
+    print_rank_0(f"> {flag[2:]}: {sum(len(d) for _, d in sources)} documents ({names}), "
+                 f"split {[len(d) for d, _, _ in splits]}; planner {train.planner} with {cost.model.name} on "
                  f"{cost.cluster.name}, {layout}, sequences up to {train.max_seq_len} tokens")
     return tuple(None if ld is None else iter(ld) for ld in loaders)
 

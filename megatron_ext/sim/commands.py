@@ -47,9 +47,10 @@ def add_batch_source_args(p, default_dist: str) -> None:
     src.add_argument("--lengths", metavar="FILE", help="text file, one sequence length per line (one batch)")
     src.add_argument("--dist", default=default_dist, choices=sorted(DISTRIBUTIONS),
                      help=f"synthetic length distribution (default: {default_dist})")
-    src.add_argument("--data", metavar="PREFIX",
-                     help="Megatron indexed dataset (PREFIX.bin/.idx): the batches `train --data PREFIX` draws, "
-                          "documents over --max-seq-len cut into pieces")
+    src.add_argument("--data", nargs="+", metavar="PREFIX",
+                     help="Megatron indexed dataset (PREFIX.bin/.idx), or a blend as Megatron's --data-path takes "
+                          "it (W1 PREFIX1 W2 PREFIX2 ...): the batches a training run draws, documents over "
+                          "--max-seq-len cut into pieces")
     p.add_argument("--batch", type=int, default=512,
                    help="sequences per step with --dist or --data (default 512; ignored with --lengths)")
     p.add_argument("--seed", type=int, default=0,

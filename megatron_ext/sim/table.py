@@ -35,16 +35,16 @@ def _plan(name: str, lengths: np.ndarray, cost: CostModel, pp, sp, options, time
 
 
 def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", cluster: str = "a800-80g-8x4",
-                   lengths=None, dist: str = "commoncrawl", data: str | None = None, batch: int = 512,
+                   lengths=None, dist: str = "commoncrawl", data=None, batch: int = 512,
                    steps: int = 5, seed: int = 0,
                    max_seq_len: int | None = None, pp: int | None = None, sp: int | None = None,
                    planners: tuple[str, ...] = DEFAULT_PLANNERS, main: str | None = None, options=None,
                    b1_scale: float | None = None, time_limit: float = 1.0, keep_plans: bool = False) -> dict:
     """Returns {"rows": per step and planner, "summary": per planner, "table": printable text,
     "config": what was run, "plans": {planner: (plan, lengths)} of the first step if ``keep_plans``}.
-    ``lengths`` (one batch) overrides ``dist``/``batch``/``steps``; ``data`` (a Megatron indexed
-    dataset prefix) replaces ``dist`` with the batches of a ``train --data`` run: documents over
-    ``max_seq_len`` cut into pieces, shuffled by ``seed``. ``main`` (default: the first
+    ``lengths`` (one batch) overrides ``dist``/``batch``/``steps``; ``data`` (Megatron indexed
+    datasets: a prefix, or a blend as ``--data-path`` takes it) replaces ``dist`` with the batches
+    of a training run on them: documents over ``max_seq_len`` cut into pieces, shuffled by ``seed``. ``main`` (default: the first
     planner) is the one the speedups are relative to. ``options`` is a PipelineOptions for the
     pipeline planners (b1_scale, memory_mb, ...); ``max_seq_len`` (default: the longest every
     planner can run) caps the sampled lengths and sets the baselines' pack size (Megatron packs to

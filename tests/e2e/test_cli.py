@@ -234,6 +234,34 @@ def test_plan_and_simulate_draw_the_batches_train_draws(capsys, corpus):
         assert tokens[(k, "flexsp")] == tokens[(k, "static_ulysses")] == int(loader.batch_lengths(k).sum())
 
 
+def test_plan_and_simulate_a_weighted_blend(capsys, corpus, tmp_path):
+    from megatron_ext.cli import build_parser, lengths_from_args
+    from megatron_ext.data.batches import GlobalBatches
+
+    rng = np.random.default_rng(8)
+    other = str(tmp_path / "code")
+    write_indexed_dataset(other, [rng.integers(0, 1000, n).astype(np.uint16) for n in rng.integers(10, 400, 30)])
+    blend = ["0.25", corpus, "0.75", other + ".bin"]
+    args = build_parser().parse_args(["plan", "--data", *blend, "--batch", "16", "--seed", "2", "--step", "5"])
+    got = lengths_from_args(args, 8192)
+    a, b = IndexedDocuments(corpus), IndexedDocuments(other)
+    ref = GlobalBatches(np.concatenate([a.lengths, b.lengths]), 16, 8192, 2, source_sizes=[62, 30],
+                        weights=[0.25, 0.75])
+    ids = ref.batch_sample_ids(5)
+    np.testing.assert_array_equal(got, ref.batch_lengths(5))
+    assert np.count_nonzero(ref.samples[ids, 0] >= 62) == 12  # three quarters of every batch
+    assert f"{corpus} (62 documents, 25% of each batch) + {other} (30 documents, 75% of each batch)" in \
+        capsys.readouterr().err
+
+    code, out, err = run(capsys, "simulate", "--data", *blend, "--batch", "16", "--steps", "2", "--seed", "2",
+                         "--max-seq-len", "8K", "--planners", "flexsp", "--model", "gpt-7b",
+                         "--cluster", "a100-40g-8x1", "--json", *FAST)
+    assert code == 0, err
+    rows = json.loads(out)["rows"]
+    assert [r["tokens"] for r in rows] == [int(ref.batch_lengths(k).sum()) for k in (0, 1)]
+    assert_one_line_error(*run(capsys, "plan", "--data", "0.5", corpus, "0.5", *FAST), "odd count")
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--data", "{tmp}/nothing"], "no indexed dataset at"),
     (["--data", "{corpus}", "--batch", "100"], "fewer than one global batch of 100"),

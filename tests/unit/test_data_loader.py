@@ -10,7 +10,6 @@ import pytest
 
 from small_cost import small_cost
 from megatron_ext.data.datasets import DataError, InMemoryDocuments
-from megatron_ext.data.batches import make_samples
 from megatron_ext.data.loader import (PlanMismatchError, PlanningDataLoader, _describe_mismatch,
                                       check_plan_agreement, plan_digest)
 from megatron_ext.plan import validate
@@ -33,13 +32,6 @@ DOCS = _docs()
 def _loader(**kw):
     kw = {"options": OPTS, "num_steps": 3, "background": False, **kw}
     return PlanningDataLoader(DOCS, COST, 16, **kw)
-
-
-def test_make_samples_splits_long_documents():
-    s = make_samples([5, 0, 12, 4], 4)
-    assert s.tolist() == [[0, 0, 4], [0, 4, 5], [2, 0, 4], [2, 4, 8], [2, 8, 12], [3, 0, 4]]
-    with pytest.raises(DataError):
-        make_samples([3], 0)
 
 
 def test_same_seed_same_batches_for_every_planner():

@@ -155,14 +155,18 @@ def test_the_cost_model_must_fit_the_job():
         validate_args(args, world_size=32)
 
 
-def test_data_must_be_one_prefix_or_mock():
+def test_data_must_be_a_prefix_a_blend_or_mock():
     args = parse("--num-attention-heads", "8", "--flexsp", "--cost-model", COST_2)
     with pytest.raises(ArgumentConflict, match="needs data"):
         validate_args(args, world_size=2)
     args = parse("--num-attention-heads", "8", "--flexsp", "--cost-model", COST_2, "--data-path", "0.5", "a",
                  "0.5", "b")
-    with pytest.raises(ArgumentConflict, match="blends are not supported"):
-        validate_args(args, world_size=2)
+    validate_args(args, world_size=2)  # a blend
+    for bad, match in ((["0.5", "a", "0.5"], "weight-prefix pairs"), (["-1", "a", "2", "b"], "non-negative"),
+                       (["0", "a", "0", "b"], "not all zero"), (["a", "0.5"], "the number '0.5'")):
+        args = parse("--num-attention-heads", "8", "--flexsp", "--cost-model", COST_2, "--data-path", *bad)
+        with pytest.raises(ArgumentConflict, match=match):
+            validate_args(args, world_size=2)
     args = parse("--num-attention-heads", "8", "--flexsp", "--cost-model", COST_2, "--data-path", "x",
                  "--train-data-path", "y")
     with pytest.raises(ArgumentConflict, match="--train-data-path is not supported"):

@@ -72,6 +72,21 @@ def test_split_ranges():
         split_ranges(10, "0,0,0")
 
 
+def test_blend_sources_are_split_one_by_one():
+    from megatron_ext.megatron.data import split_sources
+
+    a, b = MockDocuments(100, 50, 49, 1, 4096), MockDocuments(10, 50, 49, 2, 4096)
+    train, valid, test = split_sources([(0.25, a), (0.75, b)], "80,10,10")
+    docs, sizes, weights = train
+    assert sizes == [80, 8] and weights == [0.25, 0.75] and len(docs) == 88
+    np.testing.assert_array_equal(docs.get(80), b.get(0))
+    assert valid[1] == [10, 1] and test[1] == [10, 1]
+    np.testing.assert_array_equal(valid[0].get(10), b.get(8))
+    single = split_sources([(None, a)], "80,10,10")
+    assert single[0][1:] == (None, None) and len(single[0][0]) == 80
+    assert split_sources([(None, a), (None, b)], None)[0][2] is None  # unweighted: one dataset
+
+
 def test_mock_documents_are_deterministic_and_long_tailed():
     a = MockDocuments(2000, vocab_size=100, eod=99, seed=5, max_len=4096)
     b = MockDocuments(2000, vocab_size=100, eod=99, seed=5, max_len=4096)

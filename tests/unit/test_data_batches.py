@@ -1,0 +1,98 @@
+"""Global batches from document lengths: samples, epochs, and weighted blends of sources."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from megatron_ext.data.batches import GlobalBatches, make_samples
+from megatron_ext.data.datasets import ConcatDocuments, DataError, InMemoryDocuments, parse_blend
+
+
+def test_make_samples_splits_long_documents():
+    s = make_samples([5, 0, 12, 4], 4)
+    assert s.tolist() == [[0, 0, 4], [0, 4, 5], [2, 0, 4], [2, 4, 8], [2, 8, 12], [3, 0, 4]]
+    with pytest.raises(DataError):
+        make_samples([3], 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40), min_size=2, max_size=4),
+       raw=st.lists(st.integers(0, 9), min_size=4, max_size=4),
+       batch=st.integers(1, 12), seed=st.integers(0, 2**31))
+def test_blend_shares_every_batch_by_weight(sizes, raw, batch, seed):
+    weights = raw[:len(sizes)]
+    if not any(weights):
+        weights[0] = 1
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 300, sum(sizes))
+    w = np.asarray(weights, float) / sum(weights)
+    if any(np.ceil(w * batch - 1e-9) > sizes):  # a source smaller than its share of a batch
+        with pytest.raises(DataError, match="fewer than its share of one global batch"):
+            GlobalBatches(lengths, batch, 1000, seed, source_sizes=sizes, weights=weights)
+        return
+    gb = GlobalBatches(lengths, batch, 1000, seed, source_sizes=sizes, weights=weights)
+    owner = np.repeat(np.arange(len(sizes)), sizes)
+    steps = 3 * max(sizes) // batch + 3  # several epochs of the smaller sources
+    drawn = [gb.batch_sample_ids(k) for k in range(steps)]
+    count = np.zeros(len(sizes))
+    streams = [[] for _ in sizes]
+    for k, ids in enumerate(drawn):
+        assert len(ids) == batch
+        for i in ids:
+            streams[owner[gb.samples[i, 0]]].append(int(i))
+        before = count.copy()
+        count += np.bincount(owner[gb.samples[ids, 0]], minlength=len(sizes))
+        crosses = np.any((before // sizes != (count - 1) // sizes) & (count > before))
+        assert crosses or len(set(ids.tolist())) == batch, "a sample twice only where a source starts an epoch"
+        assert np.all(np.abs(count - w * (k + 1) * batch) < 1 + 1e-9), (count, w * (k + 1) * batch)
+    for i, stream in enumerate(streams):
+        assert weights[i] or not stream, "a source of weight 0 is never drawn"
+        n = sizes[i]
+        for e in range(len(stream) // n):  # each full epoch of a source holds each of its samples once
+            assert sorted(stream[e * n:(e + 1) * n]) == sorted(np.flatnonzero(owner[gb.samples[:, 0]] == i).tolist())
+    # Deterministic, and a resumed run (a fresh object asked for a late step first) agrees.
+    again = GlobalBatches(lengths, batch, 1000, seed, source_sizes=sizes, weights=weights)
+    np.testing.assert_array_equal(again.batch_sample_ids(steps - 1), drawn[-1])
+
+
+def test_one_source_and_unweighted_blends_are_plain_batches():
+    lengths = np.arange(1, 41)
+    plain = GlobalBatches(lengths, 8, 100, 3)
+    for sizes, weights in (([40], [0.7]), ([10, 30], None)):
+        other = GlobalBatches(lengths, 8, 100, 3, source_sizes=sizes, weights=weights)
+        assert other.steps_per_epoch == plain.steps_per_epoch == 5
+        for k in range(7):
+            np.testing.assert_array_equal(other.batch_sample_ids(k), plain.batch_sample_ids(k))
+
+
+def test_blend_errors():
+    with pytest.raises(DataError, match="document count of each"):
+        GlobalBatches(np.arange(1, 11), 4, 100, source_sizes=[10], weights=[1, 1])
+    with pytest.raises(DataError, match="sources hold 9 documents"):
+        GlobalBatches(np.arange(1, 11), 4, 100, source_sizes=[4, 5], weights=[1, 1])
+    with pytest.raises(DataError, match="source 1 of the blend has 2 samples"):
+        GlobalBatches(np.arange(1, 11), 8, 100, source_sizes=[8, 2], weights=[1, 1])
+    with pytest.raises(DataError, match="non-negative"):
+        GlobalBatches(np.arange(1, 11), 4, 100, source_sizes=[5, 5], weights=[1, float("nan")])
+    with pytest.raises(DataError, match="--seed must be non-negative"):
+        GlobalBatches(np.arange(1, 11), 4, 100, seed=-1)
+
+
+def test_parse_blend():
+    assert parse_blend(["a"]) == [(None, "a")]
+    assert parse_blend(["a.bin", "b.idx"]) == [(None, "a"), (None, "b")]
+    assert parse_blend(["0.3", "a", "0.7", "b"]) == [(0.3, "a"), (0.7, "b")]
+    for bad, match in ((["1", "a", "2"], "odd count"), ([], "no dataset"), (["1", "2"], "the number '2'"),
+                       (["inf", "a", "1", "b"], "non-negative")):
+        with pytest.raises(DataError, match=match):
+            parse_blend(bad)
+
+
+def test_concat_documents():
+    a = InMemoryDocuments([np.arange(3), np.arange(5)])
+    b = InMemoryDocuments([np.arange(10, 14)])
+    docs = ConcatDocuments([a, b])
+    assert len(docs) == 3 and docs.lengths.tolist() == [3, 5, 4] and docs.sizes == [2, 1]
+    np.testing.assert_array_equal(docs.get(2, 1, 2), [11, 12])
+    np.testing.assert_array_equal(docs.get(1), np.arange(5))
+    with pytest.raises(IndexError):
+        docs.get(3)
