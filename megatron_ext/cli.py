@@ -19,6 +19,7 @@ from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.planner import PLANNERS, PlannerOptions, make_plan
 from megatron_ext.planner.api import BASELINES
 from megatron_ext.sim.commands import add_batch_source_args, add_pipeline_args, add_simulate_command, plot_if_asked
+from megatron_ext.text import plural
 
 
 def parse_tokens(text: str) -> int:
@@ -69,11 +70,13 @@ def options_from_args(args) -> PlannerOptions:
 def lengths_from_args(args, limit: int) -> np.ndarray:
     """The batch of ``--lengths FILE`` (refused if over ``--max-seq-len`` without ``--drop-over-max``;
     the planners drop or refuse what they cannot run), step ``--step`` of ``--data`` (documents
-    cut into pieces of at most ``limit``, as ``train`` cuts them; its source on stderr), or sampled
+    cut into pieces of at most ``--max-seq-len``, as training cuts them; its source on stderr), or sampled
     from ``--dist`` up to ``limit`` with the seed ``simulate`` gives that step."""
     if args.step < 0:
         raise ConfigError(f"--step must be a step number (0 or more), got {args.step}")
     if args.data:
+        if args.batch < 1:
+            raise ConfigError(f"--batch must be at least 1, got {args.batch}")
         batches, source = dataset_batches(args.data, args.batch, limit, args.seed, range(args.step, args.step + 1))
         print(f"batch: {source}", file=sys.stderr)
         return batches[0]
@@ -89,7 +92,7 @@ def lengths_from_args(args, limit: int) -> np.ndarray:
 
 
 def _plan_table(plan, lengths, cost, max_seq_len: int | None = None) -> str:
-    lines = [f"{plan.planner} plan for {len(lengths)} sequence{'s' if len(lengths) != 1 else ''} "
+    lines = [f"{plan.planner} plan for {plural(len(lengths), 'sequence')} "
              f"({int(lengths.sum()):,} tokens) "
              f"of {cost.model.name} on {cost.cluster.name} ({cost.num_gpus} GPUs)", ""]
     lines.append(f"{'mb':>3} {'time s':>8}  groups (degree x count: sequences, tokens)")
@@ -264,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan one step from lengths and print the StepPlan")
     add_batch_source_args(p, default_dist="wikipedia")
     p.add_argument("--step", type=int, default=0, metavar="K",
-                   help="with --dist or --data: plan step K of `simulate` (seed + K) or of a `train --data` run "
+                   help="with --dist or --data: plan step K of `simulate` (seed + K) or of a training run on --data "
                         "(default 0)")
     p.add_argument("--max-seq-len", type=parse_tokens, metavar="L",
                    help="longest sequence, e.g. 384K (default: the longest the planner can run on the cluster)")

@@ -5,12 +5,15 @@ are the samples. Each epoch is a permutation of the samples drawn from ``(seed, 
 takes ``global_batch_size`` consecutive samples of its epoch (an epoch's remainder is not used).
 
 A weighted blend of sources (Megatron's ``--data-path W1 PREFIX1 W2 PREFIX2``) gives every source
-its share of each batch: source i's cumulative count after step k stays within one sample of
-w_i * k * batch. Each source runs through its own epochs (permutations drawn from ``(seed, i,
+its share of each batch: the k * batch samples of steps 0..k-1 are divided between the two halves
+of the source list by their weights, rounded to the nearest sample, then each half between its
+halves, and so on, so source i's cumulative count stays within ceil(log2 n) / 2 samples of
+w_i * k * batch (n sources: half a sample for two) and never decreases. A step's share is the
+difference of two such counts: no state, any step at once. Each source runs through its own epochs (permutations drawn from ``(seed, i,
 epoch)``), so a small source with a large weight is seen several times while a large one is
 not finished (and a batch where such a source starts a new epoch may hold one of its samples
-twice, as in Megatron's own blends). Unweighted sources (``PREFIX1 PREFIX2``: Megatron weighs them by size) are one
-dataset, their documents one after another.
+twice, as in Megatron's own blends). Unweighted sources (``PREFIX1 PREFIX2``: Megatron weighs
+them by size) are one dataset, their documents one after another.
 
 The batches depend on the data, the seed, the batch size, the weights and ``max_seq_len`` only --
 never on the planner -- so every planner, and ``plan`` / ``simulate --data`` on a laptop, see the
@@ -24,6 +27,7 @@ import math
 import numpy as np
 
 from megatron_ext.data.datasets import ConcatDocuments, DataError, IndexedDocuments, parse_blend
+from megatron_ext.text import plural
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +70,7 @@ class GlobalBatches:
             logger.info("%d document(s) longer than %d tokens are split into pieces of at most %d tokens "
                         "(%d samples from %d documents)", self.split_documents, self.max_seq_len,
                         self.max_seq_len, len(self.samples), self.num_documents)
-        self._perms: dict[tuple[int, int], np.ndarray] = {}
+        self._perms: dict[int, dict[int, np.ndarray]] = {}  # per source (-1: no blend), recent epochs
         self.weights = None if weights is None or len(weights) < 2 else self._blend(source_sizes, weights)
         if self.weights is None:
             if len(self.samples) < self.global_batch_size:
@@ -75,49 +79,55 @@ class GlobalBatches:
             self.steps_per_epoch = len(self.samples) // self.global_batch_size
         else:
             self.steps_per_epoch = None
-            self._counts = [np.zeros(len(self.weights), dtype=np.int64)]  # per source, after step k
 
     def _blend(self, source_sizes, weights) -> np.ndarray:
         w = np.asarray(weights, dtype=np.float64)
         if source_sizes is None or len(source_sizes) != w.size:
             raise DataError(f"a blend of {w.size} weights needs the document count of each of its sources")
-        if not (np.all(np.isfinite(w)) and np.all(w >= 0) and w.sum() > 0):
+        if not (np.all(np.isfinite(w)) and np.all(w >= 0) and w.max() > 0):
             raise DataError(f"blend weights must be non-negative numbers, not all zero: {list(weights)}")
+        w = w / w.max()  # first: a sum of huge weights would overflow
         w = w / w.sum()
         bounds = np.concatenate([[0], np.cumsum(source_sizes)])
         if bounds[-1] != self.num_documents:
             raise DataError(f"the sources hold {bounds[-1]} documents, the dataset {self.num_documents}")
         owner = np.searchsorted(bounds, self.samples[:, 0], side="right") - 1
-        self._source_samples = [np.flatnonzero(owner == i) for i in range(w.size)]
+        by_source = np.argsort(owner, kind="stable")
+        self._source_samples = np.split(by_source, np.cumsum(np.bincount(owner, minlength=w.size))[:-1])
         for i, ids in enumerate(self._source_samples):
             need = math.ceil(w[i] * self.global_batch_size - 1e-9)
             if len(ids) < need:
                 raise DataError(f"source {i} of the blend has {len(ids)} samples, fewer than its share of one "
                                 f"global batch ({need} of {self.global_batch_size} at weight {w[i]:.3g})")
+        self._weight_sums = np.concatenate([[0.0], np.cumsum(w)])
         return w
 
     def _perm(self, source: int, epoch: int, n: int) -> np.ndarray:
-        key = (source, epoch)
-        if key not in self._perms:
-            if len(self._perms) > 64:  # steps move forward: old epochs are not asked for again
-                self._perms.clear()
+        recent = self._perms.setdefault(source, {})
+        if epoch not in recent:
+            for old in [e for e in recent if e < epoch - 1]:  # steps move forward: keep two epochs
+                del recent[old]
             seed = [self.seed, epoch] if source < 0 else [self.seed, source, epoch]
-            self._perms[key] = np.random.default_rng(seed).permutation(n) if self.shuffle else np.arange(n)
-        return self._perms[key]
+            recent[epoch] = np.random.default_rng(seed).permutation(n) if self.shuffle else np.arange(n)
+        return recent[epoch]
 
     def _blend_counts(self, step: int) -> np.ndarray:
-        """Samples of each source in steps 0..step-1: the cumulative targets w * k * batch,
-        rounded so each step takes exactly ``global_batch_size`` (largest remainders first)."""
-        b = self.global_batch_size
-        while len(self._counts) <= step:
-            have = self._counts[-1]
-            due = self.weights * len(self._counts) * b - have
-            take = np.maximum(np.floor(due), 0).astype(np.int64)  # a source ahead of its share waits
-            extra = b - int(take.sum())
-            if extra > 0:
-                take[np.argsort(-(due - take), kind="stable")[:extra]] += 1
-            self._counts.append(have + take)
-        return self._counts[step]
+        """Samples of each source in steps 0..step-1 (the module doc's halving)."""
+        counts = np.zeros(self.weights.size, dtype=np.int64)
+        sums = self._weight_sums
+
+        def share(total: int, lo: int, hi: int) -> None:
+            if hi - lo == 1:
+                counts[lo] = total
+                return
+            mid = (lo + hi) // 2
+            whole = sums[hi] - sums[lo]
+            left = int(math.floor((sums[mid] - sums[lo]) / whole * total + 0.5)) if whole > 0 else 0
+            share(left, lo, mid)
+            share(total - left, mid, hi)
+
+        share(int(step) * self.global_batch_size, 0, self.weights.size)
+        return counts
 
     def batch_sample_ids(self, step: int) -> np.ndarray:
         """Sample ids of step ``step``'s global batch (its seq ids index this array)."""
@@ -157,11 +167,11 @@ def dataset_batches(values, global_batch_size: int, max_seq_len: int, seed: int,
                             weights=weights)
     w = batches.weights
     name = pairs[0][1] if len(parts) == 1 else " + ".join(
-        f"{p} ({sizes[i]:,} documents{f', {w[i]:.0%} of each batch' if w is not None else ''})"
+        f"{p} ({plural(sizes[i], 'document')}{f', {100 * w[i]:.3g}% of each batch' if w is not None else ''})"
         for i, (_, p) in enumerate(pairs))
     split = f", {batches.split_documents:,} cut into pieces" if batches.split_documents else ""
     first, last = steps[0], steps[-1]
     which = f"step {first}" if first == last else f"steps {first}-{last}"
-    source = (f"{name}: {batches.num_documents:,} documents{split}, batch {global_batch_size}, "
+    source = (f"{name}: {plural(batches.num_documents, 'document')}{split}, batch {global_batch_size}, "
               f"at most {max_seq_len:,} tokens each, {which} from seed {seed}")
     return [batches.batch_lengths(k) for k in steps], source

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import struct
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -223,6 +224,7 @@ def _megatron_indexed():
 
 
 _IDX_MAGIC = b"MMIDIDX\x00\x00"  # first bytes of a Megatron .idx file
+_IDX_HEAD = len(_IDX_MAGIC) + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence and document counts
 
 
 def indexed_dataset_exists(prefix: str | Path) -> bool:
@@ -274,19 +276,43 @@ class IndexedDocuments:
         self._open()
 
     def _open(self) -> None:
+        self._check_files()
         idx_mod = _megatron_indexed()
-        with open(self.prefix + ".idx", "rb") as f:
-            if f.read(len(_IDX_MAGIC)) != _IDX_MAGIC:
-                raise DataError(f"{self.prefix}.idx: not a readable Megatron indexed dataset (bad header)")
         try:
             self._ds = idx_mod.IndexedDataset(self.prefix)
-        except (AssertionError, ValueError, OSError) as e:
+        except Exception as e:  # a foreign file: whatever megatron-core trips over, it is unreadable
             raise DataError(f"{self.prefix}: not a readable Megatron indexed dataset ({e})") from None
         seq_lengths = np.asarray(self._ds.sequence_lengths, dtype=np.int64)
         doc_idx = np.asarray(self._ds.document_indices, dtype=np.int64)
+        if (seq_lengths < 0).any() or doc_idx.size < 1 or (np.diff(doc_idx) < 0).any() or \
+                doc_idx[0] != 0 or doc_idx[-1] != seq_lengths.size:
+            raise DataError(f"{self.prefix}.idx: not a readable Megatron indexed dataset (inconsistent index)")
         cum = np.concatenate([[0], np.cumsum(seq_lengths)])
+        tokens_bytes = int(cum[-1]) * np.dtype(self._ds.index.dtype).itemsize
+        if tokens_bytes > os.path.getsize(self.prefix + ".bin"):
+            raise DataError(f"{self.prefix}.bin holds {os.path.getsize(self.prefix + '.bin'):,} bytes, fewer than the "
+                            f"{tokens_bytes:,} its index describes (truncated, or not this index's data file)")
         self._first_seq = doc_idx[:-1]
         self._lengths = cum[doc_idx[1:]] - cum[doc_idx[:-1]]
+
+    def _check_files(self) -> None:
+        """What megatron-core would trip over, as clear errors: the .idx header and size (its
+        reader maps counts it does not check), and an empty .bin (it cannot map one)."""
+        idx = self.prefix + ".idx"
+        with open(idx, "rb") as f:
+            head = f.read(_IDX_HEAD)
+        if head[:len(_IDX_MAGIC)] != _IDX_MAGIC:
+            raise DataError(f"{idx}: not a readable Megatron indexed dataset (bad header)")
+        if len(head) < _IDX_HEAD:
+            raise DataError(f"{idx}: not a readable Megatron indexed dataset (truncated header)")
+        version, _, sequences, documents = struct.unpack("<QBQQ", head[len(_IDX_MAGIC):])
+        want = _IDX_HEAD + sequences * 12 + documents * 8  # int32 lengths, int64 pointers, int64 doc indices
+        if version != 1 or want > os.path.getsize(idx):
+            raise DataError(f"{idx}: not a readable Megatron indexed dataset (version {version}, "
+                            f"{sequences} sequences and {documents} document indices in "
+                            f"{os.path.getsize(idx):,} bytes: truncated or corrupted)")
+        if os.path.getsize(self.prefix + ".bin") == 0:
+            raise DataError(f"{self.prefix}.bin is empty: the dataset holds no tokens")
 
     def __getstate__(self) -> dict:
         return {"prefix": self.prefix}

@@ -23,6 +23,7 @@ import numpy as np
 from megatron_ext.data.lengths import DISTRIBUTIONS, read_lengths
 from megatron_ext.errors import ConfigError, LengthsError
 from megatron_ext.plan.pipelines import replica_groups
+from megatron_ext.text import plural
 
 
 PLOT_FORMATS = (".png", ".pdf", ".svg")
@@ -48,9 +49,9 @@ def add_batch_source_args(p, default_dist: str) -> None:
     src.add_argument("--dist", default=default_dist, choices=sorted(DISTRIBUTIONS),
                      help=f"synthetic length distribution (default: {default_dist})")
     src.add_argument("--data", nargs="+", metavar="PREFIX",
-                     help="Megatron indexed dataset (PREFIX.bin/.idx), or a blend as Megatron's --data-path takes "
-                          "it (W1 PREFIX1 W2 PREFIX2 ...): the batches a training run draws, documents over "
-                          "--max-seq-len cut into pieces")
+                     help="Megatron indexed dataset (PREFIX.bin/.idx), or a blend as Megatron-LM's --data-path takes "
+                          "it (W1 PREFIX1 W2 PREFIX2 ...): the batches a training run with this --seed, --batch and "
+                          "--max-seq-len (needed) draws, longer documents cut into pieces")
     p.add_argument("--batch", type=int, default=512,
                    help="sequences per step with --dist or --data (default 512; ignored with --lengths)")
     p.add_argument("--seed", type=int, default=0,
@@ -85,8 +86,11 @@ def add_pipeline_args(p) -> None:
 
 
 def check_args(args, pipelines: bool) -> None:
-    """Before any work: the plot file's format, and no pipeline option without a pipeline planner
-    (``pipelines``: the command runs one)."""
+    """Before any work: ``--data`` with the length that cuts its documents, the plot file's format,
+    and no pipeline option without a pipeline planner (``pipelines``: the command runs one)."""
+    if getattr(args, "data", None) and not args.max_seq_len:
+        raise ConfigError("--data needs --max-seq-len: the length a training run cuts its documents at "
+                          "(train's --max-seq-len, Megatron-LM's --seq-length), so the batches are the run's")
     plot = getattr(args, "plot", None)
     if plot and not plot.lower().endswith(PLOT_FORMATS):
         raise ConfigError(f"--plot {plot}: the file name must end in {', '.join(PLOT_FORMATS)}")
@@ -125,17 +129,13 @@ def run_pp_plan(args, cost, lengths) -> int:
         print(plan.to_json(indent=1))
     else:
         res = simulate(plan, lengths, cost, b1_scale=opts.b1_scale, events=False)
-        print(f"{plan.planner} plan for {_count(len(lengths), 'sequence')} ({int(lengths.sum()):,} tokens) of "
+        print(f"{plan.planner} plan for {plural(len(lengths), 'sequence')} ({int(lengths.sum()):,} tokens) of "
               f"{cost.model.name} on {cost.cluster.name} ({cost.num_gpus} GPUs)\n")
         print(describe_plan(plan, lengths, res))
         if plan.pipelines:
             print("\n" + pipeline_tables(plan, lengths, cost, opts.b1_scale))
     plot_if_asked(args, plan, lengths, cost)
     return 0
-
-
-def _count(n: int, word: str, plural: str = "s") -> str:
-    return f"{n} {word}{'' if n == 1 else plural}"
 
 
 def _chunk_kind(chunk, lengths) -> str:
@@ -209,7 +209,7 @@ def describe_plan(plan, lengths, result=None) -> str:
     lengths = np.asarray(lengths)
     groups = replica_groups(plan, plan.num_gpus)  # (a FlexSP plan: one replica, without pipelines)
     if plan.kind == "flexsp":
-        lines = _status_lines(f"{plan.planner} plan:", f"FlexSP, {_count(len(plan.micro_batches), 'micro-batch', 'es')}; "
+        lines = _status_lines(f"{plan.planner} plan:", f"FlexSP, {plural(len(plan.micro_batches), 'micro-batch', 'micro-batches')}; "
                                                      f"{plan.solver_status}")
         for m, mb in enumerate(plan.micro_batches):
             degs: dict[int, list[int]] = {}
@@ -231,7 +231,7 @@ def describe_plan(plan, lengths, result=None) -> str:
             warm.append(first_b)
         rec = sum(sum(c.recompute_layers_per_stage) for c in p.chunks if c.recompute_layers_per_stage)
         rep = f" (replica {p.replica})" if len(groups) > 1 else ""
-        lines.append(f"  pipeline {i}{rep}: {_count(p.stages, 'stage')} x SP {p.sp_degree}, {_count(n, 'chunk')} "
+        lines.append(f"  pipeline {i}{rep}: {plural(p.stages, 'stage')} x SP {p.sp_degree}, {plural(n, 'chunk')} "
                      f"({kinds['split']} split, "
                      f"{kinds['hybrid']} hybrid, {kinds['batched']} batched), tokens per chunk {min(tok)}..{max(tok)}, "
                      f"warm-up per stage {warm}, recomputed layer-chunks {rec}")
@@ -241,7 +241,7 @@ def describe_plan(plan, lengths, result=None) -> str:
                      f"than replicas)")
     if plan.dropped_seq_ids:
         ids = plan.dropped_seq_ids
-        lines.append(f"dropped {_count(len(ids), 'sequence')} over the length limit "
+        lines.append(f"dropped {plural(len(ids), 'sequence')} over the length limit "
                      f"({int(lengths[ids].max()):,} tokens the longest): ids {ids[:10]}{' ...' if len(ids) > 10 else ''}")
     bound = "work bound" if plan.kind == "elastic_pp" else "lower bound"
     lines.append(f"estimated step time {plan.estimated_step_time_s:.3f} s ({bound} {plan.lower_bound_step_time_s:.3f} s), "

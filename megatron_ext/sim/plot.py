@@ -29,6 +29,7 @@ from megatron_ext.errors import ConfigError
 from megatron_ext.plan.pipelines import replica_groups
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.sim.simulator import SimResult, simulate
+from megatron_ext.text import plural
 
 # split sequences: tab10 without its grey, then colours from Set1, Set2, Dark2 and tab20b picked to stay apart
 # from each other, from each other's light (forward) shade and from the grey of packed short sequences (tab20's
@@ -161,7 +162,7 @@ def _title(plan: StepPlan, cost: CostModel, lengths: np.ndarray, layout: str, re
                 (f", {len(alts) - 2} more planned" if len(alts) > 2 else "")
         who += ")"
     head = (f"{who}{chr(10) if who != (plan.planner or plan.kind) else ': '}{cost.model.name} on {cost.cluster.name} "
-            f"({cost.num_gpus} GPUs), {layout}; {_plural(len(kept), 'sequence')}, {int(lengths[kept].sum()):,} tokens")
+            f"({cost.num_gpus} GPUs), {layout}; {plural(len(kept), 'sequence')}, {int(lengths[kept].sum()):,} tokens")
     rec = f", recompute {_percent(res.recompute_ratio, 1)}" if res.recompute_ratio > 0 else ""
     unit, div = ("GB", 1024.0) if res.budget_mb >= 2048 else ("MB", 1.0)
     # peak and budget to the same precision: "29.3 of 29 GB" would read as over budget
@@ -192,11 +193,6 @@ def _percent(x: float, digits: int = 0) -> str:
     return text
 
 
-def _plural(n: int, noun: str, plural: str = "") -> str:
-    """'1 sequence', '3 sequences'."""
-    return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
-
-
 def _length_hist(plan: StepPlan, lengths: np.ndarray, keys, choices: dict[int, tuple[str, str]],
                  what: str, marks: list[tuple[float, str]] | None = None) -> LengthHist:
     """Bucket every sequence by length (powers of two: long tails need log bins) under ``keys[i]``,
@@ -222,7 +218,7 @@ def _tail(lengths: np.ndarray, edges: np.ndarray) -> str:
         share = lengths[long].sum() / max(1, lengths.sum())
         if share >= 0.5:
             n = int(long.sum())
-            return (f"the {_plural(n, 'sequence')} of {_tokens(e)}+ tokens ({_percent(long.mean())} of them) "
+            return (f"the {plural(n, 'sequence')} of {_tokens(e)}+ tokens ({_percent(long.mean())} of them) "
                     f"{'holds' if n == 1 else 'hold'} {_percent(share)} of the tokens")
     return ""  # pragma: no cover - the first edge is at most the shortest length, so share is 1 there
 
@@ -257,9 +253,9 @@ def _pipeline_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: Si
         name = f"{pi}.{cid}" if multi else f"{cid}"
         boxes.append(Box(e.where, 1, e.start_s, e.end_s, e.kind, keys[(pi, cid)], f"{e.kind}{name}"))
     n_chunks = sum(len(p.chunks) for p in plan.pipelines)
-    layout = f"{_plural(P, 'stage')} x SP {sp}"
+    layout = f"{plural(P, 'stage')} x SP {sp}"
     if R > 1:
-        layout = f"{R} replicas x {layout} ({_plural(len(plan.pipelines), 'pipeline')})"
+        layout = f"{R} replicas x {layout} ({plural(len(plan.pipelines), 'pipeline')})"
     elif multi:
         layout = f"{len(plan.pipelines)} pipelines x {layout}"
 
@@ -284,10 +280,10 @@ def _pipeline_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: Si
     packed = sum(1 for k in keys.values() if k is None)
     if split:
         whole = f", {packed} {'holds' if packed == 1 else 'hold'} only whole sequences (grey)" if packed else ""
-        detail = (f"{n_chunks} chunks: {sum(slices.values())} hold a piece of {_plural(len(split), 'sequence')} cut "
+        detail = (f"{n_chunks} chunks: {sum(slices.values())} hold a piece of {plural(len(split), 'sequence')} cut "
                   f"across chunks (coloured){whole}; each chunk runs forward (F) then backward (B) on every stage")
     else:
-        detail = (f"{_plural(n_chunks, 'chunk')} of whole sequences; each chunk runs forward (F) then backward (B) "
+        detail = (f"{plural(n_chunks, 'chunk')} of whole sequences; each chunk runs forward (F) then backward (B) "
                   f"on every stage")
     # the shades in grey, each colour as a two-tone (forward | backward) swatch: "B" and "grey" differ
     grey = PACKED_COLOR
@@ -301,7 +297,7 @@ def _pipeline_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: Si
                        [_lighten(colors[s]), colors[s]], hatches[s]))
     if len(split) > 8:
         repeat = " (colours repeat)" if len(split) > len(SEQ_COLORS) * len(SEQ_HATCHES) else ""
-        legend.append((f"... {_plural(len(split) - 8, 'more cut sequence')}{repeat}", "white", ""))
+        legend.append((f"... {plural(len(split) - 8, 'more cut sequence')}{repeat}", "white", ""))
     marks = []
     for r, pipes in enumerate(groups):  # where each later pipeline of a replica starts, over the replica's rows
         for i in pipes[1:]:  # (its first forward on the replica's first stage)
@@ -373,9 +369,9 @@ def _flexsp_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: SimR
     memory = _aggregate_memory(res.memory, (("max over GPUs", np.max), ("mean over GPUs", np.mean)))
     colors = {d: DEGREE_COLORS.get(d, DEGREE_COLORS[128]) for d in degrees}
     legend = [(f"SP group of degree {d}", colors[d], "") for d in sorted(degrees)]
-    layout = _plural(len(plan.micro_batches), "micro-batch", "micro-batches")
+    layout = plural(len(plan.micro_batches), "micro-batch", "micro-batches")
     n_groups = sum(len(mb.groups) for mb in plan.micro_batches)
-    detail = (f"{_plural(n_groups, 'Ulysses SP group')}; each box is one group: its GPUs (rows) busy with its "
+    detail = (f"{plural(n_groups, 'Ulysses SP group')}; each box is one group: its GPUs (rows) busy with its "
               f"sequences for the group's time; a micro-batch ends with its slowest group")
     hist = _length_hist(plan, lengths, degree_of, {d: (f"degree {d}", colors[d]) for d in degrees},
                         "the degree of the SP group each ran in")

@@ -259,18 +259,32 @@ def test_plan_and_simulate_a_weighted_blend(capsys, corpus, tmp_path):
     assert code == 0, err
     rows = json.loads(out)["rows"]
     assert [r["tokens"] for r in rows] == [int(ref.batch_lengths(k).sum()) for k in (0, 1)]
-    assert_one_line_error(*run(capsys, "plan", "--data", "0.5", corpus, "0.5", *FAST), "odd count")
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--data", "{tmp}/nothing"], "no indexed dataset at"),
-    (["--data", "{corpus}", "--batch", "100"], "fewer than one global batch of 100"),
-    (["--data", "{corpus}", "--step", "-1"], "--step must be a step number"),
-    (["--data", "{corpus}", "--seed", "-2"], "--seed must be non-negative"),
+    (["--data", "{corpus}"], "--data needs --max-seq-len"),  # else the batch would hang on the planner's limit
+    (["--data", "{tmp}/nothing", "--max-seq-len", "8K"], "no indexed dataset at"),
+    (["--data", "{corpus}", "--batch", "100", "--max-seq-len", "8K"], "fewer than one global batch of 100"),
+    (["--data", "{corpus}", "--batch", "0", "--max-seq-len", "8K"], "--batch must be at least 1"),
+    (["--data", "{corpus}", "--step", "-1", "--max-seq-len", "8K"], "--step must be a step number"),
+    (["--data", "{corpus}", "--seed", "-2", "--max-seq-len", "8K"], "--seed must be non-negative"),
+    (["--data", "0.5", "{corpus}", "0.5", "--max-seq-len", "8K"], "odd count"),
+    (["--data", "{corrupt}", "--max-seq-len", "8K"], "truncated or corrupted"),
+    (["--data", "{bigger}", "--max-seq-len", "8K"], "its index describes"),  # .idx lengths the .bin lacks
 ])
 def test_data_errors(capsys, tmp_path, corpus, argv, match):
-    argv = [a.format(tmp=tmp_path, corpus=corpus) for a in argv]
-    assert_one_line_error(*run(capsys, "plan", *FAST, *argv), match)
+    import shutil
+
+    corrupt, bigger = tmp_path / "corrupt", tmp_path / "bigger"
+    for bad in (corrupt, bigger):
+        shutil.copy(corpus + ".bin", str(bad) + ".bin")
+    idx = bytearray(Path(corpus + ".idx").read_bytes())
+    Path(str(corrupt) + ".idx").write_bytes(idx[:26] + b"\xff" * 8 + idx[34:])  # a huge document count
+    idx[34:38] = (2_000_000_000).to_bytes(4, "little")  # the first sequence's length
+    Path(str(bigger) + ".idx").write_bytes(idx)
+    argv = [a.format(tmp=tmp_path, corpus=corpus, corrupt=corrupt, bigger=bigger) for a in argv]
+    code, out, err = run(capsys, "plan", *FAST, *argv)
+    assert_one_line_error(code, out, err, match)
 
 
 SMALL = ["--model", "llama-7b", "--cluster", "a800-80g-8x1"]  # one node of 8 GPUs, 32 layers
