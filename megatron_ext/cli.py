@@ -297,8 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", add_help=False,
                        help="train a small GPT on CPU ranks with per-step plans (torchrun); --help for options")
     t.set_defaults(func=cmd_train)
-    rp = sub.add_parser("report", help="how well the cost model predicted a `train --run-dir` run")
-    rp.add_argument("run_dir", metavar="RUN_DIR")
+    rp = sub.add_parser("report", help="how well the cost model predicted a run: a `train --run-dir` directory, or "
+                                        "Megatron-LM's --planner-log file")
+    rp.add_argument("run_dir", metavar="RUN", help="a `train --run-dir` directory (or its steps.jsonl), or the JSONL "
+                                                   "file of pretrain_gpt.py --planner-log")
     rp.add_argument("--json", action="store_true")
     rp.set_defaults(func=cmd_report)
     pr = sub.add_parser("profile", add_help=False,

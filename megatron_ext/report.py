@@ -1,8 +1,10 @@
-"""`megatron-ext report RUN_DIR`: how well the cost model predicted a training run.
+"""`megatron-ext report RUN`: how well the cost model predicted a training run.
 
 ``megatron-ext train --run-dir DIR`` writes one JSON record per step to ``DIR/steps.jsonl`` with
 the measured and predicted time of the step and of each micro-batch (pipelines: of each stage's
-operations, and each stage's activation memory). The report prints the distribution of the
+operations, and each stage's activation memory). Megatron-LM's ``pretrain_gpt.py --flexsp`` or
+``--elastic-pp`` with ``--planner-log FILE`` writes the step and micro-batch times (its records
+are read under the same names, ``from_planner_log``). The report prints the distribution of the
 relative error, its bias, and whether it drifts over the run; for pipelines, how much longer the
 operations ran than predicted and the activation peaks against the planner's; and it says when
 the cost model should be re-measured (``megatron-ext profile``).
@@ -20,19 +22,39 @@ from megatron_ext.errors import ConfigError
 DRIFT_THRESHOLD = 0.15  # median absolute error above which the model is called off
 
 
-def load_run(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "steps.jsonl"
+def load_run(run: str | Path) -> list[dict]:
+    """The step records of a ``train --run-dir`` directory, or of a JSONL file: its
+    ``steps.jsonl`` or a Megatron-LM ``--planner-log``."""
+    path = Path(run)
+    if path.is_dir():
+        path = path / "steps.jsonl"
     try:
         lines = path.read_text().splitlines()
-    except OSError:
-        raise ConfigError(f"no run records at {path} (write them with `megatron-ext train --run-dir {run_dir}`)") from None
+    except (OSError, UnicodeDecodeError):
+        raise ConfigError(f"no run records at {path} (write them with `megatron-ext train --run-dir DIR`, or "
+                          f"Megatron-LM's pretrain_gpt.py --planner-log FILE)") from None
     try:
         records = [json.loads(line) for line in lines if line.strip()]
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: malformed record ({e})") from None
     if not records:
         raise ConfigError(f"{path} holds no steps")
-    return records
+    if not all(isinstance(r, dict) and ("step_time_s" in r or "measured_step_s" in r) for r in records):
+        raise ConfigError(f"{path}: not step records of `megatron-ext train` or Megatron-LM's --planner-log")
+    return [from_planner_log(r) if "measured_step_s" in r else r for r in records]
+
+
+def from_planner_log(r: dict) -> dict:
+    """A Megatron-LM ``--planner-log`` record under the names of ``train``'s: step and micro-batch
+    times (FlexSP steps), and an elastic step's layout from its pipelines."""
+    out = dict(r, step_time_s=r["measured_step_s"], predicted_step_time_s=r["predicted_step_s"])
+    if r.get("kind") == "elastic_pp":
+        p = r["pipelines"][0]
+        out["layout"] = f"pp{p['stages']} x sp{p['sp_degree']}" + (f" x dp{r['replicas']}" if r["replicas"] > 1 else "")
+    else:
+        out.update(micro_batch_times_s=r.get("measured_micro_batch_s", []),
+                   predicted_micro_batch_times_s=r.get("predicted_micro_batch_s", []))
+    return out
 
 
 def _errors(measured, predicted) -> np.ndarray:
@@ -70,6 +92,8 @@ def step_layout(r: dict) -> str:
     """What ran a step: the planner of its SP groups (``flexsp`` for auto; ``batchada`` for a
     fallback plan), or an elastic pipeline's ``pp{P} x sp{D}``, `` x dp{R}`` with R replicas side
     by side (a record has a row per replica's stage)."""
+    if "layout" in r:  # a Megatron-LM pipeline step (from_planner_log)
+        return r["layout"]
     if "ops_per_stage" not in r:
         return "flexsp" if r.get("planner", "auto") == "auto" else r["planner"]
     rows = len(r["ops_per_stage"])

@@ -210,6 +210,41 @@ def test_report_step_logs_line_tensorboard_and_planner_log(tmp_path):
     assert len(lines) == 1 and len(log.read_text().splitlines()) == 2
 
 
+def test_report_reads_the_planner_log(tmp_path, capsys):
+    """`megatron-ext report plans.jsonl`: the cost model's error over a Megatron-LM run."""
+    from megatron_ext.cli import main
+    from megatron_ext.data.loader import Step
+    from megatron_ext.megatron.cost import load_cost_model
+    from megatron_ext.megatron.step import report_step
+    from megatron_ext.planner import PlannerOptions, make_plan
+    from megatron_ext.report import fidelity, load_run
+
+    step = _step()
+    log = tmp_path / "plans.jsonl"
+    n = len(step.plan.micro_batches)
+    predicted = step.plan.estimated_step_time_s
+    for k, scale in enumerate([9.0, 1 / 1.1, 1 / 0.9, 1 / 1.1]):  # errors (p - m) / m: (first left out) +10% -10% +10%
+        measured = predicted * scale
+        report_step(step, measured, [measured / n] * n, writer=None, printer=lambda line: None,
+                    args=Namespace(curr_iteration=k, log_interval=1, planner_log=str(log)))
+    lengths = np.array([3000, 300, 200, 50])
+    plan = make_plan("elastic_pp", lengths, load_cost_model(str(ROOT / "configs/megatron/cost/tiny-cpu4.yaml")),
+                     PlannerOptions(pp=2, sp=1))
+    elastic = Step(3, plan, [np.arange(n) for n in lengths], lengths,
+                   np.stack([np.arange(4), np.zeros(4, int), lengths], axis=1), "d1g3st", "planner", 0.002)
+    t = plan.estimated_step_time_s / 1.1
+    report_step(elastic, t, [t, t], writer=None, printer=lambda line: None,
+                args=Namespace(curr_iteration=4, log_interval=1, planner_log=str(log)))
+    f = fidelity(load_run(log))
+    assert f["steps"] == 4 and f["step_median_abs_error"] == pytest.approx(0.1)
+    assert f["step_bias"] == pytest.approx(0.1) and f["micro_batch_median_abs_error"] is not None
+    assert f["layouts"] == {"flexsp": 3, "pp2 x sp1 x dp2": 1}
+    assert main(["report", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "4 steps (the first is left out); ran 3 flexsp, 1 pp2 x sp1 x dp2" in out
+    assert "step time error:        median 10.0%" in out and "the cost model fits this run" in out
+
+
 @pytest.mark.parametrize("sp, layout", [(2, "x 2 stages x SP 2 |"), (1, "x 2 stages x SP 1 over 2 replicas |")])
 def test_elastic_step_record_line_and_scalars(tmp_path, sp, layout):
     from megatron_ext.data.loader import Step

@@ -38,6 +38,9 @@ def test_recalibration_is_suggested_when_the_model_is_off(tmp_path, capsys):
 def test_missing_or_malformed_run(tmp_path, capsys):
     with pytest.raises(ConfigError, match="no run records"):
         load_run(tmp_path)
+    (tmp_path / "other.jsonl").write_text('{"loss": 1.0}\n')
+    with pytest.raises(ConfigError, match="not step records"):
+        load_run(tmp_path / "other.jsonl")
     (tmp_path / "steps.jsonl").write_text("{not json\n")
     assert main(["report", str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith("megatron-ext: error:")
