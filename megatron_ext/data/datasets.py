@@ -82,7 +82,20 @@ class SplitStats:
             logger.info("%s: skipped %d empty document(s)", source, self.empty_skipped)
 
 
-class InMemoryDocuments:
+class HeldLengths:
+    """The ``lengths`` / ``len()`` of a ``Documents`` that holds its lengths in ``_lengths``."""
+
+    _lengths: np.ndarray
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self._lengths
+
+    def __len__(self) -> int:
+        return int(self._lengths.size)
+
+
+class InMemoryDocuments(HeldLengths):
     """Documents held as a list of token arrays."""
 
     def __init__(self, docs: Sequence[np.ndarray], stats: SplitStats | None = None):
@@ -92,13 +105,6 @@ class InMemoryDocuments:
                 raise DataError(f"document {k} is not a 1-D integer token array (shape {d.shape}, {d.dtype})")
         self._lengths = np.fromiter((d.size for d in self._docs), dtype=np.int64, count=len(self._docs))
         self.stats = stats or SplitStats()
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return self._lengths
-
-    def __len__(self) -> int:
-        return len(self._docs)
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)
@@ -263,7 +269,7 @@ def write_indexed_dataset(prefix: str | Path, docs: Iterable[np.ndarray], dtype=
     return prefix
 
 
-class IndexedDocuments:
+class IndexedDocuments(HeldLengths):
     """A Megatron indexed dataset (``prefix.bin`` / ``prefix.idx``), one entry per document.
 
     Reads through megatron-core's ``IndexedDataset`` (memory-mapped). Picklable: it reopens the
@@ -326,16 +332,9 @@ class IndexedDocuments:
         return np.dtype(self._ds.index.dtype)
 
     @property
-    def lengths(self) -> np.ndarray:
-        return self._lengths
-
-    @property
     def num_sequences(self) -> int:
         """Index sequences (more than documents if the data was sentence-split)."""
         return len(self._ds)
-
-    def __len__(self) -> int:
-        return int(self._lengths.size)
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)
@@ -353,7 +352,7 @@ class IndexedDocuments:
         return self._ds.get(int(self._first_seq[i]), offset=offset, length=length)
 
 
-class ConcatDocuments:
+class ConcatDocuments(HeldLengths):
     """Several ``Documents`` one after another (the sources of a blend): document i of the whole
     is document i - offset of the part holding it."""
 
@@ -364,13 +363,6 @@ class ConcatDocuments:
         self.sizes = [len(p) for p in self.parts]
         self._offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
         self._lengths = np.concatenate([np.asarray(p.lengths, dtype=np.int64) for p in self.parts])
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return self._lengths
-
-    def __len__(self) -> int:
-        return int(self._lengths.size)
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         if not 0 <= i < len(self):

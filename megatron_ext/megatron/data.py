@@ -32,14 +32,14 @@ import re
 
 import numpy as np
 
-from megatron_ext.data.datasets import DataError
+from megatron_ext.data.datasets import DataError, HeldLengths
 from megatron_ext.data.lengths import DISTRIBUTIONS
 
 MOCK_DOCUMENTS = 16384
 MOCK_DISTRIBUTION = "wikipedia"
 
 
-class MockDocuments:
+class MockDocuments(HeldLengths):
     """Seeded synthetic documents (the ``Documents`` protocol): lengths from a long-tailed
     distribution capped at ``max_len``, tokens uniform below ``vocab_size`` with ``eod`` last.
     A document's tokens depend only on (seed, index): nothing is held in memory."""
@@ -51,13 +51,6 @@ class MockDocuments:
         self.vocab_size, self.eod, self.seed = int(vocab_size), int(eod), int(seed)
         rng = np.random.default_rng([self.seed, 0x6D6F636B])
         self._lengths = np.maximum(DISTRIBUTIONS[distribution].sample(int(num_docs), rng, int(max_len)), 2)
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return self._lengths
-
-    def __len__(self) -> int:
-        return int(self._lengths.size)
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         n = int(self._lengths[i])
