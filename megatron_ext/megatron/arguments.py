@@ -54,8 +54,9 @@ size, fewer --global-batch-size sequences than pipeline replicas, --recompute-gr
 --flexsp-* planner options; --elastic-pp-sp without --elastic-pp; with --flexsp-planner auto:
 tensor parallelism, fewer --global-batch-size sequences than data-parallel ranks,
 --recompute-granularity full; and for both:
---rampup-batch-size, --dataloader-type other than external, data other than --data-path (one
-prefix or a blend) or --mock-data, legacy models, multi-latent attention, MoE, sliding-window attention,
+--rampup-batch-size, --dataloader-type other than external, no data or two sources of it
+(--data-path, --data-args-path, per-split paths, --mock-data), per-split paths without a train
+split or with --split, legacy models, multi-latent attention, MoE, sliding-window attention,
 position embeddings other than rope / learned_absolute / none, FSDP (Megatron-FSDP, torch FSDP2),
 --iterations-to-skip. Adjusted with a note:
 --calculate-per-token-loss is turned on, --dataloader-type becomes external, an unset
@@ -217,24 +218,36 @@ def _check_common(args, flag: str, tp: int, cp: int) -> None:
     if dl not in (None, "external"):
         _conflict(f"{flag} feeds Megatron planned steps through an external data iterator; drop "
                   f"--dataloader-type {dl} (it becomes external)")
-    split_paths = [n for n in ("train_data_path", "valid_data_path", "test_data_path", "data_args_path",
-                               "per_split_data_args_path") if _get(args, n)]
-    if split_paths:
-        _conflict(f"{flag} reads --data-path (one prefix or a blend, split by --split) or --mock-data; "
-                  f"--{split_paths[0].replace('_', '-')} is not supported")
-    data_path = _get(args, "data_path", None)
-    if _get(args, "mock_data", False) and data_path:
-        _conflict(f"{flag}: give --data-path or --mock-data, not both")
-    if not _get(args, "mock_data", False):
-        if not data_path:
-            _conflict(f"{flag} needs data: --data-path PREFIX (a Megatron indexed dataset, PREFIX.bin and "
-                      f"PREFIX.idx) or --mock-data")
-        from megatron_ext.data.datasets import DataError, parse_blend
+    from megatron_ext.data.datasets import DataError, parse_blend
+    from megatron_ext.megatron.data import SPLITS, data_blends
 
-        try:
-            parse_blend(data_path)
-        except DataError as e:
-            _conflict(f"{flag}: --data-path {' '.join(map(str, data_path))}: {e}")
+    given = [f"--{n.replace('_', '-')}" for n in ("data_path", "data_args_path", "train_data_path", "valid_data_path",
+                                                  "test_data_path", "per_split_data_args_path") if _get(args, n)]
+    if _get(args, "mock_data", False) and given:
+        _conflict(f"{flag}: give {given[0]} or --mock-data, not both")
+    if _get(args, "mock_data", False):
+        return
+    try:
+        whole, per_split = data_blends(args)
+    except DataError as e:
+        _conflict(f"{flag}: {e}")
+    if whole is None and per_split is None:
+        _conflict(f"{flag} needs data: --data-path PREFIX (a Megatron indexed dataset, PREFIX.bin and "
+                  f"PREFIX.idx, or a blend W1 PREFIX1 W2 PREFIX2 ...), --train-data-path ... or --mock-data")
+    if whole is not None and len(given) > 1:
+        _conflict(f"{flag}: give one data source, not {' and '.join(given)}")
+    if per_split is not None:
+        if per_split[0] is None:
+            _conflict(f"{flag}: the per-split data paths need a train split (--train-data-path)")
+        if _get(args, "split", None) is not None:
+            _conflict(f"{flag}: --split divides --data-path; with per-split data paths drop it (as Megatron "
+                      f"refuses split with blend_per_split)")
+    for name, values in [("--data-path", whole)] + [(f"--{k}-data-path", v) for k, v in zip(SPLITS, per_split or [])]:
+        if values is not None:
+            try:
+                parse_blend(values)
+            except DataError as e:
+                _conflict(f"{flag}: {name} {' '.join(map(str, values))}: {e}")
 
 
 def validate_args(args, world_size: int | None = None) -> Validated:

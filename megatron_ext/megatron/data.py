@@ -100,15 +100,70 @@ def split_ranges(num_docs: int, split: str | None) -> list[tuple[int, int]]:
     return [(bounds[k], bounds[k + 1]) for k in range(3)]
 
 
-def build_documents(args, tokenizer) -> list[tuple[float | None, object]]:
-    """The sources of the run, (weight, documents) each: mock documents, or the indexed datasets
-    of ``--data-path`` (one prefix, or a blend; weight None: unweighted)."""
-    if getattr(args, "mock_data", False):
-        return [(None, MockDocuments(MOCK_DOCUMENTS, tokenizer.vocab_size, tokenizer.eod, args.seed,
-                                     max_len=4 * int(args.seq_length)))]
-    from megatron_ext.data.datasets import IndexedDocuments, parse_blend
+SPLITS = ("train", "valid", "test")
 
-    return [(w, IndexedDocuments(prefix)) for w, prefix in parse_blend(args.data_path)]
+
+def data_blends(args) -> tuple[list[str] | None, list[list[str] | None] | None]:
+    """Megatron's data arguments as value lists ``parse_blend`` reads: (the ``--data-path`` values,
+    to be split by ``--split``; None) or (None, the train / valid / test values of
+    ``--train-data-path`` ..., None for a split not given), read from ``--data-args-path``
+    (whitespace-separated) or ``--per-split-data-args-path`` (JSON, lists or strings under
+    "train", "valid", "test") as Megatron reads them. (None, None) with no data argument."""
+    import json
+
+    def read(path: str) -> str:
+        try:
+            with open(path) as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"cannot read {path}: {e}") from None
+
+    if getattr(args, "data_args_path", None):
+        return read(args.data_args_path).split(), None
+    if getattr(args, "data_path", None):
+        return list(args.data_path), None
+    if getattr(args, "per_split_data_args_path", None):
+        try:
+            spec = json.loads(read(args.per_split_data_args_path))
+            per_split = [spec.get(k) for k in SPLITS]
+        except (json.JSONDecodeError, AttributeError):
+            raise DataError(f"{args.per_split_data_args_path}: expected a JSON object with \"train\", \"valid\" "
+                            f"and \"test\" lists") from None
+        return None, [v.split() if isinstance(v, str) else (list(map(str, v)) if v else None) for v in per_split]
+    per_split = [getattr(args, f"{k}_data_path", None) or None for k in SPLITS]
+    return None, (per_split if any(per_split) else None)
+
+
+def planned_splits(args, tokenizer) -> list[tuple[object, list[int] | None, list[float] | None, str]]:
+    """Train, valid and test: (documents, source sizes, weights, what they are) each. Mock
+    documents or one ``--data-path`` (a prefix or a blend) are cut by ``--split``, every dataset of
+    a blend on its own (as Megatron splits them); per-split paths are taken whole. Sizes and
+    weights are what ``GlobalBatches`` blends by (None unless the sources are weighted)."""
+    from megatron_ext.data.datasets import IndexedDocuments, InMemoryDocuments, parse_blend
+
+    if getattr(args, "mock_data", False):
+        mock = MockDocuments(MOCK_DOCUMENTS, tokenizer.vocab_size, tokenizer.eod, args.seed,
+                             max_len=4 * int(args.seq_length))
+        return [(*split, "mock") for split in split_sources([(None, mock)], args.split)]
+
+    def opened(values):
+        return [(w, IndexedDocuments(prefix)) for w, prefix in parse_blend(values)]
+
+    def named(sources) -> str:
+        return " + ".join(f"{w:g} x {d.prefix}" if w is not None else d.prefix for w, d in sources)
+
+    whole, per_split = data_blends(args)
+    if whole is not None:
+        sources = opened(whole)
+        return [(*split, named(sources)) for split in split_sources(sources, args.split)]
+    out = []
+    for values in per_split:
+        if values is None:
+            out.append((InMemoryDocuments([]), None, None, "none"))
+        else:
+            sources = opened(values)
+            out.append((*split_sources(sources, None)[0], named(sources)))  # no --split: all train
+    return out
 
 
 def split_sources(sources, split: str | None) -> list[tuple[object, list[int] | None, list[float] | None]]:

@@ -99,7 +99,7 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
 
     from megatron_ext.megatron.cost import cap_cost_model, head_degree_limit, load_cost_model
     from megatron_ext.data.datasets import DataError
-    from megatron_ext.megatron.data import build_documents, make_loader, split_sources
+    from megatron_ext.megatron.data import make_loader, planned_splits
     from megatron_ext.runtime.groups import SPGroupPool
 
     args = _args()
@@ -118,19 +118,18 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     if not elastic:
         cap = min(cap, args.flexsp_max_sp_size or STATE.pool.size)
     cost = cap_cost_model(load_cost_model(args.cost_model), cap)
-    sources = build_documents(args, tokenizer)
-    splits = split_sources(sources, args.split)
+    splits = planned_splits(args, tokenizer)
     start = int(args.iteration)
     loaders = []
-    for k, (docs, sizes, weights) in enumerate(splits):
+    for k, (docs, sizes, weights, _) in enumerate(splits):
         n = len(docs)
         if k == 0 and n < args.global_batch_size:
             raise ValueError(f"{flag}: the train split holds {n} documents, fewer than one global "
                              f"batch ({args.global_batch_size})")
         if k == 1 and args.eval_iters and n < args.global_batch_size:
             raise ValueError(f"{flag}: --eval-iters {args.eval_iters} needs a validation split of at least one "
-                             f"global batch ({args.global_batch_size} documents), --split {args.split} gives "
-                             f"{n}; set --eval-iters 0 or change --split")
+                             f"global batch ({args.global_batch_size} documents), the data gives {n}; set "
+                             f"--eval-iters 0, or give validation documents (--split, --valid-data-path)")
         if k > 0 and not (args.eval_iters and n >= args.global_batch_size):
             loaders.append(None)
             continue
@@ -153,10 +152,9 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     else:
         layout = f"degrees {list(cost.degrees)}" + (" or, per step, one-stage pipeline replicas"
                                                     if train.planner == "auto" else "")
-    names = "mock" if args.mock_data else " + ".join(
-        f"{w:g} x {d.prefix}" if w is not None else d.prefix for w, d in sources)
-    print_rank_0(f"> {flag[2:]}: {sum(len(d) for _, d in sources)} documents ({names}), "
-                 f"split {[len(d) for d, _, _ in splits]}; planner {train.planner} with {cost.model.name} on "
+    names = splits[0][3] if splits[1][3] in (splits[0][3], "none") else f"train {splits[0][3]}, valid {splits[1][3]}"
+    print_rank_0(f"> {flag[2:]}: {sum(len(d) for d, *_ in splits)} documents ({names}), "
+                 f"split {[len(d) for d, *_ in splits]}; planner {train.planner} with {cost.model.name} on "
                  f"{cost.cluster.name}, {layout}, sequences up to {train.max_seq_len} tokens")
     return tuple(None if ld is None else iter(ld) for ld in loaders)
 

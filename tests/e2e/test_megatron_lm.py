@@ -7,9 +7,9 @@ directory, one copy patched with scripts/apply_patches.sh and one unpatched, and
 ``megatron_ext.megatron.launch`` under torchrun.
 
 - --flexsp with --mock-data, and with a weighted blend of real indexed datasets (.bin/.idx
-  written with megatron_ext.data.datasets.write_indexed_dataset), trains: losses are finite and
-  fall, every step is planned and holds the blend's documents, the planner log has one record
-  per step;
+  written with megatron_ext.data.datasets.write_indexed_dataset) as its train split and a
+  validation split of its own, trains: losses are finite and fall, every step is planned and
+  holds the blend's documents, the planner log has one record per step;
 - --elastic-pp with 2 pipeline stages of SP degree 2 (4 ranks, through run_local.sh --pp 2)
   trains on mock data with sequences cut into slices, and evaluates;
 - the patched script with --flexsp reports the same loss and grad norm at the first iterations
@@ -289,23 +289,28 @@ def test_flexsp_trains_on_mock_data(checkouts, tmp_path):
 
 
 def test_flexsp_trains_on_a_blend_of_indexed_datasets_with_4_ranks(checkouts, tmp_path):
-    """A weighted blend (--data-path 0.25 LONG 0.75 SHORT): each step holds the documents
-    GlobalBatches gives, a quarter of them from LONG."""
+    """A weighted blend as the train split (--train-data-path 0.25 LONG 0.75 SHORT) and a
+    validation split of its own (--valid-data-path SHORT): each step holds the documents
+    GlobalBatches gives, a quarter of them from LONG; validation runs planned steps."""
     from megatron_ext.data.batches import GlobalBatches
     from megatron_ext.data.datasets import IndexedDocuments, write_indexed_dataset
 
     _, patched = checkouts
     long = write_indexed_dataset(tmp_path / "long", _random_docs(60, 3, 1200, 1900))
     short = write_indexed_dataset(tmp_path / "short", _random_docs(300, 4, 8, 400))
-    run = run_pretrain(patched, MODEL_ARGS + [
+    i = MODEL_ARGS.index("--split")
+    no_split = MODEL_ARGS[:i] + MODEL_ARGS[i + 2:]  # per-split paths take no --split (as in Megatron)
+    run = run_pretrain(patched, no_split + [
         "--seq-length", "2048", "--max-position-embeddings", "2048", "--global-batch-size", "16",
-        "--train-iters", "3", "--data-path", "0.25", long, "0.75", short, "--flexsp", "--cost-model", COST_4],
-        nproc=4)
+        "--train-iters", "3", "--train-data-path", "0.25", long, "0.75", short, "--valid-data-path", short,
+        "--eval-iters", "1", "--eval-interval", "3", "--flexsp", "--cost-model", COST_4], nproc=4)
     its = _ok(run, 3)
     assert all(np.isfinite(loss) for loss, _ in its.values())
     degrees = set(re.findall(r"groups \(degree x count\) ([0-9x ]+) \|", run["output"]))
     assert degrees, run["output"][-3000:]
-    assert f"360 documents (0.25 x {long} + 0.75 x {short})" in run["output"]
+    assert f"660 documents (train 0.25 x {long} + 0.75 x {short}, valid {short}), split [360, 300, 0]" \
+        in run["output"], run["output"][-3000:]
+    assert "validation loss at iteration 3" in run["output"], run["output"][-3000:]
     ref = GlobalBatches(np.concatenate([IndexedDocuments(long).lengths, IndexedDocuments(short).lengths]), 16,
                         2048, 1234, source_sizes=[60, 300], weights=[0.25, 0.75])
     tokens = [int(t) for t in re.findall(r"16 seqs (\d+) tokens", run["output"])]

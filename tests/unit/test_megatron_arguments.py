@@ -39,6 +39,11 @@ def megatron_like_parser(ours: bool = True) -> argparse.ArgumentParser:
         "--dataloader-type": dict(default=None),
         "--data-path": dict(nargs="*", default=None),
         "--train-data-path": dict(nargs="*", default=None),
+        "--valid-data-path": dict(nargs="*", default=None),
+        "--test-data-path": dict(nargs="*", default=None),
+        "--data-args-path": dict(default=None),
+        "--per-split-data-args-path": dict(default=None),
+        "--split": dict(default=None),
         "--mock-data": dict(action="store_true"),
         "--num-layers": dict(type=int, default=None),
         "--hidden-size": dict(type=int, default=None),
@@ -169,8 +174,28 @@ def test_data_must_be_a_prefix_a_blend_or_mock():
             validate_args(args, world_size=2)
     args = parse("--num-attention-heads", "8", "--flexsp", "--cost-model", COST_2, "--data-path", "x",
                  "--train-data-path", "y")
-    with pytest.raises(ArgumentConflict, match="--train-data-path is not supported"):
+    with pytest.raises(ArgumentConflict, match="give one data source, not --data-path and --train-data-path"):
         validate_args(args, world_size=2)
+
+
+def test_per_split_data_paths_and_argument_files(tmp_path):
+    base = ("--num-attention-heads", "8", "--flexsp", "--cost-model", COST_2)
+    validate_args(parse(*base, "--train-data-path", "0.5", "a", "0.5", "b", "--valid-data-path", "c"), world_size=2)
+    (tmp_path / "blend.txt").write_text("0.3 a\n0.7 b\n")
+    validate_args(parse(*base, "--data-args-path", str(tmp_path / "blend.txt")), world_size=2)
+    (tmp_path / "splits.json").write_text('{"train": "0.3 a 0.7 b", "valid": ["c"], "test": null}')
+    validate_args(parse(*base, "--per-split-data-args-path", str(tmp_path / "splits.json")), world_size=2)
+    (tmp_path / "bad.json").write_text('["a"]')
+    (tmp_path / "odd.txt").write_text("0.3 a 0.7")
+    for extra, match in ((["--valid-data-path", "c"], "need a train split"),
+                         (["--train-data-path", "a", "--split", "90,10,0"], "--split divides --data-path"),
+                         (["--train-data-path", "a", "--test-data-path", "1", "x", "2"], "--test-data-path 1 x 2: a blend"),
+                         (["--data-args-path", str(tmp_path / "nothing.txt")], "cannot read"),
+                         (["--data-args-path", str(tmp_path / "odd.txt")], "odd count"),
+                         (["--per-split-data-args-path", str(tmp_path / "bad.json")], "a JSON object"),
+                         (["--mock-data", "--train-data-path", "a"], "give --train-data-path or --mock-data")):
+        with pytest.raises(ArgumentConflict, match=match):
+            validate_args(parse(*base, *extra), world_size=2)
 
 
 def test_heads_cap_the_degree():

@@ -87,6 +87,27 @@ def test_blend_sources_are_split_one_by_one():
     assert split_sources([(None, a), (None, b)], None)[0][2] is None  # unweighted: one dataset
 
 
+def test_planned_splits_of_every_data_argument(tmp_path):
+    from megatron_ext.data.datasets import write_indexed_dataset
+    from megatron_ext.megatron.data import planned_splits
+
+    a = write_indexed_dataset(tmp_path / "a", [np.arange(n) for n in range(1, 101)])
+    b = write_indexed_dataset(tmp_path / "b", [np.arange(n) for n in range(1, 11)])
+    tok = Namespace(vocab_size=50, eod=49)
+    blend = planned_splits(Namespace(data_path=["0.25", a, "0.75", b], split="80,10,10"), tok)
+    assert [len(d) for d, *_ in blend] == [88, 11, 11] and blend[0][1:] == ([80, 8], [0.25, 0.75], f"0.25 x {a} + 0.75 x {b}")
+    (tmp_path / "args.txt").write_text(f"0.25 {a}\n0.75 {b}\n")
+    from_file = planned_splits(Namespace(data_args_path=str(tmp_path / "args.txt"), split="80,10,10"), tok)
+    assert [x[1:] for x in from_file] == [x[1:] for x in blend]
+    per_split = planned_splits(Namespace(train_data_path=["0.25", a, "0.75", b], valid_data_path=[b], split=None), tok)
+    docs, sizes, weights, name = per_split[0]
+    assert len(docs) == 110 and sizes == [100, 10] and weights == [0.25, 0.75]  # whole: no --split
+    np.testing.assert_array_equal(docs.get(100), np.arange(1))
+    assert len(per_split[1][0]) == 10 and per_split[1][3] == b and len(per_split[2][0]) == 0
+    mock = planned_splits(Namespace(mock_data=True, seed=3, seq_length=1024, split="90,10,0"), tok)
+    assert [x[3] for x in mock] == ["mock"] * 3 and len(mock[0][0]) + len(mock[1][0]) == 16384
+
+
 def test_mock_documents_are_deterministic_and_long_tailed():
     a = MockDocuments(2000, vocab_size=100, eod=99, seed=5, max_len=4096)
     b = MockDocuments(2000, vocab_size=100, eod=99, seed=5, max_len=4096)
