@@ -270,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --dist or --data: plan step K of `simulate` (seed + K) or of a training run on --data "
                         "(default 0)")
     p.add_argument("--max-seq-len", type=parse_tokens, metavar="L",
-                   help="longest sequence, e.g. 384K (default: the longest the planner can run on the cluster)")
+                   help="longest sequence, e.g. 384K (default: the longest the planner can run on the cluster; "
+                        "with --data, needed: the length training cuts documents at)")
     p.add_argument("--json", action="store_true", help="print the StepPlan JSON")
     p.add_argument("--no-baselines", action="store_true", help="skip timing the baselines")
     add_cost_args(p)

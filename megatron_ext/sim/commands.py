@@ -294,7 +294,8 @@ def add_simulate_command(sub, add_cost_args, cost_from_args, parse_tokens) -> No
     p.add_argument("--steps", type=int, default=5, help="steps with --dist or --data (default 5; ignored with --lengths)")
     p.add_argument("--max-seq-len", type=parse_tokens, metavar="L",
                    help="max context, e.g. 48K: the longest sampled sequence and the baselines' pack size "
-                        "(default: the longest every planner can run)")
+                        "(default: the longest every planner can run; with --data, needed: the length training "
+                        "cuts documents at)")
     p.add_argument("--drop-over-max", action="store_true",
                    help="with --lengths: drop sequences over --max-seq-len (default: over what every planner can run) "
                         "instead of failing")
