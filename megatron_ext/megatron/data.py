@@ -16,6 +16,9 @@ Documents come from:
   and test ranges by its ratios. A blend (``--data-path W1 PREFIX1 W2 PREFIX2 ...``) splits each
   dataset so, and gives each its weight's share of every global batch
   (``megatron_ext.data.batches``); unweighted prefixes are one dataset, one after another;
+* ``--train-data-path`` / ``--valid-data-path`` / ``--test-data-path`` (each a prefix or a blend,
+  taken whole), or any of these read from ``--data-args-path`` / ``--per-split-data-args-path``
+  as Megatron reads them (``data_blends``);
 * ``--mock-data``: synthetic documents, their lengths drawn from a long-tailed distribution
   (``megatron_ext.data.lengths``, "wikipedia"), their tokens random ids below the tokenizer's
   vocabulary size ending in ``<eod>``, all from ``--seed``: every rank sees the same documents.
