@@ -313,6 +313,9 @@ def add_simulate_command(sub, add_cost_args, cost_from_args, parse_tokens) -> No
 
         if args.batch < 1 or args.steps < 1:
             raise ConfigError(f"--batch and --steps must be at least 1, got {args.batch} and {args.steps}")
+        if args.drop_over_max and not args.lengths:
+            raise ConfigError("--drop-over-max applies to --lengths: --dist samples and --data cuts its documents "
+                              "within --max-seq-len")
         planners = DEFAULT_PLANNERS if args.planners == "all" else tuple(x.strip() for x in args.planners.split(","))
         check_args(args, pipelines=any(x in PP_PLANNERS for x in planners))
         cost = cost_from_args(args)

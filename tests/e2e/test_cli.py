@@ -305,6 +305,7 @@ SMALL = ["--model", "llama-7b", "--cluster", "a800-80g-8x1"]  # one node of 8 GP
     (["simulate", "--planners", "elastic_pp", "--pp", "3"], "pipeline degree 3 does not divide"),
     (["simulate", "--planners", "flexsp", "--sp", "2"], "--sp applies only to pipeline planners"),
     (["simulate", "--steps", "0"], "--batch and --steps must be at least 1"),
+    (["simulate", "--drop-over-max"], "--drop-over-max applies to --lengths"),
     (["plan", "--planner", "auto", "--sp", "3"], "SP degree 3 is not allowed"),  # not FlexSP alone, silently
     (["plan", "--planner", "auto", "--static-degree", "16"], "SP degree 16 is not allowed"),
 ])
