@@ -74,8 +74,8 @@ class GlobalBatches:
         self.weights = None if weights is None or len(weights) < 2 else self._blend(source_sizes, weights)
         if self.weights is None:
             if len(self.samples) < self.global_batch_size:
-                raise DataError(f"the dataset has {len(self.samples)} samples, fewer than one global batch of "
-                                f"{self.global_batch_size}")
+                raise DataError(f"the dataset has {plural(len(self.samples), 'sample')}, fewer than one global batch "
+                                f"of {self.global_batch_size}")
             self.steps_per_epoch = len(self.samples) // self.global_batch_size
         else:
             self.steps_per_epoch = None
@@ -97,7 +97,7 @@ class GlobalBatches:
         for i, ids in enumerate(self._source_samples):
             need = math.ceil(w[i] * self.global_batch_size - 1e-9)
             if len(ids) < need:
-                raise DataError(f"source {i} of the blend has {len(ids)} samples, fewer than its share of one "
+                raise DataError(f"source {i} of the blend has {plural(len(ids), 'sample')}, fewer than its share of one "
                                 f"global batch ({need} of {self.global_batch_size} at weight {w[i]:.3g})")
         self._weight_sums = np.concatenate([[0.0], np.cumsum(w)])
         return w
