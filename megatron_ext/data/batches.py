@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from megatron_ext.data.datasets import ConcatDocuments, DataError, IndexedDocuments, parse_blend
+from megatron_ext.data.datasets import DataError, blend_documents, open_blend
 from megatron_ext.text import plural
 
 logger = logging.getLogger(__name__)
@@ -63,9 +63,10 @@ class GlobalBatches:
         self.max_seq_len = int(max_seq_len)
         self.seed = int(seed)
         self.shuffle = shuffle
+        doc_lengths = np.asarray(doc_lengths, dtype=np.int64)
         self.samples = make_samples(doc_lengths, self.max_seq_len)
-        self.num_documents = int(np.asarray(doc_lengths).size)
-        self.split_documents = int(np.count_nonzero(np.asarray(doc_lengths) > self.max_seq_len))
+        self.num_documents = int(doc_lengths.size)
+        self.split_documents = int(np.count_nonzero(doc_lengths > self.max_seq_len))
         if self.split_documents:
             logger.info("%d document(s) longer than %d tokens are split into pieces of at most %d tokens "
                         "(%d samples from %d documents)", self.split_documents, self.max_seq_len,
@@ -156,19 +157,16 @@ class GlobalBatches:
 def dataset_batches(values, global_batch_size: int, max_seq_len: int, seed: int,
                     steps: range) -> tuple[list[np.ndarray], str]:
     """The lengths of ``steps`` of a training run on Megatron indexed datasets: ``values`` as
-    Megatron's ``--data-path`` takes them (``parse_blend``: one prefix or a blend), and a line
+    Megatron's ``--data-path`` takes them (``open_blend``: one prefix or a blend), and a line
     naming them."""
-    pairs = parse_blend([values] if isinstance(values, str) else values)
-    parts = [IndexedDocuments(prefix) for _, prefix in pairs]
-    sizes = [len(p) for p in parts]
-    weights = [w for w, _ in pairs] if pairs[0][0] is not None else None
-    docs = parts[0] if len(parts) == 1 else ConcatDocuments(parts)
+    sources = open_blend(values)
+    docs, sizes, weights = blend_documents(sources)
     batches = GlobalBatches(docs.lengths, global_batch_size, max_seq_len, seed, source_sizes=sizes,
                             weights=weights)
     w = batches.weights
-    name = pairs[0][1] if len(parts) == 1 else " + ".join(
-        f"{p} ({plural(sizes[i], 'document')}{f', {100 * w[i]:.3g}% of each batch' if w is not None else ''})"
-        for i, (_, p) in enumerate(pairs))
+    name = sources[0][1].prefix if sizes is None else " + ".join(
+        f"{d.prefix} ({plural(sizes[i], 'document')}{f', {100 * w[i]:.3g}% of each batch' if w is not None else ''})"
+        for i, (_, d) in enumerate(sources))
     split = f", {batches.split_documents:,} cut into pieces" if batches.split_documents else ""
     first, last = steps[0], steps[-1]
     which = f"step {first}" if first == last else f"steps {first}-{last}"

@@ -406,6 +406,21 @@ def parse_blend(values: Sequence[str]) -> list[tuple[float | None, str]]:
     return out
 
 
+def open_blend(values: Sequence[str]) -> list[tuple[float | None, IndexedDocuments]]:
+    """The indexed datasets of ``--data-path`` style values (``parse_blend``), with their weights."""
+    return [(w, IndexedDocuments(prefix)) for w, prefix in parse_blend(values)]
+
+
+def blend_documents(sources) -> tuple[Documents, list[int] | None, list[float] | None]:
+    """(weight, documents) sources as one ``Documents``, with the source sizes and weights
+    ``GlobalBatches`` blends by: None for one source, weights None for unweighted sources (one
+    dataset, the documents one after another)."""
+    if len(sources) == 1:
+        return sources[0][1], None, None
+    docs = ConcatDocuments([d for _, d in sources])
+    return docs, docs.sizes, [w for w, _ in sources] if sources[0][0] is not None else None
+
+
 def open_documents(path: str | Path, tokenizer: ByteTokenizer | None = None, key: str = "text",
                    max_len: int | None = None) -> Documents:
     """A dataset by path: an indexed-dataset prefix (``X`` with ``X.bin``/``X.idx``, or either file),

@@ -142,30 +142,27 @@ def planned_splits(args, tokenizer) -> list[tuple[object, list[int] | None, list
     documents or one ``--data-path`` (a prefix or a blend) are cut by ``--split``, every dataset of
     a blend on its own (as Megatron splits them); per-split paths are taken whole. Sizes and
     weights are what ``GlobalBatches`` blends by (None unless the sources are weighted)."""
-    from megatron_ext.data.datasets import IndexedDocuments, InMemoryDocuments, parse_blend
+    from megatron_ext.data.datasets import InMemoryDocuments, blend_documents, open_blend
 
     if getattr(args, "mock_data", False):
         mock = MockDocuments(MOCK_DOCUMENTS, tokenizer.vocab_size, tokenizer.eod, args.seed,
                              max_len=4 * int(args.seq_length))
         return [(*split, "mock") for split in split_sources([(None, mock)], args.split)]
 
-    def opened(values):
-        return [(w, IndexedDocuments(prefix)) for w, prefix in parse_blend(values)]
-
     def named(sources) -> str:
         return " + ".join(f"{w:g} x {d.prefix}" if w is not None else d.prefix for w, d in sources)
 
     whole, per_split = data_blends(args)
     if whole is not None:
-        sources = opened(whole)
+        sources = open_blend(whole)
         return [(*split, named(sources)) for split in split_sources(sources, args.split)]
     out = []
     for values in per_split:
         if values is None:
             out.append((InMemoryDocuments([]), None, None, "none"))
         else:
-            sources = opened(values)
-            out.append((*split_sources(sources, None)[0], named(sources)))  # no --split: all train
+            sources = open_blend(values)
+            out.append((*blend_documents(sources), named(sources)))  # taken whole
     return out
 
 
@@ -173,18 +170,11 @@ def split_sources(sources, split: str | None) -> list[tuple[object, list[int] | 
     """Train, valid and test: each source cut by ``--split`` (as Megatron splits every dataset of a
     blend), one split's parts one after another, with the part sizes and weights ``GlobalBatches``
     blends by (None unless the sources are weighted)."""
-    from megatron_ext.data.datasets import ConcatDocuments
+    from megatron_ext.data.datasets import blend_documents
 
     ranges = [split_ranges(len(docs), split) for _, docs in sources]
-    weights = [w for w, _ in sources] if len(sources) > 1 and sources[0][0] is not None else None
-    out = []
-    for k in range(3):
-        parts = [SubsetDocuments(docs, *r[k]) for (_, docs), r in zip(sources, ranges)]
-        if len(parts) == 1:
-            out.append((parts[0], None, None))
-        else:
-            out.append((ConcatDocuments(parts), [len(p) for p in parts], weights))
-    return out
+    return [blend_documents([(w, SubsetDocuments(docs, *r[k])) for (w, docs), r in zip(sources, ranges)])
+            for k in range(3)]
 
 
 def make_loader(documents, cost, args, *, num_steps: int | None, start_step: int, seed: int,

@@ -133,7 +133,7 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
         if k > 0 and not (args.eval_iters and n >= args.global_batch_size):
             loaders.append(None)
             continue
-        steps = (max(0, int(args.train_iters) - start) if args.train_iters else None) if k == 0 else None
+        steps = max(0, int(args.train_iters) - start) if k == 0 and args.train_iters else None
         try:
             loaders.append(make_loader(docs, cost, args, num_steps=steps, start_step=start if k == 0 else 0,
                                        seed=args.seed + k, source_sizes=sizes, weights=weights))

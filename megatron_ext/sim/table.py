@@ -43,7 +43,7 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
     """Returns {"rows": per step and planner, "summary": per planner, "table": printable text,
     "config": what was run, "plans": {planner: (plan, lengths)} of the first step if ``keep_plans``}.
     ``lengths`` (one batch) overrides ``dist``/``batch``/``steps``; ``data`` (Megatron indexed
-    datasets: a prefix, or a blend as ``--data-path`` takes it) replaces ``dist`` with the batches
+    datasets: the values of ``--data-path``, a prefix or a blend) replaces ``dist`` with the batches
     of a training run on them: documents over ``max_seq_len`` cut into pieces, shuffled by ``seed``. ``main`` (default: the first
     planner) is the one the speedups are relative to. ``options`` is a PipelineOptions for the
     pipeline planners (b1_scale, memory_mb, ...); ``max_seq_len`` (default: the longest every
