@@ -175,6 +175,11 @@ class Step:
     def num_loss_tokens(self) -> int:
         return num_loss_tokens(self.lengths, self.plan.dropped_seq_ids)
 
+    @property
+    def trained_lengths(self) -> np.ndarray:
+        """Lengths of the sequences the plan runs (all but the dropped ones), in seq-id order."""
+        return np.delete(self.lengths, self.plan.dropped_seq_ids)
+
 
 def _stop_worker(proc, tasks) -> None:
     try:

@@ -1,4 +1,4 @@
-"""The hooks the patched ``pretrain_gpt.py`` installs (``patches/``): one call, four wrappers.
+"""The hooks the patched ``pretrain_gpt.py`` installs (``patches/``): one call, five wrappers.
 
 ``wrap_pretrain_gpt(datasets_provider, model_builder, forward_step, extra_args_provider)`` returns
 the same four things, wrapped. Each wrapper decides at call time, from the parsed arguments:
@@ -12,7 +12,12 @@ script trains exactly like the unpatched one; with either it uses megatron_ext's
 * forward step: carries ``get_forward_backward_func``, which the patched ``training.py`` asks for
   in ``train`` and ``evaluate``: ``step.flexsp_forward_backward`` with --flexsp,
   ``step.elastic_forward_backward`` with --elastic-pp, megatron-core's
-  ``get_forward_backward_func()`` otherwise.
+  ``get_forward_backward_func()`` otherwise;
+* Megatron's FLOPs count (``megatron.training.training.num_floating_point_operations``, behind its
+  TFLOP/s/GPU line, ``--log-throughput`` and the FLOPs in checkpoints and the progress log): it
+  counts every sample as ``--seq-length`` tokens; a planned step's count is that of its documents
+  at their own lengths (``step.step_floating_point_operations``). ``wrap_pretrain_gpt`` installs it
+  in Megatron's training module (which calls it by name) once.
 """
 from __future__ import annotations
 
@@ -83,7 +88,34 @@ class DatasetsProvider:
         return self.stock(train_val_test_num_samples)
 
 
+class FloatingPointOperations:
+    """Megatron's num_floating_point_operations(args, batch_size), or in a planned run the count of
+    the documents the last training step trained."""
+
+    def __init__(self, stock):
+        self.stock = stock
+        functools.update_wrapper(self, stock)
+
+    def __call__(self, args, batch_size):
+        if mode_flag(args) is not None:
+            from megatron_ext.megatron.step import step_floating_point_operations
+
+            count = step_floating_point_operations(self.stock, args)
+            if count is not None:
+                return count
+        return self.stock(args, batch_size)
+
+
+def _count_planned_flops() -> None:
+    from megatron.training import training
+
+    if not isinstance(training.num_floating_point_operations, FloatingPointOperations):
+        training.num_floating_point_operations = FloatingPointOperations(training.num_floating_point_operations)
+
+
 def wrap_pretrain_gpt(datasets_provider, model_builder, forward_step, extra_args_provider=None):
-    """(datasets_provider, model_builder, forward_step, extra_args_provider), wrapped (module doc)."""
+    """(datasets_provider, model_builder, forward_step, extra_args_provider), wrapped, and Megatron's
+    FLOPs count (module doc)."""
+    _count_planned_flops()
     return (DatasetsProvider(datasets_provider), ulysses_model_builder(model_builder), ForwardStep(forward_step),
             _extra_args_provider(extra_args_provider))

@@ -38,12 +38,14 @@ iteration TensorBoard scalars under ``flexsp/`` or ``elastic-pp/`` (Megatron's w
 from __future__ import annotations
 
 import atexit
+import copy
 import json
 import logging
 import time
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -61,7 +63,7 @@ class _State:
     pad_id: int = 0
     device: object = "cpu"
     loaders: tuple = ()
-    last_record: dict | None = None  # the last training step's record (tests, callbacks)
+    last_step: Step | None = None  # the last training step (Megatron's FLOPs count reads its lengths)
 
 
 STATE = _State()
@@ -306,6 +308,24 @@ def _run_elastic(step: Step, model, forward_only: bool, flag: str):
 FORWARD_BACKWARD = {"--flexsp": flexsp_forward_backward, "--elastic-pp": elastic_forward_backward}
 
 
+# ---- Megatron's FLOPs count ------------------------------------------------------------------------
+def step_floating_point_operations(count, args) -> float | None:
+    """Megatron's ``num_floating_point_operations`` (``count``) for the last training step, or None
+    before the first. ``count(args, batch_size)`` counts ``batch_size`` samples of ``--seq-length``
+    tokens; a planned step trains documents of their own lengths, and attention grows with each
+    document's square, so the step's count is ``count`` of one sample at each document's length,
+    summed (once per distinct length: a step may hold hundreds of documents)."""
+    if STATE.last_step is None:
+        return None
+    lengths, repeats = np.unique(STATE.last_step.trained_lengths, return_counts=True)
+    one = copy.copy(args)  # count may set fields of its args (num_query_groups); Megatron's stay as they are
+    total = 0.0
+    for length, n in zip(lengths.tolist(), repeats.tolist()):
+        one.seq_length = length
+        total += n * count(one, 1)
+    return total
+
+
 # ---- logging -------------------------------------------------------------------------------------
 def _degrees(plan) -> dict[int, int]:
     out: dict[int, int] = {}
@@ -333,12 +353,12 @@ def step_record(step: Step, iteration: int, measured_s: float, measured_parts_s:
     replica's). ``replicas``: the pipeline replicas side by side (elastic pipelines)."""
     plan = step.plan
     predicted = float(plan.estimated_step_time_s)
-    kept = [i for i in range(len(step.lengths)) if i not in set(plan.dropped_seq_ids)]
+    kept = step.trained_lengths
     rec = {
         "iteration": iteration, "step": step.step, "kind": plan.kind, "planner": plan.planner,
         "plan_source": step.plan_source, "solver_status": plan.solver_status, "solve_time_s": plan.solve_time_s,
         "plan_wait_s": step.plan_wait_s, "sequences": len(kept),
-        "tokens": int(sum(int(step.lengths[i]) for i in kept)), "dropped_seq_ids": list(plan.dropped_seq_ids),
+        "tokens": int(kept.sum()), "dropped_seq_ids": list(plan.dropped_seq_ids),
         "predicted_step_s": predicted, "measured_step_s": measured_s,
         "cost_model_error": (predicted - measured_s) / measured_s if measured_s > 0 else None,
         "digest": step.digest,
@@ -390,7 +410,7 @@ def report_step(step: Step, elapsed_s: float, parts_s: list[float], *, args=None
     rec = step_record(step, iteration, float(t[0]), [float(x) for x in t[1:]])
     flag = mode_flag(args)  # the run's, not the step's kind: --flexsp-planner auto runs pipeline steps too
     rec["mode"] = flag[2:] if flag else "elastic-pp" if rec["kind"] == "elastic_pp" else "flexsp"
-    STATE.last_record = rec
+    STATE.last_step = step
     rank = dist.get_rank() if dist.is_initialized() else 0
     interval = max(1, int(getattr(args, "log_interval", 1) or 1))
     if iteration % interval == 0:

@@ -265,6 +265,44 @@ def assert_same_as_reference(result: dict) -> None:
             assert grad == pytest.approx(static[i][1], abs=2e-3), (name, i, its, static)
 
 
+def _load_checkpoint(save_dir: Path, iteration: int) -> dict:
+    """Rank 0's state of a --ckpt-format torch checkpoint (it holds the run's args and FLOPs count)."""
+    import torch
+
+    return torch.load(save_dir / f"iter_{iteration:07d}" / "mp_rank_00" / "model_optim_rng.pt", map_location="cpu",
+                      weights_only=False)
+
+
+def megatron_flops(checkout: Path, args, batches: list) -> list[float]:
+    """Megatron's own num_floating_point_operations for each batch of document lengths (each
+    document a sample of its length), run in a process of its own on the checkout's sources."""
+    import pickle
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "in.pkl"
+        data.write_bytes(pickle.dumps((args, [[int(s) for s in b] for b in batches])))
+        code = ("import copy, pickle, sys\n"
+                "from megatron_ext.megatron.launch import prepare_cpu\n"
+                "prepare_cpu()\n"
+                "from megatron.training.training import num_floating_point_operations as count\n"
+                "args, batches = pickle.loads(open(sys.argv[1], 'rb').read())\n"
+                "out = []\n"
+                "for lengths in batches:\n"
+                "    total = 0.0\n"
+                "    for s in lengths:\n"
+                "        one = copy.copy(args)\n"
+                "        one.seq_length = s\n"
+                "        total += count(one, 1)\n"
+                "    out.append(total)\n"
+                "print(repr(out))\n")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(checkout), str(ROOT)]), PYTHONWARNINGS="ignore")
+        proc = subprocess.run([sys.executable, "-c", code, str(data)], env=env, cwd=checkout, capture_output=True,
+                              text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [float(x) for x in proc.stdout.strip().splitlines()[-1].strip("[]").split(",")]
+
+
 # ---- tests -----------------------------------------------------------------------------------------
 def test_flexsp_trains_on_mock_data(checkouts, tmp_path):
     _, patched = checkouts
@@ -303,7 +341,8 @@ def test_flexsp_trains_on_a_blend_of_indexed_datasets_with_4_ranks(checkouts, tm
     run = run_pretrain(patched, no_split + [
         "--seq-length", "2048", "--max-position-embeddings", "2048", "--global-batch-size", "16",
         "--train-iters", "3", "--train-data-path", "0.25", long, "0.75", short, "--valid-data-path", short,
-        "--eval-iters", "1", "--eval-interval", "3", "--flexsp", "--cost-model", COST_4], nproc=4)
+        "--eval-iters", "1", "--eval-interval", "3", "--flexsp", "--cost-model", COST_4,
+        "--save", str(tmp_path / "ckpt"), "--save-interval", "3", "--ckpt-format", "torch"], nproc=4)
     its = _ok(run, 3)
     assert all(np.isfinite(loss) for loss, _ in its.values())
     degrees = set(re.findall(r"groups \(degree x count\) ([0-9x ]+) \|", run["output"]))
@@ -315,6 +354,13 @@ def test_flexsp_trains_on_a_blend_of_indexed_datasets_with_4_ranks(checkouts, tm
                         2048, 1234, source_sizes=[60, 300], weights=[0.25, 0.75])
     tokens = [int(t) for t in re.findall(r"16 seqs (\d+) tokens", run["output"])]
     assert tokens == [int(ref.batch_lengths(k).sum()) for k in range(3)], run["output"][-3000:]
+    # Megatron's FLOPs count (its TFLOP/s/GPU line; checkpoints) is that of the documents each step
+    # trained, each at its own length, not of 16 samples of --seq-length tokens
+    saved = _load_checkpoint(tmp_path / "ckpt", 3)
+    batches = [ref.batch_lengths(k) for k in range(3)]
+    expected = megatron_flops(checkouts[0], saved["args"], batches)
+    assert saved["num_floating_point_operations_so_far"] == pytest.approx(sum(expected), rel=1e-12)
+    assert megatron_flops(checkouts[0], saved["args"], [[2048] * 16])[0] > 3 * max(expected)
 
 
 def test_flexsp_auto_slices_what_no_group_holds(checkouts, tmp_path):

@@ -2,6 +2,7 @@
 step records and logs, the hooks' dispatch, and the Ulysses swap on a megatron-core GPT (one rank)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import types
@@ -316,10 +317,19 @@ def test_pad_id_falls_back_to_eod():
 # ---- hooks ------------------------------------------------------------------------------------------
 @pytest.fixture
 def fake_megatron_args(monkeypatch):
-    """A stand-in megatron.training module whose get_args returns a namespace we control."""
+    """A stand-in megatron.training module whose get_args returns a namespace we control, with a
+    training module whose FLOPs count has the shape of Megatron's: per sample of --seq-length
+    tokens, a linear term and attention's quadratic one (and, like Megatron's, it sets a field of
+    its args)."""
     state = Namespace(flexsp=False)
     mod = types.ModuleType("megatron.training")
     mod.get_args = lambda: state
+
+    def num_floating_point_operations(args, batch_size):
+        args.num_query_groups = 4
+        return batch_size * args.seq_length * (100.0 + 3.0 * args.seq_length)
+
+    mod.training = types.SimpleNamespace(num_floating_point_operations=num_floating_point_operations)
     monkeypatch.setitem(sys.modules, "megatron.training", mod)
     return state
 
@@ -362,6 +372,34 @@ def test_hooks_call_megatrons_functions_without_flexsp(fake_megatron_args, monke
     with pytest.raises(RuntimeError, match="--elastic-pp: .*training.py is not patched"):
         fwd("it", "m")
     assert callable(extra)
+
+
+def test_megatron_flops_count_the_documents_the_last_step_trained(fake_megatron_args, monkeypatch):
+    """Megatron's FLOPs count (its TFLOP/s/GPU line) takes every sample as --seq-length tokens; in a
+    planned run it is the count of each document the last training step trained, at its length."""
+    from megatron_ext.megatron import step as mstep
+    from megatron_ext.megatron.hooks import wrap_pretrain_gpt
+
+    training = sys.modules["megatron.training"].training
+    stock = training.num_floating_point_operations
+    wrap_pretrain_gpt(lambda n: None, lambda *a, **k: None, lambda it, m: None)
+    wrap_pretrain_gpt(lambda n: None, lambda *a, **k: None, lambda it, m: None)  # a second import wraps once
+    count = training.num_floating_point_operations
+    assert count is not stock and count.stock is stock
+    static = Namespace(flexsp=False, elastic_pp=False, seq_length=1024)
+    assert count(static, 8) == 8 * 1024 * (100 + 3 * 1024)
+    monkeypatch.setattr(mstep.STATE, "last_step", None)
+    planned = Namespace(flexsp=True, elastic_pp=False, seq_length=1024)
+    assert count(planned, 8) == 8 * 1024 * (100 + 3 * 1024)  # before the first step: Megatron's own
+    step = _step()
+    step = dataclasses.replace(step, lengths=np.array([900, 300, 300, 50]),
+                               plan=dataclasses.replace(step.plan, dropped_seq_ids=[3]))
+    mstep.report_step(step, 1.0, [0.5, 0.5], args=Namespace(curr_iteration=0, log_interval=1, planner_log=None),
+                      writer=None, printer=lambda line: None)
+    planned = Namespace(flexsp=True, elastic_pp=False, seq_length=1024)
+    assert count(planned, 4) == sum(s * (100 + 3 * s) for s in (900, 300, 300))
+    assert planned.seq_length == 1024 and not hasattr(planned, "num_query_groups")  # Megatron's args stay
+    assert count(static, 8) == 8 * 1024 * (100 + 3 * 1024)  # not planned: Megatron's own
 
 
 # ---- the model swap, on one rank ----------------------------------------------------------------------
