@@ -5,7 +5,7 @@
 ``<eod>``, in sorted relative-path order, writes them once as a Megatron indexed dataset in a cache
 directory and returns its path prefix. A ``PREFIX.json`` manifest next to it lists the files
 (document i is file i), the tokenizer (kind, vocab_size, eod, pad) and the length statistics;
-``stdlib_tokenizer(prefix)`` returns the tokenizer that made a corpus.
+``corpus_tokenizer(prefix)`` returns the tokenizer that made a corpus.
 
 Two tokenizers (``tokenizer=``):
 - ``"bpe"`` (default): a byte-level BPE of ``vocab_size`` (default 2048) tokens trained on the same
@@ -142,7 +142,7 @@ def stdlib_corpus(cache_dir: str | Path | None = None, max_files: int | None = N
     files, saved as ``PREFIX.tokenizer.json``) or ``"byte"`` (one token per byte; ``vocab_size``
     is ignored). ``max_files`` keeps only the first files (sorted order) -- for tests; ``root``
     replaces the standard library directory. Same files, contents and tokenizer settings -> same
-    prefix and identical bytes. Get the tokenizer of a corpus with ``stdlib_tokenizer(prefix)``."""
+    prefix and identical bytes. Get the tokenizer of a corpus with ``corpus_tokenizer(prefix)``."""
     _check_tokenizer_args(tokenizer, vocab_size)
     root = Path(root) if root is not None else stdlib_root()
     files = stdlib_files(root, max_files)
@@ -235,7 +235,7 @@ def corpus_manifest(prefix: str | Path) -> dict:
         raise DataError(f"no readable manifest for corpus {prefix}: {e}") from None
 
 
-def stdlib_tokenizer(prefix: str | Path) -> ByteTokenizer | BPETokenizer:
+def corpus_tokenizer(prefix: str | Path) -> ByteTokenizer | BPETokenizer:
     """The tokenizer that made the corpus at ``prefix`` (from its manifest, and for BPE the
     ``PREFIX.tokenizer.json`` beside it): what a trainer needs for ``vocab_size``, ``eod``, ``pad``."""
     prefix = _strip_prefix(prefix)
@@ -262,9 +262,6 @@ def stdlib_tokenizer(prefix: str | Path) -> ByteTokenizer | BPETokenizer:
     return tok
 
 
-corpus_tokenizer = stdlib_tokenizer  # works for any corpus this module wrote
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megatron_ext.data.corpus",
                                  description="Build (if missing) the stdlib corpus and print its length statistics.")
@@ -279,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     prefix = stdlib_corpus(args.cache_dir, args.max_files, args.rebuild, tokenizer=args.tokenizer,
                            vocab_size=args.vocab_size)
     seconds = time.perf_counter() - start
-    tok = stdlib_tokenizer(prefix)
+    tok = corpus_tokenizer(prefix)
     stats = _stats(IndexedDocuments(prefix).lengths)
     extra = {"tokenizer": _tokenizer_tag(args.tokenizer, tok.vocab_size), "vocab_size": tok.vocab_size,
              "eod": tok.eod, "pad": tok.pad, "seconds": round(seconds, 2)}

@@ -14,6 +14,7 @@ import json
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
+from megatron_ext.data.datasets import DataError
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.planner import PLANNERS, PlannerOptions
 from megatron_ext.report import layout_counts, layouts_text, step_layout
@@ -47,8 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--time-limit", type=float, default=1.0, help="planner time limit per step (s)")
     p.add_argument("--static-degree", type=int, help="degree of static_ulysses")
-    p.add_argument("--data", metavar="PREFIX", help="indexed dataset prefix made by megatron_ext.data.corpus "
-                   "(default: the Python standard library, BPE-tokenized; built once and cached)")
+    p.add_argument("--data", nargs="+", metavar="PREFIX",
+                   help="a Megatron indexed dataset (PREFIX.bin/.idx), or a blend as Megatron-LM's --data-path takes "
+                   "it: W1 PREFIX1 W2 PREFIX2 ... (each its weight's share of every batch); the tokenizer is that of a "
+                   "corpus made by megatron_ext.data.corpus, else give --vocab-size (default: the Python standard "
+                   "library, BPE-tokenized; built once and cached)")
+    p.add_argument("--vocab-size", type=int, metavar="N",
+                   help="with --data not made by megatron_ext.data.corpus (no PREFIX.json): the model's vocabulary; "
+                   "every token id of the data is below it")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "flash", "te"])
     p.add_argument("--json", action="store_true", help="one JSON record per step")
     p.add_argument("--run-dir", metavar="DIR", help="also write the records to DIR/steps.jsonl (for `megatron-ext report`)")
@@ -106,6 +114,56 @@ def stage_sp(args, cost: CostModel) -> int | None:
     return resolve_layout(cost, args.pp, args.sp)[1]
 
 
+@dataclass(frozen=True)
+class TrainingData:
+    """What ``--data`` trains on: the documents (a blend's one after another, with the source sizes
+    and weights ``GlobalBatches`` blends by), the vocabulary size and the padding id."""
+
+    documents: object
+    source_sizes: list[int] | None
+    weights: list[float] | None
+    vocab_size: int
+    pad: int
+
+
+def open_training_data(values: list[str], vocab_size: int | None) -> TrainingData:
+    """``--data`` (``open_blend``: a prefix or a blend) and its tokenizer: the one every source's
+    corpus manifest names (they must agree), or ``--vocab-size`` for datasets without one (padding
+    then uses id 0: padded positions carry no loss, so any id does)."""
+    from megatron_ext.data.corpus import corpus_tokenizer
+    from megatron_ext.data.datasets import blend_documents, open_blend
+
+    sources = open_blend(values)
+    docs, sizes, weights = blend_documents(sources)
+    prefixes = [d.prefix for _, d in sources]
+    made = [Path(p + ".json").exists() for p in prefixes]
+    if vocab_size is not None:
+        if any(made):
+            raise ConfigError(f"--vocab-size applies to datasets without a tokenizer manifest; "
+                              f"{prefixes[made.index(True)]} has one (its tokenizer sets the vocabulary)")
+        if vocab_size < 1:
+            raise ConfigError(f"--vocab-size must be at least 1, got {vocab_size}")
+        return TrainingData(docs, sizes, weights, vocab_size, 0)
+    if not all(made):
+        raise ConfigError(f"{prefixes[made.index(False)]} has no tokenizer manifest (PREFIX.json: it was not made by "
+                          f"megatron_ext.data.corpus); give --vocab-size, above every token id of the data")
+    toks = [corpus_tokenizer(p) for p in prefixes]
+    for p, t in zip(prefixes[1:], toks[1:]):
+        if (type(t), getattr(t, "fingerprint", None)) != (type(toks[0]), getattr(toks[0], "fingerprint", None)):
+            raise ConfigError(f"{p} and {prefixes[0]} were made by different tokenizers; a blend's sources "
+                              f"share one")
+    return TrainingData(docs, sizes, weights, toks[0].vocab_size, toks[0].pad)
+
+
+def check_token_ids(step, vocab_size: int) -> None:
+    """Refuse a step holding a token id the model's vocabulary does not have (before the embedding
+    fails on it with an index error)."""
+    top = max((int(t.max()) for t in step.batch if t.size), default=-1)
+    if top >= vocab_size:
+        raise DataError(f"step {step.step} holds token id {top}, not below the vocabulary size {vocab_size}; "
+                        f"give --vocab-size above every token id of the data")
+
+
 def check_args(args, cost: CostModel, world: int) -> bool:
     """Refuse what cannot run, before anything starts (the launcher calls it too). Returns
     whether the planner plans pipelines (``auto`` included: its steps are FlexSP or pipelines of
@@ -145,6 +203,11 @@ def check_args(args, cost: CostModel, world: int) -> bool:
                               f"tokens a group of --static-degree {args.static_degree} holds; lower it or raise the degree")
     if args.steps < 1 or args.global_batch < 1:
         raise ConfigError("--steps and --global-batch must be at least 1")
+    if args.data is not None:
+        open_training_data(args.data, args.vocab_size)
+    elif args.vocab_size is not None:
+        raise ConfigError("--vocab-size applies to --data without a tokenizer manifest; the default corpus has its "
+                          "tokenizer")
     return pipelined
 
 
@@ -168,8 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 def _train(args, rank: int, world: int) -> int:
     from megatron.core import parallel_state
 
-    from megatron_ext.data.corpus import stdlib_corpus, stdlib_tokenizer
-    from megatron_ext.data.datasets import IndexedDocuments
+    from megatron_ext.data.corpus import stdlib_corpus
     from megatron_ext.data.loader import PlanningDataLoader
     from megatron_ext.runtime.compat import apply_cpu_compat
     from megatron_ext.runtime.groups import SPGroupPool
@@ -179,16 +241,16 @@ def _train(args, rank: int, world: int) -> int:
     cost = CostModel.from_yaml(args.cost_model) if args.cost_model else CostModel.from_presets(args.model, args.cluster)
     pipelined = check_args(args, cost, world)
     apply_cpu_compat()
-    # The same prefix on every rank: rank 0 builds the corpus once, the others wait for it.
-    prefix = args.data
-    if prefix is None:
+    # The same data on every rank: rank 0 builds the default corpus once, the others wait for it.
+    values = args.data
+    if values is None:
         box = [stdlib_corpus() if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
-        prefix = box[0]
-    tok = stdlib_tokenizer(prefix)
-    weights = initial_weights(cost.model, tok.vocab_size, args.max_seq_len, args.attention_backend, args.seed)
+        values = [box[0]]
+    data = open_training_data(values, args.vocab_size)
+    weights = initial_weights(cost.model, data.vocab_size, args.max_seq_len, args.attention_backend, args.seed)
     parallel_state.initialize_model_parallel(1, args.pp)
-    model, _ = build_pipeline_model(cost.model, tok.vocab_size, args.max_seq_len, args.attention_backend)
+    model, _ = build_pipeline_model(cost.model, data.vocab_size, args.max_seq_len, args.attention_backend)
     model.module.load_state_dict(stage_state_dict(weights, model))
     optimizer = build_optimizer(model, args.lr)
     auto = args.planner == "auto"
@@ -201,11 +263,11 @@ def _train(args, rank: int, world: int) -> int:
         pool = SPGroupPool()
     elif auto or world // args.pp > sp > 1:
         pool = SPGroupPool.from_parallel_state()
-    docs = IndexedDocuments(prefix)
     options = PlannerOptions(time_limit=args.time_limit, static_degree=args.static_degree,
                              pp=args.pp if pipelined else None, sp=sp)
-    loader = PlanningDataLoader(docs, cost, args.global_batch, planner=args.planner, options=options, seed=args.seed,
-                                max_seq_len=args.max_seq_len, num_steps=args.steps, sync="broadcast",
+    loader = PlanningDataLoader(data.documents, cost, args.global_batch, planner=args.planner, options=options,
+                                seed=args.seed, max_seq_len=args.max_seq_len, num_steps=args.steps, sync="broadcast",
+                                source_sizes=data.source_sizes, weights=data.weights,
                                 fallback="batchada" if not pipelined or (auto and args.pp == 1) else "batch_1f1b")
     if rank == 0 and not args.json:
         print(_header(args, cost, world), flush=True)
@@ -216,19 +278,20 @@ def _train(args, rank: int, world: int) -> int:
         log = open(Path(args.run_dir) / "steps.jsonl", "w")
     with loader:
         for step in loader:
+            check_token_ids(step, data.vocab_size)
             dist.barrier()
             start = time.perf_counter()
             model.zero_grad_buffer()
             optimizer.zero_grad()
             piped = step.plan.kind == "elastic_pp"  # (auto: per step)
             if piped:
-                losses, pstats = forward_backward_elastic(step.plan, step.batch, model, pad_id=tok.pad,
+                losses, pstats = forward_backward_elastic(step.plan, step.batch, model, pad_id=data.pad,
                                                           sp_groups=pool)
                 mb_times = torch.zeros(0, dtype=torch.float64)
                 # the simulator's row of this rank's stage: replica x stages + stage
                 mine = (pstats.replica * args.pp + parallel_state.get_pipeline_model_parallel_rank(), pstats)
             else:
-                losses, times = forward_backward_flexsp(step, model, pool, tok.pad)
+                losses, times = forward_backward_flexsp(step, model, pool, data.pad)
                 mb_times = torch.tensor(times.micro_batches, dtype=torch.float64)
             ok, grad_norm, _ = optimizer.step()
             dist.barrier()

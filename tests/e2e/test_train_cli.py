@@ -244,3 +244,76 @@ def test_check_args_takes_auto_at_any_stage_count():
     args = build_parser().parse_args(["--planner", "auto", "--pp", "2", "--max-seq-len", str(limit + 1)])
     with pytest.raises(ConfigError, match=f"over the {limit} tokens a 2-stage pipeline of any SP degree holds"):
         check_args(args, cost, 4)
+
+
+# ---- --data: an indexed dataset or a blend ---------------------------------------------------------
+def _docs(seed: int, n: int, lo: int, hi: int, top: int = 1000) -> list:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, top, k).astype(np.uint16) for k in rng.integers(lo, hi, n)]
+
+
+def test_train_on_a_weighted_blend_of_megatron_datasets(tmp_path):
+    """A blend of two indexed datasets without a tokenizer manifest (as Megatron's
+    preprocess_data.py writes them), with --vocab-size: every step trains the documents
+    GlobalBatches draws for that blend."""
+    import numpy as np
+
+    from megatron_ext.data.batches import GlobalBatches
+    from megatron_ext.data.datasets import IndexedDocuments, write_indexed_dataset
+
+    long = write_indexed_dataset(tmp_path / "long", _docs(1, 20, 800, 1800))
+    short = write_indexed_dataset(tmp_path / "short", _docs(2, 80, 10, 300))
+    done = subprocess.run([*CLI, "train", "--steps", "2", "--global-batch", "8", "--max-seq-len", "2048", "--seed", "5",
+                           "--json", "--data", "0.25", long, "0.75", short, "--vocab-size", "1000"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    recs = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    ref = GlobalBatches(np.concatenate([IndexedDocuments(long).lengths, IndexedDocuments(short).lengths]), 8, 2048,
+                        5, source_sizes=[20, 80], weights=[0.25, 0.75])
+    assert [r["tokens"] for r in recs] == [int((ref.batch_lengths(k) - 1).sum()) for k in range(2)]  # labelled
+    assert all(np.isfinite(r["loss"]) for r in recs)
+
+
+def test_check_args_refuses_data_it_cannot_train(tmp_path):
+    from megatron_ext.cost import CostModel
+    from megatron_ext.data.corpus import stdlib_corpus
+    from megatron_ext.data.datasets import write_indexed_dataset
+    from megatron_ext.errors import ConfigError, MegatronExtError
+    from megatron_ext.runtime.train import build_parser, check_args
+
+    cost = CostModel.from_presets("tiny", "cpu-4")
+    plain = write_indexed_dataset(tmp_path / "plain", _docs(3, 10, 10, 100))
+    byte = stdlib_corpus(tmp_path / "byte", max_files=4, tokenizer="byte")
+    bpe = stdlib_corpus(tmp_path / "bpe", max_files=4, vocab_size=300)
+
+    def check(*argv):
+        return check_args(build_parser().parse_args(["--max-seq-len", "2048", *argv]), cost, 4)
+
+    assert not check("--data", plain, "--vocab-size", "1000") and not check("--data", "1", byte, "2", byte)
+    for argv, match in ((["--data", plain], f"{plain} has no tokenizer manifest .*give --vocab-size"),
+                        (["--data", byte, "--vocab-size", "300"], f"--vocab-size applies to datasets without a "
+                                                                 f"tokenizer manifest; {byte} has one"),
+                        (["--vocab-size", "300"], "--vocab-size applies to --data without a tokenizer manifest"),
+                        (["--data", plain, "--vocab-size", "0"], "--vocab-size must be at least 1"),
+                        (["--data", "0.5", byte, "0.5", bpe], f"{bpe} and {byte} were made by different tokenizers"),
+                        (["--data", str(tmp_path / "nothing"), "--vocab-size", "9"], "no indexed dataset at")):
+        with pytest.raises(MegatronExtError, match=match):
+            check(*argv)
+    assert issubclass(ConfigError, MegatronExtError)
+
+
+def test_a_token_id_outside_the_vocabulary_is_refused_before_the_model_sees_it():
+    import types
+
+    import numpy as np
+
+    from megatron_ext.data.datasets import DataError
+    from megatron_ext.runtime.train import check_token_ids
+
+    step = types.SimpleNamespace(step=3, batch=[np.array([1, 5, 2]), np.array([], np.int64), np.array([7, 999])])
+    check_token_ids(step, 1000)
+    with pytest.raises(DataError, match="step 3 holds token id 999, not below the vocabulary size 999; give "
+                                        "--vocab-size above every token id"):
+        check_token_ids(step, 999)

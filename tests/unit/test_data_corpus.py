@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from megatron_ext.data.corpus import (corpus_manifest, stdlib_corpus, stdlib_files, stdlib_root,
-                                      stdlib_tokenizer)
+                                      corpus_tokenizer)
 from megatron_ext.data.datasets import DataError, IndexedDocuments
 from megatron_ext.data.tokenizer import BPETokenizer, ByteTokenizer
 
@@ -38,16 +38,16 @@ def test_small_byte_corpus_tokens_are_the_file_bytes(tmp_path):
     assert m["stats"]["documents"] == 12 and m["stats"]["tokens"] == int(ds.lengths.sum())
     assert m["tokenizer"] == "byte" and m["vocab_size"] == tok.vocab_size and m["eod"] == tok.eod
     assert not os.path.exists(prefix + ".tokenizer.json")
-    got = stdlib_tokenizer(prefix)
+    got = corpus_tokenizer(prefix)
     assert isinstance(got, ByteTokenizer) and (got.vocab_size, got.eod, got.pad) == (258, 256, 257)
 
 
 def test_small_bpe_corpus_decodes_to_the_files(tmp_path):
     prefix = stdlib_corpus(tmp_path, max_files=20, vocab_size=512)
     assert os.path.basename(prefix).startswith("stdlib-py") and "-20files-bpe512-" in prefix
-    tok = stdlib_tokenizer(prefix)
+    tok = corpus_tokenizer(prefix)
     assert isinstance(tok, BPETokenizer) and tok.vocab_size == 512 and (tok.eod, tok.pad) == (0, 1)
-    assert stdlib_tokenizer(prefix + ".bin").fingerprint == tok.fingerprint
+    assert corpus_tokenizer(prefix + ".bin").fingerprint == tok.fingerprint
     ds = IndexedDocuments(prefix)
     assert ds.dtype == np.uint16 and len(ds) == 20
     files = stdlib_files(max_files=20)
@@ -71,7 +71,7 @@ def test_default_is_bpe_2048(tmp_path):
     assert "-25files-bpe2048-" in os.path.basename(prefix)
     m = corpus_manifest(prefix)
     assert m["tokenizer"] == "bpe" and m["requested_vocab_size"] == 2048
-    assert stdlib_tokenizer(prefix).vocab_size == m["vocab_size"] <= 2048
+    assert corpus_tokenizer(prefix).vocab_size == m["vocab_size"] <= 2048
 
 
 def test_bpe_documents_are_shorter_than_bytes(tmp_path):
@@ -119,26 +119,26 @@ def test_interrupted_build_reuses_the_tokenizer_and_rebuild_retrains(tmp_path):
     assert os.stat(prefix + ".tokenizer.json").st_mtime_ns == tok_mtime
     os.unlink(prefix + ".tokenizer.json")  # a manifest without its tokenizer is not a finished corpus
     assert stdlib_corpus(tmp_path, max_files=12, vocab_size=400) == prefix
-    assert stdlib_tokenizer(prefix).vocab_size == 400
+    assert corpus_tokenizer(prefix).vocab_size == 400
     assert stdlib_corpus(tmp_path, max_files=12, vocab_size=400, rebuild=True) == prefix
     assert open(prefix + ".bin", "rb").read() == data
 
 
-def test_stdlib_tokenizer_errors(tmp_path):
+def test_corpus_tokenizer_errors(tmp_path):
     prefix = stdlib_corpus(tmp_path, max_files=10, vocab_size=300)
     with pytest.raises(DataError, match="no readable manifest"):
-        stdlib_tokenizer(tmp_path / "nothing")
+        corpus_tokenizer(tmp_path / "nothing")
     other = BPETokenizer.train_from_texts(["print('hello world')\n" * 50], vocab_size=300)
     good = open(prefix + ".tokenizer.json").read()
     other.save(prefix + ".tokenizer.json")
     with pytest.raises(DataError, match="sha256|vocab_size"):
-        stdlib_tokenizer(prefix)
+        corpus_tokenizer(prefix)
     open(prefix + ".tokenizer.json", "w").write(good)
     m = corpus_manifest(prefix)
     with open(prefix + ".json", "w") as f:
         json.dump({**m, "tokenizer": "gpt2"}, f)
     with pytest.raises(DataError, match="unknown tokenizer"):
-        stdlib_tokenizer(prefix)
+        corpus_tokenizer(prefix)
     with pytest.raises(DataError, match="unknown corpus tokenizer"):
         stdlib_corpus(tmp_path, max_files=3, tokenizer="gpt2")
     with pytest.raises(DataError, match="at least 258"):
@@ -160,7 +160,7 @@ def test_custom_root_and_content_change(tmp_path):
     assert corpus_manifest(prefix)["files"] == ["a.py", "b.py", "pkg/__init__.py"]
     assert IndexedDocuments(prefix).lengths.tolist() == [601, 7, 1]
     bpe = stdlib_corpus(tmp_path / "cache", root=root)
-    tok = stdlib_tokenizer(bpe)
+    tok = corpus_tokenizer(bpe)
     lengths = IndexedDocuments(bpe).lengths.tolist()
     assert lengths[2] == 1 and lengths[0] < 601, lengths
     assert tok.decode(IndexedDocuments(bpe).get(0)) == "a = 1\n" * 100
@@ -179,7 +179,7 @@ def test_non_utf8_file_is_kept_with_replacement_characters(tmp_path):
     (root / "a.py").write_bytes(b"x = '\xff'\n")
     prefix = stdlib_corpus(tmp_path / "cache", root=root)
     assert corpus_manifest(prefix)["non_utf8_files"] == ["a.py"]
-    assert stdlib_tokenizer(prefix).decode(IndexedDocuments(prefix).get(0)) == "x = '\ufffd'\n"
+    assert corpus_tokenizer(prefix).decode(IndexedDocuments(prefix).get(0)) == "x = '\ufffd'\n"
 
 
 def test_length_distribution_is_long_tailed(tmp_path):
