@@ -270,12 +270,13 @@ def _span(batch: _Batch, gdi, members) -> float:
     return batch.b1 + max(batch.group_load(d, m) for d, m in zip(gdi, members))
 
 
-def _solve_part(batch: _Batch, ids: np.ndarray, options: PlannerOptions) -> list[tuple[Groups, float]]:
+def _solve_part(batch: _Batch, ids: np.ndarray, options: PlannerOptions,
+                deadline: float = math.inf) -> list[tuple[Groups, float]]:
     """Groups for one micro-batch's sequences; split in two if memory cannot hold them at once.
 
     The LP-rounded plan comes first; where it is more than 1% above the LP's makespan (chunky
     long sequences the LP spread evenly), a bisection with first-fit packing between the two
-    looks for a tighter plan, and the better one is kept.
+    looks for a tighter plan (until the deadline), and the better one is kept.
     """
     lo = max(batch.best_gpu_ms[ids].sum() / batch.n, batch.fastest[ids].max())
     lp = _DegreeLP(batch, ids, options.num_buckets)
@@ -294,7 +295,7 @@ def _solve_part(batch: _Batch, ids: np.ndarray, options: PlannerOptions) -> list
             # Bisection on the packing target; fewer steps for big micro-batches (each packing
             # costs sequences x groups).
             for _ in range(10 if len(ids) <= 1024 else 4):
-                if hi <= lo_c * 1.005:
+                if hi <= lo_c * 1.005 or (best is not None and time.perf_counter() > deadline):
                     break
                 mid = (lo_c + hi) / 2
                 packed = _pack_at(batch, ids, mid)
@@ -308,16 +309,24 @@ def _solve_part(batch: _Batch, ids: np.ndarray, options: PlannerOptions) -> list
         if len(ids) == 1:  # cannot happen for a sequence within cost.max_seq_len
             raise AssertionError("a single feasible sequence did not fit a micro-batch")
         halves = balanced_split(ids[np.argsort(-batch.lengths[ids], kind="stable")], batch.lengths, 2)
-        return [mb for h in halves for mb in _solve_part(batch, h, options)]
+        return [mb for h in halves for mb in _solve_part(batch, h, options, deadline)]
     gdi, members = best
     return [([(int(batch.degrees[d]), m) for d, m in zip(gdi, members)], _span(batch, gdi, members))]
 
 
+# HiGHS stops a MIP some time after its time limit (it checks the clock between nodes and LP
+# iterations): 23-33 ms on this 2-core machine with 130-180 ms left. The limit it gets is shorter
+# by this much, so the planner ends by its deadline.
+MILP_OVERSHOOT_S = 0.04
+
+
 def _milp_improve(batch: _Batch, ids: np.ndarray, incumbent: tuple[list[int], list[list[int]]],
-                  time_limit: float, max_seqs: int = 48):
+                  deadline: float, max_seqs: int = 48):
     """Exact per-sequence MILP (FlexSP Eq. 5-10) over virtual groups, warm-started from the
-    incumbent and bounded by its makespan. A node limit keeps it deterministic; the time limit
-    is a guard. Returns (a better (gdi, members) or None, whether the time limit cut it short).
+    incumbent and bounded by its makespan. A node limit keeps it deterministic; the deadline
+    (``time.perf_counter()`` seconds) is a guard, what is left of it once the model is built the
+    solver's time limit. Returns (a better (gdi, members) or None, whether the deadline cut it
+    short).
 
     Only for micro-batches of few sequences (the long ones, where granularity decides)."""
     if len(ids) > max_seqs:
@@ -333,7 +342,7 @@ def _milp_improve(batch: _Batch, ids: np.ndarray, incumbent: tuple[list[int], li
     pairs = [(k, p) for k in range(K) for p in range(P)
              if batch.fits[ids[k], groups[p]] and batch.time[ids[k], groups[p]] + batch.lat[groups[p]] <= T * (1 + 1e-9)]
     nx = len(pairs)
-    h = new_highs(time_limit)  # the limit is a guard; the node limit decides
+    h = new_highs()
     h.setOptionValue("mip_max_nodes", 30)
     h.setOptionValue("mip_rel_gap", 0.005)
     ncol = nx + P + 1  # x[k,p], m[p], C
@@ -377,6 +386,11 @@ def _milp_improve(batch: _Batch, ids: np.ndarray, incumbent: tuple[list[int], li
             x0[pair_index[(pos[i], p)]] = 1
     x0[-1] = T
     h.setSolution(ncol, np.arange(ncol, dtype=np.int32), x0)
+    # (what is left once the model is built: that takes a while on big micro-batches)
+    left = deadline - time.perf_counter() - MILP_OVERSHOOT_S
+    if left <= 0:
+        return None, True
+    h.setOptionValue("time_limit", left)
     h.run()
     timed_out = h.getModelStatus() == highspy.HighsModelStatus.kTimeLimit
     if h.getInfo().primal_solution_status != 2:  # no feasible point
@@ -412,7 +426,7 @@ class _SplitSearch:
     def part(self, a: int, b: int) -> list[tuple[Groups, float]]:
         if (a, b) not in self.cache:
             self.budget -= 1
-            self.cache[(a, b)] = _solve_part(self.batch, self.order[a:b], self.options)
+            self.cache[(a, b)] = _solve_part(self.batch, self.order[a:b], self.options, self.deadline)
         return self.cache[(a, b)]
 
     def total(self, cuts: list[int]) -> float:
@@ -449,7 +463,7 @@ def _homogeneous_packings(batch: _Batch, lengths: np.ndarray, cost: CostModel) -
     return sorted(out, key=lambda c: c[1])
 
 
-def _cheapest_degree_start(batch: _Batch, options: PlannerOptions) -> tuple[list, float]:
+def _cheapest_degree_start(batch: _Batch, options: PlannerOptions, deadline: float) -> tuple[list, float]:
     """Every sequence at its cheapest degree, best-fit packed into groups of that degree, groups
     stacked slowest first into micro-batches without raising any micro-batch's makespan (as many
     micro-batches as that takes); then each micro-batch re-planned. Wins where memory is so tight
@@ -469,23 +483,30 @@ def _cheapest_degree_start(batch: _Batch, options: PlannerOptions) -> tuple[list
             k = len(mbs) - 1
         mbs[k].append((d, ids))
         free[k] -= d
-    return _replan(batch, mbs, options)
+    return _replan(batch, mbs, options, deadline)
 
 
-def _replan(batch: _Batch, mbs: list[Groups], options: PlannerOptions) -> tuple[list, float]:
-    """Each micro-batch of a plan re-solved with mixed degrees where that is faster."""
+def _replan(batch: _Batch, mbs: list[Groups], options: PlannerOptions, deadline: float) -> tuple[list, float]:
+    """Each micro-batch of a plan re-solved with mixed degrees where that is faster (until the
+    deadline: the rest stay as they are)."""
     out = []
     for groups in mbs:
         span = batch.b1 + max(batch.group_load(np.searchsorted(batch.degrees, d), ids) for d, ids in groups)
-        mixed = _solve_part(batch, np.array(sorted(i for _, m in groups for i in m)), options)
-        out += mixed if sum(t for _, t in mixed) < span else [(groups, span)]
+        if time.perf_counter() < deadline:
+            mixed = _solve_part(batch, np.array(sorted(i for _, m in groups for i in m)), options, deadline)
+            if sum(t for _, t in mixed) < span:
+                out += mixed
+                continue
+        out.append((groups, span))
     return out, sum(t for _, t in out)
 
 
-def _filled_start(batch: _Batch, order: np.ndarray, m: int, options: PlannerOptions) -> tuple[list, float]:
+def _filled_start(batch: _Batch, order: np.ndarray, m: int, options: PlannerOptions,
+                  deadline: float) -> tuple[list, float]:
     """Long sequences (those that need SP) split over m micro-batches; then short ones, longest
     first, fill the micro-batch with the most idle GPU time and memory left, so memory-tight
-    batches need no extra micro-batch; each micro-batch is then re-planned whole."""
+    batches need no extra micro-batch; each micro-batch is then planned whole (none if the
+    deadline passes first)."""
     short = batch.min_deg_idx[order] == 0
     long_ids, short_ids = order[~short], order[short]
     if not len(long_ids):
@@ -503,13 +524,18 @@ def _filled_start(batch: _Batch, order: np.ndarray, m: int, options: PlannerOpti
         mbs[k].append(int(i))
         idle[k] -= batch.best_gpu_ms[i]
         room[k] -= batch.lengths[i]
-    parts = [mb for ids in mbs if ids for mb in _solve_part(batch, np.array(sorted(ids)), options)]
+    parts = []
+    for ids in filter(None, mbs):
+        if time.perf_counter() > deadline:
+            return [], math.inf
+        parts += _solve_part(batch, np.array(sorted(ids)), options, deadline)
     return parts, sum(t for _, t in parts)
 
 
 @register("flexsp")
 def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -> tuple[list[Groups], str]:
     start = time.perf_counter()
+    deadline = start + options.time_limit
     batch = _Batch(lengths, cost)
     order = np.argsort(-lengths, kind="stable")
     # The cut search stops at its budget of part solves (or, as a guard, at 80% of the time limit:
@@ -523,20 +549,21 @@ def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -
     contiguous = []
     for m in range(m_min, min(m_min + options.extra_microbatches, len(lengths)) + 1):
         best_so_far = min((t for _, t in contiguous), default=math.inf)
-        if m * batch.b1 + work >= best_so_far:  # no split into m parts can beat it
-            break
+        if m * batch.b1 + work >= best_so_far or (contiguous and time.perf_counter() > deadline):
+            break  # no split into m parts can beat it, or no time for another
         cuts = [0, *np.cumsum([len(p) for p in balanced_split(order, lengths, m)]).tolist()]
         contiguous.append((cuts, search.total(cuts)))
     contiguous.sort(key=lambda c: c[1])
     homogeneous = _homogeneous_packings(batch, lengths, cost)
     # Mixed degrees inside the two best homogeneous partitions, then the other starting points.
-    starts = [partial(_replan, batch, [g for g, _ in mbs], options) for mbs, _ in homogeneous[:2]]
-    starts += [partial(_cheapest_degree_start, batch, options), partial(_filled_start, batch, order, m_min, options),
-               partial(_filled_start, batch, order, m_min + 1, options)]
+    starts = [partial(_replan, batch, [g for g, _ in mbs], options, deadline) for mbs, _ in homogeneous[:2]]
+    starts += [partial(_cheapest_degree_start, batch, options, deadline),
+               partial(_filled_start, batch, order, m_min, options, deadline),
+               partial(_filled_start, batch, order, m_min + 1, options, deadline)]
     others = [([mb for a, b in zip(c[:-1], c[1:]) for mb in search.part(a, b)], t) for c, t in contiguous[:1]]
     others.append(homogeneous[0])
-    for make in starts:  # each is bounded work; the clock only guards against a slow machine
-        if time.perf_counter() > start + options.time_limit:
+    for make in starts:  # each is bounded work, cut short at the deadline on a slow machine
+        if time.perf_counter() > deadline:
             search.timed_out = True
             break
         others.append(make())
@@ -558,10 +585,9 @@ def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -
     for groups, span in parts:
         gdi = [int(np.searchsorted(batch.degrees, d)) for d, _ in groups]
         members = [m for _, m in groups]
-        remaining = start + options.time_limit - time.perf_counter()
-        if best_time > lower * 1.03 and remaining > 0:
+        if best_time > lower * 1.03 and time.perf_counter() < deadline:
             better, cut = _milp_improve(batch, np.array(sorted(i for m in members for i in m)), (gdi, members),
-                                        remaining)
+                                        deadline)
             timed_out |= cut
             if better is not None:
                 gdi, members = better
@@ -569,4 +595,5 @@ def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -
         elif best_time > lower * 1.03:
             timed_out = True
         mbs.append([(int(batch.degrees[d]), m) for d, m in zip(gdi, members)])
+    timed_out |= time.perf_counter() > deadline
     return mbs, "time_limit" if timed_out else status

@@ -317,6 +317,21 @@ def test_flexsp_deterministic_on_a_quick_batch(case):
     assert a.to_dict() | {"solve_time_s": 0} == b.to_dict() | {"solve_time_s": 0}
 
 
+def test_flexsp_past_its_deadline_still_plans_no_worse_than_batchada():
+    """A limit too short for any search: the starting points past the deadline are skipped or cut
+    short, the MILP does not run, and the plan is still valid, says so and is never slower than
+    BatchAda's (the best homogeneous packing is always among the candidates)."""
+    from megatron_ext.data.lengths import sample_lengths
+
+    cost = CostModel.from_presets("gpt-7b", "a100-40g-8x8")
+    lengths = sample_lengths("wikipedia", 512, 2, cost.max_seq_len)
+    plan = make_plan("flexsp", lengths, cost, PlannerOptions(time_limit=1e-4))
+    assert plan.solver_status == "time_limit"
+    validate(plan, lengths, cost)
+    batchada = make_plan("batchada", lengths, cost, OPTIONS)
+    assert plan.estimated_step_time_s <= batchada.estimated_step_time_s * (1 + REL)
+
+
 def test_flexsp_mixes_degrees_on_a_long_tailed_batch():
     """The point of FlexSP: one micro-batch holds groups of different degrees."""
     cost = COSTS["gpt-7b/a100-40g-8x8"]
