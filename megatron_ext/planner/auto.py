@@ -93,7 +93,8 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     ...). Time: the layouts go first, most promising first, in at most 1 - ``AUTO_FLEXSP_SHARE``
     of the limit (each may use all of it that is left); a layout whose estimate (``layout_estimate_s``), less 15%, is no faster than
     BatchAda's step (an upper bound of FlexSP's) or the best layout so far is skipped (reported
-    with its estimate), and so is any layout left when their time has run out. FlexSP goes last,
+    with its estimate), and so is any layout left when their time has run out (less of it than the
+    fastest layout planned took). FlexSP goes last,
     in all the time left but ``AUTO_RESERVE`` of the limit (for its plan's check)."""
     start = time.perf_counter()
     opts = pipeline_options(options, overrides)
@@ -143,6 +144,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
             pass
     # (no BatchAda plan: no FlexSP plan either, so its share goes to the layouts)
     layouts_end = start + budget * (1 - AUTO_FLEXSP_SHARE if math.isfinite(ub) else 1)
+    took: list[float] = []  # seconds each layout planned took
     for est, name, P, d in layouts:
         bound, against = min([(ub, "BatchAda (FlexSP's upper bound)")] + [(t, n) for t, n, _ in plans])
         left = layouts_end - time.perf_counter()
@@ -151,7 +153,9 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
                                      f"{AUTO_PRUNE_MARGIN:.0%} of it no faster than {against} ({bound:.2f} s)",
                           "estimated_lower_s": AUTO_PRUNE_MARGIN * est}
             continue
-        if left <= 0.02 and plans:
+        # a layout takes about as long to plan as the fastest so far, however short its limit: its
+        # search stops at the limit, but checking and simulating what it found does not
+        if plans and left <= max(0.02, min(took, default=0.0)):
             alts[name] = {"skipped": f"time limit reached (estimated {est:.2f} s)"}
             continue
         t0 = time.perf_counter()
@@ -161,6 +165,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
             record(name, sub, t0)
         except MegatronExtError as e:
             alts[name] = {"error": str(e)}
+        took.append(time.perf_counter() - t0)
     if with_flexsp:
         t0 = time.perf_counter()
         try:
