@@ -173,8 +173,10 @@ def _torchrun(rest: list[str], capture: bool = False, module: str = "megatron_ex
     cost = (CostModel.from_yaml(targs.cost_model) if getattr(targs, "cost_model", None)
             else CostModel.from_presets(targs.model, targs.cluster))
     if module == "megatron_ext.runtime.train":
-        from megatron_ext.runtime.train import check_args
+        from megatron_ext.runtime.train import check_args, open_training_data
         check_args(targs, cost, cost.num_gpus)
+        if targs.data is not None:  # a dataset that cannot be read or trained is refused before launching
+            open_training_data(targs.data, targs.vocab_size)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cost.num_gpus}",
            "-m", module, *rest]

@@ -203,9 +203,7 @@ def check_args(args, cost: CostModel, world: int) -> bool:
                               f"tokens a group of --static-degree {args.static_degree} holds; lower it or raise the degree")
     if args.steps < 1 or args.global_batch < 1:
         raise ConfigError("--steps and --global-batch must be at least 1")
-    if args.data is not None:
-        open_training_data(args.data, args.vocab_size)
-    elif args.vocab_size is not None:
+    if args.data is None and args.vocab_size is not None:
         raise ConfigError("--vocab-size applies to --data without a tokenizer manifest; the default corpus has its "
                           "tokenizer")
     return pipelined

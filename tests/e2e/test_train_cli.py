@@ -276,32 +276,34 @@ def test_train_on_a_weighted_blend_of_megatron_datasets(tmp_path):
     assert all(np.isfinite(r["loss"]) for r in recs)
 
 
-def test_check_args_refuses_data_it_cannot_train(tmp_path):
+def test_data_it_cannot_train_is_refused_before_launching(tmp_path):
     from megatron_ext.cost import CostModel
     from megatron_ext.data.corpus import stdlib_corpus
     from megatron_ext.data.datasets import write_indexed_dataset
     from megatron_ext.errors import ConfigError, MegatronExtError
-    from megatron_ext.runtime.train import build_parser, check_args
+    from megatron_ext.runtime.train import build_parser, check_args, open_training_data
 
-    cost = CostModel.from_presets("tiny", "cpu-4")
     plain = write_indexed_dataset(tmp_path / "plain", _docs(3, 10, 10, 100))
     byte = stdlib_corpus(tmp_path / "byte", max_files=4, tokenizer="byte")
     bpe = stdlib_corpus(tmp_path / "bpe", max_files=4, vocab_size=300)
-
-    def check(*argv):
-        return check_args(build_parser().parse_args(["--max-seq-len", "2048", *argv]), cost, 4)
-
-    assert not check("--data", plain, "--vocab-size", "1000") and not check("--data", "1", byte, "2", byte)
-    for argv, match in ((["--data", plain], f"{plain} has no tokenizer manifest .*give --vocab-size"),
-                        (["--data", byte, "--vocab-size", "300"], f"--vocab-size applies to datasets without a "
-                                                                 f"tokenizer manifest; {byte} has one"),
-                        (["--vocab-size", "300"], "--vocab-size applies to --data without a tokenizer manifest"),
-                        (["--data", plain, "--vocab-size", "0"], "--vocab-size must be at least 1"),
-                        (["--data", "0.5", byte, "0.5", bpe], f"{bpe} and {byte} were made by different tokenizers"),
-                        (["--data", str(tmp_path / "nothing"), "--vocab-size", "9"], "no indexed dataset at")):
+    data = open_training_data([plain], 1000)
+    assert (data.vocab_size, data.pad, len(data.documents)) == (1000, 0, 10)
+    data = open_training_data(["1", byte, "3", byte], None)
+    assert (data.vocab_size, data.pad, data.source_sizes, data.weights) == (258, 257, [4, 4], [1.0, 3.0])
+    for values, vocab, match in (([plain], None, f"{plain} has no tokenizer manifest .*give --vocab-size"),
+                                 ([byte], 300, f"--vocab-size applies to datasets without a tokenizer manifest; "
+                                               f"{byte} has one"),
+                                 ([plain], 0, "--vocab-size must be at least 1"),
+                                 (["0.5", byte, "0.5", bpe], None, f"{bpe} and {byte} were made by different "
+                                                                   f"tokenizers"),
+                                 ([str(tmp_path / "nothing")], 9, "no indexed dataset at")):
         with pytest.raises(MegatronExtError, match=match):
-            check(*argv)
-    assert issubclass(ConfigError, MegatronExtError)
+            open_training_data(values, vocab)
+    with pytest.raises(ConfigError, match="--vocab-size applies to --data without a tokenizer manifest"):
+        check_args(build_parser().parse_args(["--max-seq-len", "2048", "--vocab-size", "300"]),
+                   CostModel.from_presets("tiny", "cpu-4"), 4)
+    done = subprocess.run([*CLI, "train", "--data", plain], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.startswith(f"megatron-ext: error: {plain} has no tokenizer manifest")
 
 
 def test_a_token_id_outside_the_vocabulary_is_refused_before_the_model_sees_it():
