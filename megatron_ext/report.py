@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.text import plural
 
 DRIFT_THRESHOLD = 0.15  # median absolute error above which the model is called off
 
@@ -142,7 +143,7 @@ def report_table(records: list[dict]) -> str:
     for pipe in f["pipelines"]:
         S = pipe["stages"]
         replicas = S != len(pipe["stage_op_time_ratio"])  # then each row is one replica's stage
-        head = f"{pipe['layout']} ({pipe['steps']} step{'s' if pipe['steps'] > 1 else ''}): " \
+        head = f"{pipe['layout']} ({plural(pipe['steps'], 'step')}): " \
             if len(f["layouts"]) > 1 else ""
 
         def row(p):

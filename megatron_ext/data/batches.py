@@ -154,6 +154,15 @@ class GlobalBatches:
         return s[:, 2] - s[:, 1]
 
 
+def sources_text(prefixes: list[str], sizes: list[int] | None, weights) -> str:
+    """The data's name: its prefix, or each source of a blend with its documents and (weighted:
+    ``GlobalBatches.weights``) its share of every batch."""
+    if sizes is None:
+        return prefixes[0]
+    return " + ".join(f"{p} ({plural(n, 'document')}{f', {100 * w:.3g}% of each batch' if weights is not None else ''})"
+                      for p, n, w in zip(prefixes, sizes, weights if weights is not None else [None] * len(sizes)))
+
+
 def dataset_batches(values, global_batch_size: int, max_seq_len: int, seed: int,
                     steps: range) -> tuple[list[np.ndarray], str]:
     """The lengths of ``steps`` of a training run on Megatron indexed datasets: ``values`` as
@@ -163,10 +172,7 @@ def dataset_batches(values, global_batch_size: int, max_seq_len: int, seed: int,
     docs, sizes, weights = blend_documents(sources)
     batches = GlobalBatches(docs.lengths, global_batch_size, max_seq_len, seed, source_sizes=sizes,
                             weights=weights)
-    w = batches.weights
-    name = sources[0][1].prefix if sizes is None else " + ".join(
-        f"{d.prefix} ({plural(sizes[i], 'document')}{f', {100 * w[i]:.3g}% of each batch' if w is not None else ''})"
-        for i, (_, d) in enumerate(sources))
+    name = sources_text([d.prefix for _, d in sources], sizes, batches.weights)
     split = f", {batches.split_documents:,} cut into pieces" if batches.split_documents else ""
     first, last = steps[0], steps[-1]
     which = f"step {first}" if first == last else f"steps {first}-{last}"

@@ -53,6 +53,7 @@ from megatron_ext.data.loader import Step
 from megatron_ext.megatron.arguments import mode_flag
 from megatron_ext.plan.pipelines import replica_groups
 from megatron_ext.runtime.schedule import StepTimes, flexsp_forward_step, micro_batch_inputs
+from megatron_ext.text import plural
 
 logger = logging.getLogger(__name__)
 
@@ -379,7 +380,7 @@ def summary_line(rec: dict) -> str:
         pipes = rec["pipelines"]
         replicas = f" over {rec['replicas']} replicas" if rec["replicas"] > 1 else ""
         stages = pipes[0]["stages"]
-        layout = (f"pipelines {len(pipes)} x {stages} stage{'s' if stages > 1 else ''} x SP {pipes[0]['sp_degree']}"
+        layout = (f"pipelines {len(pipes)} x {plural(stages, 'stage')} x SP {pipes[0]['sp_degree']}"
                   f"{replicas} | "
                   f"chunks {rec['micro_batches']} ({sum(p['sliced_chunks'] for p in pipes)} with slices) | "
                   f"recomputed layers {sum(p['recomputed_layers'] for p in pipes)}")

@@ -61,6 +61,7 @@ from megatron_ext.planner.grouping import group_sequences, split_replicas
 from megatron_ext.planner.pipeline import (BuiltPipeline, PipelineOptions, build_pipeline, finish_plan, kept_sequences,
                                            pipeline_cost, pipeline_options)
 from megatron_ext.planner.sequence_limits import check_sequences
+from megatron_ext.text import plural
 
 
 def _chunking_note(b: BuiltPipeline) -> str:
@@ -207,8 +208,8 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     reps = f" over {pc.replicas} replicas" if pc.replicas > 1 else ""
     chunkings = "; ".join(_chunking_note(b) if len(final) == 1 else f"pipeline {i}: {_chunking_note(b)}"
                           for i, b in enumerate(final))
-    status = (f"{len(final)} pipeline{'s' if len(final) > 1 else ''} x {pc.pp} stage{'s' if pc.pp > 1 else ''} "
-              f"x SP {pc.sp}{reps}; {chunkings}; {n} chunk{'s' if n > 1 else ''}; "
+    status = (f"{plural(len(final), 'pipeline')} x {plural(pc.pp, 'stage')} "
+              f"x SP {pc.sp}{reps}; {chunkings}; {plural(n, 'chunk')}; "
               f"{rec_note}")
     dropped = np.setdiff1d(np.arange(len(lengths)), ids)
     return finish_plan("elastic_pp", pipes, lengths, cost, pc, opts, start, status, dropped)

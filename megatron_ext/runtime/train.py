@@ -28,6 +28,7 @@ from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.planner import PLANNERS, PlannerOptions
 from megatron_ext.report import layout_counts, layouts_text, step_layout
 from megatron_ext.spec import ModelSpec
+from megatron_ext.text import plural
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,6 +120,7 @@ class TrainingData:
     """What ``--data`` trains on: the documents (a blend's one after another, with the source sizes
     and weights ``GlobalBatches`` blends by), the vocabulary size and the padding id."""
 
+    prefixes: list[str]
     documents: object
     source_sizes: list[int] | None
     weights: list[float] | None
@@ -143,7 +145,7 @@ def open_training_data(values: list[str], vocab_size: int | None) -> TrainingDat
                               f"{prefixes[made.index(True)]} has one (its tokenizer sets the vocabulary)")
         if vocab_size < 1:
             raise ConfigError(f"--vocab-size must be at least 1, got {vocab_size}")
-        return TrainingData(docs, sizes, weights, vocab_size, 0)
+        return TrainingData(prefixes, docs, sizes, weights, vocab_size, 0)
     if not all(made):
         raise ConfigError(f"{prefixes[made.index(False)]} has no tokenizer manifest (PREFIX.json: it was not made by "
                           f"megatron_ext.data.corpus); give --vocab-size, above every token id of the data")
@@ -152,7 +154,7 @@ def open_training_data(values: list[str], vocab_size: int | None) -> TrainingDat
         if (type(t), getattr(t, "fingerprint", None)) != (type(toks[0]), getattr(toks[0], "fingerprint", None)):
             raise ConfigError(f"{p} and {prefixes[0]} were made by different tokenizers; a blend's sources "
                               f"share one")
-    return TrainingData(docs, sizes, weights, toks[0].vocab_size, toks[0].pad)
+    return TrainingData(prefixes, docs, sizes, weights, toks[0].vocab_size, toks[0].pad)
 
 
 def check_token_ids(step, vocab_size: int) -> None:
@@ -229,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 def _train(args, rank: int, world: int) -> int:
     from megatron.core import parallel_state
 
+    from megatron_ext.data.batches import sources_text
     from megatron_ext.data.corpus import stdlib_corpus
     from megatron_ext.data.loader import PlanningDataLoader
     from megatron_ext.runtime.compat import apply_cpu_compat
@@ -268,7 +271,7 @@ def _train(args, rank: int, world: int) -> int:
                                 source_sizes=data.source_sizes, weights=data.weights,
                                 fallback="batchada" if not pipelined or (auto and args.pp == 1) else "batch_1f1b")
     if rank == 0 and not args.json:
-        print(_header(args, cost, world), flush=True)
+        print(_header(args, cost, world, sources_text(data.prefixes, data.source_sizes, loader.weights)), flush=True)
     records = []
     log = None
     if rank == 0 and args.run_dir:
@@ -363,8 +366,8 @@ def _stage_report(ranks: list, step, cost: CostModel) -> dict:
                                for op, t in ops[p].items()] for p in range(P)]}
 
 
-def _header(args, cost: CostModel, world: int) -> str:
-    """What the run trains, on what, with which planner (printed before its steps)."""
+def _header(args, cost: CostModel, world: int, data: str) -> str:
+    """What the run trains, on what, with which planner and data (printed before its steps)."""
     sp = stage_sp(args, cost)
     if args.planner == "auto":
         layout = ("FlexSP or one-stage pipeline replicas per step" if args.pp == 1 else
@@ -375,9 +378,8 @@ def _header(args, cost: CostModel, world: int) -> str:
     else:
         layout = "SP groups per micro-batch"
     return (f"train: {cost.model.name} on {cost.cluster.name} ({world} ranks), planner {args.planner} ({layout}); "
-            f"{args.global_batch} sequences a step of up to {args.max_seq_len:,} tokens, {args.steps} "
-            f"step{'s' if args.steps != 1 else ''}, "
-            f"seed {args.seed}")
+            f"{args.global_batch} sequences a step of up to {args.max_seq_len:,} tokens, {plural(args.steps, 'step')}, "
+            f"seed {args.seed}; data {data}")
 
 
 def _line(r: dict) -> str:
@@ -400,7 +402,7 @@ def _summary(planner: str, records: list[dict]) -> str:
     tokens = sum(r["tokens"] for r in records[1:] or records)
     chose = f" ({layouts_text(layout_counts(records))})" if planner == "auto" else ""
     late = sum(r["plan_source"].endswith("fallback") for r in records)
-    return (f"{planner}: {len(records)} step{'s' if len(records) > 1 else ''}{chose}"
+    return (f"{planner}: {plural(len(records), 'step')}{chose}"
             + (f", {late} of them on a fallback plan" if late else "")
             + f", median step {np.median(measured):.2f} s, {tokens / measured.sum():,.0f} tokens/s (after the first "
               f"step); cost-model error {err:.0%} (median)")

@@ -177,7 +177,7 @@ def pipeline_tables(plan, lengths, cost, b1_scale: float = 1.0, max_pieces: int 
             pieces = [f"{x.seq_id}[{x.start}:{x.end})" for x in c.pieces[:max_pieces]]
             more = len(c.pieces) - max_pieces
             if more > 0:
-                pieces.append(f"+{more} whole sequence{'s' if more > 1 else ''}"
+                pieces.append(f"+{plural(more, 'whole sequence')}"
                               if all(x.start == 0 and x.end == lengths[x.seq_id] for x in c.pieces[max_pieces:])
                               else f"+{more} more")
             out.append(f"  {c.id:>5}  {_chunk_kind(c, lengths):<7} {int(tok):>9,} {t:>8.1f}  {', '.join(pieces)}")

@@ -224,8 +224,8 @@ def test_the_run_says_what_it_trains(argv, layout):
     cost = CostModel.from_presets("tiny", "cpu-4")
     args = build_parser().parse_args(["--max-seq-len", "2048", "--steps", "1", *argv])
     check_args(args, cost, 4)
-    assert _header(args, cost, 4) == (f"train: tiny on cpu-4 (4 ranks), {layout}; 8 sequences a step "
-                                                     f"of up to 2,048 tokens, 1 step, seed 0")
+    assert _header(args, cost, 4, "C") == (f"train: tiny on cpu-4 (4 ranks), {layout}; 8 sequences a step "
+                                           f"of up to 2,048 tokens, 1 step, seed 0; data C")
 
 
 def test_check_args_takes_auto_at_any_stage_count():
