@@ -389,7 +389,8 @@ def test_auto_holds_every_candidate_to_one_memory_budget():
     plan = plan_auto(lengths, COST, memory_mb=40_000, time_limit=2.0)
     assert _auto_checks(plan, lengths, memory_mb=40_000).startswith("elastic_pp pp")
     assert "does not fit" in plan.baselines["flexsp"]["error"]
-    assert plan_auto(lengths, COST, time_limit=2.0).estimated_step_time_s < plan.estimated_step_time_s
+    # (a limit no layout comes near, on a loaded machine too: this is about memory, not time)
+    assert plan_auto(lengths, COST, time_limit=5.0).estimated_step_time_s < plan.estimated_step_time_s
 
 
 def test_make_plan_auto_and_the_cli_summary(capsys):
