@@ -158,6 +158,14 @@ def report_table(records: list[dict]) -> str:
                                                                 pipe["planned_activation_mb_per_stage"])))
                      + ("; within the budget at every step" if not pipe["steps_over_memory_budget"] else
                         f"; OVER the budget at (step, stage) {pipe['steps_over_memory_budget']}"))
+    lines += advice(records, f)
+    return "\n".join(lines)
+
+
+def advice(records: list[dict], f: dict) -> list[str]:
+    """What to do about the cost model after a run (``f``: its ``fidelity``): nothing, re-profile
+    it, or, for pipelines whose operations took their predicted time, the waits between stages."""
+    lines: list[str] = []
     ratios = [x for pipe in f["pipelines"] for x in pipe["stage_op_time_ratio"] if x]
     if ratios and min(ratios) > 1 + DRIFT_THRESHOLD / 2:
         lines.append(f"every stage's operations ran {min(ratios):.2f}x or more their predicted time: profile this "
@@ -175,4 +183,4 @@ def report_table(records: list[dict]) -> str:
                      f"`megatron-ext profile --model {model} --out my-cost.yaml` and pass --cost-model my-cost.yaml")
     else:
         lines.append("the cost model fits this run")
-    return "\n".join(lines)
+    return lines

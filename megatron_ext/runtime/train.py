@@ -26,7 +26,7 @@ from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.data.datasets import DataError
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.planner import PLANNERS, PlannerOptions
-from megatron_ext.report import layout_counts, layouts_text, step_layout
+from megatron_ext.report import advice, fidelity, layout_counts, layouts_text, step_layout
 from megatron_ext.spec import ModelSpec
 from megatron_ext.text import plural
 
@@ -397,15 +397,15 @@ def _summary(planner: str, records: list[dict]) -> str:
     if not records:
         return "no steps run"
     measured = np.array([r["step_time_s"] for r in records[1:] or records])
-    predicted = np.array([r["predicted_step_time_s"] for r in records[1:] or records])
-    err = np.median(np.abs(predicted - measured) / measured)
+    f = fidelity(records)
     tokens = sum(r["tokens"] for r in records[1:] or records)
     chose = f" ({layouts_text(layout_counts(records))})" if planner == "auto" else ""
     late = sum(r["plan_source"].endswith("fallback") for r in records)
     return (f"{planner}: {plural(len(records), 'step')}{chose}"
             + (f", {late} of them on a fallback plan" if late else "")
             + f", median step {np.median(measured):.2f} s, {tokens / measured.sum():,.0f} tokens/s (after the first "
-              f"step); cost-model error {err:.0%} (median)")
+              f"step); cost-model error {f['step_median_abs_error']:.0%} (median)"
+            + "".join(f"\n  {line}" for line in advice(records, f) if f["recalibrate"]))
 
 
 if __name__ == "__main__":

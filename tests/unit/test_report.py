@@ -35,6 +35,20 @@ def test_recalibration_is_suggested_when_the_model_is_off(tmp_path, capsys):
     assert "megatron-ext profile --model tiny4 --out" in capsys.readouterr().out
 
 
+def test_train_ends_with_the_same_advice_when_the_model_is_off():
+    """`train`'s last line gives report's error; when the model is off, report's advice follows."""
+    from megatron_ext.runtime.train import _summary
+
+    off = [{**_rec(k, 1.0, 0.5), "model": "tiny", "tokens": 100, "plan_source": "planner"} for k in range(4)]
+    text = _summary("flexsp", off)
+    assert text.startswith("flexsp: 4 steps, median step 1.00 s, 100 tokens/s (after the first step); "
+                           "cost-model error 50% (median)\n")
+    assert text.splitlines()[1] == ("  the cost model is off for this machine: re-measure it with `megatron-ext "
+                                    "profile --model tiny --out my-cost.yaml` and pass --cost-model my-cost.yaml")
+    fits = [{**r, "predicted_step_time_s": 0.95} for r in off]
+    assert _summary("flexsp", fits).endswith("cost-model error 5% (median)")
+
+
 def test_missing_or_malformed_run(tmp_path, capsys):
     with pytest.raises(ConfigError, match="no run records"):
         load_run(tmp_path)
