@@ -21,7 +21,8 @@ MAX_CHUNKS = 4096  # chunk candidates with more chunks are not built (their reco
 def _targets(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, capped: bool = False) -> list[float]:
     """Candidate chunk-time targets: the longest sequence's time over K slices, and multiples of
     it when nothing needs splitting; the likeliest first (closest to the analytic optimum
-    sqrt(b W / (P - 1)) of work W, per-chunk fixed cost b and P stages)."""
+    sqrt(b W / (P - 1)) of work W, per-chunk fixed cost b and P stages; with one stage, the
+    largest first)."""
     lens = lengths[seq_ids]
     s_max = int(lens.max())
     t_max = float(pc.prefix_ms(s_max))
@@ -37,7 +38,9 @@ def _targets(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, capped: 
     for m in (1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32):
         if k_min == 1 and t_max * m <= total / max(1, pc.pp) * 1.5:
             out.append(t_max * m)
-    guess = math.sqrt(max(pc.fixed_ms, 1e-3 * total / max(1, len(lens))) * total / max(1, pc.pp - 1))
+    if pc.pp == 1:  # no warm-up or drain to trade against the per-chunk fixed cost: fewest chunks first
+        return sorted(out, reverse=True)
+    guess = math.sqrt(max(pc.fixed_ms, 1e-3 * total / max(1, len(lens))) * total / (pc.pp - 1))
     out.sort(key=lambda t: abs(math.log(t / guess)))
     return out
 
