@@ -300,6 +300,7 @@ class IndexedDocuments(HeldLengths):
                             f"{tokens_bytes:,} its index describes (truncated, or not this index's data file)")
         self._first_seq = doc_idx[:-1]
         self._lengths = cum[doc_idx[1:]] - cum[doc_idx[:-1]]
+        self._tokens = int(cum[-1])
 
     def _check_files(self) -> None:
         """What megatron-core would trip over, as clear errors: the .idx header and size (its
@@ -330,6 +331,13 @@ class IndexedDocuments(HeldLengths):
     @property
     def dtype(self) -> np.dtype:
         return np.dtype(self._ds.index.dtype)
+
+    def token_range(self) -> tuple[int, int]:
+        """The smallest and the largest token id in the dataset (one pass over the mapped .bin)."""
+        if self._tokens == 0:
+            return 0, -1
+        tokens = np.memmap(self.prefix + ".bin", dtype=self.dtype, mode="r", shape=(self._tokens,))
+        return int(tokens.min()), int(tokens.max())
 
     @property
     def num_sequences(self) -> int:

@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "corpus made by megatron_ext.data.corpus, else give --vocab-size (default: the Python standard "
                    "library, BPE-tokenized; built once and cached)")
     p.add_argument("--vocab-size", type=int, metavar="N",
-                   help="with --data not made by megatron_ext.data.corpus (no PREFIX.json): the model's vocabulary; "
-                   "every token id of the data is below it")
+                   help="with --data: the model's vocabulary, every token id of the data checked to be below it "
+                   "(needed for data not made by megatron_ext.data.corpus, which has no PREFIX.json tokenizer "
+                   "manifest)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "flash", "te"])
     p.add_argument("--json", action="store_true", help="one JSON record per step")
     p.add_argument("--run-dir", metavar="DIR", help="also write the records to DIR/steps.jsonl (for `megatron-ext report`)")
@@ -129,23 +130,26 @@ class TrainingData:
 
 
 def open_training_data(values: list[str], vocab_size: int | None) -> TrainingData:
-    """``--data`` (``open_blend``: a prefix or a blend) and its tokenizer: the one every source's
-    corpus manifest names (they must agree), or ``--vocab-size`` for datasets without one (padding
-    then uses id 0: padded positions carry no loss, so any id does)."""
+    """``--data`` (``open_blend``: a prefix or a blend) and its vocabulary: ``--vocab-size``, every
+    token id of every source checked to be in it (padding then uses id 0: padded positions carry no
+    loss, so any id does), or else the tokenizer every source's corpus manifest names (they must
+    agree)."""
     from megatron_ext.data.corpus import corpus_tokenizer
     from megatron_ext.data.datasets import blend_documents, open_blend
 
+    if vocab_size is not None and vocab_size < 1:
+        raise ConfigError(f"--vocab-size must be at least 1, got {vocab_size}")
     sources = open_blend(values)
     docs, sizes, weights = blend_documents(sources)
     prefixes = [d.prefix for _, d in sources]
-    made = [Path(p + ".json").exists() for p in prefixes]
     if vocab_size is not None:
-        if any(made):
-            raise ConfigError(f"--vocab-size applies to datasets without a tokenizer manifest; "
-                              f"{prefixes[made.index(True)]} has one (its tokenizer sets the vocabulary)")
-        if vocab_size < 1:
-            raise ConfigError(f"--vocab-size must be at least 1, got {vocab_size}")
+        for _, d in sources:
+            lo, hi = d.token_range()
+            if lo < 0 or hi >= vocab_size:
+                raise DataError(f"{d.prefix} holds token id {lo if lo < 0 else hi}, outside the vocabulary "
+                                f"[0, {vocab_size}); give --vocab-size above every token id of the data")
         return TrainingData(prefixes, docs, sizes, weights, vocab_size, 0)
+    made = [Path(p + ".json").exists() for p in prefixes]
     if not all(made):
         raise ConfigError(f"{prefixes[made.index(False)]} has no tokenizer manifest (PREFIX.json: it was not made by "
                           f"megatron_ext.data.corpus); give --vocab-size, above every token id of the data")
@@ -155,15 +159,6 @@ def open_training_data(values: list[str], vocab_size: int | None) -> TrainingDat
             raise ConfigError(f"{p} and {prefixes[0]} were made by different tokenizers; a blend's sources "
                               f"share one")
     return TrainingData(prefixes, docs, sizes, weights, toks[0].vocab_size, toks[0].pad)
-
-
-def check_token_ids(step, vocab_size: int) -> None:
-    """Refuse a step holding a token id the model's vocabulary does not have (before the embedding
-    fails on it with an index error)."""
-    top = max((int(t.max()) for t in step.batch if t.size), default=-1)
-    if top >= vocab_size:
-        raise DataError(f"step {step.step} holds token id {top}, not below the vocabulary size {vocab_size}; "
-                        f"give --vocab-size above every token id of the data")
 
 
 def check_args(args, cost: CostModel, world: int) -> bool:
@@ -206,8 +201,7 @@ def check_args(args, cost: CostModel, world: int) -> bool:
     if args.steps < 1 or args.global_batch < 1:
         raise ConfigError("--steps and --global-batch must be at least 1")
     if args.data is None and args.vocab_size is not None:
-        raise ConfigError("--vocab-size applies to --data without a tokenizer manifest; the default corpus has its "
-                          "tokenizer")
+        raise ConfigError("--vocab-size applies to --data; the default corpus has its tokenizer")
     return pipelined
 
 
@@ -272,6 +266,10 @@ def _train(args, rank: int, world: int) -> int:
                                 fallback="batchada" if not pipelined or (auto and args.pp == 1) else "batch_1f1b")
     if rank == 0 and not args.json:
         print(_header(args, cost, world, sources_text(data.prefixes, data.source_sizes, loader.weights)), flush=True)
+    if rank == 0 and data.vocab_size != cost.model.vocab_size:
+        print(f"note: the cost model's {cost.model.name} has a {cost.model.vocab_size:,}-word output layer, this model "
+              f"{data.vocab_size:,} words (the data's): predicted step times and the last stage's memory leave out "
+              f"the difference", file=sys.stderr, flush=True)
     records = []
     log = None
     if rank == 0 and args.run_dir:
@@ -279,7 +277,6 @@ def _train(args, rank: int, world: int) -> int:
         log = open(Path(args.run_dir) / "steps.jsonl", "w")
     with loader:
         for step in loader:
-            check_token_ids(step, data.vocab_size)
             dist.barrier()
             start = time.perf_counter()
             model.zero_grad_buffer()

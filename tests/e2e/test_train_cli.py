@@ -277,45 +277,40 @@ def test_train_on_a_weighted_blend_of_megatron_datasets(tmp_path):
 
 
 def test_data_it_cannot_train_is_refused_before_launching(tmp_path):
+    import numpy as np
+
     from megatron_ext.cost import CostModel
     from megatron_ext.data.corpus import stdlib_corpus
     from megatron_ext.data.datasets import write_indexed_dataset
     from megatron_ext.errors import ConfigError, MegatronExtError
     from megatron_ext.runtime.train import build_parser, check_args, open_training_data
 
-    plain = write_indexed_dataset(tmp_path / "plain", _docs(3, 10, 10, 100))
+    plain = write_indexed_dataset(tmp_path / "plain", _docs(3, 10, 10, 100) + [np.array([999, 1], np.uint16)])
     byte = stdlib_corpus(tmp_path / "byte", max_files=4, tokenizer="byte")
     bpe = stdlib_corpus(tmp_path / "bpe", max_files=4, vocab_size=300)
+    signed = write_indexed_dataset(tmp_path / "signed", [np.array([5, -3, 7], dtype=np.int32)], dtype=np.int32)
     data = open_training_data([plain], 1000)
-    assert (data.vocab_size, data.pad, len(data.documents)) == (1000, 0, 10)
-    data = open_training_data(["1", byte, "3", byte], None)
+    assert (data.vocab_size, data.pad, len(data.documents)) == (1000, 0, 11)
+    data = open_training_data(["1", byte, "3", byte], None)  # the manifest's tokenizer
     assert (data.vocab_size, data.pad, data.source_sizes, data.weights) == (258, 257, [4, 4], [1.0, 3.0])
+    data = open_training_data(["1", byte, "1", plain], 1000)  # --vocab-size covers any source, manifest or not
+    assert data.vocab_size == 1000 and data.source_sizes == [4, 11]
     for values, vocab, match in (([plain], None, f"{plain} has no tokenizer manifest .*give --vocab-size"),
-                                 ([byte], 300, f"--vocab-size applies to datasets without a tokenizer manifest; "
-                                               f"{byte} has one"),
                                  ([plain], 0, "--vocab-size must be at least 1"),
+                                 ([str(tmp_path / "nothing")], 0, "--vocab-size must be at least 1"),
+                                 ([plain], 999, f"{plain} holds token id 999, outside the vocabulary \\[0, 999\\)"),
+                                 ([byte], 100, f"{byte} holds token id 2[0-9][0-9], outside the vocabulary"),
+                                 ([signed], 10, f"{signed} holds token id -3, outside the vocabulary"),
                                  (["0.5", byte, "0.5", bpe], None, f"{bpe} and {byte} were made by different "
                                                                    f"tokenizers"),
                                  ([str(tmp_path / "nothing")], 9, "no indexed dataset at")):
         with pytest.raises(MegatronExtError, match=match):
             open_training_data(values, vocab)
-    with pytest.raises(ConfigError, match="--vocab-size applies to --data without a tokenizer manifest"):
+    with pytest.raises(ConfigError, match="--vocab-size applies to --data"):
         check_args(build_parser().parse_args(["--max-seq-len", "2048", "--vocab-size", "300"]),
                    CostModel.from_presets("tiny", "cpu-4"), 4)
     done = subprocess.run([*CLI, "train", "--data", plain], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stderr.startswith(f"megatron-ext: error: {plain} has no tokenizer manifest")
-
-
-def test_a_token_id_outside_the_vocabulary_is_refused_before_the_model_sees_it():
-    import types
-
-    import numpy as np
-
-    from megatron_ext.data.datasets import DataError
-    from megatron_ext.runtime.train import check_token_ids
-
-    step = types.SimpleNamespace(step=3, batch=[np.array([1, 5, 2]), np.array([], np.int64), np.array([7, 999])])
-    check_token_ids(step, 1000)
-    with pytest.raises(DataError, match="step 3 holds token id 999, not below the vocabulary size 999; give "
-                                        "--vocab-size above every token id"):
-        check_token_ids(step, 999)
+    done = subprocess.run([*CLI, "train", "--data", plain, "--vocab-size", "500"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and done.stderr.startswith(f"megatron-ext: error: {plain} holds token id 9")
