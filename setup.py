@@ -9,8 +9,16 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_ext", "megatron_ext.*"]),
+    # the model and cluster presets that `--model NAME` / `--cluster NAME` resolve
+    package_data={"megatron_ext": ["presets/models/*.yaml", "presets/clusters/*.yaml"]},
     install_requires=[
-        "torch==2.13.0",
+        # A range, not a pin, so the torch preinstalled in NVIDIA's NGC PyTorch containers
+        # (2.8.0a0+5228986c39, 2.9.0a0+..., 2.10.0a0+...) stays; the floor is megatron-core
+        # 0.16.1's own (torch>=2.6.0), and the Makefile installs the CPU wheel 2.13.0 here. Those
+        # container versions are pre-releases with a local label: pip tests an installed
+        # distribution against a requirement with prereleases=True, and 2.9.0a0+x >= 2.6 is true,
+        # so it keeps them rather than fetching another torch.
+        "torch>=2.6,<3",
         "megatron-core==0.16.1",
         "highspy>=1.7",
         "numpy>=1.24",

@@ -1,8 +1,9 @@
 """ModelSpec and ClusterSpec: plain dataclasses loaded from YAML presets or user files.
 
-A preset is a name resolved in ``configs/models`` or ``configs/clusters``; anything containing a
-path separator or ending in ``.yaml``/``.yml`` is read as a file. A cluster family file named like
-``h100-80g-8xN.yaml`` serves every ``h100-80g-8x<nodes>`` name.
+A preset is a name resolved in ``megatron_ext/presets/models`` or ``megatron_ext/presets/clusters``
+(package data, so a wheel install has them too); anything containing a path separator or ending in
+``.yaml``/``.yml`` is read as a file. A cluster family file named like ``h100-80g-8xN.yaml`` serves
+every ``h100-80g-8x<nodes>`` name.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import yaml
 
 from megatron_ext.errors import ConfigError
 
-CONFIG_DIR = Path(os.environ.get("MEGATRON_EXT_CONFIGS", Path(__file__).resolve().parent.parent / "configs"))
+# MEGATRON_EXT_CONFIGS names another directory holding models/ and clusters/ presets
+PRESET_DIR = Path(os.environ.get("MEGATRON_EXT_CONFIGS", Path(__file__).resolve().parent / "presets"))
 
 
 def is_power_of_two(n: int) -> bool:
@@ -150,7 +152,7 @@ def _looks_like_path(ref: str) -> bool:
 
 
 def _presets(kind: str) -> list[str]:
-    return sorted(p.stem for p in (CONFIG_DIR / kind).glob("*.yaml"))
+    return sorted(p.stem for p in (PRESET_DIR / kind).glob("*.yaml"))
 
 
 def validate_model(m: ModelSpec) -> ModelSpec:
@@ -199,18 +201,18 @@ _FAMILY = re.compile(r"^(?P<base>.+-\d+x)(?P<nodes>\d+)$")
 
 
 def _read_ref(kind: str, ref: str) -> dict:
-    """The fields of a preset (``configs/<kind>/<ref>.yaml``, or a family file ``<base>N.yaml``
+    """The fields of a preset (``presets/<kind>/<ref>.yaml``, or a family file ``<base>N.yaml``
     serving ``<base><nodes>``) or of a YAML file path, with its name."""
     if _looks_like_path(ref):
         data = read_yaml(Path(ref))
         data.setdefault("name", Path(ref).stem)
         return data
-    path = CONFIG_DIR / kind / f"{ref}.yaml"
+    path = PRESET_DIR / kind / f"{ref}.yaml"
     fam = _FAMILY.match(ref)
     if path.exists():
         data = read_yaml(path)
-    elif fam and (CONFIG_DIR / kind / f"{fam['base']}N.yaml").exists():
-        data = read_yaml(CONFIG_DIR / kind / f"{fam['base']}N.yaml")
+    elif fam and (PRESET_DIR / kind / f"{fam['base']}N.yaml").exists():
+        data = read_yaml(PRESET_DIR / kind / f"{fam['base']}N.yaml")
         data["num_nodes"] = int(fam["nodes"])
     else:
         raise ConfigError(f"unknown {kind[:-1]} preset {ref!r}; presets: {', '.join(_presets(kind))} "

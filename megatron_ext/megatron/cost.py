@@ -7,8 +7,8 @@ model, so this module must import in a process that has neither.
 
 * a cost-model YAML file (``model:`` and ``cluster:``, preset names or inline fields; see
   ``megatron_ext.cost.model.CostModel.from_yaml``), e.g. ``configs/megatron/cost/tiny-cpu2.yaml``;
-* ``MODEL:CLUSTER[:ZERO]``, two presets (or YAML paths) of ``configs/models`` and
-  ``configs/clusters``, and the ZeRO stage of the model states (default 3; Megatron's
+* ``MODEL:CLUSTER[:ZERO]``, two presets (or YAML paths) of ``megatron_ext/presets/models`` and
+  ``megatron_ext/presets/clusters``, and the ZeRO stage of the model states (default 3; Megatron's
   ``--use-distributed-optimizer`` is stage 1, plain DDP stage 0, FSDP stage 3), e.g.
   ``gpt-7b:a100-40g-8x8:1``.
 

@@ -3,9 +3,9 @@
 #   sbatch [SBATCH OPTIONS] scripts/slurm/{mode}.sbatch [--dry-run] MODEL_ARGS CLUSTER [-- EXTRA...]
 #
 #   MODEL_ARGS  a Megatron argument file, e.g. configs/megatron/gpt-7b.args; its name (gpt-7b)
-#               is the model preset of the cost model (configs/models/gpt-7b.yaml)
-#   CLUSTER     a cluster preset (configs/clusters, e.g. h100-80g-8x4) or a cluster YAML; it
-#               must describe the allocation: nodes x GPUs per node
+#               is the model preset of the cost model (megatron_ext/presets/models/gpt-7b.yaml)
+#   CLUSTER     a cluster preset (megatron_ext/presets/clusters, e.g. h100-80g-8x4) or a cluster
+#               YAML; it must describe the allocation: nodes x GPUs per node
 #   EXTRA       more pretrain_gpt.py arguments (data, tokenizer, checkpoints, logging)
 #   --dry-run   print the environment and the srun command instead of running them (works
 #               outside Slurm too: the allocation is then taken from CLUSTER)

@@ -46,7 +46,8 @@ pytestmark = pytest.mark.skipif(not MEGATRON_LM_DIR,
                                 reason="set MEGATRON_LM_DIR to a Megatron-LM checkout at tag core_v0.16.1")
 
 VOCAB = 2047  # NullTokenizer: ids 0..2046, <eod> = 2047
-# The tiny model of configs/models/tiny.yaml, fp32, no dropout (dropout masks depend on the layout).
+# The tiny model of megatron_ext/presets/models/tiny.yaml, fp32, no dropout (dropout masks depend
+# on the layout).
 MODEL_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
               "--num-query-groups", "4", "--ffn-hidden-size", "256", "--position-embedding-type", "rope",
               "--hidden-dropout", "0", "--attention-dropout", "0", "--tokenizer-type", "NullTokenizer",
