@@ -199,8 +199,10 @@ def prepare_cpu() -> bool:
         return False
     _stub_batch_invariant_kernels()
     from megatron_ext.runtime.compat import apply_cpu_compat
+    from megatron_ext.runtime.device import maybe_enable_device_check
 
     apply_cpu_compat()
+    maybe_enable_device_check()  # MEGATRON_EXT_DEVICE_CHECK=1: our collectives under NCCL's rules
     _patch_torch_cuda_runtime()
     initialize = importlib.import_module("megatron.training.initialize")
     if not getattr(initialize, "_megatron_ext_cpu", False):

@@ -41,7 +41,6 @@ import atexit
 import copy
 import json
 import logging
-import time
 from dataclasses import dataclass
 from functools import partial
 
@@ -52,7 +51,9 @@ import torch.distributed as dist
 from megatron_ext.data.loader import Step
 from megatron_ext.megatron.arguments import mode_flag
 from megatron_ext.plan.pipelines import replica_groups
+from megatron_ext.runtime.device import rank_device
 from megatron_ext.runtime.schedule import StepTimes, flexsp_forward_step, micro_batch_inputs
+from megatron_ext.runtime.timing import DeviceClock
 from megatron_ext.text import plural
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     from megatron.core import parallel_state
     from megatron.training import get_tokenizer, print_rank_0
 
-    from megatron_ext.megatron.cost import cap_cost_model, head_degree_limit, load_cost_model
+    from megatron_ext.megatron.cost import cap_cost_model, head_degree_limit, megatron_cost_model
     from megatron_ext.data.datasets import DataError
     from megatron_ext.megatron.data import make_loader, planned_splits
     from megatron_ext.runtime.groups import SPGroupPool
@@ -113,14 +114,14 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
         STATE.pool = SPGroupPool.from_parallel_state()
     tokenizer = get_tokenizer()
     STATE.pad_id = _pad_id(tokenizer)
-    STATE.device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    STATE.device = rank_device()
 
     tp = args.tensor_model_parallel_size
     kv = args.num_query_groups if args.group_query_attention else None
     cap = head_degree_limit(args.num_attention_heads, kv, tp)
     if not elastic:
         cap = min(cap, args.flexsp_max_sp_size or STATE.pool.size)
-    cost = cap_cost_model(load_cost_model(args.cost_model), cap)
+    cost = cap_cost_model(megatron_cost_model(args), cap)
     splits = planned_splits(args, tokenizer)
     start = int(args.iteration)
     loaders = []
@@ -211,15 +212,10 @@ def _forward_step(times: StepTimes, data_iterator, model, *unused):
     """forward_step_func of one FlexSP micro-batch (``data_iterator`` yields MicroBatchInput or None)."""
     mb = next(data_iterator)
     if mb is None:
-        times.micro_batches.append(time.perf_counter())
+        times.start_micro_batch()
         return _idle_forward(model)
     output, loss_func = flexsp_forward_step(iter([mb]), model, times)
     return output, _checked(loss_func)
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _planned_step(data_iterator, flag: str) -> Step:
@@ -252,18 +248,15 @@ def flexsp_forward_backward(*, forward_step_func=None, data_iterator, model, num
         raise RuntimeError("--flexsp: the SP group pool is missing (the planned datasets provider did not run)")
     chunk = _one_model_chunk(model, "--flexsp")
     inputs = list(micro_batch_inputs(step, STATE.pool, STATE.pad_id, STATE.device))
-    times = StepTimes()
-    _sync()
-    start = time.perf_counter()
+    times = StepTimes(DeviceClock(STATE.device))
+    start = times.clock.mark()
     losses = get_forward_backward_func()(
         forward_step_func=partial(_forward_step, times), data_iterator=iter(inputs), model=[chunk],
         num_microbatches=len(inputs), seq_length=int(seq_length or 0), micro_batch_size=1,
         forward_only=forward_only, **kwargs)
-    _sync()
-    end = time.perf_counter()
+    end = times.finish()
     if not forward_only:
-        starts = times.micro_batches + [end]
-        report_step(step, end - start, [b - a for a, b in zip(starts[:-1], starts[1:])])
+        report_step(step, times.clock.seconds(start, end), times.micro_batches)
     return losses
 
 
@@ -292,17 +285,16 @@ def _run_elastic(step: Step, model, forward_only: bool, flag: str):
     from megatron_ext.runtime.pipeline import forward_backward_elastic
 
     chunk = _one_model_chunk(model, flag)
-    _sync()
-    start = time.perf_counter()
+    clock = DeviceClock(STATE.device)
+    start = clock.mark()
     losses, stats = forward_backward_elastic(step.plan, step.batch, chunk, pad_id=STATE.pad_id,
                                              forward_only=forward_only, device=STATE.device,
                                              forward_step_func=_elastic_forward_step, sp_groups=STATE.pool)
-    _sync()
-    end = time.perf_counter()
+    end = clock.mark()
     if not forward_only:
         busy = [0.0] * parallel_state.get_pipeline_model_parallel_world_size()
         busy[parallel_state.get_pipeline_model_parallel_rank()] = sum(t for _, t in stats.ops)
-        report_step(step, end - start, busy)
+        report_step(step, clock.seconds(start, end), busy)
     return losses
 
 
@@ -404,11 +396,12 @@ def report_step(step: Step, elapsed_s: float, parts_s: list[float], *, args=None
     once per training step. ``args``, ``writer`` (a TensorBoard SummaryWriter or None) and
     ``printer`` default to Megatron's (get_args, get_tensorboard_writer, print_rank_last)."""
     args = _args() if args is None else args
-    t = torch.tensor([elapsed_s] + list(parts_s), dtype=torch.float64)
+    t = torch.tensor([elapsed_s] + list(parts_s), dtype=torch.float64, device=rank_device())
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     iteration = int(getattr(args, "curr_iteration", step.step)) + 1
-    rec = step_record(step, iteration, float(t[0]), [float(x) for x in t[1:]])
+    times = t.tolist()
+    rec = step_record(step, iteration, times[0], times[1:])
     flag = mode_flag(args)  # the run's, not the step's kind: --flexsp-planner auto runs pipeline steps too
     rec["mode"] = flag[2:] if flag else "elastic-pp" if rec["kind"] == "elastic_pp" else "flexsp"
     STATE.last_step = step

@@ -46,6 +46,8 @@ import sys
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_ext.runtime.device import rank_device
+
 _APPLIED = False
 _MARK = "__megatron_ext_cpu_compat__"
 
@@ -84,7 +86,9 @@ class _CpuDeviceMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+        if func is torch.Tensor.cuda:
+            return args[0].to(rank_device())  # no copy on CPU; the check mode sees a move to the device
+        if func is torch.Tensor.pin_memory:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             # Asserts like ``grad.type() == 'torch.cuda.FloatTensor'`` see the CUDA name.
@@ -92,11 +96,11 @@ class _CpuDeviceMode(TorchFunctionMode):
             return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         if kwargs:
             if "device" in kwargs and _is_cuda_device(kwargs["device"]):
-                kwargs = dict(kwargs, device="cpu")
+                kwargs = dict(kwargs, device=rank_device())
             if kwargs.get("pin_memory"):
                 kwargs = dict(kwargs, pin_memory=False)
         if func is torch.Tensor.to and args and len(args) > 1 and _is_cuda_device(args[1]):
-            args = (args[0], "cpu", *args[2:])
+            args = (args[0], rank_device(), *args[2:])
         return func(*args, **kwargs)
 
 
@@ -190,7 +194,7 @@ def _patch_torch_cuda() -> None:
     if not getattr(torch.cuda.current_device, _MARK, False):
         def current_device():
             # Why: megatron uses it as the device of new tensors; without CUDA that is the CPU.
-            return torch.device("cpu")
+            return rank_device()
 
         def synchronize(device=None):
             # Why: CPU kernels are synchronous; the original raises without CUDA.

@@ -59,7 +59,6 @@ plan and shows each stage's program (``PipelineSchedule.describe(stage)``).
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Optional, Sequence
@@ -532,7 +531,7 @@ def build_schedules(plan: StepPlan, lengths: Sequence[int], stages: int, sp_degr
 
 
 def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: int = 0, forward_only: bool = False,
-                             schedules: Optional[list[PipelineSchedule]] = None, device="cpu",
+                             schedules: Optional[list[PipelineSchedule]] = None, device=None,
                              finalize: bool = True, forward_step_func: Optional[Callable] = None,
                              sp_groups=None) -> tuple[list[dict], PipelineStepStats]:
     """Forward and backward of every chunk of an elastic_pp ``plan`` on this rank's stage (module
@@ -552,7 +551,9 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
     from megatron.core.utils import get_model_config, get_model_type
 
     from megatron_ext.plan.pipelines import replica_groups
+    from megatron_ext.runtime.device import rank_device
     from megatron_ext.runtime.slices import PrefixKVCache
+    from megatron_ext.runtime.timing import DeviceClock
 
     config = get_model_config(model)
     if not config.calculate_per_token_loss:
@@ -582,6 +583,10 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
     model_type = get_model_type(model)
     n_chunks = sum(len(s.chunks) for _, s in schedules)
     stats = PipelineStepStats(replica=st.replica)
+    device = rank_device() if device is None else device
+    clock = DeviceClock(device)
+    op_marks: list[tuple[str, object, object]] = []  # (op name, start, end): read once, after the step
+    wait_marks: list[tuple[object, object]] = []
     store: list = []
     total_tokens = torch.zeros((), dtype=torch.int, device=device)
 
@@ -627,7 +632,7 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
                 sends[:] = keep
 
             for j, step in enumerate(sched.program(st.p)):
-                t0 = time.perf_counter()
+                t0 = clock.mark()
                 posts = []  # (role, key, tensor, P2POp), in the global message order
                 for m, role in step.comm:
                     key = (m.kind, m.chunk)
@@ -656,11 +661,11 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
                                 w.wait()
                             received[key] = t
                 reap()
-                stats.comm_wait_s += time.perf_counter() - t0
+                wait_marks.append((t0, clock.mark()))
                 if step.op is None:
                     break
                 kind, c = step.op
-                t1 = time.perf_counter()
+                t1 = clock.mark()
                 if kind == FWD:
                     layout = sched.chunks[c]
                     inp = chunk_input(layout, batch, st.sp_group, cache, pad_id, device)
@@ -702,8 +707,7 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
                     gx = backward_step(x, out, g, model_type, config)
                     if not st.first:
                         outgoing[("grad", c)] = gx
-                stats.ops.append((f"{kind}{c}" + (f" of pipeline {pi}" if several else ""),
-                                  time.perf_counter() - t1))
+                op_marks.append((f"{kind}{c}" + (f" of pipeline {pi}" if several else ""), t1, clock.mark()))
             for work, _, _ in sends:
                 work.wait()
             if outgoing or received:
@@ -717,6 +721,8 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
         if sync_ctx is not None:
             sync_ctx.__exit__(None, None, None)
 
+    stats.ops = [(name, clock.seconds(a, b)) for name, a, b in op_marks]
+    stats.comm_wait_s = sum(clock.seconds(a, b) for a, b in wait_marks)
     if finalize and not forward_only and config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func([model], total_tokens if config.calculate_per_token_loss else None)
     return store, stats
@@ -737,6 +743,7 @@ def build_pipeline_model(spec, vocab_size: int, max_seq_len: int, backend: str =
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_ext.runtime.attention import get_gpt_layer_ulysses_spec, use_true_positions_for_rope
+    from megatron_ext.runtime.device import rank_device
 
     P = ps.get_pipeline_model_parallel_world_size()
     kw = dict(num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
@@ -754,6 +761,9 @@ def build_pipeline_model(spec, vocab_size: int, max_seq_len: int, backend: str =
                      post_process=ps.is_pipeline_last_stage(ignore_virtual=True),
                      share_embeddings_and_output_weights=share_embeddings_and_output_weights)
     use_true_positions_for_rope(model)
+    device = rank_device()
+    if device.type == "cuda":  # built on the host (use_cpu_initialization: the same weights on any layout)
+        model.cuda(device)
     if not ddp:
         return model, config
     wrapped = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)

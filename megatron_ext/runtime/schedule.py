@@ -15,7 +15,6 @@ any plan of the same batch gives the same loss and gradients.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -25,7 +24,9 @@ import torch
 from megatron_ext.data.loader import Step
 from megatron_ext.data.sharding import IGNORE_INDEX, shard_tokens
 from megatron_ext.runtime.attention import UlyssesPackedSeqParams
+from megatron_ext.runtime.device import rank_device
 from megatron_ext.runtime.groups import SPGroupPool
+from megatron_ext.runtime.timing import DeviceClock
 
 
 @dataclass
@@ -42,13 +43,26 @@ class MicroBatchInput:
 
 @dataclass
 class StepTimes:
-    """Wall time this rank spent in each micro-batch's forward+backward (seconds)."""
+    """Time this rank spent in each micro-batch's forward+backward: a mark on its device's clock at
+    each micro-batch's start, read as seconds by ``finish`` (one synchronisation on a GPU)."""
 
+    clock: DeviceClock = field(default_factory=DeviceClock)
+    marks: list = field(default_factory=list)
     micro_batches: list[float] = field(default_factory=list)
 
+    def start_micro_batch(self) -> None:
+        self.marks.append(self.clock.mark())
 
-def micro_batch_inputs(step: Step, pool: SPGroupPool, pad_id: int, device="cpu"):
+    def finish(self):
+        """Close the last micro-batch (each ends where the next starts); returns the end mark."""
+        end = self.clock.mark()
+        self.micro_batches = self.clock.intervals(self.marks + [end])
+        return end
+
+
+def micro_batch_inputs(step: Step, pool: SPGroupPool, pad_id: int, device=None):
     """This rank's input for each micro-batch of ``step``, in order; None where it has no work."""
+    device = rank_device() if device is None else device
     for shard in step.part(pool.rank):
         if shard is None:
             yield None
@@ -76,25 +90,26 @@ def per_token_loss(loss_mask: torch.Tensor, output: torch.Tensor):
 
 def flexsp_forward_step(data_iterator, model, times: StepTimes | None = None):
     """megatron ``forward_step_func`` for FlexSP micro-batches (see module doc)."""
-    start = time.perf_counter()
-    mb = next(data_iterator)
     if times is not None:
-        times.micro_batches.append(start)  # finished in forward_backward_flexsp
+        times.start_micro_batch()  # finished in forward_backward_flexsp
+    mb = next(data_iterator)
     if mb is None:  # idle in this micro-batch: an empty pass that still joins the loss contract
-        zero = torch.zeros((), requires_grad=True)
-        return zero, lambda out: (out, torch.zeros((), dtype=torch.int), {"lm loss": torch.zeros(2)})
+        zero = torch.zeros((), requires_grad=True, device=rank_device())
+        return zero, lambda out: (out, torch.zeros((), dtype=torch.int, device=out.device),
+                                  {"lm loss": torch.zeros(2, device=out.device)})
     output = model(mb.tokens, mb.position_ids, None, labels=mb.labels, packed_seq_params=mb.packed_seq_params)
     return output, partial(per_token_loss, mb.loss_mask)
 
 
 def forward_backward_flexsp(step: Step, model, pool: SPGroupPool, pad_id: int, *, forward_only: bool = False,
-                            device="cpu") -> tuple[list[dict], StepTimes]:
+                            device=None) -> tuple[list[dict], StepTimes]:
     """Forward and backward of every micro-batch of ``step`` on this rank, through megatron's
     ``get_forward_backward_func()`` (pipeline parallel size 1). Returns megatron's per-micro-batch
     loss dicts and this rank's wall time per micro-batch."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    times = StepTimes()
+    device = rank_device() if device is None else device
+    times = StepTimes(DeviceClock(device))
     num = len(step.plan.micro_batches)
     losses = get_forward_backward_func()(
         forward_step_func=partial(flexsp_forward_step, times=times),
@@ -105,7 +120,5 @@ def forward_backward_flexsp(step: Step, model, pool: SPGroupPool, pad_id: int, *
         micro_batch_size=1,
         forward_only=forward_only,
     )
-    # Each micro-batch's forward start; its end is the next one's start (or now): fwd + bwd.
-    starts = times.micro_batches + [time.perf_counter()]
-    times.micro_batches = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    times.finish()
     return losses, times

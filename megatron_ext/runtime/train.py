@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,8 @@ from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.data.datasets import DataError
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.planner import PLANNERS, PlannerOptions
+from megatron_ext.runtime.device import init_rank_process_group, rank_device
+from megatron_ext.runtime.timing import DeviceClock
 from megatron_ext.report import advice, fidelity, layout_counts, layouts_text, step_layout
 from megatron_ext.spec import ModelSpec
 from megatron_ext.text import plural
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     # megatron-core says, once per rank and module, that CPU runs use its plain-torch fallbacks.
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
     warnings.filterwarnings("ignore", message=r"full scope is deprecated")
-    dist.init_process_group("gloo")
+    init_rank_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         return _train(args, rank, world)
@@ -236,6 +237,8 @@ def _train(args, rank: int, world: int) -> int:
     cost = CostModel.from_yaml(args.cost_model) if args.cost_model else CostModel.from_presets(args.model, args.cluster)
     pipelined = check_args(args, cost, world)
     apply_cpu_compat()
+    device = rank_device()
+    clock = DeviceClock(device)
     # The same data on every rank: rank 0 builds the default corpus once, the others wait for it.
     values = args.data
     if values is None:
@@ -278,24 +281,24 @@ def _train(args, rank: int, world: int) -> int:
     with loader:
         for step in loader:
             dist.barrier()
-            start = time.perf_counter()
+            start = clock.mark()
             model.zero_grad_buffer()
             optimizer.zero_grad()
             piped = step.plan.kind == "elastic_pp"  # (auto: per step)
             if piped:
                 losses, pstats = forward_backward_elastic(step.plan, step.batch, model, pad_id=data.pad,
                                                           sp_groups=pool)
-                mb_times = torch.zeros(0, dtype=torch.float64)
+                mb_times = torch.zeros(0, dtype=torch.float64, device=device)
                 # the simulator's row of this rank's stage: replica x stages + stage
                 mine = (pstats.replica * args.pp + parallel_state.get_pipeline_model_parallel_rank(), pstats)
             else:
                 losses, times = forward_backward_flexsp(step, model, pool, data.pad)
-                mb_times = torch.tensor(times.micro_batches, dtype=torch.float64)
+                mb_times = torch.tensor(times.micro_batches, dtype=torch.float64, device=device)
             ok, grad_norm, _ = optimizer.step()
             dist.barrier()
-            step_time = time.perf_counter() - start
+            step_time = clock.seconds(start, clock.mark())
             # Only ranks holding loss (every FlexSP rank, a pipeline's last stage) report non-zero sums.
-            total = torch.stack([d["lm loss"] for d in losses]).sum(0) if losses else torch.zeros(2)
+            total = torch.stack([d["lm loss"] for d in losses]).sum(0) if losses else torch.zeros(2, device=device)
             dist.all_reduce(total)
             dist.all_reduce(mb_times, op=dist.ReduceOp.MAX)  # a micro-batch lasts as long as its slowest rank
             rec = _record(step, float(total[0] / total[1]), float(grad_norm), int(total[1]), step_time, step.plan,

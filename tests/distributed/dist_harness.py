@@ -108,7 +108,10 @@ def _run_rank(mod, rank: int, world: int, init_method: str, out_dir: Path) -> No
     import torch
     import torch.distributed as dist
 
+    from megatron_ext.runtime.device import enable_device_check
+
     torch.set_num_threads(1)
+    enable_device_check()  # every check runs under NCCL's rules (runtime/device.py)
     t0 = time.perf_counter()
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=30))

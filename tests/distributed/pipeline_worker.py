@@ -723,3 +723,11 @@ def pipeline_pp4_planner_and_random_orders_match_reference():
         recompute = [[r.randint(0, 1) for _ in range(4)] for _ in chunks]
         run_pipeline_plan(_plan([_pipeline(chunks, 4, 1, orders=orders, recompute=recompute)]), lens,
                           seed=110 + trial, what=f"pp4 random orders {orders}")
+
+
+@check
+def pipeline_steps_ran_under_nccl_rules():
+    """The pipelines above ran in the check mode (runtime/device.py): their p2p batches were checked."""
+    from megatron_ext.runtime.device import CHECKED
+
+    assert CHECKED["batch_isend_irecv"] > 0, dict(CHECKED)

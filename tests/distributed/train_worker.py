@@ -135,3 +135,11 @@ def optimizer_step_runs_and_changes_weights():
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, [float(p.detach().sum()) for p in ddp.module.parameters()])
     assert all(g == gathered[0] for g in gathered), "ranks diverged after the optimizer step"
+
+
+@check
+def flexsp_steps_ran_under_nccl_rules():
+    """The steps above ran in the check mode (runtime/device.py): their Ulysses all-to-alls were checked."""
+    from megatron_ext.runtime.device import CHECKED
+
+    assert CHECKED["all_to_all_single"] > 0, dict(CHECKED)

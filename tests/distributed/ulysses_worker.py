@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import Failures, check, preload_megatron, setup_megatron
+from megatron_ext.runtime.device import rank_device
 
 WORLD = 4
 ST: dict = {}  # state built once in setup()
@@ -168,7 +169,8 @@ def run_attention_case(groups, heads=8, kv_heads=4, head_dim=8, seed=0, mixes_pe
         ref = reference_attention(*ref_in, lengths, scale).reshape(T, -1)
         (ref * dy[:T].double()).sum().backward()
 
-        local = [params.shard(t).unsqueeze(1).clone().requires_grad_() for t in (q, k, v)]
+        # on the rank's device, as a GPU run would hand them over (runtime/device.py's check mode)
+        local = [params.shard(t).unsqueeze(1).clone().to(rank_device()).requires_grad_() for t in (q, k, v)]
         out = attn(*local, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=params)
         fails.true(out.shape == (params.shard_len, 1, heads * head_dim), f"output shape {out.shape}")
         fails.true(bool(torch.isfinite(out).all()), f"non-finite output, lengths {lengths}")
@@ -262,7 +264,8 @@ def all_to_all_exchanges_sequence_and_heads():
     pool, r = ST["pool"], ST["rank"]
     g = pool.get((0, 1, 2, 3))
     # rank r holds tokens [2r, 2r+2) of every head h; value = 100 * token + h
-    x = torch.tensor([[100.0 * (2 * r + s) + h for h in range(8)] for s in range(2)]).requires_grad_()
+    x = torch.tensor([[100.0 * (2 * r + s) + h for h in range(8)] for s in range(2)],
+                     device=rank_device()).requires_grad_()
     y = all_to_all(x, g, scatter_dim=1, gather_dim=0)  # -> all 8 tokens, heads [2r, 2r+2)
     want = torch.tensor([[100.0 * s + h for h in range(2 * r, 2 * r + 2)] for s in range(8)])
     w = torch.randn(8, 2, generator=torch.Generator().manual_seed(r))
