@@ -40,7 +40,11 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="gpt-7b", help="model preset or YAML path (default: gpt-7b)")
     g.add_argument("--cluster", default="a100-40g-8x8", help="cluster preset or YAML path (default: a100-40g-8x8)")
     g.add_argument("--cost-model", metavar="PATH", help="cost-model YAML (overrides --model/--cluster)")
-    g.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage of model states (default 3)")
+    g.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3],
+                   help="ZeRO stage of the model states (16 bytes a parameter), a what-if: 0 every GPU holds them all "
+                        "(DDP), 1 optimizer states and master weights sharded over the GPUs (Megatron's "
+                        "--use-distributed-optimizer), 2 gradients too, 3 parameters too (FSDP; default, the FlexSP "
+                        "paper's setting); not read with --cost-model (the file's zero_stage, else 3)")
 
 
 def add_planner_args(p: argparse.ArgumentParser) -> None:

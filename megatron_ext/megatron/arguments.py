@@ -24,10 +24,12 @@ Flags (all off by default; without ``--flexsp`` / ``--elastic-pp`` Megatron runs
 --planner-time-limit SEC   Solver time limit per step (default 1.0). A step never waits longer:
                            a late plan is replaced by a quick heuristic one.
 --cost-model PATH|PRESET   The cost model the planner uses: a cost-model YAML, or
-                           MODEL:CLUSTER[:ZERO] presets (e.g. gpt-7b:a100-40g-8x8:1; ZERO is the
-                           ZeRO stage of the model states: 1 with --use-distributed-optimizer).
-                           Its GPU count must be the data-parallel size with --flexsp, the
-                           world size with --elastic-pp. Required.
+                           MODEL:CLUSTER[:ZERO] presets (e.g. gpt-7b:a100-40g-8x8). Its ZeRO
+                           stage (model states per GPU) is Megatron's: 1 with
+                           --use-distributed-optimizer, else 0; a YAML without zero_stage and
+                           MODEL:CLUSTER take it, a stage stated otherwise is an error. Its GPU
+                           count must be the data-parallel size with --flexsp, the world size
+                           with --elastic-pp. Required.
 --adaptive-recompute       Stage-aware per-chunk activation recomputation (planned with HiGHS);
                            belongs to elastic pipelines: needs --elastic-pp or --flexsp-planner
                            auto. Without it an elastic step recomputes nothing when it fits,
@@ -57,8 +59,11 @@ tensor parallelism, fewer --global-batch-size sequences than data-parallel ranks
 --rampup-batch-size, --dataloader-type other than external, no data or two sources of it
 (--data-path, --data-args-path, per-split paths, --mock-data), per-split paths without a train
 split or with --split, legacy models, multi-latent attention, MoE, sliding-window attention,
-position embeddings other than rope / learned_absolute / none, FSDP (Megatron-FSDP, torch FSDP2),
---iterations-to-skip. Adjusted with a note:
+position embeddings other than rope / learned_absolute / none, FSDP (Megatron-FSDP, torch FSDP2:
+their per-pass collectives over the data-parallel group need every rank in step, which pipeline
+replicas are not, and the runtime is untested under them), --num-distributed-optimizer-instances
+above 1, --iterations-to-skip, a --cost-model whose ZeRO stage is not the one Megatron's arguments
+give. Adjusted with a note:
 --calculate-per-token-loss is turned on, --dataloader-type becomes external, an unset
 --micro-batch-size becomes 1, --moe-token-dispatcher-type becomes alltoall (megatron-core's
 TransformerConfig requires it with variable sequence lengths, even without MoE layers).
@@ -115,7 +120,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--planner-time-limit", type=float, default=1.0, metavar="SEC",
                    help="solver time limit per step; a late plan is replaced by a heuristic one (default 1.0)")
     g.add_argument("--cost-model", default=None, metavar="PATH|PRESET",
-                   help="cost-model YAML, or MODEL:CLUSTER[:ZERO] presets (e.g. gpt-7b:a100-40g-8x8:1)")
+                   help="cost-model YAML, or MODEL:CLUSTER[:ZERO] presets (e.g. gpt-7b:a100-40g-8x8); its ZeRO stage "
+                        "is Megatron's (1 with --use-distributed-optimizer, else 0): a stage it states must agree")
     g.add_argument("--adaptive-recompute", action="store_true",
                    help="per-chunk activation recomputation planned per step (needs --elastic-pp or "
                         "--flexsp-planner auto)")
@@ -173,7 +179,44 @@ def _parallel_sizes(args, world_size: int) -> tuple[int, int, int, int]:
     return tp, pp, cp, world_size // (tp * pp * cp)
 
 
-def _check_common(args, flag: str, tp: int, cp: int) -> None:
+def _check_no_fsdp(args, flag: str, dp: int) -> None:
+    """Megatron-FSDP and torch FSDP2 (megatron-core 0.16.1) run collectives over the whole
+    data-parallel group inside every forward and backward, so every rank must make the same
+    passes: pipeline replicas do not (each runs its own number of chunks), FlexSP steps and a
+    single elastic pipeline do, untested."""
+    given = [opt for name, opt in (("use_megatron_fsdp", "--use-megatron-fsdp"),
+                                   ("use_torch_fsdp2", "--use-torch-fsdp2")) if _get(args, name, False)]
+    if not given:
+        return
+    opt = given[0]
+    instead = "Use --use-distributed-optimizer (ZeRO-1, the cost model's stage 1)."
+    if opt == "--use-torch-fsdp2" and flag == "--elastic-pp":
+        _conflict(f"--elastic-pp runs pipeline stages, and Megatron refuses --use-torch-fsdp2 with pipeline "
+                  f"parallelism. {instead}")
+    passes = {"--use-megatron-fsdp": "Megatron-FSDP reduce-scatters gradients in every backward (sharding strategies "
+                                     "optim_grads and optim_grads_params) and gathers each layer's parameters in every "
+                                     "forward and backward (optim_grads_params)",
+              "--use-torch-fsdp2": "torch FSDP2 gathers each layer's parameters in every forward and backward and "
+                                   "reduce-scatters its gradients in every backward"}[opt]
+    sp = _get(args, "elastic_pp_sp", None)
+    if flag == "--flexsp" and _get(args, "flexsp_planner", "flexsp") == "auto":
+        replicas = "--flexsp-planner auto"
+    elif flag == "--elastic-pp" and sp is not None and (sp == "auto" or sp < dp):
+        replicas = f"--elastic-pp-sp {sp}"
+    else:
+        replicas = None
+    held = (f"{flag} does not support {opt}: in megatron-core 0.16.1 {passes}, collectives of the whole "
+            f"data-parallel group that every rank must join in step")
+    if replicas:
+        _conflict(f"{held}; the pipeline replicas of {replicas} run different numbers of chunks a step, so their "
+                  f"ranks would wait in different collectives and hang. {instead}")
+    each = ("micro-batch of a step (an idle one-token pass where it has no sequence)" if flag == "--flexsp"
+            else "chunk of its stage")
+    raise NotYetSupported(f"{held}. Every rank does run each {each}, but the runtime is untested under FSDP (which "
+                          f"needs CUDA). {instead}")
+
+
+def _check_common(args, flag: str, tp: int, cp: int, dp: int) -> None:
     """Conflicts shared by --flexsp and --elastic-pp."""
     if cp > 1:
         _conflict(f"{flag} replaces context parallelism: its Ulysses groups already split each sequence, over "
@@ -201,10 +244,12 @@ def _check_common(args, flag: str, tp: int, cp: int) -> None:
                   f"--multi-latent-attention")
     if _get(args, "num_experts", None):
         _conflict(f"{flag} does not support MoE models (--num-experts) yet")
-    for name, opt in (("use_megatron_fsdp", "--use-megatron-fsdp"), ("use_torch_fsdp2", "--use-torch-fsdp2")):
-        if _get(args, name, False):
-            _conflict(f"{flag} does not support {opt} yet (ZeRO-3 gathers parameters inside each forward, and the "
-                      f"micro-batches of a planned step differ per rank); use --use-distributed-optimizer")
+    _check_no_fsdp(args, flag, dp)
+    instances = _get(args, "num_distributed_optimizer_instances", 1) or 1
+    if _get(args, "use_distributed_optimizer", False) and instances > 1:
+        _conflict(f"{flag}: --num-distributed-optimizer-instances {instances} shards the optimizer states over "
+                  f"{instances} times fewer ranks than the cost model's ZeRO-1 (the whole data-parallel group), "
+                  f"whose memory budget would then count on memory the run does not have; use 1")
     if _get(args, "iterations_to_skip", None):
         _conflict(f"{flag}: --iterations-to-skip reads Megatron batches to skip them; not supported")
     if _get(args, "window_size", None) is not None:
@@ -271,7 +316,7 @@ def validate_args(args, world_size: int | None = None) -> Validated:
     flag = mode_flag(args)
     world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else int(world_size)
     tp, pp, cp, dp = _parallel_sizes(args, world)
-    _check_common(args, flag, tp, cp)
+    _check_common(args, flag, tp, cp, dp)
     _check_planning(args)
     from megatron_ext.megatron.cost import head_degree_limit
 
@@ -332,13 +377,13 @@ def _check_planning(args) -> None:
 
 
 def _cost_model(args, flag: str):
-    from megatron_ext.megatron.cost import load_cost_model
+    from megatron_ext.megatron.cost import megatron_cost_model
 
     ref = _get(args, "cost_model", None)
     if not ref:
         _conflict(f"{flag} needs --cost-model PATH|MODEL:CLUSTER[:ZERO]: the planner's time and memory model "
-                  f"(e.g. gpt-7b:a100-40g-8x8:1, or a YAML from `megatron-ext profile`)")
-    return ref, load_cost_model(ref)
+                  f"(e.g. gpt-7b:a100-40g-8x8, or a YAML from `megatron-ext profile`)")
+    return ref, megatron_cost_model(args)
 
 
 def _check_flexsp(args, world: int, tp: int, pp: int, cp: int, dp: int, head_limit: int):

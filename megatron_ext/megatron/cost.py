@@ -5,12 +5,21 @@ model, so this module must import in a process that has neither.
 
 ``--cost-model`` takes one of:
 
-* a cost-model YAML file (``model:`` and ``cluster:``, preset names or inline fields; see
-  ``megatron_ext.cost.model.CostModel.from_yaml``), e.g. ``configs/megatron/cost/tiny-cpu2.yaml``;
-* ``MODEL:CLUSTER[:ZERO]``, two presets (or YAML paths) of ``megatron_ext/presets/models`` and
-  ``megatron_ext/presets/clusters``, and the ZeRO stage of the model states (default 3; Megatron's
-  ``--use-distributed-optimizer`` is stage 1, plain DDP stage 0, FSDP stage 3), e.g.
-  ``gpt-7b:a100-40g-8x8:1``.
+* a cost-model YAML file (``model:`` and ``cluster:``, preset names or inline fields, and
+  optionally ``zero_stage:``; see ``megatron_ext.cost.model.CostModel.from_yaml``), e.g.
+  ``configs/megatron/cost/tiny-cpu2.yaml``;
+* ``MODEL:CLUSTER[:ZERO]``, a model and a cluster preset (or YAML paths; ``megatron_ext.spec``)
+  and optionally the ZeRO stage, e.g. ``gpt-7b:a100-40g-8x8:1``.
+
+The ZeRO stage (how much of the 16 bytes a parameter of model states each GPU holds, the rest of
+its memory being the planner's room for activations) is the one Megatron's own arguments build
+(``megatron_zero_stage``): 1 with ``--use-distributed-optimizer`` (fp32 master weights and Adam
+states sharded over the data-parallel ranks), else 0 (DDP: every rank holds all of them).
+Megatron-FSDP and torch FSDP2 are refused (``arguments.py`` says why). A ``--cost-model`` that
+states no stage (``MODEL:CLUSTER``, a YAML without ``zero_stage``) takes that one; one that states
+another is an error, as the planner would budget memory the run does not have (or leave memory it
+has unused). Everything in a run that plans (argument validation, the planning data loader) gets
+its cost model from ``megatron_cost_model(args)``.
 
 The cluster's GPU count must equal the job's data-parallel size (the ranks FlexSP spreads
 sequences over). The Ulysses degrees the planner may use are capped by ``--flexsp-max-sp-size``
@@ -19,13 +28,16 @@ divide by the degree), whatever the cost model's ModelSpec says.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError
+from megatron_ext.spec import read_yaml
 
 
 @dataclass(frozen=True)
@@ -47,13 +59,16 @@ def _looks_like_file(ref: str) -> bool:
 
 
 def load_cost_model(ref: str, zero_stage: int = 3) -> CostModel:
-    """The cost model named by a ``--cost-model`` value (see the module doc)."""
+    """The cost model named by a ``--cost-model`` value (see the module doc); ``zero_stage`` is
+    its stage where ``ref`` states none."""
     if not ref:
         raise ConfigError("--cost-model is empty")
     if _looks_like_file(ref):
         if not os.path.isfile(ref):
             raise ConfigError(f"--cost-model {ref}: no such file")
-        return CostModel.from_yaml(ref)
+        cost = CostModel.from_yaml(ref)
+        # from_yaml reads a missing zero_stage as 3 (the FlexSP paper's); here it is the caller's
+        return cost if "zero_stage" in read_yaml(Path(ref)) else dataclasses.replace(cost, zero_stage=zero_stage)
     parts = ref.split(":")
     if len(parts) == 3 and parts[2].isdigit():
         parts, zero_stage = parts[:2], int(parts[2])
@@ -61,6 +76,30 @@ def load_cost_model(ref: str, zero_stage: int = 3) -> CostModel:
         return CostModel.from_presets(parts[0], parts[1], zero_stage)
     raise ConfigError(f"--cost-model {ref!r}: expected a cost-model YAML file or MODEL:CLUSTER[:ZERO] presets "
                       f"(e.g. gpt-7b:a100-40g-8x8:1)")
+
+
+def megatron_zero_stage(args) -> tuple[int, str]:
+    """The ZeRO stage of the model states that Megatron's arguments build, and why, in words.
+    (Megatron-FSDP and torch FSDP2 never get here: ``arguments.validate_args`` refuses them.)"""
+    if getattr(args, "use_distributed_optimizer", False):
+        return 1, "--use-distributed-optimizer shards the optimizer states over the data-parallel ranks"
+    return 0, "without --use-distributed-optimizer every rank holds all model states"
+
+
+def megatron_cost_model(args) -> CostModel:
+    """The planner's cost model of a --flexsp / --elastic-pp run: ``args.cost_model`` at the ZeRO
+    stage of Megatron's arguments (``megatron_zero_stage``); one stating another stage is refused."""
+    ref = args.cost_model
+    stage, why = megatron_zero_stage(args)
+    cost = load_cost_model(ref, stage)
+    if cost.zero_stage != stage:
+        stated = f"zero_stage: {cost.zero_stage}" if _looks_like_file(ref) else f"ZeRO stage {cost.zero_stage}"
+        run = dataclasses.replace(cost, zero_stage=stage)
+        raise ConfigError(f"--cost-model {ref} says {stated}, but Megatron's arguments give stage {stage} ({why}): "
+                          f"the planner would count {cost.model_states_mb:,.0f} MB of model states a GPU, not the "
+                          f"run's {run.model_states_mb:,.0f} MB; drop the stage from --cost-model (it then follows "
+                          f"the arguments) or make it {stage}")
+    return cost
 
 
 def head_degree_limit(num_attention_heads: int, num_query_groups: int | None, tensor_parallel: int = 1) -> int:

@@ -89,7 +89,7 @@ def run_pretrain(checkout: Path, args: list[str], nproc: int = 2, timeout: float
     {"returncode", "output", "iterations": {i: (loss, grad_norm)}}."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "megatron_ext.megatron.launch", str(checkout / "pretrain_gpt.py"), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MEGATRON_EXT_DEVICE_CHECK="1")
     proc = subprocess.run(cmd, env=env, cwd=checkout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout)
     iterations = {int(m[1]): (float(m[2]), float(m[3])) for m in ITERATION.finditer(proc.stdout)}
@@ -159,14 +159,15 @@ def planned_dataset(work: Path, parts, order: list[int], batch: int, per_sample:
     """The real documents, placed so that the planned runs' step k (``batch * per_sample``
     documents) holds exactly the documents of the static run's step k (``batch`` samples): the
     planning data loader's batches depend on the data, seed, batch size and length cap only."""
-    from megatron_ext.cost import CostModel
     from megatron_ext.data.datasets import InMemoryDocuments, write_indexed_dataset
     from megatron_ext.data.loader import PlanningDataLoader
+    from megatron_ext.megatron.cost import load_cost_model
 
     docs = [d for sample in parts for d in sample]
     n = len(docs)
-    probe = PlanningDataLoader(InMemoryDocuments([np.zeros(2, np.int64)] * n), CostModel.from_yaml(COST_2),
-                               batch * per_sample, seed=seed, max_seq_len=seq_len, background=False)
+    cost = load_cost_model(COST_2, zero_stage=0)  # the planned runs' stage: plain DDP (no --use-distributed-optimizer)
+    probe = PlanningDataLoader(InMemoryDocuments([np.zeros(2, np.int64)] * n), cost, batch * per_sample, seed=seed,
+                               max_seq_len=seq_len, background=False)
     slots: list = [None] * n
     used = set()
     for k in range(len(order) // batch):
@@ -365,8 +366,9 @@ def test_flexsp_trains_on_a_blend_of_indexed_datasets_with_4_ranks(checkouts, tm
 
 
 def test_flexsp_auto_slices_what_no_group_holds(checkouts, tmp_path):
-    """--flexsp-planner auto: documents longer than any FlexSP group of the 2 ranks holds (3,810
-    tokens on tiny-cpu2) train, as one-stage pipeline replicas that cut them into slices."""
+    """--flexsp-planner auto: documents longer than any FlexSP group of the 2 ranks holds (3,462
+    tokens on tiny-cpu2 with plain DDP, ZeRO-0) train, as one-stage pipeline replicas that cut them
+    into slices."""
     from megatron_ext.data.datasets import write_indexed_dataset
 
     _, patched = checkouts

@@ -10,7 +10,10 @@ import pytest
 
 from megatron_ext.megatron.arguments import (ArgumentConflict, NotYetSupported, add_arguments, extra_args_provider,
                                              validate_args)
-from megatron_ext.megatron.cost import CappedCostModel, cap_cost_model, head_degree_limit, load_cost_model
+from megatron_ext.errors import ConfigError, InfeasibleError
+from megatron_ext.megatron.cost import (CappedCostModel, cap_cost_model, head_degree_limit, load_cost_model,
+                                        megatron_cost_model, megatron_zero_stage)
+from megatron_ext.spec import read_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 COST_2 = str(ROOT / "configs/megatron/cost/tiny-cpu2.yaml")
@@ -56,6 +59,7 @@ def megatron_like_parser(ours: bool = True) -> argparse.ArgumentParser:
         "--use-megatron-fsdp": dict(action="store_true"),
         "--use-torch-fsdp2": dict(action="store_true"),
         "--use-distributed-optimizer": dict(action="store_true"),
+        "--num-distributed-optimizer-instances": dict(type=int, default=1),
         "--seq-length": dict(type=int, default=None),
         "--num-layers-per-virtual-pipeline-stage": dict(type=int, default=None),
         "--decoder-first-pipeline-num-layers": dict(type=int, default=None),
@@ -123,7 +127,8 @@ def test_flexsp_adjusts_what_it_must_and_says_so():
     (["--num-experts", "8"], 2, "MoE"),
     (["--multi-latent-attention"], 2, "multi-latent-attention"),
     (["--position-embedding-type", "mrope"], 2, "position-embedding-type"),
-    (["--use-megatron-fsdp"], 2, "--use-megatron-fsdp"),
+    (["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"], 2,
+     "--num-distributed-optimizer-instances 2 shards the optimizer states over 2 times fewer ranks"),
     (["--adaptive-recompute"], 2, "needs --elastic-pp"),
     (["--flexsp-max-sp-size", "3"], 2, "power of two"),
     (["--flexsp-max-sp-size", "4"], 2, "at most the data-parallel size 2"),
@@ -153,8 +158,6 @@ def test_the_cost_model_must_fit_the_job():
     args = parse(*TINY, "--flexsp")
     with pytest.raises(ArgumentConflict, match="needs --cost-model"):
         validate_args(args, world_size=2)
-    from megatron_ext.errors import InfeasibleError
-
     args = parse(*TINY, "--flexsp", "--cost-model", "llama-7b:h100-80g-8x4:0")
     with pytest.raises(InfeasibleError, match="model states"):
         validate_args(args, world_size=32)
@@ -224,10 +227,85 @@ def test_capped_cost_model():
     assert pickle.loads(pickle.dumps(capped)).degrees == (1, 2)  # the planner process gets a copy
 
 
+# ---- the ZeRO stage: Megatron's arguments decide it ------------------------------------------------
+def test_zero_stage_follows_megatron_arguments():
+    """--use-distributed-optimizer is ZeRO-1, plain DDP ZeRO-0; a cost model stating no stage (a
+    YAML without zero_stage, MODEL:CLUSTER) takes it, and at stage 0 it holds fewer tokens a GPU."""
+    assert megatron_zero_stage(parse())[0] == 0
+    assert megatron_zero_stage(parse("--use-distributed-optimizer"))[0] == 1
+    ddp, _ = flexsp()
+    dist_opt, _ = flexsp("--use-distributed-optimizer")
+    assert "zero_stage" not in read_yaml(Path(COST_2))
+    zero0, zero1 = megatron_cost_model(ddp), megatron_cost_model(dist_opt)
+    assert (zero0.zero_stage, zero1.zero_stage) == (0, 1)
+    assert zero0.model_states_mb > zero1.model_states_mb and zero0.tokens_per_gpu < zero1.tokens_per_gpu
+    presets, _ = flexsp("--use-distributed-optimizer", world=4, cost="tiny:cpu-4")
+    assert megatron_cost_model(presets).zero_stage == 1
+
+
+def test_validation_budgets_the_stage_of_megatron_arguments():
+    """LLaMA-7B's model states fill an 80 GB GPU without the distributed optimizer (ZeRO-0), not
+    with it (ZeRO-1 over 32 ranks): the validation sees the stage the run has."""
+    argv = ("--num-layers", "32", "--num-attention-heads", "32", "--mock-data", "--flexsp", "--cost-model",
+            "llama-7b:h100-80g-8x4")
+    with pytest.raises(InfeasibleError, match="at ZeRO-0"):
+        validate_args(parse(*argv), world_size=32)
+    assert validate_args(parse(*argv, "--use-distributed-optimizer"), world_size=32).enabled
+
+
+def test_a_cost_model_stating_another_stage_is_refused(tmp_path):
+    yaml = tmp_path / "tiny-cpu2-zero3.yaml"
+    yaml.write_text(Path(COST_2).read_text() + "zero_stage: 3\n")
+    with pytest.raises(ConfigError) as e:
+        flexsp("--use-distributed-optimizer", cost=str(yaml))
+    assert str(e.value).startswith(f"--cost-model {yaml} says zero_stage: 3, but Megatron's arguments give stage 1 "
+                                   f"(--use-distributed-optimizer shards the optimizer states")
+    assert "\n" not in str(e.value) and "drop the stage from --cost-model" in str(e.value)
+    with pytest.raises(ConfigError, match=r"^--cost-model tiny:cpu-4:1 says ZeRO stage 1, but Megatron's arguments "
+                                          r"give stage 0 \(without --use-distributed-optimizer"):
+        flexsp(world=4, cost="tiny:cpu-4:1")
+    with pytest.raises(ConfigError, match="says ZeRO stage 0, but Megatron's arguments give stage 1"):
+        elastic("--use-distributed-optimizer", cost="tiny:cpu-4:0")
+    # the same stage, stated, is fine
+    args, _ = flexsp("--use-distributed-optimizer", world=4, cost="tiny:cpu-4:1")
+    assert megatron_cost_model(args).zero_stage == 1
+    yaml.write_text(Path(COST_2).read_text() + "zero_stage: 1\n")
+    assert flexsp("--use-distributed-optimizer", cost=str(yaml))[1].enabled
+
+
+@pytest.mark.parametrize("extra, error, match", [
+    (["--use-megatron-fsdp"], NotYetSupported,
+     r"^--flexsp does not support --use-megatron-fsdp: in megatron-core 0.16.1 Megatron-FSDP reduce-scatters "
+     r"gradients in every backward .* every rank must join in step\. Every rank does run each micro-batch of a step "
+     r".*untested under FSDP .*Use --use-distributed-optimizer"),
+    (["--use-torch-fsdp2"], NotYetSupported, r"^--flexsp does not support --use-torch-fsdp2: .*untested under FSDP"),
+    (["--use-megatron-fsdp", "--flexsp-planner", "auto"], ArgumentConflict,
+     r"the pipeline replicas of --flexsp-planner auto run different numbers of chunks a step, so their ranks would "
+     r"wait in different collectives and hang"),
+])
+def test_fsdp_is_refused_with_flexsp(extra, error, match):
+    with pytest.raises(error, match=match):
+        flexsp(*extra)
+
+
+@pytest.mark.parametrize("extra, error, match", [
+    (["--use-megatron-fsdp"], NotYetSupported, r"^--elastic-pp does not support --use-megatron-fsdp: .*Every rank "
+                                               r"does run each chunk of its stage"),
+    (["--use-megatron-fsdp", "--elastic-pp-sp", "1"], ArgumentConflict,
+     r"the pipeline replicas of --elastic-pp-sp 1 run different numbers of chunks"),
+    (["--use-torch-fsdp2"], ArgumentConflict, r"^--elastic-pp runs pipeline stages, and Megatron refuses "
+                                              r"--use-torch-fsdp2 with pipeline parallelism"),
+])
+def test_fsdp_is_refused_with_elastic_pp(extra, error, match):
+    with pytest.raises(error, match=match):
+        elastic(*extra)
+
+
 def test_cost_model_references():
     assert load_cost_model("gpt-7b:a100-40g-8x8").num_gpus == 64
     assert load_cost_model("gpt-7b:h100-80g-8x4:1").zero_stage == 1
-    from megatron_ext.errors import ConfigError
+    assert load_cost_model("gpt-7b:h100-80g-8x4", zero_stage=0).zero_stage == 0
+    assert load_cost_model(COST_2, zero_stage=0).zero_stage == 0  # the file states none
 
     for bad in ("gpt-7b", "nope.yaml", ":x", "gpt-7b:a100-40g-8x8:1:2"):
         with pytest.raises(ConfigError):
@@ -327,8 +405,6 @@ def test_elastic_pp_cost_model_spans_the_world():
         elastic(cost=COST_2)
     with pytest.raises(ArgumentConflict, match="--elastic-pp needs --cost-model"):
         validate_args(parse(*TINY, "--elastic-pp", "--pipeline-model-parallel-size", "2"), world_size=4)
-    from megatron_ext.errors import InfeasibleError
-
     with pytest.raises(InfeasibleError, match="--elastic-pp with --cost-model llama-7b:a100-40g-8x4:0: .*model states"):
         validate_args(parse("--num-layers", "32", "--num-attention-heads", "32", "--mock-data", "--elastic-pp",
                             "--pipeline-model-parallel-size", "2", "--cost-model", "llama-7b:a100-40g-8x4:0"),
