@@ -176,12 +176,17 @@ def _torchrun(rest: list[str], capture: bool = False, module: str = "megatron_ex
         raise ConfigError(f"unknown option(s): {' '.join(unknown)} (see {parser.prog} --help)")
     cost = (CostModel.from_yaml(targs.cost_model) if getattr(targs, "cost_model", None)
             else CostModel.from_presets(targs.model, targs.cluster))
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if module == "megatron_ext.runtime.train":
         from megatron_ext.runtime.train import check_args, open_training_data
         check_args(targs, cost, cost.num_gpus)
         if targs.data is not None:  # a dataset that cannot be read or trained is refused before launching
             open_training_data(targs.data, targs.vocab_size)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    else:
+        from megatron_ext.runtime.profile import check_args
+        device, _ = check_args(targs, cost.num_gpus)
+        if device == "cpu":  # megatron runs on CPU ranks only where CUDA is absent (runtime/compat)
+            env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cost.num_gpus}",
            "-m", module, *rest]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE if capture else None, stderr=subprocess.PIPE,

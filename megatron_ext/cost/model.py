@@ -42,10 +42,11 @@ class CostModel:
     @classmethod
     def from_yaml(cls, path: str | Path) -> "CostModel":
         """A cost-model file: ``model`` and ``cluster`` (preset names, file paths or inline
-        mappings of their fields), optionally ``zero_stage``, and the ``profile`` section that
-        ``megatron-ext profile`` writes (measurements and fit residuals; not read here)."""
+        mappings of their fields), optionally ``zero_stage``, and what ``megatron-ext profile``
+        writes besides: ``device``, ``dtype`` and ``attention_backend`` (what it measured on) and
+        the ``profile`` section (measurements and fit residuals); those are for people, not read here."""
         data = read_yaml(Path(path))
-        unknown = set(data) - {"model", "cluster", "zero_stage", "profile"}  # profile: measurements, for people
+        unknown = set(data) - {"model", "cluster", "zero_stage", "device", "dtype", "attention_backend", "profile"}
         if unknown or "model" not in data or "cluster" not in data:
             raise ConfigError(f"{path}: a cost model needs 'model' and 'cluster' (and optionally 'zero_stage')"
                               + (f"; unknown: {', '.join(sorted(unknown))}" if unknown else ""))

@@ -2,7 +2,10 @@
 
 Run under torchrun (the CLI launches it) with one process per rank of the cluster. Every rank
 builds the model, then all ranks measure together, as in training (on a CPU box they share the
-cores, and that contention is part of what the coefficients must capture):
+cores, and that contention is part of what the coefficients must capture). With CUDA (``--device
+auto`` or ``cuda``) each rank runs on ``cuda:LOCAL_RANK`` over NCCL, the model is built there in
+bf16 with the attention backend training will use, and device work is timed by CUDA events
+(``DeviceClock``); on CPU over gloo in fp32, timed by the host clock:
 
 - passes: forward+backward time of one sequence over a sweep of lengths, on every rank alone
   (degree 1) and on every aligned group of d ranks with Ulysses attention (each degree d);
@@ -18,17 +21,19 @@ cores, and that contention is part of what the coefficients must capture):
 - activation memory per token: the bytes autograd saves for backward in a forward pass;
 - parameters: counted.
 
-Rank 0 writes a cost-model YAML (model + cluster inline, plus a ``profile`` section with the
-measurements and fit residuals) that ``plan``, ``simulate`` and ``train`` accept via --cost-model.
+Rank 0 writes a cost-model YAML (model + cluster inline; the ZeRO stage, device, dtype and
+attention backend it describes; a ``profile`` section with the measurements and fit residuals)
+that ``plan``, ``simulate`` and ``train`` accept via --cost-model.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import itertools
+import os
+import platform
 import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -38,6 +43,19 @@ import torch.distributed as dist
 import yaml
 
 from megatron_ext.cost import CostModel
+from megatron_ext.errors import ConfigError, MegatronExtError
+
+# megatron-core says on import, once per module, that CPU runs use its plain-torch fallbacks (the
+# launcher imports this module too, and its errors are one line)
+warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
+warnings.filterwarnings("ignore", message=r"full scope is deprecated")
+
+from megatron_ext.runtime.attention import (BACKENDS, UlyssesAttention, UlyssesPackedSeqParams,  # noqa: E402
+                                            available_backends)
+from megatron_ext.runtime.device import init_rank_process_group, rank_device  # noqa: E402
+from megatron_ext.runtime.timing import DeviceClock  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +66,61 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", default="128,256,512,1024,2048,3072",
                    help="comma-separated sequence lengths of the compute sweep")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median is kept)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the ranks run: cuda (NCCL, one GPU per rank), cpu (gloo), or auto: cuda where "
+                        "there is CUDA (default auto)")
+    p.add_argument("--dtype", choices=list(DTYPES), help="the model's dtype (default: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--attention-backend", default="auto", choices=BACKENDS,
+                   help="the core attention training will use (default auto: flash-attn, then Transformer Engine, "
+                        "on CUDA in bf16, else SDPA)")
+    p.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3],
+                   help="ZeRO stage of the profiled run's model states, written to the YAML (default 0, the plain "
+                        "Adam of `train`; 1 for Megatron-LM's --use-distributed-optimizer)")
     return p
+
+
+def check_args(args, local_ranks: int) -> tuple[str, str]:
+    """Refuse what cannot run here before any rank starts (the launcher calls it, for the
+    ``local_ranks`` it starts on this machine, and every rank again). Returns the device type the
+    ranks run on ("cuda" or "cpu") and the dtype name."""
+    cuda = torch.cuda.is_available()
+    if args.device == "cuda" and not cuda:
+        raise ConfigError("--device cuda: CUDA is not available here (torch.cuda.is_available() is False); "
+                          "use --device cpu or auto")
+    device = "cuda" if cuda and args.device != "cpu" else "cpu"
+    dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
+    if device == "cuda" and local_ranks > torch.cuda.device_count():
+        raise ConfigError(f"{local_ranks} ranks need a GPU each; this machine has {torch.cuda.device_count()} "
+                          f"(use a --cluster of that many GPUs)")
+    usable = available_backends() if device == "cuda" else ["sdpa"]  # flash and TE run on CUDA tensors only
+    if args.attention_backend not in ("auto", *usable):
+        raise ConfigError(f"--attention-backend {args.attention_backend} cannot run on this {device} profile "
+                          f"(flash needs flash-attn, te Transformer Engine, both on CUDA); usable here: "
+                          f"auto, {', '.join(usable)}")
+    if args.attention_backend == "flash" and dtype == "fp32":
+        raise ConfigError("--attention-backend flash runs bf16 only (flash-attn has no fp32 kernels); "
+                          "use --dtype bf16")
+    return device, dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSetup:
+    """How this rank measures: its device (where the model and every tensor a collective touches
+    live), the model's dtype, the attention backend asked for, and the clock of device work."""
+    device: torch.device
+    dtype_name: str
+    attention_backend: str
+    clock: DeviceClock
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype_name]
+
+    @property
+    def device_name(self) -> str:
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_name(self.device)
+        return f"CPU ({platform.processor() or platform.machine()})"
 
 
 def nonnegative_fit(cols: np.ndarray, y: np.ndarray, relative: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -81,52 +153,67 @@ def _progress(rank: int, done: int, total: int, what: str) -> None:
               flush=True)
 
 
-def _time(fn, repeats: int) -> float:
-    """Median wall time (s) of fn over ranks in step: a barrier before each run."""
+def _time(fn, repeats: int, setup: RankSetup) -> float:
+    """Median time (s) of fn's work on this rank's device over ranks in step: a barrier before
+    each run."""
     times = []
     for _ in range(repeats + 1):  # the first run warms up
         dist.barrier()
-        t = time.perf_counter()
+        start = setup.clock.mark()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(setup.clock.seconds(start, setup.clock.mark()))
     return statistics.median(times[1:])
 
 
-def _compute_sweep(model, lengths, vocab, repeats, tick) -> list[float]:
-    from megatron_ext.runtime.attention import UlyssesPackedSeqParams
+def _build_model(spec, max_len: int, setup: RankSetup, ddp: bool = True):
+    """The GPTModel `train` runs, built and initialised on this rank's device in its dtype."""
+    from megatron_ext.runtime.pipeline import build_pipeline_model
 
+    model, _ = build_pipeline_model(spec, spec.vocab_size, max_len, setup.attention_backend, ddp=ddp,
+                                    use_cpu_initialization=setup.device.type == "cpu", params_dtype=setup.dtype,
+                                    pipeline_dtype=setup.dtype, bf16=setup.dtype == torch.bfloat16)
+    return model
+
+
+def _measured_backend(model, setup: RankSetup) -> str:
+    """The backend the model's core attention resolves to for queries like its own on this rank
+    (what ``auto`` picks here): attention's one place that decides, asked."""
+    attention = next(m for m in model.modules() if isinstance(m, UlyssesAttention))
+    query = torch.empty(1, attention.num_heads, attention.head_dim, device=setup.device, dtype=setup.dtype)
+    return attention._resolve_backend(query)
+
+
+def _compute_sweep(model, lengths, vocab, repeats, tick, setup: RankSetup) -> list[float]:
     out = []
     for s in lengths:
-        params = UlyssesPackedSeqParams.build([s], None)
-        tokens = torch.randint(0, vocab, (1, s))
+        params = UlyssesPackedSeqParams.build([s], None, device=setup.device)
+        tokens = torch.randint(0, vocab, (1, s), device=setup.device)
 
         def run():
             model.zero_grad()
             model(tokens, params.position_ids[None], None, labels=tokens, packed_seq_params=params).sum().backward()
 
-        out.append(_time(run, repeats) * 1e3)
+        out.append(_time(run, repeats, setup) * 1e3)
         tick(f"compute, {s} tokens")
     return out
 
 
-def _head_ms(model, vocab: int, s: int, repeats: int) -> float:
+def _head_ms(model, vocab: int, s: int, repeats: int, setup: RankSetup) -> float:
     """Forward+backward ms of what follows the layers (final norm, output layer, loss) for s tokens."""
-    hidden = torch.randn(s, 1, model.config.hidden_size, requires_grad=True)
-    labels = torch.randint(0, vocab, (1, s))
+    hidden = torch.randn(s, 1, model.config.hidden_size, requires_grad=True, device=setup.device, dtype=setup.dtype)
+    labels = torch.randint(0, vocab, (1, s), device=setup.device)
 
     def run():
         logits, _ = model.output_layer(model.decoder.final_layernorm(hidden))
         model.compute_language_model_loss(labels, logits).sum().backward()
 
-    return _time(run, repeats) * 1e3
+    return _time(run, repeats, setup) * 1e3
 
 
-def _saved_bytes_per_token(model, vocab: int, s: int = 512) -> float:
+def _saved_bytes_per_token(model, vocab: int, setup: RankSetup, s: int = 512) -> float:
     """Bytes autograd keeps for backward per token (the activation memory of training)."""
-    from megatron_ext.runtime.attention import UlyssesPackedSeqParams
-
-    params = UlyssesPackedSeqParams.build([s], None)
-    tokens = torch.randint(0, vocab, (1, s))
+    params = UlyssesPackedSeqParams.build([s], None, device=setup.device)
+    tokens = torch.randint(0, vocab, (1, s), device=setup.device)
     seen: dict[int, int] = {}
 
     def pack(t):
@@ -141,11 +228,10 @@ def _saved_bytes_per_token(model, vocab: int, s: int = 512) -> float:
     return sum(n for ptr, n in seen.items() if ptr not in param_ptrs) / s
 
 
-def _ulysses_sweep(model, pool, degrees, lengths, vocab: int, repeats: int, tick) -> dict[int, list[float]]:
+def _ulysses_sweep(model, pool, degrees, lengths, vocab: int, repeats: int, tick,
+                   setup: RankSetup) -> dict[int, list[float]]:
     """Per degree: ms of a real Ulysses forward+backward of one sequence per aligned group of d
     ranks (every group at once), for each length; a group lasts as long as its slowest rank."""
-    from megatron_ext.runtime.attention import UlyssesPackedSeqParams
-
     world = dist.get_world_size()
     out = {}
     for d in degrees:
@@ -153,14 +239,14 @@ def _ulysses_sweep(model, pool, degrees, lengths, vocab: int, repeats: int, tick
         group = pool.get(tuple(range(me // d * d, me // d * d + d)))
         times = []
         for s in lengths:
-            params = UlyssesPackedSeqParams.build([s], group)
-            tokens = params.shard(torch.randint(0, vocab, (s,)))[None]
+            params = UlyssesPackedSeqParams.build([s], group, device=setup.device)
+            tokens = params.shard(torch.randint(0, vocab, (s,), device=setup.device))[None]
 
             def run():
                 model.zero_grad()
                 model(tokens, params.position_ids[None], None, labels=tokens, packed_seq_params=params).sum().backward()
 
-            times.append(_time(run, repeats) * 1e3)
+            times.append(_time(run, repeats, setup) * 1e3)
             tick(f"Ulysses degree {d}, {s} tokens")
         gathered = [None] * world
         dist.all_gather_object(gathered, times)
@@ -205,9 +291,10 @@ def fit_profile(model_spec, lengths, fwd_bwd_ms: dict[int, list[float]], raw: di
     return out
 
 
-def _a2a_sweep(pool, world: int, repeats: int, tick) -> dict[int, dict]:
+def _a2a_sweep(pool, world: int, repeats: int, tick, setup: RankSetup) -> dict[int, dict]:
     """Per degree: latency (ms) and bandwidth (GB/s) of all_to_all_single, every group at once."""
     sizes_mb = [0.25, 1.0, 4.0]
+    itemsize = setup.dtype.itemsize
     out = {}
     d = 2
     while d <= world:
@@ -216,10 +303,11 @@ def _a2a_sweep(pool, world: int, repeats: int, tick) -> dict[int, dict]:
         group = pool.get(block)
         points = []
         for mb in sizes_mb:
-            x = torch.zeros(int(mb * 2**20 / 4))
+            x = torch.zeros(int(mb * 2**20 / itemsize), device=setup.device, dtype=setup.dtype)
             x = x[: len(x) // d * d]
             y = torch.empty_like(x)
-            points.append((x.numel() * 4 / 2**20, _time(lambda: dist.all_to_all_single(y, x, group=group), repeats)))
+            points.append((x.numel() * itemsize / 2**20,
+                           _time(lambda: dist.all_to_all_single(y, x, group=group), repeats, setup)))
             tick(f"all-to-all, degree {d}, {mb:g} MB")
         mbs = np.array([p[0] for p in points])
         secs = np.array([p[1] for p in points])
@@ -246,42 +334,42 @@ def _activation_bytes(model) -> int:
     return next(model.parameters()).element_size()
 
 
-def _p2p_bandwidth(world: int, repeats: int) -> float:
+def _p2p_bandwidth(world: int, repeats: int, setup: RankSetup) -> float:
     """GB/s of 8 MB send/recv between rank pairs (0<->1, 2<->3, ...), all pairs at once."""
     rank = dist.get_rank()
     peer = rank ^ 1
     if peer >= world:
         return 0.0
-    x = torch.zeros(2 * 2**20)  # 8 MB
+    x = torch.zeros(8 * 2**20 // setup.dtype.itemsize, device=setup.device, dtype=setup.dtype)
 
     def run():
         ops = [dist.P2POp(dist.isend, x, peer), dist.P2POp(dist.irecv, torch.empty_like(x), peer)]
         for r in dist.batch_isend_irecv(ops):
             r.wait()
 
-    return 8 / 1024 / _time(run, repeats)
+    return 8 / 1024 / _time(run, repeats, setup)
 
 
-def _handoff_latency_ms(world: int, hops: int = 20) -> float:
+def _handoff_latency_ms(world: int, setup: RankSetup, hops: int = 20) -> float:
     """ms a stage-to-stage handoff adds, in place: a relay through every rank (rank r receives
     from r - 1, computes, sends to r + 1, ``hops`` times) against the same compute with every rank
     busy at once. On ranks that share cores this is mostly the wait for the receiver to run."""
     if world < 2:
         return 0.0
     rank = dist.get_rank()
-    a = torch.randn(192, 192)
-    msg = torch.zeros(16 * 1024)  # 64 KB
+    a = torch.randn(192, 192, device=setup.device, dtype=setup.dtype)
+    msg = torch.zeros(64 * 1024 // setup.dtype.itemsize, device=setup.device, dtype=setup.dtype)
 
     def work():
         x = a
         for _ in range(12):
             x = torch.tanh(x @ a)
 
-    alone = _time(work, 5)
+    alone = _time(work, 5, setup)
     out = []
     for _ in range(2):
         dist.barrier()
-        t = time.perf_counter()
+        start = setup.clock.mark()
         for _ in range(hops):
             if rank > 0:
                 dist.recv(msg, rank - 1)
@@ -289,7 +377,7 @@ def _handoff_latency_ms(world: int, hops: int = 20) -> float:
             if rank < world - 1:
                 dist.send(msg, rank + 1)
         dist.barrier()
-        out.append((time.perf_counter() - t) / (hops + world - 1))
+        out.append(setup.clock.seconds(start, setup.clock.mark()) / (hops + world - 1))
     return max(0.0, (min(out) - alone) * 1e3)
 
 
@@ -308,25 +396,25 @@ def _planned_batch(planner: str, cost: CostModel, n: int, max_len: int, options=
     return lengths, batch, plan
 
 
-def _micro_batch_overhead_ms(cost: CostModel, pool, max_len: int, repeats: int) -> tuple[float, dict]:
+def _micro_batch_overhead_ms(cost: CostModel, pool, max_len: int, repeats: int,
+                             setup: RankSetup) -> tuple[float, dict]:
     """ms a FlexSP micro-batch takes beyond the cost model, in place: a real FlexSP step on a
     long-tailed batch, with the DDP-wrapped model `train` runs, timed against the plan's estimate
     with ``cost`` (linear in the overhead: every micro-batch pays it once). A micro-batch ends
     with its slowest group, and on busy ranks the slowest runs longer than the expected time
     single passes measure."""
     from megatron_ext.data.loader import Step
-    from megatron_ext.runtime.pipeline import build_pipeline_model
     from megatron_ext.runtime.schedule import forward_backward_flexsp
 
-    model, _ = build_pipeline_model(cost.model, cost.model.vocab_size, max_len)
+    model = _build_model(cost.model, max_len, setup)
     lengths, batch, plan = _planned_batch("flexsp", cost, 16, max_len)  # several micro-batches
     step = Step(0, plan, batch, lengths, np.zeros((len(lengths), 3), dtype=np.int64), "", "profile", 0.0)
 
     def run():
         model.zero_grad_buffer()
-        forward_backward_flexsp(step, model, pool, pad_id=0)
+        forward_backward_flexsp(step, model, pool, pad_id=0, device=setup.device)
 
-    measured = _time(run, repeats) * 1e3
+    measured = _time(run, repeats, setup) * 1e3
     predicted = plan.estimated_step_time_s * 1e3
     mbs = len(plan.micro_batches)
     return max(0.0, (measured - predicted) / mbs), {"flexsp_step_ms": round(measured, 1),
@@ -334,7 +422,7 @@ def _micro_batch_overhead_ms(cost: CostModel, pool, max_len: int, repeats: int) 
                                                     "flexsp_micro_batches": mbs}
 
 
-def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int) -> tuple[float, dict]:
+def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int, setup: RankSetup) -> tuple[float, dict]:
     """ms a pipeline stage's operation takes beyond the cost model, in place: a real elastic
     pipeline step (as many stages as the layers and ranks allow, SP = ranks / stages) on a
     long-tailed batch, timed, against the simulated step of the same plan with ``cost``; the
@@ -343,7 +431,7 @@ def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int) -> tup
     from megatron.core import parallel_state
 
     from megatron_ext.planner import PlannerOptions
-    from megatron_ext.runtime.pipeline import build_pipeline_model, forward_backward_elastic
+    from megatron_ext.runtime.pipeline import forward_backward_elastic
     from megatron_ext.sim import simulate
 
     world, spec = dist.get_world_size(), cost.model
@@ -352,15 +440,15 @@ def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int) -> tup
         return 0.0, {}
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, stages)
-    model, _ = build_pipeline_model(spec, spec.vocab_size, max_len)
+    model = _build_model(spec, max_len, setup)
     lengths, batch, plan = _planned_batch("elastic_pp", cost, 24, max_len,  # a dozen chunks or more
                                           PlannerOptions(pp=stages, sp=world // stages, time_limit=5.0))
 
     def step():
         model.zero_grad_buffer()
-        forward_backward_elastic(plan, batch, model)
+        forward_backward_elastic(plan, batch, model, device=setup.device)
 
-    measured = _time(step, repeats) * 1e3
+    measured = _time(step, repeats, setup) * 1e3
 
     def simulated(overhead):
         c = CostModel(spec, dataclasses.replace(cost.cluster, pipeline_op_overhead_ms=overhead), cost.zero_stage)
@@ -381,35 +469,42 @@ def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int) -> tup
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
-    warnings.filterwarnings("ignore", message=r"full scope is deprecated")
-    dist.init_process_group("gloo")
     try:
-        return _profile(args)
-    finally:
-        dist.destroy_process_group()
+        if args.device == "cpu" and torch.cuda.is_available():
+            raise ConfigError("--device cpu: these ranks see CUDA, and megatron runs on CPU ranks only where it is "
+                              "absent; start them with CUDA_VISIBLE_DEVICES= (as `megatron-ext profile` does)")
+        _, dtype_name = check_args(args, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        init_rank_process_group()
+        try:
+            device = rank_device()
+            return _profile(args, RankSetup(device, dtype_name, args.attention_backend, DeviceClock(device)))
+        finally:
+            dist.destroy_process_group()
+    except MegatronExtError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"megatron-ext: error: {e}", file=sys.stderr)
+        return 2
 
 
-def _profile(args) -> int:
+def _profile(args, setup: RankSetup) -> int:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_ext.runtime.compat import apply_cpu_compat
     from megatron_ext.runtime.groups import SPGroupPool
-    from megatron_ext.runtime.pipeline import build_pipeline_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    base = CostModel.from_presets(args.model, args.cluster)
+    base = CostModel.from_presets(args.model, args.cluster, args.zero_stage)
     if base.num_gpus != world:
-        raise SystemExit(f"megatron-ext: error: cluster {base.cluster.name} has {base.num_gpus} GPUs, "
-                         f"{world} ranks were launched")
+        raise ConfigError(f"cluster {base.cluster.name} has {base.num_gpus} GPUs, {world} ranks were launched")
     lengths = [int(x) for x in args.lengths.split(",")]
     apply_cpu_compat()
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(0)
     pool = SPGroupPool()
     vocab = base.model.vocab_size
-    model, _ = build_pipeline_model(base.model, vocab, max(lengths), "auto", ddp=False)
+    model = _build_model(base.model, max(lengths), setup, ddp=False)
+    attention = _measured_backend(model, setup)
     degrees = [d for d in (2**i for i in range(1, 12)) if d <= world]
     total = len(lengths) + 3 * len(degrees) + 4 + len(degrees) * len(lengths)
     done = [0]
@@ -418,45 +513,53 @@ def _profile(args) -> int:
         done[0] += 1
         _progress(rank, done[0], total, what)
 
-    times_ms = _compute_sweep(model, lengths, vocab, args.repeats, tick)
+    times_ms = _compute_sweep(model, lengths, vocab, args.repeats, tick, setup)
     gathered = [None] * world
     dist.all_gather_object(gathered, times_ms)
     per_length = np.median(np.array(gathered), axis=0)  # ranks ran concurrently; take the typical one
-    act_mb = _saved_bytes_per_token(model, vocab) / 2**20
+    act_mb = _saved_bytes_per_token(model, vocab, setup) / 2**20
     head_s = max(lengths)
     head = [None] * world
-    dist.all_gather_object(head, _head_ms(model, vocab, head_s, args.repeats))
+    dist.all_gather_object(head, _head_ms(model, vocab, head_s, args.repeats, setup))
     tick("activation memory, output layer")
-    raw = _a2a_sweep(pool, world, args.repeats, tick)
+    raw = _a2a_sweep(pool, world, args.repeats, tick, setup)
     spec = dataclasses.replace(base.model, vocab_size=vocab, activation_bytes=_activation_bytes(model))
-    measured = {1: per_length.tolist(), **_ulysses_sweep(model, pool, degrees, lengths, vocab, args.repeats, tick)}
+    measured = {1: per_length.tolist(),
+                **_ulysses_sweep(model, pool, degrees, lengths, vocab, args.repeats, tick, setup)}
     fit = fit_profile(spec, lengths, measured, raw)
     a1, a2, b1, a2a = fit["a1"], fit["a2"], fit["b1"], fit["a2a"]
     # the output layer's share of the per-token work a2 (the last pipeline stage runs it alone),
     # timed at the longest length, where its fixed costs weigh least
     head_share = float(min(0.95, max(0.0, np.median(head) / max(a2 * head_s, 1e-9))))
-    p2p = _p2p_bandwidth(world, args.repeats)
+    p2p = _p2p_bandwidth(world, args.repeats, setup)
     handoff = [None] * world
-    dist.all_gather_object(handoff, _handoff_latency_ms(world))
+    dist.all_gather_object(handoff, _handoff_latency_ms(world, setup))
     handoff_ms = float(np.median(handoff))
     tick("p2p")
     params_b = sum(p.numel() for p in model.parameters()) / 1e9
+    del model  # its memory goes to the models of the real steps below
     fitted = CostModel(
         dataclasses.replace(spec, a1=a1, a2=a2, b1=b1, act_mb_per_token=act_mb, head_time_share=head_share,
                             params_b=params_b),
         dataclasses.replace(base.cluster, p2p_bandwidth_gbps=p2p, p2p_latency_ms=handoff_ms,
                             a2a_bandwidth_gbps={d: v["bandwidth_gbps"] for d, v in a2a.items()},
-                            a2a_latency_ms={d: v["latency_ms"] for d, v in a2a.items()}))
-    mb_overhead, flexsp_run = _micro_batch_overhead_ms(fitted, pool, max(lengths), args.repeats)
+                            a2a_latency_ms={d: v["latency_ms"] for d, v in a2a.items()}),
+        args.zero_stage)
+    mb_overhead, flexsp_run = _micro_batch_overhead_ms(fitted, pool, max(lengths), args.repeats, setup)
     tick("a real FlexSP step")
-    op_overhead, pipeline_run = _pipeline_op_overhead_ms(fitted, max(lengths), args.repeats)
+    op_overhead, pipeline_run = _pipeline_op_overhead_ms(fitted, max(lengths), args.repeats, setup)
     fitted = CostModel(fitted.model, dataclasses.replace(fitted.cluster, pipeline_op_overhead_ms=op_overhead,
-                                                         micro_batch_overhead_ms=mb_overhead))
+                                                         micro_batch_overhead_ms=mb_overhead), args.zero_stage)
     tick("a real pipeline step")
     if rank == 0:
         doc = {
             "model": _fields(fitted.model),
             "cluster": _fields(fitted.cluster),
+            "zero_stage": args.zero_stage,
+            # what the costs above were measured with (metadata: cost models do not read it)
+            "device": setup.device_name,
+            "dtype": setup.dtype_name,
+            "attention_backend": attention,
             "profile": {
                 "host": dist.get_backend(), "ranks": world, "lengths": lengths,
                 "fwd_bwd_ms": {d: [round(float(t), 3) for t in v] for d, v in measured.items()},
@@ -470,7 +573,8 @@ def _profile(args) -> int:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(f"# Measured by `megatron-ext profile --model {args.model} --cluster {args.cluster}` "
-                       f"on {world} {dist.get_backend()} ranks.\n" + yaml.safe_dump(doc, sort_keys=False))
+                       f"on {world} {dist.get_backend()} ranks ({setup.device_name}, {setup.dtype_name}, "
+                       f"{attention} attention).\n" + yaml.safe_dump(doc, sort_keys=False))
         print(f"a1 {a1:.3e}  a2 {a2:.4f}  b1 {b1:.2f} ms  (median fit error {doc['profile']['fit_rel_error']:.1%})\n"
               f"activation {act_mb:.4f} MB/token, {params_b * 1e3:.3f} M parameters, output layer "
               f"{head_share:.0%} of the per-token work\n"
@@ -479,7 +583,9 @@ def _profile(args) -> int:
                         for d, v in a2a.items())
               + f"p2p {p2p:.3f} GB/s, {handoff_ms:.2f} ms per stage handoff\n"
               f"FlexSP: {mb_overhead:.2f} ms per micro-batch beyond the model\n"
-              f"pipeline: {op_overhead:.2f} ms per stage operation beyond the model\nwrote {out}", flush=True)
+              f"pipeline: {op_overhead:.2f} ms per stage operation beyond the model\n"
+              f"on {setup.device_name}, {setup.dtype_name}, {attention} attention, ZeRO-{args.zero_stage}\n"
+              f"wrote {out}", flush=True)
     return 0
 
 

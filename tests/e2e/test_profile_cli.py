@@ -1,10 +1,14 @@
-"""`megatron-ext profile` on 4 CPU ranks writes a cost model that `plan` accepts (one launch)."""
+"""`megatron-ext profile` on 4 CPU ranks writes a cost model that `plan` accepts (one launch);
+what cannot run here is refused in one line before any rank starts."""
 import subprocess
 import sys
 
+import torch
 import yaml
 
+from megatron_ext import cli
 from megatron_ext.cost import CostModel
+from megatron_ext.runtime import profile
 from megatron_ext.runtime.profile import fit_profile, nonnegative_fit
 from megatron_ext.spec import load_model
 
@@ -25,10 +29,13 @@ def test_profile_writes_a_usable_cost_model(tmp_path):
     assert all(v > 0 for v in cost.cluster.a2a_bandwidth_gbps.values()) and set(cost.cluster.a2a_bandwidth_gbps) == {2, 4}
     assert set(cost.cluster.a2a_latency_ms) == {2, 4} and all(v >= 0 for v in cost.cluster.a2a_latency_ms.values())
     assert cost.model.activation_bytes == 4  # the CPU runtime trains in fp32
+    assert cost.zero_stage == 0  # train's optimizer is not distributed
     assert cost.cluster.p2p_latency_ms >= 0 and cost.cluster.p2p_bandwidth_gbps > 0
     assert cost.cluster.pipeline_op_overhead_ms >= 0 and cost.cluster.micro_batch_overhead_ms >= 0
     assert 0 < cost.model.head_time_share <= 0.95
     doc = yaml.safe_load(out.read_text())
+    assert doc["dtype"] == "fp32" and doc["attention_backend"] == "sdpa" and doc["device"].startswith("CPU")
+    assert doc["profile"]["host"] == "gloo"
     assert set(doc["profile"]["fwd_bwd_ms"]) == {1, 2, 4} and all(len(v) == 3 for v in doc["profile"]["fwd_bwd_ms"].values())
     assert all(len(v) == 3 for v in doc["profile"]["fit_residual_ms"].values())
     # a real 2-stage pipeline step of the 2-layer model was timed against the simulator
@@ -80,3 +87,67 @@ def test_fit_profile_recovers_compute_bandwidth_and_latency():
     fit = fit_profile(spec, lengths, flat, raw)
     assert fit["a2a"][2]["bandwidth_gbps"] == 9.0
     assert fit["a2a"][2]["latency_ms"] == pytest.approx(3.0 / (8 * spec.num_layers), rel=1e-6)
+
+
+class _Launched(Exception):
+    """Raised in place of starting the ranks."""
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The environments the launcher would start ranks with (none are started)."""
+    envs = []
+
+    def popen(cmd, env, **kw):
+        envs.append(env)
+        raise _Launched
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    return envs
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("args, says", [
+    (["--device", "cuda"], "--device cuda: CUDA is not available here"),
+    (["--attention-backend", "flash"], "--attention-backend flash cannot run on this cpu profile"),
+    (["--attention-backend", "te", "--device", "cpu"], "--attention-backend te cannot run on this cpu profile"),
+])
+def test_what_cannot_run_here_is_one_line_before_launching(tmp_path, capsys, launches, args, says):
+    assert cli.main(["profile", "--out", str(tmp_path / "c.yaml"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"megatron-ext: error: {says}") and err.count("\n") == 1
+    assert not launches and not (tmp_path / "c.yaml").exists()
+
+
+def test_cpu_ranks_are_started_without_cuda(tmp_path, launches):
+    with pytest.raises(_Launched):
+        cli.main(["profile", "--out", str(tmp_path / "c.yaml"), "--device", "cpu", "--dtype", "bf16"])
+    assert launches[0]["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def _args(*argv):
+    return profile.build_parser().parse_args(["--out", "c.yaml", *argv])
+
+
+def test_device_and_dtype_resolution_on_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert profile.check_args(_args(), 4) == ("cpu", "fp32")
+    assert profile.check_args(_args("--dtype", "bf16"), 4) == ("cpu", "bf16")  # CPU bf16 runs in torch
+
+
+def test_checks_on_a_cuda_machine(monkeypatch, tmp_path, capsys):
+    """The GPU side of the checks, with CUDA and flash-attn faked: two GPUs, four ranks asked."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(profile, "available_backends", lambda: ["flash", "sdpa"])
+    assert profile.check_args(_args("--attention-backend", "flash"), 2) == ("cuda", "bf16")
+    assert profile.check_args(_args("--device", "cpu"), 4) == ("cpu", "fp32")
+    with pytest.raises(profile.ConfigError, match="4 ranks need a GPU each; this machine has 2"):
+        profile.check_args(_args(), 4)
+    with pytest.raises(profile.ConfigError, match="flash runs bf16 only"):
+        profile.check_args(_args("--attention-backend", "flash", "--dtype", "fp32"), 2)
+    with pytest.raises(profile.ConfigError, match="te cannot run on this cuda profile.*usable here: auto, flash, sdpa"):
+        profile.check_args(_args("--attention-backend", "te"), 2)
+    # a rank started by hand with --device cpu that still sees CUDA is refused, not run on the GPU
+    assert profile.main(["--out", str(tmp_path / "c.yaml"), "--device", "cpu"]) == 2
+    assert "CUDA_VISIBLE_DEVICES=" in capsys.readouterr().err

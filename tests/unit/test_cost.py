@@ -411,6 +411,19 @@ def test_from_yaml_presets_and_default_stage(tmp_path):
     assert CostModel.from_yaml(p).num_gpus == 128
 
 
+def test_from_yaml_takes_what_profile_measured_on_as_metadata(tmp_path):
+    """A profiled YAML names its device, dtype and attention backend: it loads like any cost
+    model, with the same costs as without them, and its ZeRO stage."""
+    plain = "model: gpt-7b\ncluster: h100-80g-8x1\n"
+    (tmp_path / "plain.yaml").write_text(plain)
+    (tmp_path / "profiled.yaml").write_text(plain + "zero_stage: 1\ndevice: NVIDIA H100 80GB HBM3\ndtype: bf16\n"
+                                            "attention_backend: flash\nprofile: {host: nccl, ranks: 8}\n")
+    base, profiled = CostModel.from_yaml(tmp_path / "plain.yaml"), CostModel.from_yaml(tmp_path / "profiled.yaml")
+    assert profiled.zero_stage == 1
+    assert profiled.model == base.model and profiled.cluster == base.cluster
+    assert profiled.model_states_mb == CostModel.from_presets("gpt-7b", "h100-80g-8x1", 1).model_states_mb
+
+
 @pytest.mark.parametrize("text, match", [
     ("model: gpt-7b\n", "needs 'model' and 'cluster'"),
     ("model: gpt-7b\ncluster: cpu-4\nextra: 1\n", "unknown: extra"),
