@@ -174,19 +174,21 @@ def _torchrun(rest: list[str], capture: bool = False, module: str = "megatron_ex
     targs, unknown = parser.parse_known_args(rest)
     if unknown:
         raise ConfigError(f"unknown option(s): {' '.join(unknown)} (see {parser.prog} --help)")
-    cost = (CostModel.from_yaml(targs.cost_model) if getattr(targs, "cost_model", None)
-            else CostModel.from_presets(targs.model, targs.cluster))
+    from megatron_ext.runtime.device import choose_device
+
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if module == "megatron_ext.runtime.train":
-        from megatron_ext.runtime.train import check_args, open_training_data
+        from megatron_ext.runtime.train import check_args, open_training_data, train_cost_model
+        cost = train_cost_model(targs)
         check_args(targs, cost, cost.num_gpus)
         if targs.data is not None:  # a dataset that cannot be read or trained is refused before launching
             open_training_data(targs.data, targs.vocab_size)
     else:
         from megatron_ext.runtime.profile import check_args
-        device, _ = check_args(targs, cost.num_gpus)
-        if device == "cpu":  # megatron runs on CPU ranks only where CUDA is absent (runtime/compat)
-            env["CUDA_VISIBLE_DEVICES"] = ""
+        cost = CostModel.from_presets(targs.model, targs.cluster)
+        check_args(targs, cost.num_gpus)
+    if choose_device(targs.device, cost.num_gpus) == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # megatron runs on CPU ranks only where CUDA is absent (runtime/compat)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cost.num_gpus}",
            "-m", module, *rest]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE if capture else None, stderr=subprocess.PIPE,

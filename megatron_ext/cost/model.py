@@ -40,9 +40,9 @@ class CostModel:
         return cls(load_model(model), load_cluster(cluster), zero_stage)
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "CostModel":
+    def from_yaml(cls, path: str | Path, zero_stage: int = 3) -> "CostModel":
         """A cost-model file: ``model`` and ``cluster`` (preset names, file paths or inline
-        mappings of their fields), optionally ``zero_stage``, and what ``megatron-ext profile``
+        mappings of their fields), optionally ``zero_stage`` (else the ``zero_stage`` given), and what ``megatron-ext profile``
         writes besides: ``device``, ``dtype`` and ``attention_backend`` (what it measured on) and
         the ``profile`` section (measurements and fit residuals); those are for people, not read here."""
         data = read_yaml(Path(path))
@@ -58,7 +58,7 @@ class CostModel:
             model = model_from_mapping({"name": Path(path).stem, **model})
         if isinstance(cluster, dict):
             cluster = cluster_from_mapping({"name": Path(path).stem, **cluster})
-        return cls.from_presets(model, cluster, data.get("zero_stage", 3))
+        return cls.from_presets(model, cluster, data.get("zero_stage", zero_stage))
 
     def with_memory(self, memory_mb: float) -> "CostModel":
         """The same model on GPUs with ``memory_mb`` usable each (``--memory-mb``: every planner,

@@ -33,11 +33,9 @@ import math
 import os
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError
-from megatron_ext.spec import read_yaml
 
 
 @dataclass(frozen=True)
@@ -66,9 +64,7 @@ def load_cost_model(ref: str, zero_stage: int = 3) -> CostModel:
     if _looks_like_file(ref):
         if not os.path.isfile(ref):
             raise ConfigError(f"--cost-model {ref}: no such file")
-        cost = CostModel.from_yaml(ref)
-        # from_yaml reads a missing zero_stage as 3 (the FlexSP paper's); here it is the caller's
-        return cost if "zero_stage" in read_yaml(Path(ref)) else dataclasses.replace(cost, zero_stage=zero_stage)
+        return CostModel.from_yaml(ref, zero_stage)
     parts = ref.split(":")
     if len(parts) == 3 and parts[2].isdigit():
         parts, zero_stage = parts[:2], int(parts[2])

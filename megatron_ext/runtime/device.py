@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from megatron_ext.errors import ConfigError
+
 _CPU = torch.device("cpu")
 # NCCL's element types (ncclInt8 ... ncclBfloat16); torch sends bool as uint8.
 NCCL_DTYPES = frozenset({torch.int8, torch.uint8, torch.bool, torch.int32, torch.int64, torch.float16,
@@ -57,15 +59,32 @@ def rank_device() -> torch.device:
     return _CPU
 
 
-def init_rank_process_group() -> torch.device:
-    """This rank's process group: NCCL with the rank on ``cuda:LOCAL_RANK`` where CUDA is, gloo on
-    CPU ranks (the check mode turned on there when asked). Returns the rank's device."""
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if local >= torch.cuda.device_count():
-            raise RuntimeError(f"local rank {local} has no GPU: this node has {torch.cuda.device_count()}; start "
-                               f"at most that many ranks a node")
-        torch.cuda.set_device(local)
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def choose_device(requested: str, local_ranks: int) -> str:
+    """The device type ranks started here run on, "cuda" or "cpu", for ``--device auto|cpu|cuda``
+    (auto: CUDA where there is one); refuses what cannot run with a one-line ConfigError."""
+    cuda = torch.cuda.is_available()
+    if requested == "cuda" and not cuda:
+        raise ConfigError("--device cuda: CUDA is not available here (torch.cuda.is_available() is False); "
+                          "use --device cpu or auto")
+    device = "cuda" if cuda and requested != "cpu" else "cpu"
+    if device == "cuda" and local_ranks > torch.cuda.device_count():
+        raise ConfigError(f"{local_ranks} ranks need a GPU each; this machine has {torch.cuda.device_count()} "
+                          f"(use a --cluster of that many GPUs, or --device cpu)")
+    return device
+
+
+def init_rank_process_group(requested: str = "auto") -> torch.device:
+    """This rank's process group for ``--device requested`` (``choose_device``): NCCL with the rank
+    on ``cuda:LOCAL_RANK``, or gloo on CPU ranks (the check mode turned on there when asked).
+    Returns the rank's device."""
+    if requested == "cpu" and torch.cuda.is_available():
+        raise ConfigError("--device cpu: these ranks see CUDA, and megatron runs on CPU ranks only where it is "
+                          "absent; start them with CUDA_VISIBLE_DEVICES= (as the megatron-ext launcher does)")
+    if choose_device(requested, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl", device_id=rank_device())
     else:
         maybe_enable_device_check()

@@ -52,7 +52,7 @@ warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 
 from megatron_ext.runtime.attention import (BACKENDS, UlyssesAttention, UlyssesPackedSeqParams,  # noqa: E402
                                             available_backends)
-from megatron_ext.runtime.device import init_rank_process_group, rank_device  # noqa: E402
+from megatron_ext.runtime.device import DEVICE_CHOICES, choose_device, init_rank_process_group, rank_device  # noqa: E402
 from megatron_ext.runtime.timing import DeviceClock  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", default="128,256,512,1024,2048,3072",
                    help="comma-separated sequence lengths of the compute sweep")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median is kept)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+    p.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
                    help="where the ranks run: cuda (NCCL, one GPU per rank), cpu (gloo), or auto: cuda where "
                         "there is CUDA (default auto)")
     p.add_argument("--dtype", choices=list(DTYPES), help="the model's dtype (default: bf16 on cuda, fp32 on cpu)")
@@ -83,15 +83,8 @@ def check_args(args, local_ranks: int) -> tuple[str, str]:
     """Refuse what cannot run here before any rank starts (the launcher calls it, for the
     ``local_ranks`` it starts on this machine, and every rank again). Returns the device type the
     ranks run on ("cuda" or "cpu") and the dtype name."""
-    cuda = torch.cuda.is_available()
-    if args.device == "cuda" and not cuda:
-        raise ConfigError("--device cuda: CUDA is not available here (torch.cuda.is_available() is False); "
-                          "use --device cpu or auto")
-    device = "cuda" if cuda and args.device != "cpu" else "cpu"
+    device = choose_device(args.device, local_ranks)
     dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
-    if device == "cuda" and local_ranks > torch.cuda.device_count():
-        raise ConfigError(f"{local_ranks} ranks need a GPU each; this machine has {torch.cuda.device_count()} "
-                          f"(use a --cluster of that many GPUs)")
     usable = available_backends() if device == "cuda" else ["sdpa"]  # flash and TE run on CUDA tensors only
     if args.attention_backend not in ("auto", *usable):
         raise ConfigError(f"--attention-backend {args.attention_backend} cannot run on this {device} profile "
@@ -470,11 +463,8 @@ def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int, setup:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.device == "cpu" and torch.cuda.is_available():
-            raise ConfigError("--device cpu: these ranks see CUDA, and megatron runs on CPU ranks only where it is "
-                              "absent; start them with CUDA_VISIBLE_DEVICES= (as `megatron-ext profile` does)")
         _, dtype_name = check_args(args, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        init_rank_process_group()
+        init_rank_process_group(args.device)
         try:
             device = rank_device()
             return _profile(args, RankSetup(device, dtype_name, args.attention_backend, DeviceClock(device)))

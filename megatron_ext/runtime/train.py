@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.data.datasets import DataError
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.planner import PLANNERS, PlannerOptions
-from megatron_ext.runtime.device import init_rank_process_group, rank_device
+from megatron_ext.runtime.device import DEVICE_CHOICES, init_rank_process_group, rank_device
 from megatron_ext.runtime.timing import DeviceClock
 from megatron_ext.report import advice, fidelity, layout_counts, layouts_text, step_layout
 from megatron_ext.spec import ModelSpec
@@ -43,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "share of the batch")
     p.add_argument("--model", default="tiny", help="model preset or YAML (its layers, hidden size and heads)")
     p.add_argument("--cluster", default="cpu-4", help="cluster preset or YAML: its GPU count is the rank count")
+    p.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
+                   help="where the ranks run: cuda (NCCL, one GPU per rank), cpu (gloo), or auto: cuda where there "
+                   "is CUDA (default auto)")
     p.add_argument("--cost-model", metavar="PATH", help="cost-model YAML (overrides --model/--cluster)")
     p.add_argument("--steps", type=int, default=5, help="training steps")
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step")
@@ -162,6 +166,24 @@ def open_training_data(values: list[str], vocab_size: int | None) -> TrainingDat
     return TrainingData(prefixes, docs, sizes, weights, toks[0].vocab_size, toks[0].pad)
 
 
+# build_optimizer: megatron's Adam without the distributed optimizer, under DDP: every rank holds
+# every model state (ZeRO 0), and the planner must budget that.
+TRAIN_ZERO_STAGE = 0
+
+
+def train_cost_model(args) -> CostModel:
+    """The cost model a run plans with: ``--cost-model``, else the ``--model`` and ``--cluster``
+    presets, at the ZeRO stage ``train`` runs (a YAML stating another stage is refused)."""
+    if not args.cost_model:
+        return CostModel.from_presets(args.model, args.cluster, TRAIN_ZERO_STAGE)
+    cost = CostModel.from_yaml(args.cost_model, TRAIN_ZERO_STAGE)
+    if cost.zero_stage != TRAIN_ZERO_STAGE:
+        raise ConfigError(f"--cost-model {args.cost_model} says zero_stage: {cost.zero_stage}, but train keeps every "
+                          f"model state on every rank (stage {TRAIN_ZERO_STAGE}: no distributed optimizer); "
+                          f"drop the stage from the file or make it {TRAIN_ZERO_STAGE}")
+    return cost
+
+
 def check_args(args, cost: CostModel, world: int) -> bool:
     """Refuse what cannot run, before anything starts (the launcher calls it too). Returns
     whether the planner plans pipelines (``auto`` included: its steps are FlexSP or pipelines of
@@ -211,7 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     # megatron-core says, once per rank and module, that CPU runs use its plain-torch fallbacks.
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
     warnings.filterwarnings("ignore", message=r"full scope is deprecated")
-    init_rank_process_group()
+    try:
+        init_rank_process_group(args.device)
+    except MegatronExtError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"megatron-ext: error: {e}", file=sys.stderr)
+        return 2
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         return _train(args, rank, world)
@@ -234,7 +261,7 @@ def _train(args, rank: int, world: int) -> int:
     from megatron_ext.runtime.pipeline import build_pipeline_model, forward_backward_elastic, stage_state_dict
     from megatron_ext.runtime.schedule import forward_backward_flexsp
 
-    cost = CostModel.from_yaml(args.cost_model) if args.cost_model else CostModel.from_presets(args.model, args.cluster)
+    cost = train_cost_model(args)
     pipelined = check_args(args, cost, world)
     apply_cpu_compat()
     device = rank_device()

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PATCHES = ROOT / "patches/core_v0.16.1"
-SCRIPTS = sorted([ROOT / "scripts/apply_patches.sh", ROOT / "scripts/run_local.sh",
+SCRIPTS = sorted([ROOT / "scripts/apply_patches.sh", ROOT / "scripts/run_local.sh", ROOT / "scripts/gpu_smoke.sh",
                   *(ROOT / "scripts/slurm").glob("*.sh"), *(ROOT / "scripts/slurm").glob("*.sbatch")])
 TOUCHED = {"pretrain_gpt.py", "megatron/training/training.py", "megatron/training/arguments.py"}
 HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
@@ -262,3 +262,15 @@ def test_sbatch_headers():
         body = text.split("\n")
         first_code = next(i for i, ln in enumerate(body) if ln.strip() and not ln.startswith("#"))
         assert all(i < first_code for i, ln in enumerate(body) if ln.startswith("#SBATCH"))
+
+
+def test_gpu_smoke_refuses_without_cuda():
+    import sys
+
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the smoke test would run")
+    done = subprocess.run(["bash", str(ROOT / "scripts/gpu_smoke.sh"), "--python", sys.executable],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().count("\n") == 0 and "no CUDA GPU here" in done.stderr, done.stderr

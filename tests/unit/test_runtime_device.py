@@ -1,0 +1,39 @@
+"""Device choice and train's ZeRO stage (runtime/device.py, runtime/train.py): what runs where,
+refused in one line before any rank starts."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from megatron_ext.errors import ConfigError
+from megatron_ext.runtime.device import choose_device, rank_device
+from megatron_ext.runtime.train import TRAIN_ZERO_STAGE, train_cost_model
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU machines only")
+def test_device_choice_without_cuda():
+    assert choose_device("auto", 4) == "cpu" and choose_device("cpu", 64) == "cpu"
+    assert rank_device() == torch.device("cpu")
+    with pytest.raises(ConfigError, match="--device cuda: CUDA is not available"):
+        choose_device("cuda", 1)
+
+
+def _args(**kw):
+    return argparse.Namespace(**{"cost_model": None, "model": "tiny", "cluster": "cpu-4", **kw})
+
+
+def test_train_plans_at_the_stage_it_runs(tmp_path):
+    preset = train_cost_model(_args())
+    assert preset.zero_stage == TRAIN_ZERO_STAGE == 0
+    # every model state on every rank: fewer tokens fit than the ZeRO-3 preset default claims
+    from megatron_ext.cost import CostModel
+    assert preset.token_capacity(1) < CostModel.from_presets("tiny", "cpu-4").token_capacity(1)
+    unstated = tmp_path / "cost.yaml"
+    unstated.write_text("model: tiny\ncluster: cpu-4\n")
+    assert train_cost_model(_args(cost_model=str(unstated))).zero_stage == 0
+    stated = tmp_path / "zero3.yaml"
+    stated.write_text("model: tiny\ncluster: cpu-4\nzero_stage: 3\n")
+    with pytest.raises(ConfigError, match="says zero_stage: 3, but train keeps every model state on every rank"):
+        train_cost_model(_args(cost_model=str(stated)))
