@@ -40,7 +40,10 @@ block-diagonal mask on CUDA up to a size, else one causal call per sequence, alw
 masked calls are slow; a mask, where one is needed, is rebuilt for the backward rather than kept,
 so activations stay linear in tokens), ``"flash"`` (flash-attn ``flash_attn_varlen_func``) and ``"te"`` (Transformer Engine
 ``DotProductAttention`` in "thd" format); the last two need CUDA and are only imported when
-chosen. ``"auto"`` picks flash, then TE, when installed and the tensors are on CUDA, else SDPA.
+chosen. ``"auto"`` picks flash, then TE, where installed and their kernels take the tensors (CUDA,
+fp16/bf16, sm80+, head_dim a multiple of 8 up to 256), else SDPA; when TE itself finds no kernel
+for the inputs (its cuDNN or GPU), ``"auto"`` runs SDPA instead. ``_resolve_backend`` is the one
+place that decides.
 
 RoPE must use each token's position inside its own sequence, not its place in the shard:
 ``use_true_positions_for_rope(model)`` makes GPTModel's RotaryEmbedding return, for a
@@ -52,7 +55,11 @@ Token-level slices (elastic pipelines): a packed entry may be the piece ``[start
 longer sequence (``UlyssesPackedSeqParams.build(..., starts=, keys=, continues=, prefix_cache=)``).
 Its tokens sit at their true positions, it attends to the cached K/V of the sequence's earlier
 pieces, and the gradient of that prefix is carried back to them (``runtime/slices.py``); without
-those arguments nothing changes.
+those arguments nothing changes. Every backend runs slices: flash and TE over keys laid out
+``[prefix; own]`` per sequence (``cu_seqlens_kv`` apart from ``cu_seqlens_q``) with the causal mask
+aligned bottom-right (flash-attn >= 2.1's ``causal=True``; TE's ``"padding_causal_bottom_right"``),
+SDPA without any slice x prefix mask (``prefix_sdpa``: the prefix and the slice's own keys as two
+kernel calls merged by their log-sum-exps).
 
 Without ``UlyssesPackedSeqParams`` the module still works: with megatron's own ``thd``
 PackedSeqParams (``cu_seqlens_q``) it attends within each packed sequence locally, and with no
@@ -65,6 +72,7 @@ import copy
 import functools
 import importlib
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -92,6 +100,10 @@ SDPA_DENSE_MASK_MAX_ELEMENTS = {"cuda": 1 << 22, "cpu": 0}
 
 def dense_mask_fits(rows: int, cols: int, device) -> bool:
     return rows * cols <= SDPA_DENSE_MASK_MAX_ELEMENTS.get(torch.device(device).type, 0)
+
+
+# dtypes the CPU flash-attention kernels (forward and backward) are used for here
+_CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
 # ---- all-to-all ----------------------------------------------------------------------------------
@@ -330,39 +342,100 @@ def _fold_kv(grad: Tensor, heads: int) -> Tensor:
     return grad.unflatten(1, (heads, grad.shape[1] // heads)).sum(2) if grad.shape[1] != heads else grad
 
 
-class _PrefixCausalFlashCPU(torch.autograd.Function):
-    """A slice's attention over [its prefix's keys (all visible); its own keys (causal)] as two
-    mask-free CPU flash calls merged by their log-sum-exps. The backward runs each part's flash
-    backward against the merged output and log-sum-exp, which gives exactly each part's gradient
-    (the probabilities are those of the union). q [1, hq, s, d]; prefix and own K/V [1, hk, ., d]."""
+# A slice's attention over its prefix (every key visible) and its own keys (causal), without a mask
+# over the prefix: each part is one fused kernel call that also returns its log-sum-exps, and the
+# two are merged by them. Kernels by device: CPU flash attention (no dropout) and, elsewhere, the
+# memory-efficient kernel (CUDA; the meta device runs it for shapes only). Their log-sum-exps are
+# float32 [b, h, s], padded on CUDA to a multiple of 32 rows with +inf (no weight in the backward).
+
+def _cpu_flash_forward(q, k, v, causal, scale, dropout_p):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse, None
+
+
+def _cpu_flash_backward(grad, q, k, v, out, lse, rng, causal, scale, dropout_p):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal,
+                                                                               scale=scale)
+
+
+def _efficient_forward(q, k, v, causal, scale, dropout_p):
+    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p,
+                                                                                    causal, scale=scale)
+    return out, lse, (seed, offset)  # the backward regenerates the dropout mask from the seed
+
+
+def _efficient_backward(grad, q, k, v, out, lse, rng, causal, scale, dropout_p):
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad, q, k, v, None, out, lse, rng[0], rng[1], dropout_p, [True, True, True, False], causal, scale=scale)
+    return dq, dk, dv
+
+
+def _lse_kernels(q: Tensor, dropout_p: float):
+    """(forward, backward) of a fused kernel that takes ``q`` and returns log-sum-exps, or None."""
+    if q.device.type == "cpu":
+        return (_cpu_flash_forward, _cpu_flash_backward) if dropout_p == 0.0 and q.dtype in _CPU_FLASH_DTYPES else None
+    if q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.shape[-1] % 8 == 0:
+        return _efficient_forward, _efficient_backward
+    return None
+
+
+class _PrefixAttention(torch.autograd.Function):
+    """q [1, hq, s, d] over its prefix's K/V (all visible) and its own K/V [1, hk, ., d] (causal or
+    not) as two kernel calls merged by their log-sum-exps. The backward runs each part's kernel
+    backward against the merged output and log-sum-exp, which gives exactly that part's gradient
+    (the probabilities are those of the union). Saved: q, the K/V, the output and the log-sum-exps."""
 
     @staticmethod
-    def forward(ctx, q, kp, vp, ko, vo, scale):
-        g = q.shape[1] // kp.shape[1]
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        o1, l1 = flash(q, _expand_kv(kp, g), _expand_kv(vp, g), 0.0, False, scale=scale)
-        o2, l2 = flash(q, _expand_kv(ko, g), _expand_kv(vo, g), 0.0, True, scale=scale)
+    def forward(ctx, q, kp, vp, ko, vo, causal, scale, dropout_p, kernels):
+        g, s = q.shape[1] // kp.shape[1], q.shape[2]
+        forward_kernel = kernels[0]
+        o1, l1, rng1 = forward_kernel(q, _expand_kv(kp, g), _expand_kv(vp, g), False, scale, dropout_p)
+        o2, l2, rng2 = forward_kernel(q, _expand_kv(ko, g), _expand_kv(vo, g), causal, scale, dropout_p)
         lse = torch.logaddexp(l1, l2)
-        out = o1 * torch.exp(l1 - lse).unsqueeze(-1) + o2 * torch.exp(l2 - lse).unsqueeze(-1)
+        w1, w2 = (torch.exp(l[..., :s] - lse[..., :s]).unsqueeze(-1) for l in (l1, l2))
+        out = (o1 * w1 + o2 * w2).to(q.dtype)
         ctx.save_for_backward(q, kp, vp, ko, vo, out, lse)
-        ctx.scale, ctx.groups = scale, g
+        ctx.causal, ctx.scale, ctx.dropout_p, ctx.kernels, ctx.rng = causal, scale, dropout_p, kernels, (rng1, rng2)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, kp, vp, ko, vo, out, lse = ctx.saved_tensors
-        g, grad = ctx.groups, grad.contiguous()
-        flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        dq1, dkp, dvp = flash_bwd(grad, q, _expand_kv(kp, g), _expand_kv(vp, g), out, lse, 0.0, False, scale=ctx.scale)
-        dq2, dko, dvo = flash_bwd(grad, q, _expand_kv(ko, g), _expand_kv(vo, g), out, lse, 0.0, True, scale=ctx.scale)
-        hk = kp.shape[1]
-        return dq1 + dq2, _fold_kv(dkp, hk), _fold_kv(dvp, hk), _fold_kv(dko, hk), _fold_kv(dvo, hk), None
+        g, hk, grad = q.shape[1] // kp.shape[1], kp.shape[1], grad.contiguous()
+        backward_kernel, p = ctx.kernels[1], ctx.dropout_p
+        dq1, dkp, dvp = backward_kernel(grad, q, _expand_kv(kp, g), _expand_kv(vp, g), out, lse, ctx.rng[0], False,
+                                        ctx.scale, p)
+        dq2, dko, dvo = backward_kernel(grad, q, _expand_kv(ko, g), _expand_kv(vo, g), out, lse, ctx.rng[1],
+                                        ctx.causal, ctx.scale, p)
+        return (dq1 + dq2, _fold_kv(dkp, hk), _fold_kv(dvp, hk), _fold_kv(dko, hk), _fold_kv(dvo, hk),
+                None, None, None, None)
 
 
-def prefix_causal_sdpa(q: Tensor, kp: Tensor, vp: Tensor, ko: Tensor, vo: Tensor, scale: float) -> Tensor:
-    """Causal attention of a slice at true positions: ``q`` [1, hq, s, d] over its prefix's K/V
-    ``kp``/``vp`` (all visible) and its own ``ko``/``vo`` [1, hk, s, d]; no mask built."""
-    return _PrefixCausalFlashCPU.apply(q, kp, vp, ko, vo, scale)
+def _prefix_attention_unfused(q, kp, vp, ko, vo, causal: bool, scale: float, dropout_p: float) -> Tensor:
+    """The same attention with explicit scores, for inputs no fused kernel above takes (dropout on
+    CPU, float64 on CUDA, ...): like any unfused attention it holds slice x (prefix + slice) scores
+    per head; the only mask is the slice's own [s, s] triangle."""
+    g, s, c = q.shape[1] // kp.shape[1], q.shape[2], kp.shape[2]
+    prefix_scores = torch.matmul(q, _expand_kv(kp, g).transpose(-1, -2)) * scale
+    own_scores = torch.matmul(q, _expand_kv(ko, g).transpose(-1, -2)) * scale
+    if causal:
+        own_scores = own_scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    softmax_dtype = torch.promote_types(q.dtype, torch.float32)  # at least fp32 for half inputs
+    probs = torch.softmax(torch.cat([prefix_scores, own_scores], -1), -1, dtype=softmax_dtype).to(q.dtype)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, dropout_p)
+    return torch.matmul(probs[..., :c], _expand_kv(vp, g)) + torch.matmul(probs[..., c:], _expand_kv(vo, g))
+
+
+def prefix_sdpa(q: Tensor, kp: Tensor, vp: Tensor, ko: Tensor, vo: Tensor, causal: bool, scale: float,
+                dropout_p: float = 0.0) -> Tensor:
+    """Attention of a slice at its true positions: ``q`` [1, hq, s, d] over its prefix's K/V
+    ``kp``/``vp`` [1, hk, c, d] (all visible) and its own ``ko``/``vo`` [1, hk, s, d] (up to each
+    query when ``causal``). No [s, c] mask is built and nothing of that size is kept for the backward."""
+    kernels = _lse_kernels(q, dropout_p)
+    if kernels is None:
+        return _prefix_attention_unfused(q, kp, vp, ko, vo, causal, scale, dropout_p)
+    return _PrefixAttention.apply(q, kp, vp, ko, vo, causal, scale, dropout_p, kernels)
 
 
 def _additive(mask: Tensor, dtype) -> Tensor:
@@ -373,14 +446,14 @@ def masked_sdpa(qb: Tensor, kb: Tensor, vb: Tensor, make_mask, scale: float, dro
     """Attention of ``qb`` [1, hq, S, d] over ``kb``/``vb`` [1, hk, S_k, d] where ``make_mask()``
     (bool [S, S_k], True = may attend) allows; GQA when hk < hq. On CPU without dropout the mask
     is not kept for the backward (``_MaskedFlashCPU``)."""
-    if qb.device.type == "cpu" and dropout_p == 0.0 and qb.dtype in (torch.float32, torch.float64, torch.bfloat16):
+    if qb.device.type == "cpu" and dropout_p == 0.0 and qb.dtype in _CPU_FLASH_DTYPES:
         return _MaskedFlashCPU.apply(qb, kb, vb, make_mask, scale)
     return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=make_mask(), dropout_p=dropout_p, scale=scale,
                                           enable_gqa=qb.shape[1] != kb.shape[1])
 
 
-def _sdpa_packed(q: Tensor, k: Tensor, v: Tensor, bounds: Sequence[int], causal: bool, scale: float,
-                 dropout_p: float) -> Tensor:
+def sdpa_packed(q: Tensor, k: Tensor, v: Tensor, bounds: Sequence[int], causal: bool, scale: float,
+                dropout_p: float) -> Tensor:
     """q [S, hq, dh], k/v [S, hk, dh] -> [S, hq, dh], attention within each segment."""
     S = q.shape[0]
     gqa = q.shape[1] != k.shape[1]
@@ -424,6 +497,78 @@ def available_backends() -> list[str]:
                              ("te", cuda and _te_pytorch() is not None)) if ok] + ["sdpa"])
 
 
+def _te_mask_types() -> tuple:
+    """The attn_mask_type values the installed Transformer Engine knows ("padding_causal_bottom_right",
+    which slices need, since TE 1.9)."""
+    return getattr(_optional("transformer_engine.pytorch.constants"), "AttnMaskTypes", ())
+
+
+# The order "auto" tries the GPU backends in; SDPA comes last and always runs.
+AUTO_ORDER = ("flash", "te")
+
+
+def _gpu_refusal(t: Tensor, auto: bool) -> Optional[str]:
+    """Why flash-attn's and TE's kernels cannot take ``t``, or None. A backend asked for by name needs
+    CUDA tensors (the library reports anything else itself); "auto" also wants what both libraries'
+    fast kernels need, so that it never picks one that then refuses."""
+    if not t.is_cuda:
+        return "needs CUDA tensors; use 'sdpa' or 'auto' on CPU"
+    if not auto:
+        return None
+    if t.dtype not in (torch.float16, torch.bfloat16):
+        return f"runs fp16 / bf16, not {t.dtype}"
+    if torch.cuda.get_device_capability(t.device) < (8, 0):
+        return "needs compute capability 8.0 or newer"
+    if t.shape[-1] % 8 or t.shape[-1] > 256:
+        return f"needs head_dim a multiple of 8 up to 256, not {t.shape[-1]}"
+    return None
+
+
+def _backend_refusal(backend: str, t: Tensor, sliced: bool, auto: bool) -> Optional[str]:
+    """Why ``backend`` cannot run attention over ``t`` (with prefix K/V when ``sliced``), or None."""
+    if backend == "sdpa":
+        return None
+    reason = _gpu_refusal(t, auto)
+    if reason is not None:
+        return reason
+    if backend == "flash":
+        return None if _flash_varlen() is not None else "needs the flash-attn package"
+    if _te_pytorch() is None:
+        return "needs Transformer Engine"
+    if sliced and "padding_causal_bottom_right" not in _te_mask_types():
+        return ("cannot attend from a slice to its prefix K/V: this Transformer Engine has no "
+                "'padding_causal_bottom_right' mask (TE >= 1.9 has); use 'flash' or 'sdpa'")
+    return None
+
+
+def _is_te_refusal(err: Exception) -> bool:
+    """Whether ``err`` is DotProductAttention finding no kernel for its inputs (a ValueError since TE
+    1.12, a plain Exception before; raised before any work is done)."""
+    return str(err).startswith("No dot product attention")
+
+
+def _prepend_prefixes(k: Tensor, v: Tensor, bounds: Sequence[int], prefixes: Sequence):
+    """Keys and values laid out ``[prefix; own]`` per segment, and their segment boundaries (the
+    ``cu_seqlens_kv`` of varlen kernels, whose ``cu_seqlens_q`` stays ``bounds``)."""
+    ks, vs, kv_bounds = [], [], [0]
+    for (a, b), prefix in zip(zip(bounds[:-1], bounds[1:]), prefixes):
+        if prefix is not None:
+            ks.append(prefix[0].to(k.dtype))
+            vs.append(prefix[1].to(v.dtype))
+        ks.append(k[a:b])
+        vs.append(v[a:b])
+        kv_bounds.append(kv_bounds[-1] + (b - a) + (0 if prefix is None else prefix[0].shape[0]))
+    return torch.cat(ks), torch.cat(vs), kv_bounds
+
+
+def _te_no_kernel_message(sliced: bool) -> str:
+    mask = "'padding_causal_bottom_right' over THD, cu_seqlens_kv != cu_seqlens_q" if sliced else "THD"
+    return (f"Transformer Engine has no kernel for this attention ({mask}): it needs flash-attn installed, or "
+            "a cuDNN FusedAttention that takes it (recent TE: THD on sm90+, bottom-right causal from cuDNN 9.6 "
+            "and without dropout); NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 prints TE's reasons. Use 'flash', 'sdpa' "
+            "or 'auto'")
+
+
 # ---- the core attention module -------------------------------------------------------------------
 
 class UlyssesAttention(MegatronModule):
@@ -462,53 +607,72 @@ class UlyssesAttention(MegatronModule):
         # the softmax (an fp16 range trick): the net scale is the plain one.
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self._te_modules: dict = {}  # per (heads, kv heads): TE modules hold no parameters
+        self._te_modules: dict = {}  # per (heads, kv heads, sliced): TE modules hold no parameters
 
     # -- backends --
-    def _resolve_backend(self, t: Tensor) -> str:
+    def _resolve_backend(self, t: Tensor, sliced: bool = False) -> str:
+        """The backend of one call over ``t`` (``sliced``: some segment attends to prefix K/V). A
+        named backend that cannot run it is refused with the reason; "auto" takes the first of
+        AUTO_ORDER that can, else SDPA."""
         if self.backend != "auto":
+            reason = _backend_refusal(self.backend, t, sliced, auto=False)
+            if reason is not None:
+                raise RuntimeError(f"attention backend {self.backend!r} {reason}")
             return self.backend
-        if t.is_cuda and t.dtype in (torch.float16, torch.bfloat16):
-            if _flash_varlen() is not None:
-                return "flash"
-            if _te_pytorch() is not None:
-                return "te"
-        return "sdpa"
+        return next((b for b in AUTO_ORDER if _backend_refusal(b, t, sliced, auto=True) is None), "sdpa")
 
-    def _packed(self, q, k, v, bounds, causal, cache) -> Tensor:
-        """q [S, hq, dh], k/v [S, hk, dh] over the segments ``bounds`` -> [S, hq, dh]."""
+    def _packed(self, q, k, v, bounds, causal, cache, prefixes=None) -> Tensor:
+        """q [S, hq, dh], k/v [S, hk, dh] over the segments ``bounds`` -> [S, hq, dh]. ``prefixes``
+        (pieces of split sequences): per segment None or the (K, V) [C, hk, dh] of its sequence's
+        earlier positions, which it sees whole. ``cache``: per-micro-batch dict for cu_seqlens."""
         p = self.dropout_p if self.training else 0.0
-        backend = self._resolve_backend(q)
-        if backend == "sdpa":
-            return _sdpa_packed(q, k, v, bounds, causal, self.softmax_scale, p)
-        if not q.is_cuda:
-            raise RuntimeError(f"attention backend {backend!r} needs CUDA tensors; use 'sdpa' or 'auto' on CPU")
-        cu = cache.get("cu") if cache is not None else None
-        if cu is None:
-            cu = torch.tensor(bounds, dtype=torch.int32, device=q.device)
-            if cache is not None:
-                cache["cu"] = cu
-        max_len = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-        if backend == "flash":
-            fn = _flash_varlen()
-            if fn is None:
-                raise RuntimeError("attention backend 'flash' needs the flash-attn package")
-            return fn(q, k, v, cu, cu, max_len, max_len, dropout_p=p, softmax_scale=self.softmax_scale,
-                      causal=causal)
-        te = _te_pytorch()
-        if te is None:
-            raise RuntimeError("attention backend 'te' needs Transformer Engine")
+        sliced = prefixes is not None
+        backend = self._resolve_backend(q, sliced)
+        if backend != "sdpa":
+            k_all, v_all, kv_bounds = _prepend_prefixes(k, v, bounds, prefixes) if sliced else (k, v, bounds)
+            cu = cache.get("cu") if cache is not None else None
+            if cu is None:
+                cu_q = torch.tensor(bounds, dtype=torch.int32, device=q.device)
+                cu = (cu_q, torch.tensor(kv_bounds, dtype=torch.int32, device=q.device) if sliced else cu_q)
+                if cache is not None:
+                    cache["cu"] = cu
+            max_q = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+            max_kv = max(b - a for a, b in zip(kv_bounds[:-1], kv_bounds[1:]))
+            if backend == "flash":  # causal=True aligns bottom-right (flash-attn >= 2.1): a slice sees its prefix
+                return _flash_varlen()(q, k_all, v_all, cu[0], cu[1], max_q, max_kv, dropout_p=p,
+                                       softmax_scale=self.softmax_scale, causal=causal)
+            try:
+                return self._te(q, k_all, v_all, cu, max_q, max_kv, causal, sliced)
+            except Exception as err:  # noqa: BLE001 - TE's "no kernel" is a plain Exception before TE 1.12
+                if not _is_te_refusal(err):
+                    raise
+                if self.backend != "auto":
+                    raise RuntimeError(_te_no_kernel_message(sliced)) from err
+                warnings.warn(f"{_te_no_kernel_message(sliced)}; 'auto' runs SDPA for it", stacklevel=2)
+        if sliced:
+            from megatron_ext.runtime.slices import prefixed_attention
+
+            return prefixed_attention(q, k, v, bounds, prefixes, causal, self.softmax_scale, p)
+        return sdpa_packed(q, k, v, bounds, causal, self.softmax_scale, p)
+
+    def _te(self, q, k, v, cu, max_q, max_kv, causal, sliced) -> Tensor:
+        """Transformer Engine's DotProductAttention in "thd" format. With prefixes the keys outnumber
+        the queries per segment: cross-attention, causal aligned bottom-right."""
         hq, hk = q.shape[1], k.shape[1]
-        mod = self._te_modules.get((hq, hk))
+        if causal:
+            mask_type = "padding_causal_bottom_right" if sliced else "padding_causal"
+        else:
+            mask_type = "padding"
+        mod = self._te_modules.get((hq, hk, sliced))
         if mod is None:
-            mod = te.DotProductAttention(num_attention_heads=hq, kv_channels=self.head_dim, num_gqa_groups=hk,
-                                         attention_dropout=self.dropout_p, qkv_format="thd",
-                                         attn_mask_type="padding_causal" if causal else "padding",
-                                         softmax_scale=self.softmax_scale, layer_number=self.layer_number)
-            self._te_modules[(hq, hk)] = mod
+            mod = _te_pytorch().DotProductAttention(
+                num_attention_heads=hq, kv_channels=self.head_dim, num_gqa_groups=hk, attention_dropout=self.dropout_p,
+                qkv_format="thd", attn_mask_type=mask_type, attention_type="cross" if sliced else "self",
+                softmax_scale=self.softmax_scale, layer_number=self.layer_number)
+            self._te_modules[(hq, hk, sliced)] = mod
         mod.train(self.training)
-        out = mod(q, k, v, qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
-                  max_seqlen_kv=max_len, attn_mask_type="padding_causal" if causal else "padding")
+        out = mod(q, k, v, qkv_format="thd", cu_seqlens_q=cu[0], cu_seqlens_kv=cu[1], max_seqlen_q=max_q,
+                  max_seqlen_kv=max_kv, attn_mask_type=mask_type)
         return out.view(q.shape[0], hq, -1)
 
     # -- forward --

@@ -27,16 +27,13 @@ micro-batch has pieces of split sequences. A rank's cache holds its own layers o
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_ext.runtime.attention import dense_mask_fits, masked_sdpa, prefix_causal_sdpa
-
+from megatron_ext.runtime.attention import prefix_sdpa, sdpa_packed
 
 
 @dataclass
@@ -187,84 +184,34 @@ class _Inject:
 
 # ---- attention over packed segments, some with a prefix ---------------------------------------
 
-def _prefixed_layout(bounds: Sequence[int], prefix_lens: Sequence[int]) -> list[int]:
-    """Key-buffer boundaries when every segment's keys are [its prefix; its own keys]."""
-    kb = [0]
-    for (a, b), c in zip(zip(bounds[:-1], bounds[1:]), prefix_lens):
-        kb.append(kb[-1] + c + (b - a))
-    return kb
-
-
-def _prefixed_mask(bounds, kbounds, prefix_lens, causal: bool, device) -> Tensor:
-    """bool [S, S_ext]: query t of segment i sees its segment's keys (prefix first) up to its own
-    true position (prefix length + t) when causal, all of them otherwise."""
-    qs = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:])], device=device)
-    ks = torch.tensor([b - a for a, b in zip(kbounds[:-1], kbounds[1:])], device=device)
-    qseg = torch.repeat_interleave(torch.arange(len(qs), device=device), qs)
-    kseg = torch.repeat_interleave(torch.arange(len(ks), device=device), ks)
-    mask = qseg[:, None] == kseg[None, :]
-    if causal:
-        c = torch.tensor(list(prefix_lens), device=device)
-        qpos = torch.arange(int(qs.sum()), device=device) - torch.tensor(list(bounds[:-1]), device=device)[qseg] + c[qseg]
-        kpos = torch.arange(int(ks.sum()), device=device) - torch.tensor(list(kbounds[:-1]), device=device)[kseg]
-        mask &= kpos[None, :] <= qpos[:, None]
-    return mask
-
-
 def prefixed_attention(q: Tensor, k: Tensor, v: Tensor, bounds: Sequence[int], prefixes: Sequence, causal: bool,
-                       scale: float, dropout_p: float = 0.0, backend: str = "sdpa") -> Tensor:
-    """Attention within each packed segment of ``q`` [S, hq, dh], ``k``/``v`` [S, hk, dv], where
-    segment i (``bounds[i]:bounds[i+1]``) also attends to ``prefixes[i] = (pk, pv)`` ([C_i, hk, d])
-    or to nothing (None). Causal masking is at true positions: prefix keys are all visible, own
-    keys up to the query. Backends: "sdpa" (dense mask, or per segment when large) and "flash"
-    (varlen with separate key boundaries; flash-attn >= 2.1 aligns causal masks bottom-right)."""
-    plens = [0 if p is None else int(p[0].shape[0]) for p in prefixes]
-    ks, vs = [], []
-    for (a, b), p in zip(zip(bounds[:-1], bounds[1:]), prefixes):
-        if p is not None:
-            ks.append(p[0].to(k.dtype))
-            vs.append(p[1].to(v.dtype))
-        ks.append(k[a:b])
-        vs.append(v[a:b])
-    k_ext, v_ext = torch.cat(ks), torch.cat(vs)
-    kbounds = _prefixed_layout(bounds, plens)
-    if backend == "flash":
-        from megatron_ext.runtime.attention import _flash_varlen
+                       scale: float, dropout_p: float = 0.0) -> Tensor:
+    """SDPA within each packed segment of ``q`` [S, hq, dh], ``k``/``v`` [S, hk, dv], where segment i
+    (``bounds[i]:bounds[i+1]``) also attends to ``prefixes[i] = (pk, pv)`` ([C_i, hk, d], all visible:
+    they precede the segment) or to nothing (None). No mask covers a prefix: a segment with one runs
+    ``prefix_sdpa`` (the prefix and its own keys as two kernel calls merged by log-sum-exps), and
+    the runs of segments between such segments go through the packed path of whole sequences."""
+    def heads_first(t):
+        return t.transpose(0, 1).unsqueeze(0)  # [n, h, d] -> [1, h, n, d]
 
-        fn = _flash_varlen()
-        if fn is None or not q.is_cuda:
-            raise RuntimeError("prefix attention with backend 'flash' needs flash-attn and CUDA tensors")
-        cu_q = torch.tensor(list(bounds), dtype=torch.int32, device=q.device)
-        cu_k = torch.tensor(kbounds, dtype=torch.int32, device=q.device)
-        max_q = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-        max_k = max(b - a for a, b in zip(kbounds[:-1], kbounds[1:]))
-        return fn(q, k_ext, v_ext, cu_q, cu_k, max_q, max_k, dropout_p=dropout_p, softmax_scale=scale, causal=causal)
-    if backend != "sdpa":
-        raise NotImplementedError(f"prefix K/V attention supports the 'sdpa' and 'flash' backends, not {backend!r}")
-    gqa = q.shape[1] != k.shape[1]
-    S, S_ext = q.shape[0], k_ext.shape[0]
-    qb = q.transpose(0, 1).unsqueeze(0)
-    kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (k_ext, v_ext))
-    if dense_mask_fits(S, S_ext, q.device):
-        o = masked_sdpa(qb, kb, vb, functools.partial(_prefixed_mask, tuple(bounds), tuple(kbounds), tuple(plens),
-                                                      causal, q.device), scale, dropout_p)
-    else:
-        outs = []
-        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-            ka, kz = kbounds[i], kbounds[i + 1]
-            if plens[i] and causal and q.device.type == "cpu" and dropout_p == 0.0:
-                kc = ka + plens[i]  # the prefix's keys end here, the slice's own begin
-                outs.append(prefix_causal_sdpa(qb[:, :, a:b], kb[:, :, ka:kc], vb[:, :, ka:kc], kb[:, :, kc:kz],
-                                               vb[:, :, kc:kz], scale))
-            elif plens[i] and causal:
-                m = functools.partial(_prefixed_mask, (0, b - a), (0, kz - ka), (plens[i],), True, q.device)
-                outs.append(masked_sdpa(qb[:, :, a:b], kb[:, :, ka:kz], vb[:, :, ka:kz], m, scale, dropout_p))
-            else:
-                outs.append(F.scaled_dot_product_attention(qb[:, :, a:b], kb[:, :, ka:kz], vb[:, :, ka:kz],
-                                                           is_causal=causal, dropout_p=dropout_p, scale=scale,
-                                                           enable_gqa=gqa))
-        o = torch.cat(outs, dim=2)
-    return o.squeeze(0).transpose(0, 1)
+    def without_prefix(first: int, stop: int) -> Tensor:  # segments first..stop-1
+        a, b = bounds[first], bounds[stop]
+        return sdpa_packed(q[a:b], k[a:b], v[a:b], [x - a for x in bounds[first:stop + 1]], causal, scale, dropout_p)
+
+    outs, first = [], 0
+    for i, prefix in enumerate(prefixes):
+        if prefix is None:
+            continue
+        if first < i:
+            outs.append(without_prefix(first, i))
+        a, b = bounds[i], bounds[i + 1]
+        o = prefix_sdpa(heads_first(q[a:b]), heads_first(prefix[0].to(k.dtype)), heads_first(prefix[1].to(v.dtype)),
+                        heads_first(k[a:b]), heads_first(v[a:b]), causal, scale, dropout_p)
+        outs.append(o.squeeze(0).transpose(0, 1))
+        first = i + 1
+    if first < len(prefixes):
+        outs.append(without_prefix(first, len(prefixes)))
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 def sliced_attention(module, q: Tensor, k: Tensor, v: Tensor, params, causal: bool) -> Tensor:
@@ -273,7 +220,8 @@ def sliced_attention(module, q: Tensor, k: Tensor, v: Tensor, params, causal: bo
     ``q`` [S, hq, dh], ``k``/``v`` [S, hk, dh]: the whole group buffer after the all-to-all (this
     rank's heads). For every real segment with a prefix (start > 0) the prefix K/V comes from
     ``params.prefix_cache``; every segment whose sequence continues in a later chunk stores its K/V
-    and, when autograd records, gets its held prefix gradient added to its dK/dV in backward."""
+    and, when autograd records, gets its held prefix gradient added to its dK/dV in backward. The
+    module's backend runs the attention (``UlyssesAttention._packed``)."""
     cache: PrefixKVCache = params.prefix_cache
     layer = module.layer_number
     bounds = params.segment_bounds()
@@ -295,9 +243,5 @@ def sliced_attention(module, q: Tensor, k: Tensor, v: Tensor, params, causal: bo
             k.register_hook(_Inject(cache, layer, "k", rows))
         if v.requires_grad:
             v.register_hook(_Inject(cache, layer, "v", rows))
-    p = module.dropout_p if module.training else 0.0
-    backend = module._resolve_backend(q)
-    if backend == "te":
-        raise NotImplementedError("token-level slices (prefix K/V) are not supported with the 'te' backend; "
-                                  "use 'flash' or 'sdpa'")
-    return prefixed_attention(q, k, v, bounds, prefixes, causal, module.softmax_scale, p, backend)
+    has_prefix = any(p is not None for p in prefixes)  # first slices only store: plain packed attention
+    return module._packed(q, k, v, bounds, causal, params._cache, prefixes if has_prefix else None)
