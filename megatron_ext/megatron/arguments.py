@@ -78,8 +78,8 @@ import sys
 from dataclasses import dataclass, field
 
 from megatron_ext.errors import ConfigError, MegatronExtError
+from megatron_ext.runtime.backends import ATTENTION_BACKENDS
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "te")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
 OUR_FLAGS = ("--flexsp", "--elastic-pp")
 

@@ -89,7 +89,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 
-BACKENDS = ("auto", "sdpa", "flash", "te")
+from megatron_ext.runtime.backends import ATTENTION_BACKENDS, AUTO_ORDER
+
 
 # The SDPA backend runs one masked [S, S] call per micro-batch up to this many elements, by device
 # type, else one causal call per packed sequence. A masked kernel costs S^2 however short the
@@ -503,10 +504,6 @@ def _te_mask_types() -> tuple:
     return getattr(_optional("transformer_engine.pytorch.constants"), "AttnMaskTypes", ())
 
 
-# The order "auto" tries the GPU backends in; SDPA comes last and always runs.
-AUTO_ORDER = ("flash", "te")
-
-
 def _gpu_refusal(t: Tensor, auto: bool) -> Optional[str]:
     """Why flash-attn's and TE's kernels cannot take ``t``, or None. A backend asked for by name needs
     CUDA tensors (the library reports anything else itself); "auto" also wants what both libraries'
@@ -575,7 +572,7 @@ class UlyssesAttention(MegatronModule):
     """Drop-in ``core_attention`` for megatron-core's SelfAttention (in place of
     DotProductAttention / TEDotProductAttention), doing Ulysses SP over packed sequences when
     given a ``UlyssesPackedSeqParams``. Constructor and forward match DotProductAttention's;
-    ``backend`` (one of BACKENDS) is the one extra keyword, set through the layer spec
+    ``backend`` (one of ATTENTION_BACKENDS) is the one extra keyword, set through the layer spec
     (``get_gpt_layer_ulysses_spec(backend=...)``)."""
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
@@ -590,8 +587,8 @@ class UlyssesAttention(MegatronModule):
                                       f"got {config.softmax_type!r}")
         if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
             raise NotImplementedError("UlyssesAttention does not support sliding-window attention")
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown attention backend {backend!r}; one of {', '.join(BACKENDS)}")
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; one of {', '.join(ATTENTION_BACKENDS)}")
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
@@ -825,8 +822,8 @@ def use_true_positions_for_rope(model) -> None:
 
 def ulysses_core_attention(backend: str = "auto"):
     """The ``core_attention`` entry of a SelfAttentionSubmodules: UlyssesAttention with a backend."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; one of {', '.join(BACKENDS)}")
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; one of {', '.join(ATTENTION_BACKENDS)}")
     return UlyssesAttention if backend == "auto" else functools.partial(UlyssesAttention, backend=backend)
 
 

@@ -50,8 +50,9 @@ from megatron_ext.errors import ConfigError, MegatronExtError
 warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 
-from megatron_ext.runtime.attention import (BACKENDS, UlyssesAttention, UlyssesPackedSeqParams,  # noqa: E402
+from megatron_ext.runtime.attention import (UlyssesAttention, UlyssesPackedSeqParams,  # noqa: E402
                                             available_backends)
+from megatron_ext.runtime.backends import ATTENTION_BACKENDS  # noqa: E402
 from megatron_ext.runtime.device import DEVICE_CHOICES, choose_device, init_rank_process_group, rank_device  # noqa: E402
 from megatron_ext.runtime.timing import DeviceClock  # noqa: E402
 
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the ranks run: cuda (NCCL, one GPU per rank), cpu (gloo), or auto: cuda where "
                         "there is CUDA (default auto)")
     p.add_argument("--dtype", choices=list(DTYPES), help="the model's dtype (default: bf16 on cuda, fp32 on cpu)")
-    p.add_argument("--attention-backend", default="auto", choices=BACKENDS,
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="the core attention training will use (default auto: flash-attn, then Transformer Engine, "
                         "on CUDA in bf16, else SDPA)")
     p.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3],

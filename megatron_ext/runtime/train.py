@@ -26,6 +26,7 @@ from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.data.datasets import DataError
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.planner import PLANNERS, PlannerOptions
+from megatron_ext.runtime.backends import ATTENTION_BACKENDS
 from megatron_ext.runtime.device import DEVICE_CHOICES, init_rank_process_group, rank_device
 from megatron_ext.runtime.timing import DeviceClock
 from megatron_ext.report import advice, fidelity, layout_counts, layouts_text, step_layout
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --data: the model's vocabulary, every token id of the data checked to be below it "
                    "(needed for data not made by megatron_ext.data.corpus, which has no PREFIX.json tokenizer "
                    "manifest)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "flash", "te"])
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     p.add_argument("--json", action="store_true", help="one JSON record per step")
     p.add_argument("--run-dir", metavar="DIR", help="also write the records to DIR/steps.jsonl (for `megatron-ext report`)")
     return p
