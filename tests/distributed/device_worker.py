@@ -91,6 +91,22 @@ def megatron_step_report_passes_and_takes_the_slowest_rank():
 
 
 @check
+def megatron_step_report_of_a_host_tensor_is_refused():
+    """The report as it was: its times in a CPU tensor, which NCCL refuses ("No backend type
+    associated with device type cpu") at the end of a cluster run's first step."""
+    import megatron_ext.megatron.step as step_module
+
+    saved = step_module.rank_device
+    step_module.rank_device = lambda: torch.device("cpu")  # the host, as on a GPU machine
+    try:
+        with pytest.raises(DeviceDisciplineError, match="all_reduce on group WORLD: a host tensor"):
+            step_module.report_step(_step(), 1.0, [0.5, 0.25], writer=None, printer=lambda line: None,
+                                    args=types.SimpleNamespace(curr_iteration=0, log_interval=1, flexsp=True))
+    finally:
+        step_module.rank_device = saved
+
+
+@check
 def planning_loader_broadcast_passes():
     from megatron_ext.data.loader import broadcast_plan, check_plan_agreement, plan_digest
 
