@@ -18,7 +18,8 @@ from megatron_ext.data.lengths import read_lengths, sample_lengths
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.planner import PLANNERS, PlannerOptions, make_plan
 from megatron_ext.planner.api import BASELINES
-from megatron_ext.sim.commands import add_batch_source_args, add_pipeline_args, add_simulate_command, plot_if_asked
+from megatron_ext.sim.commands import (add_batch_source_args, add_pipeline_args, add_simulate_command, plot_if_asked,
+                                       trace_if_asked)
 from megatron_ext.text import plural
 
 
@@ -147,6 +148,7 @@ def cmd_plan(args) -> int:
                      baselines=() if args.no_baselines else BASELINES)
     print(plan.to_json(indent=1) if args.json else _plan_table(plan, lengths, cost, args.max_seq_len))
     plot_if_asked(args, plan, lengths, cost)
+    trace_if_asked(args, plan, lengths, cost)
     return 0
 
 

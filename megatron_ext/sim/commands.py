@@ -66,6 +66,9 @@ def add_pipeline_args(p) -> None:
     g.add_argument("--plot", metavar="FILE.png",
                    help="draw the plan: timeline (stages or GPUs x seconds) and memory per GPU over time "
                         f"({', '.join(PLOT_FORMATS)})")
+    g.add_argument("--trace", metavar="FILE.json",
+                   help="the simulated timeline as a Chrome trace (open it in ui.perfetto.dev): a track per GPU or "
+                        "stage, a slice per SP group, chunk, recompute and p2p transfer, memory counters")
     g = p.add_argument_group("elastic pipelines (elastic_pp, seq1f1b, batch_1f1b, auto)")
     g.add_argument("--pp", type=positive_int,
                    help="pipeline stages (default: one per node; on one node, the fewest that fit)")
@@ -94,6 +97,9 @@ def check_args(args, pipelines: bool) -> None:
     plot = getattr(args, "plot", None)
     if plot and not plot.lower().endswith(PLOT_FORMATS):
         raise ConfigError(f"--plot {plot}: the file name must end in {', '.join(PLOT_FORMATS)}")
+    trace = getattr(args, "trace", None)
+    if trace and not trace.lower().endswith(".json"):
+        raise ConfigError(f"--trace {trace}: the file name must end in .json (Chrome trace-event JSON)")
     given = [flag for name, flag in PIPELINE_ONLY.items() if getattr(args, name, None) is not None]
     if given and not pipelines:
         raise ConfigError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to pipeline planners "
@@ -135,6 +141,7 @@ def run_pp_plan(args, cost, lengths) -> int:
         if plan.pipelines:
             print("\n" + pipeline_tables(plan, lengths, cost, opts.b1_scale))
     plot_if_asked(args, plan, lengths, cost)
+    trace_if_asked(args, plan, lengths, cost)
     return 0
 
 
@@ -285,6 +292,24 @@ def plot_if_asked(args, plan, lengths, cost) -> None:
     print(f"plot written to {path}", file=sys.stderr)
 
 
+def trace_if_asked(args, plan, lengths, cost) -> None:
+    """``--trace FILE``: ``plan``'s simulated timeline as a Chrome trace in FILE; a note on stderr
+    says where."""
+    path = getattr(args, "trace", None)
+    if not path:
+        return
+    import sys
+
+    from megatron_ext.sim.trace import plan_trace_events, trace_document, write_trace
+
+    events = plan_trace_events(plan, lengths, cost, b1_scale=pipeline_options_from_args(args).b1_scale)
+    try:
+        write_trace(path, trace_document(events, model=cost.model.name, cluster=cost.cluster.name))
+    except OSError as e:
+        raise ConfigError(f"cannot write the trace to {path}: {e.strerror or e}") from None
+    print(f"trace of {plan.planner}'s plan written to {path} (open it in ui.perfetto.dev)", file=sys.stderr)
+
+
 def add_simulate_command(sub, add_cost_args, cost_from_args, parse_tokens) -> None:
     """Hook for cli.build_parser: ``add_simulate_command(sub, add_cost_args, cost_from_args, parse_tokens)``."""
     from megatron_ext.sim.table import DEFAULT_PLANNERS
@@ -326,18 +351,21 @@ def add_simulate_command(sub, add_cost_args, cost_from_args, parse_tokens) -> No
         out = simulate_table(cost, lengths=lengths, dist=args.dist, data=args.data, batch=args.batch, steps=args.steps,
                              seed=args.seed,
                              max_seq_len=args.max_seq_len, planners=planners, main=args.main, options=opts,
-                             time_limit=opts.time_limit, keep_plans=bool(args.plot))
+                             time_limit=opts.time_limit, keep_plans=bool(args.plot or args.trace))
         print(json.dumps({k: out[k] for k in ("config", "summary", "floor", "rows")}, indent=1) if args.json else out["table"])
+        if args.plot or args.trace:
+            main = out["config"]["main"]
+            first = out["plans"].get(main)
+            if first is None:
+                raise ConfigError(f"{'--plot' if args.plot else '--trace'}: {main} could not plan the first step, "
+                                  f"nothing to draw")
+            plan, lens = first
+            trace_if_asked(args, plan, lens, cost)
         if args.plot:
             import sys
 
             from megatron_ext.sim.plot import plot_comparison
 
-            main = out["config"]["main"]
-            first = out["plans"].get(main)
-            if first is None:
-                raise ConfigError(f"--plot: {main} could not plan the first step, nothing to draw")
-            plan, lens = first
             try:
                 plot_comparison(plan, lens, cost, out["summary"], main, args.plot, out["config"]["source"],
                                 b1_scale=opts.b1_scale)

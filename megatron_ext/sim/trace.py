@@ -1,0 +1,104 @@
+"""A step as Chrome trace-event JSON (``--trace FILE.json``): Perfetto (ui.perfetto.dev) and
+chrome://tracing open it.
+
+A timeline is one trace process (``planned``: the simulator's timeline of a plan); its tracks
+(threads) are the rows of ``--plot``'s timeline: one per GPU for FlexSP plans, one per stage (per
+replica and stage when replicas run side by side) for pipelines. Each interval of the timeline is
+a complete ("X") slice: an SP group's pass on each of its GPUs, a chunk's forward, backward or
+recompute on a stage, a p2p transfer after it; its ``args`` name what it runs (sequence ids, a
+chunk's pieces, the group's ranks). Memory per GPU is a counter track per row, in GB, with the
+budget beside it. Times are microseconds from the step's start. ``trace_document`` puts several
+timelines in one file (``train --trace``: planned and measured side by side).
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from megatron_ext.cost import CostModel
+from megatron_ext.plan.schema import StepPlan
+from megatron_ext.sim.simulator import simulate
+
+_KIND_NAMES = {"F": "forward", "B": "backward", "R": "recompute", "P2P": "p2p", "MB": "SP group"}
+
+
+def _us(seconds: float) -> float:
+    return round(float(seconds) * 1e6, 3)
+
+
+def process_events(pid: int, name: str, rows: list[str]) -> list[dict]:
+    """The metadata events naming a trace process and its tracks (sorted as given)."""
+    events = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}},
+              {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}}]
+    for tid, row in enumerate(rows):
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": row}})
+        events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+    return events
+
+
+def slice_event(pid: int, tid: int, name: str, kind: str, start_s: float, end_s: float, args: dict) -> dict:
+    return {"ph": "X", "pid": pid, "tid": tid, "name": name, "cat": _KIND_NAMES.get(kind, kind),
+            "ts": _us(start_s), "dur": _us(max(0.0, end_s - start_s)), "args": args}
+
+
+def row_names(plan: StepPlan, cost: CostModel) -> list[str]:
+    if plan.kind == "flexsp":
+        return [f"GPU {r}" for r in range(cost.num_gpus)]
+    stages = plan.pipelines[0].stages
+    replicas = cost.num_gpus // (stages * plan.pipelines[0].sp_degree)
+    return [f"replica {r} stage {p}" if replicas > 1 else f"stage {p}" for r in range(replicas) for p in range(stages)]
+
+
+def _what_runs(plan: StepPlan, lengths: np.ndarray):
+    """label of a simulator event -> (slice name without its kind, args)."""
+    if plan.kind == "flexsp":
+        groups = {(m, r): g for m, mb in enumerate(plan.micro_batches) for g in mb.groups for r in g.ranks}
+
+        def flexsp(label: str, where: int):
+            m = int(label[2:label.index(":")])
+            g = groups[(m, where)]
+            ids = [int(s) for s in g.seq_ids]
+            return (f"d{len(g.ranks)}: {len(ids)} seq",
+                    {"micro_batch": m, "ranks": list(g.ranks), "seq_ids": ids,
+                     "tokens": int(lengths[ids].sum()) if ids else 0})
+        return flexsp
+    several = len(plan.pipelines) > 1
+
+    def pipeline(label: str, where: int):
+        pi, cid = label.split(":")
+        pi, cid = int(pi[1:]), int(cid)
+        chunk = next(c for c in plan.pipelines[pi].chunks if c.id == cid)
+        pieces = [{"seq_id": p.seq_id, "start": p.start, "end": p.end} for p in chunk.pieces]
+        return (f"{pi}.{cid}" if several else f"{cid}",
+                {"pipeline": pi, "chunk": cid, "pieces": pieces, "tokens": sum(p.end - p.start for p in chunk.pieces)})
+    return pipeline
+
+
+def plan_trace_events(plan: StepPlan, lengths, cost: CostModel, *, pid: int = 1, process: str = "planned",
+                      b1_scale: float = 1.0, memory_mb: float | None = None) -> list[dict]:
+    """The simulated timeline of ``plan`` as trace events of process ``pid``."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    res = simulate(plan, lengths, cost, b1_scale=b1_scale, memory_mb=memory_mb, events=True)
+    rows = row_names(plan, cost)
+    events = process_events(pid, f"{process}: {plan.planner} ({plan.kind}), step {res.step_time_s:.3f} s", rows)
+    what = _what_runs(plan, lengths)
+    for e in res.events:
+        name, args = what(e.label, e.where)
+        prefix = {"MB": "", "P2P": "p2p "}.get(e.kind, e.kind)  # F12, B12, R12, p2p 12, d4: 3 seq
+        events.append(slice_event(pid, e.where, prefix + name, e.kind, e.start_s, e.end_s, args))
+    budget_gb = res.budget_mb / 1024
+    for row, points in enumerate(res.memory):
+        for t, mb in points:
+            events.append({"ph": "C", "pid": pid, "tid": row, "name": f"memory {rows[row]} (GB)", "ts": _us(t),
+                           "args": {"used": round(mb / 1024, 4), "budget": round(budget_gb, 4)}})
+    return events
+
+
+def trace_document(events: list[dict], **metadata) -> dict:
+    return {"traceEvents": events, "displayTimeUnit": "ms", "metadata": metadata}
+
+
+def write_trace(path: str, document: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(document, f)
