@@ -632,7 +632,7 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
                 sends[:] = keep
 
             for j, step in enumerate(sched.program(st.p)):
-                t0 = clock.mark()
+                t0, nvtx = clock.mark(), clock.range_start("p2p") if step.comm else None
                 posts = []  # (role, key, tensor, P2POp), in the global message order
                 for m, role in step.comm:
                     key = (m.kind, m.chunk)
@@ -662,10 +662,12 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
                             received[key] = t
                 reap()
                 wait_marks.append((t0, clock.mark()))
+                clock.range_end(nvtx)
                 if step.op is None:
                     break
                 kind, c = step.op
-                t1 = clock.mark()
+                op_name = f"{kind}{c}" + (f" of pipeline {pi}" if several else "")
+                t1, nvtx = clock.mark(), clock.range_start(op_name)  # Nsight: the op over its kernels
                 if kind == FWD:
                     layout = sched.chunks[c]
                     inp = chunk_input(layout, batch, st.sp_group, cache, pad_id, device)
@@ -707,7 +709,8 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
                     gx = backward_step(x, out, g, model_type, config)
                     if not st.first:
                         outgoing[("grad", c)] = gx
-                op_marks.append((f"{kind}{c}" + (f" of pipeline {pi}" if several else ""), t1, clock.mark()))
+                op_marks.append((op_name, t1, clock.mark()))
+                clock.range_end(nvtx)
             for work, _, _ in sends:
                 work.wait()
             if outgoing or received:

@@ -39,23 +39,31 @@ class MicroBatchInput:
     loss_mask: torch.Tensor
     packed_seq_params: UlyssesPackedSeqParams
     degree: int
+    group: str  # e.g. "SP group d4 ranks 0..3: seqs 5, 9" (names its NVTX range)
 
 
 @dataclass
 class StepTimes:
     """Time this rank spent in each micro-batch's forward+backward: a mark on its device's clock at
-    each micro-batch's start, read as seconds by ``finish`` (one synchronisation on a GPU)."""
+    each micro-batch's start, read as seconds by ``finish`` (one synchronisation on a GPU); on a GPU
+    an NVTX range per micro-batch too."""
 
     clock: DeviceClock = field(default_factory=DeviceClock)
     marks: list = field(default_factory=list)
     micro_batches: list[float] = field(default_factory=list)
+    _range: object = None
 
-    def start_micro_batch(self) -> None:
+    def start_micro_batch(self, what: str = "idle") -> None:
+        """``what``: this rank's part of the micro-batch (its SP group), for the NVTX range."""
+        self.clock.range_end(self._range)
+        self._range = self.clock.range_start(f"micro-batch {len(self.marks)}: {what}")
         self.marks.append(self.clock.mark())
 
     def finish(self):
         """Close the last micro-batch (each ends where the next starts); returns the end mark."""
         end = self.clock.mark()
+        self.clock.range_end(self._range)
+        self._range = None
         self.micro_batches = self.clock.intervals(self.marks + [end])
         return end
 
@@ -77,6 +85,8 @@ def micro_batch_inputs(step: Step, pool: SPGroupPool, pad_id: int, device=None):
             loss_mask=torch.from_numpy(st.loss_mask.astype(np.float32))[None].to(device),
             packed_seq_params=params,
             degree=shard.degree,
+            group=f"SP group d{shard.degree} ranks {shard.ranks[0]}..{shard.ranks[-1]}: seqs "
+                  + ", ".join(map(str, shard.seq_ids)),
         )
 
 
@@ -90,9 +100,9 @@ def per_token_loss(loss_mask: torch.Tensor, output: torch.Tensor):
 
 def flexsp_forward_step(data_iterator, model, times: StepTimes | None = None):
     """megatron ``forward_step_func`` for FlexSP micro-batches (see module doc)."""
-    if times is not None:
-        times.start_micro_batch()  # finished in forward_backward_flexsp
     mb = next(data_iterator)
+    if times is not None:  # finished in forward_backward_flexsp
+        times.start_micro_batch(mb.group if mb is not None else "idle")
     if mb is None:  # idle in this micro-batch: an empty pass that still joins the loss contract
         zero = torch.zeros((), requires_grad=True, device=rank_device())
         return zero, lambda out: (out, torch.zeros((), dtype=torch.int, device=out.device),

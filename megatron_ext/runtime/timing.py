@@ -1,4 +1,5 @@
-"""Wall time of work on a rank's device: CUDA events on a GPU, the host clock on CPU.
+"""Wall time of work on a rank's device (CUDA events on a GPU, the host clock on CPU), and NVTX
+ranges that show the plan's structure over the kernels in Nsight Systems.
 
 Kernels run asynchronously from the host on a GPU: ``perf_counter`` around a forward times its
 launches, not its work. A ``DeviceClock`` on a CUDA device records an event on the current stream
@@ -31,6 +32,16 @@ class DeviceClock:
             return end - start
         end.synchronize()
         return start.elapsed_time(end) / 1e3
+
+    def range_start(self, name: str):
+        """Open an NVTX range named ``name`` on a GPU (None on CPU). Process-wide, not bound to the
+        thread: a micro-batch's backward runs on autograd's device thread."""
+        return torch.cuda.nvtx.range_start(name) if self.cuda else None
+
+    @staticmethod
+    def range_end(handle) -> None:
+        if handle is not None:
+            torch.cuda.nvtx.range_end(handle)
 
     def intervals(self, marks: list) -> list[float]:
         """Seconds between consecutive marks."""

@@ -37,3 +37,29 @@ def test_train_plans_at_the_stage_it_runs(tmp_path):
     stated.write_text("model: tiny\ncluster: cpu-4\nzero_stage: 3\n")
     with pytest.raises(ConfigError, match="says zero_stage: 3, but train keeps every model state on every rank"):
         train_cost_model(_args(cost_model=str(stated)))
+
+
+def test_micro_batch_nvtx_ranges_open_and_close_in_turn():
+    from megatron_ext.runtime.schedule import StepTimes
+    from megatron_ext.runtime.timing import DeviceClock
+
+    log = []
+
+    class RecordingClock(DeviceClock):  # CPU marks, NVTX calls recorded as a GPU would make them
+        def range_start(self, name):
+            log.append(("start", name))
+            return name
+
+        @staticmethod
+        def range_end(handle):
+            if handle is not None:
+                log.append(("end", handle))
+
+    times = StepTimes(RecordingClock())
+    times.start_micro_batch("SP group d2 ranks 0..1: seqs 3")
+    times.start_micro_batch()
+    times.finish()
+    first, second = "micro-batch 0: SP group d2 ranks 0..1: seqs 3", "micro-batch 1: idle"
+    assert log == [("start", first), ("end", first), ("start", second), ("end", second)]
+    assert len(times.micro_batches) == 2 and all(t >= 0 for t in times.micro_batches)
+    assert DeviceClock("cpu").range_start("x") is None  # no NVTX on CPU
