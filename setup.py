@@ -25,6 +25,8 @@ setup(
         "pyyaml>=6",
         "tokenizers>=0.20",
         "matplotlib>=3.7",  # --plot
+        "scipy>=1.10",  # profile's non-negative least squares
+        "tqdm>=4.60",  # progress bars
     ],
     extras_require={
         "dev": ["pytest>=8", "hypothesis>=6"],

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import os
 import platform
 import statistics
@@ -41,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
+from tqdm import tqdm
 
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError, MegatronExtError
@@ -118,33 +118,18 @@ class RankSetup:
 
 
 def nonnegative_fit(cols: np.ndarray, y: np.ndarray, relative: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Least squares of y ~ cols @ coef with every coefficient >= 0 (the best of the
-    unconstrained fits on each subset of the columns that comes out non-negative), on relative
+    """Least squares of y ~ cols @ coef with every coefficient >= 0 (scipy's NNLS), on relative
     error (rows weighted by 1 / y) unless ``relative`` is False. Returns (coef, residuals)."""
+    from scipy.optimize import nnls
+
     cols = np.asarray(cols, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
     w = 1.0 / np.maximum(np.abs(y), 1e-12) if relative else np.ones_like(y)
-    k_all = cols.shape[1]
-    best, best_err = np.zeros(k_all), np.inf
-    for k in range(1, k_all + 1):
-        for subset in itertools.combinations(range(k_all), k):
-            coef, *_ = np.linalg.lstsq(cols[:, subset] * w[:, None], y * w, rcond=None)
-            if (coef < 0).any():
-                continue
-            full = np.zeros(k_all)
-            full[list(subset)] = coef
-            err = float(np.sum(((cols @ full - y) * w) ** 2))
-            if err < best_err:
-                best, best_err = full, err
-    return best, y - cols @ best
-
-
-
-def _progress(rank: int, done: int, total: int, what: str) -> None:
-    if rank == 0:
-        bar = "#" * int(30 * done / total)
-        print(f"\r[{bar:<30}] {done}/{total} {what:<40}", end="" if done < total else "\n", file=sys.stderr,
-              flush=True)
+    weighted = cols * w[:, None]
+    scale = np.maximum(np.abs(weighted).max(axis=0), 1e-300)  # columns span decades (s^2 against 1)
+    coef, _ = nnls(weighted / scale, y * w)
+    coef = coef / scale
+    return coef, y - cols @ coef
 
 
 def _time(fn, repeats: int, setup: RankSetup) -> float:
@@ -498,11 +483,11 @@ def _profile(args, setup: RankSetup) -> int:
     attention = _measured_backend(model, setup)
     degrees = [d for d in (2**i for i in range(1, 12)) if d <= world]
     total = len(lengths) + 3 * len(degrees) + 4 + len(degrees) * len(lengths)
-    done = [0]
+    progress = tqdm(total=total, disable=rank != 0, file=sys.stderr, bar_format="[{bar:30}] {n}/{total} {desc}")
 
     def tick(what):
-        done[0] += 1
-        _progress(rank, done[0], total, what)
+        progress.set_description_str(what, refresh=False)
+        progress.update()
 
     times_ms = _compute_sweep(model, lengths, vocab, args.repeats, tick, setup)
     gathered = [None] * world
@@ -542,6 +527,7 @@ def _profile(args, setup: RankSetup) -> int:
     fitted = CostModel(fitted.model, dataclasses.replace(fitted.cluster, pipeline_op_overhead_ms=op_overhead,
                                                          micro_batch_overhead_ms=mb_overhead), args.zero_stage)
     tick("a real pipeline step")
+    progress.close()
     if rank == 0:
         doc = {
             "model": _fields(fitted.model),
