@@ -11,7 +11,8 @@ Two layers, so the drawing can be tested without looking at pixels:
   group's GPUs for its time. ``PlotData.hist`` (``LengthHist``) puts every sequence of the batch
   in a power-of-two length bucket with the plan's choice for it: the degree of its SP group
   (FlexSP) or whole / cut into k slices (elastic pipelines).
-- ``draw(data, path)`` renders it with matplotlib (Agg backend, no display needed): the timeline
+- ``draw(data, path)`` renders it with matplotlib's object-oriented Figure (no pyplot, no display
+  needed, the global backend untouched): the timeline
   on top, the memory per GPU of each stage (or the max over replicas, the max/mean over GPUs) below,
   in seconds and GB, then the length histogram: per bucket, a bar of sequences and a hatched bar of
   the bucket's share of the tokens, both stacked by choice (a few long sequences hold most of them).
@@ -382,15 +383,17 @@ def _flexsp_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: SimR
 
 # ---- drawing ---------------------------------------------------------------------------------
 
-def _pyplot():
+def _new_figure(**kw):
+    """A matplotlib Figure of its own on an Agg canvas (no pyplot: the caller's backend and figures
+    are left alone; text is measured and PNG, SVG or PDF written without a display)."""
     try:
-        import matplotlib
-    except ImportError:  # pragma: no cover - matplotlib is in the dev environment
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:  # pragma: no cover - matplotlib is installed with megatron_ext
         raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
+    fig = Figure(**kw)
+    FigureCanvasAgg(fig)
+    return fig
 
 
 def _draw_timeline(ax, data: PlotData, fig_width_px: float):
@@ -556,7 +559,6 @@ def _draw_hist(ax, hist: LengthHist) -> None:
 def draw(data: PlotData, path=None, *, extra=None):
     """Render ``data`` (timeline, memory, the length histogram; ``extra(ax)`` draws a last panel) to
     ``path``; returns the figure."""
-    plt = _pyplot()
     # pipelines: rows tall enough for two-line labels up to 16 rows, one line past that
     rows_h = (3.2 if data.rows <= 4 else min(8.0, 0.6 * data.rows)) if data.kind == "elastic_pp" else 4.2
     panels = [(rows_h, lambda ax: _draw_timeline(ax, data, ax.figure.get_figwidth() * ax.figure.dpi)),
@@ -566,8 +568,8 @@ def draw(data: PlotData, path=None, *, extra=None):
     if extra:
         panels.append((1.8, extra))
     heights = [h for h, _ in panels]
-    fig, axes = plt.subplots(len(heights), 1, figsize=(15, sum(heights) + 1.2),
-                             gridspec_kw={"height_ratios": heights})
+    fig = _new_figure(figsize=(15, sum(heights) + 1.2))
+    axes = fig.subplots(len(heights), 1, gridspec_kw={"height_ratios": heights})
     finish = [fill(ax) for ax, (_, fill) in zip(axes, panels)]
     fig.tight_layout()
     for f in finish:  # what needs the final layout (the timeline's labels)
@@ -575,7 +577,6 @@ def draw(data: PlotData, path=None, *, extra=None):
             f()
     if path is not None:
         fig.savefig(path, dpi=110)
-        plt.close(fig)
     return fig
 
 

@@ -14,7 +14,7 @@ from megatron_ext.planner.elastic_pp import plan_elastic_pp
 from megatron_ext.planner.pipeline import build_pipeline
 from megatron_ext.sim import simulate
 from megatron_ext.sim.plot import (DEGREE_COLORS, DROPPED_COLOR, PACKED_COLOR, SEQ_COLORS, SEQ_HATCHES, LengthHist,
-                                   _draw_hist, _lighten, _percent, _pyplot, _tail, _tokens, draw, plot_comparison,
+                                   _draw_hist, _lighten, _percent, _new_figure, _tail, _tokens, draw, plot_comparison,
                                    plot_data, plot_plan)
 
 COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
@@ -255,11 +255,9 @@ def test_token_counts_read_like_max_seq_len():
 def test_histogram_ticks_are_powers_of_two_in_k_and_m():
     lengths = np.array([1024, 5000, 300_000, 2 ** 20 + 5])
     hist = LengthHist(2.0 ** np.arange(10, 22), lengths, np.zeros(4, dtype=np.int64), [("all", "grey")], "t")
-    plt = _pyplot()
-    fig, ax = plt.subplots()
+    ax = _new_figure().subplots()
     _draw_hist(ax, hist)
     labels = [t.get_text() for t in ax.get_xticklabels()]
-    plt.close(fig)
     assert labels == [f"{2 ** k}K" for k in range(10)] + ["1M", "2M"]
 
 
@@ -321,7 +319,6 @@ def test_box_labels_are_whole_and_inside_their_box():
         ext = t.get_window_extent(renderer)
         box = next(b for b in boxes if b.contains((ext.x0 + ext.x1) / 2, (ext.y0 + ext.y1) / 2))
         assert box.x0 < ext.x0 and ext.x1 < box.x1 and box.y0 <= ext.y0 and ext.y1 <= box.y1, t.get_text()
-    _pyplot().close(fig)
 
 
 def test_histogram_marks_are_in_the_legend():
@@ -371,7 +368,6 @@ def test_replicas_get_their_own_rows_and_separators():
         assert (solid.get_linestyle(), dashed.get_linestyle()) == ("-", "--")
     assert curves["replica 0, stage 0"].get_color() != curves["replica 0, stage 1"].get_color()
     assert memory.get_title(loc="left").startswith("memory per GPU of each replica and stage")
-    _pyplot().close(fig)
 
 
 def test_many_replicas_keep_a_memory_curve_per_stage():
@@ -400,7 +396,6 @@ def test_a_later_pipeline_of_a_replica_is_marked_on_its_rows_only():
     dotted = [line for line in fig.axes[0].get_lines() if line.get_linestyle() == ":"]
     assert len(dotted) == 1 and list(dotted[0].get_xdata()) == [start] * 2
     assert list(dotted[0].get_ydata()) == [0.5, 1.0]  # the top half: replica 0's two rows of four
-    _pyplot().close(fig)
 
 
 def test_an_idle_replica_still_draws(tmp_path):
