@@ -1,39 +1,32 @@
 """Variable-length document datasets: every document keeps its own length, nothing is padded.
 
-Three sources, one interface (``Documents``: ``lengths``, ``len()``, ``get(i, offset, length)``):
+One interface (``Documents``: ``lengths``, ``len()``, ``get(i, offset, length)``) over:
 
 - Megatron's indexed dataset (a ``PREFIX.bin`` of token ids and a ``PREFIX.idx`` index), read
   and written through ``megatron.core.datasets.indexed_dataset``. Same files Megatron-LM's
   ``tools/preprocess_data.py`` makes and its ``GPTDataset`` reads. A Megatron "document" may hold
   several index sequences (sentence splitting); we read a document as the concatenation of its
-  sequences, which are contiguous in the ``.bin`` file.
-- JSONL: one JSON object per line, the text under a configurable key (default ``"text"``).
-- Plain text files: one document per file, or per separator-delimited part of a file.
+  sequences, which are contiguous in the ``.bin`` file. Read as written: the planning data loader
+  splits long documents at its own ``max_seq_len``.
+- token arrays in memory (``InMemoryDocuments``), and blends and concatenations of the above.
 
-The JSONL and text readers tokenize (byte-level by default, ``data/tokenizer.py``) and append
-``<eod>`` to each document, as Megatron's preprocessing does with ``--append-eod``. A document
-longer than ``max_len`` tokens is split into consecutive pieces of ``max_len`` tokens (the last
-one shorter), never dropped; the readers log how many were split. Indexed datasets are read as
-written; the planning data loader splits long documents at its own ``max_seq_len``.
+Text is turned into indexed datasets by ``data/corpus.py`` (or Megatron's own preprocessing).
 
 megatron-core is imported only by the indexed-dataset functions, when called: the planner modules
 never import this file's dependencies.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import struct
 import tempfile
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from megatron_ext.data.tokenizer import ByteTokenizer
 from megatron_ext.errors import MegatronExtError
 
 logger = logging.getLogger(__name__)
@@ -66,22 +59,6 @@ def _check_range(n_docs: int, doc_len: int, i: int, offset: int, length: int | N
 
 
 # ---- in memory ------------------------------------------------------------------------------
-@dataclass
-class SplitStats:
-    """What a reader did with over-long and empty documents."""
-
-    documents_split: int = 0  # documents longer than max_len
-    pieces_from_split: int = 0  # the pieces they became
-    empty_skipped: int = 0  # documents with no text at all
-
-    def log(self, source: str, max_len: int | None) -> None:
-        if self.documents_split:
-            logger.warning("%s: %d document(s) longer than %d tokens were split into %d pieces of at most "
-                           "%d tokens", source, self.documents_split, max_len, self.pieces_from_split, max_len)
-        if self.empty_skipped:
-            logger.info("%s: skipped %d empty document(s)", source, self.empty_skipped)
-
-
 class HeldLengths:
     """The ``lengths`` / ``len()`` of a ``Documents`` that holds its lengths in ``_lengths``."""
 
@@ -98,13 +75,12 @@ class HeldLengths:
 class InMemoryDocuments(HeldLengths):
     """Documents held as a list of token arrays."""
 
-    def __init__(self, docs: Sequence[np.ndarray], stats: SplitStats | None = None):
+    def __init__(self, docs: Sequence[np.ndarray]):
         self._docs = [np.asarray(d) for d in docs]
         for k, d in enumerate(self._docs):
             if d.ndim != 1 or not np.issubdtype(d.dtype, np.integer):
                 raise DataError(f"document {k} is not a 1-D integer token array (shape {d.shape}, {d.dtype})")
         self._lengths = np.fromiter((d.size for d in self._docs), dtype=np.int64, count=len(self._docs))
-        self.stats = stats or SplitStats()
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)
@@ -115,107 +91,6 @@ class InMemoryDocuments(HeldLengths):
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         length = _check_range(len(self), int(self._lengths[i]) if 0 <= i < len(self) else 0, i, offset, length)
         return self._docs[i][offset:offset + length]
-
-
-def split_document(tokens: np.ndarray, max_len: int | None) -> list[np.ndarray]:
-    """``tokens`` cut into consecutive pieces of ``max_len`` tokens (the last may be shorter)."""
-    if max_len is None or tokens.size <= max_len:
-        return [tokens]
-    if max_len < 1:
-        raise ValueError(f"max_len must be at least 1, got {max_len}")
-    return [tokens[k:k + max_len] for k in range(0, tokens.size, max_len)]
-
-
-def _add(out: list[np.ndarray], tokens: np.ndarray, max_len: int | None, stats: SplitStats) -> None:
-    pieces = split_document(tokens, max_len)
-    if len(pieces) > 1:
-        stats.documents_split += 1
-        stats.pieces_from_split += len(pieces)
-    out.extend(pieces)
-
-
-def _check_max_len(max_len: int | None) -> None:
-    if max_len is not None and (not isinstance(max_len, (int, np.integer)) or max_len < 1):
-        raise DataError(f"max_len must be a positive integer, got {max_len!r}")
-
-
-# ---- JSONL ----------------------------------------------------------------------------------
-def iter_jsonl_texts(path: str | Path, key: str = "text") -> Iterator[tuple[int, str]]:
-    """(line number, text) of every non-blank line of a JSONL file; DataError with the line
-    number on a line that is not a JSON object with a string under ``key``."""
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise DataError(f"cannot read {path}: {e.strerror}") from None
-    with f:
-        for no, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{no}: not UTF-8 ({e.reason} at byte {e.start})") from None
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{no}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{path}:{no}: expected a JSON object, got {type(obj).__name__}")
-            if key not in obj:
-                raise DataError(f"{path}:{no}: no {key!r} key (keys: {', '.join(map(str, obj)) or 'none'})")
-            text = obj[key]
-            if not isinstance(text, str):
-                raise DataError(f"{path}:{no}: {key!r} must be a string, got {type(text).__name__}")
-            yield no, text
-
-
-def read_jsonl(path: str | Path, tokenizer: ByteTokenizer | None = None, key: str = "text",
-               max_len: int | None = None, append_eod: bool = True) -> InMemoryDocuments:
-    """Tokenize every document of a JSONL file (one ``{key: text}`` object per line; blank lines
-    are skipped, and so are empty texts, counted in ``stats``)."""
-    _check_max_len(max_len)
-    tok = tokenizer or ByteTokenizer()
-    out: list[np.ndarray] = []
-    stats = SplitStats()
-    for _, text in iter_jsonl_texts(path, key):
-        if not text:
-            stats.empty_skipped += 1
-            continue
-        _add(out, tok.encode(text, append_eod=append_eod), max_len, stats)
-    stats.log(str(path), max_len)
-    return InMemoryDocuments(out, stats)
-
-
-# ---- plain text -----------------------------------------------------------------------------
-def _read_utf8(path: Path) -> str:
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise DataError(f"cannot read {path}: {e.strerror}") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise DataError(f"{path}:{line}: not UTF-8 ({e.reason} at byte {e.start})") from None
-
-
-def read_text_files(paths: Iterable[str | Path], tokenizer: ByteTokenizer | None = None,
-                    max_len: int | None = None, append_eod: bool = True,
-                    separator: str | None = None) -> InMemoryDocuments:
-    """One document per file, in the order given (or, with ``separator`` such as ``"\\n\\n"``,
-    one per separated part). Empty documents are skipped and counted in ``stats``."""
-    _check_max_len(max_len)
-    tok = tokenizer or ByteTokenizer()
-    out: list[np.ndarray] = []
-    stats = SplitStats()
-    paths = [Path(p) for p in paths]
-    for p in paths:
-        text = _read_utf8(p)
-        for part in (text.split(separator) if separator else [text]):
-            if not part:
-                stats.empty_skipped += 1
-                continue
-            _add(out, tok.encode(part, append_eod=append_eod), max_len, stats)
-    stats.log(f"{len(paths)} text file(s)", max_len)
-    return InMemoryDocuments(out, stats)
 
 
 # ---- Megatron indexed dataset ---------------------------------------------------------------
@@ -427,30 +302,6 @@ def blend_documents(sources) -> tuple[Documents, list[int] | None, list[float] |
         return sources[0][1], None, None
     docs = ConcatDocuments([d for _, d in sources])
     return docs, docs.sizes, [w for w, _ in sources] if sources[0][0] is not None else None
-
-
-def open_documents(path: str | Path, tokenizer: ByteTokenizer | None = None, key: str = "text",
-                   max_len: int | None = None) -> Documents:
-    """A dataset by path: an indexed-dataset prefix (``X`` with ``X.bin``/``X.idx``, or either file),
-    a ``.jsonl`` file, or a text file / directory of ``.txt`` files."""
-    path = str(path)
-    for ext in (".bin", ".idx"):
-        if path.endswith(ext) and indexed_dataset_exists(path[:-len(ext)]):
-            path = path[:-len(ext)]
-    if indexed_dataset_exists(path):
-        return IndexedDocuments(path)
-    p = Path(path)
-    if p.suffix in (".jsonl", ".ndjson"):
-        return read_jsonl(p, tokenizer, key=key, max_len=max_len)
-    if p.is_dir():
-        files = sorted(p.rglob("*.txt"))
-        if not files:
-            raise DataError(f"directory {p} holds no .txt files")
-        return read_text_files(files, tokenizer, max_len=max_len)
-    if p.is_file():
-        return read_text_files([p], tokenizer, max_len=max_len)
-    raise DataError(f"no dataset at {path}: expected an indexed-dataset prefix, a .jsonl file, a text file "
-                    f"or a directory of .txt files")
 
 
 def document_stats(lengths) -> dict:

@@ -27,6 +27,7 @@ from megatron_ext.data.datasets import DataError
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.planner import PLANNERS, PlannerOptions
 from megatron_ext.runtime.backends import ATTENTION_BACKENDS
+from megatron_ext.runtime.checkpoint import check_checkpoint_args
 from megatron_ext.runtime.device import DEVICE_CHOICES, init_rank_process_group, rank_device
 from megatron_ext.runtime.timing import DeviceClock
 from megatron_ext.report import advice, fidelity, layout_counts, layouts_text, step_layout
@@ -49,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the ranks run: cuda (NCCL, one GPU per rank), cpu (gloo), or auto: cuda where there "
                    "is CUDA (default auto)")
     p.add_argument("--cost-model", metavar="PATH", help="cost-model YAML (overrides --model/--cluster)")
-    p.add_argument("--steps", type=int, default=5, help="training steps")
+    p.add_argument("--steps", type=int, default=5, help="training steps (with --load: in all, the checkpoint's "
+                   "included, as Megatron's --train-iters)")
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step")
     p.add_argument("--max-seq-len", type=int, default=4096, help="longer documents are cut into pieces")
     p.add_argument("--seed", type=int, default=0, help="same seed: same data and initial weights for every planner")
@@ -68,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     p.add_argument("--json", action="store_true", help="one JSON record per step")
     p.add_argument("--run-dir", metavar="DIR", help="also write the records to DIR/steps.jsonl (for `megatron-ext report`)")
+    p.add_argument("--save", metavar="DIR", help="save a checkpoint (model, optimizer, RNG states, data position) to "
+                   "DIR after the last step (and every --save-interval steps)")
+    p.add_argument("--save-interval", type=int, metavar="N", help="with --save: also after every N steps")
+    p.add_argument("--load", metavar="DIR", help="resume from the newest checkpoint in DIR (saved by a run of the same "
+                   "model, ranks, --pp, data, seed, batch and --lr) and train to step --steps")
     return p
 
 
@@ -230,6 +237,7 @@ def check_args(args, cost: CostModel, world: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    check_checkpoint_args(args, cost)
     args = build_parser().parse_args(argv)
     # megatron-core says, once per rank and module, that CPU runs use its plain-torch fallbacks.
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
@@ -274,6 +282,7 @@ def _train(args, rank: int, world: int) -> int:
         dist.broadcast_object_list(box, src=0)
         values = [box[0]]
     data = open_training_data(values, args.vocab_size)
+    from megatron_ext.runtime.checkpoint import load_checkpoint, run_identity, save_checkpoint, stop_requested_anywhere
     weights = initial_weights(cost.model, data.vocab_size, args.max_seq_len, args.attention_backend, args.seed)
     parallel_state.initialize_model_parallel(1, args.pp)
     model, _ = build_pipeline_model(cost.model, data.vocab_size, args.max_seq_len, args.attention_backend)
@@ -292,10 +301,12 @@ def _train(args, rank: int, world: int) -> int:
     options = PlannerOptions(time_limit=args.time_limit, static_degree=args.static_degree,
                              pp=args.pp if pipelined else None, sp=sp)
     loader = PlanningDataLoader(data.documents, cost, args.global_batch, planner=args.planner, options=options,
-                                seed=args.seed, max_seq_len=args.max_seq_len, num_steps=args.steps, sync="broadcast",
+                                seed=args.seed, max_seq_len=args.max_seq_len, start_step=done,
+                                num_steps=max(args.steps - done, 0), sync="broadcast",
                                 source_sizes=data.source_sizes, weights=data.weights,
                                 fallback="batchada" if not pipelined or (auto and args.pp == 1) else "batch_1f1b")
     if rank == 0 and not args.json:
+    done, resumed_from = load_checkpoint(args.load, model, optimizer) if args.load else (0, None)
         print(_header(args, cost, world, sources_text(data.prefixes, data.source_sizes, loader.weights)), flush=True)
     if rank == 0 and data.vocab_size != cost.model.vocab_size:
         print(f"note: the cost model's {cost.model.name} has a {cost.model.vocab_size:,}-word output layer, this model "
@@ -318,6 +329,10 @@ def _train(args, rank: int, world: int) -> int:
                                                           sp_groups=pool)
                 mb_times = torch.zeros(0, dtype=torch.float64, device=device)
                 # the simulator's row of this rank's stage: replica x stages + stage
+    if rank == 0 and resumed_from:
+        print(f"resumed from {resumed_from} at step {done}" + (f"; --steps {args.steps} are done already"
+                                                               if done >= args.steps else ""),
+              file=sys.stderr, flush=True)
                 mine = (pstats.replica * args.pp + parallel_state.get_pipeline_model_parallel_rank(), pstats)
             else:
                 losses, times = forward_backward_flexsp(step, model, pool, data.pad)
@@ -360,6 +375,14 @@ def _stage_report(ranks: list, step, cost: CostModel) -> dict:
 
     pipe = step.plan.pipelines[0]
     pc = PipelineCost(cost, pipe.stages, pipe.sp_degree)
+            done = step.step + 1
+            stop = stop_requested_anywhere(device)
+            if args.save and (stop or done == args.steps or args.save_interval and done % args.save_interval == 0):
+                path = save_checkpoint(args.save, done, model, optimizer, run_identity(args, cost))
+                if rank == 0:
+                    print(f"saved step {done} to {path}", file=sys.stderr, flush=True)
+            if stop:
+                break
     states = pc.model_states_mb
     sim = simulate(step.plan, step.lengths, cost)
     predicted: dict[tuple[int, str], float] = {}
