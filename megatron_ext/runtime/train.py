@@ -233,11 +233,11 @@ def check_args(args, cost: CostModel, world: int) -> bool:
         raise ConfigError("--steps and --global-batch must be at least 1")
     if args.data is None and args.vocab_size is not None:
         raise ConfigError("--vocab-size applies to --data; the default corpus has its tokenizer")
+    check_checkpoint_args(args, cost)
     return pipelined
 
 
 def main(argv: list[str] | None = None) -> int:
-    check_checkpoint_args(args, cost)
     args = build_parser().parse_args(argv)
     # megatron-core says, once per rank and module, that CPU runs use its plain-torch fallbacks.
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
@@ -265,6 +265,7 @@ def _train(args, rank: int, world: int) -> int:
     from megatron_ext.data.batches import sources_text
     from megatron_ext.data.corpus import stdlib_corpus
     from megatron_ext.data.loader import PlanningDataLoader
+    from megatron_ext.runtime.checkpoint import load_checkpoint, run_identity, save_checkpoint, stop_requested_anywhere
     from megatron_ext.runtime.compat import apply_cpu_compat
     from megatron_ext.runtime.groups import SPGroupPool
     from megatron_ext.runtime.pipeline import build_pipeline_model, forward_backward_elastic, stage_state_dict
@@ -282,12 +283,12 @@ def _train(args, rank: int, world: int) -> int:
         dist.broadcast_object_list(box, src=0)
         values = [box[0]]
     data = open_training_data(values, args.vocab_size)
-    from megatron_ext.runtime.checkpoint import load_checkpoint, run_identity, save_checkpoint, stop_requested_anywhere
     weights = initial_weights(cost.model, data.vocab_size, args.max_seq_len, args.attention_backend, args.seed)
     parallel_state.initialize_model_parallel(1, args.pp)
     model, _ = build_pipeline_model(cost.model, data.vocab_size, args.max_seq_len, args.attention_backend)
     model.module.load_state_dict(stage_state_dict(weights, model))
     optimizer = build_optimizer(model, args.lr)
+    done, resumed_from = load_checkpoint(args.load, model, optimizer) if args.load else (0, None)
     auto = args.planner == "auto"
     sp = stage_sp(args, cost)
     # FlexSP: every aligned group of the world; pipelines of several replicas (or of any degree,
@@ -306,12 +307,15 @@ def _train(args, rank: int, world: int) -> int:
                                 source_sizes=data.source_sizes, weights=data.weights,
                                 fallback="batchada" if not pipelined or (auto and args.pp == 1) else "batch_1f1b")
     if rank == 0 and not args.json:
-    done, resumed_from = load_checkpoint(args.load, model, optimizer) if args.load else (0, None)
         print(_header(args, cost, world, sources_text(data.prefixes, data.source_sizes, loader.weights)), flush=True)
     if rank == 0 and data.vocab_size != cost.model.vocab_size:
         print(f"note: the cost model's {cost.model.name} has a {cost.model.vocab_size:,}-word output layer, this model "
               f"{data.vocab_size:,} words (the data's): predicted step times and the last stage's memory leave out "
               f"the difference", file=sys.stderr, flush=True)
+    if rank == 0 and resumed_from:
+        print(f"resumed from {resumed_from} at step {done}" + (f"; --steps {args.steps} are done already"
+                                                               if done >= args.steps else ""),
+              file=sys.stderr, flush=True)
     records = []
     log = None
     if rank == 0 and args.run_dir:
@@ -329,10 +333,6 @@ def _train(args, rank: int, world: int) -> int:
                                                           sp_groups=pool)
                 mb_times = torch.zeros(0, dtype=torch.float64, device=device)
                 # the simulator's row of this rank's stage: replica x stages + stage
-    if rank == 0 and resumed_from:
-        print(f"resumed from {resumed_from} at step {done}" + (f"; --steps {args.steps} are done already"
-                                                               if done >= args.steps else ""),
-              file=sys.stderr, flush=True)
                 mine = (pstats.replica * args.pp + parallel_state.get_pipeline_model_parallel_rank(), pstats)
             else:
                 losses, times = forward_backward_flexsp(step, model, pool, data.pad)
@@ -358,6 +358,14 @@ def _train(args, rank: int, world: int) -> int:
                 print(json.dumps(rec) if args.json else _line(rec), flush=True)
                 if log:
                     print(json.dumps(rec), file=log, flush=True)
+            done = step.step + 1
+            stop = stop_requested_anywhere(device)
+            if args.save and (stop or done == args.steps or args.save_interval and done % args.save_interval == 0):
+                path = save_checkpoint(args.save, done, model, optimizer, run_identity(args, cost))
+                if rank == 0:
+                    print(f"saved step {done} to {path}", file=sys.stderr, flush=True)
+            if stop:
+                break
     if log:
         log.close()
     if rank == 0 and not args.json:
@@ -375,14 +383,6 @@ def _stage_report(ranks: list, step, cost: CostModel) -> dict:
 
     pipe = step.plan.pipelines[0]
     pc = PipelineCost(cost, pipe.stages, pipe.sp_degree)
-            done = step.step + 1
-            stop = stop_requested_anywhere(device)
-            if args.save and (stop or done == args.steps or args.save_interval and done % args.save_interval == 0):
-                path = save_checkpoint(args.save, done, model, optimizer, run_identity(args, cost))
-                if rank == 0:
-                    print(f"saved step {done} to {path}", file=sys.stderr, flush=True)
-            if stop:
-                break
     states = pc.model_states_mb
     sim = simulate(step.plan, step.lengths, cost)
     predicted: dict[tuple[int, str], float] = {}

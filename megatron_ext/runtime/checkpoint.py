@@ -1,0 +1,201 @@
+"""Checkpoints of ``megatron-ext train`` (``--save`` / ``--load``) in megatron-core's distributed format.
+
+A save directory is laid out as Megatron-LM lays out its ``torch_dist`` checkpoints:
+``DIR/latest_checkpointed_iteration.txt`` holds the number of steps done by the newest complete
+checkpoint, ``DIR/iter_0000004/`` holds that checkpoint: ``dist_checkpointing`` files of every
+stage's model and optimizer (Adam moments and step count) and every rank's RNG states (Python,
+numpy, torch CPU and CUDA, megatron's tracker), plus ``megatron_ext.json``, the settings of the
+run that wrote it (``run_identity``), which a resuming run must share.
+
+What else a resumed run needs is not stored because it is a function of what is: the data
+position is the steps done (step k's global batch is a function of the data, seed, batch size and
+cut length alone, see ``data/batches.py``, so the loader restarts at step k), and the planners
+keep no state from one step to the next (each plan is a function of the step's lengths, the cost
+model and the options, and of how far a solver gets within its time limit, in a resumed run as in
+an uninterrupted one; two plans of one batch give the same loss to float rounding).
+
+A stop signal saves too, when its handler calls ``request_stop``: every rank learns it after the
+step it is running (``stop_requested_anywhere``), saves and ends the loop.
+
+Only this module's ``check_checkpoint_args`` runs before launching (it reads JSON, no torch);
+saving and loading are collective over every rank.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from megatron_ext.errors import ConfigError
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's name
+RUN_FILE = "megatron_ext.json"  # not metadata.json: dist_checkpointing writes that one
+
+# what each run_identity key is called on the command line, for the refusal
+_OPTIONS = {"model": "--model", "ranks": "ranks (--cluster)", "pp": "--pp", "data": "--data",
+            "vocab_size": "--vocab-size", "seed": "--seed", "global_batch": "--global-batch",
+            "max_seq_len": "--max-seq-len", "lr": "--lr"}
+
+_stop_requested = False
+
+
+def run_identity(args, cost) -> dict:
+    """What a checkpoint shares with the runs that may resume it: the model's shapes, the ranks
+    and pipeline stages its states are spread over (one RNG state per rank), the data stream
+    (step k's batch is a function of the data, seed, batch size and cut length) and the learning
+    rate (the optimizer state carries it). Not the planner, the SP degrees or the attention
+    backend: they change how a step is computed, not what."""
+    m = cost.model
+    return {"model": f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
+                     f"({m.kv_heads} KV), FFN {m.ffn_hidden_size or 4 * m.hidden_size}",
+            "ranks": cost.num_gpus, "pp": args.pp, "data": args.data, "vocab_size": args.vocab_size,
+            "seed": args.seed, "global_batch": args.global_batch, "max_seq_len": args.max_seq_len, "lr": args.lr}
+
+
+def latest_checkpoint(root: str) -> tuple[int, Path]:
+    """The steps done by the newest checkpoint in ``root`` and its directory (one-line errors for
+    a directory that holds none)."""
+    tracker = Path(root) / TRACKER_FILE
+    if not Path(root).is_dir():
+        raise ConfigError(f"--load {root}: no such directory")
+    if not tracker.is_file():
+        raise ConfigError(f"--load {root} holds no checkpoint (no {TRACKER_FILE}; `train --save {root}` writes one)")
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise ConfigError(f"--load {root}: {TRACKER_FILE} should hold a step count, not {text[:40]!r}")
+    path = Path(root) / f"iter_{int(text):07d}"
+    if not (path / RUN_FILE).is_file():
+        raise ConfigError(f"--load {root}: {TRACKER_FILE} names step {text}, but {path} holds no complete checkpoint")
+    return int(text), path
+
+
+def check_checkpoint_args(args, cost) -> None:
+    """Refuse ``--save-interval`` below 1 or without ``--save``, and a ``--load`` directory that
+    holds no checkpoint, or one of a run this one cannot continue (``run_identity``)."""
+    if args.save_interval is not None and not args.save:
+        raise ConfigError("--save-interval applies to --save")
+    if args.save_interval is not None and args.save_interval < 1:
+        raise ConfigError(f"--save-interval must be at least 1, got {args.save_interval}")
+    if not args.load:
+        return
+    step, path = latest_checkpoint(args.load)
+    saved = json.loads((path / RUN_FILE).read_text())
+    ours = run_identity(args, cost)
+    for key, option in _OPTIONS.items():
+        if saved.get(key) != ours[key]:
+            raise ConfigError(f"--load {args.load}: its step-{step} checkpoint was saved by a run with {option} "
+                              f"{_shown(saved.get(key))}, this run has {_shown(ours[key])}; resume with the same "
+                              f"settings")
+
+
+def _shown(value) -> str:
+    if value is None:
+        return "not given"
+    return " ".join(value) if isinstance(value, list) else str(value)
+
+
+def request_stop() -> None:
+    """Ask the training loop to stop after the step it is running, saving a checkpoint first
+    under ``--save``: what a SIGTERM handler calls (it only sets a flag, so it is safe there)."""
+    global _stop_requested
+    _stop_requested = True
+
+
+def stop_requested_anywhere(device) -> bool:
+    """Whether any rank was asked to stop (collective: every rank asks after every step, so all
+    stop after the same one)."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(_stop_requested)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _rng_states() -> dict:
+    """This rank's random states, under Megatron-LM's names."""
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(),
+            "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "rng_tracker_states": get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_states(states: dict) -> None:
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(states["random_rng_state"])
+    np.random.set_state(states["np_rng_state"])
+    torch.set_rng_state(states["torch_rng_state"])
+    if states["cuda_rng_state"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda_rng_state"])
+    get_cuda_rng_tracker().set_states(states["rng_tracker_states"])
+
+
+def _sharded_state_dict(model, optimizer, is_loading: bool) -> dict:
+    """What is saved, as Megatron-LM's ``generate_state_dict`` gathers it: the stage's model, its
+    optimizer (keyed by the model's sharded parameters) and one RNG shard per rank."""
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    model_state = model.module.sharded_state_dict()
+    return {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading),
+            "rng_state": ShardedObject("rng_state", _rng_states(), (dist.get_world_size(),), (dist.get_rank(),),
+                                       replica_id=0)}
+
+
+def save_checkpoint(root: str, steps_done: int, model, optimizer, identity: dict) -> Path:
+    """Save the run after ``steps_done`` steps to ``root``/iter_NNNNNNN (collective), then point
+    the tracker at it: a run killed while saving leaves the previous checkpoint the latest."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    path = Path(root) / f"iter_{steps_done:07d}"
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)  # an older save of this step: replaced, not mixed with this one
+        path.mkdir(parents=True)
+    dist.barrier()
+    # each stage's data-parallel ranks hold the same states: they share the writing
+    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(),
+                                                parallel_state.get_data_parallel_group())
+    dist_checkpointing.save(_sharded_state_dict(model, optimizer, is_loading=False), str(path), strategy)
+    if dist.get_rank() == 0:
+        (path / RUN_FILE).write_text(json.dumps(identity, indent=1) + "\n")
+        tracker = Path(root) / TRACKER_FILE
+        partial = tracker.with_suffix(".tmp")
+        partial.write_text(f"{steps_done}\n")
+        os.replace(partial, tracker)
+    dist.barrier()
+    return path
+
+
+def load_checkpoint(root: str, model, optimizer) -> tuple[int, Path]:
+    """Load the newest checkpoint of ``root`` into the model, the optimizer and this rank's RNGs
+    (collective; ``check_checkpoint_args`` has compared the runs). Returns the steps it had done
+    (the next step's index) and its directory."""
+    import warnings
+
+    from megatron.core import dist_checkpointing
+
+    steps_done, path = latest_checkpoint(root)
+    with warnings.catch_warnings():  # megatron-core's use of torch APIs torch deprecates: nothing for a user to do
+        warnings.filterwarnings("ignore", message=r"(`load_state_dict` is deprecated|Please use DTensor instead)",
+                                category=FutureWarning)
+        # (megatron's fully parallel load exchanges tensors on CUDA only; each rank reads its stage's states)
+        state = dist_checkpointing.load(_sharded_state_dict(model, optimizer, is_loading=True), str(path))
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    _set_rng_states(state["rng_state"])
+    return steps_done, path

@@ -1,0 +1,99 @@
+"""`megatron-ext train --save / --load` end to end on 4 CPU ranks: a run of 2 steps that saves,
+resumed by a run to step 4, trains steps 2 and 3 exactly as one uninterrupted run of 4 steps does
+(same loss and grad norm), for FlexSP and for a 2-stage elastic pipeline. A resume that lost the
+optimizer's moments, the weights or the data position would show in those numbers."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+CLI = [sys.executable, "-m", "megatron_ext.cli", "train"]
+ARGS = ["--global-batch", "6", "--max-seq-len", "1024", "--seed", "7", "--json"]
+LAYOUTS = {"flexsp": [], "elastic_pp": ["--planner", "elastic_pp", "--pp", "2"]}
+
+
+def _train(*argv: str) -> tuple[list[dict], str]:
+    # the ranks under NCCL's rules (runtime/device.py), as in test_train_cli.py
+    done = subprocess.run([*CLI, *ARGS, *argv], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, MEGATRON_EXT_DEVICE_CHECK="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")], done.stderr
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def runs(request, tmp_path_factory):
+    layout = LAYOUTS[request.param]
+    ckpt = tmp_path_factory.mktemp(f"ckpt-{request.param}")
+    whole, _ = _train("--steps", "4", *layout)
+    first, first_log = _train("--steps", "2", "--save", str(ckpt), "--save-interval", "1", *layout)
+    rest, rest_log = _train("--steps", "4", "--load", str(ckpt), "--save", str(ckpt), *layout)
+    return {"whole": whole, "first": first, "rest": rest, "first_log": first_log, "rest_log": rest_log,
+            "ckpt": ckpt, "layout": layout}
+
+
+def test_resumed_run_continues_where_the_saved_one_stopped(runs):
+    whole, first, rest = runs["whole"], runs["first"], runs["rest"]
+    assert [r["step"] for r in whole] == [0, 1, 2, 3]
+    assert [r["step"] for r in first] == [0, 1] and [r["step"] for r in rest] == [2, 3]
+    for x, y in zip(first + rest, whole):
+        assert x["tokens"] == y["tokens"], (x, y)  # the same batches: nothing repeated or skipped
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-6), (x["step"], x["loss"], y["loss"])
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-6), (x["step"], x["grad_norm"], y["grad_norm"])
+
+
+def test_checkpoints_are_saved_every_interval_and_at_the_end(runs):
+    ckpt = runs["ckpt"]
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000001", "iter_0000002", "iter_0000004"]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    run = json.loads((ckpt / "iter_0000004" / "megatron_ext.json").read_text())
+    assert run["pp"] == (2 if runs["layout"] else 1) and run["ranks"] == 4 and run["seed"] == 7
+    assert f"saved step 2 to {ckpt / 'iter_0000002'}" in runs["first_log"]
+    assert f"resumed from {ckpt / 'iter_0000002'} at step 2" in runs["rest_log"]
+
+
+def test_a_checkpoint_of_another_layout_or_run_is_refused(runs):
+    from megatron_ext.cost import CostModel
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.runtime.train import build_parser, check_args
+
+    ckpt = str(runs["ckpt"])
+    other = [] if runs["layout"] else LAYOUTS["elastic_pp"]
+    saved_pp = 2 if runs["layout"] else 1
+    cost = CostModel.from_presets("tiny", "cpu-4")
+    for argv, match in (
+            (other, f"--load {ckpt}: its step-4 checkpoint was saved by a run with --pp {saved_pp}, this run has "
+                    f"{3 - saved_pp}"),
+            ([*runs["layout"], "--seed", "8"], "saved by a run with --seed 7, this run has 8"),
+            ([*runs["layout"], "--lr", "0.01"], "saved by a run with --lr 0.003, this run has 0.01")):
+        args = build_parser().parse_args([*ARGS, "--load", ckpt, *argv])
+        with pytest.raises(ConfigError, match=match):
+            check_args(args, cost, 4)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--load", "{tmp}/missing"], "--load {tmp}/missing: no such directory"),
+    (["--load", "{tmp}"], "--load {tmp} holds no checkpoint (no latest_checkpointed_iteration.txt"),
+    (["--save", "{tmp}", "--save-interval", "0"], "--save-interval must be at least 1, got 0"),
+    (["--save-interval", "2"], "--save-interval applies to --save"),
+])
+def test_bad_checkpoint_options_are_refused_before_launching(tmp_path, argv, message):
+    from megatron_ext.cost import CostModel
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.runtime.train import build_parser, check_args
+
+    args = build_parser().parse_args([*ARGS, *(a.format(tmp=tmp_path) for a in argv)])
+    with pytest.raises(ConfigError) as refused:
+        check_args(args, CostModel.from_presets("tiny", "cpu-4"), 4)
+    assert str(refused.value).startswith(message.format(tmp=tmp_path))
+
+
+def test_a_missing_checkpoint_is_a_one_line_error(tmp_path):
+    done = subprocess.run([*CLI, *ARGS, "--steps", "1", "--load", str(tmp_path)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == f"megatron-ext: error: --load {tmp_path} holds no checkpoint (no " \
+                          f"latest_checkpointed_iteration.txt; `train --save {tmp_path}` writes one)\n"
