@@ -12,7 +12,9 @@ no torch) plans step k+1 while step k trains. When step k+1 is asked for, the lo
 ``deadline_s`` for its plan; if the plan is not there (slow solver, planner error, dead worker) it
 computes a quick valid heuristic plan in the calling process (``fallback``, BatchAda by default:
 milliseconds) and logs a warning. A step never waits on a solver beyond the deadline. The late
-plan is discarded when it arrives, and a plan the worker has not started yet is skipped.
+plan is discarded when it arrives, and a plan the worker has not started yet is skipped. The
+worker dies with the process that started it (on Linux: with the thread that started it) and
+leaves Ctrl-C to it.
 
 Several ranks. ``sync="broadcast"``: only ``src_rank`` plans; every step its plan (JSON) is
 broadcast to the group, then every rank checks the digest. ``sync="check"``: every rank plans

@@ -8,8 +8,12 @@ trainer has already passed (it ran that step on a fallback plan).
 from __future__ import annotations
 
 import importlib
+import multiprocessing
 import os
+import signal
 import time
+
+from megatron_ext.lifetime import die_with_parent
 
 
 def worker_main(planner: str, cost, options, baselines: tuple[str, ...], tasks, results, floor,
@@ -17,6 +21,11 @@ def worker_main(planner: str, cost, options, baselines: tuple[str, ...], tasks, 
     """Loop until a ``None`` task. ``floor`` is a shared integer: tasks for steps below it are
     stale. ``imports`` are modules to import first (e.g. ones that register extra planners);
     ``delay_s`` makes every plan that much later (tests and demos of the fallback path)."""
+    # The trainer stops this process (a None task, else terminate), unless it is killed outright:
+    # then this one goes too, not to plan for no one and hold the trainer's pipes (its stderr is
+    # the launcher's) open. Ctrl-C is the trainer's to handle, not a traceback here.
+    die_with_parent(signal.SIGKILL, multiprocessing.parent_process().pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Below the trainer in CPU priority: planning a step ahead must use idle cycles, not take them
     # from training (it has the whole step to finish, and a fallback if it does not).
     os.nice(10)

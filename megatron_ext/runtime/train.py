@@ -238,6 +238,14 @@ def check_args(args, cost: CostModel, world: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import signal
+    import time
+
+    from megatron_ext.lifetime import die_with_parent, exit_quietly_on_stop_signals
+
+    # Stopped (torchrun passes SIGTERM / SIGINT on) or orphaned (torchrun died), a rank ends quietly.
+    exit_quietly_on_stop_signals()
+    die_with_parent(signal.SIGTERM)
     args = build_parser().parse_args(argv)
     # megatron-core says, once per rank and module, that CPU runs use its plain-torch fallbacks.
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
@@ -255,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"megatron-ext: error: {e}", file=sys.stderr)
         return 2
+    except Exception:
+        # A rank that dies breaks its peers' collectives; torchrun (checking every 0.1 s) stops them a
+        # moment later and names it. Wait for that stop, quiet, rather than print a traceback about it.
+        time.sleep(5.0)
+        raise
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,62 @@
+"""How the processes of a run end: each with its parent, and quietly when asked to stop.
+
+A run is a tree: the launcher (``megatron-ext train``), torchrun under it, the ranks under
+torchrun, rank 0's planner process under rank 0. A process whose parent is gone (killed, crashed)
+must neither train on nor hold its parent's pipes open (the launcher reads the ranks' stderr to
+its end), so each dies with its parent: by Linux's parent-death signal, or elsewhere by a thread
+that watches the parent's pid. Imports nothing of torch: the planner process uses it.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_WATCH_S = 1.0  # how often the fallback watch looks at the parent's pid
+
+
+def die_with_parent(sig: int, parent_pid: int | None = None) -> None:
+    """Receive ``sig`` when the parent (``parent_pid``, default the current one) exits, and now
+    if it is gone already. On Linux the kernel sends it when the parent *thread* that started
+    this process exits: start children from a thread that lives as long as they should."""
+    parent = os.getppid() if parent_pid is None else parent_pid
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    else:
+        threading.Thread(target=_watch_parent, args=(parent, sig), name="parent-watch", daemon=True).start()
+    if os.getppid() != parent:  # it exited before the signal was armed
+        os.kill(os.getpid(), sig)
+
+
+def _watch_parent(parent: int, sig: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(_WATCH_S)
+    os.kill(os.getpid(), sig)
+
+
+def exit_quietly_on_stop_signals() -> None:
+    """SIGTERM and SIGINT end this process as ``SystemExit(128 + signal)``: its ``finally``
+    blocks and context managers run, and nothing is printed (Python's KeyboardInterrupt would
+    print a traceback from every rank). Main thread only, as every signal handler."""
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+
+
+def exit_text(code: int) -> str:
+    """How a process ended, from its exit code as ``subprocess`` gives it: "died (signal 9
+    SIGKILL)" for -9 and for 128 + 9 (a process that exits on the signal, as the shell reports
+    it), else "failed (exit status 1)"."""
+    signum = -code if code < 0 else code - 128
+    try:
+        return f"died (signal {signum} {signal.Signals(signum).name})"
+    except ValueError:  # not a signal's number
+        return f"failed (exit status {code})"
