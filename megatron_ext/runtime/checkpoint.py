@@ -14,8 +14,8 @@ keep no state from one step to the next (each plan is a function of the step's l
 model and the options, and of how far a solver gets within its time limit, in a resumed run as in
 an uninterrupted one; two plans of one batch give the same loss to float rounding).
 
-A stop signal saves too, when its handler calls ``request_stop``: every rank learns it after the
-step it is running (``stop_requested_anywhere``), saves and ends the loop.
+A stop signal saves too (``save_and_stop_on_signals``, under ``--save``): every rank learns it
+after the step it is running (``stop_requested_anywhere``), saves and ends the loop.
 
 Only this module's ``check_checkpoint_args`` runs before launching (it reads JSON, no torch);
 saving and loading are collective over every rank.
@@ -100,6 +100,23 @@ def request_stop() -> None:
     under ``--save``: what a SIGTERM handler calls (it only sets a flag, so it is safe there)."""
     global _stop_requested
     _stop_requested = True
+
+
+def save_and_stop_on_signals() -> None:
+    """Under ``--save``: the first SIGTERM or SIGINT (the launcher's, passed on by torchrun; Slurm's
+    before the time limit) lets the running step finish, saves it and ends the run, as Megatron's
+    exit-signal handler does (torchrun gives the ranks 30 s before it kills them); a second one
+    ends the rank at once, quietly (``lifetime.exit_quietly_on_stop_signals``). Main thread only."""
+    import signal
+
+    from megatron_ext.lifetime import exit_quietly_on_stop_signals
+
+    def first(signum, frame):
+        request_stop()
+        exit_quietly_on_stop_signals()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, first)
 
 
 def stop_requested_anywhere(device) -> bool:

@@ -247,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     exit_quietly_on_stop_signals()
     die_with_parent(signal.SIGTERM)
     args = build_parser().parse_args(argv)
+    if args.save:
+        from megatron_ext.runtime.checkpoint import save_and_stop_on_signals
+        save_and_stop_on_signals()
     # megatron-core says, once per rank and module, that CPU runs use its plain-torch fallbacks.
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
     warnings.filterwarnings("ignore", message=r"full scope is deprecated")

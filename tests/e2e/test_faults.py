@@ -60,10 +60,10 @@ def _rank(pid: int) -> int | None:
 class Run:
     """``megatron-ext train`` with a unique --run-dir, its stdout and stderr read as they come."""
 
-    def __init__(self, tmp_path, steps: int):
+    def __init__(self, tmp_path, steps: int, *extra: str):
         self.marker = str(tmp_path / f"faults-{uuid.uuid4().hex}")
         self.proc = subprocess.Popen([*CLI, "train", "--steps", str(steps), "--global-batch", "4", "--max-seq-len",
-                                      "1024", "--run-dir", self.marker],
+                                      "1024", "--run-dir", self.marker, *extra],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.out: list[str] = []
         self.err: list[str] = []
@@ -171,6 +171,24 @@ def test_sigterm_stops_the_run_quietly(tmp_path):
     print(f"launcher sent SIGTERM: it exited {took:.1f} s later")
     assert code == 128 + signal.SIGTERM
     run.stderr_says("megatron-ext: stopped by SIGTERM")
+    run.assert_nothing_left(tree, blow + ENDS_WITHIN_S)
+
+
+def test_sigterm_under_save_finishes_the_step_and_saves_it(tmp_path):
+    """As Slurm's signal before the time limit: the step running ends, is saved, and a requeued
+    run resumes after it."""
+    save = tmp_path / "ckpt"
+    run = Run(tmp_path, 50, "--save", str(save), "--save-interval", "1000")
+    tree = run.tree()
+    blow = time.monotonic()
+    os.kill(run.proc.pid, signal.SIGTERM)
+    code, took = run.ended(blow)
+    print(f"launcher sent SIGTERM under --save: it exited {took:.1f} s later")
+    assert code == 128 + signal.SIGTERM
+    run.stderr_says("megatron-ext: stopped by SIGTERM")
+    saved = int((save / "latest_checkpointed_iteration.txt").read_text())
+    steps = [line for line in run.out if line.startswith("step ")]
+    assert saved == len(steps) >= 1 and f"saved step {saved} to" in "\n".join(run.err), (saved, steps)
     run.assert_nothing_left(tree, blow + ENDS_WITHIN_S)
 
 
