@@ -197,7 +197,7 @@ def _stop_worker(proc, tasks) -> None:
 class PlanningDataLoader(GlobalBatches):
     """Global batches of variable-length documents with a plan per step (see the module doc).
 
-    ``documents``: any ``Documents`` (indexed dataset, JSONL, text; ``source_sizes`` and
+    ``documents``: any ``Documents`` (an indexed dataset, a blend; ``source_sizes`` and
     ``weights``: a blend of sources, see ``GlobalBatches``). ``cost``: the cost model the
     planner uses. ``global_batch_size``: sequences per step. ``planner``: a name in
     ``megatron_ext.planner.PLANNERS``. ``num_steps``: stop after that many (None: endless), starting

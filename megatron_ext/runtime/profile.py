@@ -447,6 +447,13 @@ def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int, setup:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
+    from megatron_ext.lifetime import die_with_parent, exit_quietly_on_stop_signals
+
+    # as train's ranks: stopped (torchrun passes SIGTERM / SIGINT on) or orphaned, a rank ends quietly
+    exit_quietly_on_stop_signals()
+    die_with_parent(signal.SIGTERM)
     args = build_parser().parse_args(argv)
     try:
         _, dtype_name = check_args(args, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -481,8 +488,10 @@ def _profile(args, setup: RankSetup) -> int:
     vocab = base.model.vocab_size
     model = _build_model(base.model, max(lengths), setup, ddp=False)
     attention = _measured_backend(model, setup)
-    degrees = [d for d in (2**i for i in range(1, 12)) if d <= world]
-    total = len(lengths) + 3 * len(degrees) + 4 + len(degrees) * len(lengths)
+    # every Ulysses degree the ranks and the model's heads allow (tiny's 4 KV heads stop at 4)
+    degrees = [d for d in (2**i for i in range(1, 12)) if d <= min(world, base.model.max_sp_degree)]
+    a2a_degrees = int(np.log2(world)) if world > 1 else 0  # _a2a_sweep: every power of two up to the ranks
+    total = len(lengths) + 3 * a2a_degrees + 4 + len(degrees) * len(lengths)
     progress = tqdm(total=total, disable=rank != 0, file=sys.stderr, bar_format="[{bar:30}] {n}/{total} {desc}")
 
     def tick(what):
@@ -503,7 +512,8 @@ def _profile(args, setup: RankSetup) -> int:
     measured = {1: per_length.tolist(),
                 **_ulysses_sweep(model, pool, degrees, lengths, vocab, args.repeats, tick, setup)}
     fit = fit_profile(spec, lengths, measured, raw)
-    a1, a2, b1, a2a = fit["a1"], fit["a2"], fit["b1"], fit["a2a"]
+    # all-to-all: fitted from the passes where the heads allow that degree, else the raw sweep's
+    a1, a2, b1, a2a = fit["a1"], fit["a2"], fit["b1"], {**raw, **fit["a2a"]}
     # the output layer's share of the per-token work a2 (the last pipeline stage runs it alone),
     # timed at the longest length, where its fixed costs weigh least
     head_share = float(min(0.95, max(0.0, np.median(head) / max(a2 * head_s, 1e-9))))
