@@ -1,12 +1,17 @@
 # The body of scripts/slurm/flexsp.sbatch and elastic_pp.sbatch (sourced with MODE set).
 #
-#   sbatch [SBATCH OPTIONS] scripts/slurm/{mode}.sbatch [--dry-run] MODEL_ARGS CLUSTER [-- EXTRA...]
+#   sbatch [SBATCH OPTIONS] scripts/slurm/{mode}.sbatch [--dry-run] [--container-image IMG]
+#          MODEL_ARGS CLUSTER [-- EXTRA...]
 #
 #   MODEL_ARGS  a Megatron argument file, e.g. configs/megatron/gpt-7b.args; its name (gpt-7b)
 #               is the model preset of the cost model (megatron_ext/presets/models/gpt-7b.yaml)
 #   CLUSTER     a cluster preset (megatron_ext/presets/clusters, e.g. h100-80g-8x4) or a cluster
 #               YAML; it must describe the allocation: nodes x GPUs per node
 #   EXTRA       more pretrain_gpt.py arguments (data, tokenizer, checkpoints, logging)
+#   --container-image IMG
+#               run the ranks in a container (pyxis/enroot: srun --container-image), with the
+#               submit directory, megatron_ext and Megatron-LM mounted at their own paths; the
+#               image's python3 needs megatron_ext's requirements (default: $CONTAINER_IMAGE)
 #   --dry-run   print the environment and the srun command instead of running them (works
 #               outside Slurm too: the allocation is then taken from CLUSTER)
 #
@@ -16,9 +21,20 @@
 # checkout: scripts/apply_patches.sh). Added unless given: --cost-model MODEL:CLUSTER:ZERO (ZERO
 # 1 with --use-distributed-optimizer, else 0), --distributed-backend nccl, and the mode's flag.
 #
-# Environment: MEGATRON_LM_DIR (required), MEGATRON_EXT_DIR (default: the submit directory, which
-# must be megatron_ext's checkout), PYTHON, MASTER_PORT (default 29500), NCCL_* to override the
-# defaults below, GPUS_PER_NODE (default: from CLUSTER).
+# Time limits and requeueing: --save and --load default to checkpoints/JOB_NAME in the submit
+# directory (--load to --save's directory when only that is given; --save-interval 1000 unless
+# given), and --exit-signal-handler --exit-signal SIGUSR1 are added. Slurm sends the batch script
+# SIGUSR1 300 s before the time limit (#SBATCH --signal=B:USR1@300; sbatch --signal=B:USR1@SECONDS
+# for another lead time); it passes Megatron's exit signal to the ranks, which finish the
+# iteration, save a checkpoint and exit, and then requeues the job (#SBATCH --requeue), which
+# resumes from --load. torchrun ignores that signal. Megatron also saves after the last iteration.
+#
+# Everything runs in the submit directory: #SBATCH --output, checkpoints, and relative paths in
+# the arguments resolve there. Environment: MEGATRON_LM_DIR (required), MEGATRON_EXT_DIR (default:
+# the submit directory, which must then be megatron_ext's checkout), PYTHON, MASTER_PORT (default
+# 29500), NCCL_* to override the defaults below, GPUS_PER_NODE (where Slurm's SLURM_GPUS_ON_NODE
+# is not set; default: from CLUSTER), CONTAINER_IMAGE, CONTAINER_MOUNTS (more SRC:DST mounts,
+# comma-separated).
 
 set -euo pipefail
 
@@ -31,9 +47,14 @@ slurm_usage() {
 }
 
 dry_run=0
+image="${CONTAINER_IMAGE:-}"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --dry-run) dry_run=1; shift ;;
+    --container-image)
+      [[ $# -ge 2 ]] || { echo "$MODE.sbatch: --container-image needs an image" >&2; exit 2; }
+      image="$2"; shift 2 ;;
+    --container-image=*) image="${1#*=}"; shift ;;
     -h|--help) slurm_usage; exit 0 ;;
     *) break ;;
   esac
@@ -54,13 +75,15 @@ args=("${file_args[@]}" "${extra[@]}")
 model_preset="$(basename "$model_args" .args)"
 
 python="$(megatron_python)"
+# megatron_ext is imported from its checkout wherever the processes run (here: the submit directory).
+export PYTHONPATH="$MEGATRON_EXT_DIR${PYTHONPATH:+:$PYTHONPATH}"
 # The cluster: GPUs per node and nodes, from the preset or YAML (megatron_ext.spec).
 read -r cluster_nodes cluster_gpus < <(
-  cd "$MEGATRON_EXT_DIR" && "$python" -c 'import sys
+  "$python" -c 'import sys
 from megatron_ext.spec import load_cluster
 c = load_cluster(sys.argv[1]); print(c.num_nodes, c.gpus_per_node)' "$cluster"
 ) || { echo "$MODE.sbatch: cannot read cluster $cluster" >&2; exit 2; }
-gpus_per_node="${GPUS_PER_NODE:-$cluster_gpus}"
+gpus_per_node="${SLURM_GPUS_ON_NODE:-${GPUS_PER_NODE:-$cluster_gpus}}"
 nodes="${SLURM_NNODES:-$cluster_nodes}"
 if [[ "$nodes" != "$cluster_nodes" || "$gpus_per_node" != "$cluster_gpus" ]]; then
   echo "$MODE.sbatch: the allocation ($nodes nodes x $gpus_per_node GPUs) is not the cluster $cluster" \
@@ -90,6 +113,17 @@ if ! has_flag --cost-model "${args[@]}"; then
 fi
 has_flag --distributed-backend "${args[@]}" || args+=(--distributed-backend nccl)
 
+# Checkpoints in the submit directory, and the signal on which the ranks save one and exit.
+submit_dir="${SLURM_SUBMIT_DIR:-$PWD}"
+job_name="${SLURM_JOB_NAME:-megatron-ext-${MODE//_/-}}"
+save="$(flag_value --save "$submit_dir/checkpoints/$job_name" "${args[@]}")"
+has_flag --save "${args[@]}" || args+=(--save "$save")
+has_flag --load "${args[@]}" || args+=(--load "$save")
+has_flag --save-interval "${args[@]}" || args+=(--save-interval 1000)  # Megatron requires one with --save
+has_flag --exit-signal-handler "${args[@]}" || args+=(--exit-signal-handler)
+exit_signal="$(flag_value --exit-signal SIGUSR1 "${args[@]}")"
+has_flag --exit-signal "${args[@]}" || args+=(--exit-signal "$exit_signal")
+
 # Rendezvous on the first node of the allocation.
 if [[ -n "${SLURM_JOB_NODELIST:-}" ]] && command -v scontrol >/dev/null 2>&1; then
   master_addr="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
@@ -115,21 +149,50 @@ for name in NCCL_SOCKET_IFNAME NCCL_IB_HCA GLOO_SOCKET_IFNAME; do
 done
 
 megatron="${MEGATRON_LM_DIR:-}"
-cmd=(srun --nodes="$nodes" --ntasks-per-node=1 --kill-on-bad-exit=1
-     "$python" -m torch.distributed.run
+mlm="${megatron:-\$MEGATRON_LM_DIR}"
+container=()
+rank_python="$python"
+if [[ -n "$image" ]]; then
+  mounts="$submit_dir:$submit_dir,$MEGATRON_EXT_DIR:$MEGATRON_EXT_DIR,$mlm:$mlm${CONTAINER_MOUNTS:+,$CONTAINER_MOUNTS}"
+  container=(--container-image="$image" --container-mounts="$mounts" --container-workdir="$submit_dir")
+  rank_python=python3
+fi
+# Slurm signals every process of the job step: torchrun must outlive the exit signal (by default
+# it would die of SIGUSR1, or stop the ranks on SIGTERM before they save), so it starts with the
+# signal ignored; the ranks inherit that until Megatron's handler takes the signal.
+cmd=(srun --nodes="$nodes" --ntasks-per-node=1 --kill-on-bad-exit=1 "${container[@]}"
+     bash -c 'trap "" "$0" && exec "$@"' "$exit_signal"
+     "$rank_python" -m torch.distributed.run
      --nnodes="$nodes" --nproc-per-node="$gpus_per_node"
      --rdzv-backend=c10d --rdzv-endpoint="$master_addr:$master_port" --rdzv-id="$job_id"
-     -m megatron_ext.megatron.launch "${megatron:-\$MEGATRON_LM_DIR}/pretrain_gpt.py" "${args[@]}")
+     -m megatron_ext.megatron.launch "$mlm/pretrain_gpt.py" "${args[@]}")
 
 if [[ $dry_run -eq 1 ]]; then
   echo "# $MODE: $model_preset on $cluster ($nodes nodes x $gpus_per_node GPUs), rendezvous $master_addr:$master_port"
-  for name in "${env_names[@]}"; do
+  echo "# in $submit_dir: checkpoints $save; 300 s before the time limit (sbatch --signal=B:USR1@300) the" \
+       "ranks get $exit_signal, save and exit, and the job is requeued (--requeue) to resume from --load"
+  for name in "${env_names[@]}" PYTHONPATH; do
     echo "export $name=$(printf '%q' "${!name}")"
   done
-  echo "cd $(printf '%q' "$MEGATRON_EXT_DIR")"
   show_cmd "${cmd[@]}"
   exit 0
 fi
 check_megatron_dir "$megatron" || exit $?
-cd "$MEGATRON_EXT_DIR"
-exec "${cmd[@]}"
+
+stop_requested=0
+# (a trap runs between commands: srun runs in the background so that one can run while it does)
+trap 'stop_requested=1; scancel --signal="$exit_signal" "$SLURM_JOB_ID" ||
+      echo "$MODE.sbatch: could not pass $exit_signal to the ranks" >&2' USR1
+"${cmd[@]}" &
+srun_pid=$!
+status=0
+wait "$srun_pid" || status=$?
+while kill -0 "$srun_pid" 2>/dev/null; do  # the wait ended for the trap, not for srun
+  status=0
+  wait "$srun_pid" || status=$?
+done
+if [[ $stop_requested -eq 1 && $status -eq 0 ]]; then
+  echo "$MODE.sbatch: the ranks saved a checkpoint in $save before the time limit; requeueing job $SLURM_JOB_ID"
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$status"

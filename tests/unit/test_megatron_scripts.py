@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -208,9 +209,18 @@ def test_run_local_refuses_an_unpatched_checkout(tmp_path):
     assert r.returncode == 2 and "not a Megatron-LM checkout" in r.stderr
 
 
-def sbatch_dry_run(mode: str, *args, env=None):
-    return run(ROOT / f"scripts/slurm/{mode}.sbatch", "--dry-run", *args,
-               env={k: v for k, v in {"SLURM_NNODES": "", **(env or {})}.items()})
+# What the sbatch scripts read from the environment, blank (unset for them) unless a test sets it.
+SLURM_ENV = ("SLURM_NNODES", "SLURM_GPUS_ON_NODE", "SLURM_SUBMIT_DIR", "SLURM_JOB_NAME", "SLURM_JOB_ID",
+             "SLURM_JOB_NODELIST", "GPUS_PER_NODE", "CONTAINER_IMAGE", "CONTAINER_MOUNTS", "MEGATRON_EXT_DIR")
+
+
+def sbatch_dry_run(mode: str, *args, env=None, cwd=ROOT):
+    return run(ROOT / f"scripts/slurm/{mode}.sbatch", "--dry-run", *args, cwd=cwd,
+               env={**dict.fromkeys(SLURM_ENV, ""), **(env or {})})
+
+
+def srun_line(out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith("srun "))
 
 
 def test_flexsp_sbatch_dry_run():
@@ -220,23 +230,67 @@ def test_flexsp_sbatch_dry_run():
     out = r.stdout
     assert "# flexsp: gpt-7b on h100-80g-8x4 (4 nodes x 8 GPUs)" in out
     for line in ("export NCCL_DEBUG=WARN", "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
-                 "export CUDA_DEVICE_MAX_CONNECTIONS=1", "export NCCL_SOCKET_IFNAME=ib0"):
+                 "export CUDA_DEVICE_MAX_CONNECTIONS=1", "export NCCL_SOCKET_IFNAME=ib0", f"export PYTHONPATH={ROOT}"):
         assert line in out
-    cmd = out.strip().splitlines()[-1]
+    cmd = srun_line(out)
     assert cmd.startswith("srun --nodes=4 --ntasks-per-node=1 ")
     assert "-m torch.distributed.run --nnodes=4 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=" in cmd
     assert "-m megatron_ext.megatron.launch /opt/Megatron-LM/pretrain_gpt.py --num-layers 32" in cmd
     assert cmd.count("--flexsp") == 1 and "--cost-model gpt-7b:h100-80g-8x4:1" in cmd
-    assert "--distributed-backend nccl" in cmd and cmd.endswith("--distributed-backend nccl")
-    assert "--mock-data" in cmd
+    assert "--distributed-backend nccl" in cmd and "--mock-data" in cmd
+    assert "--container-image" not in cmd
+
+
+def test_sbatch_saves_before_the_time_limit_and_resumes(tmp_path):
+    """The ranks get Megatron's exit signal (torchrun starts with it ignored), checkpoints go to
+    the submit directory and are loaded back from there, unless the arguments say otherwise."""
+    env = {"SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_NAME": "run7", "MEGATRON_LM_DIR": "/opt/Megatron-LM"}
+    r = sbatch_dry_run("flexsp", "configs/megatron/gpt-7b.args", "h100-80g-8x4", env=env)
+    assert r.returncode == 0, r.stderr
+    cmd = shlex.split(srun_line(r.stdout))
+    ckpt = str(tmp_path / "checkpoints/run7")
+    assert cmd[-9:] == ["--save", ckpt, "--load", ckpt, "--save-interval", "1000", "--exit-signal-handler",
+                         "--exit-signal", "SIGUSR1"]
+    wrapper = cmd.index("bash")
+    assert cmd[wrapper + 1:wrapper + 4] == ["-c", 'trap "" "$0" && exec "$@"', "SIGUSR1"]
+    assert cmd[wrapper + 5:wrapper + 7] == ["-m", "torch.distributed.run"]
+    assert f"# in {tmp_path}: checkpoints {ckpt}; 300 s before the time limit" in r.stdout
+    assert "\ncd " not in r.stdout  # it runs where it was submitted, not in megatron_ext's checkout
+
+    r = sbatch_dry_run("flexsp", "configs/megatron/gpt-7b.args", "h100-80g-8x4", "--", "--save", "ckpt",
+                       "--save-interval", "50", "--exit-signal", "SIGTERM", env=env)
+    cmd = shlex.split(srun_line(r.stdout))
+    assert cmd.count("--save") == 1 and cmd[cmd.index("--load") + 1] == "ckpt"
+    assert cmd.count("--save-interval") == 1 and cmd.count("--exit-signal") == 1
+    assert cmd[cmd.index("bash") + 3] == "SIGTERM"
+
+
+def test_sbatch_container_image():
+    env = {"SLURM_SUBMIT_DIR": "/runs/a", "MEGATRON_LM_DIR": "/opt/Megatron-LM"}
+    r = sbatch_dry_run("flexsp", "--container-image", "nvcr.io/nvidia/pytorch:25.01-py3",
+                       "configs/megatron/gpt-7b.args", "h100-80g-8x4", env=env)
+    assert r.returncode == 0, r.stderr
+    cmd = shlex.split(srun_line(r.stdout))
+    at = cmd.index("--kill-on-bad-exit=1") + 1
+    assert cmd[at:at + 4] == ["--container-image=nvcr.io/nvidia/pytorch:25.01-py3",
+                              f"--container-mounts=/runs/a:/runs/a,{ROOT}:{ROOT},/opt/Megatron-LM:/opt/Megatron-LM",
+                              "--container-workdir=/runs/a", "bash"]
+    assert cmd[cmd.index("torch.distributed.run") - 2] == "python3"  # the image's interpreter
+    r = sbatch_dry_run("elastic_pp", "configs/megatron/llama-7b.args", "a800-80g-8x4",
+                       env={**env, "CONTAINER_IMAGE": "img.sqsh", "CONTAINER_MOUNTS": "/data:/data"})
+    cmd = shlex.split(srun_line(r.stdout))
+    assert "--container-image=img.sqsh" in cmd
+    assert any(a.startswith("--container-mounts=") and a.endswith(",/data:/data") for a in cmd)
+    r = sbatch_dry_run("flexsp", "--container-image")
+    assert r.returncode == 2 and "--container-image needs an image" in r.stderr
 
 
 def test_elastic_pp_sbatch_dry_run():
     r = sbatch_dry_run("elastic_pp", "configs/megatron/llama-7b.args", "a800-80g-8x4")
     assert r.returncode == 0, r.stderr
-    cmd = r.stdout.strip().splitlines()[-1]
+    cmd = srun_line(r.stdout)
     assert "--elastic-pp" in cmd and "--flexsp" not in cmd and "--plan-ahead 1" in cmd
-    assert cmd.split().count("--pipeline-model-parallel-size") == 2 and cmd.endswith("--distributed-backend nccl")
+    assert cmd.split().count("--pipeline-model-parallel-size") == 2 and "--distributed-backend nccl" in cmd
     assert "--pipeline-model-parallel-size 4" in cmd and "--cost-model llama-7b:a800-80g-8x4:1" in cmd
     # the command validates: 4 stages of 8 GPUs, the cost model spanning all 32
     from megatron_ext.megatron.arguments import validate_args
@@ -250,6 +304,11 @@ def test_elastic_pp_sbatch_dry_run():
 def test_sbatch_refuses_an_allocation_that_is_not_the_cluster():
     r = sbatch_dry_run("flexsp", "configs/megatron/gpt-7b.args", "h100-80g-8x4", env={"SLURM_NNODES": "2"})
     assert r.returncode == 2 and "is not the cluster h100-80g-8x4" in r.stderr
+    r = sbatch_dry_run("flexsp", "configs/megatron/gpt-7b.args", "h100-80g-8x4",
+                       env={"SLURM_NNODES": "4", "SLURM_GPUS_ON_NODE": "4"})
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1
+    assert "the allocation (4 nodes x 4 GPUs) is not the cluster h100-80g-8x4 (4 x 8): sbatch --nodes=4 " \
+           "--gpus-per-node=8" in r.stderr
     r = sbatch_dry_run("flexsp", "configs/megatron/gpt-7b.args")
     assert r.returncode == 2 and "MODEL_ARGS CLUSTER" in r.stderr
 
@@ -259,9 +318,58 @@ def test_sbatch_headers():
         text = (ROOT / f"scripts/slurm/{mode}.sbatch").read_text()
         directives = [ln for ln in text.splitlines() if ln.startswith("#SBATCH")]
         assert "#SBATCH --ntasks-per-node=1" in directives and any("--gpus-per-node" in d for d in directives)
+        # requeued after saving before the time limit, its log appended to (same job id, same file)
+        for line in ("#SBATCH --requeue", "#SBATCH --signal=B:USR1@300", "#SBATCH --open-mode=append"):
+            assert line in directives
         body = text.split("\n")
         first_code = next(i for i, ln in enumerate(body) if ln.strip() and not ln.startswith("#"))
         assert all(i < first_code for i, ln in enumerate(body) if ln.startswith("#SBATCH"))
+
+
+FAKE_SLURM = {  # stand-ins for Slurm's commands, logging to $FAKE_LOG
+    "srun": 'echo "srun $$" >> "$FAKE_LOG"\n'
+            'trap \'echo "ranks saved" >> "$FAKE_LOG"; exit 0\' USR1\n'  # Megatron's handler: save, exit
+            'for _ in $(seq "$FAKE_SRUN_TICKS"); do sleep 0.1; done\nexit "$FAKE_SRUN_STATUS"\n',
+    "scancel": 'echo "scancel $*" >> "$FAKE_LOG"\nkill -USR1 "$(awk \'/^srun/ {print $2}\' "$FAKE_LOG")"\n',
+    "scontrol": 'if [[ $1 == show ]]; then echo node1; else echo "scontrol $*" >> "$FAKE_LOG"; fi\n',
+}
+
+
+@needs_patch
+@pytest.mark.parametrize("stopped", [True, False])
+def test_sbatch_passes_the_signal_on_and_requeues(tmp_path, stopped):
+    """Not a dry run, with stand-ins for srun, scancel and scontrol: SIGUSR1 to the batch script
+    reaches the ranks (scancel) and, once they exit cleanly, requeues the job; a run that ends on
+    its own (here failing) is not requeued."""
+    import signal
+    import time
+
+    mlm = stand_in_checkout(tmp_path / "mlm")
+    assert run(ROOT / "scripts/apply_patches.sh", mlm).returncode == 0
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name, body in FAKE_SLURM.items():
+        (fake / name).write_text("#!/bin/bash\n" + body)
+        (fake / name).chmod(0o755)
+    log = tmp_path / "slurm.log"
+    env = {**os.environ, **dict.fromkeys(SLURM_ENV, ""), "PATH": f"{fake}:{os.environ['PATH']}",
+           "FAKE_LOG": str(log), "MEGATRON_LM_DIR": str(mlm), "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node1",
+           "SLURM_SUBMIT_DIR": str(tmp_path), "FAKE_SRUN_STATUS": "3", "FAKE_SRUN_TICKS": "100" if stopped else "1"}
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts/slurm/flexsp.sbatch"), "configs/megatron/gpt-7b.args",
+                             "h100-80g-8x4"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    if stopped:
+        while not (log.exists() and "srun" in log.read_text()):
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGUSR1)  # what #SBATCH --signal=B:USR1@300 sends
+    out, err = proc.communicate(timeout=60)
+    lines = log.read_text().splitlines()
+    if stopped:
+        assert proc.returncode == 0, err
+        assert lines[1:] == ["scancel --signal=SIGUSR1 42", "ranks saved", "scontrol requeue 42"]
+        assert f"saved a checkpoint in {tmp_path}/checkpoints/megatron-ext-flexsp before the time limit" in out
+    else:
+        assert proc.returncode == 3 and len(lines) == 1 and lines[0].startswith("srun ")
 
 
 def test_gpu_smoke_refuses_without_cuda():
