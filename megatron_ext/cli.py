@@ -144,12 +144,25 @@ def cmd_plan(args) -> int:
     lengths = lengths_from_args(args, limit)
     if pipelines:
         return run_pp_plan(args, cost, lengths)
-    plan = make_plan(args.planner, lengths, cost, options_from_args(args),
-                     baselines=() if args.no_baselines else BASELINES)
+    options = options_from_args(args)
+    if args.planner == "flexsp":
+        _note_if_too_big(lengths[lengths <= cost.max_seq_len], cost, options.time_limit)
+    plan = make_plan(args.planner, lengths, cost, options, baselines=() if args.no_baselines else BASELINES)
     print(plan.to_json(indent=1) if args.json else _plan_table(plan, lengths, cost, args.max_seq_len))
     plot_if_asked(args, plan, lengths, cost)
     trace_if_asked(args, plan, lengths, cost)
     return 0
+
+
+def _note_if_too_big(lengths: np.ndarray, cost: CostModel, time_limit: float) -> None:
+    """A note on stderr where flexsp's first plan alone, which its time limit cannot cut short,
+    takes longer here than the limit (a batch of a million sequences)."""
+    from megatron_ext.planner.flexsp import first_plan_seconds
+
+    need = first_plan_seconds(lengths, cost) if len(lengths) else 0.0
+    if need > time_limit:
+        print(f"note: planning {len(lengths):,} sequences takes about {need:.2g} s here (flexsp's first plan, which "
+              f"its time limit cannot cut short); --time-limit {time_limit:g} is too short", file=sys.stderr)
 
 
 def cmd_bench(args) -> int:
@@ -333,6 +346,10 @@ def cmd_train(rest: list[str]) -> int:
     base = [a for j, a in enumerate(rest) if j not in (i, i + 1)]
     if "--planner" in base or "--json" in base:
         raise ConfigError("--compare sets --planner and --json itself")
+    twice = sorted({p for p in planners if planners.count(p) > 1})
+    if twice:
+        raise ConfigError(f"--compare names {', '.join(twice)} more than once")
+    _check_compared_runs(base, planners)
     runs = {}
     for planner in planners:
         print(f"training with --planner {planner} ...", file=sys.stderr, flush=True)
@@ -342,6 +359,17 @@ def cmd_train(rest: list[str]) -> int:
         runs[planner] = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     print(compare_table(runs))
     return 0
+
+
+def _check_compared_runs(base: list[str], planners: list[str]) -> None:
+    """Refuse a ``--compare`` whose run of any planner could not start (an unknown planner, one
+    the other options do not suit), before the first run trains."""
+    from megatron_ext.runtime.train import build_parser as train_parser, check_args, train_cost_model
+
+    for planner in planners:
+        targs, _ = train_parser().parse_known_args([*base, "--planner", planner])  # (unknown options: the first run)
+        cost = train_cost_model(targs)
+        check_args(targs, cost, cost.num_gpus)
 
 
 def cmd_report(args) -> int:

@@ -8,6 +8,7 @@ every ``h100-80g-8x<nodes>`` name.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -155,43 +156,61 @@ def _presets(kind: str) -> list[str]:
     return sorted(p.stem for p in (PRESET_DIR / kind).glob("*.yaml"))
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    """A finite int or float (YAML's .inf and .nan are floats; true and false are not numbers)."""
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _check_count(v, what: str, name: str) -> None:
+    _check(_is_int(v) and v > 0, what, f"{name} must be a positive integer, got {v!r}")
+
+
+def _check_number(v, what: str, name: str, positive: bool) -> None:
+    ok = _is_number(v) and (v > 0 if positive else v >= 0)
+    _check(ok, what, f"{name} must be a {'positive' if positive else 'non-negative'} finite number, got {v!r}")
+
+
 def validate_model(m: ModelSpec) -> ModelSpec:
     what = f"model {m.name!r}"
-    for f in ("num_layers", "hidden_size", "num_attention_heads"):
-        v = getattr(m, f)
-        _check(isinstance(v, int) and v > 0, what, f"{f} must be a positive integer, got {v!r}")
-    for f in ("params_b", "act_mb_per_token", "a1", "a2", "b1"):
-        v = getattr(m, f)
-        _check(isinstance(v, (int, float)) and v >= 0, what, f"{f} must be a non-negative number, got {v!r}")
-    _check(m.act_mb_per_token > 0, what, "act_mb_per_token must be positive")
-    _check(m.num_query_groups is None or (isinstance(m.num_query_groups, int) and m.num_query_groups > 0), what,
-           f"num_query_groups must be a positive integer, got {m.num_query_groups!r}")
+    for f in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+        _check_count(getattr(m, f), what, f)
+    for f in ("num_query_groups", "ffn_hidden_size"):
+        if getattr(m, f) is not None:
+            _check_count(getattr(m, f), what, f)
+    for f in ("params_b", "a1", "a2", "b1"):
+        _check_number(getattr(m, f), what, f, positive=False)
+    _check_number(m.act_mb_per_token, what, "act_mb_per_token", positive=True)
     _check(m.num_attention_heads % m.kv_heads == 0, what, "num_attention_heads must divide by num_query_groups")
     _check(m.activation_bytes in (1, 2, 4, 8), what, f"activation_bytes must be 1, 2, 4 or 8, got {m.activation_bytes!r}")
-    _check(m.head_time_share is None or (isinstance(m.head_time_share, (int, float)) and 0 <= m.head_time_share < 1),
+    _check(isinstance(m.swiglu, bool), what, f"swiglu must be true or false, got {m.swiglu!r}")
+    _check(m.head_time_share is None or (_is_number(m.head_time_share) and 0 <= m.head_time_share < 1),
            what, f"head_time_share must be in [0, 1), got {m.head_time_share!r}")
     return m
 
 
 def validate_cluster(c: ClusterSpec) -> ClusterSpec:
     what = f"cluster {c.name!r}"
-    _check(isinstance(c.gpus_per_node, int) and is_power_of_two(c.gpus_per_node), what,
+    _check(_is_int(c.gpus_per_node) and is_power_of_two(c.gpus_per_node), what,
            f"gpus_per_node must be a power of two, got {c.gpus_per_node!r}")
-    _check(isinstance(c.num_nodes, int) and is_power_of_two(c.num_nodes), what,
+    _check(_is_int(c.num_nodes) and is_power_of_two(c.num_nodes), what,
            f"the GPU count must be a power of two times the node size; num_nodes={c.num_nodes!r} "
            f"is not a power of two")
-    _check(isinstance(c.memory_gb, (int, float)) and c.memory_gb > 0, what, "memory_gb must be positive")
+    _check_number(c.memory_gb, what, "memory_gb", positive=True)
+    if c.p2p_bandwidth_gbps is not None:
+        _check_number(c.p2p_bandwidth_gbps, what, "p2p_bandwidth_gbps", positive=True)
     for name in ("p2p_latency_ms", "pipeline_op_overhead_ms", "micro_batch_overhead_ms"):
-        v = getattr(c, name)
-        _check(isinstance(v, (int, float)) and v >= 0, what, f"{name} must be a non-negative number")
+        _check_number(getattr(c, name), what, name, positive=False)
     bw = c.a2a_bandwidth_gbps
     for name, table, positive in (("a2a_bandwidth_gbps", bw, True), ("a2a_latency_ms", c.a2a_latency_ms, False)):
         _check(isinstance(table, dict), what, f"{name} must map degree -> number")
         for d, v in table.items():
-            _check(isinstance(d, int) and is_power_of_two(d) and d >= 2, what,
+            _check(_is_int(d) and is_power_of_two(d) and d >= 2, what,
                    f"{name} key {d!r} is not a power-of-two degree >= 2")
-            _check(isinstance(v, (int, float)) and (v > 0 if positive else v >= 0), what,
-                   f"{name}[{d}] must be {'positive' if positive else 'non-negative'}")
+            _check_number(v, what, f"{name}[{d}]", positive)
     if c.num_gpus > 1:
         _check(any(d <= 2 for d in bw), what, "a2a_bandwidth_gbps needs an entry for degree 2")
     return c

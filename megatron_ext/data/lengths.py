@@ -64,6 +64,9 @@ def sample_lengths(dist: str, batch: int, seed: int, max_len: int | None = None)
     return DISTRIBUTIONS[dist].sample(batch, np.random.default_rng(seed), max_len)
 
 
+MAX_LENGTH = np.iinfo(np.int64).max  # lengths are int64 arrays
+
+
 def read_lengths(path: str | Path) -> np.ndarray:
     """One positive integer per line; blank lines and '#' comments are ignored."""
     try:
@@ -83,6 +86,8 @@ def read_lengths(path: str | Path) -> np.ndarray:
             raise LengthsError(f"{path}:{no}: expected one integer per line, got {line[:40]!r}") from None
         if v < 1:
             raise LengthsError(f"{path}:{no}: a sequence length must be positive, got {v}")
+        if v > MAX_LENGTH:
+            raise LengthsError(f"{path}:{no}: a sequence length must be at most {MAX_LENGTH} (int64), got {line[:40]}")
         values.append(v)
     if not values:
         raise LengthsError(f"lengths file {path} holds no lengths")

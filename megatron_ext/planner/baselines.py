@@ -21,7 +21,10 @@ one-pass-per-sample execution priced by our cost model.
 """
 from __future__ import annotations
 
+import bisect
+import heapq
 import math
+import time
 import warnings
 
 import numpy as np
@@ -36,61 +39,81 @@ def step_time_ms(micro_batches: list[Groups], lengths: np.ndarray, cost: CostMod
     return sum(max(cost.group_time_ms(lengths[ids], d) for d, ids in groups) for groups in micro_batches)
 
 
+_BIN_MASK = (1 << 32) - 1  # the bin index in best_fit_bins' keys
+
+
 def best_fit_bins(ids, lengths: np.ndarray, capacity: int) -> list[list[int]]:
     """Best-fit decreasing by tokens: the fewest-bins heuristic; bins in opening order."""
     ids = np.asarray(ids, dtype=np.int64)
     order = ids[np.lexsort((ids, -lengths[ids]))]  # longest first, ties by id
     bins: list[list[int]] = []
-    room = np.empty(len(order), dtype=np.int64)  # room left in each open bin
-    for i in order:
-        s = int(lengths[i])
+    # Bins with room, as sorted keys room << 32 | bin: a bisection finds the tightest fit, the
+    # lowest bin on ties, in log time (a scan of every bin per sequence is quadratic at 100,000).
+    with_room: list[int] = []
+    for i, s in zip(order.tolist(), lengths[order].tolist()):
         if s > capacity:
             raise InfeasibleError(f"a sequence of {s} tokens exceeds the group capacity of {capacity} tokens")
-        fits = np.flatnonzero(room[:len(bins)] >= s)
-        if fits.size:
-            b = int(fits[np.argmin(room[fits])])  # tightest fit, lowest index on ties
-            bins[b].append(int(i))
-            room[b] -= s
+        k = bisect.bisect_left(with_room, s << 32)
+        if k < len(with_room):
+            key = with_room.pop(k)
+            b, room = key & _BIN_MASK, (key >> 32) - s
+            bins[b].append(i)
         else:
-            room[len(bins)] = capacity - s
-            bins.append([int(i)])
+            b, room = len(bins), capacity - s
+            bins.append([i])
+        if room:
+            bisect.insort(with_room, room << 32 | b)
     return bins
 
 
-def _chunk_by_time(slots: list[list[int]], degree: int, per_mb: int, lengths: np.ndarray,
-                   cost: CostModel) -> list[Groups]:
+def _chunk_by_time(slots: list[list[int]], degree: int, per_mb: int, seq_ms: np.ndarray,
+                   cost: CostModel) -> tuple[list[Groups], float]:
     """Fill micro-batches of ``per_mb`` groups with the slots, slowest first: given the slots,
-    this minimises the sum over micro-batches of the slowest group."""
+    this minimises the sum over micro-batches of the slowest group, which is returned too (ms;
+    ``seq_ms``: each sequence's time at ``degree``)."""
     slots = [s for s in slots if s]
-    times = [cost.group_time_ms(lengths[s], degree) for s in slots]
+    fixed = cost.group_fixed_ms(degree)
+
+    def group_ms(ids) -> float:  # cost.group_time_ms, from the sequence times computed once
+        return fixed + float(np.sum(seq_ms[ids]))
+
+    times = [group_ms(s) for s in slots]
     order = sorted(range(len(slots)), key=lambda j: (-times[j], j))
-    return [[(degree, sorted(slots[j])) for j in order[k:k + per_mb]] for k in range(0, len(order), per_mb)]
+    mbs = [[(degree, sorted(slots[j])) for j in order[k:k + per_mb]] for k in range(0, len(order), per_mb)]
+    return mbs, sum(max(group_ms(ids) for _, ids in mb) for mb in mbs)
 
 
-def _time_balanced_slots(lengths: np.ndarray, capacity: int, num_slots: int, cost: CostModel,
-                         degree: int) -> list[list[int]] | None:
-    """LPT with a token cap: longest (slowest) sequence first, into the least-loaded slot it fits;
-    None if some sequence fits nowhere."""
+def _time_balanced_slots(lengths: np.ndarray, capacity: int, num_slots: int,
+                         seq_ms: np.ndarray) -> list[list[int]] | None:
+    """LPT with a token cap: longest (slowest) sequence first, into the least-loaded slot it fits
+    (the lowest slot on ties); None if some sequence fits nowhere."""
     order = np.lexsort((np.arange(len(lengths)), -lengths))
-    times = cost.seq_time_ms(lengths, degree)
-    load = np.zeros(num_slots)
-    tokens = np.zeros(num_slots, dtype=np.int64)
     slots: list[list[int]] = [[] for _ in range(num_slots)]
-    for i in order:
-        fits = tokens + lengths[i] <= capacity
-        if not fits.any():
+    # Heaps instead of a scan of every slot per sequence: ``ready`` (load, slot, tokens free) holds
+    # the slots the current sequence fits; the others wait in ``parked`` (-free, load, slot) until
+    # the sequences, longest first, are short enough for them again.
+    ready = [(0.0, j, capacity) for j in range(num_slots)]
+    parked: list[tuple[int, float, int]] = []
+    for i, s, t in zip(order.tolist(), lengths[order].tolist(), seq_ms[order].tolist()):
+        while parked and -parked[0][0] >= s:
+            free, load, j = heapq.heappop(parked)
+            heapq.heappush(ready, (load, j, -free))
+        while ready and ready[0][2] < s:
+            load, j, free = heapq.heappop(ready)
+            heapq.heappush(parked, (-free, load, j))
+        if not ready:
             return None
-        j = int(np.argmin(np.where(fits, load, np.inf)))
-        slots[j].append(int(i))
-        load[j] += times[i]
-        tokens[j] += lengths[i]
+        load, j, free = heapq.heappop(ready)
+        slots[j].append(i)
+        heapq.heappush(ready, (load + t, j, free - s))
     return slots
 
 
-def static_packing(lengths: np.ndarray, cost: CostModel, degree: int) -> list[Groups]:
+def static_packing(lengths: np.ndarray, cost: CostModel, degree: int) -> tuple[list[Groups], float]:
     """Every group of degree ``degree``, N/degree groups per micro-batch, the fewest micro-batches
     best-fit packing by tokens allows. Within that count, the better (by estimated time) of the
-    best-fit bins and a time-balanced (LPT) spread over all the micro-batches' group slots."""
+    best-fit bins and a time-balanced (LPT) spread over all the micro-batches' group slots; with
+    its estimated step time (ms)."""
     cost.check_degree(degree)
     capacity = cost.token_capacity(degree)
     longest = int(lengths.max())
@@ -100,34 +123,55 @@ def static_packing(lengths: np.ndarray, cost: CostModel, degree: int) -> list[Gr
             f"sequence of {longest} tokens (it needs degree {cost.min_degree(longest)} or more); "
             f"choose a larger static degree or another planner")
     per_mb = cost.num_gpus // degree
+    seq_ms = cost.seq_time_ms(lengths, degree)
     bins = best_fit_bins(np.arange(len(lengths)), lengths, capacity)
     num_mb = math.ceil(len(bins) / per_mb)
-    plans = [_chunk_by_time(bins, degree, per_mb, lengths, cost)]
-    spread = _time_balanced_slots(lengths, capacity, num_mb * per_mb, cost, degree)
+    plans = [_chunk_by_time(bins, degree, per_mb, seq_ms, cost)]
+    spread = _time_balanced_slots(lengths, capacity, num_mb * per_mb, seq_ms)
     if spread is not None:
-        plans.append(_chunk_by_time(spread, degree, per_mb, lengths, cost))
-    times = [step_time_ms(p, lengths, cost) for p in plans]
-    return plans[int(np.argmin(times))]  # first on ties: deterministic
+        plans.append(_chunk_by_time(spread, degree, per_mb, seq_ms, cost))
+    return min(plans, key=lambda p: p[1])  # first on ties: deterministic
 
 
 @register("static_ulysses")
 def static_ulysses(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -> tuple[list[Groups], str]:
     degree = options.static_degree if options.static_degree is not None else cost.degrees[-1]
-    return static_packing(lengths, cost, degree), f"degree {degree}"
+    return static_packing(lengths, cost, degree)[0], f"degree {degree}"
+
+
+def homogeneous_packings(lengths: np.ndarray, cost: CostModel, keep: int = 1,
+                         deadline: float = math.inf) -> list[tuple[int, list[Groups], float]]:
+    """``static_packing`` at feasible degrees as (degree, micro-batches, step ms), fastest first
+    (the smaller degree on ties): at least the ``keep`` fastest of all. Degrees are packed in the
+    order of a lower bound on their step time, and those whose bound is above the ``keep``-th
+    fastest packed are skipped (they cannot be among them); past ``deadline`` (a
+    ``time.perf_counter()`` time), no more after the first."""
+    tokens = float(lengths.sum())
+    bounds = {}
+    for d in cost.degrees[cost.degrees.index(cost.min_degree(int(lengths.max()))):]:
+        # Each micro-batch waits for its slowest group: at least the mean of its N/d groups, and
+        # memory allows no fewer micro-batches than the tokens over N/d groups' capacity.
+        per_mb = cost.num_gpus // d
+        seq_ms = cost.seq_time_ms(lengths, d)
+        fixed = cost.group_fixed_ms(d)
+        fewest = math.ceil(tokens / (per_mb * cost.token_capacity(d)))
+        bounds[d] = max(fewest * fixed + float(seq_ms.sum()) / per_mb, fixed + float(seq_ms.max()))
+    out: list[tuple[int, list[Groups], float]] = []
+    for d in sorted(bounds, key=bounds.get):
+        if out and time.perf_counter() > deadline:
+            break
+        if len(out) >= keep and bounds[d] > out[keep - 1][2] * (1 + 1e-9):
+            break  # (the margin: the bound and the step time sum the same times in other orders)
+        out.append((d, *static_packing(lengths, cost, d)))
+        out.sort(key=lambda c: (c[2], c[0]))
+    return out
 
 
 @register("batchada")
 def batchada(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -> tuple[list[Groups], str]:
+    degree, mbs, _ = homogeneous_packings(lengths, cost)[0]
     lowest = cost.min_degree(int(lengths.max()))
-    best, best_time, best_degree = None, math.inf, 0
-    for d in cost.degrees:
-        if d < lowest:
-            continue
-        mbs = static_packing(lengths, cost, d)
-        t = step_time_ms(mbs, lengths, cost)
-        if t < best_time:  # strict: the smallest degree wins ties
-            best, best_time, best_degree = mbs, t, d
-    return best, f"degree {best_degree} (best of {lowest}..{cost.degrees[-1]})"
+    return mbs, f"degree {degree} (best of {lowest}..{cost.degrees[-1]})"
 
 
 # ---- Megatron-core's BalancedCPScheduler -------------------------------------------------------

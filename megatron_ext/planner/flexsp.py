@@ -14,6 +14,9 @@ best homogeneous packings, every sequence at its cheapest degree, long sequences
 as filler -- refines the cuts by local search, and lets a node-limited MILP (warm-started) improve
 micro-batches while the plan is over 3% above the lower bound. Work is bounded by counts, not the
 clock, so the same input gives the same plan; the time limit is a guard and is reported if hit.
+What the limit cannot cut is the first plan, the best homogeneous packing (by a step-time bound),
+and the part solve under way when it passes; a cut search the limit stops keeps the parts it
+solved (the longest sequences) and packs the rest at one degree.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import numpy as np
 
 from megatron_ext.cost import CostModel
 from megatron_ext.planner.api import Groups, PlannerOptions, register
-from megatron_ext.planner.baselines import best_fit_bins, static_packing
+from megatron_ext.planner.baselines import best_fit_bins, homogeneous_packings
 from megatron_ext.planner.blaster import balanced_split, dp_buckets
 from megatron_ext.planner.highs import new_highs
 
@@ -430,7 +433,27 @@ class _SplitSearch:
         return self.cache[(a, b)]
 
     def total(self, cuts: list[int]) -> float:
-        return sum(span for a, b in zip(cuts[:-1], cuts[1:]) for _, span in self.part(a, b))
+        """The step time of the cuts; inf if time ran out before every part was solved."""
+        spans = 0.0
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            if (a, b) not in self.cache and time.perf_counter() > self.deadline:
+                self.timed_out = True
+                return math.inf
+            spans += sum(span for _, span in self.part(a, b))
+        return spans
+
+    def hurried(self, cuts: list[int]) -> tuple[list[tuple[Groups, float]], float]:
+        """The cuts' micro-batches when time ran out before every part was solved: the parts
+        solved (the longest sequences), then the rest in the first homogeneous packing."""
+        parts: list[tuple[Groups, float]] = []
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            if (a, b) not in self.cache:
+                rest = self.order[a:]
+                _, packing, _ = homogeneous_packings(self.batch.lengths[rest], self.batch.cost, deadline=0.0)[0]
+                parts += _with_spans(self.batch, [[(d, rest[ids].tolist()) for d, ids in groups] for groups in packing])
+                break
+            parts += self.cache[(a, b)]
+        return parts, sum(t for _, t in parts)
 
     def descend(self, cuts: list[int]) -> tuple[list[int], float]:
         best = self.total(cuts)
@@ -450,17 +473,22 @@ class _SplitSearch:
         return cuts, best
 
 
-def _homogeneous_packings(batch: _Batch, lengths: np.ndarray, cost: CostModel) -> list[tuple[list, float]]:
-    """The paper's warm start: one packing per feasible homogeneous degree (the best of them is
-    BatchAda's plan, so flexsp never does worse), fastest first, as (micro-batches, step time)."""
-    lowest = cost.min_degree(int(lengths.max()))
+def _homogeneous_packings(batch: _Batch, lengths: np.ndarray, cost: CostModel,
+                          deadline: float) -> list[tuple[list, float]]:
+    """The paper's warm start: the two fastest homogeneous packings (every group of one degree; the
+    best is BatchAda's plan, so flexsp never does worse unless the deadline passes after the
+    first), fastest first, as (micro-batches, step time)."""
     out = []
-    for d in cost.degrees:
-        if d >= lowest:
-            mbs = [(groups, batch.b1 + max(batch.group_load(np.searchsorted(batch.degrees, g), ids) for g, ids in groups))
-                   for groups in static_packing(lengths, cost, d)]
-            out.append((mbs, sum(t for _, t in mbs)))
+    for _, packing, _ in homogeneous_packings(lengths, cost, keep=2, deadline=deadline):
+        mbs = _with_spans(batch, packing)
+        out.append((mbs, sum(t for _, t in mbs)))
     return sorted(out, key=lambda c: c[1])
+
+
+def _with_spans(batch: _Batch, micro_batches: list[Groups]) -> list[tuple[Groups, float]]:
+    """Each micro-batch with its makespan (ms)."""
+    return [(groups, batch.b1 + max(batch.group_load(np.searchsorted(batch.degrees, d), ids) for d, ids in groups))
+            for groups in micro_batches]
 
 
 def _cheapest_degree_start(batch: _Batch, options: PlannerOptions, deadline: float) -> tuple[list, float]:
@@ -532,6 +560,16 @@ def _filled_start(batch: _Batch, order: np.ndarray, m: int, options: PlannerOpti
     return parts, sum(t for _, t in parts)
 
 
+def first_plan_seconds(lengths: np.ndarray, cost: CostModel, sample: int = 20_000) -> float:
+    """About how long ``plan_flexsp`` takes here before its time limit can cut it short (its set-up
+    and first plan, the best homogeneous packing): timed on a random sample of ``sample`` lengths
+    and scaled to them all (both grow about linearly)."""
+    part = lengths if len(lengths) <= sample else np.random.default_rng(0).choice(lengths, sample, replace=False)
+    start = time.perf_counter()
+    _homogeneous_packings(_Batch(part, cost), part, cost, deadline=0.0)
+    return (time.perf_counter() - start) * len(lengths) / len(part)
+
+
 @register("flexsp")
 def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -> tuple[list[Groups], str]:
     start = time.perf_counter()
@@ -544,24 +582,34 @@ def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -
     m_min = cost.min_microbatches(lengths)
     work = batch.best_gpu_ms.sum() / batch.n
     status = "lp_rounded"
-    # Starting points: token-balanced contiguous cuts for each micro-batch count, the best
-    # homogeneous packings re-planned, and long sequences with short ones as filler.
-    contiguous = []
+    # Starting points: the best homogeneous packings (first: the plan to return whatever the
+    # deadline cuts), token-balanced contiguous cuts for each micro-batch count, the homogeneous
+    # packings re-planned, and long sequences with short ones as filler.
+    packing_start = time.perf_counter()
+    homogeneous = _homogeneous_packings(batch, lengths, cost, deadline)
+    # A search cut short packs the rest of the batch once more, which can take twice as long (the
+    # short sequences left go to narrow groups, many more of them): it stops in time for that.
+    search.deadline = min(search.deadline, deadline - 2 * (time.perf_counter() - packing_start))
+    contiguous, hurried = [], []
     for m in range(m_min, min(m_min + options.extra_microbatches, len(lengths)) + 1):
         best_so_far = min((t for _, t in contiguous), default=math.inf)
-        if m * batch.b1 + work >= best_so_far or (contiguous and time.perf_counter() > deadline):
+        if m * batch.b1 + work >= best_so_far or time.perf_counter() > search.deadline:
             break  # no split into m parts can beat it, or no time for another
         cuts = [0, *np.cumsum([len(p) for p in balanced_split(order, lengths, m)]).tolist()]
-        contiguous.append((cuts, search.total(cuts)))
+        total = search.total(cuts)
+        if total == math.inf:  # (a batch too big for the time limit)
+            if (cuts[0], cuts[1]) in search.cache:
+                hurried.append(search.hurried(cuts))
+            break
+        contiguous.append((cuts, total))
     contiguous.sort(key=lambda c: c[1])
-    homogeneous = _homogeneous_packings(batch, lengths, cost)
     # Mixed degrees inside the two best homogeneous partitions, then the other starting points.
     starts = [partial(_replan, batch, [g for g, _ in mbs], options, deadline) for mbs, _ in homogeneous[:2]]
     starts += [partial(_cheapest_degree_start, batch, options, deadline),
                partial(_filled_start, batch, order, m_min, options, deadline),
                partial(_filled_start, batch, order, m_min + 1, options, deadline)]
     others = [([mb for a, b in zip(c[:-1], c[1:]) for mb in search.part(a, b)], t) for c, t in contiguous[:1]]
-    others.append(homogeneous[0])
+    others += [homogeneous[0], *hurried]
     for make in starts:  # each is bounded work, cut short at the deadline on a slow machine
         if time.perf_counter() > deadline:
             search.timed_out = True

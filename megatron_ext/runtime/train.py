@@ -200,6 +200,10 @@ def check_args(args, cost: CostModel, world: int) -> bool:
 
     if cost.num_gpus != world:
         raise ConfigError(f"cluster {cost.cluster.name} has {cost.num_gpus} GPUs but {world} ranks were launched")
+    if not (np.isfinite(args.lr) and args.lr >= 0):
+        raise ConfigError(f"--lr must be a finite number, 0 or more, got {args.lr}")
+    if not (np.isfinite(args.time_limit) and args.time_limit > 0):
+        raise ConfigError(f"--time-limit must be positive (seconds), got {args.time_limit}")
     pipelined = args.planner in PP_PLANNERS
     runnable = ", ".join(PP_PLANNERS)
     if args.planner not in PLANNERS and not pipelined:

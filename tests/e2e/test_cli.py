@@ -160,6 +160,7 @@ def test_max_seq_len_with_lengths_file(capsys, tmp_path):
     ("100\n1.5\n", "expected one integer"),
     ("100\n0\n", "must be positive, got 0"),
     ("-5\n", "must be positive, got -5"),
+    ("100\n99999999999999999999\n", ":2: a sequence length must be at most 9223372036854775807"),
 ])
 def test_bad_lengths_file(capsys, tmp_path, content, match):
     f = write(tmp_path, "bad.txt", content)
@@ -190,6 +191,39 @@ def test_nonexistent_lengths_file(capsys, tmp_path):
 ])
 def test_config_errors(capsys, argv, match):
     assert_one_line_error(*run(capsys, "plan", "--dist", "wikipedia", "--batch", "8", *argv), match)
+
+
+def test_plan_notes_a_time_limit_below_its_first_plan(capsys):
+    code, out, err = run(capsys, "plan", "--dist", "wikipedia", "--batch", "512", "--time-limit", "1e-4",
+                         "--no-baselines")
+    assert code == 0 and "estimated step time" in out
+    assert err.startswith("note: planning 512 sequences takes about ") and err.count("\n") == 1
+    assert err.rstrip().endswith("--time-limit 0.0001 is too short")
+
+
+@pytest.mark.parametrize("field, value", [("memory_gb", ".inf"), ("memory_gb", ".nan"), ("memory_gb", "-28"),
+                                          ("p2p_bandwidth_gbps", ".nan"), ("p2p_latency_ms", ".inf")])
+def test_cluster_yaml_numbers_must_be_finite(capsys, tmp_path, field, value):
+    fields = {"num_nodes": "1", "gpus_per_node": "8", "memory_gb": "28", "a2a_bandwidth_gbps": "{2: 100.0, 8: 90.0}",
+              field: value}
+    f = write(tmp_path, "cluster.yaml", "".join(f"{k}: {v}\n" for k, v in fields.items()))
+    assert_one_line_error(*run(capsys, "plan", "--batch", "8", "--cluster", f, *FAST),
+                          f"cluster 'cluster': {field} must be a ")
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--lr", "-1"], "--lr must be a finite number, 0 or more, got -1.0"),
+    (["--lr", "nan"], "--lr must be a finite number"),
+    (["--lr", "inf"], "--lr must be a finite number"),
+    (["--time-limit", "-1"], "--time-limit must be positive (seconds), got -1.0"),
+    (["--time-limit", "0"], "--time-limit must be positive"),
+    (["--time-limit", "nan"], "--time-limit must be positive"),
+    (["--compare", "flexsp,typo"], "unknown planner 'typo'"),  # before the flexsp run trains
+    (["--compare", "flexsp,static_ulysses,flexsp"], "--compare names flexsp more than once"),
+    (["--compare", "elastic_pp,flexsp", "--pp", "2"], "--pp 2 needs a pipeline planner"),  # before elastic_pp trains
+])
+def test_train_refuses_before_launching(capsys, argv, match):
+    assert_one_line_error(*run(capsys, "train", "--steps", "1", *argv), match)
 
 
 

@@ -348,6 +348,14 @@ def test_cluster_yaml_num_nodes_3(tmp_path):
     (TINY_YAML + "num_query_groups: 3\n", "num_query_groups"),
     (TINY_YAML + "num_query_groups: four\n", "num_query_groups"),
     (TINY_YAML + "num_query_groups: -2\n", "num_query_groups"),
+    (TINY_YAML.replace("a1: 1.0e-6", "a1: .inf"), "a1 must be a non-negative finite number, got inf"),
+    (TINY_YAML.replace("b1: 5.0", "b1: .nan"), "b1 must be a non-negative finite number, got nan"),
+    (TINY_YAML.replace("act_mb_per_token: 0.01", "act_mb_per_token: .inf"), "act_mb_per_token must be a positive"),
+    (TINY_YAML.replace("num_layers: 2", "num_layers: true"), "num_layers must be a positive integer, got True"),
+    (TINY_YAML + "vocab_size: -1\n", "vocab_size must be a positive integer"),
+    (TINY_YAML + "ffn_hidden_size: 0\n", "ffn_hidden_size must be a positive integer"),
+    (TINY_YAML + "swiglu: 1\n", "swiglu must be true or false"),
+    (TINY_YAML + "head_time_share: .nan\n", "head_time_share"),
 ])
 def test_bad_model_yaml(tmp_path, text, match):
     p = tmp_path / "bad.yaml"
@@ -366,6 +374,13 @@ def test_bad_model_yaml(tmp_path, text, match):
     (CLUSTER_YAML.replace("{2: 100.0, 4: 80.0, 8: 10.0}", "{2: 100.0, x: 80.0}"), "integer degrees"),
     (CLUSTER_YAML.replace("{2: 100.0, 4: 80.0, 8: 10.0}", "{2: -1.0}"), "positive"),
     (CLUSTER_YAML.replace("num_nodes: 2", "num_nodes: 0"), "num_nodes"),
+    (CLUSTER_YAML.replace("memory_gb: 16", "memory_gb: .inf"), "memory_gb must be a positive finite number, got inf"),
+    (CLUSTER_YAML.replace("memory_gb: 16", "memory_gb: .nan"), "memory_gb must be a positive finite number, got nan"),
+    (CLUSTER_YAML.replace("memory_gb: 16", "memory_gb: -16"), "memory_gb must be a positive finite number, got -16"),
+    (CLUSTER_YAML + "p2p_bandwidth_gbps: 0\n", "p2p_bandwidth_gbps must be a positive"),
+    (CLUSTER_YAML + "micro_batch_overhead_ms: .inf\n", "micro_batch_overhead_ms must be a non-negative finite"),
+    (CLUSTER_YAML.replace("{2: 100.0, 4: 80.0, 8: 10.0}", "{2: 100.0, 4: .inf}"), r"a2a_bandwidth_gbps\[4\]"),
+    (CLUSTER_YAML + "a2a_latency_ms: {2: .nan}\n", r"a2a_latency_ms\[2\] must be a non-negative finite"),
 ])
 def test_bad_cluster_yaml(tmp_path, text, match):
     p = tmp_path / "bad.yaml"
