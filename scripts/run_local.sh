@@ -17,7 +17,8 @@
 # with --flexsp or --elastic-pp and no --cost-model, configs/megatron/cost/tiny-cpu<N>.yaml (N = 2
 # or 4 ranks: with --flexsp the data-parallel size, with --elastic-pp the whole job).
 # The same script file as on GPUs; megatron_ext.megatron.launch applies the CPU patches (no
-# CUDA: gloo, local transformer, fusions off) and runs it under torchrun --standalone.
+# CUDA: gloo, local transformer, fusions off) and runs it under torchrun --standalone, after
+# checking the arguments once (launch --check-args: a conflict is one line, status 2).
 # Examples: MEGATRON_LM_DIR=~/Megatron-LM scripts/run_local.sh --nproc 4 -- --train-iters 20
 #           MEGATRON_LM_DIR=~/Megatron-LM scripts/run_local.sh --nproc 4 --pp 2 -- --seq-length 2048
 set -euo pipefail
@@ -97,4 +98,8 @@ if [[ $dry_run -eq 1 ]]; then
   exit 0
 fi
 check_megatron_dir "$megatron" || exit $?
+# The arguments are checked once before torchrun starts ranks: a conflict ends here, its one line
+# last and status 2 (from a rank, torchrun would report the failure after it, with status 1).
+env OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$python" -m megatron_ext.megatron.launch --check-args "$nproc" \
+  "$megatron/pretrain_gpt.py" "${all_args[@]}" || exit $?
 exec "${cmd[@]}"

@@ -2,8 +2,10 @@
 
 ``extra_args_provider(parser)`` adds the group below to Megatron's parser (it is what the patched
 ``pretrain_gpt.py`` hands ``pretrain``); the parser it returns checks the parsed arguments at once
-with ``validate_args``, before Megatron initializes anything, so a conflict is one readable
-error on rank 0 (exit status 2) instead of an assertion deep in the run.
+with ``validate_args``, before Megatron initializes anything, so a conflict is one line
+``megatron-ext: error: ...`` on rank 0 (exit status 2) instead of an assertion deep in the run.
+``python -m megatron_ext.megatron.launch --check-args N SCRIPT ARGS`` runs the same check before
+any rank starts (``launch.py``).
 
 Flags (all off by default; without ``--flexsp`` / ``--elastic-pp`` Megatron runs unchanged):
 
@@ -62,8 +64,11 @@ split or with --split, legacy models, multi-latent attention, MoE, sliding-windo
 position embeddings other than rope / learned_absolute / none, FSDP (Megatron-FSDP, torch FSDP2:
 their per-pass collectives over the data-parallel group need every rank in step, which pipeline
 replicas are not, and the runtime is untested under them), --num-distributed-optimizer-instances
-above 1, --iterations-to-skip, a --cost-model whose ZeRO stage is not the one Megatron's arguments
-give. Adjusted with a note:
+above 1, --iterations-to-skip, --full-validation, --multiple-validation-sets, a --cost-model
+whose ZeRO stage is not the one Megatron's arguments give, a --global-batch-size that is not a
+multiple of the data-parallel size (Megatron's micro-batch calculator divides it), --save of
+torch_dist checkpoints without psutil (megatron-core's writer would wait forever). Adjusted with a
+note:
 --calculate-per-token-loss is turned on, --dataloader-type becomes external, an unset
 --micro-batch-size becomes 1, --moe-token-dispatcher-type becomes alltoall (megatron-core's
 TransformerConfig requires it with variable sequence lengths, even without MoE layers).
@@ -73,6 +78,7 @@ Pure Python: importing this module needs neither torch nor Megatron-LM.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass, field
@@ -252,6 +258,11 @@ def _check_common(args, flag: str, tp: int, cp: int, dp: int) -> None:
                   f"whose memory budget would then count on memory the run does not have; use 1")
     if _get(args, "iterations_to_skip", None):
         _conflict(f"{flag}: --iterations-to-skip reads Megatron batches to skip them; not supported")
+    for name in ("full_validation", "multiple_validation_sets"):
+        if _get(args, name, False):
+            _conflict(f"{flag}: --{name.replace('_', '-')} needs Megatron's GPT datasets; a planned run validates "
+                      f"--eval-iters planned steps of the validation split, going on where the last evaluation "
+                      f"stopped; drop it")
     if _get(args, "window_size", None) is not None:
         _conflict(f"{flag}: the Ulysses attention does not support sliding-window attention (--window-size)")
     pos = _get(args, "position_embedding_type", "learned_absolute")
@@ -329,6 +340,14 @@ def validate_args(args, world_size: int | None = None) -> Validated:
             args.elastic_pp_sp = dp
     else:
         cost = _check_flexsp(args, world, tp, pp, cp, dp, head_limit)
+    batch = _get(args, "global_batch_size", None)
+    if batch is not None and batch % dp:
+        near = [n for n in (batch // dp * dp, (batch // dp + 1) * dp) if n > 0]
+        _conflict(f"--global-batch-size {batch} is not a multiple of the data-parallel size {dp} (world {world} / "
+                  f"(TP {tp} x PP {pp} x CP {cp})) x --micro-batch-size 1, which Megatron's micro-batch calculator "
+                  f"requires (the planner itself takes any number of sequences a step); use "
+                  f"{' or '.join(map(str, near))}")
+    _check_checkpoint_writer(args)
 
     notes: list[str] = []
     if heads and cost.model.num_attention_heads != heads:
@@ -374,6 +393,16 @@ def _check_planning(args) -> None:
     if ahead > 1:
         raise NotYetSupported(f"--plan-ahead {ahead}: the planning data loader plans one step ahead; use "
                               f"--plan-ahead 1 (background, the default) or 0 (inline)")
+
+
+def _check_checkpoint_writer(args) -> None:
+    """megatron-core's torch_dist checkpoint writer calls psutil in each writer process before its
+    error handling: without psutil every --save waits forever for writers that died."""
+    if (_get(args, "save", None) and _get(args, "ckpt_format", "torch_dist") == "torch_dist"
+            and importlib.util.find_spec("psutil") is None):
+        raise ConfigError("--save writes torch_dist checkpoints (Megatron's default --ckpt-format), whose writer "
+                          "needs psutil and without it waits forever: pip install psutil (megatron_ext's "
+                          "`megatron-lm` extra has it), or save with --ckpt-format torch")
 
 
 def _cost_model(args, flag: str):
@@ -536,19 +565,21 @@ def _check_elastic(args, world: int, tp: int, pp: int, dp: int, head_limit: int)
     raise type(error)(f"--elastic-pp with --cost-model {ref}: {error}") from None
 
 
-def _rank() -> int:
+def env_rank() -> int:
+    """This process's rank as torchrun gives it ($RANK; 0 outside torchrun)."""
     return int(os.environ.get("RANK", "0"))
 
 
-def check_or_exit(args, prog: str = "pretrain_gpt.py") -> Validated:
-    """``validate_args``; on a conflict, rank 0 prints one error line and every rank exits 2."""
+def check_or_exit(args) -> Validated:
+    """``validate_args``; on a conflict, rank 0 prints one line ``megatron-ext: error: ...`` and
+    every rank exits 2."""
     try:
         result = validate_args(args)
     except MegatronExtError as e:
-        if _rank() == 0:
-            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        if env_rank() == 0:
+            print(f"megatron-ext: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    if result.enabled and result.notes and _rank() == 0:
+    if result.enabled and result.notes and env_rank() == 0:
         print(f"megatron_ext: {mode_flag(args)} set " + "; ".join(result.notes), flush=True)
     return result
 
@@ -565,7 +596,7 @@ def extra_args_provider(chained=None):
 
         def parse_known_args(args=None, namespace=None):
             ns, rest = original(args, namespace)
-            check_or_exit(ns, os.path.basename(parser.prog or "pretrain_gpt.py"))
+            check_or_exit(ns)
             return ns, rest
 
         parser.parse_known_args = parse_known_args  # parse_args goes through it too

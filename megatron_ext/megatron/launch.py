@@ -15,7 +15,7 @@ the script starts (nothing in the checkout is modified):
 * ``initialize_megatron`` is called with ``allow_no_cuda=True``; model-parallel groups and the
   model-parallel RNG are set up as on one GPU per rank (Megatron skips both without a device);
 * ``_compile_dependencies`` builds only the C++ dataset helpers (g++ + pybind11, once, on rank 0)
-  and skips the nvcc fused kernels;
+  and skips the nvcc fused kernels; the warm-up of the fused kernels (torch.compile) is skipped;
 * without triton, ``batch_invariant_kernels`` (imported unconditionally, used only with
   ``--batch-invariant-mode``) is replaced by a stub that refuses that mode;
 * flags that CPU runs need are added when absent (printed on rank 0): ``--distributed-backend
@@ -26,6 +26,16 @@ Usage, one process per rank (``scripts/run_local.sh`` and ``scripts/slurm/*.sbat
 
     torchrun --standalone --nproc-per-node 4 -m megatron_ext.megatron.launch \\
         MEGATRON_LM/pretrain_gpt.py --flexsp --mock-data ...
+
+A user error of megatron_ext's (``MegatronExtError``: a flag conflict, unreadable data, a batch no
+plan holds) ends a rank with status 2, rank 0 saying it in one line ``megatron-ext: error: ...``.
+Under torchrun that line is followed by torchrun's report of the failed ranks, so launchers check
+the arguments first, once, before torchrun starts any rank (``scripts/run_local.sh`` does)::
+
+    python -m megatron_ext.megatron.launch --check-args WORLD_SIZE MEGATRON_LM/pretrain_gpt.py ARGS
+
+parses ARGS with the script's own parser as its rank 0 of WORLD_SIZE ranks would, megatron_ext's
+validation included, and starts nothing: status 0, or 2 with the error as the last line.
 
 On a CUDA machine the launcher applies no patch: it only runs the script. In both cases the script
 runs as ``__main__`` with a module spec named ``__main__``, so that processes started with the
@@ -43,6 +53,9 @@ import subprocess
 import sys
 import sysconfig
 import types
+
+from megatron_ext.errors import MegatronExtError
+from megatron_ext.megatron.arguments import env_rank
 
 # Flags a CPU run needs, with the value to add when the user did not give the flag (None: a
 # switch). Each entry is (flag, value, flags that mean the user chose otherwise).
@@ -209,6 +222,9 @@ def prepare_cpu() -> bool:
         initialize._initialize_distributed = _with_one_device(initialize._initialize_distributed)
         initialize._set_random_seed = _with_one_device(initialize._set_random_seed)
         initialize._compile_dependencies = _cpu_compile_dependencies
+        # Why: the warm-up torch.compiles the fused kernels that CPU ranks turn off (CPU_DEFAULT_FLAGS);
+        # it only costs start-up time here, and dynamo cannot trace it under the device check's mode.
+        initialize._warmup_jit_function = lambda: None
         original = initialize.initialize_megatron
 
         @functools.wraps(original)
@@ -240,30 +256,67 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
+    world_to_check = None
+    if argv[0] == "--check-args":
+        if len(argv) < 3 or not argv[1].isdigit() or int(argv[1]) < 1:
+            print("megatron-ext: error: usage: --check-args WORLD_SIZE SCRIPT [ARGS...]", file=sys.stderr)
+            return 2
+        world_to_check, argv = int(argv[1]), argv[2:]
     script = os.path.abspath(argv[0])
     if not os.path.isfile(script):
-        print(f"megatron_ext.megatron.launch: no such script: {argv[0]}", file=sys.stderr)
+        print(f"megatron-ext: error: no such script: {argv[0]}", file=sys.stderr)
         return 2
     args = argv[1:]
     sys.path.insert(0, os.path.dirname(script))
     import torch
 
-    if torch.cuda.is_available():
-        sys.argv = [script] + args
-        run_as_main(script)
-        return 0
-    added = cpu_flags_to_add(args)
-    if added and int(os.environ.get("RANK", "0")) == 0:
-        print(f"megatron_ext.megatron.launch: added for CPU ranks: {' '.join(added)}", flush=True)
+    cpu = not torch.cuda.is_available()
+    added = cpu_flags_to_add(args) if cpu else []
     sys.argv = [script] + args + added
-    # Megatron asserts this for TP / CP on GPUs older than Blackwell (arch 0 here); no effect on CPU.
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    prepare_cpu()
-    from megatron_ext.runtime.compat import _CpuDeviceMode
+    if world_to_check is not None:
+        return check_arguments(script, world_to_check)
+    if added and env_rank() == 0:
+        print(f"megatron_ext.megatron.launch: added for CPU ranks: {' '.join(added)}", flush=True)
+    try:
+        if cpu:
+            # Megatron asserts this for TP / CP on GPUs older than Blackwell (arch 0 here); no effect on CPU.
+            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+            prepare_cpu()
+            from megatron_ext.runtime.compat import _CpuDeviceMode
 
-    with _CpuDeviceMode():
+            with _CpuDeviceMode():
+                run_as_main(script)
+        else:
+            run_as_main(script)
+    except MegatronExtError as e:  # bad data, a batch no plan holds: every rank raises it, rank 0 says it
+        if env_rank() == 0:
+            print(f"megatron-ext: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if cpu:
+        _destroy_process_group()
+    return 0
+
+
+def check_arguments(script: str, world_size: int) -> int:
+    """``--check-args WORLD_SIZE``: parse the script's arguments as its rank 0 of ``world_size``
+    ranks does, megatron_ext's validation included (a conflict: one line on stderr, status 2), and
+    start nothing: Megatron's ``pretrain`` is replaced by its argument parsing alone. Launchers run
+    this before torchrun, which would report a rank's exit in its own words after ours."""
+    import io
+    import warnings
+
+    os.environ.update(RANK="0", WORLD_SIZE=str(world_size))
+    warnings.simplefilter("ignore")  # the ranks show Megatron's import warnings
+    _stub_batch_invariant_kernels()
+    training = importlib.import_module("megatron.training")
+    from megatron.training.arguments import parse_args
+
+    def parse_only(*args, extra_args_provider=None, **kwargs):
+        parse_args(extra_args_provider)
+
+    training.pretrain = parse_only
+    with contextlib.redirect_stdout(io.StringIO()):  # the ranks print the notes of what was adjusted
         run_as_main(script)
-    _destroy_process_group()
     return 0
 
 

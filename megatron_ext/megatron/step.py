@@ -124,25 +124,26 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     cost = cap_cost_model(megatron_cost_model(args), cap)
     splits = planned_splits(args, tokenizer)
     start = int(args.iteration)
+    starts = (start, valid_start_step(args), 0)  # test starts at its first batch, as in Megatron
     loaders = []
     for k, (docs, sizes, weights, _) in enumerate(splits):
         n = len(docs)
         if k == 0 and n < args.global_batch_size:
-            raise ValueError(f"{flag}: the train split holds {n} documents, fewer than one global "
-                             f"batch ({args.global_batch_size})")
+            raise DataError(f"{flag}: the train split holds {n} documents, fewer than one global "
+                            f"batch ({args.global_batch_size})")
         if k == 1 and args.eval_iters and n < args.global_batch_size:
-            raise ValueError(f"{flag}: --eval-iters {args.eval_iters} needs a validation split of at least one "
-                             f"global batch ({args.global_batch_size} documents), the data gives {n}; set "
-                             f"--eval-iters 0, or give validation documents (--split, --valid-data-path)")
+            raise DataError(f"{flag}: --eval-iters {args.eval_iters} needs a validation split of at least one "
+                            f"global batch ({args.global_batch_size} documents), the data gives {n}; set "
+                            f"--eval-iters 0, or give validation documents (--split, --valid-data-path)")
         if k > 0 and not (args.eval_iters and n >= args.global_batch_size):
             loaders.append(None)
             continue
         steps = max(0, int(args.train_iters) - start) if k == 0 and args.train_iters else None
         try:
-            loaders.append(make_loader(docs, cost, args, num_steps=steps, start_step=start if k == 0 else 0,
+            loaders.append(make_loader(docs, cost, args, num_steps=steps, start_step=starts[k],
                                        seed=args.seed + k, source_sizes=sizes, weights=weights))
         except DataError as e:
-            raise ValueError(f"{flag}: the {('train', 'validation', 'test')[k]} split: {e}") from None
+            raise DataError(f"{flag}: the {('train', 'validation', 'test')[k]} split: {e}") from None
     STATE.loaders = tuple(loaders)
     atexit.register(_close_loaders)
     train = loaders[0]
@@ -161,6 +162,16 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
                  f"split {[len(d) for d, *_ in splits]}; planner {train.planner} with {cost.model.name} on "
                  f"{cost.cluster.name}, {layout}, sequences up to {train.max_seq_len} tokens")
     return tuple(None if ld is None else iter(ld) for ld in loaders)
+
+
+def valid_start_step(args) -> int:
+    """The validation batch a run starts at: where Megatron's own validation sampler starts, the
+    batches ``args.consumed_valid_samples`` counts (restored from a checkpoint by ``--load``, so a
+    resumed run goes on scoring new documents), or the first with ``--skip-train`` (which
+    evaluates the split from its start)."""
+    if getattr(args, "skip_train", False):
+        return 0
+    return int(args.consumed_valid_samples) // int(args.global_batch_size)
 
 
 def _close_loaders() -> None:

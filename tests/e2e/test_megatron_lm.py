@@ -12,14 +12,18 @@ directory, one copy patched with scripts/apply_patches.sh and one unpatched, and
   holds the blend's documents, the planner log has one record per step;
 - --elastic-pp with 2 pipeline stages of SP degree 2 (4 ranks, through run_local.sh --pp 2)
   trains on mock data with sequences cut into slices, and evaluates;
-- the patched script with --flexsp reports the same loss and grad norm at the first iterations
+- a --flexsp run resumed from its checkpoint (--load) reports the uninterrupted run's training
+  and validation losses (validation goes on where it stopped);
+- the patched script with --flexsp, on a cost model that makes it mix SP degrees 1 and 2 in a
+  step, reports the same loss and grad norm at the first iterations
   as the *unpatched* script with static settings (Megatron's GPT dataset, data parallelism,
   --micro-batch-size 1) on the same data and seed (``equivalence_runs``, below): the same token
   sequences in every global batch, per-document attention and loss in both; and so does
   --elastic-pp against the unpatched script's 1F1B pipeline with the same pipeline size
   (``elastic_equivalence_runs``), one pipeline of SP 2 and, with --elastic-pp-sp 1, 2 pipeline
   replicas of SP 1;
-- conflicts stop at argument parsing with their explanation.
+- conflicts stop at argument parsing with their one-line explanation ``megatron-ext: error: ...``;
+  through run_local.sh before any rank starts, that line last, status 2.
 
 ``python tests/e2e/test_megatron_lm.py`` runs the equivalence measurement and prints its table.
 """
@@ -181,6 +185,25 @@ def planned_dataset(work: Path, parts, order: list[int], batch: int, per_sample:
     return write_indexed_dataset(work / "planned", slots)
 
 
+def mixed_degree_cost_model(work: Path, tokens_at_degree_1: int = 470) -> str:
+    """tiny-cpu2.yaml with memory for ``tokens_at_degree_1`` tokens of activations a rank beside
+    plain DDP's model states: the equivalence data's documents (up to 496 tokens) longer than that
+    need a group of degree 2, shorter ones fit at degree 1, so the planner mixes degrees in a step.
+    (tiny-cpu2.yaml itself holds about 1,700 tokens a rank: every such document, and whole steps,
+    at degree 1.)"""
+    import yaml
+
+    from megatron_ext.megatron.cost import load_cost_model
+
+    cost = load_cost_model(COST_2, zero_stage=0)
+    spec = yaml.safe_load(Path(COST_2).read_text())
+    spec["cluster"]["memory_gb"] = (cost.model_states_mb + tokens_at_degree_1 * cost.model.act_mb_per_token) / 1024
+    path = work / "tiny-cpu2-mixed-degrees.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert load_cost_model(str(path), zero_stage=0).token_capacity(1) == tokens_at_degree_1
+    return str(path)
+
+
 def static_and_planned(unpatched: Path, work: Path, iters: int, batch: int, per_sample: int, seq_len: int,
                        seed: int, static_extra: tuple = (), nproc: int = 2):
     """The equivalence data, the unpatched static run on it (``static_extra`` added) and the
@@ -202,7 +225,8 @@ def static_and_planned(unpatched: Path, work: Path, iters: int, batch: int, per_
 def equivalence_runs(unpatched: Path, patched: Path, work: Path, iters: int = 3, batch: int = 4,
                      per_sample: int = 2, seq_len: int = 512, seed: int = 1234, tp2: bool = True) -> dict:
     """Runs on the same token sequences: the unpatched script (static: GPT dataset, plain data
-    parallelism on 2 ranks), the patched one with --flexsp (planner flexsp), with --flexsp
+    parallelism on 2 ranks), the patched one with --flexsp (planner flexsp, on a cost model whose
+    memory makes it mix SP degrees 1 and 2: ``mixed_degree_cost_model``), with --flexsp
     --flexsp-planner static_ulysses --flexsp-static-degree 2 (every sequence split over both
     ranks), with --flexsp --flexsp-planner auto (FlexSP or one-stage pipeline replicas per step)
     and, with ``tp2``, the unpatched and the --flexsp runs again on 4 ranks with
@@ -212,7 +236,7 @@ def equivalence_runs(unpatched: Path, patched: Path, work: Path, iters: int = 3,
     run it must match}, "plans": [flexsp records]}."""
     static_args, planned, static = static_and_planned(unpatched, work, iters, batch, per_sample, seq_len, seed)
     out = {"static (unpatched)": static}
-    flex_common = planned + ["--flexsp", "--cost-model", COST_2]
+    flex_common = planned + ["--flexsp", "--cost-model", mixed_degree_cost_model(work)]
     flex = run_pretrain(patched, flex_common + ["--planner-log", str(work / "plans.jsonl")])
     out["flexsp (patched)"] = _ok(flex, iters)
     ulysses = run_pretrain(patched, flex_common + ["--flexsp-planner", "static_ulysses", "--flexsp-static-degree", "2"])
@@ -365,6 +389,36 @@ def test_flexsp_trains_on_a_blend_of_indexed_datasets_with_4_ranks(checkouts, tm
     assert megatron_flops(checkouts[0], saved["args"], [[2048] * 16])[0] > 3 * max(expected)
 
 
+VALIDATION = re.compile(r"validation loss at iteration (\d+)( on validation set)? \| lm loss value: ([0-9.Ee+-]+)")
+
+
+def test_flexsp_resumes_training_and_validation_where_they_stopped(checkouts, tmp_path):
+    """A run resumed from its iteration-2 checkpoint (torch_dist, Megatron's default format) reports
+    the uninterrupted run's losses, validation included: Megatron counts the validation batches
+    run (consumed_valid_samples, in the checkpoint) and the planned validation goes on from there,
+    rather than scoring its first batches again."""
+    _, patched = checkouts
+    save = tmp_path / "ckpt"
+    args = MODEL_ARGS + ["--seq-length", "1024", "--max-position-embeddings", "1024", "--global-batch-size", "8",
+                         "--train-iters", "4", "--mock-data", "--flexsp", "--cost-model", COST_2, "--split", "90,10,0",
+                         "--eval-iters", "1", "--eval-interval", "2"]
+    whole = run_pretrain(patched, args + ["--save", str(save), "--save-interval", "2"])
+    its = _ok(whole, 4)
+    resumed = run_pretrain(patched, args + ["--load", str(save), "--ckpt-step", "2"])
+    assert resumed["returncode"] == 0, resumed["output"][-6000:]
+    assert sorted(resumed["iterations"]) == [3, 4], resumed["output"][-6000:]
+    # (Megatron logs the first iteration after --load without resetting its loss sum, so its line at
+    # iteration 4 averages iterations 3 and 4: only iteration 3 compares.)
+    assert resumed["iterations"][3][0] == pytest.approx(its[3][0], rel=1e-6)
+    # at iteration 4 (every 2) and after training: validation batches 1 and 2, in both runs
+    validation = {run: [(int(m[1]), bool(m[2]), float(m[3])) for m in VALIDATION.finditer(out["output"])]
+                  for run, out in (("whole", whole), ("resumed", resumed))}
+    assert [v[:2] for v in validation["whole"]] == [(2, False), (4, False), (4, True)], validation
+    assert [v[:2] for v in validation["resumed"]] == [(4, False), (4, True)], validation
+    for (_, _, loss), (_, _, expected) in zip(validation["resumed"], validation["whole"][1:]):
+        assert loss == pytest.approx(expected, rel=1e-6), validation
+
+
 def test_flexsp_auto_slices_what_no_group_holds(checkouts, tmp_path):
     """--flexsp-planner auto: documents longer than any FlexSP group of the 2 ranks holds (3,462
     tokens on tiny-cpu2 with plain DDP, ZeRO-0) train, as one-stage pipeline replicas that cut them
@@ -389,8 +443,10 @@ def test_flexsp_matches_unpatched_static_settings(checkouts, tmp_path):
     unpatched, patched = checkouts
     result = equivalence_runs(unpatched, patched, tmp_path)
     assert_same_as_reference(result)
-    # The flexsp run really was planned per step, and not as one fixed layout.
+    # The flexsp run really was planned per step, and some step's groups had different SP degrees.
     assert all(r["plan_source"].endswith("planner") for r in result["plans"])
+    assert any(len(r["groups_by_degree"]) > 1 for r in result["plans"]), [r["groups_by_degree"]
+                                                                          for r in result["plans"]]
     # --flexsp-planner auto ran each step as the kind it planned (FlexSP, or one-stage pipeline replicas)
     for r in result["auto_plans"]:
         assert r["plan"]["kind"] == r["kind"] and r["kind"] in ("flexsp", "elastic_pp"), r
@@ -484,8 +540,23 @@ def test_unpatched_checkout_without_flexsp_flags_still_rejects_them(checkouts):
     assert run["returncode"] != 0 and "unrecognized arguments: --flexsp" in run["output"]
 
 
+def test_run_local_ends_with_our_one_line_error(checkouts):
+    """run_local.sh checks the arguments before torchrun starts ranks: a conflict is one line
+    ``megatron-ext: error: ...``, the last of the output, and status 2."""
+    _, patched = checkouts
+    proc = subprocess.run(["bash", str(ROOT / "scripts/run_local.sh"), "--megatron", str(patched), "--",
+                           "--global-batch-size", "7"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHON=sys.executable, PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
+    assert proc.stderr.endswith("; use 6 or 8\n") and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert proc.stderr.startswith("megatron-ext: error: --global-batch-size 7 is not a multiple of the "
+                                  "data-parallel size 2"), proc.stderr[-3000:]
+    assert proc.stdout == ""  # no rank started
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--context-parallel-size", "2"], "replaces context parallelism"),
+    (["--global-batch-size", "3"], "--global-batch-size 3 is not a multiple of the data-parallel size 2"),
     (["--elastic-pp", "--pipeline-model-parallel-size", "2", "--cost-model", COST_4], "describes 4 GPUs"),
     (["--elastic-pp", "--pipeline-model-parallel-size", "2", "--elastic-pp-sp", "2", "--cost-model", COST_2],
      "--elastic-pp-sp 2 must divide a stage's 1 data-parallel ranks"),
@@ -497,7 +568,8 @@ def test_conflicts_stop_at_parsing(checkouts, extra, message):
                                               "--global-batch-size", "2", "--train-iters", "1", "--mock-data",
                                               *flags, *extra], nproc=2, timeout=300)
     assert run["returncode"] != 0
-    assert message in run["output"], run["output"][-3000:]
+    line = next((x for x in run["output"].splitlines() if message in x), "")
+    assert line.startswith("megatron-ext: error: "), run["output"][-3000:]
     assert "Traceback" not in run["output"].split(message)[0][-2000:]
 
 

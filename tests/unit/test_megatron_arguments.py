@@ -64,6 +64,10 @@ def megatron_like_parser(ours: bool = True) -> argparse.ArgumentParser:
         "--num-layers-per-virtual-pipeline-stage": dict(type=int, default=None),
         "--decoder-first-pipeline-num-layers": dict(type=int, default=None),
         "--recompute-granularity": dict(default=None),
+        "--save": dict(default=None),
+        "--ckpt-format": dict(default="torch_dist"),
+        "--full-validation": dict(action="store_true"),
+        "--multiple-validation-sets": dict(action="store_true"),
     }.items():
         p.add_argument(name, **kw)
     return add_arguments(p) if ours else p
@@ -140,10 +144,27 @@ def test_flexsp_adjusts_what_it_must_and_says_so():
     (["--flexsp-planner", "auto", "--global-batch-size", "1"], 2, "leaves some with none; give at least 2"),
     (["--flexsp-planner", "auto", "--recompute-granularity", "full"], 2, "drop --recompute-granularity full"),
     (["--flexsp-planner", "auto", "--flexsp-static-degree", "2"], 2, "static_ulysses only"),
+    (["--full-validation"], 2, "--full-validation needs Megatron's GPT datasets"),
+    (["--multiple-validation-sets"], 2, "--multiple-validation-sets needs Megatron's GPT datasets"),
+    (["--global-batch-size", "7"], 2, r"^--global-batch-size 7 is not a multiple of the data-parallel size 2 \(world 2 "
+                                      r"/ \(TP 1 x PP 1 x CP 1\)\) x --micro-batch-size 1, .*; use 6 or 8$"),
 ])
 def test_conflicts_are_explained(extra, world, match):
     with pytest.raises(ArgumentConflict, match=match):
         flexsp(*extra, world=world, cost=COST_4 if world == 4 else COST_2)
+
+
+def test_save_of_torch_dist_checkpoints_needs_psutil(monkeypatch, tmp_path):
+    """megatron-core's torch_dist writer would wait forever without psutil: refused at once."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    flexsp("--save", str(tmp_path))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "psutil" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"^--save writes torch_dist checkpoints .* pip install psutil"):
+        flexsp("--save", str(tmp_path))
+    flexsp("--save", str(tmp_path), "--ckpt-format", "torch")  # the torch format's writer does not use it
+    flexsp()
 
 
 def test_flexsp_planner_auto_takes_adaptive_recompute():
@@ -317,6 +338,12 @@ def elastic(*extra: str, world: int = 4, cost: str = COST_4):
     return args, validate_args(args, world_size=world)
 
 
+def test_elastic_global_batch_divides_over_each_stages_data_parallel_ranks():
+    elastic("--global-batch-size", "6")
+    with pytest.raises(ArgumentConflict, match=r"--global-batch-size 5 .* size 2 \(world 4 / \(TP 1 x PP 2 x CP 1\)\)"):
+        elastic("--global-batch-size", "5")
+
+
 def test_elastic_pp_validates_and_adjusts():
     args, v = elastic()
     assert v.enabled and v.data_parallel_size == 2
@@ -432,7 +459,8 @@ def test_extra_args_provider_chains_and_validates(capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         parser.parse_args([*TINY, "--flexsp", "--cost-model", COST_2, "--context-parallel-size", "2"])
     assert e.value.code == 2
-    assert "error: --flexsp replaces context parallelism" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("megatron-ext: error: --flexsp replaces context parallelism") and err.count("\n") == 1
     monkeypatch.setenv("RANK", "1")  # other ranks exit silently
     with pytest.raises(SystemExit):
         parser.parse_known_args([*TINY, "--flexsp", "--cost-model", COST_2, "--micro-batch-size", "2"])

@@ -32,7 +32,10 @@ def test_launcher_usage_and_missing_script(capsys):
     from megatron_ext.megatron.launch import main
 
     assert main([]) == 2 and "pretrain_gpt.py" in capsys.readouterr().out
-    assert main(["/no/such/pretrain_gpt.py"]) == 2 and "no such script" in capsys.readouterr().err
+    assert main(["/no/such/pretrain_gpt.py"]) == 2
+    assert capsys.readouterr().err == "megatron-ext: error: no such script: /no/such/pretrain_gpt.py\n"
+    assert main(["--check-args", "two", "pretrain_gpt.py"]) == 2
+    assert capsys.readouterr().err.startswith("megatron-ext: error: usage: --check-args WORLD_SIZE SCRIPT")
 
 
 def test_run_as_main_gives_the_script_a_main_spec(tmp_path, monkeypatch):
@@ -62,6 +65,16 @@ def test_launcher_destroys_the_process_group_megatron_leaves(tmp_path):
 
 
 # ---- data -----------------------------------------------------------------------------------------
+def test_validation_starts_where_megatron_counts_it():
+    """After --load, Megatron's consumed_valid_samples says how many validation batches ran: the
+    planned validation goes on from there (with --skip-train, from the start, as Megatron's)."""
+    from megatron_ext.megatron.step import valid_start_step
+
+    assert valid_start_step(Namespace(consumed_valid_samples=0, global_batch_size=8)) == 0
+    assert valid_start_step(Namespace(consumed_valid_samples=48, global_batch_size=8)) == 6
+    assert valid_start_step(Namespace(consumed_valid_samples=48, global_batch_size=8, skip_train=True)) == 0
+
+
 def test_split_ranges():
     assert split_ranges(1000, "969,30,1") == [(0, 969), (969, 999), (999, 1000)]
     assert split_ranges(10, "100,0,0") == [(0, 10), (10, 10), (10, 10)]
