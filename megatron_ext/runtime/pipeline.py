@@ -460,6 +460,7 @@ class PipelineStepStats:
     replica runs more than one pipeline: ("F3 of pipeline 1", ...), as the simulator names them)."""
 
     ops: list[tuple[str, float]] = field(default_factory=list)
+    op_starts_s: list[float] = field(default_factory=list)  # each op's start, from this rank's step start
     replica: int = 0  # the rank's pipeline replica (its stats are row replica x stages + stage of a simulation)
     comm_wait_s: float = 0.0
     prefix_cache_peak_bytes: int = 0
@@ -585,6 +586,7 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
     stats = PipelineStepStats(replica=st.replica)
     device = rank_device() if device is None else device
     clock = DeviceClock(device)
+    began = clock.mark()
     op_marks: list[tuple[str, object, object]] = []  # (op name, start, end): read once, after the step
     wait_marks: list[tuple[object, object]] = []
     store: list = []
@@ -725,6 +727,7 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
             sync_ctx.__exit__(None, None, None)
 
     stats.ops = [(name, clock.seconds(a, b)) for name, a, b in op_marks]
+    stats.op_starts_s = [clock.seconds(began, a) for _, a, _ in op_marks]
     stats.comm_wait_s = sum(clock.seconds(a, b) for a, b in wait_marks)
     if finalize and not forward_only and config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func([model], total_tokens if config.calculate_per_token_loss else None)

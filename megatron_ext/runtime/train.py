@@ -30,6 +30,7 @@ from megatron_ext.runtime.backends import ATTENTION_BACKENDS
 from megatron_ext.runtime.checkpoint import check_checkpoint_args
 from megatron_ext.runtime.device import DEVICE_CHOICES, init_rank_process_group, rank_device
 from megatron_ext.runtime.timing import DeviceClock
+from megatron_ext.sim.trace import RunTrace, trace_document, write_trace
 from megatron_ext.report import advice, fidelity, layout_counts, layouts_text, step_layout
 from megatron_ext.spec import ModelSpec
 from megatron_ext.text import plural
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     p.add_argument("--json", action="store_true", help="one JSON record per step")
     p.add_argument("--run-dir", metavar="DIR", help="also write the records to DIR/steps.jsonl (for `megatron-ext report`)")
+    p.add_argument("--trace", metavar="FILE.json",
+                   help="every step planned (the simulator's timeline) and measured, side by side, as a Chrome trace "
+                   "(open it in ui.perfetto.dev)")
     p.add_argument("--save", metavar="DIR", help="save a checkpoint (model, optimizer, RNG states, data position) to "
                    "DIR after the last step (and every --save-interval steps)")
     p.add_argument("--save-interval", type=int, metavar="N", help="with --save: also after every N steps")
@@ -238,6 +242,8 @@ def check_args(args, cost: CostModel, world: int) -> bool:
     if args.data is None and args.vocab_size is not None:
         raise ConfigError("--vocab-size applies to --data; the default corpus has its tokenizer")
     check_checkpoint_args(args, cost)
+    if args.trace and not args.trace.lower().endswith(".json"):
+        raise ConfigError(f"--trace {args.trace}: the file name must end in .json (Chrome trace-event JSON)")
     return pipelined
 
 
@@ -338,6 +344,7 @@ def _train(args, rank: int, world: int) -> int:
               file=sys.stderr, flush=True)
     records = []
     log = None
+    trace = RunTrace(cost) if rank == 0 and args.trace else None
     if rank == 0 and args.run_dir:
         Path(args.run_dir).mkdir(parents=True, exist_ok=True)
         log = open(Path(args.run_dir) / "steps.jsonl", "w")
@@ -373,6 +380,9 @@ def _train(args, rank: int, world: int) -> int:
                     rec.update(_stage_report(ranks, step, cost))
             if not args.cost_model:  # the preset or YAML `report` tells to re-profile
                 rec["model"] = args.model
+            if trace is not None:
+                trace.add_step(step.step, step.plan, step.lengths, step_time, micro_batch_s=rec["micro_batch_times_s"],
+                               ops_per_row=_ops_per_row(ranks) if piped else None)
             records.append(rec)
             if rank == 0:
                 print(json.dumps(rec) if args.json else _line(rec), flush=True)
@@ -388,9 +398,25 @@ def _train(args, rank: int, world: int) -> int:
                 break
     if log:
         log.close()
+    if trace is not None:
+        try:
+            write_trace(args.trace, trace_document(trace.events, model=cost.model.name, cluster=cost.cluster.name))
+        except OSError as e:
+            raise ConfigError(f"cannot write the trace to {args.trace}: {e.strerror or e}") from None
+        print(f"trace of {plural(len(records), 'step')} written to {args.trace} (open it in ui.perfetto.dev)",
+              file=sys.stderr, flush=True)
     if rank == 0 and not args.json:
         print(_summary(args.planner, records), flush=True)
     return 0
+
+
+def _ops_per_row(ranks: list) -> list[list[tuple[str, float, float]]]:
+    """Per row of the simulator (replica x stages + stage), the ops of the first rank on it:
+    (name, start s, seconds)."""
+    rows: dict[int, list] = {}
+    for row, st in ranks:
+        rows.setdefault(row, [(name, start, took) for (name, took), start in zip(st.ops, st.op_starts_s)])
+    return [rows.get(r, []) for r in range(max(rows) + 1)]
 
 
 def _stage_report(ranks: list, step, cost: CostModel) -> dict:

@@ -76,22 +76,55 @@ def _what_runs(plan: StepPlan, lengths: np.ndarray):
 
 
 def plan_trace_events(plan: StepPlan, lengths, cost: CostModel, *, pid: int = 1, process: str = "planned",
-                      b1_scale: float = 1.0, memory_mb: float | None = None) -> list[dict]:
-    """The simulated timeline of ``plan`` as trace events of process ``pid``."""
+                      offset_s: float = 0.0, b1_scale: float = 1.0) -> list[dict]:
+    """The simulated timeline of ``plan`` as trace events of process ``pid``, starting at
+    ``offset_s`` (a run's steps one after another)."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    res = simulate(plan, lengths, cost, b1_scale=b1_scale, memory_mb=memory_mb, events=True)
+    res = simulate(plan, lengths, cost, b1_scale=b1_scale, events=True)
     rows = row_names(plan, cost)
-    events = process_events(pid, f"{process}: {plan.planner} ({plan.kind}), step {res.step_time_s:.3f} s", rows)
+    events = process_events(pid, f"{process}: {plan.planner} ({plan.kind})", rows)
     what = _what_runs(plan, lengths)
     for e in res.events:
         name, args = what(e.label, e.where)
         prefix = {"MB": "", "P2P": "p2p "}.get(e.kind, e.kind)  # F12, B12, R12, p2p 12, d4: 3 seq
-        events.append(slice_event(pid, e.where, prefix + name, e.kind, e.start_s, e.end_s, args))
+        events.append(slice_event(pid, e.where, prefix + name, e.kind, offset_s + e.start_s, offset_s + e.end_s,
+                                  args))
     budget_gb = res.budget_mb / 1024
     for row, points in enumerate(res.memory):
         for t, mb in points:
-            events.append({"ph": "C", "pid": pid, "tid": row, "name": f"memory {rows[row]} (GB)", "ts": _us(t),
-                           "args": {"used": round(mb / 1024, 4), "budget": round(budget_gb, 4)}})
+            events.append({"ph": "C", "pid": pid, "tid": row, "name": f"memory {rows[row]} (GB)",
+                           "ts": _us(offset_s + t), "args": {"used": round(mb / 1024, 4), "budget": round(budget_gb, 4)}})
+    return events
+
+
+def measured_flexsp_events(plan: StepPlan, lengths, cost: CostModel, micro_batch_s: list[float], *, pid: int,
+                           offset_s: float = 0.0) -> list[dict]:
+    """A FlexSP step as it ran: micro-batch m lasted ``micro_batch_s[m]`` (its slowest rank), one
+    after another; a slice for each of its groups on each of the group's GPUs."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    events = process_events(pid, f"measured: {plan.planner} ({plan.kind})", row_names(plan, cost))
+    what = _what_runs(plan, lengths)
+    t = offset_s
+    for m, (mb, took) in enumerate(zip(plan.micro_batches, micro_batch_s)):
+        for g in mb.groups:
+            for r in g.ranks:
+                name, args = what(f"mb{m}:", r)
+                events.append(slice_event(pid, r, name, "MB", t, t + took, args))
+        t += took
+    return events
+
+
+def measured_pipeline_events(plan: StepPlan, lengths, cost: CostModel, ops_per_row: list[list[tuple]], *, pid: int,
+                             offset_s: float = 0.0) -> list[dict]:
+    """A pipeline step as it ran: per row (stage, or replica and stage) its ops as (name like "F3"
+    or "B3 of pipeline 1", start s from the step's start, seconds)."""
+    events = process_events(pid, f"measured: {plan.planner} ({plan.kind})", row_names(plan, cost))
+    what = _what_runs(plan, np.asarray(lengths, dtype=np.int64))
+    for row, ops in enumerate(ops_per_row):
+        for name, start, took in ops:
+            chunk, _, pipeline = name[1:].partition(" of pipeline ")
+            _, args = what(f"p{pipeline or 0}:{chunk}", row)
+            events.append(slice_event(pid, row, name, name[0], offset_s + start, offset_s + start + took, args))
     return events
 
 
@@ -102,3 +135,28 @@ def trace_document(events: list[dict], **metadata) -> dict:
 def write_trace(path: str, document: dict) -> None:
     with open(path, "w") as f:
         json.dump(document, f)
+
+
+class RunTrace:
+    """A run's steps one after another (``train --trace``): process 1 the planned timeline of each
+    step, process 2 the measured one, each step starting at the same time in both (the later of
+    the two ends starts the next; a FlexSP step's measured micro-batches, each its slowest rank's
+    time, may add up past the step's), with an instant event naming it."""
+
+    def __init__(self, cost: CostModel):
+        self.cost = cost
+        self.events: list[dict] = []
+        self.now_s = 0.0
+
+    def add_step(self, step: int, plan: StepPlan, lengths, measured_s: float, *, micro_batch_s=None,
+                 ops_per_row=None) -> None:
+        """``micro_batch_s`` (FlexSP) or ``ops_per_row`` (pipelines): what the step measured."""
+        events = [{"ph": "i", "s": "g", "pid": 1, "tid": 0, "name": f"step {step}", "ts": _us(self.now_s)}]
+        events += plan_trace_events(plan, lengths, self.cost, pid=1, offset_s=self.now_s)
+        if plan.kind == "elastic_pp":
+            events += measured_pipeline_events(plan, lengths, self.cost, ops_per_row, pid=2, offset_s=self.now_s)
+        else:
+            events += measured_flexsp_events(plan, lengths, self.cost, micro_batch_s, pid=2, offset_s=self.now_s)
+        drawn_s = max((e["ts"] + e["dur"] for e in events if e["ph"] == "X"), default=0.0) / 1e6 - self.now_s
+        self.events += events
+        self.now_s += max(measured_s, drawn_s)
