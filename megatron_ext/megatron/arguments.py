@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -385,8 +386,8 @@ def validate_args(args, world_size: int | None = None) -> Validated:
 def _check_planning(args) -> None:
     """The planner's time limit and look-ahead (both runtimes)."""
     limit = _get(args, "planner_time_limit", 1.0)
-    if limit is None or limit <= 0:
-        _conflict(f"--planner-time-limit must be positive, got {limit}")
+    if limit is None or not 0 < limit < math.inf:  # (nan fails both)
+        _conflict(f"--planner-time-limit must be a positive number of seconds, got {limit}")
     ahead = _get(args, "plan_ahead", 1)
     if ahead is None or ahead < 0:
         _conflict(f"--plan-ahead must be 0 or more, got {ahead}")
