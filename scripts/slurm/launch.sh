@@ -34,7 +34,7 @@
 # the submit directory, which must then be megatron_ext's checkout), PYTHON, MASTER_PORT (default
 # 29500), NCCL_* to override the defaults below, GPUS_PER_NODE (where Slurm's SLURM_GPUS_ON_NODE
 # is not set; default: from CLUSTER), CONTAINER_IMAGE, CONTAINER_MOUNTS (more SRC:DST mounts,
-# comma-separated).
+# comma-separated), CHECK_ARGS=0 (skip checking the arguments on the batch host before srun).
 
 set -euo pipefail
 
@@ -178,6 +178,14 @@ if [[ $dry_run -eq 1 ]]; then
   exit 0
 fi
 check_megatron_dir "$megatron" || exit $?
+# The arguments are checked once, here, before srun starts any rank: a conflict ends the job with
+# its one line last and status 2 (from the ranks, torchrun would report it after, with status 1).
+# In a container (or with CHECK_ARGS=0) the batch host may lack the Python environment: the ranks
+# check them then.
+if [[ -z "$image" && "${CHECK_ARGS:-1}" != 0 ]]; then
+  "$python" -m megatron_ext.megatron.launch --check-args "$((nodes * gpus_per_node))" \
+    "$megatron/pretrain_gpt.py" "${args[@]}" || exit $?
+fi
 
 stop_requested=0
 # (a trap runs between commands: srun runs in the background so that one can run while it does)

@@ -354,12 +354,15 @@ def test_sbatch_passes_the_signal_on_and_requeues(tmp_path, stopped):
     log = tmp_path / "slurm.log"
     env = {**os.environ, **dict.fromkeys(SLURM_ENV, ""), "PATH": f"{fake}:{os.environ['PATH']}",
            "FAKE_LOG": str(log), "MEGATRON_LM_DIR": str(mlm), "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node1",
-           "SLURM_SUBMIT_DIR": str(tmp_path), "FAKE_SRUN_STATUS": "3", "FAKE_SRUN_TICKS": "100" if stopped else "1"}
+           "SLURM_SUBMIT_DIR": str(tmp_path), "FAKE_SRUN_STATUS": "3", "FAKE_SRUN_TICKS": "100" if stopped else "1",
+           "CHECK_ARGS": "0"}  # (the stand-in checkout has no Megatron-LM to check the arguments with)
     proc = subprocess.Popen(["bash", str(ROOT / "scripts/slurm/flexsp.sbatch"), "configs/megatron/gpt-7b.args",
                              "h100-80g-8x4"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     if stopped:
+        deadline = time.monotonic() + 60
         while not (log.exists() and "srun" in log.read_text()):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
             time.sleep(0.05)
         proc.send_signal(signal.SIGUSR1)  # what #SBATCH --signal=B:USR1@300 sends
     out, err = proc.communicate(timeout=60)
