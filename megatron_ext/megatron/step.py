@@ -399,13 +399,15 @@ def summary_line(rec: dict) -> str:
 
 
 def report_step(step: Step, elapsed_s: float, parts_s: list[float], *, args=None, writer="megatron",
-                printer=None) -> dict:
+                wandb=None, printer=None) -> dict:
     """Reduce this step's times over the ranks (slowest rank: a micro-batch lasts as long as its
     slowest group, a stage as its slowest rank) and log them next to the plan's predictions (see
     the module doc). ``parts_s``: this rank's time per micro-batch (FlexSP), or its busy time in
     its own stage's slot and zeros elsewhere (elastic pipelines). Collective: every rank calls it
     once per training step. ``args``, ``writer`` (a TensorBoard SummaryWriter or None) and
-    ``printer`` default to Megatron's (get_args, get_tensorboard_writer, print_rank_last)."""
+    ``printer`` default to Megatron's (get_args, get_tensorboard_writer, print_rank_last); with
+    Megatron's writer comes its W&B writer (``--wandb-project``: the same scalars, on the rank that
+    has one), else ``wandb`` (an object with W&B's ``log(dict, step)``, or None)."""
     args = _args() if args is None else args
     t = torch.tensor([elapsed_s] + list(parts_s), dtype=torch.float64, device=rank_device())
     if dist.is_initialized():
@@ -423,12 +425,15 @@ def report_step(step: Step, elapsed_s: float, parts_s: list[float], *, args=None
             from megatron.training.utils import print_rank_last as printer
         printer(summary_line(rec))
     if writer == "megatron":
-        from megatron.training.global_vars import get_tensorboard_writer
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 
-        writer = get_tensorboard_writer()
+        writer, wandb = get_tensorboard_writer(), get_wandb_writer()
+    scalars = {f"{rec['mode']}/{name}": value for name, value in tensorboard_scalars(rec).items()}
     if writer is not None:
-        for name, value in tensorboard_scalars(rec).items():
-            writer.add_scalar(f"{rec['mode']}/{name}", value, iteration)
+        for name, value in scalars.items():
+            writer.add_scalar(name, value, iteration)
+    if wandb is not None:
+        wandb.log(scalars, iteration)
     path = getattr(args, "planner_log", None)
     if path and rank == 0:
         with open(path, "a") as f:

@@ -221,15 +221,25 @@ class FakeWriter:
         self.scalars.append((name, value, step))
 
 
+class FakeWandb:  # W&B's run.log(dict, step)
+    def __init__(self):
+        self.logged = []
+
+    def log(self, values, step):
+        self.logged.append((dict(values), step))
+
+
 def test_report_step_logs_line_tensorboard_and_planner_log(tmp_path):
     from megatron_ext.megatron.step import report_step, summary_line
 
     step = _step()
-    lines, writer = [], FakeWriter()
+    lines, writer, wandb = [], FakeWriter(), FakeWandb()
     log = tmp_path / "plans.jsonl"
     args = Namespace(curr_iteration=9, log_interval=5, planner_log=str(log))
     n = len(step.plan.micro_batches)
-    rec = report_step(step, 1.5, [1.5 / n] * n, args=args, writer=writer, printer=lines.append)
+    rec = report_step(step, 1.5, [1.5 / n] * n, args=args, writer=writer, wandb=wandb, printer=lines.append)
+    # W&B gets what TensorBoard gets, at the same iteration
+    assert wandb.logged == [({name: value for name, value, _ in writer.scalars}, 10)]
     assert rec["iteration"] == 10 and rec["tokens"] == 1450 and rec["sequences"] == 4
     assert rec["measured_step_s"] == 1.5 and rec["predicted_step_s"] == step.plan.estimated_step_time_s
     assert rec["cost_model_error"] == pytest.approx((rec["predicted_step_s"] - 1.5) / 1.5)
