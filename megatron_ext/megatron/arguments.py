@@ -40,6 +40,8 @@ Flags (all off by default; without ``--flexsp`` / ``--elastic-pp`` Megatron runs
                            0 plans each step inline, right before it runs.
 --planner-log PATH         Rank 0 appends one JSON record per step: the plan, where it came from,
                            its predicted and the measured forward-backward time.
+--planner-trace FILE.json  Rank 0 writes every training step planned (the simulator's timeline)
+                           and measured, side by side, as a Chrome trace (Perfetto).
 --flexsp-planner NAME      The planner (default flexsp); auto plans each step both as FlexSP and
                            as one-stage elastic pipeline replicas of each SP degree and runs the
                            faster; the baselines static_ulysses, batchada and
@@ -136,6 +138,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="steps planned ahead in a background process (default 1; 0: plan inline)")
     g.add_argument("--planner-log", default=None, metavar="PATH",
                    help="append one JSON record per step (plan, predicted and measured time) on rank 0")
+    g.add_argument("--planner-trace", default=None, metavar="FILE.json",
+                   help="every training step planned and measured, side by side, as a Chrome trace written by rank 0 "
+                        "(open it in ui.perfetto.dev; for short runs: it holds every step)")
     g.add_argument("--flexsp-planner", default="flexsp", metavar="NAME",
                    help="planner: flexsp (default); auto (per step, FlexSP or one-stage pipeline replicas, whichever "
                         "is faster); or a baseline: static_ulysses, batchada, megatron_balanced_cp")
@@ -318,6 +323,7 @@ def validate_args(args, world_size: int | None = None) -> Validated:
                                             "--flexsp-max-sp-size)" if flexsp else ""))
     if not (flexsp or elastic):
         for name, flag in (("adaptive_recompute", "--adaptive-recompute"), ("planner_log", "--planner-log"),
+                           ("planner_trace", "--planner-trace"),
                            ("cost_model", "--cost-model"), ("flexsp_max_sp_size", "--flexsp-max-sp-size")):
             if _get(args, name):
                 _conflict(f"{flag} has no effect without --flexsp or --elastic-pp")
@@ -375,11 +381,14 @@ def validate_args(args, world_size: int | None = None) -> Validated:
         # --flexsp and --elastic-pp) with any other dispatcher, even in a dense model (MoE is refused above).
         args.moe_token_dispatcher_type = "alltoall"
         notes.append("--moe-token-dispatcher-type alltoall (required with variable sequence lengths; no MoE layer)")
-    log = _get(args, "planner_log", None)
-    if log:
-        parent = os.path.dirname(os.path.abspath(log))
-        if not os.path.isdir(parent):
-            _conflict(f"--planner-log {log}: directory {parent} does not exist")
+    for flag, path in (("--planner-log", _get(args, "planner_log", None)),
+                       ("--planner-trace", _get(args, "planner_trace", None))):
+        parent = os.path.dirname(os.path.abspath(path)) if path else None
+        if path and not os.path.isdir(parent):
+            _conflict(f"{flag} {path}: directory {parent} does not exist")
+    trace = _get(args, "planner_trace", None)
+    if trace and not trace.lower().endswith(".json"):
+        _conflict(f"--planner-trace {trace}: the file name must end in .json (Chrome trace-event JSON)")
     return Validated(True, dp, notes)
 
 

@@ -66,6 +66,7 @@ class _State:
     device: object = "cpu"
     loaders: tuple = ()
     last_step: Step | None = None  # the last training step (Megatron's FLOPs count reads its lengths)
+    trace: object = None  # --planner-trace's RunTrace (rank 0)
 
 
 STATE = _State()
@@ -122,6 +123,9 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     if not elastic:
         cap = min(cap, args.flexsp_max_sp_size or STATE.pool.size)
     cost = cap_cost_model(megatron_cost_model(args), cap)
+    if getattr(args, "planner_trace", None) and dist.get_rank() == 0 and STATE.trace is None:
+        from megatron_ext.sim.trace import RunTrace
+        STATE.trace = RunTrace(cost)
     splits = planned_splits(args, tokenizer)
     start = int(args.iteration)
     starts = (start, valid_start_step(args), 0)  # test starts at its first batch, as in Megatron
@@ -303,9 +307,18 @@ def _run_elastic(step: Step, model, forward_only: bool, flag: str):
                                              forward_step_func=_elastic_forward_step, sp_groups=STATE.pool)
     end = clock.mark()
     if not forward_only:
-        busy = [0.0] * parallel_state.get_pipeline_model_parallel_world_size()
+        stages = parallel_state.get_pipeline_model_parallel_world_size()
+        busy = [0.0] * stages
         busy[parallel_state.get_pipeline_model_parallel_rank()] = sum(t for _, t in stats.ops)
-        report_step(step, clock.seconds(start, end), busy)
+        per_row = None
+        if getattr(_args(), "planner_trace", None):  # (the same on every rank: all gather)
+            from megatron_ext.sim.trace import ops_per_row
+
+            mine = (stats.replica * stages + parallel_state.get_pipeline_model_parallel_rank(), stats)
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+            per_row = ops_per_row(gathered)
+        report_step(step, clock.seconds(start, end), busy, ops_per_row=per_row)
     return losses
 
 
@@ -399,7 +412,7 @@ def summary_line(rec: dict) -> str:
 
 
 def report_step(step: Step, elapsed_s: float, parts_s: list[float], *, args=None, writer="megatron",
-                wandb=None, printer=None) -> dict:
+                wandb=None, printer=None, ops_per_row=None) -> dict:
     """Reduce this step's times over the ranks (slowest rank: a micro-batch lasts as long as its
     slowest group, a stage as its slowest rank) and log them next to the plan's predictions (see
     the module doc). ``parts_s``: this rank's time per micro-batch (FlexSP), or its busy time in
@@ -407,7 +420,9 @@ def report_step(step: Step, elapsed_s: float, parts_s: list[float], *, args=None
     once per training step. ``args``, ``writer`` (a TensorBoard SummaryWriter or None) and
     ``printer`` default to Megatron's (get_args, get_tensorboard_writer, print_rank_last); with
     Megatron's writer comes its W&B writer (``--wandb-project``: the same scalars, on the rank that
-    has one), else ``wandb`` (an object with W&B's ``log(dict, step)``, or None)."""
+    has one), else ``wandb`` (an object with W&B's ``log(dict, step)``, or None). With
+    ``--planner-trace`` rank 0 adds the step to the trace (``ops_per_row``: an elastic step's
+    measured ops, ``sim.trace.ops_per_row``) and rewrites the file."""
     args = _args() if args is None else args
     t = torch.tensor([elapsed_s] + list(parts_s), dtype=torch.float64, device=rank_device())
     if dist.is_initialized():
@@ -434,6 +449,12 @@ def report_step(step: Step, elapsed_s: float, parts_s: list[float], *, args=None
             writer.add_scalar(name, value, iteration)
     if wandb is not None:
         wandb.log(scalars, iteration)
+    if STATE.trace is not None:
+        from megatron_ext.sim.trace import trace_document, write_trace
+
+        STATE.trace.add_step(iteration, step.plan, step.lengths, times[0], micro_batch_s=times[1:],
+                             ops_per_row=ops_per_row)
+        write_trace(args.planner_trace, trace_document(STATE.trace.events))
     path = getattr(args, "planner_log", None)
     if path and rank == 0:
         with open(path, "a") as f:

@@ -30,7 +30,7 @@ from megatron_ext.runtime.backends import ATTENTION_BACKENDS
 from megatron_ext.runtime.checkpoint import check_checkpoint_args
 from megatron_ext.runtime.device import DEVICE_CHOICES, init_rank_process_group, rank_device
 from megatron_ext.runtime.timing import DeviceClock
-from megatron_ext.sim.trace import RunTrace, trace_document, write_trace
+from megatron_ext.sim.trace import RunTrace, ops_per_row, trace_document, write_trace
 from megatron_ext.report import advice, fidelity, layout_counts, layouts_text, step_layout
 from megatron_ext.spec import ModelSpec
 from megatron_ext.text import plural
@@ -382,7 +382,7 @@ def _train(args, rank: int, world: int) -> int:
                 rec["model"] = args.model
             if trace is not None:
                 trace.add_step(step.step, step.plan, step.lengths, step_time, micro_batch_s=rec["micro_batch_times_s"],
-                               ops_per_row=_ops_per_row(ranks) if piped else None)
+                               ops_per_row=ops_per_row(ranks) if piped else None)
             records.append(rec)
             if rank == 0:
                 print(json.dumps(rec) if args.json else _line(rec), flush=True)
@@ -409,14 +409,6 @@ def _train(args, rank: int, world: int) -> int:
         print(_summary(args.planner, records), flush=True)
     return 0
 
-
-def _ops_per_row(ranks: list) -> list[list[tuple[str, float, float]]]:
-    """Per row of the simulator (replica x stages + stage), the ops of the first rank on it:
-    (name, start s, seconds)."""
-    rows: dict[int, list] = {}
-    for row, st in ranks:
-        rows.setdefault(row, [(name, start, took) for (name, took), start in zip(st.ops, st.op_starts_s)])
-    return [rows.get(r, []) for r in range(max(rows) + 1)]
 
 
 def _stage_report(ranks: list, step, cost: CostModel) -> dict:

@@ -137,6 +137,16 @@ def write_trace(path: str, document: dict) -> None:
         json.dump(document, f)
 
 
+def ops_per_row(stage_stats: list) -> list[list[tuple[str, float, float]]]:
+    """``ops_per_row`` for ``measured_pipeline_events`` from every rank's (row, stats) (the
+    runtime's PipelineStepStats: ``ops`` (name, seconds) and ``op_starts_s``), the first rank of
+    each row standing for it."""
+    rows: dict[int, list] = {}
+    for row, st in stage_stats:
+        rows.setdefault(row, [(name, start, took) for (name, took), start in zip(st.ops, st.op_starts_s)])
+    return [rows.get(r, []) for r in range(max(rows) + 1)]
+
+
 class RunTrace:
     """A run's steps one after another (``train --trace``): process 1 the planned timeline of each
     step, process 2 the measured one, each step starting at the same time in both (the later of

@@ -330,13 +330,28 @@ def megatron_flops(checkout: Path, args, batches: list) -> list[float]:
 
 
 # ---- tests -----------------------------------------------------------------------------------------
+def _check_planner_trace(path, iterations: int) -> None:
+    """--planner-trace: every training iteration, planned (process 1) and measured (process 2) on
+    the same tracks, each measured slice one the plan has (a recompute is timed in its backward)."""
+    events = json.loads(path.read_text())["traceEvents"]
+    assert sorted(e["name"] for e in events if e["ph"] == "i") == [f"step {k}" for k in range(1, iterations + 1)]
+    tracks = {pid: {e["tid"] for e in events if e["ph"] == "M" and e["pid"] == pid and e["name"] == "thread_name"}
+              for pid in (1, 2)}
+    assert tracks[1] and tracks[1] == tracks[2]
+    planned = {(e["tid"], e["name"]) for e in events if e["ph"] == "X" and e["pid"] == 1}
+    measured = {(e["tid"], e["name"]) for e in events if e["ph"] == "X" and e["pid"] == 2}
+    assert measured and measured <= planned
+
+
 def test_flexsp_trains_on_mock_data(checkouts, tmp_path):
     _, patched = checkouts
     log = tmp_path / "plans.jsonl"
     run = run_pretrain(patched, MODEL_ARGS + [
         "--seq-length", "1024", "--max-position-embeddings", "1024", "--global-batch-size", "8",
-        "--train-iters", "4", "--mock-data", "--flexsp", "--cost-model", COST_2, "--planner-log", str(log)])
+        "--train-iters", "4", "--mock-data", "--flexsp", "--cost-model", COST_2, "--planner-log", str(log),
+        "--planner-trace", str(tmp_path / "trace.json")])
     its = _ok(run, 4)
+    _check_planner_trace(tmp_path / "trace.json", 4)
     assert all(np.isfinite(loss) and loss > 0 for loss, _ in its.values())
     assert its[4][0] < its[1][0]
     assert "flexsp iteration        1 | plan" in run["output"]
@@ -505,10 +520,12 @@ def test_elastic_pp_trains_on_mock_data_with_4_ranks(checkouts, tmp_path):
                            "--pp", "2", "--", "--seq-length", "2048", "--max-position-embeddings", "2048",
                            "--train-iters", "4", "--hidden-dropout", "0", "--attention-dropout", "0",
                            "--eval-iters", "1", "--eval-interval", "2", "--split", "90,10,0", "--adaptive-recompute",
-                           "--planner-log", str(log)], capture_output=True, text=True, timeout=900,
+                           "--planner-log", str(log), "--planner-trace", str(tmp_path / "trace.json")],
+                          capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, PYTHON=sys.executable, PYTHONWARNINGS="ignore"))
     its = {int(m[1]): (float(m[2]), float(m[3])) for m in ITERATION.finditer(proc.stdout)}
     assert proc.returncode == 0 and sorted(its) == [1, 2, 3, 4], (proc.stdout + proc.stderr)[-6000:]
+    _check_planner_trace(tmp_path / "trace.json", 4)
     assert all(np.isfinite(loss) and loss > 0 and np.isfinite(grad) for loss, grad in its.values())
     assert its[4][0] < its[1][0]
     assert "elastic-pp iteration        1 | plan elastic_pp" in proc.stdout
