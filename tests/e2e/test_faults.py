@@ -161,34 +161,24 @@ def test_a_killed_planner_leaves_the_run_on_fallback_plans(tmp_path):
     run.assert_nothing_left(tree, time.monotonic() + ENDS_WITHIN_S)
 
 
-def test_sigterm_stops_the_run_quietly(tmp_path):
-    """The launcher passes it to torchrun, which passes it to the ranks: each ends quietly."""
-    run = Run(tmp_path, steps=50)
+@pytest.mark.parametrize("save", [False, True])
+def test_sigterm_stops_the_run_quietly(tmp_path, save):
+    """The launcher passes it to torchrun, which passes it to the ranks: each ends quietly. Under
+    --save (as Slurm's signal before the time limit) the step running ends first and is saved, so
+    a requeued run resumes after it."""
+    ckpt = tmp_path / "ckpt"
+    run = Run(tmp_path, 50, *(["--save", str(ckpt), "--save-interval", "1000"] if save else []))
     tree = run.tree()
     blow = time.monotonic()
     os.kill(run.proc.pid, signal.SIGTERM)
     code, took = run.ended(blow)
-    print(f"launcher sent SIGTERM: it exited {took:.1f} s later")
+    print(f"launcher sent SIGTERM{' under --save' if save else ''}: it exited {took:.1f} s later")
     assert code == 128 + signal.SIGTERM
     run.stderr_says("megatron-ext: stopped by SIGTERM")
-    run.assert_nothing_left(tree, blow + ENDS_WITHIN_S)
-
-
-def test_sigterm_under_save_finishes_the_step_and_saves_it(tmp_path):
-    """As Slurm's signal before the time limit: the step running ends, is saved, and a requeued
-    run resumes after it."""
-    save = tmp_path / "ckpt"
-    run = Run(tmp_path, 50, "--save", str(save), "--save-interval", "1000")
-    tree = run.tree()
-    blow = time.monotonic()
-    os.kill(run.proc.pid, signal.SIGTERM)
-    code, took = run.ended(blow)
-    print(f"launcher sent SIGTERM under --save: it exited {took:.1f} s later")
-    assert code == 128 + signal.SIGTERM
-    run.stderr_says("megatron-ext: stopped by SIGTERM")
-    saved = int((save / "latest_checkpointed_iteration.txt").read_text())
-    steps = [line for line in run.out if line.startswith("step ")]
-    assert saved == len(steps) >= 1 and f"saved step {saved} to" in "\n".join(run.err), (saved, steps)
+    if save:
+        saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+        steps = [line for line in run.out if line.startswith("step ")]
+        assert saved == len(steps) >= 1 and f"saved step {saved} to" in "\n".join(run.err), (saved, steps)
     run.assert_nothing_left(tree, blow + ENDS_WITHIN_S)
 
 
