@@ -27,12 +27,13 @@ setup(
         "matplotlib>=3.7",  # --plot
         "scipy>=1.10",  # profile's non-negative least squares
         "tqdm>=4.60",  # progress bars
+        "psutil>=5.9",  # megatron-core's checkpoint writers (train --save) call it
     ],
     extras_require={
         "dev": ["pytest>=8", "hypothesis>=6"],
         "gpu": ["flash-attn>=2.5", "transformer-engine[pytorch]>=2.0"],
         # what Megatron-LM's training code imports beyond megatron-core (docs/megatron.md)
-        "megatron-lm": ["six", "regex", "pydantic", "pybind11", "psutil"],
+        "megatron-lm": ["six", "regex", "pydantic", "pybind11"],
     },
     entry_points={"console_scripts": ["megatron-ext=megatron_ext.cli:main"]},
 )

@@ -411,8 +411,8 @@ def _check_checkpoint_writer(args) -> None:
     if (_get(args, "save", None) and _get(args, "ckpt_format", "torch_dist") == "torch_dist"
             and importlib.util.find_spec("psutil") is None):
         raise ConfigError("--save writes torch_dist checkpoints (Megatron's default --ckpt-format), whose writer "
-                          "needs psutil and without it waits forever: pip install psutil (megatron_ext's "
-                          "`megatron-lm` extra has it), or save with --ckpt-format torch")
+                          "needs psutil and without it waits forever: pip install psutil (a requirement "
+                          "of megatron_ext that a --no-deps install skips), or save with --ckpt-format torch")
 
 
 def _cost_model(args, flag: str):
