@@ -46,7 +46,7 @@ import sys
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_ext.runtime.device import rank_device
+from megatron_ext.runtime.device import is_cuda_device, rank_device
 
 _APPLIED = False
 _MARK = "__megatron_ext_cpu_compat__"
@@ -72,14 +72,6 @@ _METHODS_WRAPPED = (
 )
 
 
-def _is_cuda_device(dev) -> bool:
-    if isinstance(dev, torch.device):
-        return dev.type == "cuda"
-    if isinstance(dev, str):
-        return dev.split(":")[0] == "cuda"
-    return isinstance(dev, int) and not isinstance(dev, bool)  # a bare index means a CUDA device
-
-
 class _CpuDeviceMode(TorchFunctionMode):
     """Inside this mode, ``device="cuda"`` becomes the CPU, ``.cuda()`` and ``.pin_memory()`` return
     the tensor, ``pin_memory=True`` is dropped, and ``tensor.type()`` names the CUDA type."""
@@ -95,11 +87,11 @@ class _CpuDeviceMode(TorchFunctionMode):
             name = func(*args)
             return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         if kwargs:
-            if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            if "device" in kwargs and is_cuda_device(kwargs["device"]):
                 kwargs = dict(kwargs, device=rank_device())
             if kwargs.get("pin_memory"):
                 kwargs = dict(kwargs, pin_memory=False)
-        if func is torch.Tensor.to and args and len(args) > 1 and _is_cuda_device(args[1]):
+        if func is torch.Tensor.to and args and len(args) > 1 and is_cuda_device(args[1]):
             args = (args[0], rank_device(), *args[2:])
         return func(*args, **kwargs)
 

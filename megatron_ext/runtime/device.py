@@ -96,14 +96,17 @@ def _on_host(t) -> bool:
     return isinstance(t, torch.Tensor) and t.__dict__.get(_HOST, False)
 
 
-def _names_rank_device(dev) -> bool:
-    if dev is _CPU:
-        return True
+def is_cuda_device(dev) -> bool:
+    """Whether ``dev`` (a torch.device, a string or a bare index) names a CUDA device."""
     if isinstance(dev, torch.device):
         return dev.type == "cuda"
     if isinstance(dev, str):
         return dev.split(":")[0] == "cuda"
     return isinstance(dev, int) and not isinstance(dev, bool)  # a bare index is a CUDA device
+
+
+def _names_rank_device(dev) -> bool:
+    return dev is _CPU or is_cuda_device(dev)
 
 
 def _tensors(args, kwargs):
