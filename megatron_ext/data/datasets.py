@@ -255,38 +255,41 @@ class ConcatDocuments(HeldLengths):
 
 
 def parse_blend(values: Sequence[str]) -> list[tuple[float | None, str]]:
-    """Megatron's ``--data-path`` forms: ``PREFIX``, ``W1 PREFIX1 W2 PREFIX2 ...`` (weights: shares of
-    every batch, normalised), or ``PREFIX1 PREFIX2 ...`` (weight None: by size). A ``.bin`` /
-    ``.idx`` ending is taken off."""
-    values = [str(v) for v in values]
+    """Megatron's ``--data-path`` forms, read by Megatron's own ``get_blend_from_list``: ``PREFIX``,
+    ``W1 PREFIX1 W2 PREFIX2 ...`` (weights: shares of every batch, normalised), or ``PREFIX1
+    PREFIX2 ...`` (weight None: by size). What Megatron would misread is refused here: a number
+    where a prefix belongs, an odd count of weight-prefix pairs, negative or all-zero weights. A
+    ``.bin`` / ``.idx`` ending is taken off."""
+    from megatron.core.datasets.utils import get_blend_from_list
 
-    def weight(text: str) -> float | None:
-        try:
-            return float(text)
-        except ValueError:
-            return None
-
-    weights = [weight(v) for v in values[::2]]
-    if len(values) >= 2 and all(w is not None for w in weights):
-        if len(values) % 2:
-            raise DataError(f"a blend is weight-prefix pairs, got an odd count: {' '.join(values)}")
-        pairs = [(weights[k], values[2 * k + 1]) for k in range(len(weights))]
-        bad = [w for w, _ in pairs if not (np.isfinite(w) and w >= 0)]
-        if bad or not any(w > 0 for w, _ in pairs):
-            raise DataError(f"blend weights must be non-negative numbers, not all zero: {' '.join(values)}")
-    else:
-        pairs = [(None, v) for v in values]
+    values = [str(v).strip() for v in values]
+    if not values:
+        raise DataError("no dataset given")
+    try:
+        prefixes, weights = get_blend_from_list(values)
+    except AssertionError:
+        prefixes, weights = values, None
+    if weights is None and len(values) > 1 and _is_number(values[0]):
+        raise DataError(f"a blend is weight-prefix pairs, got an odd count: {' '.join(values)}")
+    if weights is not None and not (all(np.isfinite(w) and w >= 0 for w in weights) and any(w > 0 for w in weights)):
+        raise DataError(f"blend weights must be non-negative numbers, not all zero: {' '.join(values)}")
     out = []
-    for w, prefix in pairs:
-        if weight(prefix) is not None:
+    for k, prefix in enumerate(prefixes):
+        if _is_number(prefix):
             raise DataError(f"expected a dataset prefix, got the number {prefix!r} (a blend is W1 PREFIX1 W2 PREFIX2 ...)")
         for ext in (".bin", ".idx"):
             if prefix.endswith(ext):
                 prefix = prefix[:-len(ext)]
-        out.append((w, prefix))
-    if not out:
-        raise DataError("no dataset given")
+        out.append((None if weights is None else weights[k], prefix))
     return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def open_blend(values: Sequence[str]) -> list[tuple[float | None, IndexedDocuments]]:

@@ -31,7 +31,7 @@ resumed at iteration k reads the same batch as an uninterrupted run.
 from __future__ import annotations
 
 import dataclasses
-import re
+import math
 
 import numpy as np
 
@@ -88,17 +88,19 @@ class SubsetDocuments:
 
 def split_ranges(num_docs: int, split: str | None) -> list[tuple[int, int]]:
     """Megatron's ``--split`` ("969,30,1", "90,5,5", "100,0,0"; default all train) as document
-    ranges [start, end) for train, valid and test."""
-    ratios = [float(x) for x in re.findall(r"[.0-9]+", split or "1")]
-    if len(ratios) > 3 or any(r < 0 for r in ratios) or sum(ratios) <= 0:
+    ranges [start, end) for train, valid and test, read and rounded as Megatron's dataset builder
+    does (``parse_and_normalize_split``, then each bound at round(fraction * documents))."""
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    text = split or "1"
+    try:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratios = parse_and_normalize_split(text)
+    except AssertionError:  # more than three proportions
+        ratios = [math.nan]
+    if not all(math.isfinite(r) for r in ratios) or "-" in text:
         raise DataError(f"--split {split!r}: expected up to three non-negative proportions, e.g. 969,30,1")
-    ratios = (ratios + [0.0, 0.0, 0.0])[:3]
-    total = sum(ratios)
-    bounds = [0]
-    acc = 0.0
-    for r in ratios:
-        acc += r / total
-        bounds.append(int(round(acc * num_docs)))
+    bounds = [int(round(f * num_docs)) for f in np.cumsum([0.0, *ratios])]
     bounds[-1] = num_docs
     return [(bounds[k], bounds[k + 1]) for k in range(3)]
 
