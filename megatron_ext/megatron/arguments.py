@@ -113,6 +113,8 @@ def _sp_degree(text: str):
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add megatron_ext's group to a Megatron-LM (or any) argparse parser; returns the parser."""
+    from megatron_ext.planner.api import planner_names  # numpy + highspy, no torch
+
     g = parser.add_argument_group(
         "megatron_ext", "FlexSP adaptive sequence parallelism and elastic pipelines (docs/megatron.md)")
     g.add_argument("--flexsp", action="store_true",
@@ -143,7 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(open it in ui.perfetto.dev; for short runs: it holds every step)")
     g.add_argument("--flexsp-planner", default="flexsp", metavar="NAME",
                    help="planner: flexsp (default); auto (per step, FlexSP or one-stage pipeline replicas, whichever "
-                        "is faster); or a baseline: static_ulysses, batchada, megatron_balanced_cp")
+                        f"is faster); or a baseline: {', '.join(n for n in planner_names('sp') if n != 'flexsp')}")
     g.add_argument("--flexsp-static-degree", type=int, default=None, metavar="D",
                    help="degree of --flexsp-planner static_ulysses (1: plain data parallelism)")
     g.add_argument("--flexsp-attention-backend", default="auto", choices=ATTENTION_BACKENDS,
@@ -430,11 +432,11 @@ def _check_flexsp(args, world: int, tp: int, pp: int, cp: int, dp: int, head_lim
     if pp > 1:
         _conflict(f"--flexsp runs each micro-batch's SP groups on one pipeline stage; use "
                   f"--pipeline-model-parallel-size 1 (got {pp}), or --elastic-pp for pipelines")
-    from megatron_ext.planner import PLANNERS  # numpy + highspy, no torch
+    from megatron_ext.planner.api import planner_names  # numpy + highspy, no torch
 
     planner = _get(args, "flexsp_planner", "flexsp")
-    if planner not in PLANNERS and planner != "auto":
-        _conflict(f"--flexsp-planner {planner!r} is not a planner; choose one of {', '.join(PLANNERS)}, auto")
+    if planner not in planner_names("sp", "auto"):
+        _conflict(f"--flexsp-planner {planner!r} is not a planner; choose one of {', '.join(planner_names('sp', 'auto'))}")
     if _get(args, "adaptive_recompute", False) and planner != "auto":
         _conflict("--adaptive-recompute plans recomputation per pipeline chunk and stage: it needs --elastic-pp "
                   "(or --flexsp-planner auto, for its pipeline steps). With --flexsp use Megatron's "
