@@ -51,7 +51,7 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
 def add_planner_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("planner")
     g.add_argument("--planner", default="flexsp",
-                   help=f"{planners_help()} (default: flexsp)")
+                   help=f"one of: {planners_help()}; default flexsp")
     g.add_argument("--time-limit", type=float, default=1.0, metavar="SEC", help="solver time limit per step (default 1)")
     g.add_argument("--static-degree", type=int, help="degree of static_ulysses (default: the largest allowed)")
     g.add_argument("--drop-over-max", action="store_true",

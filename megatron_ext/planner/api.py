@@ -36,15 +36,19 @@ from megatron_ext.planner.sp.step import plan_sp
 from megatron_ext.sim.simulator import simulate
 
 KINDS = ("sp", "pp", "auto")
-PIPELINE_KINDS = ("pp", "auto")  # the planners that plan pipelines (auto: on the steps it finds faster so)
+PIPELINE_KINDS = ("pp", "auto")  # kinds whose plans may be pipelines (auto's, on the steps they are faster)
 
 
 @dataclass(frozen=True)
 class Planner:
+    """A planner: its kind and planning function, ``fn(lengths, cost, PlannerOptions) -> (groups
+    per micro-batch, status)`` for kind "sp" (``sp.step.SPPlanFn``), ``fn(lengths, cost,
+    options=, seq_ids=, **PipelineOptions overrides) -> StepPlan`` for kinds "pp" and "auto";
+    ``plan`` calls either the same way."""
+
     name: str
     kind: str  # one of KINDS
-    fn: Callable  # "sp": fn(lengths, cost, PlannerOptions) -> (groups per micro-batch, status);
-    # "pp" and "auto": fn(lengths, cost, options=, seq_ids=, **PipelineOptions overrides) -> StepPlan
+    fn: Callable
     help: str  # one line, for the command lines
 
     def plan(self, lengths: np.ndarray, cost: CostModel, options=None, *, seq_ids=None, **overrides) -> StepPlan:
@@ -58,16 +62,15 @@ class Planner:
 
 PLANNERS: dict[str, Planner] = {p.name: p for p in (
     Planner("static_ulysses", "sp", static_ulysses,
-            "every group of one SP degree, --static-degree (default: the largest), as DeepSpeed-Ulysses"),
-    Planner("batchada", "sp", batchada, "the best single SP degree for each batch (BatchAda)"),
+            "DeepSpeed-Ulysses, one SP degree for every group: --static-degree, default the largest"),
+    Planner("batchada", "sp", batchada, "BatchAda, the best single SP degree for each batch"),
     Planner("megatron_balanced_cp", "sp", megatron_balanced_cp,
-            "megatron-core's BalancedCPScheduler (dynamic context parallelism)"),
-    Planner("flexsp", "sp", plan_flexsp, "SP groups of mixed degrees in each micro-batch, solved with HiGHS (FlexSP)"),
+            "megatron-core's BalancedCPScheduler, dynamic context parallelism"),
+    Planner("flexsp", "sp", plan_flexsp, "FlexSP, SP groups of mixed degrees in each micro-batch, solved with HiGHS"),
     Planner("elastic_pp", "pp", plan_elastic_pp,
-            "elastic pipelines: workload-balanced chunks, per-chunk recompute (InfiniPipe)"),
+            "InfiniPipe's elastic pipelines: workload-balanced chunks, per-chunk recompute"),
     Planner("batch_1f1b", "pp", plan_batch_1f1b, "Megatron-style 1F1B pipeline over packed micro-batches"),
-    Planner("seq1f1b", "pp", plan_seq1f1b, "1F1B pipeline of packed micro-batches cut into equal-compute slices "
-                                           "(Seq1F1B)"),
+    Planner("seq1f1b", "pp", plan_seq1f1b, "Seq1F1B, packed micro-batches cut into equal-compute slices"),
     Planner("auto", "auto", plan_auto, "per step, the fastest of FlexSP and elastic pipelines on every layout"),
 )}
 BASELINES = ("static_ulysses", "batchada", "megatron_balanced_cp")  # what FlexSP-kind plans are compared with
@@ -81,7 +84,7 @@ def planner_names(*kinds: str) -> tuple[str, ...]:
 
 def planners_help(*kinds: str) -> str:
     """Each planner of the given kinds (all without) with its line of help, for a command line."""
-    return "; ".join(f"{n}: {PLANNERS[n].help}" for n in planner_names(*kinds))
+    return ", ".join(f"{n} ({PLANNERS[n].help})" for n in planner_names(*kinds))
 
 
 def get_planner(name: str, kinds: tuple[str, ...] = KINDS) -> Planner:

@@ -173,8 +173,9 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         t0 = time.perf_counter()
         try:
             left = budget * (1 - AUTO_RESERVE) - (t0 - start)
-            record("flexsp", plan_sp("flexsp", plan_flexsp, lengths, flex_cost, PlannerOptions(time_limit=max(0.05, left)),
-                                     seq_ids=ids), t0)
+            flexsp = plan_sp("flexsp", plan_flexsp, lengths, flex_cost, PlannerOptions(time_limit=max(0.05, left)),
+                             seq_ids=ids)
+            record("flexsp", flexsp, t0)
         except MegatronExtError as e:
             alts["flexsp"] = {"error": str(e)}
     if not plans:

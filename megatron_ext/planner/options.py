@@ -20,15 +20,19 @@ class PlannerOptions:
     recompute: str = "ilp"  # elastic_pp: per-chunk recompute "ilp" | "greedy", or "auto" (none if it fits, else full)
 
 
-def planner_options(options) -> PlannerOptions:
-    """``options`` as PlannerOptions: itself, the defaults for None, or the PlannerOptions fields
-    of any other options object (a PipelineOptions)."""
+def options_as(cls, options):
+    """``options`` as dataclass ``cls`` (PlannerOptions, PipelineOptions): itself, the defaults
+    for None, or the fields of ``cls`` that another options object has."""
     if options is None:
-        return PlannerOptions()
-    if isinstance(options, PlannerOptions):
+        return cls()
+    if isinstance(options, cls):
         return options
-    fields = {f.name for f in dataclasses.fields(PlannerOptions)}
-    return PlannerOptions(**{k: getattr(options, k) for k in fields if hasattr(options, k)})
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: getattr(options, k) for k in fields if hasattr(options, k)})
 
 
-__all__ = ["PlannerOptions", "planner_options"]
+def planner_options(options) -> PlannerOptions:
+    return options_as(PlannerOptions, options)
+
+
+__all__ = ["PlannerOptions", "options_as", "planner_options"]

@@ -71,7 +71,8 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
         raise ConfigError(f"the main planner {main!r} is not among the planners ({', '.join(planners)})")
     pp, sp = pp if pp is not None else opts.pp, sp if sp is not None else opts.sp
     opts = dataclasses.replace(opts, pp=pp, sp=sp)
-    if any(x in planner_names(*PIPELINE_KINDS) and (x != "auto" or pp is not None or sp is not None) for x in planners):
+    pipelined = [x for x in planners if x in planner_names(*PIPELINE_KINDS)]
+    if any(x != "auto" or pp is not None or sp is not None for x in pipelined):
         pipeline_cost(cost, pp, sp, opts)  # raises if the layout cannot run
     if any(x in planner_names("sp") for x in planners):
         cost.tokens_per_gpu  # raises if the model states leave FlexSP no room

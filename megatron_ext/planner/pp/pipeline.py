@@ -21,6 +21,7 @@ from megatron_ext.cost.pipeline import PipelineCost, default_layout
 from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError
 from megatron_ext.plan.pipelines import validate_pipelines
 from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan, validate
+from megatron_ext.planner.options import options_as
 from megatron_ext.planner.pp.checkpointing import greedy_recompute, solve_recompute
 from megatron_ext.planner.pp.chunking import Pieces
 from megatron_ext.sim.engine import (ChunkTable, analyze_chunks, backward_order, checkpoint_memory, greedy_orders,
@@ -226,11 +227,8 @@ def finish_plan(name: str, pipes: list[Pipeline], lengths: np.ndarray, cost: Cos
 
 
 def pipeline_options(options, overrides) -> PipelineOptions:
-    if options is None:
-        options = PipelineOptions()
-    elif not isinstance(options, PipelineOptions):  # a PlannerOptions (or anything with the fields)
-        fields = {f.name for f in dataclasses.fields(PipelineOptions)}
-        options = PipelineOptions(**{k: getattr(options, k) for k in fields if hasattr(options, k)})
+    """``options`` (a PipelineOptions, a PlannerOptions or None) as PipelineOptions, with ``overrides``."""
+    options = options_as(PipelineOptions, options)
     return dataclasses.replace(options, **overrides) if overrides else options
 
 
