@@ -25,7 +25,6 @@ from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError, LengthsError, MegatronExtError
 from megatron_ext.plan import StepPlan
 from megatron_ext.planner.auto import pipeline_layouts, plan_auto, plan_units
-from megatron_ext.planner.options import PlannerOptions
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
 from megatron_ext.planner.pp.pipeline import pipeline_cost, pipeline_options, resolve_layout
 from megatron_ext.planner.pp.pipeline_baselines import plan_batch_1f1b, plan_seq1f1b
@@ -137,7 +136,6 @@ def make_plan(name: str, lengths, cost: CostModel, options=None, baselines: tupl
         raise LengthsError("the batch is empty: nothing to plan")
     if (lengths < 1).any():
         raise LengthsError(f"sequence {int(np.flatnonzero(lengths < 1)[0])} has a non-positive length")
-    options = PlannerOptions() if options is None and planner.kind == "sp" else options
     ids = _kept(planner, lengths, cost, options, overrides)
     plan = planner.plan(lengths, cost, options, seq_ids=ids, **overrides)
     if baselines:
