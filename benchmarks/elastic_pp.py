@@ -35,10 +35,10 @@ def _scale(text: str, cost: CostModel) -> float:
 def crossover(cost: CostModel, lengths: np.ndarray, lo: float = 0.0, hi: float = 1.0, iters: int = 7) -> float | None:
     """The b1_scale at which elastic_pp (pp x sp of the default layout) takes as long as FlexSP on
     this batch (bisection; None if elastic_pp is slower even at ``lo``, ``hi`` if faster at ``hi``)."""
-    from megatron_ext.planner.api import PlannerOptions, plan_flexsp_kind
-    from megatron_ext.planner.elastic_pp import plan_elastic_pp
+    from megatron_ext.planner.api import make_plan
+    from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
 
-    flex = plan_flexsp_kind("flexsp", lengths, np.arange(len(lengths)), cost, PlannerOptions()).estimated_step_time_s
+    flex = make_plan("flexsp", lengths, cost).estimated_step_time_s
 
     def faster(x: float) -> bool:
         return plan_elastic_pp(lengths, cost, b1_scale=x).estimated_step_time_s < flex

@@ -16,8 +16,8 @@ from megatron_ext.cost import CostModel
 from megatron_ext.data.batches import dataset_batches
 from megatron_ext.data.lengths import read_lengths, sample_lengths
 from megatron_ext.errors import ConfigError, MegatronExtError
-from megatron_ext.planner import PLANNERS, PlannerOptions, make_plan
-from megatron_ext.planner.api import BASELINES
+from megatron_ext.planner import PlannerOptions, make_plan
+from megatron_ext.planner.api import BASELINES, PIPELINE_KINDS, get_planner, max_seq_len, planners_help
 from megatron_ext.sim.commands import (add_batch_source_args, add_pipeline_args, add_simulate_command, plot_if_asked,
                                        trace_if_asked)
 from megatron_ext.text import plural
@@ -51,7 +51,7 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
 def add_planner_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("planner")
     g.add_argument("--planner", default="flexsp",
-                   help=f"one of: {', '.join(PLANNERS)}, elastic_pp, seq1f1b, batch_1f1b, auto (default: flexsp)")
+                   help=f"one of: {planners_help()}; default flexsp")
     g.add_argument("--time-limit", type=float, default=1.0, metavar="SEC", help="solver time limit per step (default 1)")
     g.add_argument("--static-degree", type=int, help="degree of static_ulysses (default: the largest allowed)")
     g.add_argument("--drop-over-max", action="store_true",
@@ -130,12 +130,9 @@ def _plan_table(plan, lengths, cost, max_seq_len: int | None = None) -> str:
 
 
 def cmd_plan(args) -> int:
-    from megatron_ext.planner.pipeline_api import PP_PLANNERS, max_seq_len
     from megatron_ext.sim.commands import check_args, pipeline_options_from_args, run_pp_plan
 
-    if args.planner not in PLANNERS and args.planner not in PP_PLANNERS:
-        raise ConfigError(f"unknown planner {args.planner!r}; choose one of {', '.join([*PLANNERS, *PP_PLANNERS])}")
-    pipelines = args.planner in PP_PLANNERS
+    pipelines = get_planner(args.planner).kind in PIPELINE_KINDS
     check_args(args, pipelines)
     cost = cost_from_args(args)
     if args.static_degree is not None:
@@ -157,7 +154,7 @@ def cmd_plan(args) -> int:
 def _note_if_too_big(lengths: np.ndarray, cost: CostModel, time_limit: float) -> None:
     """A note on stderr where flexsp's first plan alone, which its time limit cannot cut short,
     takes longer here than the limit (a batch of a million sequences)."""
-    from megatron_ext.planner.flexsp import first_plan_seconds
+    from megatron_ext.planner.sp.flexsp import first_plan_seconds
 
     need = first_plan_seconds(lengths, cost) if len(lengths) else 0.0
     if need > time_limit:

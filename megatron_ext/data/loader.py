@@ -47,7 +47,7 @@ from megatron_ext import errors
 from megatron_ext.errors import InvalidPlanError, MegatronExtError
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner import PLANNERS, PlannerOptions, make_plan
-from megatron_ext.planner.pipeline_api import PP_PLANNERS
+from megatron_ext.planner.api import planner_names
 
 __all__ = ["PlanningDataLoader", "Step", "PlanMismatchError", "plan_digest", "check_plan_agreement",
            "broadcast_plan", "fallback_plan", "rank_part", "group_shards", "RankShard",
@@ -141,7 +141,8 @@ def fallback_plan(lengths, cost: CostModel, options: PlannerOptions, fallback: s
     a pipeline planner for a runtime that runs both kinds: it slices what no SP group holds),
     marked as a fallback in ``solver_status``."""
     # A pipeline runtime needs a pipeline plan: FlexSP-kind stand-ins only for FlexSP-kind fallbacks.
-    names = [fallback] + ([n for n in ("batchada", "static_ulysses") if n != fallback] if fallback in PLANNERS else [])
+    flexsp_kind = fallback in planner_names("sp")
+    names = [fallback] + ([n for n in ("batchada", "static_ulysses") if n != fallback] if flexsp_kind else [])
     names += [last_resort] if last_resort else []
     last: Exception | None = None
     for name in names:
@@ -217,7 +218,7 @@ class PlanningDataLoader(GlobalBatches):
                  startup_timeout_s: float = 60.0, worker_imports: tuple[str, ...] = (),
                  plan_delay_s: float = 0.0, sync: str | None = None, group=None, src_rank: int = 0,
                  source_sizes=None, weights=None):
-        known = [*PLANNERS, *PP_PLANNERS]
+        known = list(PLANNERS)
         if planner not in known and not worker_imports:
             raise DataError(f"unknown planner {planner!r}; choose one of {', '.join(known)}")
         if fallback not in known:
@@ -378,8 +379,9 @@ class PlanningDataLoader(GlobalBatches):
         short = ("late" if "deadline" in reason else "planner error" if "failed:" in reason
                  else "planner unavailable")
         try:
+            flexsp_kind = self.fallback in planner_names("sp")
             plan = fallback_plan(lengths, self.cost, self.options, self.fallback, reason=short,
-                                 last_resort="seq1f1b" if self.planner == "auto" and self.fallback in PLANNERS else None)
+                                 last_resort="seq1f1b" if self.planner == "auto" and flexsp_kind else None)
         except MegatronExtError as e:  # name both failures: the planner's is usually the one to fix
             if self.fallback == self.planner:
                 raise

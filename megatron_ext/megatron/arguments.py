@@ -88,6 +88,7 @@ from dataclasses import dataclass, field
 
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.runtime.backends import ATTENTION_BACKENDS
+from megatron_ext.spec import is_power_of_two
 
 POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
 OUR_FLAGS = ("--flexsp", "--elastic-pp")
@@ -113,6 +114,8 @@ def _sp_degree(text: str):
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add megatron_ext's group to a Megatron-LM (or any) argparse parser; returns the parser."""
+    from megatron_ext.planner.api import planner_names  # numpy + highspy, no torch
+
     g = parser.add_argument_group(
         "megatron_ext", "FlexSP adaptive sequence parallelism and elastic pipelines (docs/megatron.md)")
     g.add_argument("--flexsp", action="store_true",
@@ -143,7 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(open it in ui.perfetto.dev; for short runs: it holds every step)")
     g.add_argument("--flexsp-planner", default="flexsp", metavar="NAME",
                    help="planner: flexsp (default); auto (per step, FlexSP or one-stage pipeline replicas, whichever "
-                        "is faster); or a baseline: static_ulysses, batchada, megatron_balanced_cp")
+                        f"is faster); or a baseline: {', '.join(n for n in planner_names('sp') if n != 'flexsp')}")
     g.add_argument("--flexsp-static-degree", type=int, default=None, metavar="D",
                    help="degree of --flexsp-planner static_ulysses (1: plain data parallelism)")
     g.add_argument("--flexsp-attention-backend", default="auto", choices=ATTENTION_BACKENDS,
@@ -171,10 +174,6 @@ def mode_flag(args) -> str | None:
     if _get(args, "elastic_pp", False):
         return "--elastic-pp"
     return None
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
 
 
 def _conflict(msg: str) -> None:
@@ -430,18 +429,19 @@ def _check_flexsp(args, world: int, tp: int, pp: int, cp: int, dp: int, head_lim
     if pp > 1:
         _conflict(f"--flexsp runs each micro-batch's SP groups on one pipeline stage; use "
                   f"--pipeline-model-parallel-size 1 (got {pp}), or --elastic-pp for pipelines")
-    from megatron_ext.planner import PLANNERS  # numpy + highspy, no torch
+    from megatron_ext.planner.api import planner_names  # numpy + highspy, no torch
 
     planner = _get(args, "flexsp_planner", "flexsp")
-    if planner not in PLANNERS and planner != "auto":
-        _conflict(f"--flexsp-planner {planner!r} is not a planner; choose one of {', '.join(PLANNERS)}, auto")
+    names = planner_names("sp", "auto")
+    if planner not in names:
+        _conflict(f"--flexsp-planner {planner!r} is not a planner; choose one of {', '.join(names)}")
     if _get(args, "adaptive_recompute", False) and planner != "auto":
         _conflict("--adaptive-recompute plans recomputation per pipeline chunk and stage: it needs --elastic-pp "
                   "(or --flexsp-planner auto, for its pipeline steps). With --flexsp use Megatron's "
                   "--recompute-granularity / --recompute-method.")
     if planner == "auto":
         _check_auto(args, tp, dp)
-    if not _is_power_of_two(dp):
+    if not is_power_of_two(dp):
         _conflict(f"--flexsp needs a power-of-two data-parallel size (its SP groups are aligned power-of-two "
                   f"blocks of ranks); world {world} / (TP {tp} x PP {pp} x CP {cp}) = {dp}")
 
@@ -456,14 +456,14 @@ def _check_flexsp(args, world: int, tp: int, pp: int, cp: int, dp: int, head_lim
     kv = _get(args, "num_query_groups", None) if _get(args, "group_query_attention", False) else None
     cap = _get(args, "flexsp_max_sp_size", None)
     if cap is not None:
-        if not _is_power_of_two(cap) or cap > dp:
+        if not is_power_of_two(cap) or cap > dp:
             _conflict(f"--flexsp-max-sp-size must be a power of two of at most the data-parallel size {dp}, "
                       f"got {cap}")
         if cap > head_limit:
             _conflict(f"--flexsp-max-sp-size {cap}: Ulysses splits the attention heads over the group, and "
                       f"{heads} heads / {kv or heads} KV heads per TP rank (TP {tp}) only divide by up to "
                       f"{head_limit}")
-    if static is not None and (not _is_power_of_two(static) or static > min(cap or dp, head_limit, dp)):
+    if static is not None and (not is_power_of_two(static) or static > min(cap or dp, head_limit, dp)):
         _conflict(f"--flexsp-static-degree must be a power of two of at most {min(cap or dp, head_limit, dp)}, "
                   f"got {static}")
 
@@ -528,7 +528,7 @@ def _check_elastic(args, world: int, tp: int, pp: int, dp: int, head_limit: int)
     sp = _get(args, "elastic_pp_sp", None)
     if sp is None:
         sp = dp
-        if not _is_power_of_two(dp) or dp > head_limit:
+        if not is_power_of_two(dp) or dp > head_limit:
             _conflict(f"--elastic-pp makes each stage's {dp} data-parallel ranks (world {world} / PP {pp}) one "
                       f"Ulysses group, which must be a power of two dividing the {heads} attention heads and the KV "
                       f"heads (up to {head_limit} here); change --pipeline-model-parallel-size or the number of "
@@ -538,7 +538,7 @@ def _check_elastic(args, world: int, tp: int, pp: int, dp: int, head_limit: int)
     elif sp < 1 or dp % sp:
         _conflict(f"--elastic-pp-sp {sp} must divide a stage's {dp} data-parallel ranks (world {world} / PP {pp}): "
                   f"they split into data-parallel size / D pipeline replicas of SP D")
-    elif not _is_power_of_two(sp) or sp > head_limit:
+    elif not is_power_of_two(sp) or sp > head_limit:
         _conflict(f"--elastic-pp-sp {sp} is not an allowed Ulysses degree: a power of two dividing the {heads} "
                   f"attention heads and the KV heads (up to {head_limit} here)")
     replicas = dp if sp == "auto" else dp // sp

@@ -203,7 +203,7 @@ def make_loader(documents, cost, args, *, num_steps: int | None, start_step: int
         planner, fallback = ("auto" if auto else "elastic_pp"), "batch_1f1b"
     elif args.flexsp_planner == "auto":
         # FlexSP or one-stage pipeline replicas (which slice what no group holds), per step
-        from megatron_ext.planner.pipeline_api import max_seq_len
+        from megatron_ext.planner.api import max_seq_len
 
         options = PlannerOptions(time_limit=limit, drop_over_max=True, pp=1,
                                  recompute="ilp" if args.adaptive_recompute else "auto")

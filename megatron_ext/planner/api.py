@@ -1,14 +1,21 @@
-"""One entry point for every planner: lengths in, validated StepPlan out.
+"""Every planner by name, and the one entry point to them: lengths in, validated StepPlan out.
 
-A planner function takes the kept lengths (over-long ones already dropped or refused), the cost
-model and the options, and returns its micro-batches as lists of ``(degree, seq_ids)`` groups plus a
-status word. ``make_plan`` owns what all planners share: input checks, dropping, timing, placing
-groups on aligned rank blocks, cost estimates, validation and baseline comparisons.
+``PLANNERS`` maps each name to its ``Planner``: its kind, its planning function and a line of help
+(what the command lines print). Kinds:
+
+- ``"sp"``: FlexSP and its baselines (planner/sp/): micro-batches of sequence-parallel groups. The
+  planning function returns ``(degree, seq_ids)`` groups per micro-batch (``sp.step.plan_sp``
+  makes the plan).
+- ``"pp"``: elastic pipelines and their baselines (planner/pp/): chunks through pipeline stages;
+  the function returns the plan, simulated.
+- ``"auto"``: per step, whichever of the two runs the batch fastest (planner/auto.py).
+
+``make_plan`` owns what all planners share: input checks, dropping (or refusing) sequences over
+the longest a planner can run (``max_seq_len``), and the comparison with baselines on the same
+sequences.
 """
 from __future__ import annotations
 
-import dataclasses
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,107 +23,190 @@ import numpy as np
 
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError, LengthsError, MegatronExtError
-from megatron_ext.plan import MicroBatchPlan, SPGroup, StepPlan, fill_estimates, validate
-from megatron_ext.planner.placement import place_groups
+from megatron_ext.plan import StepPlan
+from megatron_ext.planner.auto import pipeline_layouts, plan_auto, plan_units
+from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
+from megatron_ext.planner.pp.pipeline import pipeline_cost, pipeline_options, resolve_layout
+from megatron_ext.planner.pp.pipeline_baselines import plan_batch_1f1b, plan_seq1f1b
+from megatron_ext.planner.pp.sequence_limits import longest_sequence
+from megatron_ext.planner.sp.baselines import batchada, megatron_balanced_cp, static_ulysses
+from megatron_ext.planner.sp.flexsp import plan_flexsp
+from megatron_ext.planner.sp.step import plan_sp
+from megatron_ext.sim.simulator import simulate
 
-Groups = list[tuple[int, list[int]]]  # (degree, seq_ids) per group of one micro-batch
+KINDS = ("sp", "pp", "auto")
+PIPELINE_KINDS = ("pp", "auto")  # kinds whose plans may be pipelines (auto's, on the steps they are faster)
 
 
 @dataclass(frozen=True)
-class PlannerOptions:
-    time_limit: float = 1.0  # seconds the solver may spend on a step
-    static_degree: int | None = None  # static_ulysses: the fixed degree (default: the largest)
-    drop_over_max: bool = False  # drop (and report) sequences no group can hold, instead of failing
-    max_seq_len: int | None = None  # longest sequence to plan (default and cap: the longest a group can hold)
-    num_buckets: int = 16  # sequence-blaster buckets per micro-batch
-    extra_microbatches: int = 4  # try M_min .. M_min + this many micro-batches
-    search_budget: int = 48  # part solves the flexsp cut search may make: bounds work deterministically
-    pp: int | None = None  # pipeline planners: stages (default: one per node)
-    sp: int | None = None  # pipeline planners: Ulysses degree inside a stage (default: GPUs / pp)
-    recompute: str = "ilp"  # elastic_pp: per-chunk recompute "ilp" | "greedy", or "auto" (none if it fits, else full)
+class Planner:
+    """A planner: its kind and planning function, ``fn(lengths, cost, PlannerOptions) -> (groups
+    per micro-batch, status)`` for kind "sp" (``sp.step.SPPlanFn``), ``fn(lengths, cost,
+    options=, seq_ids=, **PipelineOptions overrides) -> StepPlan`` for kinds "pp" and "auto";
+    ``plan`` calls either the same way."""
+
+    name: str
+    kind: str  # one of KINDS
+    fn: Callable
+    help: str  # one line, for the command lines
+
+    def plan(self, lengths: np.ndarray, cost: CostModel, options=None, *, seq_ids=None, **overrides) -> StepPlan:
+        """Plan the sequences ``seq_ids`` of the batch (default: all; the others are reported as
+        dropped). ``options``: a PlannerOptions or PipelineOptions; ``overrides``: PipelineOptions
+        fields, for the pipeline planners (FlexSP-kind planners have none of them)."""
+        if self.kind == "sp":
+            return plan_sp(self.name, self.fn, lengths, cost, options, seq_ids=seq_ids)
+        return self.fn(lengths, cost, options=options, seq_ids=seq_ids, **overrides)
 
 
-PlannerFn = Callable[[np.ndarray, CostModel, PlannerOptions], tuple[list[Groups], str]]
-PLANNERS: dict[str, PlannerFn] = {}
-BASELINES = ("static_ulysses", "batchada", "megatron_balanced_cp")
+PLANNERS: dict[str, Planner] = {p.name: p for p in (
+    Planner("static_ulysses", "sp", static_ulysses,
+            "DeepSpeed-Ulysses, one SP degree for every group: --static-degree, default the largest"),
+    Planner("batchada", "sp", batchada, "BatchAda, the best single SP degree for each batch"),
+    Planner("megatron_balanced_cp", "sp", megatron_balanced_cp,
+            "megatron-core's BalancedCPScheduler, dynamic context parallelism"),
+    Planner("flexsp", "sp", plan_flexsp, "FlexSP, SP groups of mixed degrees in each micro-batch, solved with HiGHS"),
+    Planner("elastic_pp", "pp", plan_elastic_pp,
+            "InfiniPipe's elastic pipelines: workload-balanced chunks, per-chunk recompute"),
+    Planner("batch_1f1b", "pp", plan_batch_1f1b, "Megatron-style 1F1B pipeline over packed micro-batches"),
+    Planner("seq1f1b", "pp", plan_seq1f1b, "Seq1F1B, packed micro-batches cut into equal-compute slices"),
+    Planner("auto", "auto", plan_auto, "per step, the fastest of FlexSP and elastic pipelines on every layout"),
+)}
+BASELINES = ("static_ulysses", "batchada", "megatron_balanced_cp")  # what FlexSP-kind plans are compared with
+PP_BASELINES = ("flexsp", "static_ulysses", "seq1f1b", "batch_1f1b")  # what pipeline plans are compared with
 
 
-def register(name: str) -> Callable[[PlannerFn], PlannerFn]:
-    def deco(fn: PlannerFn) -> PlannerFn:
-        PLANNERS[name] = fn
-        return fn
-    return deco
+def planner_names(*kinds: str) -> tuple[str, ...]:
+    """The planners of the given kinds (all without), in ``PLANNERS`` order."""
+    return tuple(n for n, p in PLANNERS.items() if not kinds or p.kind in kinds)
 
 
-def make_plan(name: str, lengths, cost: CostModel, options: PlannerOptions = PlannerOptions(),
-              baselines: tuple[str, ...] = ()) -> StepPlan:
-    """Plan one step with planner ``name``; time each named baseline on the same batch."""
-    from megatron_ext.planner.pipeline_api import PP_PLANNERS, make_pp_plan  # lazy: it imports this module
+def planners_help(*kinds: str) -> str:
+    """Each planner of the given kinds (all without) with its line of help, for a command line."""
+    return ", ".join(f"{n} ({PLANNERS[n].help})" for n in planner_names(*kinds))
 
-    if name in PP_PLANNERS:  # elastic pipelines: their own chunking, schedule and simulator timing
-        return make_pp_plan(name, lengths, cost, options, baselines)
-    if name not in PLANNERS:
-        raise ConfigError(f"unknown planner {name!r}; choose one of {', '.join([*PLANNERS, *PP_PLANNERS])}")
+
+def get_planner(name: str, kinds: tuple[str, ...] = KINDS) -> Planner:
+    """The planner ``name`` among those of ``kinds``; an error naming the choices otherwise."""
+    if name not in PLANNERS or PLANNERS[name].kind not in kinds:
+        what = "planner" if "sp" in kinds else "pipeline planner"
+        raise ConfigError(f"unknown {what} {name!r}; choose one of {', '.join(planner_names(*kinds))}")
+    return PLANNERS[name]
+
+
+def max_seq_len(name: str, cost: CostModel, options=None) -> int:
+    """The longest sequence planner ``name`` can run: FlexSP-kind planners, the longest an SP group
+    can hold; pipeline planners, the longest their layout holds alone at the finest slicing
+    (``pp.sequence_limits.longest_sequence``); ``auto``, the longest either kind can run on any
+    layout."""
+    kind = PLANNERS[name].kind if name in PLANNERS else "sp"
+    if kind == "sp":
+        return cost.max_seq_len
+    opts = pipeline_options(options, {})
+    layouts = (pipeline_layouts(cost, opts.pp, opts.sp, opts.memory_mb) if kind == "auto"
+               else [resolve_layout(cost, opts.pp, opts.sp)])
+    limits, err = [], None
+    for pp, sp in layouts:
+        try:
+            limits.append(longest_sequence(pipeline_cost(cost, pp, sp, opts), opts.granularity))
+        except MegatronExtError as e:
+            err = e
+    if kind == "auto" and (opts.pp is None or opts.pp == 1):
+        try:
+            limits.append(cost.max_seq_len)
+        except MegatronExtError as e:
+            err = err or e
+    if not limits:
+        if err is None:  # auto with a pinned layout that does not exist: say why
+            pipeline_cost(cost, opts.pp, opts.sp, opts)
+        raise err or ConfigError(f"{name}: no pipeline layout fits {cost.model.name} on {cost.cluster.name}")
+    return max(limits)
+
+
+def make_plan(name: str, lengths, cost: CostModel, options=None, baselines: tuple[str, ...] = (), *,
+              kinds: tuple[str, ...] = KINDS, **overrides) -> StepPlan:
+    """Plan one step with planner ``name`` (one of ``kinds``); time each named baseline on the
+    same sequences. ``options``: a PlannerOptions (default) or PipelineOptions; its
+    ``max_seq_len`` (default: the longest the planner can run) bounds the sequences planned, and
+    ``drop_over_max`` drops longer ones instead of refusing the batch. ``overrides``:
+    PipelineOptions fields for the pipeline planners."""
+    planner = get_planner(name, kinds)
     lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.size == 0:
         raise LengthsError("the batch is empty: nothing to plan")
     if (lengths < 1).any():
         raise LengthsError(f"sequence {int(np.flatnonzero(lengths < 1)[0])} has a non-positive length")
-    limit = cost.max_seq_len if options.max_seq_len is None else min(options.max_seq_len, cost.max_seq_len)
-    too_long = lengths > limit
-    if too_long.any() and not options.drop_over_max:
-        cost.check_lengths(lengths)  # raises with the reason
-        raise LengthsError(f"{int(too_long.sum())} sequence(s) exceed the maximum length {limit} "
-                           f"(longest {int(lengths.max())}); use --drop-over-max to drop them")
-    kept = np.flatnonzero(~too_long)
-    if kept.size == 0:
-        raise LengthsError(f"every sequence is over the {limit}-token limit: nothing left to plan")
-
-    start = time.perf_counter()
-    micro_batches, status = PLANNERS[name](lengths[kept], cost, options)
-    solve_time = time.perf_counter() - start
-
-    mbs = []
-    for groups in micro_batches:
-        ranks = place_groups([d for d, _ in groups], cost.num_gpus)
-        mbs.append(MicroBatchPlan([SPGroup(r, sorted(int(kept[i]) for i in ids))
-                                   for r, (_, ids) in sorted(zip(ranks, groups), key=lambda x: x[0][0])]))
-    plan = StepPlan(kind="flexsp", num_gpus=cost.num_gpus, planner=name, micro_batches=mbs,
-                    solve_time_s=solve_time, solver_status=status,
-                    dropped_seq_ids=[int(i) for i in np.flatnonzero(too_long)])
-    validate(fill_estimates(plan, lengths, cost), lengths, cost)
-    for b in baselines:
-        if b == name:
-            continue
-        try:
-            other = make_plan(b, lengths, cost, options)
-        except MegatronExtError as e:  # e.g. a --static-degree too small for the batch: the row says why
-            plan.baselines[b] = {"error": str(e)}
-            continue
-        plan.baselines[b] = {
-            "estimated_step_time_s": other.estimated_step_time_s,
-            "solve_time_s": other.solve_time_s,
-            "num_micro_batches": len(other.micro_batches),
-            "speedup": other.estimated_step_time_s / plan.estimated_step_time_s,
-        }
+    ids = _kept(planner, lengths, cost, options, overrides)
+    plan = planner.plan(lengths, cost, options, seq_ids=ids, **overrides)
+    if baselines:
+        _compare(plan, planner, baselines, lengths, ids, cost, options, overrides)
     return plan
 
 
-def plan_flexsp_kind(name: str, lengths: np.ndarray, ids: np.ndarray, cost: CostModel, options) -> StepPlan:
-    """``make_plan`` of a FlexSP-kind planner (flexsp, static_ulysses, ...) on the sequences ``ids``
-    of the batch (already kept by the caller), with seq ids mapped back to the batch; ``options``
-    may be any options object (its PlannerOptions fields are used)."""
-    fields = {f.name for f in dataclasses.fields(PlannerOptions)}
-    kw = {k: getattr(options, k) for k in fields if options is not None and hasattr(options, k)}
-    kw["drop_over_max"] = False
-    kw["max_seq_len"] = None
-    sub = make_plan(name, lengths[ids], cost, PlannerOptions(**kw))
-    for mb in sub.micro_batches:
-        for g in mb.groups:
-            g.seq_ids = [int(ids[i]) for i in g.seq_ids]
-    sub.dropped_seq_ids = [int(i) for i in np.setdiff1d(np.arange(len(lengths)), ids)]
-    return sub
+def _kept(planner: Planner, lengths: np.ndarray, cost: CostModel, options, overrides) -> np.ndarray:
+    """The ids of the sequences to plan: all of them, or (``drop_over_max``) those within the
+    limit; a batch with longer ones is refused otherwise."""
+    drop = getattr(options, "drop_over_max", False)
+    given = getattr(options, "max_seq_len", None)
+    if planner.kind == "sp":  # (what a group can hold caps the limit given)
+        limit = cost.max_seq_len if given is None else min(given, cost.max_seq_len)
+        too_long = lengths > limit
+        if too_long.any() and not drop:
+            cost.check_lengths(lengths)  # raises with the reason
+            raise LengthsError(f"{int(too_long.sum())} sequence(s) exceed the maximum length {limit} "
+                               f"(longest {int(lengths.max())}); use --drop-over-max to drop them")
+        if too_long.all():
+            raise LengthsError(f"every sequence is over the {limit}-token limit: nothing left to plan")
+        return np.flatnonzero(~too_long)
+    limit = given if given is not None else max_seq_len(planner.name, cost, pipeline_options(options, overrides))
+    over = lengths > limit
+    if not over.any():
+        return np.arange(len(lengths))
+    what = "the maximum length" if given is not None else f"the longest {planner.name} can run,"
+    if not drop:
+        raise LengthsError(f"{int(over.sum())} sequence(s) exceed {what} {limit} tokens "
+                           f"(longest {int(lengths.max())}); use --drop-over-max to drop them")
+    if over.all():
+        raise LengthsError(f"every sequence exceeds {what} {limit} tokens: nothing left to plan")
+    return np.flatnonzero(~over)
 
 
-# Importing the planner modules fills PLANNERS.
-from megatron_ext.planner import baselines as _baselines, flexsp as _flexsp  # noqa: E402,F401
+def _compare(plan: StepPlan, planner: Planner, baselines, lengths: np.ndarray, ids: np.ndarray, cost: CostModel,
+             options, overrides) -> None:
+    """Each baseline (a planner of any kind) on the sequences ``ids`` into ``plan.baselines``:
+    its step time (a FlexSP-kind plan's cost-model estimate; a pipeline or auto plan's, the
+    simulator's, the baselines' too), planning time, size and speedup; or why it cannot run."""
+    pipelined = planner.kind != "sp"
+    b1_scale = pipeline_options(options, overrides).b1_scale if pipelined else None
+    ran = "flexsp" if planner.kind == "auto" and plan.kind == "flexsp" else planner.name  # what the plan is
+    for b in baselines:
+        if b in (planner.name, ran) or b in plan.baselines:  # (auto reports the alternatives it compared itself)
+            continue
+        try:
+            other = get_planner(b).plan(lengths, cost, options, seq_ids=ids, **overrides)
+            step = (simulate(other, lengths, cost, b1_scale=b1_scale, events=False).step_time_s if pipelined
+                    else other.estimated_step_time_s)
+        except (MegatronExtError, ImportError) as e:  # a baseline that cannot run this batch
+            plan.baselines[b] = {"error": _baseline_error(b, e, lengths[ids], cost, options)}
+            continue
+        plan.baselines[b] = {"estimated_step_time_s": step, "solve_time_s": other.solve_time_s, **plan_units(other),
+                             "speedup": step / plan.estimated_step_time_s}
+        if pipelined:
+            plan.baselines[b]["status"] = other.solver_status
+
+
+def _baseline_error(name: str, err: Exception, lengths: np.ndarray, cost: CostModel, options) -> str:
+    """Why a baseline could not run the batch; when it is the batch's length, the limit that
+    would make the comparison (the batch reaches the pipeline's limit, longer than others run)."""
+    try:
+        limit = max_seq_len(name, cost, options)
+    except MegatronExtError:
+        return str(err)
+    if int(lengths.max()) <= limit:
+        return str(err)
+    return (f"it runs sequences of up to {limit:,} tokens, this batch's longest has {int(lengths.max()):,} "
+            f"(to compare on a batch both can run, pass --max-seq-len {limit})")
+
+
+__all__ = ["BASELINES", "KINDS", "PIPELINE_KINDS", "PLANNERS", "PP_BASELINES", "Planner",
+           "get_planner", "make_plan", "max_seq_len", "planner_names", "planners_help"]

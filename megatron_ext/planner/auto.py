@@ -12,10 +12,13 @@ from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import FWD_FRACTION, PipelineCost
 from megatron_ext.errors import ConfigError, InfeasibleError, MegatronExtError
 from megatron_ext.plan.schema import StepPlan
-from megatron_ext.planner.api import PlannerOptions, plan_flexsp_kind
-from megatron_ext.planner.elastic_pp import plan_elastic_pp
-from megatron_ext.planner.pipeline import PipelineOptions, kept_sequences, pipeline_cost, pipeline_options
-from megatron_ext.planner.sequence_limits import longest_sequence
+from megatron_ext.planner.options import PlannerOptions
+from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
+from megatron_ext.planner.pp.pipeline import PipelineOptions, kept_sequences, pipeline_cost, pipeline_options
+from megatron_ext.planner.pp.sequence_limits import longest_sequence
+from megatron_ext.planner.sp.baselines import batchada
+from megatron_ext.planner.sp.flexsp import plan_flexsp
+from megatron_ext.planner.sp.step import plan_sp
 
 AUTO_FLEXSP_SHARE = 0.45  # of the time limit, kept for FlexSP (planned after the layouts, in all the time left)
 AUTO_PRUNE_MARGIN = 0.85  # a layout is skipped if this x its estimate is no faster than a known step
@@ -139,7 +142,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     flex_cost = cost if opts.memory_mb is None else cost.with_memory(opts.memory_mb)  # one budget for all
     if with_flexsp:
         try:
-            ub = plan_flexsp_kind("batchada", lengths, ids, flex_cost, PlannerOptions()).estimated_step_time_s
+            ub = plan_sp("batchada", batchada, lengths, flex_cost, PlannerOptions(), seq_ids=ids).estimated_step_time_s
         except MegatronExtError:
             pass
     # (no BatchAda plan: no FlexSP plan either, so its share goes to the layouts)
@@ -170,8 +173,9 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         t0 = time.perf_counter()
         try:
             left = budget * (1 - AUTO_RESERVE) - (t0 - start)
-            record("flexsp", plan_flexsp_kind("flexsp", lengths, ids, flex_cost, PlannerOptions(time_limit=max(0.05, left))),
-                   t0)
+            flexsp = plan_sp("flexsp", plan_flexsp, lengths, flex_cost, PlannerOptions(time_limit=max(0.05, left)),
+                             seq_ids=ids)
+            record("flexsp", flexsp, t0)
         except MegatronExtError as e:
             alts["flexsp"] = {"error": str(e)}
     if not plans:

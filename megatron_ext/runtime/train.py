@@ -25,7 +25,8 @@ from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.data.datasets import DataError
 from megatron_ext.errors import ConfigError, MegatronExtError
-from megatron_ext.planner import PLANNERS, PlannerOptions
+from megatron_ext.planner import PlannerOptions
+from megatron_ext.planner.api import PIPELINE_KINDS, get_planner, max_seq_len, planner_names, planners_help
 from megatron_ext.runtime.backends import ATTENTION_BACKENDS
 from megatron_ext.runtime.checkpoint import check_checkpoint_args
 from megatron_ext.runtime.device import DEVICE_CHOICES, init_rank_process_group, rank_device
@@ -39,7 +40,7 @@ from megatron_ext.text import plural
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-ext train", description=__doc__.splitlines()[0])
     p.add_argument("--planner", default="flexsp",
-                   help=f"one of: {', '.join(PLANNERS)}; with --pp: elastic_pp, seq1f1b, batch_1f1b; auto: per "
+                   help=f"one of: {planners_help('sp')}; with --pp: {planners_help('pp')}; auto: per "
                    f"step, the fastest of FlexSP (at --pp 1) and the pipelines of --pp stages")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (Ulysses degree inside a stage: --sp)")
     p.add_argument("--sp", type=int, help="with --pp: Ulysses degree inside a stage (default: ranks / pp; auto: "
@@ -123,12 +124,11 @@ def stage_sp(args, cost: CostModel) -> int | None:
     """The Ulysses degree of the run's pipeline stages: ``--sp``, else ranks / pp (or, over the
     head limit, the largest allowed degree dividing it; the rest run as replicas). None without
     pipelines, and for auto without ``--sp`` (chosen per step)."""
-    from megatron_ext.planner.pipeline import resolve_layout
-    from megatron_ext.planner.pipeline_api import PP_PLANNERS
+    from megatron_ext.planner.pp.pipeline import resolve_layout
 
     if args.planner == "auto":
         return args.sp
-    if args.planner not in PP_PLANNERS:
+    if args.planner not in planner_names(*PIPELINE_KINDS):
         return None
     return resolve_layout(cost, args.pp, args.sp)[1]
 
@@ -200,18 +200,14 @@ def check_args(args, cost: CostModel, world: int) -> bool:
     """Refuse what cannot run, before anything starts (the launcher calls it too). Returns
     whether the planner plans pipelines (``auto`` included: its steps are FlexSP or pipelines of
     the run's stages, whichever is faster, as the model's stages are fixed for the run)."""
-    from megatron_ext.planner.pipeline_api import PP_PLANNERS, max_seq_len
-
     if cost.num_gpus != world:
         raise ConfigError(f"cluster {cost.cluster.name} has {cost.num_gpus} GPUs but {world} ranks were launched")
     if not (np.isfinite(args.lr) and args.lr >= 0):
         raise ConfigError(f"--lr must be a finite number, 0 or more, got {args.lr}")
     if not (np.isfinite(args.time_limit) and args.time_limit > 0):
         raise ConfigError(f"--time-limit must be positive (seconds), got {args.time_limit}")
-    pipelined = args.planner in PP_PLANNERS
-    runnable = ", ".join(PP_PLANNERS)
-    if args.planner not in PLANNERS and not pipelined:
-        raise ConfigError(f"unknown planner {args.planner!r}; choose one of {', '.join([*PLANNERS, *PP_PLANNERS])}")
+    pipelined = get_planner(args.planner).kind in PIPELINE_KINDS
+    runnable = ", ".join(planner_names(*PIPELINE_KINDS))
     if args.pp > 1 and not pipelined:
         raise ConfigError(f"--pp {args.pp} needs a pipeline planner ({runnable}), not {args.planner}")
     if args.pp < 1 or world % args.pp or cost.model.num_layers % args.pp:

@@ -60,6 +60,8 @@ def add_batch_source_args(p, default_dist: str) -> None:
 
 def add_pipeline_args(p) -> None:
     """``--memory-mb`` and ``--plot`` (every planner), and the pipeline planners' options."""
+    from megatron_ext.planner.api import PIPELINE_KINDS, planner_names
+
     g = p.add_argument_group("memory and pictures (every planner)")
     g.add_argument("--memory-mb", type=float, metavar="MB",
                    help="usable memory per GPU, for every planner and the simulator (default: the cluster's)")
@@ -69,7 +71,7 @@ def add_pipeline_args(p) -> None:
     g.add_argument("--trace", metavar="FILE.json",
                    help="the simulated timeline as a Chrome trace (open it in ui.perfetto.dev): a track per GPU or "
                         "stage, a slice per SP group, chunk, recompute and p2p transfer, memory counters")
-    g = p.add_argument_group("elastic pipelines (elastic_pp, seq1f1b, batch_1f1b, auto)")
+    g = p.add_argument_group(f"elastic pipelines ({', '.join(planner_names(*PIPELINE_KINDS))})")
     g.add_argument("--pp", type=positive_int,
                    help="pipeline stages (default: one per node; on one node, the fewest that fit)")
     g.add_argument("--sp", type=positive_int,
@@ -102,12 +104,14 @@ def check_args(args, pipelines: bool) -> None:
         raise ConfigError(f"--trace {trace}: the file name must end in .json (Chrome trace-event JSON)")
     given = [flag for name, flag in PIPELINE_ONLY.items() if getattr(args, name, None) is not None]
     if given and not pipelines:
+        from megatron_ext.planner.api import PIPELINE_KINDS, planner_names
+
         raise ConfigError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to pipeline planners "
-                          f"(elastic_pp, seq1f1b, batch_1f1b, auto), not to {getattr(args, 'planner', None) or getattr(args, 'planners', '')}")
+                          f"({', '.join(planner_names(*PIPELINE_KINDS))}), not to {getattr(args, 'planner', None) or getattr(args, 'planners', '')}")
 
 
 def pipeline_options_from_args(args):
-    from megatron_ext.planner.pipeline import PipelineOptions
+    from megatron_ext.planner.pp.pipeline import PipelineOptions
 
     t = getattr(args, "time_limit", 1.0)
     if not (math.isfinite(t) and t > 0):
@@ -118,10 +122,9 @@ def pipeline_options_from_args(args):
 
 
 def run_pp_plan(args, cost, lengths) -> int:
-    """Hook for cli.cmd_plan: ``if args.planner in PP_PLANNERS: return run_pp_plan(args, cost, lengths)``."""
-    from megatron_ext.planner.api import PlannerOptions
-    from megatron_ext.planner.pipeline import PP_BASELINES
-    from megatron_ext.planner.pipeline_api import make_pp_plan
+    """Hook for cli.cmd_plan: ``plan`` with a pipeline planner (kind "pp" or "auto")."""
+    from megatron_ext.planner.api import PIPELINE_KINDS, PP_BASELINES, make_plan
+    from megatron_ext.planner.options import PlannerOptions
     from megatron_ext.sim import simulate
 
     opts = pipeline_options_from_args(args)
@@ -129,8 +132,8 @@ def run_pp_plan(args, cost, lengths) -> int:
                           drop_over_max=getattr(args, "drop_over_max", False),
                           max_seq_len=getattr(args, "max_seq_len", None))
     overrides = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
-    plan = make_pp_plan(args.planner, lengths, cost, drop,
-                        baselines=() if getattr(args, "no_baselines", False) else PP_BASELINES, **overrides)
+    plan = make_plan(args.planner, lengths, cost, drop, baselines=() if getattr(args, "no_baselines", False)
+                     else PP_BASELINES, kinds=PIPELINE_KINDS, **overrides)
     if getattr(args, "json", False):
         print(plan.to_json(indent=1))
     else:
@@ -333,7 +336,7 @@ def add_simulate_command(sub, add_cost_args, cost_from_args, parse_tokens) -> No
     add_pipeline_args(p)
 
     def cmd_simulate(args) -> int:
-        from megatron_ext.planner.pipeline_api import PP_PLANNERS
+        from megatron_ext.planner.api import PIPELINE_KINDS, planner_names
         from megatron_ext.sim.table import simulate_table
 
         if args.batch < 1 or args.steps < 1:
@@ -342,7 +345,7 @@ def add_simulate_command(sub, add_cost_args, cost_from_args, parse_tokens) -> No
             raise ConfigError("--drop-over-max applies to --lengths: --dist samples and --data cuts its documents "
                               "within --max-seq-len")
         planners = DEFAULT_PLANNERS if args.planners == "all" else tuple(x.strip() for x in args.planners.split(","))
-        check_args(args, pipelines=any(x in PP_PLANNERS for x in planners))
+        check_args(args, pipelines=any(x in planner_names(*PIPELINE_KINDS) for x in planners))
         cost = cost_from_args(args)
         opts = pipeline_options_from_args(args)
         lengths = None
@@ -382,7 +385,7 @@ def _limited(lengths: np.ndarray, args, cost, planners, opts) -> np.ndarray:
     longer sequences dropped with ``--drop-over-max`` (a note on stderr says how many)."""
     import sys
 
-    from megatron_ext.planner.pipeline_api import max_seq_len
+    from megatron_ext.planner.api import max_seq_len
 
     limit = args.max_seq_len or min(max_seq_len(name, cost, opts) for name in planners)
     over = lengths > limit

@@ -24,14 +24,15 @@ DEFAULT_PLANNERS = ("elastic_pp", "flexsp", "seq1f1b", "batch_1f1b", "static_uly
 
 
 def _plan(name: str, lengths: np.ndarray, cost: CostModel, pp, sp, options, time_limit: float):
-    from megatron_ext.planner.api import PlannerOptions, plan_flexsp_kind
-    from megatron_ext.planner.pipeline_api import PP_PLANNERS
+    from megatron_ext.planner.api import get_planner
+    from megatron_ext.planner.options import PlannerOptions
 
-    if name == "auto":  # every layout, unless the options pin one
-        return PP_PLANNERS[name](lengths, cost, options=options)
-    if name in PP_PLANNERS:
-        return PP_PLANNERS[name](lengths, cost, pp, sp, options)
-    return plan_flexsp_kind(name, lengths, np.arange(len(lengths)), cost, PlannerOptions(time_limit=time_limit))
+    planner = get_planner(name)
+    if planner.kind == "auto":  # every layout, unless the options pin one
+        return planner.plan(lengths, cost, options)
+    if planner.kind == "pp":
+        return planner.plan(lengths, cost, options, pp=pp, sp=sp)
+    return planner.plan(lengths, cost, PlannerOptions(time_limit=time_limit))
 
 
 def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", cluster: str = "a800-80g-8x4",
@@ -50,9 +51,8 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
     planner can run) caps the sampled lengths and sets the baselines' pack size (Megatron packs to
     the context length). A bad setup (unknown planner, a layout that cannot run) raises before
     any planning; a step a planner cannot run is a row with its error."""
-    from megatron_ext.planner.api import PLANNERS
-    from megatron_ext.planner.pipeline import PipelineOptions, pipeline_cost, resolve_layout
-    from megatron_ext.planner.pipeline_api import PP_PLANNERS, max_seq_len as planner_max_seq_len
+    from megatron_ext.planner.api import PIPELINE_KINDS, PLANNERS, planner_names, max_seq_len as planner_max_seq_len
+    from megatron_ext.planner.pp.pipeline import PipelineOptions, pipeline_cost, resolve_layout
 
     cost = cost or CostModel.from_presets(model, cluster)
     opts = options or PipelineOptions()
@@ -62,18 +62,19 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
     if max_seq_len is not None and opts.pack_tokens is None:
         opts = dataclasses.replace(opts, pack_tokens=int(max_seq_len))
     planners = tuple(dict.fromkeys(x for x in planners if x))
-    unknown = [x for x in planners if x not in PLANNERS and x not in PP_PLANNERS]
+    unknown = [x for x in planners if x not in PLANNERS]
     if not planners or unknown:
         raise ConfigError(f"unknown planner(s) {', '.join(map(repr, unknown)) or '(none given)'}; choose from "
-                          f"{', '.join([*PLANNERS, *PP_PLANNERS])}")
+                          f"{', '.join(PLANNERS)}")
     main = main or planners[0]
     if main not in planners:
         raise ConfigError(f"the main planner {main!r} is not among the planners ({', '.join(planners)})")
     pp, sp = pp if pp is not None else opts.pp, sp if sp is not None else opts.sp
     opts = dataclasses.replace(opts, pp=pp, sp=sp)
-    if any(x in PP_PLANNERS and (x != "auto" or pp is not None or sp is not None) for x in planners):
+    pipelined = [x for x in planners if x in planner_names(*PIPELINE_KINDS)]
+    if any(x != "auto" or pp is not None or sp is not None for x in pipelined):
         pipeline_cost(cost, pp, sp, opts)  # raises if the layout cannot run
-    if any(x in PLANNERS for x in planners):
+    if any(x in planner_names("sp") for x in planners):
         cost.tokens_per_gpu  # raises if the model states leave FlexSP no room
     pp, sp = resolve_layout(cost, pp, sp)
     if lengths is not None:

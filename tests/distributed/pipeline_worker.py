@@ -27,7 +27,7 @@ HEADS, KV_HEADS, HIDDEN, FFN = 8, 4, 32, 64
 
 
 def preload():
-    preload_megatron("megatron.core.distributed", "megatron_ext.planner.elastic_pp", "megatron_ext.runtime.pipeline",
+    preload_megatron("megatron.core.distributed", "megatron_ext.planner.pp.elastic_pp", "megatron_ext.runtime.pipeline",
                      "megatron_ext.runtime.slices")
 
 
@@ -515,7 +515,7 @@ def _cost(memory_mb):
 
 
 def _planner_plan(lengths, pp, sp, memory_gb, seed=0):
-    from megatron_ext.planner.elastic_pp import plan_elastic_pp
+    from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
 
     box = [plan_elastic_pp(lengths, _cost(memory_gb), pp=pp, sp=sp, granularity=8, min_slice_tokens=16,
                            time_limit=2.0) if dist.get_rank() == 0 else None]

@@ -104,7 +104,7 @@ def _random_valid_orders(chunks, stages, rng):
 
 @pytest.mark.parametrize("pp,sp,memory", [(2, 4, 4.0), (2, 4, 0.25), (4, 2, 0.4), (8, 1, 0.3), (8, 1, 4.0)])
 def test_planner_plans_give_deadlock_free_programs(pp, sp, memory):
-    from megatron_ext.planner.elastic_pp import plan_elastic_pp
+    from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
 
     rng = np.random.default_rng(pp * 10 + sp)
     lengths = np.concatenate([rng.integers(3, 30, 8), rng.integers(100, 200, 2)])

@@ -264,7 +264,7 @@ def test_check_args_takes_auto_at_any_stage_count():
     from megatron_ext.cost import CostModel
     from megatron_ext.errors import ConfigError
     from megatron_ext.planner import PlannerOptions
-    from megatron_ext.planner.pipeline_api import max_seq_len
+    from megatron_ext.planner.api import max_seq_len
     from megatron_ext.runtime.train import build_parser, check_args
 
     cost = CostModel.from_presets("tiny", "cpu-4")

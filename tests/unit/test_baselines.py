@@ -15,8 +15,8 @@ from megatron_ext.cost import CostModel
 from megatron_ext.data.lengths import sample_lengths
 from megatron_ext.errors import ConfigError, InfeasibleError
 from megatron_ext.plan import validate
-from megatron_ext.planner.api import PlannerOptions, make_plan
-from megatron_ext.planner.baselines import adapt_megatron_schedule, step_time_ms
+from megatron_ext.planner import PlannerOptions, make_plan
+from megatron_ext.planner.sp.baselines import adapt_megatron_schedule, step_time_ms
 
 COSTS = {
     "gpt-7b": CostModel.from_presets("gpt-7b", "a100-40g-8x8"),

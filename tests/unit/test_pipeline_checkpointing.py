@@ -13,9 +13,9 @@ from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import InfeasibleError
 from megatron_ext.plan import StepPlan
-from megatron_ext.planner.checkpointing import greedy_recompute, solve_recompute
-from megatron_ext.planner.chunking import balanced_chunks
-from megatron_ext.planner.pipeline import _checkpoints, build_pipeline
+from megatron_ext.planner.pp.checkpointing import greedy_recompute, solve_recompute
+from megatron_ext.planner.pp.chunking import balanced_chunks
+from megatron_ext.planner.pp.pipeline import _checkpoints, build_pipeline
 from megatron_ext.sim import simulate
 from megatron_ext.sim.engine import backward_order, checkpoint_memory
 

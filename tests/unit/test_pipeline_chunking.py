@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
-from megatron_ext.planner.chunking import balanced_chunks, check_chunking, chunk_time, ramp_chunks, slice_mesh
+from megatron_ext.planner.pp.chunking import balanced_chunks, check_chunking, chunk_time, ramp_chunks, slice_mesh
 
 COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
 PC = PipelineCost(COST, 4, 8)

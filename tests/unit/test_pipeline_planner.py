@@ -12,13 +12,13 @@ from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError, Mega
 from megatron_ext.plan import StepPlan, validate
 from megatron_ext.plan.pipelines import validate_pipelines
 from megatron_ext.planner import PlannerOptions
-from megatron_ext.planner.chunking import check_chunking, split_pack
+from megatron_ext.planner.pp.chunking import check_chunking, split_pack
 from megatron_ext.planner.auto import layout_estimate_s, layout_name, pipeline_layouts, plan_auto
-from megatron_ext.planner.grouping import group_sequences
-from megatron_ext.planner.elastic_pp import plan_elastic_pp
-from megatron_ext.planner.pipeline import PipelineOptions
-from megatron_ext.planner.pipeline_api import make_pp_plan
-from megatron_ext.planner.pipeline_baselines import plan_batch_1f1b, plan_seq1f1b
+from megatron_ext.planner.pp.grouping import group_sequences
+from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
+from megatron_ext.planner.pp.pipeline import PipelineOptions
+from megatron_ext.planner.api import PIPELINE_KINDS, make_plan
+from megatron_ext.planner.pp.pipeline_baselines import plan_batch_1f1b, plan_seq1f1b
 from megatron_ext.sim.commands import describe_plan
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.data.lengths import sample_lengths
@@ -88,7 +88,7 @@ def test_seq1f1b_slices_have_equal_compute():
 
 def test_elastic_beats_the_packed_baselines_on_a_long_tailed_batch():
     lengths = np.array([45000, 30000, 20000, 12000] + [3000] * 20 + [800] * 60 + [200] * 100)
-    plan = make_pp_plan("elastic_pp", lengths, COST, PipelineOptions(time_limit=1.0),
+    plan = make_plan("elastic_pp", lengths, COST, PipelineOptions(time_limit=1.0),
                         baselines=("seq1f1b", "batch_1f1b", "flexsp", "static_ulysses"))
     assert set(plan.baselines) == {"seq1f1b", "batch_1f1b", "flexsp", "static_ulysses"}
     for name in ("seq1f1b", "batch_1f1b"):
@@ -100,19 +100,19 @@ def test_elastic_beats_the_packed_baselines_on_a_long_tailed_batch():
 def test_make_pp_plan_takes_planner_options_and_drops():
     lengths = np.array([200_000, 3000, 2000])
     with pytest.raises(LengthsError, match="exceed"):
-        make_pp_plan("elastic_pp", lengths, COST, PlannerOptions(max_seq_len=100_000))
-    plan = make_pp_plan("elastic_pp", lengths, COST, PlannerOptions(max_seq_len=100_000, drop_over_max=True))
+        make_plan("elastic_pp", lengths, COST, PlannerOptions(max_seq_len=100_000))
+    plan = make_plan("elastic_pp", lengths, COST, PlannerOptions(max_seq_len=100_000, drop_over_max=True))
     assert plan.dropped_seq_ids == [0]
     _check(plan, lengths)
     with pytest.raises(ConfigError, match="unknown pipeline planner"):
-        make_pp_plan("nope", lengths, COST)
+        make_plan("nope", lengths, COST, kinds=PIPELINE_KINDS)
 
 
 def test_a_baseline_that_cannot_hold_the_longest_sequence_names_the_length_to_compare_at():
     # a pipeline slices what no SP group holds whole: FlexSP says how long a batch both run
     limit = COST.max_seq_len
     lengths = np.array([limit + 20_000, 3000, 2000])
-    plan = make_pp_plan("elastic_pp", lengths, COST, PipelineOptions(time_limit=1.0), baselines=("flexsp", "seq1f1b"))
+    plan = make_plan("elastic_pp", lengths, COST, PipelineOptions(time_limit=1.0), baselines=("flexsp", "seq1f1b"))
     assert plan.baselines["flexsp"]["error"] == (
         f"it runs sequences of up to {limit:,} tokens, this batch's longest has {limit + 20_000:,} "
         f"(to compare on a batch both can run, pass --max-seq-len {limit})")

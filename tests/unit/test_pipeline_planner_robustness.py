@@ -18,11 +18,11 @@ from megatron_ext.errors import InfeasibleError
 from megatron_ext.plan import StepPlan, validate
 from megatron_ext.plan.pipelines import validate_pipelines
 from megatron_ext.plan.schema import Chunk, Piece
-from megatron_ext.planner.chunking import balanced_chunks, capped_mesh, check_chunking
-from megatron_ext.planner.grouping import GROUP_BLOCKS, _group_bounds, _group_estimates, group_sequences
-from megatron_ext.planner.elastic_pp import plan_elastic_pp
-from megatron_ext.planner.pipeline import PipelineOptions, _checkpoints, build_pipeline, pipeline_cost
-from megatron_ext.planner.sequence_limits import MAX_SLICES, finest_slice, longest_sequence, sequence_peak_mb
+from megatron_ext.planner.pp.chunking import balanced_chunks, capped_mesh, check_chunking
+from megatron_ext.planner.pp.grouping import GROUP_BLOCKS, _group_bounds, _group_estimates, group_sequences
+from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
+from megatron_ext.planner.pp.pipeline import PipelineOptions, _checkpoints, build_pipeline, pipeline_cost
+from megatron_ext.planner.pp.sequence_limits import MAX_SLICES, finest_slice, longest_sequence, sequence_peak_mb
 from megatron_ext.sim import simulate
 from megatron_ext.sim.engine import analyze_chunks, backward_order, checkpoint_memory, one_f_one_b
 

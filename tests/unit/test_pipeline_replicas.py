@@ -16,9 +16,9 @@ from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import InvalidPlanError
 from megatron_ext.plan import StepPlan, validate
 from megatron_ext.plan.pipelines import replica_groups, validate_pipelines
-from megatron_ext.planner.grouping import split_replicas
-from megatron_ext.planner.elastic_pp import plan_elastic_pp
-from megatron_ext.planner.pipeline_baselines import plan_batch_1f1b, plan_seq1f1b
+from megatron_ext.planner.pp.grouping import split_replicas
+from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
+from megatron_ext.planner.pp.pipeline_baselines import plan_batch_1f1b, plan_seq1f1b
 from megatron_ext.sim import simulate
 
 COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")  # 32 GPUs
@@ -121,7 +121,7 @@ def test_split_replicas_is_a_partition_balanced_longest_first(lengths, replicas)
 def test_one_of_pp_and_sp_gives_the_other_the_most_the_gpus_allow():
     from megatron_ext.errors import ConfigError
     from megatron_ext.planner.auto import plan_auto
-    from megatron_ext.planner.pipeline import resolve_layout
+    from megatron_ext.planner.pp.pipeline import resolve_layout
 
     assert resolve_layout(COST, 2, None) == (2, 8)  # sp 16 is over the 40 heads' limit: 2 replicas
     assert resolve_layout(COST, None, 1) == (8, 1)  # 32 stages do not divide 40 layers: 8, 4 replicas
@@ -140,8 +140,8 @@ def test_one_of_pp_and_sp_gives_the_other_the_most_the_gpus_allow():
 def test_rebalancing_moves_work_from_the_slowest_replica_to_the_fastest():
     import time
 
-    from megatron_ext.planner.elastic_pp import _plan_replica, _rebalance
-    from megatron_ext.planner.pipeline import pipeline_options
+    from megatron_ext.planner.pp.elastic_pp import _plan_replica, _rebalance
+    from megatron_ext.planner.pp.pipeline import pipeline_options
 
     opts = pipeline_options(None, {"time_limit": 5.0})
     pc = PipelineCost(COST, 2, 8)

@@ -14,8 +14,8 @@ from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import InvalidPlanError
 from megatron_ext.plan import Chunk, Piece, Pipeline, StepPlan, validate
 from megatron_ext.plan.pipelines import validate_pipelines
-from megatron_ext.planner.chunking import balanced_chunks
-from megatron_ext.planner.pipeline import build_pipeline
+from megatron_ext.planner.pp.chunking import balanced_chunks
+from megatron_ext.planner.pp.pipeline import build_pipeline
 from megatron_ext.sim import simulate
 from megatron_ext.sim.engine import (BWD, FWD, analyze_chunks, backward_order, greedy_orders, list_schedule,
                                      one_f_one_b, op_times, warmup_counts)

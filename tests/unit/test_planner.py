@@ -14,8 +14,8 @@ from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError, InfeasibleError, InvalidPlanError, LengthsError
 from megatron_ext.plan import validate
 from megatron_ext.planner import PLANNERS, PlannerOptions, make_plan
-from megatron_ext.planner.blaster import balanced_split, dp_buckets
-from megatron_ext.planner.placement import place_groups
+from megatron_ext.planner.sp.blaster import balanced_split, dp_buckets
+from megatron_ext.planner.sp.placement import place_groups
 from megatron_ext.spec import is_power_of_two
 
 COSTS = {
@@ -353,7 +353,7 @@ def test_a_cut_short_search_packs_the_rest_at_one_degree():
     other sequences in the first homogeneous packing of them; every sequence once, in groups
     that hold it, far faster than one degree for all (BatchAda's 64 here)."""
     from megatron_ext.data.lengths import sample_lengths
-    from megatron_ext.planner.flexsp import _Batch, _SplitSearch
+    from megatron_ext.planner.sp.flexsp import _Batch, _SplitSearch
 
     cost = CostModel.from_presets("gpt-7b", "a100-40g-8x8")
     lengths = sample_lengths("wikipedia", 4096, 1, cost.max_seq_len)

@@ -10,8 +10,8 @@ from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.plan import StepPlan
 from megatron_ext.planner import PlannerOptions, make_plan
-from megatron_ext.planner.elastic_pp import plan_elastic_pp
-from megatron_ext.planner.pipeline import build_pipeline
+from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
+from megatron_ext.planner.pp.pipeline import build_pipeline
 from megatron_ext.sim import simulate
 from megatron_ext.sim.plot import (DEGREE_COLORS, DROPPED_COLOR, PACKED_COLOR, SEQ_COLORS, SEQ_HATCHES, LengthHist,
                                    _draw_hist, _lighten, _percent, _new_figure, _tail, _tokens, draw, plot_comparison,

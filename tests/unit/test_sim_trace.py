@@ -13,7 +13,6 @@ import pytest
 
 from megatron_ext.cost import CostModel
 from megatron_ext.planner import PlannerOptions, make_plan
-from megatron_ext.planner.pipeline_api import make_pp_plan
 from megatron_ext.sim import simulate
 from megatron_ext.sim.trace import plan_trace_events, trace_document, write_trace
 
@@ -52,7 +51,7 @@ def test_flexsp_trace_has_a_track_per_gpu_and_every_sequence_once(tmp_path):
 
 
 def test_pipeline_trace_has_forward_backward_per_chunk_and_stage(tmp_path):
-    plan = make_pp_plan("elastic_pp", LENGTHS, COST, PlannerOptions(time_limit=1.0))
+    plan = make_plan("elastic_pp", LENGTHS, COST, PlannerOptions(time_limit=1.0))
     tracks, slices, _ = _load(tmp_path, plan)
     stages = plan.pipelines[0].stages
     assert len(tracks) == COST.num_gpus // (stages * plan.pipelines[0].sp_degree) * stages

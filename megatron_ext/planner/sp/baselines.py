@@ -21,7 +21,6 @@ one-pass-per-sample execution priced by our cost model.
 """
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
 import time
@@ -31,39 +30,14 @@ import numpy as np
 
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import InfeasibleError, InvalidPlanError
-from megatron_ext.planner.api import Groups, PlannerOptions, register
+from megatron_ext.planner.options import PlannerOptions
+from megatron_ext.planner.packing import best_fit_bins
+from megatron_ext.planner.sp.step import Groups
 
 
 def step_time_ms(micro_batches: list[Groups], lengths: np.ndarray, cost: CostModel) -> float:
     """Estimated step time: sum over micro-batches of the slowest group's time."""
     return sum(max(cost.group_time_ms(lengths[ids], d) for d, ids in groups) for groups in micro_batches)
-
-
-_BIN_MASK = (1 << 32) - 1  # the bin index in best_fit_bins' keys
-
-
-def best_fit_bins(ids, lengths: np.ndarray, capacity: int) -> list[list[int]]:
-    """Best-fit decreasing by tokens: the fewest-bins heuristic; bins in opening order."""
-    ids = np.asarray(ids, dtype=np.int64)
-    order = ids[np.lexsort((ids, -lengths[ids]))]  # longest first, ties by id
-    bins: list[list[int]] = []
-    # Bins with room, as sorted keys room << 32 | bin: a bisection finds the tightest fit, the
-    # lowest bin on ties, in log time (a scan of every bin per sequence is quadratic at 100,000).
-    with_room: list[int] = []
-    for i, s in zip(order.tolist(), lengths[order].tolist()):
-        if s > capacity:
-            raise InfeasibleError(f"a sequence of {s} tokens exceeds the group capacity of {capacity} tokens")
-        k = bisect.bisect_left(with_room, s << 32)
-        if k < len(with_room):
-            key = with_room.pop(k)
-            b, room = key & _BIN_MASK, (key >> 32) - s
-            bins[b].append(i)
-        else:
-            b, room = len(bins), capacity - s
-            bins.append([i])
-        if room:
-            bisect.insort(with_room, room << 32 | b)
-    return bins
 
 
 def _chunk_by_time(slots: list[list[int]], degree: int, per_mb: int, seq_ms: np.ndarray,
@@ -133,7 +107,6 @@ def static_packing(lengths: np.ndarray, cost: CostModel, degree: int) -> tuple[l
     return min(plans, key=lambda p: p[1])  # first on ties: deterministic
 
 
-@register("static_ulysses")
 def static_ulysses(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -> tuple[list[Groups], str]:
     degree = options.static_degree if options.static_degree is not None else cost.degrees[-1]
     return static_packing(lengths, cost, degree)[0], f"degree {degree}"
@@ -167,7 +140,6 @@ def homogeneous_packings(lengths: np.ndarray, cost: CostModel, keep: int = 1,
     return out
 
 
-@register("batchada")
 def batchada(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -> tuple[list[Groups], str]:
     degree, mbs, _ = homogeneous_packings(lengths, cost)[0]
     lowest = cost.min_degree(int(lengths.max()))
@@ -243,7 +215,6 @@ def adapt_megatron_schedule(sample_id_groups, lengths: np.ndarray, cost: CostMod
     return out, repairs
 
 
-@register("megatron_balanced_cp")
 def megatron_balanced_cp(lengths: np.ndarray, cost: CostModel,
                          options: PlannerOptions) -> tuple[list[Groups], str]:
     # Imported here only: the planner package must stay importable without megatron / torch.distributed.

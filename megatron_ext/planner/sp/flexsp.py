@@ -28,10 +28,12 @@ import highspy
 import numpy as np
 
 from megatron_ext.cost import CostModel
-from megatron_ext.planner.api import Groups, PlannerOptions, register
-from megatron_ext.planner.baselines import best_fit_bins, homogeneous_packings
-from megatron_ext.planner.blaster import balanced_split, dp_buckets
 from megatron_ext.planner.highs import new_highs
+from megatron_ext.planner.options import PlannerOptions
+from megatron_ext.planner.packing import best_fit_bins
+from megatron_ext.planner.sp.baselines import homogeneous_packings
+from megatron_ext.planner.sp.blaster import balanced_split, dp_buckets
+from megatron_ext.planner.sp.step import Groups
 
 
 class _Batch:
@@ -570,7 +572,6 @@ def first_plan_seconds(lengths: np.ndarray, cost: CostModel, sample: int = 20_00
     return (time.perf_counter() - start) * len(lengths) / len(part)
 
 
-@register("flexsp")
 def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -> tuple[list[Groups], str]:
     start = time.perf_counter()
     deadline = start + options.time_limit

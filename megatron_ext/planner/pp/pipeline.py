@@ -4,10 +4,9 @@
 per-stage order, the recompute, the simulated makespan); the (pp, sp) layout from what was given
 (``resolve_layout``); turning pipelines into a validated, simulated StepPlan (``finish_plan``).
 
-The planners on top: elastic_pp in planner/elastic_pp.py (its chunk search for one pipeline in
-planner/chunk_search.py), the pipeline baselines (batch 1F1B, Seq1F1B) in
-planner/pipeline_baselines.py, ``auto`` in planner/auto.py; the entry point of every pipeline
-planner is planner/pipeline_api.py.
+The planners on top: elastic_pp in pp/elastic_pp.py (its chunk search for one pipeline in
+pp/chunk_search.py), the pipeline baselines (batch 1F1B, Seq1F1B) in pp/pipeline_baselines.py,
+``auto`` in planner/auto.py; the entry point of every planner is ``planner.api.make_plan``.
 """
 from __future__ import annotations
 
@@ -22,8 +21,9 @@ from megatron_ext.cost.pipeline import PipelineCost, default_layout
 from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError
 from megatron_ext.plan.pipelines import validate_pipelines
 from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan, validate
-from megatron_ext.planner.checkpointing import greedy_recompute, solve_recompute
-from megatron_ext.planner.chunking import Pieces
+from megatron_ext.planner.options import options_as
+from megatron_ext.planner.pp.checkpointing import greedy_recompute, solve_recompute
+from megatron_ext.planner.pp.chunking import Pieces
 from megatron_ext.sim.engine import (ChunkTable, analyze_chunks, backward_order, checkpoint_memory, greedy_orders,
                                      list_schedule, memory_checkpoints, memory_levels, one_f_one_b, op_times,
                                      order_names)
@@ -58,8 +58,6 @@ class PipelineOptions:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"unknown {name.replace('_', ' ')} {getattr(self, name)!r}; use {', '.join(allowed)}")
 
-
-PP_BASELINES = ("flexsp", "static_ulysses", "seq1f1b", "batch_1f1b")
 
 
 # ---- building and scoring one pipeline --------------------------------------------------------
@@ -229,11 +227,8 @@ def finish_plan(name: str, pipes: list[Pipeline], lengths: np.ndarray, cost: Cos
 
 
 def pipeline_options(options, overrides) -> PipelineOptions:
-    if options is None:
-        options = PipelineOptions()
-    elif not isinstance(options, PipelineOptions):  # a PlannerOptions (or anything with the fields)
-        fields = {f.name for f in dataclasses.fields(PipelineOptions)}
-        options = PipelineOptions(**{k: getattr(options, k) for k in fields if hasattr(options, k)})
+    """``options`` (a PipelineOptions, a PlannerOptions or None) as PipelineOptions, with ``overrides``."""
+    options = options_as(PipelineOptions, options)
     return dataclasses.replace(options, **overrides) if overrides else options
 
 
@@ -259,5 +254,5 @@ def pack_capacity(seq_ids, lengths, opts: PipelineOptions) -> int:
     return int(opts.pack_tokens)
 
 
-__all__ = ["BuiltPipeline", "PP_BASELINES", "PipelineOptions", "build_pipeline", "finish_plan", "kept_sequences",
+__all__ = ["BuiltPipeline", "PipelineOptions", "build_pipeline", "finish_plan", "kept_sequences",
            "pack_capacity", "pipeline_cost", "pipeline_options", "resolve_layout"]

@@ -1,5 +1,5 @@
 """One elastic pipeline's chunking and order, searched (``plan_group``; steps 2-3 of the
-elastic_pp planner, planner/elastic_pp.py): candidate chunkings (chunking.py) are built and
+elastic_pp planner, planner/pp/elastic_pp.py): candidate chunkings (chunking.py) are built and
 simulated (pipeline.build_pipeline) with the greedy's recompute, and the fastest wins."""
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import numpy as np
 
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import InfeasibleError
-from megatron_ext.planner.chunking import balanced_chunks, pack_by_tokens, ramp_chunks, split_pack
-from megatron_ext.planner.pipeline import BuiltPipeline, PipelineOptions, build_pipeline, pack_capacity
-from megatron_ext.planner.sequence_limits import fewest_slices, finest_slice, fit_cap, what_to_change
+from megatron_ext.planner.packing import best_fit_bins
+from megatron_ext.planner.pp.chunking import balanced_chunks, ramp_chunks, split_pack
+from megatron_ext.planner.pp.pipeline import BuiltPipeline, PipelineOptions, build_pipeline, pack_capacity
+from megatron_ext.planner.pp.sequence_limits import fewest_slices, finest_slice, fit_cap, what_to_change
 
 
 MAX_CHUNKS = 4096  # chunk candidates with more chunks are not built (their recompute tables grow as n^2)
@@ -216,7 +217,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
         if capped and longest / k > slice_cap:
             continue  # the longest sequence's slices cannot fit
         if cap not in packed:
-            packed[cap] = pack_by_tokens(seq_ids, lengths, cap)
+            packed[cap] = best_fit_bins(seq_ids, lengths, cap)
         pieces = [c for p in packed[cap] for c in split_pack(p, lengths, pc, k)]
         for order in (orders if cap == base_cap else orders[:1]):
             if not late():

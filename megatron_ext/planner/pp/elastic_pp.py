@@ -4,14 +4,14 @@
 first shared out over GPUs / (pp x sp) replicas side by side (grouping.split_replicas), each
 planned as below in a share of the time limit, and the replicas' ends are evened out in the time
 left (``_rebalance``):
-0. Feasibility (planner/sequence_limits.py): each of the longest sequences must fit alone at
+0. Feasibility (planner/pp/sequence_limits.py): each of the longest sequences must fit alone at
    the finest slicing (every layer recomputed); otherwise the error says how long a sequence may
    be and what else to change.
-1. Grouping (planner/grouping.py): the sequences, longest first, are cut into one or more
+1. Grouping (planner/pp/grouping.py): the sequences, longest first, are cut into one or more
    consecutive groups, each run as its own 1F1B pipeline, one after another, by a DP over an
    analytic estimate. When memory binds, "the longest sequence in a pipeline of its own" is
    tried too. The one-pipeline plan is always built; the fastest grouping (simulated) wins.
-2. Chunking per pipeline (planner/chunking.py): the target chunk time (and so K) and the chunk
+2. Chunking per pipeline (planner/pp/chunking.py): the target chunk time (and so K) and the chunk
    token cap are searched, likeliest first (at most ``search_targets`` per cap); each candidate
    is chunked, given a warm-up/cool-down ramp (a few small chunks of whole short sequences first
    and last, ``chunking.ramp_chunks``), ordered, given greedy recompute and simulated; the
@@ -31,7 +31,7 @@ left (``_rebalance``):
    would pass its room) or elastic 1F1B (sim/engine.one_f_one_b: warm-up P - 1 - p + slices of
    the first split sequence - 1); "best" tries both, and 1F1B is always tried where memory binds
    (its recompute ties along the schedule's diagonals).
-4. Recompute: the ILP of planner/checkpointing.py on the winner (greedy if HiGHS has nothing), tied
+4. Recompute: the ILP of planner/pp/checkpointing.py on the winner (greedy if HiGHS has nothing), tied
    along the schedule's diagonals (the paper's), untied (one variable per stage and chunk) or, by
    default, both: the faster simulated plan wins (``ties``).
 5. The plan is validated and simulated; the simulator's step time is the estimate.
@@ -43,8 +43,8 @@ chunk search at 0.4 of it, the groupings at 0.7 (not started later), the ILP whe
 at its deadline goes straight to the safest chunkings (the capped slices, then finer) and keeps
 trying until something fits.
 
-Steps 2-3 (one pipeline's search) are in planner/chunk_search.py; building and scoring a pipeline
-and what the other pipeline planners share, in planner/pipeline.py.
+Steps 2-3 (one pipeline's search) are in planner/pp/chunk_search.py; building and scoring a pipeline
+and what the other pipeline planners share, in planner/pp/pipeline.py.
 """
 from __future__ import annotations
 
@@ -56,11 +56,11 @@ from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import InfeasibleError
 from megatron_ext.plan.schema import StepPlan
-from megatron_ext.planner.chunk_search import plan_group
-from megatron_ext.planner.grouping import group_sequences, split_replicas
-from megatron_ext.planner.pipeline import (BuiltPipeline, PipelineOptions, build_pipeline, finish_plan, kept_sequences,
+from megatron_ext.planner.pp.chunk_search import plan_group
+from megatron_ext.planner.pp.grouping import group_sequences, split_replicas
+from megatron_ext.planner.pp.pipeline import (BuiltPipeline, PipelineOptions, build_pipeline, finish_plan, kept_sequences,
                                            pipeline_cost, pipeline_options)
-from megatron_ext.planner.sequence_limits import check_sequences
+from megatron_ext.planner.pp.sequence_limits import check_sequences
 from megatron_ext.text import plural
 
 

@@ -17,7 +17,7 @@ Given the sequences of one pipeline and a target chunk time ``T_t`` (stage milli
    tails never share a chunk.
 
 When ``T_t`` is at least the longest sequence's time nothing is split and short sequences are
-packed up to ``T_t``. The planner (planner/chunk_search.py) searches ``T_t`` (and so K).
+packed up to ``T_t``. The planner (planner/pp/chunk_search.py) searches ``T_t`` (and so K).
 
 ``max_slice_tokens`` (when memory binds): no slice holds more tokens than this. The mesh is then
 cut greedily from the start: each slice ends at the equal-time point or after
@@ -49,10 +49,6 @@ class Chunking:
     slice_ms: float  # time cap of a chunk (stage ms, without the fixed cost)
     token_cap: float
     mesh: np.ndarray  # cut points of the longest sequence, 0 < x_1 < ... < x_{K-1} < s_max
-
-    @property
-    def num_split_sequences(self) -> int:
-        return len({s for c in self.chunks for s, a, b in c if a > 0})
 
 
 def slice_mesh(s_max: int, slices: int, pc: PipelineCost, granularity: int = 1) -> np.ndarray:
@@ -301,25 +297,7 @@ def _ratio_fit(short, t_short, lengths, cap, token_cap, b_pieces, b_time, b_tok)
         _put(best if best >= 0 else None, sid, s, t, b_pieces, b_time, b_tok)
 
 
-# ---- packed micro-batches (Megatron-style packs and their Seq1F1B slices) ------------------------
-
-def pack_by_tokens(seq_ids: np.ndarray, lengths: np.ndarray, capacity: int) -> list[list[int]]:
-    """Best-fit decreasing by tokens into packs of ``capacity`` tokens (longest first)."""
-    order = seq_ids[np.lexsort((seq_ids, -lengths[seq_ids]))]
-    packs: list[list[int]] = []
-    room = np.empty(len(order), dtype=np.int64)
-    for i in order.tolist():
-        s = int(lengths[i])
-        fits = np.flatnonzero(room[:len(packs)] >= s)
-        if fits.size:
-            j = int(fits[np.argmin(room[fits])])
-            packs[j].append(i)
-            room[j] -= s
-        else:
-            room[len(packs)] = capacity - s
-            packs.append([i])
-    return packs
-
+# ---- packed micro-batches (Megatron-style packs, packing.best_fit_bins) cut into Seq1F1B slices ------
 
 def split_pack(pack: list[int], lengths: np.ndarray, pc: PipelineCost, slices: int) -> list[Pieces]:
     """Seq1F1B: cut a packed micro-batch into ``slices`` parts of equal compute (each document

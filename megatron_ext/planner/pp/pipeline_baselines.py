@@ -10,7 +10,7 @@ With replicas (pp x sp below the GPU count) the sequences are shared out as elas
 them (``grouping.split_replicas``), each replica packing its own.
 
 FlexSP (one stage, adaptive SP) and static Ulysses are FlexSP-kind plans
-(``api.plan_flexsp_kind``), simulated as micro-batches on SP groups.
+(``sp.step.plan_sp``), simulated as micro-batches on SP groups.
 """
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ import numpy as np
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import InfeasibleError
 from megatron_ext.plan.schema import StepPlan
-from megatron_ext.planner.chunking import pack_by_tokens, split_pack
-from megatron_ext.planner.grouping import split_replicas
-from megatron_ext.planner.pipeline import (PipelineOptions, build_pipeline, finish_plan, kept_sequences, pack_capacity,
+from megatron_ext.planner.packing import best_fit_bins
+from megatron_ext.planner.pp.chunking import split_pack
+from megatron_ext.planner.pp.grouping import split_replicas
+from megatron_ext.planner.pp.pipeline import (PipelineOptions, build_pipeline, finish_plan, kept_sequences, pack_capacity,
                                            pipeline_cost, pipeline_options)
 
 
@@ -37,7 +38,7 @@ def _packed_baseline(name, lengths, cost: CostModel, pp, sp, options, seq_ids, o
     lengths, ids = kept_sequences(lengths, seq_ids)
     pc = pipeline_cost(cost, pp if pp is not None else opts.pp, sp if sp is not None else opts.sp, opts)
     cap = pack_capacity(ids, lengths, opts)
-    packs = [pack_by_tokens(part, lengths, cap) for part in split_replicas(ids, lengths, pc, pc.replicas)]
+    packs = [best_fit_bins(part, lengths, cap) for part in split_replicas(ids, lengths, pc, pc.replicas)]
     best, best_k, err = None, 0, None
     for k in slice_counts:
         try:

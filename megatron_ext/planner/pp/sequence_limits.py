@@ -14,7 +14,7 @@ import numpy as np
 
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import InfeasibleError
-from megatron_ext.planner.chunking import slice_mesh
+from megatron_ext.planner.pp.chunking import slice_mesh
 
 
 def sequence_peak_mb(pc: PipelineCost, bounds) -> float:

@@ -1,0 +1,52 @@
+"""A FlexSP-kind step plan from a planning function's groups.
+
+A FlexSP-kind planning function (``flexsp``, ``static_ulysses``, ``batchada``,
+``megatron_balanced_cp``) takes the lengths of the sequences to plan, the cost model and the
+options, and returns its micro-batches as lists of ``(degree, seq_ids)`` groups plus a status
+word. ``plan_sp`` turns them into a StepPlan of the whole batch: groups placed on aligned rank
+blocks, seq ids mapped back to the batch, the others reported as dropped, cost estimates filled
+in and the plan validated.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+from megatron_ext.cost import CostModel
+from megatron_ext.errors import LengthsError
+from megatron_ext.plan import MicroBatchPlan, SPGroup, StepPlan, fill_estimates, validate
+from megatron_ext.planner.options import PlannerOptions, planner_options
+from megatron_ext.planner.sp.placement import place_groups
+
+Groups = list[tuple[int, list[int]]]  # (degree, seq_ids) per group of one micro-batch
+SPPlanFn = Callable[[np.ndarray, CostModel, PlannerOptions], tuple[list[Groups], str]]
+
+
+def plan_sp(name: str, fn: SPPlanFn, lengths, cost: CostModel, options=None, *, seq_ids=None) -> StepPlan:
+    """Plan the sequences ``seq_ids`` of the batch (default: all) with FlexSP-kind planning
+    function ``fn`` (named ``name`` in the plan); ``options`` may be any options object (its
+    PlannerOptions fields are used)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    ids = np.arange(len(lengths)) if seq_ids is None else np.asarray(seq_ids, dtype=np.int64)
+    if ids.size == 0:
+        raise LengthsError("the batch is empty: nothing to plan")
+    cost.check_lengths(lengths[ids])  # (a sequence no group holds: the cost model says why)
+    start = time.perf_counter()
+    micro_batches, status = fn(lengths[ids], cost, planner_options(options))
+    solve_time = time.perf_counter() - start
+
+    mbs = []
+    for groups in micro_batches:
+        ranks = place_groups([d for d, _ in groups], cost.num_gpus)
+        mbs.append(MicroBatchPlan([SPGroup(r, sorted(int(ids[i]) for i in members))
+                                   for r, (_, members) in sorted(zip(ranks, groups), key=lambda x: x[0][0])]))
+    plan = StepPlan(kind="flexsp", num_gpus=cost.num_gpus, planner=name, micro_batches=mbs,
+                    solve_time_s=solve_time, solver_status=status,
+                    dropped_seq_ids=[int(i) for i in np.setdiff1d(np.arange(len(lengths)), ids)])
+    validate(fill_estimates(plan, lengths, cost), lengths, cost)
+    return plan
+
+
+__all__ = ["Groups", "SPPlanFn", "plan_sp"]
