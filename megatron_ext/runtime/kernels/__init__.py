@@ -29,12 +29,19 @@ __all__ = ["AttentionKernel", "KERNELS", "LayerKernels", "NoKernel", "SDPA_DENSE
            "VarlenKernel", "available_backends", "dense_mask_fits", "kernel_class", "masked_sdpa", "pick_kernel",
            "prefix_sdpa", "prefixed_attention", "sdpa_packed"]
 
-for _name in ATTENTION_BACKENDS:
-    if _name != "auto":
-        importlib.import_module(f"{__name__}.{_name}")
-    if _name != "auto" and _name not in KERNELS:
-        raise ImportError(f"attention backend {_name!r}: kernels/{_name}.py defines no AttentionKernel with "
-                          f"name = {_name!r}")
+
+def _load_backends() -> None:
+    """Import ``kernels/<name>.py`` of every backend name: each defines (and so registers) its kernel."""
+    for name in ATTENTION_BACKENDS:
+        if name == "auto":
+            continue
+        importlib.import_module(f"{__name__}.{name}")
+        if name not in KERNELS:
+            raise ImportError(f"attention backend {name!r}: kernels/{name}.py defines no AttentionKernel with "
+                              f"name = {name!r}")
+
+
+_load_backends()
 
 
 def kernel_class(backend: str) -> type[AttentionKernel]:
