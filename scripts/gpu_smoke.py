@@ -112,7 +112,7 @@ def backends() -> int:
     """Each installed backend in bf16 against SDPA in fp32 on the same inputs (GQA 16/4 heads of
     128): packed causal sequences, and a sequence in two slices over the prefix K/V cache; the
     outputs and the gradients of q, k and v."""
-    from megatron_ext.runtime.attention import available_backends
+    from megatron_ext.runtime.kernels import available_backends
 
     failed = []
     for case, pieces in CASES.items():

@@ -23,7 +23,8 @@ def use_ulysses_attention(model, backend: str = "auto") -> int:
     replaced (idempotent: 0 the second time)."""
     from megatron.core.transformer.attention import SelfAttention
 
-    from megatron_ext.runtime.attention import UlyssesAttention, ulysses_core_attention, use_true_positions_for_rope
+    from megatron_ext.runtime.attention import UlyssesAttention, ulysses_core_attention
+    from megatron_ext.runtime.rope import use_true_positions_for_rope
 
     make = ulysses_core_attention(backend)
     replaced = 0

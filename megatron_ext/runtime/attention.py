@@ -16,7 +16,7 @@ with ``qkv_format="sbhd"``, plus the SP group and the shard's true positions) an
     pool = SPGroupPool()                                      # once, at start-up, on every rank
     model = GPTModel(config, get_gpt_layer_ulysses_spec(), vocab_size, max_sequence_length,
                      position_embedding_type="rope")
-    use_true_positions_for_rope(model)                        # once, after building the model
+    use_true_positions_for_rope(model)                        # once, after building the model (runtime/rope.py)
     ...
     plan_group, group = pool.my_group(micro_batch_plan)       # per micro-batch
     params = UlyssesPackedSeqParams.build([len(s) for s in seqs], group)
@@ -33,23 +33,25 @@ Inside the core attention ("sbhd", b = 1): q, k, v ``[S/d, 1, heads, head_dim]``
 all-to-all -> ``[S, 1, heads/d, head_dim]`` -> attention over the packed sequences with a
 block-diagonal causal mask -> all-to-all back -> ``[S/d, 1, heads * head_dim]``. Heads and KV heads
 (GQA) must divide by d. Degree 1 runs the same attention locally, without a collective. The
-all-to-all is an autograd function that captures its group, so backward needs no context.
+all-to-all (``runtime/comm.py``) is an autograd function that captures its group, so backward
+needs no context.
 
-Backends, chosen per module with ``backend=``: ``"sdpa"`` (torch scaled_dot_product_attention with a
-block-diagonal mask on CUDA up to a size, else one causal call per sequence, always on CPU, where
-masked calls are slow; a mask, where one is needed, is rebuilt for the backward rather than kept,
-so activations stay linear in tokens), ``"flash"`` (flash-attn ``flash_attn_varlen_func``) and ``"te"`` (Transformer Engine
-``DotProductAttention`` in "thd" format); the last two need CUDA and are only imported when
+The attention itself is an ``AttentionKernel`` of ``runtime/kernels``, by backend, chosen per module
+with ``backend=``: ``"sdpa"`` (torch scaled_dot_product_attention with a block-diagonal mask on
+CUDA up to a size, else one causal call per sequence, always on CPU, where masked calls are slow; a
+mask, where one is needed, is rebuilt for the backward rather than kept, so activations stay
+linear in tokens), ``"flash"`` (flash-attn ``flash_attn_varlen_func``) and ``"te"`` (Transformer
+Engine ``DotProductAttention`` in "thd" format); the last two need CUDA and are only imported when
 chosen. ``"auto"`` picks flash, then TE, where installed and their kernels take the tensors (CUDA,
 fp16/bf16, sm80+, head_dim a multiple of 8 up to 256), else SDPA; when TE itself finds no kernel
-for the inputs (its cuDNN or GPU), ``"auto"`` runs SDPA instead. ``_resolve_backend`` is the one
+for the inputs (its cuDNN or GPU), ``"auto"`` runs SDPA instead. ``kernels.pick_kernel`` is the one
 place that decides.
 
 RoPE must use each token's position inside its own sequence, not its place in the shard:
-``use_true_positions_for_rope(model)`` makes GPTModel's RotaryEmbedding return, for a
-``UlyssesPackedSeqParams`` micro-batch, the frequencies at ``params.position_ids`` (see
-``rotary_pos_emb_at``). Learned absolute position embeddings get the same positions from the
-``position_ids`` argument of GPTModel.forward.
+``runtime/rope.py``'s ``use_true_positions_for_rope(model)`` makes GPTModel's RotaryEmbedding
+return, for a ``UlyssesPackedSeqParams`` micro-batch, the frequencies at ``params.position_ids``.
+Learned absolute position embeddings get the same positions from the ``position_ids`` argument of
+GPTModel.forward.
 
 Token-level slices (elastic pipelines): a packed entry may be the piece ``[start, start + n)`` of a
 longer sequence (``UlyssesPackedSeqParams.build(..., starts=, keys=, continues=, prefix_cache=)``).
@@ -58,8 +60,8 @@ pieces, and the gradient of that prefix is carried back to them (``runtime/slice
 those arguments nothing changes. Every backend runs slices: flash and TE over keys laid out
 ``[prefix; own]`` per sequence (``cu_seqlens_kv`` apart from ``cu_seqlens_q``) with the causal mask
 aligned bottom-right (flash-attn >= 2.1's ``causal=True``; TE's ``"padding_causal_bottom_right"``),
-SDPA without any slice x prefix mask (``prefix_sdpa``: the prefix and the slice's own keys as two
-kernel calls merged by their log-sum-exps).
+SDPA without any slice x prefix mask (``kernels.prefix_sdpa``: the prefix and the slice's own keys
+as two kernel calls merged by their log-sum-exps).
 
 Without ``UlyssesPackedSeqParams`` the module still works: with megatron's own ``thd``
 PackedSeqParams (``cu_seqlens_q``) it attends within each packed sequence locally, and with no
@@ -70,9 +72,7 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -81,7 +81,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
@@ -89,62 +88,10 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from megatron_ext.runtime.backends import ATTENTION_BACKENDS, AUTO_ORDER
-
-
-# The SDPA backend runs one masked [S, S] call per micro-batch up to this many elements, by device
-# type, else one causal call per packed sequence. A masked kernel costs S^2 however short the
-# sequences (the cost model's sum of s^2 is the per-sequence calls'); on CUDA it saves launches for
-# many short sequences, on CPU the per-sequence calls are always faster (2-10x measured), so 0.
-SDPA_DENSE_MASK_MAX_ELEMENTS = {"cuda": 1 << 22, "cpu": 0}
-
-
-def dense_mask_fits(rows: int, cols: int, device) -> bool:
-    return rows * cols <= SDPA_DENSE_MASK_MAX_ELEMENTS.get(torch.device(device).type, 0)
-
-
-# dtypes the CPU flash-attention kernels (forward and backward) are used for here
-_CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
-
-
-# ---- all-to-all ----------------------------------------------------------------------------------
-
-def _all_to_all(x: Tensor, group, scatter_dim: int, gather_dim: int) -> Tensor:
-    """Split ``x`` into d chunks along scatter_dim, send chunk j to group rank j, and concatenate
-    the chunks received along gather_dim in group-rank order."""
-    d = dist.get_world_size(group)
-    shape = list(x.shape)
-    if shape[scatter_dim] % d:
-        raise ValueError(f"all-to-all: dimension {scatter_dim} of size {shape[scatter_dim]} does not "
-                         f"divide by the group size {d}")
-    chunk = list(shape)
-    chunk[scatter_dim] //= d
-    split = shape[:scatter_dim] + [d, chunk[scatter_dim]] + shape[scatter_dim + 1:]
-    send = x.reshape(split).movedim(scatter_dim, 0).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    out_shape = list(chunk)
-    out_shape[gather_dim] *= d
-    return recv.movedim(0, gather_dim).reshape(out_shape)
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, scatter_dim, gather_dim):
-        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
-        return _all_to_all(x, group, scatter_dim, gather_dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # The inverse exchange: split what was gathered, send each piece back where it came from.
-        return _all_to_all(grad.contiguous(), ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
-
-
-def all_to_all(x: Tensor, group, scatter_dim: int, gather_dim: int) -> Tensor:
-    """Autograd-aware all-to-all over ``group`` (identity for a group of one)."""
-    if group is None or dist.get_world_size(group) == 1:
-        return x
-    return _AllToAll.apply(x, group, scatter_dim, gather_dim)
+from megatron_ext.runtime.backends import ATTENTION_BACKENDS
+from megatron_ext.runtime.comm import all_to_all
+from megatron_ext.runtime.kernels import LayerKernels
+from megatron_ext.runtime.slices import slice_prefixes
 
 
 # ---- the packed layout of one micro-batch ------------------------------------------------------
@@ -297,275 +244,6 @@ def _positions(lengths: Sequence[int], total: int, starts: Sequence[int] = ()) -
     return torch.cat(pieces)
 
 
-def _block_causal_mask(bounds: Sequence[int], causal: bool, device) -> Tensor:
-    """bool [S, S], True where query i may attend key j: same segment (and j <= i if causal)."""
-    sizes = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:])], device=device)
-    seg = torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes)
-    mask = seg[:, None] == seg[None, :]
-    if causal:
-        mask = torch.tril(mask)  # within a diagonal block, tril is exactly the causal mask
-    return mask
-
-
-# ---- attention over packed segments --------------------------------------------------------------
-
-class _MaskedFlashCPU(torch.autograd.Function):
-    """CPU flash attention under a mask that is rebuilt for the backward instead of saved: what
-    autograd keeps stays linear in the tokens (q, k, v, out, logsumexp) as on GPU kernels, where
-    F.scaled_dot_product_attention would keep the [S, S_k] float mask of every layer."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, make_mask, scale):
-        groups = q.shape[1] // k.shape[1]
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, _expand_kv(k, groups), _expand_kv(v, groups), 0.0, False, attn_mask=_additive(make_mask(), q.dtype),
-            scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.make_mask, ctx.scale, ctx.groups = make_mask, scale, groups
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
-        g = ctx.groups
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad.contiguous(), q, _expand_kv(k, g), _expand_kv(v, g), out, lse, 0.0, False,
-            attn_mask=_additive(ctx.make_mask(), q.dtype), scale=ctx.scale)
-        return dq, _fold_kv(dk, k.shape[1]), _fold_kv(dv, v.shape[1]), None, None
-
-
-def _expand_kv(t: Tensor, groups: int) -> Tensor:
-    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
-
-
-def _fold_kv(grad: Tensor, heads: int) -> Tensor:
-    """The gradient of an expanded K/V summed back over the query heads each KV head served."""
-    return grad.unflatten(1, (heads, grad.shape[1] // heads)).sum(2) if grad.shape[1] != heads else grad
-
-
-# A slice's attention over its prefix (every key visible) and its own keys (causal), without a mask
-# over the prefix: each part is one fused kernel call that also returns its log-sum-exps, and the
-# two are merged by them. Kernels by device: CPU flash attention (no dropout) and, elsewhere, the
-# memory-efficient kernel (CUDA; the meta device runs it for shapes only). Their log-sum-exps are
-# float32 [b, h, s], padded on CUDA to a multiple of 32 rows with +inf (no weight in the backward).
-
-def _cpu_flash_forward(q, k, v, causal, scale, dropout_p):
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return out, lse, None
-
-
-def _cpu_flash_backward(grad, q, k, v, out, lse, rng, causal, scale, dropout_p):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal,
-                                                                               scale=scale)
-
-
-def _efficient_forward(q, k, v, causal, scale, dropout_p):
-    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p,
-                                                                                    causal, scale=scale)
-    return out, lse, (seed, offset)  # the backward regenerates the dropout mask from the seed
-
-
-def _efficient_backward(grad, q, k, v, out, lse, rng, causal, scale, dropout_p):
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        grad, q, k, v, None, out, lse, rng[0], rng[1], dropout_p, [True, True, True, False], causal, scale=scale)
-    return dq, dk, dv
-
-
-def _lse_kernels(q: Tensor, dropout_p: float):
-    """(forward, backward) of a fused kernel that takes ``q`` and returns log-sum-exps, or None."""
-    if q.device.type == "cpu":
-        return (_cpu_flash_forward, _cpu_flash_backward) if dropout_p == 0.0 and q.dtype in _CPU_FLASH_DTYPES else None
-    if q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.shape[-1] % 8 == 0:
-        return _efficient_forward, _efficient_backward
-    return None
-
-
-class _PrefixAttention(torch.autograd.Function):
-    """q [1, hq, s, d] over its prefix's K/V (all visible) and its own K/V [1, hk, ., d] (causal or
-    not) as two kernel calls merged by their log-sum-exps. The backward runs each part's kernel
-    backward against the merged output and log-sum-exp, which gives exactly that part's gradient
-    (the probabilities are those of the union). Saved: q, the K/V, the output and the log-sum-exps."""
-
-    @staticmethod
-    def forward(ctx, q, kp, vp, ko, vo, causal, scale, dropout_p, kernels):
-        g, s = q.shape[1] // kp.shape[1], q.shape[2]
-        forward_kernel = kernels[0]
-        o1, l1, rng1 = forward_kernel(q, _expand_kv(kp, g), _expand_kv(vp, g), False, scale, dropout_p)
-        o2, l2, rng2 = forward_kernel(q, _expand_kv(ko, g), _expand_kv(vo, g), causal, scale, dropout_p)
-        lse = torch.logaddexp(l1, l2)
-        w1, w2 = (torch.exp(l[..., :s] - lse[..., :s]).unsqueeze(-1) for l in (l1, l2))
-        out = (o1 * w1 + o2 * w2).to(q.dtype)
-        ctx.save_for_backward(q, kp, vp, ko, vo, out, lse)
-        ctx.causal, ctx.scale, ctx.dropout_p, ctx.kernels, ctx.rng = causal, scale, dropout_p, kernels, (rng1, rng2)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, kp, vp, ko, vo, out, lse = ctx.saved_tensors
-        g, hk, grad = q.shape[1] // kp.shape[1], kp.shape[1], grad.contiguous()
-        backward_kernel, p = ctx.kernels[1], ctx.dropout_p
-        dq1, dkp, dvp = backward_kernel(grad, q, _expand_kv(kp, g), _expand_kv(vp, g), out, lse, ctx.rng[0], False,
-                                        ctx.scale, p)
-        dq2, dko, dvo = backward_kernel(grad, q, _expand_kv(ko, g), _expand_kv(vo, g), out, lse, ctx.rng[1],
-                                        ctx.causal, ctx.scale, p)
-        return (dq1 + dq2, _fold_kv(dkp, hk), _fold_kv(dvp, hk), _fold_kv(dko, hk), _fold_kv(dvo, hk),
-                None, None, None, None)
-
-
-def _prefix_attention_unfused(q, kp, vp, ko, vo, causal: bool, scale: float, dropout_p: float) -> Tensor:
-    """The same attention with explicit scores, for inputs no fused kernel above takes (dropout on
-    CPU, float64 on CUDA, ...): like any unfused attention it holds slice x (prefix + slice) scores
-    per head; the only mask is the slice's own [s, s] triangle."""
-    g, s, c = q.shape[1] // kp.shape[1], q.shape[2], kp.shape[2]
-    prefix_scores = torch.matmul(q, _expand_kv(kp, g).transpose(-1, -2)) * scale
-    own_scores = torch.matmul(q, _expand_kv(ko, g).transpose(-1, -2)) * scale
-    if causal:
-        own_scores = own_scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    softmax_dtype = torch.promote_types(q.dtype, torch.float32)  # at least fp32 for half inputs
-    probs = torch.softmax(torch.cat([prefix_scores, own_scores], -1), -1, dtype=softmax_dtype).to(q.dtype)
-    if dropout_p > 0.0:
-        probs = F.dropout(probs, dropout_p)
-    return torch.matmul(probs[..., :c], _expand_kv(vp, g)) + torch.matmul(probs[..., c:], _expand_kv(vo, g))
-
-
-def prefix_sdpa(q: Tensor, kp: Tensor, vp: Tensor, ko: Tensor, vo: Tensor, causal: bool, scale: float,
-                dropout_p: float = 0.0) -> Tensor:
-    """Attention of a slice at its true positions: ``q`` [1, hq, s, d] over its prefix's K/V
-    ``kp``/``vp`` [1, hk, c, d] (all visible) and its own ``ko``/``vo`` [1, hk, s, d] (up to each
-    query when ``causal``). No [s, c] mask is built and nothing of that size is kept for the backward."""
-    kernels = _lse_kernels(q, dropout_p)
-    if kernels is None:
-        return _prefix_attention_unfused(q, kp, vp, ko, vo, causal, scale, dropout_p)
-    return _PrefixAttention.apply(q, kp, vp, ko, vo, causal, scale, dropout_p, kernels)
-
-
-def _additive(mask: Tensor, dtype) -> Tensor:
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-
-
-def masked_sdpa(qb: Tensor, kb: Tensor, vb: Tensor, make_mask, scale: float, dropout_p: float) -> Tensor:
-    """Attention of ``qb`` [1, hq, S, d] over ``kb``/``vb`` [1, hk, S_k, d] where ``make_mask()``
-    (bool [S, S_k], True = may attend) allows; GQA when hk < hq. On CPU without dropout the mask
-    is not kept for the backward (``_MaskedFlashCPU``)."""
-    if qb.device.type == "cpu" and dropout_p == 0.0 and qb.dtype in _CPU_FLASH_DTYPES:
-        return _MaskedFlashCPU.apply(qb, kb, vb, make_mask, scale)
-    return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=make_mask(), dropout_p=dropout_p, scale=scale,
-                                          enable_gqa=qb.shape[1] != kb.shape[1])
-
-
-def sdpa_packed(q: Tensor, k: Tensor, v: Tensor, bounds: Sequence[int], causal: bool, scale: float,
-                dropout_p: float) -> Tensor:
-    """q [S, hq, dh], k/v [S, hk, dh] -> [S, hq, dh], attention within each segment."""
-    S = q.shape[0]
-    gqa = q.shape[1] != k.shape[1]
-    qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, h, S, dh]
-    if len(bounds) == 2:
-        o = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=dropout_p, is_causal=causal, scale=scale,
-                                           enable_gqa=gqa)
-    elif dense_mask_fits(S, S, q.device):
-        o = masked_sdpa(qb, kb, vb, functools.partial(_block_causal_mask, tuple(bounds), causal, q.device), scale,
-                        dropout_p)
-    else:
-        o = torch.cat([F.scaled_dot_product_attention(qb[:, :, a:b], kb[:, :, a:b], vb[:, :, a:b],
-                                                      dropout_p=dropout_p, is_causal=causal, scale=scale,
-                                                      enable_gqa=gqa)
-                       for a, b in zip(bounds[:-1], bounds[1:])], dim=2)
-    return o.squeeze(0).transpose(0, 1)
-
-
-@functools.lru_cache(maxsize=None)
-def _optional(module: str):
-    """An optional GPU package's module, or None."""
-    try:
-        return importlib.import_module(module)
-    except Exception:  # noqa: BLE001 - absent, or a CUDA build that cannot load here
-        return None
-
-
-def _flash_varlen():
-    flash = _optional("flash_attn")
-    return getattr(flash, "flash_attn_varlen_func", None)
-
-
-def _te_pytorch():
-    return _optional("transformer_engine.pytorch")
-
-
-def available_backends() -> list[str]:
-    """Backends usable in this process ("sdpa" always)."""
-    cuda = torch.cuda.is_available()
-    return ([b for b, ok in (("flash", cuda and _flash_varlen() is not None),
-                             ("te", cuda and _te_pytorch() is not None)) if ok] + ["sdpa"])
-
-
-def _te_mask_types() -> tuple:
-    """The attn_mask_type values the installed Transformer Engine knows ("padding_causal_bottom_right",
-    which slices need, since TE 1.9)."""
-    return getattr(_optional("transformer_engine.pytorch.constants"), "AttnMaskTypes", ())
-
-
-def _gpu_refusal(t: Tensor, auto: bool) -> Optional[str]:
-    """Why flash-attn's and TE's kernels cannot take ``t``, or None. A backend asked for by name needs
-    CUDA tensors (the library reports anything else itself); "auto" also wants what both libraries'
-    fast kernels need, so that it never picks one that then refuses."""
-    if not t.is_cuda:
-        return "needs CUDA tensors; use 'sdpa' or 'auto' on CPU"
-    if not auto:
-        return None
-    if t.dtype not in (torch.float16, torch.bfloat16):
-        return f"runs fp16 / bf16, not {t.dtype}"
-    if torch.cuda.get_device_capability(t.device) < (8, 0):
-        return "needs compute capability 8.0 or newer"
-    if t.shape[-1] % 8 or t.shape[-1] > 256:
-        return f"needs head_dim a multiple of 8 up to 256, not {t.shape[-1]}"
-    return None
-
-
-def _backend_refusal(backend: str, t: Tensor, sliced: bool, auto: bool) -> Optional[str]:
-    """Why ``backend`` cannot run attention over ``t`` (with prefix K/V when ``sliced``), or None."""
-    if backend == "sdpa":
-        return None
-    reason = _gpu_refusal(t, auto)
-    if reason is not None:
-        return reason
-    if backend == "flash":
-        return None if _flash_varlen() is not None else "needs the flash-attn package"
-    if _te_pytorch() is None:
-        return "needs Transformer Engine"
-    if sliced and "padding_causal_bottom_right" not in _te_mask_types():
-        return ("cannot attend from a slice to its prefix K/V: this Transformer Engine has no "
-                "'padding_causal_bottom_right' mask (TE >= 1.9 has); use 'flash' or 'sdpa'")
-    return None
-
-
-def _is_te_refusal(err: Exception) -> bool:
-    """Whether ``err`` is DotProductAttention finding no kernel for its inputs (a ValueError since TE
-    1.12, a plain Exception before; raised before any work is done)."""
-    return str(err).startswith("No dot product attention")
-
-
-def _prepend_prefixes(k: Tensor, v: Tensor, bounds: Sequence[int], prefixes: Sequence):
-    """Keys and values laid out ``[prefix; own]`` per segment, and their segment boundaries (the
-    ``cu_seqlens_kv`` of varlen kernels, whose ``cu_seqlens_q`` stays ``bounds``)."""
-    ks, vs, kv_bounds = [], [], [0]
-    for (a, b), prefix in zip(zip(bounds[:-1], bounds[1:]), prefixes):
-        if prefix is not None:
-            ks.append(prefix[0].to(k.dtype))
-            vs.append(prefix[1].to(v.dtype))
-        ks.append(k[a:b])
-        vs.append(v[a:b])
-        kv_bounds.append(kv_bounds[-1] + (b - a) + (0 if prefix is None else prefix[0].shape[0]))
-    return torch.cat(ks), torch.cat(vs), kv_bounds
-
-
-def _te_no_kernel_message(sliced: bool) -> str:
-    mask = "'padding_causal_bottom_right' over THD, cu_seqlens_kv != cu_seqlens_q" if sliced else "THD"
-    return (f"Transformer Engine has no kernel for this attention ({mask}): it needs flash-attn installed, or "
-            "a cuDNN FusedAttention that takes it (recent TE: THD on sm90+, bottom-right causal from cuDNN 9.6 "
-            "and without dropout); NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 prints TE's reasons. Use 'flash', 'sdpa' "
-            "or 'auto'")
-
-
 # ---- the core attention module -------------------------------------------------------------------
 
 class UlyssesAttention(MegatronModule):
@@ -604,73 +282,20 @@ class UlyssesAttention(MegatronModule):
         # the softmax (an fp16 range trick): the net scale is the plain one.
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self._te_modules: dict = {}  # per (heads, kv heads, sliced): TE modules hold no parameters
+        self._kernels = LayerKernels(backend, self.head_dim, self.softmax_scale, self.dropout_p, self.layer_number)
 
-    # -- backends --
+    # -- backends (runtime/kernels) --
     def _resolve_backend(self, t: Tensor, sliced: bool = False) -> str:
-        """The backend of one call over ``t`` (``sliced``: some segment attends to prefix K/V). A
-        named backend that cannot run it is refused with the reason; "auto" takes the first of
-        AUTO_ORDER that can, else SDPA."""
-        if self.backend != "auto":
-            reason = _backend_refusal(self.backend, t, sliced, auto=False)
-            if reason is not None:
-                raise RuntimeError(f"attention backend {self.backend!r} {reason}")
-            return self.backend
-        return next((b for b in AUTO_ORDER if _backend_refusal(b, t, sliced, auto=True) is None), "sdpa")
+        """The backend of one call over ``t`` (``sliced``: some segment attends to prefix K/V), as
+        ``kernels.pick_kernel`` decides: a named backend that cannot run it is refused with the
+        reason; "auto" takes the first of AUTO_ORDER that can, else SDPA."""
+        return self._kernels.pick(t, sliced).name
 
     def _packed(self, q, k, v, bounds, causal, cache, prefixes=None) -> Tensor:
         """q [S, hq, dh], k/v [S, hk, dh] over the segments ``bounds`` -> [S, hq, dh]. ``prefixes``
         (pieces of split sequences): per segment None or the (K, V) [C, hk, dh] of its sequence's
         earlier positions, which it sees whole. ``cache``: per-micro-batch dict for cu_seqlens."""
-        p = self.dropout_p if self.training else 0.0
-        sliced = prefixes is not None
-        backend = self._resolve_backend(q, sliced)
-        if backend != "sdpa":
-            k_all, v_all, kv_bounds = _prepend_prefixes(k, v, bounds, prefixes) if sliced else (k, v, bounds)
-            cu = cache.get("cu") if cache is not None else None
-            if cu is None:
-                cu_q = torch.tensor(bounds, dtype=torch.int32, device=q.device)
-                cu = (cu_q, torch.tensor(kv_bounds, dtype=torch.int32, device=q.device) if sliced else cu_q)
-                if cache is not None:
-                    cache["cu"] = cu
-            max_q = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-            max_kv = max(b - a for a, b in zip(kv_bounds[:-1], kv_bounds[1:]))
-            if backend == "flash":  # causal=True aligns bottom-right (flash-attn >= 2.1): a slice sees its prefix
-                return _flash_varlen()(q, k_all, v_all, cu[0], cu[1], max_q, max_kv, dropout_p=p,
-                                       softmax_scale=self.softmax_scale, causal=causal)
-            try:
-                return self._te(q, k_all, v_all, cu, max_q, max_kv, causal, sliced)
-            except Exception as err:  # noqa: BLE001 - TE's "no kernel" is a plain Exception before TE 1.12
-                if not _is_te_refusal(err):
-                    raise
-                if self.backend != "auto":
-                    raise RuntimeError(_te_no_kernel_message(sliced)) from err
-                warnings.warn(f"{_te_no_kernel_message(sliced)}; 'auto' runs SDPA for it", stacklevel=2)
-        if sliced:
-            from megatron_ext.runtime.slices import prefixed_attention
-
-            return prefixed_attention(q, k, v, bounds, prefixes, causal, self.softmax_scale, p)
-        return sdpa_packed(q, k, v, bounds, causal, self.softmax_scale, p)
-
-    def _te(self, q, k, v, cu, max_q, max_kv, causal, sliced) -> Tensor:
-        """Transformer Engine's DotProductAttention in "thd" format. With prefixes the keys outnumber
-        the queries per segment: cross-attention, causal aligned bottom-right."""
-        hq, hk = q.shape[1], k.shape[1]
-        if causal:
-            mask_type = "padding_causal_bottom_right" if sliced else "padding_causal"
-        else:
-            mask_type = "padding"
-        mod = self._te_modules.get((hq, hk, sliced))
-        if mod is None:
-            mod = _te_pytorch().DotProductAttention(
-                num_attention_heads=hq, kv_channels=self.head_dim, num_gqa_groups=hk, attention_dropout=self.dropout_p,
-                qkv_format="thd", attn_mask_type=mask_type, attention_type="cross" if sliced else "self",
-                softmax_scale=self.softmax_scale, layer_number=self.layer_number)
-            self._te_modules[(hq, hk, sliced)] = mod
-        mod.train(self.training)
-        out = mod(q, k, v, qkv_format="thd", cu_seqlens_q=cu[0], cu_seqlens_kv=cu[1], max_seqlen_q=max_q,
-                  max_seqlen_kv=max_kv, attn_mask_type=mask_type)
-        return out.view(q.shape[0], hq, -1)
+        return self._kernels.attend(q, k, v, bounds, causal, training=self.training, prefixes=prefixes, cache=cache)
 
     # -- forward --
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
@@ -703,12 +328,10 @@ class UlyssesAttention(MegatronModule):
             raise ValueError(f"Ulysses degree {d} must divide the attention heads ({hq}) and KV heads ({hk})")
         if d > 1:
             q, k, v = self._exchange_qkv(q, k, v, params.sp_group, d)
-        if params.sliced:  # pieces of split sequences: prefix K/V from earlier chunks (runtime/slices.py)
-            from megatron_ext.runtime.slices import sliced_attention
-
-            out = sliced_attention(self, q[:, 0], k[:, 0], v[:, 0], params, causal)
-        else:
-            out = self._packed(q[:, 0], k[:, 0], v[:, 0], params.segment_bounds(), causal, params._cache)
+        q, k, v = q[:, 0], k[:, 0], v[:, 0]
+        # pieces of split sequences: prefix K/V from earlier chunks (runtime/slices.py)
+        prefixes = slice_prefixes(params, self.layer_number, k, v) if params.sliced else None
+        out = self._packed(q, k, v, params.segment_bounds(), causal, params._cache, prefixes)
         out = out.unsqueeze(1)  # [S, 1, hq/d, dh]
         if d > 1:
             out = all_to_all(out, params.sp_group, scatter_dim=0, gather_dim=2)
@@ -755,67 +378,6 @@ class UlyssesAttention(MegatronModule):
             o = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=p, is_causal=causal,
                                                scale=self.softmax_scale, enable_gqa=gqa)
         return o.permute(2, 0, 1, 3).reshape(s, b, -1)
-
-
-# ---- RoPE at true positions ----------------------------------------------------------------------
-
-def rotary_pos_emb_at(rotary: RotaryEmbedding, position_ids: Tensor, max_position: Optional[int] = None) -> Tensor:
-    """Megatron's rotary frequencies for given positions: ``[n, 1, 1, dim]`` for ``n`` position ids,
-    i.e. rows ``position_ids`` of ``rotary(L)`` (which covers positions 0..L-1). Feed it to the
-    attention layers as ``rotary_pos_emb`` of a packed shard whose tokens sit at those positions."""
-    pos = position_ids.reshape(-1).long()
-    n = (int(pos.max()) if max_position is None else int(max_position)) + 1
-    table = RotaryEmbedding.forward(rotary, n, 0, True)  # packed_seq=True: no CP slicing; lru-cached
-    return table.index_select(0, pos.to(table.device))
-
-
-class TruePositionRotaryEmbedding(RotaryEmbedding):
-    """GPTModel's RotaryEmbedding, made to honour ``UlyssesPackedSeqParams.position_ids``.
-
-    GPTModel._preprocess calls ``get_rotary_seq_len(..., packed_seq_params)`` and then
-    ``forward(seq_len, ...)``. For a UlyssesPackedSeqParams micro-batch the first call remembers the
-    params and the second returns ``rotary_pos_emb_at(self, params.position_ids)``: one row per local
-    token, at its position in its own sequence. Any other call behaves as RotaryEmbedding.
-    Installed on an existing model by ``use_true_positions_for_rope``.
-    """
-
-    _pending_params: Optional[UlyssesPackedSeqParams] = None
-
-    def get_rotary_seq_len(self, inference_context, transformer, transformer_input, transformer_config,
-                           packed_seq_params=None, **kwargs) -> int:
-        if isinstance(packed_seq_params, UlyssesPackedSeqParams):
-            self._pending_params = packed_seq_params
-            return packed_seq_params.shard_len
-        self._pending_params = None
-        return super().get_rotary_seq_len(inference_context, transformer, transformer_input, transformer_config,
-                                           packed_seq_params, **kwargs)
-
-    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> Tensor:
-        params, self._pending_params = self._pending_params, None
-        if params is None:
-            return super().forward(max_seq_len, offset, packed_seq, cp_group)
-        if max_seq_len != params.shard_len or offset:
-            raise ValueError("TruePositionRotaryEmbedding: call get_rotary_seq_len with the same "
-                             "UlyssesPackedSeqParams right before forward")
-        return rotary_pos_emb_at(self, params.position_ids, params.max_position_id)
-
-
-def _unwrap(model):
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
-
-
-def use_true_positions_for_rope(model) -> None:
-    """Make a GPTModel's RoPE use UlyssesPackedSeqParams.position_ids (idempotent; a no-op for
-    models without RoPE). Works through DDP / Float16Module wrappers."""
-    m = _unwrap(model)
-    rope = getattr(m, "rotary_pos_emb", None)
-    if rope is None or isinstance(rope, TruePositionRotaryEmbedding):
-        return
-    if type(rope) is not RotaryEmbedding:
-        raise NotImplementedError(f"true-position RoPE supports megatron's RotaryEmbedding, not {type(rope).__name__}")
-    rope.__class__ = TruePositionRotaryEmbedding  # same state, position-aware methods
 
 
 # ---- layer specs -------------------------------------------------------------------------------------

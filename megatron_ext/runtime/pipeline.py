@@ -748,7 +748,8 @@ def build_pipeline_model(spec, vocab_size: int, max_seq_len: int, backend: str =
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_ext.runtime.attention import get_gpt_layer_ulysses_spec, use_true_positions_for_rope
+    from megatron_ext.runtime.attention import get_gpt_layer_ulysses_spec
+    from megatron_ext.runtime.rope import use_true_positions_for_rope
     from megatron_ext.runtime.device import rank_device
 
     P = ps.get_pipeline_model_parallel_world_size()

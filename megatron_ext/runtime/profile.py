@@ -50,9 +50,9 @@ from megatron_ext.errors import ConfigError, MegatronExtError
 warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 
-from megatron_ext.runtime.attention import (UlyssesAttention, UlyssesPackedSeqParams,  # noqa: E402
-                                            available_backends)
+from megatron_ext.runtime.attention import UlyssesAttention, UlyssesPackedSeqParams  # noqa: E402
 from megatron_ext.runtime.backends import ATTENTION_BACKENDS  # noqa: E402
+from megatron_ext.runtime.kernels import available_backends  # noqa: E402
 from megatron_ext.runtime.device import DEVICE_CHOICES, choose_device, init_rank_process_group, rank_device  # noqa: E402
 from megatron_ext.runtime.timing import DeviceClock  # noqa: E402
 

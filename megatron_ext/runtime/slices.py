@@ -22,18 +22,17 @@ communication. Recomputation (activation checkpointing) re-runs a layer's forwar
 later slices' entries are ignored) and does not store its K/V twice.
 
 One ``PrefixKVCache`` per step (or per pipeline) and rank, shared by the ``UlyssesPackedSeqParams``
-of every chunk (``prefix_cache=``); ``UlyssesAttention`` calls ``sliced_attention`` when a
-micro-batch has pieces of split sequences. A rank's cache holds its own layers only.
+of every chunk (``prefix_cache=``); ``UlyssesAttention`` asks ``slice_prefixes`` for the prefix
+K/V of a micro-batch with pieces of split sequences and hands them to its attention kernel
+(``runtime/kernels``: ``AttentionKernel.prefixed``). A rank's cache holds its own layers only.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor
-
-from megatron_ext.runtime.attention import prefix_sdpa, sdpa_packed
 
 
 @dataclass
@@ -182,48 +181,17 @@ class _Inject:
         return grad
 
 
-# ---- attention over packed segments, some with a prefix ---------------------------------------
+# ---- the prefixes of one packed buffer -----------------------------------------------------------
 
-def prefixed_attention(q: Tensor, k: Tensor, v: Tensor, bounds: Sequence[int], prefixes: Sequence, causal: bool,
-                       scale: float, dropout_p: float = 0.0) -> Tensor:
-    """SDPA within each packed segment of ``q`` [S, hq, dh], ``k``/``v`` [S, hk, dv], where segment i
-    (``bounds[i]:bounds[i+1]``) also attends to ``prefixes[i] = (pk, pv)`` ([C_i, hk, d], all visible:
-    they precede the segment) or to nothing (None). No mask covers a prefix: a segment with one runs
-    ``prefix_sdpa`` (the prefix and its own keys as two kernel calls merged by log-sum-exps), and
-    the runs of segments between such segments go through the packed path of whole sequences."""
-    def heads_first(t):
-        return t.transpose(0, 1).unsqueeze(0)  # [n, h, d] -> [1, h, n, d]
+def slice_prefixes(params, layer: int, k: Tensor, v: Tensor) -> Optional[list]:
+    """For UlyssesAttention's attention over a packed buffer holding pieces of split sequences: the
+    prefix K/V of each segment (``AttentionKernel.prefixed``), or None where no segment has one.
 
-    def without_prefix(first: int, stop: int) -> Tensor:  # segments first..stop-1
-        a, b = bounds[first], bounds[stop]
-        return sdpa_packed(q[a:b], k[a:b], v[a:b], [x - a for x in bounds[first:stop + 1]], causal, scale, dropout_p)
-
-    outs, first = [], 0
-    for i, prefix in enumerate(prefixes):
-        if prefix is None:
-            continue
-        if first < i:
-            outs.append(without_prefix(first, i))
-        a, b = bounds[i], bounds[i + 1]
-        o = prefix_sdpa(heads_first(q[a:b]), heads_first(prefix[0].to(k.dtype)), heads_first(prefix[1].to(v.dtype)),
-                        heads_first(k[a:b]), heads_first(v[a:b]), causal, scale, dropout_p)
-        outs.append(o.squeeze(0).transpose(0, 1))
-        first = i + 1
-    if first < len(prefixes):
-        outs.append(without_prefix(first, len(prefixes)))
-    return torch.cat(outs) if len(outs) > 1 else outs[0]
-
-
-def sliced_attention(module, q: Tensor, k: Tensor, v: Tensor, params, causal: bool) -> Tensor:
-    """UlyssesAttention's attention over a packed buffer holding pieces of split sequences.
-
-    ``q`` [S, hq, dh], ``k``/``v`` [S, hk, dh]: the whole group buffer after the all-to-all (this
-    rank's heads). For every real segment with a prefix (start > 0) the prefix K/V comes from
+    ``k``/``v`` [S, hk, dh]: the whole group buffer after the all-to-all (this rank's heads), of
+    layer ``layer``. For every real segment with a prefix (start > 0) the prefix K/V comes from
     ``params.prefix_cache``; every segment whose sequence continues in a later chunk stores its K/V
-    and, when autograd records, gets its held prefix gradient added to its dK/dV in backward. The
-    module's backend runs the attention (``UlyssesAttention._packed``)."""
+    and, when autograd records, gets its held prefix gradient added to its dK/dV in backward."""
     cache: PrefixKVCache = params.prefix_cache
-    layer = module.layer_number
     bounds = params.segment_bounds()
     n_real = len(params.seq_lengths)
     starts = params.seq_starts or (0,) * n_real
@@ -244,4 +212,4 @@ def sliced_attention(module, q: Tensor, k: Tensor, v: Tensor, params, causal: bo
         if v.requires_grad:
             v.register_hook(_Inject(cache, layer, "v", rows))
     has_prefix = any(p is not None for p in prefixes)  # first slices only store: plain packed attention
-    return module._packed(q, k, v, bounds, causal, params._cache, prefixes if has_prefix else None)
+    return prefixes if has_prefix else None

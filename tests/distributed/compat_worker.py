@@ -126,7 +126,8 @@ def _models(ulysses_backend="sdpa", **cfg):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megatron_ext.runtime.attention import get_gpt_layer_ulysses_spec, use_true_positions_for_rope
+    from megatron_ext.runtime.attention import get_gpt_layer_ulysses_spec
+    from megatron_ext.runtime.rope import use_true_positions_for_rope
 
     config = _config(**cfg)
     kw = dict(vocab_size=97, max_sequence_length=128, position_embedding_type="rope")
@@ -332,8 +333,8 @@ def backends_on_cpu_and_bf16():
     import pytest
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_ext.runtime.attention import (UlyssesAttention, UlyssesPackedSeqParams, available_backends,
-                                                get_gpt_layer_ulysses_spec)
+    from megatron_ext.runtime.attention import UlyssesAttention, UlyssesPackedSeqParams, get_gpt_layer_ulysses_spec
+    from megatron_ext.runtime.kernels import available_backends
 
     assert available_backends() == ["sdpa"]
     cfg = _config()

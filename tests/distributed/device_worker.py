@@ -46,7 +46,7 @@ def _two_rank_cost():
 
 @check
 def host_tensor_into_our_all_to_all_is_refused():
-    from megatron_ext.runtime.attention import all_to_all
+    from megatron_ext.runtime.comm import all_to_all
 
     group = ST["pool"].get((0, 1))
     with pytest.raises(DeviceDisciplineError, match="all_to_all_single .* host tensor"):
@@ -58,7 +58,7 @@ def host_tensor_into_our_all_to_all_is_refused():
 
 @check
 def dtype_nccl_lacks_is_refused():
-    from megatron_ext.runtime.attention import all_to_all
+    from megatron_ext.runtime.comm import all_to_all
 
     with pytest.raises(DeviceDisciplineError, match="int16 .* not one NCCL carries"):
         all_to_all(torch.zeros(2, 4, dtype=torch.int16, device=rank_device()), ST["pool"].get((0, 1)),

@@ -86,7 +86,8 @@ def _reference(ref, batch):
 def _slice_model(num_layers=2, recompute_layers=0):
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megatron_ext.runtime.attention import get_gpt_layer_ulysses_spec, use_true_positions_for_rope
+    from megatron_ext.runtime.attention import get_gpt_layer_ulysses_spec
+    from megatron_ext.runtime.rope import use_true_positions_for_rope
 
     key = ("slice_model", num_layers, recompute_layers)
     if key not in ST:
@@ -229,8 +230,7 @@ def slices_dependency_violations_fail_clearly():
 
 @check
 def slices_prefix_attention_matches_float64_reference():
-    from megatron_ext.runtime import attention as A
-    from megatron_ext.runtime import slices as S
+    from megatron_ext.runtime import kernels as A
 
     g = torch.Generator().manual_seed(ST["rank"])
     fails = Failures()
@@ -246,7 +246,7 @@ def slices_prefix_attention_matches_float64_reference():
                 k, v = (torch.randn(S_, 2, 4, generator=g, dtype=torch.float64) for _ in range(2))
                 pref = [None if c == 0 else (torch.randn(c, 2, 4, generator=g, dtype=torch.float64),
                                              torch.randn(c, 2, 4, generator=g, dtype=torch.float64)) for c in plens]
-                out = S.prefixed_attention(q, k, v, bounds, pref, True, 0.5)
+                out = A.prefixed_attention(q, k, v, bounds, pref, True, 0.5)
                 for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
                     kk = k[a:b] if pref[i] is None else torch.cat([pref[i][0], k[a:b]])
                     vv = v[a:b] if pref[i] is None else torch.cat([pref[i][1], v[a:b]])

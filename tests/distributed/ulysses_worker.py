@@ -223,7 +223,7 @@ def ulysses_degree2_gqa_two_query_heads_per_kv_head():
 def ulysses_dense_mask_sdpa_path():
     # CPU runs one call per sequence; the one-masked-call path (CUDA's default for small buffers)
     # must give the same attention
-    import megatron_ext.runtime.attention as A
+    import megatron_ext.runtime.kernels as A
 
     saved = A.SDPA_DENSE_MASK_MAX_ELEMENTS["cpu"]
     A.SDPA_DENSE_MASK_MAX_ELEMENTS["cpu"] = 1 << 22
@@ -259,7 +259,7 @@ def ulysses_rejects_heads_not_divisible_by_degree():
 
 @check
 def all_to_all_exchanges_sequence_and_heads():
-    from megatron_ext.runtime.attention import all_to_all
+    from megatron_ext.runtime.comm import all_to_all
 
     pool, r = ST["pool"], ST["rank"]
     g = pool.get((0, 1, 2, 3))
@@ -288,8 +288,8 @@ def rope_uses_true_positions():
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_ext.runtime.attention import (TruePositionRotaryEmbedding, UlyssesPackedSeqParams,
-                                                rotary_pos_emb_at, use_true_positions_for_rope)
+    from megatron_ext.runtime.attention import UlyssesPackedSeqParams
+    from megatron_ext.runtime.rope import TruePositionRotaryEmbedding, rotary_pos_emb_at, use_true_positions_for_rope
 
     cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
     D = 16
@@ -339,7 +339,8 @@ def _gpt_models(recompute: bool = False):
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_ext.runtime.attention import get_gpt_layer_ulysses_spec, use_true_positions_for_rope
+    from megatron_ext.runtime.attention import get_gpt_layer_ulysses_spec
+    from megatron_ext.runtime.rope import use_true_positions_for_rope
 
     key = ("gpt", recompute)
     if key in ST:
@@ -427,8 +428,8 @@ def megatron_pipeline_schedule_pp2_runs_on_cpu():
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_ext.runtime.attention import (UlyssesPackedSeqParams, get_gpt_layer_ulysses_spec,
-                                                use_true_positions_for_rope)
+    from megatron_ext.runtime.attention import UlyssesPackedSeqParams, get_gpt_layer_ulysses_spec
+    from megatron_ext.runtime.rope import use_true_positions_for_rope
 
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)

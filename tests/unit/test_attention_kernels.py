@@ -1,5 +1,5 @@
-"""The attention kernels of runtime/attention.py and runtime/slices.py against dense float64
-references, and the backend resolution with stand-ins for flash-attn and Transformer Engine."""
+"""The attention kernels of runtime/kernels (also through UlyssesAttention and runtime/slices.py)
+against dense float64 references, and the backend resolution with stand-ins for flash-attn and Transformer Engine."""
 import contextlib
 import types
 
@@ -12,9 +12,10 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-import megatron_ext.runtime.attention as A
-from megatron_ext.runtime.attention import UlyssesAttention, UlyssesPackedSeqParams, masked_sdpa, prefix_sdpa
-from megatron_ext.runtime.slices import PrefixKVCache, prefixed_attention
+import megatron_ext.runtime.kernels.base as A  # where the optional packages are found and CUDA is asked for
+from megatron_ext.runtime.attention import UlyssesAttention, UlyssesPackedSeqParams
+from megatron_ext.runtime.kernels import SDPA_DENSE_MASK_MAX_ELEMENTS, masked_sdpa, prefix_sdpa, prefixed_attention
+from megatron_ext.runtime.slices import PrefixKVCache
 
 
 def _dense(q, k, v, allowed, scale):
@@ -122,7 +123,7 @@ def _packed_case(seed, lengths, prefix_lens, hq, hk, dtype=torch.float32):
 @pytest.mark.parametrize("dense_limit", [0, 1 << 22])  # per-sequence SDPA calls, then one masked call
 @pytest.mark.parametrize("hq,hk", [(4, 2), (2, 2)])
 def test_packed_sequences_some_sliced_match_a_dense_reference(dense_limit, hq, hk, monkeypatch):
-    monkeypatch.setitem(A.SDPA_DENSE_MASK_MAX_ELEMENTS, "cpu", dense_limit)
+    monkeypatch.setitem(SDPA_DENSE_MASK_MAX_ELEMENTS, "cpu", dense_limit)
     lengths, prefix_lens = [7, 12, 3, 9, 5, 4], [0, 20, 0, 0, 6, 0]  # the last segment plays the padding
     q, k, v, bounds, prefixes = _packed_case(1, lengths, prefix_lens, hq, hk)
     grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(2))
@@ -232,7 +233,7 @@ def _fake_te(mask_types=("padding", "padding_causal", "padding_causal_bottom_rig
 
 
 def _install(monkeypatch, flash=None, te=None, on_gpu=True):
-    """Make runtime/attention.py see these packages (None: absent) and, with ``on_gpu``, take CPU
+    """Make runtime/kernels see these packages (None: absent) and, with ``on_gpu``, take CPU
     tensors for what its GPU kernels take."""
     modules = {"flash_attn": flash}
     if te is not None:
