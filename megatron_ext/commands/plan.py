@@ -1,124 +1,144 @@
-"""CLI glue for pipeline planning and simulation, kept out of cli.py so it wires in with one line
-per hook (see the functions' docstrings):
+"""``megatron-ext plan``: plan one step from lengths and print the StepPlan.
 
-- ``add_simulate_command(sub, add_cost_args, cost_from_args, parse_tokens)``: the
-  ``megatron-ext simulate`` subcommand (many steps, every planner, one table; ``--json``).
-- ``add_pipeline_args(parser)``: ``--pp``, ``--sp``, ``--b1-scale``, ``--memory-mb``, ``--plot`` for
-  ``plan`` (and ``simulate``).
-- ``run_pp_plan(args, cost, lengths)``: ``plan --planner elastic_pp|seq1f1b|batch_1f1b|auto``:
-  plans, times the baselines, prints the summary (or the StepPlan JSON with ``--json``), and
-  draws the plan with ``--plot FILE.png``; ``describe_plan`` is its summary.
-- ``plot_if_asked(args, plan, lengths, cost)``: the ``--plot`` hook for FlexSP-kind planners in
-  cli.cmd_plan.
+A FlexSP-kind planner's plan prints as a table of micro-batches and SP groups,
+a pipeline planner's (elastic_pp, seq1f1b, batch_1f1b, auto) as a summary with the simulated
+bubble, recompute and memory (``describe_plan``) and what each pipeline runs
+(``pipeline_tables``); ``--json`` prints the StepPlan JSON instead. ``--plot FILE.png`` draws the
+plan (``plot.py``), ``--trace FILE.json`` writes its simulated timeline as a Chrome trace.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import math
+import sys
 
 import numpy as np
 
-from megatron_ext.data.lengths import DISTRIBUTIONS, read_lengths
-from megatron_ext.errors import ConfigError, LengthsError
+from megatron_ext.commands.args import (add_batch_source_args, add_cost_args, add_pipeline_args, add_planner_args,
+                                        check_args, cost_from_args, options_from_args, parse_tokens,
+                                        pipeline_options_from_args)
+from megatron_ext.cost import CostModel
+from megatron_ext.data.batches import dataset_batches
+from megatron_ext.data.lengths import read_lengths, sample_lengths
+from megatron_ext.errors import ConfigError
 from megatron_ext.plan.pipelines import replica_groups
+from megatron_ext.planner import PLANNERS, make_plan
+from megatron_ext.planner.api import BASELINES
 from megatron_ext.text import plural
 
 
-PLOT_FORMATS = (".png", ".pdf", ".svg")
-PIPELINE_ONLY = {"pp": "--pp", "sp": "--sp", "b1_scale": "--b1-scale", "recompute": "--recompute",
-                 "recompute_ties": "--recompute-ties"}  # options that only pipeline planners use
+def add_plan_command(sub) -> None:
+    p = sub.add_parser("plan", help="plan one step from lengths and print the StepPlan")
+    add_batch_source_args(p, default_dist="wikipedia")
+    p.add_argument("--step", type=int, default=0, metavar="K",
+                   help="with --dist or --data: plan step K of `simulate` (seed + K) or of a training run on --data "
+                        "(default 0)")
+    p.add_argument("--max-seq-len", type=parse_tokens, metavar="L",
+                   help="longest sequence, e.g. 384K (default: the longest the planner can run on the cluster; "
+                        "with --data, needed: the length training cuts documents at)")
+    p.add_argument("--json", action="store_true", help="print the StepPlan JSON")
+    p.add_argument("--no-baselines", action="store_true", help="skip timing the baselines")
+    add_cost_args(p)
+    add_planner_args(p)
+    add_pipeline_args(p)
+    p.set_defaults(func=cmd_plan)
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def cmd_plan(args) -> int:
+    from megatron_ext.planner.pipeline_api import PP_PLANNERS, max_seq_len
+
+    if args.planner not in PLANNERS and args.planner not in PP_PLANNERS:
+        raise ConfigError(f"unknown planner {args.planner!r}; choose one of {', '.join([*PLANNERS, *PP_PLANNERS])}")
+    pipelines = args.planner in PP_PLANNERS
+    check_args(args, pipelines)
+    cost = cost_from_args(args)
+    if args.static_degree is not None:
+        cost.check_degree(args.static_degree)
+    limit = args.max_seq_len or max_seq_len(args.planner, cost, pipeline_options_from_args(args) if pipelines else None)
+    lengths = lengths_from_args(args, limit)
+    if pipelines:
+        return run_pp_plan(args, cost, lengths)
+    options = options_from_args(args)
+    if args.planner == "flexsp":
+        _note_if_too_big(lengths[lengths <= cost.max_seq_len], cost, options.time_limit)
+    plan = make_plan(args.planner, lengths, cost, options, baselines=() if args.no_baselines else BASELINES)
+    print(plan.to_json(indent=1) if args.json else _plan_table(plan, lengths, cost, args.max_seq_len))
+    plot_if_asked(args, plan, lengths, cost)
+    trace_if_asked(args, plan, lengths, cost)
+    return 0
 
 
-def add_batch_source_args(p, default_dist: str) -> None:
-    """Where a command's lengths come from: ``--lengths FILE``, ``--dist NAME`` or ``--data PREFIX``
-    (with ``--batch N --seed S``)."""
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--lengths", metavar="FILE", help="text file, one sequence length per line (one batch)")
-    src.add_argument("--dist", default=default_dist, choices=sorted(DISTRIBUTIONS),
-                     help=f"synthetic length distribution (default: {default_dist})")
-    src.add_argument("--data", nargs="+", metavar="PREFIX",
-                     help="Megatron indexed dataset (PREFIX.bin/.idx), or a blend as Megatron-LM's --data-path takes "
-                          "it (W1 PREFIX1 W2 PREFIX2 ...): the batches a training run with this --seed, --batch and "
-                          "--max-seq-len (needed) draws, longer documents cut into pieces")
-    p.add_argument("--batch", type=int, default=512,
-                   help="sequences per step with --dist or --data (default 512; ignored with --lengths)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="sampling seed with --dist, shuffling seed with --data (train's --seed) (default 0)")
+def lengths_from_args(args, limit: int) -> np.ndarray:
+    """The batch of ``--lengths FILE`` (refused if over ``--max-seq-len`` without ``--drop-over-max``;
+    the planners drop or refuse what they cannot run), step ``--step`` of ``--data`` (documents
+    cut into pieces of at most ``--max-seq-len``, as training cuts them; its source on stderr), or sampled
+    from ``--dist`` up to ``limit`` with the seed ``simulate`` gives that step."""
+    if args.step < 0:
+        raise ConfigError(f"--step must be a step number (0 or more), got {args.step}")
+    if args.data:
+        if args.batch < 1:
+            raise ConfigError(f"--batch must be at least 1, got {args.batch}")
+        batches, source = dataset_batches(args.data, args.batch, limit, args.seed, range(args.step, args.step + 1))
+        print(f"batch: {source}", file=sys.stderr)
+        return batches[0]
+    if args.lengths:
+        lengths = read_lengths(args.lengths)
+        if args.max_seq_len:
+            over = lengths > args.max_seq_len
+            if over.any() and not args.drop_over_max:
+                raise ConfigError(f"{int(over.sum())} sequence(s) exceed --max-seq-len {args.max_seq_len} "
+                                  f"(longest {int(lengths.max())}); use --drop-over-max to drop them")
+        return lengths
+    return sample_lengths(args.dist, args.batch, args.seed + args.step, limit)
 
 
-def add_pipeline_args(p) -> None:
-    """``--memory-mb`` and ``--plot`` (every planner), and the pipeline planners' options."""
-    g = p.add_argument_group("memory and pictures (every planner)")
-    g.add_argument("--memory-mb", type=float, metavar="MB",
-                   help="usable memory per GPU, for every planner and the simulator (default: the cluster's)")
-    g.add_argument("--plot", metavar="FILE.png",
-                   help="draw the plan: timeline (stages or GPUs x seconds) and memory per GPU over time "
-                        f"({', '.join(PLOT_FORMATS)})")
-    g.add_argument("--trace", metavar="FILE.json",
-                   help="the simulated timeline as a Chrome trace (open it in ui.perfetto.dev): a track per GPU or "
-                        "stage, a slice per SP group, chunk, recompute and p2p transfer, memory counters")
-    g = p.add_argument_group("elastic pipelines (elastic_pp, seq1f1b, batch_1f1b, auto)")
-    g.add_argument("--pp", type=positive_int,
-                   help="pipeline stages (default: one per node; on one node, the fewest that fit)")
-    g.add_argument("--sp", type=positive_int,
-                   help="Ulysses degree inside a stage (default: GPUs / pp, up to the head limit); with pp x sp "
-                        "below the GPU count, GPUs / (pp x sp) replicas of the pipeline run side by side, each "
-                        "its share of the sequences")
-    g.add_argument("--b1-scale", type=float, metavar="X",
-                   help="per-chunk fixed cost of a stage = X * b1 / pp, b1 the model's per-micro-batch fixed cost "
-                        "(default 1: a chunk pays per layer what a FlexSP micro-batch pays, the InfiniPipe formula; "
-                        "see docs/elastic_pp.md)")
-    g.add_argument("--recompute", choices=("ilp", "greedy", "none", "full"),
-                   help="elastic_pp's activation recompute: per (stage, chunk) by the HiGHS ILP (default), by the "
-                        "greedy, none (chunks small enough to fit) or every layer")
-    g.add_argument("--recompute-ties", choices=("best", "tied", "untied"),
-                   help="the ILP's variables: tied along the schedule's diagonals (InfiniPipe), one per stage and "
-                        "chunk, or both and the faster simulated plan (default: best)")
+def _note_if_too_big(lengths: np.ndarray, cost: CostModel, time_limit: float) -> None:
+    """A note on stderr where flexsp's first plan alone, which its time limit cannot cut short,
+    takes longer here than the limit (a batch of a million sequences)."""
+    from megatron_ext.planner.flexsp import first_plan_seconds
+
+    need = first_plan_seconds(lengths, cost) if len(lengths) else 0.0
+    if need > time_limit:
+        print(f"note: planning {len(lengths):,} sequences takes about {need:.2g} s here (flexsp's first plan, which "
+              f"its time limit cannot cut short); --time-limit {time_limit:g} is too short", file=sys.stderr)
 
 
-def check_args(args, pipelines: bool) -> None:
-    """Before any work: ``--data`` with the length that cuts its documents, the plot file's format,
-    and no pipeline option without a pipeline planner (``pipelines``: the command runs one)."""
-    if getattr(args, "data", None) and not args.max_seq_len:
-        raise ConfigError("--data needs --max-seq-len: the length a training run cuts its documents at "
-                          "(train's --max-seq-len, Megatron-LM's --seq-length), so the batches are the run's")
-    plot = getattr(args, "plot", None)
-    if plot and not plot.lower().endswith(PLOT_FORMATS):
-        raise ConfigError(f"--plot {plot}: the file name must end in {', '.join(PLOT_FORMATS)}")
-    trace = getattr(args, "trace", None)
-    if trace and not trace.lower().endswith(".json"):
-        raise ConfigError(f"--trace {trace}: the file name must end in .json (Chrome trace-event JSON)")
-    given = [flag for name, flag in PIPELINE_ONLY.items() if getattr(args, name, None) is not None]
-    if given and not pipelines:
-        raise ConfigError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to pipeline planners "
-                          f"(elastic_pp, seq1f1b, batch_1f1b, auto), not to {getattr(args, 'planner', None) or getattr(args, 'planners', '')}")
-
-
-def pipeline_options_from_args(args):
-    from megatron_ext.planner.pipeline import PipelineOptions
-
-    t = getattr(args, "time_limit", 1.0)
-    if not (math.isfinite(t) and t > 0):
-        raise ConfigError(f"--time-limit must be positive (seconds), got {t}")
-    return PipelineOptions(pp=args.pp, sp=args.sp, b1_scale=1.0 if args.b1_scale is None else args.b1_scale,
-                           recompute=args.recompute or "ilp", ties=args.recompute_ties or "best", time_limit=t,
-                           pack_tokens=getattr(args, "max_seq_len", None))
+def _plan_table(plan, lengths, cost, max_seq_len: int | None = None) -> str:
+    lines = [f"{plan.planner} plan for {plural(len(lengths), 'sequence')} "
+             f"({int(lengths.sum()):,} tokens) "
+             f"of {cost.model.name} on {cost.cluster.name} ({cost.num_gpus} GPUs)", ""]
+    lines.append(f"{'mb':>3} {'time s':>8}  groups (degree x count: sequences, tokens)")
+    for m, mb in enumerate(plan.micro_batches):
+        by_deg: dict[int, list] = {}
+        for g in mb.groups:
+            by_deg.setdefault(g.degree, []).append(g)
+        parts = []
+        for d in sorted(by_deg, reverse=True):
+            gs = by_deg[d]
+            nseq = sum(len(g.seq_ids) for g in gs)
+            tok = sum(int(lengths[g.seq_ids].sum()) for g in gs)
+            parts.append(f"{d}x{len(gs)}: {nseq} seq, {tok:,} tok")
+        lines.append(f"{m:>3} {mb.estimated_time_s:>8.3f}  " + "; ".join(parts))
+    lb = plan.lower_bound_step_time_s
+    lines += ["", f"estimated step time {plan.estimated_step_time_s:.3f} s   lower bound {lb:.3f} s "
+              f"({plan.estimated_step_time_s / lb:.3f}x)   solved in {plan.solve_time_s * 1e3:.0f} ms "
+              f"[{plan.solver_status}]"]
+    if plan.dropped_seq_ids:
+        limit = min(cost.max_seq_len, max_seq_len or cost.max_seq_len)
+        lines.append(f"dropped {len(plan.dropped_seq_ids)} sequence(s) over the {limit}-token limit: "
+                     f"ids {plan.dropped_seq_ids[:10]}{' ...' if len(plan.dropped_seq_ids) > 10 else ''}")
+    if plan.baselines:
+        lines += ["", f"{'baseline':<22} {'step s':>8} {'mbs':>4} {'speedup of ' + plan.planner:>20}"]
+        for name, b in plan.baselines.items():
+            lines.append(f"{name:<22} infeasible: {b['error']}" if "error" in b else
+                         f"{name:<22} {b['estimated_step_time_s']:>8.3f} {b['num_micro_batches']:>4} "
+                         f"{b['speedup']:>19.2f}x")
+    return "\n".join(lines)
 
 
 def run_pp_plan(args, cost, lengths) -> int:
-    """Hook for cli.cmd_plan: ``if args.planner in PP_PLANNERS: return run_pp_plan(args, cost, lengths)``."""
+    """``plan`` with a pipeline planner (elastic_pp, seq1f1b, batch_1f1b, auto): plans, times the
+    baselines, prints the summary (or the StepPlan JSON with ``--json``), and draws the plan with
+    ``--plot FILE.png``."""
     from megatron_ext.planner.api import PlannerOptions
     from megatron_ext.planner.pipeline import PP_BASELINES
     from megatron_ext.planner.pipeline_api import make_pp_plan
@@ -280,9 +300,7 @@ def plot_if_asked(args, plan, lengths, cost) -> None:
     path = getattr(args, "plot", None)
     if not path:
         return
-    import sys
-
-    from megatron_ext.sim.plot import plot_plan
+    from megatron_ext.commands.plot import plot_plan
 
     opts = pipeline_options_from_args(args)
     try:
@@ -298,8 +316,6 @@ def trace_if_asked(args, plan, lengths, cost) -> None:
     path = getattr(args, "trace", None)
     if not path:
         return
-    import sys
-
     from megatron_ext.sim.trace import plan_trace_events, trace_document, write_trace
 
     events = plan_trace_events(plan, lengths, cost, b1_scale=pipeline_options_from_args(args).b1_scale)
@@ -308,91 +324,3 @@ def trace_if_asked(args, plan, lengths, cost) -> None:
     except OSError as e:
         raise ConfigError(f"cannot write the trace to {path}: {e.strerror or e}") from None
     print(f"trace of {plan.planner}'s plan written to {path} (open it in ui.perfetto.dev)", file=sys.stderr)
-
-
-def add_simulate_command(sub, add_cost_args, cost_from_args, parse_tokens) -> None:
-    """Hook for cli.build_parser: ``add_simulate_command(sub, add_cost_args, cost_from_args, parse_tokens)``."""
-    from megatron_ext.sim.table import DEFAULT_PLANNERS
-
-    p = sub.add_parser("simulate", help="simulate many steps with every planner and compare them in one table")
-    add_batch_source_args(p, default_dist="commoncrawl")
-    p.add_argument("--steps", type=int, default=5, help="steps with --dist or --data (default 5; ignored with --lengths)")
-    p.add_argument("--max-seq-len", type=parse_tokens, metavar="L",
-                   help="max context, e.g. 48K: the longest sampled sequence and the baselines' pack size "
-                        "(default: the longest every planner can run; with --data, needed: the length training "
-                        "cuts documents at)")
-    p.add_argument("--drop-over-max", action="store_true",
-                   help="with --lengths: drop sequences over --max-seq-len (default: over what every planner can run) "
-                        "instead of failing")
-    p.add_argument("--planners", default="all",
-                   help=f"comma-separated planners to compare (default: all, i.e. {', '.join(DEFAULT_PLANNERS)})")
-    p.add_argument("--main", help="the planner the speedups are relative to (default: the first of --planners)")
-    p.add_argument("--time-limit", type=float, default=1.0, metavar="SEC", help="planning time limit per step (default 1)")
-    p.add_argument("--json", action="store_true", help="rows, summary, compute floor and config as JSON")
-    add_cost_args(p)
-    add_pipeline_args(p)
-
-    def cmd_simulate(args) -> int:
-        from megatron_ext.planner.pipeline_api import PP_PLANNERS
-        from megatron_ext.sim.table import simulate_table
-
-        if args.batch < 1 or args.steps < 1:
-            raise ConfigError(f"--batch and --steps must be at least 1, got {args.batch} and {args.steps}")
-        if args.drop_over_max and not args.lengths:
-            raise ConfigError("--drop-over-max applies to --lengths: --dist samples and --data cuts its documents "
-                              "within --max-seq-len")
-        planners = DEFAULT_PLANNERS if args.planners == "all" else tuple(x.strip() for x in args.planners.split(","))
-        check_args(args, pipelines=any(x in PP_PLANNERS for x in planners))
-        cost = cost_from_args(args)
-        opts = pipeline_options_from_args(args)
-        lengths = None
-        if args.lengths:
-            lengths = _limited(read_lengths(args.lengths), args, cost, planners, opts)
-        out = simulate_table(cost, lengths=lengths, dist=args.dist, data=args.data, batch=args.batch, steps=args.steps,
-                             seed=args.seed,
-                             max_seq_len=args.max_seq_len, planners=planners, main=args.main, options=opts,
-                             time_limit=opts.time_limit, keep_plans=bool(args.plot or args.trace))
-        print(json.dumps({k: out[k] for k in ("config", "summary", "floor", "rows")}, indent=1) if args.json else out["table"])
-        if args.plot or args.trace:
-            main = out["config"]["main"]
-            first = out["plans"].get(main)
-            if first is None:
-                raise ConfigError(f"{'--plot' if args.plot else '--trace'}: {main} could not plan the first step, "
-                                  f"nothing to draw")
-            plan, lens = first
-            trace_if_asked(args, plan, lens, cost)
-        if args.plot:
-            import sys
-
-            from megatron_ext.sim.plot import plot_comparison
-
-            try:
-                plot_comparison(plan, lens, cost, out["summary"], main, args.plot, out["config"]["source"],
-                                b1_scale=opts.b1_scale)
-            except OSError as e:
-                raise ConfigError(f"cannot write the plot to {args.plot}: {e.strerror or e}") from None
-            print(f"plot of {main}'s first step written to {args.plot}", file=sys.stderr)
-        return 0
-
-    p.set_defaults(func=cmd_simulate)
-
-
-def _limited(lengths: np.ndarray, args, cost, planners, opts) -> np.ndarray:
-    """A lengths file's batch within ``--max-seq-len`` (default: what every planner can run), its
-    longer sequences dropped with ``--drop-over-max`` (a note on stderr says how many)."""
-    import sys
-
-    from megatron_ext.planner.pipeline_api import max_seq_len
-
-    limit = args.max_seq_len or min(max_seq_len(name, cost, opts) for name in planners)
-    over = lengths > limit
-    if not over.any():
-        return lengths
-    what = "--max-seq-len" if args.max_seq_len else "the longest every planner can run,"
-    if not args.drop_over_max:
-        raise LengthsError(f"{int(over.sum())} sequence(s) of {args.lengths} exceed {what} {limit} tokens "
-                           f"(longest {int(lengths.max())}); use --drop-over-max to drop them")
-    if over.all():
-        raise LengthsError(f"every sequence of {args.lengths} exceeds {what} {limit} tokens: nothing to simulate")
-    print(f"dropped {int(over.sum())} sequence(s) over {limit} tokens", file=sys.stderr)
-    return lengths[~over]
