@@ -1,5 +1,6 @@
-"""``megatron-ext profile``: measure the cost model's coefficients on this hardware and write a
-cost-model YAML that ``plan``, ``simulate`` and ``train`` accept via --cost-model.
+"""`megatron-ext profile`: measure the cost model's coefficients on this hardware.
+
+It writes a cost-model YAML that ``plan``, ``simulate`` and ``train`` accept via --cost-model.
 
 The launcher side (``run``) checks the options and starts one process per rank of the
 cluster with torchrun (``launch.py``). Every rank runs this module's ``main``: it joins the process

@@ -1,5 +1,6 @@
-"""``megatron-ext train``: train a small megatron-core GPT with per-step plans, on CPU ranks (gloo)
-or GPUs (NCCL), and print a line (or a JSON record, ``--json``) per step and a summary.
+"""`megatron-ext train`: real training of a small megatron-core GPT with per-step plans.
+
+On CPU ranks (gloo) or GPUs (NCCL); a line (or a JSON record, ``--json``) per step and a summary.
 
 The launcher side (``run``) checks the options and starts one process per rank of the
 cluster with torchrun (``launch.py``); with ``--compare P1,P2,...`` it trains once per planner, on

@@ -1,6 +1,6 @@
 """`megatron-ext`: the plan and bench commands, in process (cheap) and once as installed scripts.
 
-Contract (cli.py): every command prints a table, or JSON with --json; bad input is one line on
+Contract (commands/cli.py): every command prints a table, or JSON with --json; bad input is one line on
 stderr starting 'megatron-ext: error:' and exit status 2, never a traceback.
 """
 from __future__ import annotations
