@@ -255,6 +255,21 @@ def test_report_step_logs_line_tensorboard_and_planner_log(tmp_path):
     assert len(lines) == 1 and len(log.read_text().splitlines()) == 2
 
 
+def test_planner_log_records_have_trains_schema():
+    """One step-record schema (runtime/records.py): a Megatron-LM record holds every key `train`'s
+    does, with the same values for the same step."""
+    from megatron_ext.megatron.step import step_record
+    from megatron_ext.runtime import records
+
+    step = _step()
+    n = len(step.plan.micro_batches)
+    rec = step_record(step, 8, 1.5, [1.5 / n] * n)
+    common = records.step_record(step.plan, step.lengths, step=step.step, tokens=int(step.trained_lengths.sum()),
+                                 step_time_s=1.5, micro_batch_times_s=[1.5 / n] * n, plan_source=step.plan_source)
+    assert {k: rec[k] for k in common} == common
+    assert "measured_step_s" not in rec and "predicted_step_s" not in rec
+
+
 def test_report_reads_the_planner_log(tmp_path, capsys):
     """`megatron-ext report plans.jsonl`: the cost model's error over a Megatron-LM run."""
     from megatron_ext.commands.cli import main
