@@ -35,5 +35,5 @@ setup(
         # what Megatron-LM's training code imports beyond megatron-core (docs/megatron.md)
         "megatron-lm": ["six", "regex", "pydantic", "pybind11"],
     },
-    entry_points={"console_scripts": ["megatron-ext=megatron_ext.cli:main"]},
+    entry_points={"console_scripts": ["megatron-ext=megatron_ext.commands.cli:main"]},
 )

@@ -20,11 +20,10 @@ import os
 
 import numpy as np
 
+from megatron_ext.commands.table import DEFAULT_PLANNERS, simulate_table
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost, default_layout
 from megatron_ext.data.lengths import sample_lengths
-from megatron_ext.sim import simulate_table
-from megatron_ext.sim.table import DEFAULT_PLANNERS
 
 
 def _scale(text: str, cost: CostModel) -> float:
@@ -95,7 +94,7 @@ def main() -> None:
 def _figures(directory: str, cost: CostModel, out: dict, b1: float, tag: str, others: bool) -> None:
     """elastic_pp's first step with every planner's bars (``elastic_pp_<tag>.png``) and, with
     ``others``, the first steps of seq1f1b and flexsp (``<planner>_timeline.png``)."""
-    from megatron_ext.sim.plot import plot_comparison, plot_plan
+    from megatron_ext.commands.plot import plot_comparison, plot_plan
 
     os.makedirs(directory, exist_ok=True)
     plans = out["plans"]

@@ -45,7 +45,7 @@ if ! [[ "$GPUS" =~ ^[0-9]+$ ]] || (( GPUS < 1 || GPUS > HAVE || (GPUS & (GPUS - 
   exit 2
 fi
 OUT="$(mktemp -d "${TMPDIR:-/tmp}/gpu-smoke.XXXXXX")"
-CLI=("$PY" -m megatron_ext.cli)
+CLI=("$PY" -m megatron_ext.commands.cli)
 PP=1
 (( GPUS >= 2 )) && PP=2
 ROWS=()

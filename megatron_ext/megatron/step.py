@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from megatron_ext.data.loader import Step
 from megatron_ext.megatron.arguments import mode_flag
-from megatron_ext.plan.pipelines import replica_groups
+from megatron_ext.runtime import records
 from megatron_ext.runtime.device import rank_device
 from megatron_ext.runtime.schedule import StepTimes, flexsp_forward_step, micro_batch_inputs
 from megatron_ext.runtime.timing import DeviceClock
@@ -365,29 +365,27 @@ def _pipelines(plan, lengths) -> list[dict]:
 
 
 def step_record(step: Step, iteration: int, measured_s: float, measured_parts_s: list[float]) -> dict:
-    """One step's record. ``measured_parts_s``: the time of each micro-batch (FlexSP) or each
-    stage's busy time, forward and backward ops without waits (elastic pipelines; the slowest
-    replica's). ``replicas``: the pipeline replicas side by side (elastic pipelines)."""
+    """One step's record, of the schema ``megatron-ext train`` writes too (``runtime/records.py``),
+    with what only a Megatron-LM run knows. ``measured_parts_s``: the time of each micro-batch
+    (FlexSP) or each stage's busy time, forward and backward ops without waits (elastic pipelines;
+    the slowest replica's: ``measured_stage_busy_s``)."""
     plan = step.plan
     predicted = float(plan.estimated_step_time_s)
     kept = step.trained_lengths
+    piped = plan.kind == "elastic_pp"
     rec = {
-        "iteration": iteration, "step": step.step, "kind": plan.kind, "planner": plan.planner,
-        "plan_source": step.plan_source, "solver_status": plan.solver_status, "solve_time_s": plan.solve_time_s,
-        "plan_wait_s": step.plan_wait_s, "sequences": len(kept),
-        "tokens": int(kept.sum()), "dropped_seq_ids": list(plan.dropped_seq_ids),
-        "predicted_step_s": predicted, "measured_step_s": measured_s,
+        "iteration": iteration,
+        **records.step_record(plan, step.lengths, step=step.step, tokens=int(kept.sum()), step_time_s=measured_s,
+                              micro_batch_times_s=[] if piped else measured_parts_s, plan_source=step.plan_source),
+        "solver_status": plan.solver_status, "solve_time_s": plan.solve_time_s,
+        "plan_wait_s": step.plan_wait_s, "sequences": len(kept), "dropped_seq_ids": list(plan.dropped_seq_ids),
         "cost_model_error": (predicted - measured_s) / measured_s if measured_s > 0 else None,
         "digest": step.digest,
     }
-    if plan.kind == "elastic_pp":
-        pipes = _pipelines(plan, step.lengths)
-        rec.update(micro_batches=sum(p["chunks"] for p in pipes), pipelines=pipes,
-                   replicas=len(replica_groups(plan, plan.num_gpus)), measured_stage_busy_s=measured_parts_s)
+    if piped:
+        rec.update(pipelines=_pipelines(plan, step.lengths), measured_stage_busy_s=measured_parts_s)
     else:
-        rec.update(micro_batches=len(plan.micro_batches), groups_by_degree=_degrees(plan),
-                   predicted_micro_batch_s=[mb.estimated_time_s for mb in plan.micro_batches],
-                   measured_micro_batch_s=measured_parts_s)
+        rec.update(groups_by_degree=_degrees(plan))
     return rec
 
 
@@ -407,7 +405,7 @@ def summary_line(rec: dict) -> str:
     return (f" {rec['mode']} iteration {rec['iteration']:>8} | plan {rec['planner']} ({rec['plan_source']}, "
             f"{rec['solve_time_s'] * 1e3:.0f} ms, waited {rec['plan_wait_s'] * 1e3:.0f} ms) | "
             f"{rec['sequences']} seqs {rec['tokens']} tokens | {layout} | fwd-bwd predicted "
-            f"{rec['predicted_step_s']:.3f} s measured {rec['measured_step_s']:.3f} s"
+            f"{rec['predicted_step_time_s']:.3f} s measured {rec['step_time_s']:.3f} s"
             + (f" ({err:+.0%})" if err is not None else "") + " |")
 
 
@@ -472,7 +470,7 @@ def tensorboard_scalars(rec: dict) -> dict[str, float]:
     else:
         layout = {"max-sp-degree": max(rec["groups_by_degree"], default=0)}
     values = {
-        "predicted-fwd-bwd-time": rec["predicted_step_s"], "measured-fwd-bwd-time": rec["measured_step_s"],
+        "predicted-fwd-bwd-time": rec["predicted_step_time_s"], "measured-fwd-bwd-time": rec["step_time_s"],
         "cost-model-error": rec["cost_model_error"], "num-microbatches": rec["micro_batches"], **layout,
         "plan-solve-time": rec["solve_time_s"], "plan-wait-time": rec["plan_wait_s"],
         "plan-fallback": float(rec["plan_source"].endswith("fallback")), "tokens": rec["tokens"],

@@ -1,6 +1,8 @@
-"""`megatron-ext profile`: measure the cost model's coefficients on this hardware.
+"""Measure the cost model's coefficients on this hardware: the engine of ``megatron-ext profile``
+(``commands/profile.py`` parses its options, starts the ranks, prints the coefficients and writes
+the cost-model YAML).
 
-Run under torchrun (the CLI launches it) with one process per rank of the cluster. Every rank
+Run under torchrun with one process per rank of the cluster (``measure``). Every rank
 builds the model, then all ranks measure together, as in training (on a CPU box they share the
 cores, and that contention is part of what the coefficients must capture). With CUDA (``--device
 auto`` or ``cuda``) each rank runs on ``cuda:LOCAL_RANK`` over NCCL, the model is built there in
@@ -21,80 +23,32 @@ bf16 with the attention backend training will use, and device work is timed by C
 - activation memory per token: the bytes autograd saves for backward in a forward pass;
 - parameters: counted.
 
-Rank 0 writes a cost-model YAML (model + cluster inline; the ZeRO stage, device, dtype and
-attention backend it describes; a ``profile`` section with the measurements and fit residuals)
-that ``plan``, ``simulate`` and ``train`` accept via --cost-model.
+``measure`` returns the fitted cost model with what it was fitted from (``Profile``); the command
+writes it as a cost-model YAML that ``plan``, ``simulate`` and ``train`` accept via --cost-model.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
 import platform
 import statistics
-import sys
 import warnings
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import yaml
-from tqdm import tqdm
 
 from megatron_ext.cost import CostModel
-from megatron_ext.errors import ConfigError, MegatronExtError
+from megatron_ext.errors import ConfigError
 
 # megatron-core says on import, once per module, that CPU runs use its plain-torch fallbacks (the
-# launcher imports this module too, and its errors are one line)
+# launcher imports this module too, through commands/profile.py, and its errors are one line)
 warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 
 from megatron_ext.runtime.attention import UlyssesAttention, UlyssesPackedSeqParams  # noqa: E402
-from megatron_ext.runtime.backends import ATTENTION_BACKENDS  # noqa: E402
-from megatron_ext.runtime.kernels import available_backends  # noqa: E402
-from megatron_ext.runtime.device import DEVICE_CHOICES, choose_device, init_rank_process_group, rank_device  # noqa: E402
 from megatron_ext.runtime.timing import DeviceClock  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-ext profile", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny", help="model preset or YAML (its shape is what gets measured)")
-    p.add_argument("--cluster", default="cpu-4", help="cluster preset or YAML (its GPU count is the rank count)")
-    p.add_argument("--out", required=True, metavar="PATH", help="cost-model YAML to write")
-    p.add_argument("--lengths", default="128,256,512,1024,2048,3072",
-                   help="comma-separated sequence lengths of the compute sweep")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median is kept)")
-    p.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
-                   help="where the ranks run: cuda (NCCL, one GPU per rank), cpu (gloo), or auto: cuda where "
-                        "there is CUDA (default auto)")
-    p.add_argument("--dtype", choices=list(DTYPES), help="the model's dtype (default: bf16 on cuda, fp32 on cpu)")
-    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                   help="the core attention training will use (default auto: flash-attn, then Transformer Engine, "
-                        "on CUDA in bf16, else SDPA)")
-    p.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3],
-                   help="ZeRO stage of the profiled run's model states, written to the YAML (default 0, the plain "
-                        "Adam of `train`; 1 for Megatron-LM's --use-distributed-optimizer)")
-    return p
-
-
-def check_args(args, local_ranks: int) -> tuple[str, str]:
-    """Refuse what cannot run here before any rank starts (the launcher calls it, for the
-    ``local_ranks`` it starts on this machine, and every rank again). Returns the device type the
-    ranks run on ("cuda" or "cpu") and the dtype name."""
-    device = choose_device(args.device, local_ranks)
-    dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
-    usable = available_backends() if device == "cuda" else ["sdpa"]  # flash and TE run on CUDA tensors only
-    if args.attention_backend not in ("auto", *usable):
-        raise ConfigError(f"--attention-backend {args.attention_backend} cannot run on this {device} profile "
-                          f"(flash needs flash-attn, te Transformer Engine, both on CUDA); usable here: "
-                          f"auto, {', '.join(usable)}")
-    if args.attention_backend == "flash" and dtype == "fp32":
-        raise ConfigError("--attention-backend flash runs bf16 only (flash-attn has no fp32 kernels); "
-                          "use --dtype bf16")
-    return device, dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,18 +251,6 @@ def _a2a_sweep(pool, world: int, repeats: int, tick, setup: RankSetup) -> dict[i
     return out
 
 
-def _fields(spec) -> dict:
-    """A spec's fields for the cost-model YAML (its name is the file's; unset fields left out)."""
-    def tidy(v):
-        if isinstance(v, float):
-            return float(f"{v:.6g}")
-        if isinstance(v, dict):
-            return {k: tidy(x) for k, x in v.items()}
-        return v
-
-    return {k: tidy(v) for k, v in dataclasses.asdict(spec).items() if k != "name" and v is not None}
-
-
 def _activation_bytes(model) -> int:
     return next(model.parameters()).element_size()
 
@@ -446,41 +388,45 @@ def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int, setup:
                 "pipeline_chunks": len(plan.pipelines[0].chunks) if plan.pipelines else 0}
 
 
-def main(argv: list[str] | None = None) -> int:
-    import signal
+@dataclasses.dataclass
+class Profile:
+    """What ``measure`` found: the fitted cost model (``cost``), the attention backend it was measured
+    with, and what it was fitted from: ``fwd_bwd_ms`` (per degree, one pass of each length),
+    ``fit`` (``fit_profile``), the raw all-to-all sweep, the all-to-all figures the cost model got
+    (``a2a``: fitted where the heads allow the degree, else raw), the p2p handoff, and the real
+    FlexSP and pipeline steps the overheads were measured on (``runs``)."""
 
-    from megatron_ext.lifetime import die_with_parent, exit_quietly_on_stop_signals
-
-    # as train's ranks: stopped (torchrun passes SIGTERM / SIGINT on) or orphaned, a rank ends quietly
-    exit_quietly_on_stop_signals()
-    die_with_parent(signal.SIGTERM)
-    args = build_parser().parse_args(argv)
-    try:
-        _, dtype_name = check_args(args, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        init_rank_process_group(args.device)
-        try:
-            device = rank_device()
-            return _profile(args, RankSetup(device, dtype_name, args.attention_backend, DeviceClock(device)))
-        finally:
-            dist.destroy_process_group()
-    except MegatronExtError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"megatron-ext: error: {e}", file=sys.stderr)
-        return 2
+    cost: CostModel
+    attention: str
+    lengths: list[int]
+    fwd_bwd_ms: dict[int, list[float]]
+    fit: dict
+    raw_a2a: dict[int, dict]
+    a2a: dict[int, dict]
+    handoff_ms: float
+    runs: dict
 
 
-def _profile(args, setup: RankSetup) -> int:
+def measurements(world: int, spec, lengths: list[int]) -> int:
+    """How many times ``measure`` calls its ``tick``: for a progress bar."""
+    degrees = [d for d in (2**i for i in range(1, 12)) if d <= min(world, spec.max_sp_degree)]
+    a2a_degrees = int(np.log2(world)) if world > 1 else 0  # _a2a_sweep: every power of two up to the ranks
+    return len(lengths) + 3 * a2a_degrees + 4 + len(degrees) * len(lengths)
+
+
+def measure(base: CostModel, lengths: list[int], repeats: int, setup: RankSetup, tick=lambda what: None) -> Profile:
+    """Measure ``base``'s model on the run's ranks (collective: every rank calls it, the run's
+    process group up), each point ``repeats`` times, and fit the cost model's coefficients (the
+    module doc). ``tick(what)`` is called after each measurement (``measurements`` of them)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_ext.runtime.compat import apply_cpu_compat
     from megatron_ext.runtime.groups import SPGroupPool
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    base = CostModel.from_presets(args.model, args.cluster, args.zero_stage)
+    world = dist.get_world_size()
     if base.num_gpus != world:
         raise ConfigError(f"cluster {base.cluster.name} has {base.num_gpus} GPUs, {world} ranks were launched")
-    lengths = [int(x) for x in args.lengths.split(",")]
     apply_cpu_compat()
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(0)
@@ -490,34 +436,26 @@ def _profile(args, setup: RankSetup) -> int:
     attention = _measured_backend(model, setup)
     # every Ulysses degree the ranks and the model's heads allow (tiny's 4 KV heads stop at 4)
     degrees = [d for d in (2**i for i in range(1, 12)) if d <= min(world, base.model.max_sp_degree)]
-    a2a_degrees = int(np.log2(world)) if world > 1 else 0  # _a2a_sweep: every power of two up to the ranks
-    total = len(lengths) + 3 * a2a_degrees + 4 + len(degrees) * len(lengths)
-    progress = tqdm(total=total, disable=rank != 0, file=sys.stderr, bar_format="[{bar:30}] {n}/{total} {desc}")
-
-    def tick(what):
-        progress.set_description_str(what, refresh=False)
-        progress.update()
-
-    times_ms = _compute_sweep(model, lengths, vocab, args.repeats, tick, setup)
+    times_ms = _compute_sweep(model, lengths, vocab, repeats, tick, setup)
     gathered = [None] * world
     dist.all_gather_object(gathered, times_ms)
     per_length = np.median(np.array(gathered), axis=0)  # ranks ran concurrently; take the typical one
     act_mb = _saved_bytes_per_token(model, vocab, setup) / 2**20
     head_s = max(lengths)
     head = [None] * world
-    dist.all_gather_object(head, _head_ms(model, vocab, head_s, args.repeats, setup))
+    dist.all_gather_object(head, _head_ms(model, vocab, head_s, repeats, setup))
     tick("activation memory, output layer")
-    raw = _a2a_sweep(pool, world, args.repeats, tick, setup)
+    raw = _a2a_sweep(pool, world, repeats, tick, setup)
     spec = dataclasses.replace(base.model, vocab_size=vocab, activation_bytes=_activation_bytes(model))
     measured = {1: per_length.tolist(),
-                **_ulysses_sweep(model, pool, degrees, lengths, vocab, args.repeats, tick, setup)}
+                **_ulysses_sweep(model, pool, degrees, lengths, vocab, repeats, tick, setup)}
     fit = fit_profile(spec, lengths, measured, raw)
     # all-to-all: fitted from the passes where the heads allow that degree, else the raw sweep's
     a1, a2, b1, a2a = fit["a1"], fit["a2"], fit["b1"], {**raw, **fit["a2a"]}
     # the output layer's share of the per-token work a2 (the last pipeline stage runs it alone),
     # timed at the longest length, where its fixed costs weigh least
     head_share = float(min(0.95, max(0.0, np.median(head) / max(a2 * head_s, 1e-9))))
-    p2p = _p2p_bandwidth(world, args.repeats, setup)
+    p2p = _p2p_bandwidth(world, repeats, setup)
     handoff = [None] * world
     dist.all_gather_object(handoff, _handoff_latency_ms(world, setup))
     handoff_ms = float(np.median(handoff))
@@ -530,51 +468,12 @@ def _profile(args, setup: RankSetup) -> int:
         dataclasses.replace(base.cluster, p2p_bandwidth_gbps=p2p, p2p_latency_ms=handoff_ms,
                             a2a_bandwidth_gbps={d: v["bandwidth_gbps"] for d, v in a2a.items()},
                             a2a_latency_ms={d: v["latency_ms"] for d, v in a2a.items()}),
-        args.zero_stage)
-    mb_overhead, flexsp_run = _micro_batch_overhead_ms(fitted, pool, max(lengths), args.repeats, setup)
+        base.zero_stage)
+    mb_overhead, flexsp_run = _micro_batch_overhead_ms(fitted, pool, max(lengths), repeats, setup)
     tick("a real FlexSP step")
-    op_overhead, pipeline_run = _pipeline_op_overhead_ms(fitted, max(lengths), args.repeats, setup)
+    op_overhead, pipeline_run = _pipeline_op_overhead_ms(fitted, max(lengths), repeats, setup)
     fitted = CostModel(fitted.model, dataclasses.replace(fitted.cluster, pipeline_op_overhead_ms=op_overhead,
-                                                         micro_batch_overhead_ms=mb_overhead), args.zero_stage)
+                                                         micro_batch_overhead_ms=mb_overhead), base.zero_stage)
     tick("a real pipeline step")
-    progress.close()
-    if rank == 0:
-        doc = {
-            "model": _fields(fitted.model),
-            "cluster": _fields(fitted.cluster),
-            "zero_stage": args.zero_stage,
-            # what the costs above were measured with (metadata: cost models do not read it)
-            "device": setup.device_name,
-            "dtype": setup.dtype_name,
-            "attention_backend": attention,
-            "profile": {
-                "host": dist.get_backend(), "ranks": world, "lengths": lengths,
-                "fwd_bwd_ms": {d: [round(float(t), 3) for t in v] for d, v in measured.items()},
-                "fit_residual_ms": fit["residual_ms"],
-                "fit_rel_error": round(fit["rel_error"], 4),
-                "raw_a2a": {d: {k: round(x, 4) for k, x in v.items()} for d, v in raw.items()},
-                **flexsp_run,
-                **pipeline_run,
-            },
-        }
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(f"# Measured by `megatron-ext profile --model {args.model} --cluster {args.cluster}` "
-                       f"on {world} {dist.get_backend()} ranks ({setup.device_name}, {setup.dtype_name}, "
-                       f"{attention} attention).\n" + yaml.safe_dump(doc, sort_keys=False))
-        print(f"a1 {a1:.3e}  a2 {a2:.4f}  b1 {b1:.2f} ms  (median fit error {doc['profile']['fit_rel_error']:.1%})\n"
-              f"activation {act_mb:.4f} MB/token, {params_b * 1e3:.3f} M parameters, output layer "
-              f"{head_share:.0%} of the per-token work\n"
-              + "".join(f"all-to-all degree {d}: {v['bandwidth_gbps']:.3f} GB/s, latency {v['latency_ms']:.2f} ms per call "
-                        f"in place (raw: {raw[d]['bandwidth_gbps']:.3f} GB/s, {raw[d]['latency_ms']:.2f} ms)\n"
-                        for d, v in a2a.items())
-              + f"p2p {p2p:.3f} GB/s, {handoff_ms:.2f} ms per stage handoff\n"
-              f"FlexSP: {mb_overhead:.2f} ms per micro-batch beyond the model\n"
-              f"pipeline: {op_overhead:.2f} ms per stage operation beyond the model\n"
-              f"on {setup.device_name}, {setup.dtype_name}, {attention} attention, ZeRO-{args.zero_stage}\n"
-              f"wrote {out}", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return Profile(fitted, attention, list(lengths), measured, fit, raw, a2a, handoff_ms,
+                   {**flexsp_run, **pipeline_run})

@@ -1,6 +1,6 @@
 """`megatron-ext`: the plan and bench commands, in process (cheap) and once as installed scripts.
 
-Contract (cli.py): every command prints a table, or JSON with --json; bad input is one line on
+Contract (commands/cli.py): every command prints a table, or JSON with --json; bad input is one line on
 stderr starting 'megatron-ext: error:' and exit status 2, never a traceback.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_ext.cli import main
+from megatron_ext.commands.cli import main
 from megatron_ext.cost import CostModel
 from megatron_ext.data.datasets import IndexedDocuments, write_indexed_dataset
 from megatron_ext.data.loader import PlanningDataLoader
@@ -239,7 +239,8 @@ def corpus(tmp_path_factory) -> str:
 
 
 def test_plan_and_simulate_draw_the_batches_train_draws(capsys, corpus):
-    from megatron_ext.cli import build_parser, lengths_from_args
+    from megatron_ext.commands.cli import build_parser
+    from megatron_ext.commands.plan import lengths_from_args
 
     docs = IndexedDocuments(corpus)
     loader = PlanningDataLoader(docs, C7B, 16, seed=3, max_seq_len=8192, background=False)
@@ -269,7 +270,8 @@ def test_plan_and_simulate_draw_the_batches_train_draws(capsys, corpus):
 
 
 def test_plan_and_simulate_a_weighted_blend(capsys, corpus, tmp_path):
-    from megatron_ext.cli import build_parser, lengths_from_args
+    from megatron_ext.commands.cli import build_parser
+    from megatron_ext.commands.plan import lengths_from_args
     from megatron_ext.data.batches import GlobalBatches
 
     rng = np.random.default_rng(8)
@@ -450,7 +452,7 @@ def test_usage_errors_exit_2(capsys):
 
 def _console_script() -> list[str]:
     script = Path(sys.executable).with_name("megatron-ext")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "megatron_ext.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "megatron_ext.commands.cli"]
 
 
 def test_console_script_plan():
@@ -465,7 +467,7 @@ def test_console_script_plan():
 
 
 def test_console_script_error_is_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "megatron_ext.cli", "plan", "--lengths", str(tmp_path / "none.txt")],
+    r = subprocess.run([sys.executable, "-m", "megatron_ext.commands.cli", "plan", "--lengths", str(tmp_path / "none.txt")],
                        capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.startswith("megatron-ext: error: cannot read lengths file") and r.stderr.count("\n") == 1

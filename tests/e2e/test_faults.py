@@ -20,7 +20,7 @@ import pytest
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process tree from /proc")
 
-CLI = [sys.executable, "-m", "megatron_ext.cli"]
+CLI = [sys.executable, "-m", "megatron_ext.commands.cli"]
 FIRST_STEP_S = 300  # starting 4 ranks on a loaded 2-core machine can take minutes
 ENDS_WITHIN_S = 30  # from the blow to the launcher's exit, and to the last process of the run gone
 
@@ -91,7 +91,7 @@ class Run:
             for p in children:
                 if "megatron_ext.runtime.torchrun" in p.cmdline:
                     tree["torchrun"] = p
-                elif "megatron_ext.runtime.train" in p.cmdline:
+                elif "megatron_ext.commands.train" in p.cmdline:
                     tree[f"rank {_rank(p.pid)}"] = p
                 elif "spawn_main" in p.cmdline and "rank 0" in tree and p.ppid == tree["rank 0"].pid:
                     tree["planner"] = p
@@ -185,7 +185,7 @@ def test_sigterm_stops_the_run_quietly(tmp_path, save):
 @pytest.mark.parametrize("command", [["train"], ["profile", "--out", "unused.yaml"]])
 def test_more_ranks_than_the_machine_runs_are_refused_before_launching(command, capsys):
     """1,024 CPU ranks: over 4 a core and over 512 MB each of free memory, on any machine."""
-    from megatron_ext.cli import main
+    from megatron_ext.commands.cli import main
 
     assert main([*command, "--cluster", "a100-40g-8x128"]) == 2
     out, err = capsys.readouterr()
@@ -196,7 +196,7 @@ def test_more_ranks_than_the_machine_runs_are_refused_before_launching(command, 
 
 def test_allow_oversubscribe_is_the_launchers_option(capsys):
     """Taken by the launcher, not passed to the ranks (whose parser would refuse it)."""
-    from megatron_ext.cli import main
+    from megatron_ext.commands.cli import main
 
     assert main(["train", "--allow-oversubscribe", "--no-such-flag"]) == 2
     assert capsys.readouterr().err == ("megatron-ext: error: unknown option(s): --no-such-flag "

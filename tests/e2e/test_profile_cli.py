@@ -6,9 +6,8 @@ import sys
 import torch
 import yaml
 
-from megatron_ext import cli
+from megatron_ext.commands import cli, profile
 from megatron_ext.cost import CostModel
-from megatron_ext.runtime import profile
 from megatron_ext.runtime.profile import fit_profile, nonnegative_fit
 from megatron_ext.spec import load_model
 
@@ -18,7 +17,7 @@ import pytest
 
 def test_profile_writes_a_usable_cost_model(tmp_path):
     out = tmp_path / "cost.yaml"
-    done = subprocess.run([sys.executable, "-m", "megatron_ext.cli", "profile", "--out", str(out),
+    done = subprocess.run([sys.executable, "-m", "megatron_ext.commands.cli", "profile", "--out", str(out),
                            "--lengths", "64,128,256", "--repeats", "1"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     cost = CostModel.from_yaml(out)
@@ -42,7 +41,7 @@ def test_profile_writes_a_usable_cost_model(tmp_path):
     assert doc["profile"]["pipeline_stages"] == 2 and doc["profile"]["pipeline_step_ms"] > 0
     # and a real FlexSP step against its plan's estimate
     assert doc["profile"]["flexsp_step_ms"] > 0 and doc["profile"]["flexsp_micro_batches"] >= 1
-    plan = subprocess.run([sys.executable, "-m", "megatron_ext.cli", "plan", "--cost-model", str(out),
+    plan = subprocess.run([sys.executable, "-m", "megatron_ext.commands.cli", "plan", "--cost-model", str(out),
                            "--dist", "lmsys", "--batch", "16", "--json", "--no-baselines"],
                           capture_output=True, text=True, timeout=120)
     assert plan.returncode == 0, plan.stderr

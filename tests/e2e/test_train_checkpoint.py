@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-CLI = [sys.executable, "-m", "megatron_ext.cli", "train"]
+CLI = [sys.executable, "-m", "megatron_ext.commands.cli", "train"]
 ARGS = ["--global-batch", "6", "--max-seq-len", "1024", "--seed", "7", "--json"]
 LAYOUTS = {"flexsp": [], "elastic_pp": ["--planner", "elastic_pp", "--pp", "2"]}
 
@@ -58,7 +58,8 @@ def test_checkpoints_are_saved_every_interval_and_at_the_end(runs):
 def test_a_checkpoint_of_another_layout_or_run_is_refused(runs):
     from megatron_ext.cost import CostModel
     from megatron_ext.errors import ConfigError
-    from megatron_ext.runtime.train import build_parser, check_args
+    from megatron_ext.commands.train import build_parser
+    from megatron_ext.runtime.train import check_args
 
     ckpt = str(runs["ckpt"])
     other = [] if runs["layout"] else LAYOUTS["elastic_pp"]
@@ -83,7 +84,8 @@ def test_a_checkpoint_of_another_layout_or_run_is_refused(runs):
 def test_bad_checkpoint_options_are_refused_before_launching(tmp_path, argv, message):
     from megatron_ext.cost import CostModel
     from megatron_ext.errors import ConfigError
-    from megatron_ext.runtime.train import build_parser, check_args
+    from megatron_ext.commands.train import build_parser
+    from megatron_ext.runtime.train import check_args
 
     args = build_parser().parse_args([*ARGS, *(a.format(tmp=tmp_path) for a in argv)])
     with pytest.raises(ConfigError) as refused:

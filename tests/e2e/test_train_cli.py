@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-CLI = [sys.executable, "-m", "megatron_ext.cli"]
+CLI = [sys.executable, "-m", "megatron_ext.commands.cli"]
 ARGS = ["train", "--steps", "3", "--global-batch", "6", "--max-seq-len", "2048", "--seed", "7", "--json"]
 
 
@@ -94,8 +94,7 @@ def test_auto_runs_each_step_as_the_kind_it_planned(runs):
 
 
 def test_auto_lines_name_each_steps_layout(runs):
-    from megatron_ext.cli import compare_table
-    from megatron_ext.runtime.train import _line, _summary
+    from megatron_ext.commands.train import _line, _summary, compare_table
 
     def name(r):  # (a late plan is BatchAda's fallback, and its line says so instead)
         if r["kind"] == "flexsp":
@@ -206,7 +205,8 @@ def test_bad_pipeline_layout_is_refused_before_launching(argv, match):
 def test_check_args_refuses_layouts_the_ranks_cannot_hold(argv, match):
     from megatron_ext.cost import CostModel
     from megatron_ext.errors import ConfigError
-    from megatron_ext.runtime.train import build_parser, check_args
+    from megatron_ext.commands.train import build_parser
+    from megatron_ext.runtime.train import check_args
 
     args = build_parser().parse_args(["--planner", "elastic_pp", "--max-seq-len", "2048", *argv])
     with pytest.raises(ConfigError, match=match):
@@ -215,7 +215,8 @@ def test_check_args_refuses_layouts_the_ranks_cannot_hold(argv, match):
 
 def test_check_args_runs_replicas_when_sp_is_below_ranks_per_stage():
     from megatron_ext.cost import CostModel
-    from megatron_ext.runtime.train import build_parser, check_args, stage_sp
+    from megatron_ext.commands.train import build_parser
+    from megatron_ext.runtime.train import check_args, stage_sp
 
     cost = CostModel.from_presets("tiny", "cpu-4")
     for argv, sp in ((["--pp", "2"], 2), (["--pp", "2", "--sp", "1"], 1), (["--sp", "2"], 2)):
@@ -232,7 +233,8 @@ def test_check_args_refuses_a_static_degree_that_cannot_run(argv, match):
     """Not a silent fallback to BatchAda on every step."""
     from megatron_ext.cost import CostModel
     from megatron_ext.errors import ConfigError
-    from megatron_ext.runtime.train import build_parser, check_args
+    from megatron_ext.commands.train import build_parser
+    from megatron_ext.runtime.train import check_args
 
     cost = CostModel.from_presets("tiny", "cpu-4")
     with pytest.raises(ConfigError, match=match):
@@ -249,7 +251,8 @@ def test_check_args_refuses_a_static_degree_that_cannot_run(argv, match):
 ])
 def test_the_run_says_what_it_trains(argv, layout):
     from megatron_ext.cost import CostModel
-    from megatron_ext.runtime.train import _header, build_parser, check_args
+    from megatron_ext.commands.train import _header, build_parser
+    from megatron_ext.runtime.train import check_args
 
     cost = CostModel.from_presets("tiny", "cpu-4")
     args = build_parser().parse_args(["--max-seq-len", "2048", "--steps", "1", *argv])
@@ -265,7 +268,8 @@ def test_check_args_takes_auto_at_any_stage_count():
     from megatron_ext.errors import ConfigError
     from megatron_ext.planner import PlannerOptions
     from megatron_ext.planner.api import max_seq_len
-    from megatron_ext.runtime.train import build_parser, check_args
+    from megatron_ext.commands.train import build_parser
+    from megatron_ext.runtime.train import check_args
 
     cost = CostModel.from_presets("tiny", "cpu-4")
     for argv in ([], ["--pp", "2"], ["--pp", "1", "--sp", "2"]):
@@ -313,7 +317,8 @@ def test_data_it_cannot_train_is_refused_before_launching(tmp_path):
     from megatron_ext.data.corpus import stdlib_corpus
     from megatron_ext.data.datasets import write_indexed_dataset
     from megatron_ext.errors import ConfigError, MegatronExtError
-    from megatron_ext.runtime.train import build_parser, check_args, open_training_data
+    from megatron_ext.commands.train import build_parser
+    from megatron_ext.runtime.train import check_args, open_training_data
 
     plain = write_indexed_dataset(tmp_path / "plain", _docs(3, 10, 10, 100) + [np.array([999, 1], np.uint16)])
     byte = stdlib_corpus(tmp_path / "byte", max_files=4, tokenizer="byte")

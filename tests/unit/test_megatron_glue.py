@@ -241,8 +241,8 @@ def test_report_step_logs_line_tensorboard_and_planner_log(tmp_path):
     # W&B gets what TensorBoard gets, at the same iteration
     assert wandb.logged == [({name: value for name, value, _ in writer.scalars}, 10)]
     assert rec["iteration"] == 10 and rec["tokens"] == 1450 and rec["sequences"] == 4
-    assert rec["measured_step_s"] == 1.5 and rec["predicted_step_s"] == step.plan.estimated_step_time_s
-    assert rec["cost_model_error"] == pytest.approx((rec["predicted_step_s"] - 1.5) / 1.5)
+    assert rec["step_time_s"] == 1.5 and rec["predicted_step_time_s"] == step.plan.estimated_step_time_s
+    assert rec["cost_model_error"] == pytest.approx((rec["predicted_step_time_s"] - 1.5) / 1.5)
     assert lines == [summary_line(rec)] and "flexsp iteration       10 | plan flexsp (planner" in lines[0]
     names = {name for name, _, it in writer.scalars if it == 10}
     assert {"flexsp/predicted-fwd-bwd-time", "flexsp/measured-fwd-bwd-time", "flexsp/cost-model-error",
@@ -255,14 +255,29 @@ def test_report_step_logs_line_tensorboard_and_planner_log(tmp_path):
     assert len(lines) == 1 and len(log.read_text().splitlines()) == 2
 
 
+def test_planner_log_records_have_trains_schema():
+    """One step-record schema (runtime/records.py): a Megatron-LM record holds every key `train`'s
+    does, with the same values for the same step."""
+    from megatron_ext.megatron.step import step_record
+    from megatron_ext.runtime import records
+
+    step = _step()
+    n = len(step.plan.micro_batches)
+    rec = step_record(step, 8, 1.5, [1.5 / n] * n)
+    common = records.step_record(step.plan, step.lengths, step=step.step, tokens=int(step.trained_lengths.sum()),
+                                 step_time_s=1.5, micro_batch_times_s=[1.5 / n] * n, plan_source=step.plan_source)
+    assert {k: rec[k] for k in common} == common
+    assert "measured_step_s" not in rec and "predicted_step_s" not in rec
+
+
 def test_report_reads_the_planner_log(tmp_path, capsys):
     """`megatron-ext report plans.jsonl`: the cost model's error over a Megatron-LM run."""
-    from megatron_ext.cli import main
+    from megatron_ext.commands.cli import main
     from megatron_ext.data.loader import Step
     from megatron_ext.megatron.cost import load_cost_model
     from megatron_ext.megatron.step import report_step
     from megatron_ext.planner import PlannerOptions, make_plan
-    from megatron_ext.report import fidelity, load_run
+    from megatron_ext.commands.report import fidelity, load_run
 
     step = _step()
     log = tmp_path / "plans.jsonl"

@@ -55,7 +55,7 @@ def test_wheel_install_has_presets_and_plans(tmp_path):
     assert probe["clusters"] == sorted(p.stem for p in (presets / "clusters").glob("*.yaml"))
     assert probe["gpt-7b layers"] == 32 and probe["a100-40g-8x8 gpus"] == 64
 
-    plan = json.loads(run([sys.executable, "-m", "megatron_ext.cli", "plan", "--dist", "wikipedia",
+    plan = json.loads(run([sys.executable, "-m", "megatron_ext.commands.cli", "plan", "--dist", "wikipedia",
                            "--model", "gpt-7b", "--cluster", "a100-40g-8x8", "--json", "--no-baselines"],
                           env=env, cwd=cwd))
     assert plan["num_gpus"] == 64 and plan["micro_batches"]

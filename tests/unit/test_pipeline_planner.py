@@ -19,10 +19,11 @@ from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
 from megatron_ext.planner.pp.pipeline import PipelineOptions
 from megatron_ext.planner.api import PIPELINE_KINDS, make_plan
 from megatron_ext.planner.pp.pipeline_baselines import plan_batch_1f1b, plan_seq1f1b
-from megatron_ext.sim.commands import describe_plan
+from megatron_ext.commands.plan import describe_plan
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.data.lengths import sample_lengths
-from megatron_ext.sim import simulate, simulate_table
+from megatron_ext.commands.table import simulate_table
+from megatron_ext.sim import simulate
 
 COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
 lengths_st = st.lists(st.one_of(st.integers(1, 4096), st.integers(4096, 65_536)), min_size=1, max_size=40)
@@ -219,12 +220,13 @@ def test_cli_glue(capsys):
     import argparse
     import json
 
-    from megatron_ext import cli
-    from megatron_ext.sim.commands import add_pipeline_args, add_simulate_command, run_pp_plan
+    from megatron_ext.commands.args import add_pipeline_args
+    from megatron_ext.commands.plan import run_pp_plan
+    from megatron_ext.commands.simulate import add_simulate_command
 
     ap = argparse.ArgumentParser(prog="megatron-ext")
     sub = ap.add_subparsers(dest="command", required=True)
-    add_simulate_command(sub, cli.add_cost_args, cli.cost_from_args, cli.parse_tokens)
+    add_simulate_command(sub)
     args = ap.parse_args(["simulate", "--model", "llama-7b", "--cluster", "a800-80g-8x1", "--dist", "github",
                           "--batch", "16", "--steps", "1", "--max-seq-len", "16K", "--pp", "2", "--sp", "4",
                           "--planners", "elastic_pp,seq1f1b", "--json"])
@@ -252,7 +254,7 @@ def test_cli_glue(capsys):
 def test_plan_prints_chunks_orders_and_the_recompute_table():
     """`plan --planner elastic_pp` shows every chunk with its pieces, each stage's order exactly as
     planned, and the recompute table (rows = stages, columns = chunks) when anything recomputes."""
-    from megatron_ext.sim.commands import pipeline_tables
+    from megatron_ext.commands.plan import pipeline_tables
 
     lengths = sample_lengths("github", 128, 3, 96 * 1024)
     plan = plan_elastic_pp(lengths, COST, 4, 8, memory_mb=30000, time_limit=2.0)
@@ -395,9 +397,9 @@ def test_auto_holds_every_candidate_to_one_memory_budget():
 
 def test_make_plan_auto_and_the_cli_summary(capsys):
     from megatron_ext.planner import make_plan
-    from megatron_ext.sim.commands import run_pp_plan
+    from megatron_ext.commands.plan import run_pp_plan
     import argparse
-    from megatron_ext.sim.commands import add_pipeline_args
+    from megatron_ext.commands.args import add_pipeline_args
 
     lengths = np.array([45000, 30000, 20000, 12000] + [3000] * 20 + [800] * 60 + [200] * 100)
     plan = make_plan("auto", lengths, COST, PlannerOptions(time_limit=1.0), baselines=("seq1f1b", "flexsp"))

@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from megatron_ext.cli import main
+from megatron_ext.commands.cli import main
 from megatron_ext.errors import ConfigError
-from megatron_ext.report import fidelity, load_run
+from megatron_ext.commands.report import fidelity, load_run
 
 
 def _write(tmp_path, records):
@@ -37,7 +37,7 @@ def test_recalibration_is_suggested_when_the_model_is_off(tmp_path, capsys):
 
 def test_train_ends_with_the_same_advice_when_the_model_is_off():
     """`train`'s last line gives report's error; when the model is off, report's advice follows."""
-    from megatron_ext.runtime.train import _summary
+    from megatron_ext.commands.train import _summary
 
     off = [{**_rec(k, 1.0, 0.5), "model": "tiny", "tokens": 100, "plan_source": "planner"} for k in range(4)]
     text = _summary("flexsp", off)

@@ -13,7 +13,7 @@ from megatron_ext.planner import PlannerOptions, make_plan
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
 from megatron_ext.planner.pp.pipeline import build_pipeline
 from megatron_ext.sim import simulate
-from megatron_ext.sim.plot import (DEGREE_COLORS, DROPPED_COLOR, PACKED_COLOR, SEQ_COLORS, SEQ_HATCHES, LengthHist,
+from megatron_ext.commands.plot import (DEGREE_COLORS, DROPPED_COLOR, PACKED_COLOR, SEQ_COLORS, SEQ_HATCHES, LengthHist,
                                    _draw_hist, _lighten, _percent, _new_figure, _tail, _tokens, draw, plot_comparison,
                                    plot_data, plot_plan)
 
@@ -159,7 +159,7 @@ def test_files_are_written(tmp_path):
 
 
 def test_cli_plot_flags(tmp_path, capsys):
-    from megatron_ext import cli
+    from megatron_ext.commands import cli
 
     base = ["--model", "llama-13b", "--cluster", "a800-80g-8x4", "--dist", "github", "--batch", "48",
             "--max-seq-len", "32K", "--no-baselines", "--time-limit", "0.3"]

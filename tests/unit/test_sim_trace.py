@@ -71,7 +71,7 @@ def test_pipeline_trace_has_forward_backward_per_chunk_and_stage(tmp_path):
 
 
 def test_plan_cli_writes_a_trace_and_refuses_other_names(tmp_path):
-    cli = [sys.executable, "-m", "megatron_ext.cli", "plan", "--dist", "wikipedia", "--model", "gpt-7b",
+    cli = [sys.executable, "-m", "megatron_ext.commands.cli", "plan", "--dist", "wikipedia", "--model", "gpt-7b",
            "--cluster", "a100-40g-8x8", "--no-baselines"]
     out = tmp_path / "plan.json"
     done = subprocess.run([*cli, "--trace", str(out)], capture_output=True, text=True, timeout=120)

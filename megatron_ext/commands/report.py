@@ -3,11 +3,11 @@
 ``megatron-ext train --run-dir DIR`` writes one JSON record per step to ``DIR/steps.jsonl`` with
 the measured and predicted time of the step and of each micro-batch (pipelines: of each stage's
 operations, and each stage's activation memory). Megatron-LM's ``pretrain_gpt.py --flexsp`` or
-``--elastic-pp`` with ``--planner-log FILE`` writes the step and micro-batch times (its records
-are read under the same names, ``from_planner_log``). The report prints the distribution of the
-relative error, its bias, and whether it drifts over the run; for pipelines, how much longer the
-operations ran than predicted and the activation peaks against the planner's; and it says when
-the cost model should be re-measured (``megatron-ext profile``).
+``--elastic-pp`` with ``--planner-log FILE`` writes records of the same schema
+(``runtime/records.py``), with the step and micro-batch times. The report prints the distribution
+of the relative error, its bias, and whether it drifts over the run; for pipelines, how much
+longer the operations ran than predicted and the activation peaks against the planner's; and it
+says when the cost model should be re-measured (``megatron-ext profile``).
 """
 from __future__ import annotations
 
@@ -21,6 +21,21 @@ from megatron_ext.errors import ConfigError
 from megatron_ext.text import plural
 
 DRIFT_THRESHOLD = 0.15  # median absolute error above which the model is called off
+
+
+def add_report_command(sub) -> None:
+    rp = sub.add_parser("report", help="how well the cost model predicted a run: a `train --run-dir` directory, or "
+                                        "Megatron-LM's --planner-log file")
+    rp.add_argument("run_dir", metavar="RUN", help="a `train --run-dir` directory (or its steps.jsonl), or the JSONL "
+                                                   "file of pretrain_gpt.py --planner-log")
+    rp.add_argument("--json", action="store_true")
+    rp.set_defaults(func=cmd_report)
+
+
+def cmd_report(args) -> int:
+    records = load_run(args.run_dir)
+    print(json.dumps(fidelity(records), indent=1) if args.json else report_table(records))
+    return 0
 
 
 def load_run(run: str | Path) -> list[dict]:
@@ -40,22 +55,9 @@ def load_run(run: str | Path) -> list[dict]:
         raise ConfigError(f"{path}: malformed record ({e})") from None
     if not records:
         raise ConfigError(f"{path} holds no steps")
-    if not all(isinstance(r, dict) and ("step_time_s" in r or "measured_step_s" in r) for r in records):
+    if not all(isinstance(r, dict) and "step_time_s" in r and "predicted_step_time_s" in r for r in records):
         raise ConfigError(f"{path}: not step records of `megatron-ext train` or Megatron-LM's --planner-log")
-    return [from_planner_log(r) if "measured_step_s" in r else r for r in records]
-
-
-def from_planner_log(r: dict) -> dict:
-    """A Megatron-LM ``--planner-log`` record under the names of ``train``'s: step and micro-batch
-    times (FlexSP steps), and an elastic step's layout from its pipelines."""
-    out = dict(r, step_time_s=r["measured_step_s"], predicted_step_time_s=r["predicted_step_s"])
-    if r.get("kind") == "elastic_pp":
-        p = r["pipelines"][0]
-        out["layout"] = f"pp{p['stages']} x sp{p['sp_degree']}" + (f" x dp{r['replicas']}" if r["replicas"] > 1 else "")
-    else:
-        out.update(micro_batch_times_s=r.get("measured_micro_batch_s", []),
-                   predicted_micro_batch_times_s=r.get("predicted_micro_batch_s", []))
-    return out
+    return records
 
 
 def _errors(measured, predicted) -> np.ndarray:
@@ -92,14 +94,13 @@ def fidelity(records: list[dict]) -> dict:
 def step_layout(r: dict) -> str:
     """What ran a step: the planner of its SP groups (``flexsp`` for auto; ``batchada`` for a
     fallback plan), or an elastic pipeline's ``pp{P} x sp{D}``, `` x dp{R}`` with R replicas side
-    by side (a record has a row per replica's stage)."""
-    if "layout" in r:  # a Megatron-LM pipeline step (from_planner_log)
-        return r["layout"]
-    if "ops_per_stage" not in r:
+    by side (``train``'s record then has a row per replica's stage in ``ops_per_stage``)."""
+    if r.get("kind") != "elastic_pp" and "ops_per_stage" not in r:
         return "flexsp" if r.get("planner", "auto") == "auto" else r["planner"]
-    rows = len(r["ops_per_stage"])
+    rows = len(r.get("ops_per_stage", ()))
     stages = r.get("stages", rows)
-    return f"pp{stages} x sp{r['degrees'][0]}" + (f" x dp{rows // stages}" if rows > stages else "")
+    replicas = r.get("replicas", rows // stages)
+    return f"pp{stages} x sp{r['degrees'][0]}" + (f" x dp{replicas}" if replicas > 1 else "")
 
 
 def layout_counts(records: list[dict]) -> dict[str, int]:

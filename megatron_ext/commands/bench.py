@@ -7,17 +7,47 @@ plans 8,192 sequences on 1,024 GPUs of the same kind.
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 
 import numpy as np
 
+from megatron_ext.commands.args import add_cost_args, add_planner_args, cost_from_args, options_from_args, parse_tokens
 from megatron_ext.cost import CostModel
-from megatron_ext.errors import InfeasibleError
 from megatron_ext.data.lengths import sample_lengths
+from megatron_ext.errors import ConfigError, InfeasibleError
 from megatron_ext.planner import PlannerOptions, make_plan
 from megatron_ext.planner.api import BASELINES
 
 SCALE_GPUS, SCALE_SEQS = 1024, 8192
+
+
+def add_bench_command(sub) -> None:
+    b = sub.add_parser("bench", help="benchmarks that print tables")
+    bsub = b.add_subparsers(dest="what", required=True)
+    bp = bsub.add_parser("planner", help="planner latency and quality against the lower bound and baselines")
+    bp.add_argument("--dist", default="wikipedia,commoncrawl,github",
+                    help="comma-separated distributions (default: wikipedia,commoncrawl,github)")
+    bp.add_argument("--batches", type=int, default=5, help="batches per distribution")
+    bp.add_argument("--batch", type=int, default=512, help="sequences per batch")
+    bp.add_argument("--max-seq-len", type=parse_tokens, default=parse_tokens("384K"), metavar="L",
+                    help="longest sampled sequence (default: 384K); longer ones than the cluster holds are dropped")
+    bp.add_argument("--no-scale", action="store_true", help="skip the 1,024-GPU / 8,192-sequence row")
+    bp.add_argument("--json", action="store_true")
+    add_cost_args(bp)
+    add_planner_args(bp)
+    bp.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    if args.batches < 1:
+        raise ConfigError(f"--batches must be at least 1, got {args.batches}")
+    cost = cost_from_args(args)
+    result = bench_planner(cost, dists=args.dist.split(","), batches=args.batches, batch=args.batch,
+                           max_seq_len=args.max_seq_len, options=options_from_args(args), planner=args.planner,
+                           scale=not args.no_scale)
+    print(json.dumps(result, indent=1) if args.json else result["table"])
+    return 0
 
 
 def _row(planner: str, lengths: np.ndarray, cost: CostModel, options: PlannerOptions, baselines) -> dict:

@@ -1,0 +1,157 @@
+"""The argument groups several commands share, and what they turn into.
+
+- ``add_batch_source_args``: ``--lengths FILE``, ``--dist NAME`` or ``--data PREFIX`` (``plan``, ``simulate``);
+- ``add_cost_args`` / ``cost_from_args``: the model, cluster, cost-model YAML and ZeRO stage;
+- ``add_planner_args`` / ``options_from_args``: the FlexSP-kind planner and its options (``plan``, ``bench``);
+- ``add_pipeline_args`` / ``pipeline_options_from_args``: ``--memory-mb``, ``--plot``, ``--trace`` and the
+  pipeline planners' options (``plan``, ``simulate``); ``check_args`` refuses what they cannot run.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+from megatron_ext.cost import CostModel
+from megatron_ext.data.lengths import DISTRIBUTIONS
+from megatron_ext.errors import ConfigError
+from megatron_ext.planner import PlannerOptions
+from megatron_ext.planner.api import PIPELINE_KINDS, planner_names, planners_help
+
+PLOT_FORMATS = (".png", ".pdf", ".svg")
+PIPELINE_ONLY = {"pp": "--pp", "sp": "--sp", "b1_scale": "--b1-scale", "recompute": "--recompute",
+                 "recompute_ties": "--recompute-ties"}  # options that only pipeline planners use
+
+
+def parse_tokens(text: str) -> int:
+    """'384K' -> 393216, '1M' -> 1048576, '8192' -> 8192."""
+    t = text.strip().upper()
+    scale = {"K": 1024, "M": 1024**2}.get(t[-1:], 1)
+    try:
+        value = int(float(t[:-1] if scale > 1 else t) * scale)
+    except (ValueError, OverflowError):  # not a number, or inf / nan
+        raise argparse.ArgumentTypeError(f"expected a token count like 8192 or 384K, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive token count, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def add_cost_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and cluster")
+    g.add_argument("--model", default="gpt-7b", help="model preset or YAML path (default: gpt-7b)")
+    g.add_argument("--cluster", default="a100-40g-8x8", help="cluster preset or YAML path (default: a100-40g-8x8)")
+    g.add_argument("--cost-model", metavar="PATH", help="cost-model YAML (overrides --model/--cluster)")
+    g.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3],
+                   help="ZeRO stage of the model states (16 bytes a parameter), a what-if: 0 every GPU holds them all "
+                        "(DDP), 1 optimizer states and master weights sharded over the GPUs (Megatron's "
+                        "--use-distributed-optimizer), 2 gradients too, 3 parameters too (FSDP; default, the FlexSP "
+                        "paper's setting); not read with --cost-model (the file's zero_stage, else 3)")
+
+
+def add_planner_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("planner")
+    g.add_argument("--planner", default="flexsp",
+                   help=f"one of: {planners_help()}; default flexsp")
+    g.add_argument("--time-limit", type=float, default=1.0, metavar="SEC", help="solver time limit per step (default 1)")
+    g.add_argument("--static-degree", type=int, help="degree of static_ulysses (default: the largest allowed)")
+    g.add_argument("--drop-over-max", action="store_true",
+                   help="drop (and report) sequences no group can hold instead of failing")
+
+
+def cost_from_args(args) -> CostModel:
+    cost = (CostModel.from_yaml(args.cost_model) if args.cost_model
+            else CostModel.from_presets(args.model, args.cluster, args.zero_stage))
+    memory = getattr(args, "memory_mb", None)  # plan / simulate: one budget for every planner
+    return cost if memory is None else cost.with_memory(memory)
+
+
+def options_from_args(args) -> PlannerOptions:
+    if not (math.isfinite(args.time_limit) and args.time_limit > 0):
+        raise ConfigError(f"--time-limit must be positive (seconds), got {args.time_limit}")
+    return PlannerOptions(time_limit=args.time_limit, static_degree=args.static_degree,
+                          drop_over_max=args.drop_over_max, max_seq_len=args.max_seq_len)
+
+
+def add_batch_source_args(p, default_dist: str) -> None:
+    """Where a command's lengths come from: ``--lengths FILE``, ``--dist NAME`` or ``--data PREFIX``
+    (with ``--batch N --seed S``)."""
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--lengths", metavar="FILE", help="text file, one sequence length per line (one batch)")
+    src.add_argument("--dist", default=default_dist, choices=sorted(DISTRIBUTIONS),
+                     help=f"synthetic length distribution (default: {default_dist})")
+    src.add_argument("--data", nargs="+", metavar="PREFIX",
+                     help="Megatron indexed dataset (PREFIX.bin/.idx), or a blend as Megatron-LM's --data-path takes "
+                          "it (W1 PREFIX1 W2 PREFIX2 ...): the batches a training run with this --seed, --batch and "
+                          "--max-seq-len (needed) draws, longer documents cut into pieces")
+    p.add_argument("--batch", type=int, default=512,
+                   help="sequences per step with --dist or --data (default 512; ignored with --lengths)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed with --dist, shuffling seed with --data (train's --seed) (default 0)")
+
+
+def add_pipeline_args(p) -> None:
+    """``--memory-mb`` and ``--plot`` (every planner), and the pipeline planners' options."""
+    g = p.add_argument_group("memory and pictures (every planner)")
+    g.add_argument("--memory-mb", type=float, metavar="MB",
+                   help="usable memory per GPU, for every planner and the simulator (default: the cluster's)")
+    g.add_argument("--plot", metavar="FILE.png",
+                   help="draw the plan: timeline (stages or GPUs x seconds) and memory per GPU over time "
+                        f"({', '.join(PLOT_FORMATS)})")
+    g.add_argument("--trace", metavar="FILE.json",
+                   help="the simulated timeline as a Chrome trace (open it in ui.perfetto.dev): a track per GPU or "
+                        "stage, a slice per SP group, chunk, recompute and p2p transfer, memory counters")
+    g = p.add_argument_group(f"elastic pipelines ({', '.join(planner_names(*PIPELINE_KINDS))})")
+    g.add_argument("--pp", type=positive_int,
+                   help="pipeline stages (default: one per node; on one node, the fewest that fit)")
+    g.add_argument("--sp", type=positive_int,
+                   help="Ulysses degree inside a stage (default: GPUs / pp, up to the head limit); with pp x sp "
+                        "below the GPU count, GPUs / (pp x sp) replicas of the pipeline run side by side, each "
+                        "its share of the sequences")
+    g.add_argument("--b1-scale", type=float, metavar="X",
+                   help="per-chunk fixed cost of a stage = X * b1 / pp, b1 the model's per-micro-batch fixed cost "
+                        "(default 1: a chunk pays per layer what a FlexSP micro-batch pays, the InfiniPipe formula; "
+                        "see docs/elastic_pp.md)")
+    g.add_argument("--recompute", choices=("ilp", "greedy", "none", "full"),
+                   help="elastic_pp's activation recompute: per (stage, chunk) by the HiGHS ILP (default), by the "
+                        "greedy, none (chunks small enough to fit) or every layer")
+    g.add_argument("--recompute-ties", choices=("best", "tied", "untied"),
+                   help="the ILP's variables: tied along the schedule's diagonals (InfiniPipe), one per stage and "
+                        "chunk, or both and the faster simulated plan (default: best)")
+
+
+def check_args(args, pipelines: bool) -> None:
+    """Before any work: ``--data`` with the length that cuts its documents, the plot file's format,
+    and no pipeline option without a pipeline planner (``pipelines``: the command runs one)."""
+    if getattr(args, "data", None) and not args.max_seq_len:
+        raise ConfigError("--data needs --max-seq-len: the length a training run cuts its documents at "
+                          "(train's --max-seq-len, Megatron-LM's --seq-length), so the batches are the run's")
+    plot = getattr(args, "plot", None)
+    if plot and not plot.lower().endswith(PLOT_FORMATS):
+        raise ConfigError(f"--plot {plot}: the file name must end in {', '.join(PLOT_FORMATS)}")
+    trace = getattr(args, "trace", None)
+    if trace and not trace.lower().endswith(".json"):
+        raise ConfigError(f"--trace {trace}: the file name must end in .json (Chrome trace-event JSON)")
+    given = [flag for name, flag in PIPELINE_ONLY.items() if getattr(args, name, None) is not None]
+    if given and not pipelines:
+        raise ConfigError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to pipeline planners "
+                          f"({', '.join(planner_names(*PIPELINE_KINDS))}), not to {getattr(args, 'planner', None) or getattr(args, 'planners', '')}")
+
+
+def pipeline_options_from_args(args):
+    from megatron_ext.planner.pp.pipeline import PipelineOptions
+
+    t = getattr(args, "time_limit", 1.0)
+    if not (math.isfinite(t) and t > 0):
+        raise ConfigError(f"--time-limit must be positive (seconds), got {t}")
+    return PipelineOptions(pp=args.pp, sp=args.sp, b1_scale=1.0 if args.b1_scale is None else args.b1_scale,
+                           recompute=args.recompute or "ilp", ties=args.recompute_ties or "best", time_limit=t,
+                           pack_tokens=getattr(args, "max_seq_len", None))

@@ -1,0 +1,322 @@
+"""``megatron-ext plan``: plan one step from lengths and print the StepPlan.
+
+A FlexSP-kind planner's plan prints as a table of micro-batches and SP groups,
+a pipeline planner's (elastic_pp, seq1f1b, batch_1f1b, auto) as a summary with the simulated
+bubble, recompute and memory (``describe_plan``) and what each pipeline runs
+(``pipeline_tables``); ``--json`` prints the StepPlan JSON instead. ``--plot FILE.png`` draws the
+plan (``plot.py``), ``--trace FILE.json`` writes its simulated timeline as a Chrome trace.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import numpy as np
+
+from megatron_ext.commands.args import (add_batch_source_args, add_cost_args, add_pipeline_args, add_planner_args,
+                                        check_args, cost_from_args, options_from_args, parse_tokens,
+                                        pipeline_options_from_args)
+from megatron_ext.cost import CostModel
+from megatron_ext.data.batches import dataset_batches
+from megatron_ext.data.lengths import read_lengths, sample_lengths
+from megatron_ext.errors import ConfigError
+from megatron_ext.plan.pipelines import replica_groups
+from megatron_ext.planner import make_plan
+from megatron_ext.planner.api import PIPELINE_KINDS, get_planner, max_seq_len
+from megatron_ext.planner.api import BASELINES
+from megatron_ext.text import plural
+
+
+def add_plan_command(sub) -> None:
+    p = sub.add_parser("plan", help="plan one step from lengths and print the StepPlan")
+    add_batch_source_args(p, default_dist="wikipedia")
+    p.add_argument("--step", type=int, default=0, metavar="K",
+                   help="with --dist or --data: plan step K of `simulate` (seed + K) or of a training run on --data "
+                        "(default 0)")
+    p.add_argument("--max-seq-len", type=parse_tokens, metavar="L",
+                   help="longest sequence, e.g. 384K (default: the longest the planner can run on the cluster; "
+                        "with --data, needed: the length training cuts documents at)")
+    p.add_argument("--json", action="store_true", help="print the StepPlan JSON")
+    p.add_argument("--no-baselines", action="store_true", help="skip timing the baselines")
+    add_cost_args(p)
+    add_planner_args(p)
+    add_pipeline_args(p)
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args) -> int:
+    pipelines = get_planner(args.planner).kind in PIPELINE_KINDS
+    check_args(args, pipelines)
+    cost = cost_from_args(args)
+    if args.static_degree is not None:
+        cost.check_degree(args.static_degree)
+    limit = args.max_seq_len or max_seq_len(args.planner, cost, pipeline_options_from_args(args) if pipelines else None)
+    lengths = lengths_from_args(args, limit)
+    if pipelines:
+        return run_pp_plan(args, cost, lengths)
+    options = options_from_args(args)
+    if args.planner == "flexsp":
+        _note_if_too_big(lengths[lengths <= cost.max_seq_len], cost, options.time_limit)
+    plan = make_plan(args.planner, lengths, cost, options, baselines=() if args.no_baselines else BASELINES)
+    print(plan.to_json(indent=1) if args.json else _plan_table(plan, lengths, cost, args.max_seq_len))
+    plot_if_asked(args, plan, lengths, cost)
+    trace_if_asked(args, plan, lengths, cost)
+    return 0
+
+
+def lengths_from_args(args, limit: int) -> np.ndarray:
+    """The batch of ``--lengths FILE`` (refused if over ``--max-seq-len`` without ``--drop-over-max``;
+    the planners drop or refuse what they cannot run), step ``--step`` of ``--data`` (documents
+    cut into pieces of at most ``--max-seq-len``, as training cuts them; its source on stderr), or sampled
+    from ``--dist`` up to ``limit`` with the seed ``simulate`` gives that step."""
+    if args.step < 0:
+        raise ConfigError(f"--step must be a step number (0 or more), got {args.step}")
+    if args.data:
+        if args.batch < 1:
+            raise ConfigError(f"--batch must be at least 1, got {args.batch}")
+        batches, source = dataset_batches(args.data, args.batch, limit, args.seed, range(args.step, args.step + 1))
+        print(f"batch: {source}", file=sys.stderr)
+        return batches[0]
+    if args.lengths:
+        lengths = read_lengths(args.lengths)
+        if args.max_seq_len:
+            over = lengths > args.max_seq_len
+            if over.any() and not args.drop_over_max:
+                raise ConfigError(f"{int(over.sum())} sequence(s) exceed --max-seq-len {args.max_seq_len} "
+                                  f"(longest {int(lengths.max())}); use --drop-over-max to drop them")
+        return lengths
+    return sample_lengths(args.dist, args.batch, args.seed + args.step, limit)
+
+
+def _note_if_too_big(lengths: np.ndarray, cost: CostModel, time_limit: float) -> None:
+    """A note on stderr where flexsp's first plan alone, which its time limit cannot cut short,
+    takes longer here than the limit (a batch of a million sequences)."""
+    from megatron_ext.planner.sp.flexsp import first_plan_seconds
+
+    need = first_plan_seconds(lengths, cost) if len(lengths) else 0.0
+    if need > time_limit:
+        print(f"note: planning {len(lengths):,} sequences takes about {need:.2g} s here (flexsp's first plan, which "
+              f"its time limit cannot cut short); --time-limit {time_limit:g} is too short", file=sys.stderr)
+
+
+def _plan_table(plan, lengths, cost, max_seq_len: int | None = None) -> str:
+    lines = [f"{plan.planner} plan for {plural(len(lengths), 'sequence')} "
+             f"({int(lengths.sum()):,} tokens) "
+             f"of {cost.model.name} on {cost.cluster.name} ({cost.num_gpus} GPUs)", ""]
+    lines.append(f"{'mb':>3} {'time s':>8}  groups (degree x count: sequences, tokens)")
+    for m, mb in enumerate(plan.micro_batches):
+        by_deg: dict[int, list] = {}
+        for g in mb.groups:
+            by_deg.setdefault(g.degree, []).append(g)
+        parts = []
+        for d in sorted(by_deg, reverse=True):
+            gs = by_deg[d]
+            nseq = sum(len(g.seq_ids) for g in gs)
+            tok = sum(int(lengths[g.seq_ids].sum()) for g in gs)
+            parts.append(f"{d}x{len(gs)}: {nseq} seq, {tok:,} tok")
+        lines.append(f"{m:>3} {mb.estimated_time_s:>8.3f}  " + "; ".join(parts))
+    lb = plan.lower_bound_step_time_s
+    lines += ["", f"estimated step time {plan.estimated_step_time_s:.3f} s   lower bound {lb:.3f} s "
+              f"({plan.estimated_step_time_s / lb:.3f}x)   solved in {plan.solve_time_s * 1e3:.0f} ms "
+              f"[{plan.solver_status}]"]
+    if plan.dropped_seq_ids:
+        limit = min(cost.max_seq_len, max_seq_len or cost.max_seq_len)
+        lines.append(f"dropped {len(plan.dropped_seq_ids)} sequence(s) over the {limit}-token limit: "
+                     f"ids {plan.dropped_seq_ids[:10]}{' ...' if len(plan.dropped_seq_ids) > 10 else ''}")
+    if plan.baselines:
+        lines += ["", f"{'baseline':<22} {'step s':>8} {'mbs':>4} {'speedup of ' + plan.planner:>20}"]
+        for name, b in plan.baselines.items():
+            lines.append(f"{name:<22} infeasible: {b['error']}" if "error" in b else
+                         f"{name:<22} {b['estimated_step_time_s']:>8.3f} {b['num_micro_batches']:>4} "
+                         f"{b['speedup']:>19.2f}x")
+    return "\n".join(lines)
+
+
+def run_pp_plan(args, cost, lengths) -> int:
+    """``plan`` with a pipeline planner (elastic_pp, seq1f1b, batch_1f1b, auto): plans, times the
+    baselines, prints the summary (or the StepPlan JSON with ``--json``), and draws the plan with
+    ``--plot FILE.png``."""
+    from megatron_ext.planner.api import PP_BASELINES
+    from megatron_ext.planner.options import PlannerOptions
+    from megatron_ext.sim import simulate
+
+    opts = pipeline_options_from_args(args)
+    drop = PlannerOptions(time_limit=opts.time_limit, static_degree=getattr(args, "static_degree", None),
+                          drop_over_max=getattr(args, "drop_over_max", False),
+                          max_seq_len=getattr(args, "max_seq_len", None))
+    overrides = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
+    plan = make_plan(args.planner, lengths, cost, drop, baselines=() if getattr(args, "no_baselines", False)
+                     else PP_BASELINES, kinds=PIPELINE_KINDS, **overrides)
+    if getattr(args, "json", False):
+        print(plan.to_json(indent=1))
+    else:
+        res = simulate(plan, lengths, cost, b1_scale=opts.b1_scale, events=False)
+        print(f"{plan.planner} plan for {plural(len(lengths), 'sequence')} ({int(lengths.sum()):,} tokens) of "
+              f"{cost.model.name} on {cost.cluster.name} ({cost.num_gpus} GPUs)\n")
+        print(describe_plan(plan, lengths, res))
+        if plan.pipelines:
+            print("\n" + pipeline_tables(plan, lengths, cost, opts.b1_scale))
+    plot_if_asked(args, plan, lengths, cost)
+    trace_if_asked(args, plan, lengths, cost)
+    return 0
+
+
+def _chunk_kind(chunk, lengths) -> str:
+    """InfiniPipe's chunk kinds: one slice of a long sequence (split), a slice packed with whole
+    sequences (hybrid), or whole sequences only (batched)."""
+    cut = any(x.start > 0 or x.end < lengths[x.seq_id] for x in chunk.pieces)
+    return ("split" if len(chunk.pieces) == 1 else "hybrid") if cut else "batched"
+
+
+def _wrap(head: str, items: list[str], width: int = 100) -> list[str]:
+    """``head`` then the items, continued on indented lines of at most ``width`` characters."""
+    lines, line = [], head
+    for it in items:
+        if len(line) + 1 + len(it) > width and line.strip() != head.strip():
+            lines.append(line)
+            line = " " * len(head)
+        line += " " + it
+    return lines + [line]
+
+
+def pipeline_tables(plan, lengths, cost, b1_scale: float = 1.0, max_pieces: int = 4) -> str:
+    """What each pipeline of a plan runs: its chunks (kind, tokens, average-stage time, pieces as
+    ``seq[start:end)``), every stage's operation order and the recompute table (layers each stage
+    recomputes per chunk)."""
+    from megatron_ext.cost.pipeline import PipelineCost
+    from megatron_ext.sim.engine import analyze_chunks
+
+    lengths = np.asarray(lengths)
+    groups = replica_groups(plan, plan.num_gpus)
+    out = []
+    for i, p in enumerate(plan.pipelines):
+        pc = PipelineCost(cost, p.stages, p.sp_degree, b1_scale)
+        table = analyze_chunks(p.chunks, pc, f"pipeline {i}")
+        ms = pc.stage_ms(table.work, table.tokens)
+        rep = f" (replica {p.replica})" if len(groups) > 1 else ""
+        out += [f"pipeline {i}{rep} chunks (forward order; ms: forward+backward on an average stage):",
+                f"  {'chunk':>5}  {'kind':<7} {'tokens':>9} {'ms':>8}  pieces (sequence[start:end))"]
+        for c, tok, t in zip(p.chunks, table.tokens, ms):
+            pieces = [f"{x.seq_id}[{x.start}:{x.end})" for x in c.pieces[:max_pieces]]
+            more = len(c.pieces) - max_pieces
+            if more > 0:
+                pieces.append(f"+{plural(more, 'whole sequence')}"
+                              if all(x.start == 0 and x.end == lengths[x.seq_id] for x in c.pieces[max_pieces:])
+                              else f"+{more} more")
+            out.append(f"  {c.id:>5}  {_chunk_kind(c, lengths):<7} {int(tok):>9,} {t:>8.1f}  {', '.join(pieces)}")
+        out.append(f"pipeline {i} order per stage (F3 / B3: forward / backward of chunk 3):")
+        for st, order in enumerate(p.order_per_stage):
+            out += _wrap(f"  stage {st}:", order)
+        layers = cost.model.num_layers // p.stages
+        rec = [c.recompute_layers_per_stage or [0] * p.stages for c in p.chunks]
+        if not any(any(r) for r in rec):
+            out.append(f"pipeline {i} recompute: none (every stage holds its chunks' activations)")
+            continue
+        out.append(f"pipeline {i} recompute (layers of {layers} per stage recomputed, by chunk; . = none):")
+        w = max(3, len(str(max(c.id for c in p.chunks))) + 1)
+        out += _wrap("  chunk   ", [f"{c.id:>{w}}" for c in p.chunks], 10_000)
+        for st in range(p.stages):
+            out += _wrap(f"  stage {st:<2}", [f"{(r[st] or '.'):>{w}}" for r in rec], 10_000)
+    return "\n".join(out)
+
+
+def _status_lines(head: str, status: str) -> list[str]:
+    # a status names every pipeline and every alternative auto timed: wrapped at its clauses
+    clauses = status.split("; ")
+    return _wrap(head, [c + ";" for c in clauses[:-1]] + clauses[-1:], width=110)
+
+
+def describe_plan(plan, lengths, result=None) -> str:
+    """A readable summary of a pipeline plan, or of an ``auto`` plan of either kind, with the
+    simulated bubble, recompute and memory of ``result`` (a SimResult) if given."""
+    lengths = np.asarray(lengths)
+    groups = replica_groups(plan, plan.num_gpus)  # (a FlexSP plan: one replica, without pipelines)
+    if plan.kind == "flexsp":
+        lines = _status_lines(f"{plan.planner} plan:", f"FlexSP, {plural(len(plan.micro_batches), 'micro-batch', 'micro-batches')}; "
+                                                     f"{plan.solver_status}")
+        for m, mb in enumerate(plan.micro_batches):
+            degs: dict[int, list[int]] = {}
+            for g in mb.groups:
+                degs.setdefault(g.degree, []).append(len(g.seq_ids))
+            lines.append(f"  micro-batch {m}: {mb.estimated_time_s:.3f} s; groups "
+                         + ", ".join(f"{len(v)} x degree {d} ({sum(v)} seq)" for d, v in sorted(degs.items(), reverse=True)))
+    else:
+        lines = _status_lines(f"{plan.planner} plan:", plan.solver_status)
+    for i, p in enumerate(plan.pipelines):
+        n = len(p.chunks)
+        tok = [sum(x.end - x.start for x in c.pieces) for c in p.chunks]
+        kinds = {"split": 0, "hybrid": 0, "batched": 0}
+        for c in p.chunks:
+            kinds[_chunk_kind(c, lengths)] += 1
+        warm = []
+        for o in p.order_per_stage:
+            first_b = next((j for j, op in enumerate(o) if op.startswith("B")), len(o))
+            warm.append(first_b)
+        rec = sum(sum(c.recompute_layers_per_stage) for c in p.chunks if c.recompute_layers_per_stage)
+        rep = f" (replica {p.replica})" if len(groups) > 1 else ""
+        lines.append(f"  pipeline {i}{rep}: {plural(p.stages, 'stage')} x SP {p.sp_degree}, {plural(n, 'chunk')} "
+                     f"({kinds['split']} split, "
+                     f"{kinds['hybrid']} hybrid, {kinds['batched']} batched), tokens per chunk {min(tok)}..{max(tok)}, "
+                     f"warm-up per stage {warm}, recomputed layer-chunks {rec}")
+    idle = [r for r, pipes in enumerate(groups) if not pipes] if len(groups) > 1 else []
+    if idle:
+        lines.append(f"  replica{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))}: idle (fewer sequences "
+                     f"than replicas)")
+    if plan.dropped_seq_ids:
+        ids = plan.dropped_seq_ids
+        lines.append(f"dropped {plural(len(ids), 'sequence')} over the length limit "
+                     f"({int(lengths[ids].max()):,} tokens the longest): ids {ids[:10]}{' ...' if len(ids) > 10 else ''}")
+    bound = "work bound" if plan.kind == "elastic_pp" else "lower bound"
+    lines.append(f"estimated step time {plan.estimated_step_time_s:.3f} s ({bound} {plan.lower_bound_step_time_s:.3f} s), "
+                 f"planned in {plan.solve_time_s * 1e3:.0f} ms")
+    if result is not None:
+        where = "stage" if result.kind == "elastic_pp" else "GPU (max)"
+        peak = result.peak_memory_mb if result.kind == "elastic_pp" else [result.max_peak_memory_mb]
+        if result.kind == "elastic_pp" and len(peak) > plan.pipelines[0].stages:  # replicas, side by side
+            P = plan.pipelines[0].stages
+            where = f"stage (max over {len(peak) // P} replicas)"
+            peak = [max(peak[p::P]) for p in range(P)]
+        unit, div = ("GB", 1024.0) if result.budget_mb >= 2048 else ("MB", 1.0)
+        lines.append(f"bubble ratio {result.bubble_ratio:.1%}, recompute {result.recompute_ratio:.1%}, peak memory per "
+                     f"{where} {', '.join(f'{m / div:.1f}' for m in peak)} {unit} "
+                     f"(budget {result.budget_mb / div:.1f} {unit})")
+    width = max([16] + [len(n) for n in plan.baselines])
+    for name, b in plan.baselines.items():
+        if "error" in b:
+            lines.append(f"  vs {name:<{width}} infeasible: {b['error']}")
+        elif "skipped" in b:
+            lines.append(f"  vs {name:<{width}} skipped: {b['skipped']}")
+        else:
+            lines.append(f"  vs {name:<{width}} {b['estimated_step_time_s']:8.3f} s   speedup {b['speedup']:.2f}x")
+    return "\n".join(lines)
+
+
+def plot_if_asked(args, plan, lengths, cost) -> None:
+    """``--plot FILE``: draw ``plan`` (any kind) to FILE; a note on stderr says where."""
+    path = getattr(args, "plot", None)
+    if not path:
+        return
+    from megatron_ext.commands.plot import plot_plan
+
+    opts = pipeline_options_from_args(args)
+    try:
+        plot_plan(plan, lengths, cost, path, b1_scale=opts.b1_scale)
+    except OSError as e:
+        raise ConfigError(f"cannot write the plot to {path}: {e.strerror or e}") from None
+    print(f"plot written to {path}", file=sys.stderr)
+
+
+def trace_if_asked(args, plan, lengths, cost) -> None:
+    """``--trace FILE``: ``plan``'s simulated timeline as a Chrome trace in FILE; a note on stderr
+    says where."""
+    path = getattr(args, "trace", None)
+    if not path:
+        return
+    from megatron_ext.sim.trace import plan_trace_events, trace_document, write_trace
+
+    events = plan_trace_events(plan, lengths, cost, b1_scale=pipeline_options_from_args(args).b1_scale)
+    try:
+        write_trace(path, trace_document(events, model=cost.model.name, cluster=cost.cluster.name))
+    except OSError as e:
+        raise ConfigError(f"cannot write the trace to {path}: {e.strerror or e}") from None
+    print(f"trace of {plan.planner}'s plan written to {path} (open it in ui.perfetto.dev)", file=sys.stderr)

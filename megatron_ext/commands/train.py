@@ -1,0 +1,295 @@
+"""`megatron-ext train`: real training of a small megatron-core GPT with per-step plans.
+
+On CPU ranks (gloo) or GPUs (NCCL); a line (or a JSON record, ``--json``) per step and a summary.
+
+The launcher side (``run``) checks the options and starts one process per rank of the
+cluster with torchrun (``launch.py``); with ``--compare P1,P2,...`` it trains once per planner, on
+the same data and initial weights, and prints a table of measured step times, losses and the cost
+model's error (``compare_table``). Every rank runs this module's ``main``: it joins the process
+group and trains (``runtime/train.py``); rank 0 prints the steps, writes their records to
+``--run-dir DIR/steps.jsonl`` (the schema of ``runtime/records.py``, which ``megatron-ext report``
+reads) and the ``--trace`` file.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from megatron_ext.commands.launch import LAUNCHER_HELP, torchrun
+from megatron_ext.commands.report import advice, fidelity, layout_counts, layouts_text, step_layout
+from megatron_ext.cost import CostModel
+from megatron_ext.errors import ConfigError, MegatronExtError
+from megatron_ext.planner.api import planners_help
+from megatron_ext.runtime.backends import ATTENTION_BACKENDS
+from megatron_ext.runtime.device import DEVICE_CHOICES
+from megatron_ext.runtime.train import check_args, open_training_data, stage_sp, train_cost_model
+from megatron_ext.text import plural
+
+RANKS = "megatron_ext.commands.train"  # what torchrun runs on every rank: this module
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-ext train", description=__doc__.splitlines()[0])
+    p.add_argument("--planner", default="flexsp",
+                   help=f"one of: {planners_help('sp')}; with --pp: {planners_help('pp')}; auto: per "
+                   f"step, the fastest of FlexSP (at --pp 1) and the pipelines of --pp stages")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (Ulysses degree inside a stage: --sp)")
+    p.add_argument("--sp", type=int, help="with --pp: Ulysses degree inside a stage (default: ranks / pp; auto: "
+                   "per step); below that, ranks / (pp x sp) replicas of the pipeline run side by side, each its "
+                   "share of the batch")
+    p.add_argument("--model", default="tiny", help="model preset or YAML (its layers, hidden size and heads)")
+    p.add_argument("--cluster", default="cpu-4", help="cluster preset or YAML: its GPU count is the rank count")
+    p.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
+                   help="where the ranks run: cuda (NCCL, one GPU per rank), cpu (gloo), or auto: cuda where there "
+                   "is CUDA (default auto)")
+    p.add_argument("--cost-model", metavar="PATH", help="cost-model YAML (overrides --model/--cluster)")
+    p.add_argument("--steps", type=int, default=5, help="training steps (with --load: in all, the checkpoint's "
+                   "included, as Megatron's --train-iters)")
+    p.add_argument("--global-batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--max-seq-len", type=int, default=4096, help="longer documents are cut into pieces")
+    p.add_argument("--seed", type=int, default=0, help="same seed: same data and initial weights for every planner")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--time-limit", type=float, default=1.0, help="planner time limit per step (s)")
+    p.add_argument("--static-degree", type=int, help="degree of static_ulysses")
+    p.add_argument("--data", nargs="+", metavar="PREFIX",
+                   help="a Megatron indexed dataset (PREFIX.bin/.idx), or a blend as Megatron-LM's --data-path takes "
+                   "it: W1 PREFIX1 W2 PREFIX2 ... (each its weight's share of every batch); the tokenizer is that of a "
+                   "corpus made by megatron_ext.data.corpus, else give --vocab-size (default: the Python standard "
+                   "library, BPE-tokenized; built once and cached)")
+    p.add_argument("--vocab-size", type=int, metavar="N",
+                   help="with --data: the model's vocabulary, every token id of the data checked to be below it "
+                   "(needed for data not made by megatron_ext.data.corpus, which has no PREFIX.json tokenizer "
+                   "manifest)")
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    p.add_argument("--json", action="store_true", help="one JSON record per step")
+    p.add_argument("--run-dir", metavar="DIR", help="also write the records to DIR/steps.jsonl (for `megatron-ext report`)")
+    p.add_argument("--trace", metavar="FILE.json",
+                   help="every step planned (the simulator's timeline) and measured, side by side, as a Chrome trace "
+                   "(open it in ui.perfetto.dev)")
+    p.add_argument("--save", metavar="DIR", help="save a checkpoint (model, optimizer, RNG states, data position) to "
+                   "DIR after the last step (and every --save-interval steps)")
+    p.add_argument("--save-interval", type=int, metavar="N", help="with --save: also after every N steps")
+    p.add_argument("--load", metavar="DIR", help="resume from the newest checkpoint in DIR (saved by a run of the same "
+                   "model, ranks, --pp, data, seed, batch and --lr) and train to step --steps")
+    return p
+
+
+def print_help() -> None:
+    build_parser().print_help()
+    print("\n  --compare P1,P2,...   train once per planner (same data and weights) and compare")
+    print(LAUNCHER_HELP)
+
+
+def check_before_launch(args) -> CostModel:
+    """Refuse what cannot run before any rank starts (``launch.torchrun`` calls it); the cost
+    model, whose GPU count is the run's rank count."""
+    cost = train_cost_model(args)
+    check_args(args, cost, cost.num_gpus)
+    if args.data is not None:  # a dataset that cannot be read or trained is refused before launching
+        open_training_data(args.data, args.vocab_size)
+    return cost
+
+
+def run(rest: list[str]) -> int:
+    """``train [--compare P1,P2,...] ARGS``: one run, or one run per planner on the same data and
+    initial weights, then a table of measured step times, losses and the cost model's error."""
+    if "--compare" not in rest:
+        return torchrun(RANKS, rest)
+    i = rest.index("--compare")
+    if i + 1 >= len(rest):
+        raise ConfigError("--compare needs a comma-separated list of planners, e.g. flexsp,static_ulysses")
+    planners = rest[i + 1].split(",")
+    base = [a for j, a in enumerate(rest) if j not in (i, i + 1)]
+    if "--planner" in base or "--json" in base:
+        raise ConfigError("--compare sets --planner and --json itself")
+    twice = sorted({p for p in planners if planners.count(p) > 1})
+    if twice:
+        raise ConfigError(f"--compare names {', '.join(twice)} more than once")
+    _check_compared_runs(base, planners)
+    runs = {}
+    for planner in planners:
+        print(f"training with --planner {planner} ...", file=sys.stderr, flush=True)
+        done = torchrun(RANKS, [*base, "--planner", planner, "--json"], capture=True)
+        if done.returncode != 0:
+            raise ConfigError(f"the {planner} run failed (exit {done.returncode})")
+        runs[planner] = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    print(compare_table(runs))
+    return 0
+
+
+def _check_compared_runs(base: list[str], planners: list[str]) -> None:
+    """Refuse a ``--compare`` whose run of any planner could not start (an unknown planner, one
+    the other options do not suit), before the first run trains."""
+    for planner in planners:
+        targs, _ = build_parser().parse_known_args([*base, "--planner", planner])  # (unknown options: the first run)
+        cost = train_cost_model(targs)
+        check_args(targs, cost, cost.num_gpus)
+
+
+def compare_table(runs: dict[str, list[dict]]) -> str:
+    """Measured step time (median after the first step), tokens/s, the cost model's median error,
+    and the largest loss / grad-norm difference from the first planner's run at any step."""
+    first = next(iter(runs.values()))
+    lines = [f"{'planner':<22}{'steps':>6}{'step s':>9}{'tokens/s':>10}{'vs first':>9}{'model err':>10}"
+             f"{'max loss diff':>15}{'max grad diff':>15}  ran"]
+    base_time = None
+    for name, recs in runs.items():
+        body = recs[1:] or recs  # the first step pays start-up costs
+        measured = np.array([r["step_time_s"] for r in body])
+        predicted = np.array([r["predicted_step_time_s"] for r in body])
+        t = float(np.median(measured))
+        base_time = base_time or t
+        loss_diff = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(recs, first))
+        grad_diff = max(abs(a["grad_norm"] - b["grad_norm"]) / abs(b["grad_norm"]) for a, b in zip(recs, first))
+        lines.append(f"{name:<22}{len(recs):>6}{t:>9.3f}{sum(r['tokens'] for r in body) / measured.sum():>10,.0f}"
+                     f"{base_time / t:>8.2f}x{np.median(np.abs(predicted - measured) / measured):>9.0%} "
+                     f"{loss_diff:>14.1e}{grad_diff:>15.1e}  "
+                     + layouts_text(layout_counts(recs)))
+    return "\n".join(lines)
+
+
+# ---- on every rank (under torchrun) -------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_ext.lifetime import die_with_parent, exit_quietly_on_stop_signals
+    from megatron_ext.runtime.device import init_rank_process_group
+
+    # Stopped (torchrun passes SIGTERM / SIGINT on) or orphaned (torchrun died), a rank ends quietly.
+    exit_quietly_on_stop_signals()
+    die_with_parent(signal.SIGTERM)
+    args = build_parser().parse_args(argv)
+    if args.save:
+        from megatron_ext.runtime.checkpoint import save_and_stop_on_signals
+        save_and_stop_on_signals()
+    # megatron-core says, once per rank and module, that CPU runs use its plain-torch fallbacks.
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
+    warnings.filterwarnings("ignore", message=r"full scope is deprecated")
+    try:
+        init_rank_process_group(args.device)
+    except MegatronExtError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"megatron-ext: error: {e}", file=sys.stderr)
+        return 2
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        return _train(args, rank, world)
+    except MegatronExtError as e:
+        if rank == 0:
+            print(f"megatron-ext: error: {e}", file=sys.stderr)
+        return 2
+    except Exception:
+        # A rank that dies breaks its peers' collectives; torchrun (checking every 0.1 s) stops them a
+        # moment later and names it. Wait for that stop, quiet, rather than print a traceback about it.
+        time.sleep(5.0)
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(args, rank: int, world: int) -> int:
+    """Train on this rank; rank 0 prints the run's header, a line or JSON record per step, writes
+    the records to ``--run-dir`` and the ``--trace``, and prints the summary."""
+    from megatron_ext.data.batches import sources_text
+    from megatron_ext.runtime.train import Training
+    from megatron_ext.sim.trace import RunTrace, ops_per_row, trace_document, write_trace
+
+    run = Training(args, rank, world)
+    cost, data = run.cost, run.data
+    if rank == 0 and not args.json:
+        print(_header(args, cost, world, sources_text(data.prefixes, data.source_sizes, run.loader.weights)),
+              flush=True)
+    if rank == 0 and data.vocab_size != cost.model.vocab_size:
+        print(f"note: the cost model's {cost.model.name} has a {cost.model.vocab_size:,}-word output layer, this model "
+              f"{data.vocab_size:,} words (the data's): predicted step times and the last stage's memory leave out "
+              f"the difference", file=sys.stderr, flush=True)
+    if rank == 0 and run.resumed_from:
+        print(f"resumed from {run.resumed_from} at step {run.done}" + (f"; --steps {args.steps} are done already"
+                                                                       if run.done >= args.steps else ""),
+              file=sys.stderr, flush=True)
+    records = []
+    log = None
+    trace = RunTrace(cost) if rank == 0 and args.trace else None
+    if rank == 0 and args.run_dir:
+        Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+        log = open(Path(args.run_dir) / "steps.jsonl", "w")
+    try:
+        for trained in run.steps():
+            rec, step = trained.record, trained.step
+            if trace is not None:
+                trace.add_step(step.step, step.plan, step.lengths, rec["step_time_s"],
+                               micro_batch_s=rec["micro_batch_times_s"],
+                               ops_per_row=ops_per_row(trained.ranks) if trained.ranks is not None else None)
+            records.append(rec)
+            if rank == 0:
+                print(json.dumps(rec) if args.json else _line(rec), flush=True)
+                if log:
+                    print(json.dumps(rec), file=log, flush=True)
+    finally:
+        if log:
+            log.close()
+    if trace is not None:
+        try:
+            write_trace(args.trace, trace_document(trace.events, model=cost.model.name, cluster=cost.cluster.name))
+        except OSError as e:
+            raise ConfigError(f"cannot write the trace to {args.trace}: {e.strerror or e}") from None
+        print(f"trace of {plural(len(records), 'step')} written to {args.trace} (open it in ui.perfetto.dev)",
+              file=sys.stderr, flush=True)
+    if rank == 0 and not args.json:
+        print(_summary(args.planner, records), flush=True)
+    return 0
+
+
+def _header(args, cost: CostModel, world: int, data: str) -> str:
+    """What the run trains, on what, with which planner and data (printed before its steps)."""
+    sp = stage_sp(args, cost)
+    if args.planner == "auto":
+        layout = ("FlexSP or one-stage pipeline replicas per step" if args.pp == 1 else
+                  f"pipelines of {args.pp} stages" + (f" x SP {sp}" if sp else ", their SP degree per step"))
+    elif sp is not None:
+        layout = f"pipelines of {args.pp} stages x SP {sp}" + (f", {world // (args.pp * sp)} replicas"
+                                                              if world > args.pp * sp else "")
+    else:
+        layout = "SP groups per micro-batch"
+    return (f"train: {cost.model.name} on {cost.cluster.name} ({world} ranks), planner {args.planner} ({layout}); "
+            f"{args.global_batch} sequences a step of up to {args.max_seq_len:,} tokens, {plural(args.steps, 'step')}, "
+            f"seed {args.seed}; data {data}")
+
+
+def _line(r: dict) -> str:
+    peak = r.get("activation_peak_mb_per_stage")
+    return (f"step {r['step']:>3}  " + (f"[{step_layout(r)}]  " if r["planner"] == "auto" else "")
+            + f"loss {r['loss']:.4f}  grad {r['grad_norm']:.3f}  tokens {r['tokens']:>7,}  "
+            f"time {r['step_time_s']:6.2f}s  predicted {r['predicted_step_time_s']:6.2f}s  "
+            f"{'chunks' if peak else 'mbs'} {r['micro_batches']}  degrees {','.join(map(str, r['degrees']))}"
+            + (f"  activations MB/stage {'/'.join(f'{x:.1f}' for x in peak)} (room {r['activation_room_mb']:.1f})"
+               if peak else "")
+            + ("" if r["plan_source"].endswith("planner") else f"  [{r['plan_source']}]"))
+
+
+def _summary(planner: str, records: list[dict]) -> str:
+    if not records:
+        return "no steps run"
+    measured = np.array([r["step_time_s"] for r in records[1:] or records])
+    f = fidelity(records)
+    tokens = sum(r["tokens"] for r in records[1:] or records)
+    chose = f" ({layouts_text(layout_counts(records))})" if planner == "auto" else ""
+    late = sum(r["plan_source"].endswith("fallback") for r in records)
+    return (f"{planner}: {plural(len(records), 'step')}{chose}"
+            + (f", {late} of them on a fallback plan" if late else "")
+            + f", median step {np.median(measured):.2f} s, {tokens / measured.sum():,.0f} tokens/s (after the first "
+              f"step); cost-model error {f['step_median_abs_error']:.0%} (median)"
+            + "".join(f"\n  {line}" for line in advice(records, f) if f["recalibrate"]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
