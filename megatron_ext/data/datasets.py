@@ -94,14 +94,15 @@ class InMemoryDocuments(HeldLengths):
 
 
 # ---- Megatron indexed dataset ---------------------------------------------------------------
-def _megatron_indexed():
-    """megatron.core.datasets.indexed_dataset, imported on first use (it pulls in megatron-core
-    and torch; its warnings about missing Transformer Engine / Apex are expected on CPU)."""
+def _megatron_datasets(module: str):
+    """A module of megatron.core.datasets, imported on first use (it pulls in megatron-core and
+    torch; its warnings about missing Transformer Engine / Apex are expected on CPU)."""
+    import importlib
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
         warnings.simplefilter("ignore", DeprecationWarning)  # megatron-core's and torch's import-time notices
-        from megatron.core.datasets import indexed_dataset
-    return indexed_dataset
+        return importlib.import_module(f"megatron.core.datasets.{module}")
 
 
 _IDX_MAGIC = b"MMIDIDX\x00\x00"  # first bytes of a Megatron .idx file
@@ -117,7 +118,7 @@ def write_indexed_dataset(prefix: str | Path, docs: Iterable[np.ndarray], dtype=
     """Write documents (one index sequence each) as ``prefix.bin`` + ``prefix.idx`` with
     megatron-core's IndexedDatasetBuilder. The files appear atomically (written under a temporary
     name, then renamed), so concurrent writers of the same content are safe. Returns the prefix."""
-    idx_mod = _megatron_indexed()
+    idx_mod = _megatron_datasets("indexed_dataset")
     prefix = str(prefix)
     directory = os.path.dirname(os.path.abspath(prefix))
     os.makedirs(directory, exist_ok=True)
@@ -158,7 +159,7 @@ class IndexedDocuments(HeldLengths):
 
     def _open(self) -> None:
         self._check_files()
-        idx_mod = _megatron_indexed()
+        idx_mod = _megatron_datasets("indexed_dataset")
         try:
             self._ds = idx_mod.IndexedDataset(self.prefix)
         except Exception as e:  # a foreign file: whatever megatron-core trips over, it is unreadable
@@ -260,13 +261,11 @@ def parse_blend(values: Sequence[str]) -> list[tuple[float | None, str]]:
     PREFIX2 ...`` (weight None: by size). What Megatron would misread is refused here: a number
     where a prefix belongs, an odd count of weight-prefix pairs, negative or all-zero weights. A
     ``.bin`` / ``.idx`` ending is taken off."""
-    from megatron.core.datasets.utils import get_blend_from_list
-
     values = [str(v).strip() for v in values]
     if not values:
         raise DataError("no dataset given")
     try:
-        prefixes, weights = get_blend_from_list(values)
+        prefixes, weights = _megatron_datasets("utils").get_blend_from_list(values)
     except AssertionError:
         prefixes, weights = values, None
     if weights is None and len(values) > 1 and _is_number(values[0]):
