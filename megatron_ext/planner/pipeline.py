@@ -20,13 +20,13 @@ import numpy as np
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost, default_layout
 from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError
-from megatron_ext.plan.pipelines import validate_pipelines
-from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan, validate
+from megatron_ext.plan.program import list_schedule
+from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan
+from megatron_ext.plan.validate import validate, validate_pipelines
 from megatron_ext.planner.checkpointing import greedy_recompute, solve_recompute
 from megatron_ext.planner.chunking import Pieces
 from megatron_ext.sim.engine import (ChunkTable, analyze_chunks, backward_order, checkpoint_memory, greedy_orders,
-                                     list_schedule, memory_checkpoints, memory_levels, one_f_one_b, op_times,
-                                     order_names)
+                                     memory_checkpoints, memory_levels, one_f_one_b, op_times, order_names)
 from megatron_ext.sim.simulator import simulate
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from megatron_ext.data.lengths import DISTRIBUTIONS, read_lengths
 from megatron_ext.errors import ConfigError, LengthsError
-from megatron_ext.plan.pipelines import replica_groups
+from megatron_ext.plan.validate import replica_groups
 from megatron_ext.text import plural
 
 

@@ -14,9 +14,9 @@ import pytest
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import InvalidPlanError
+from megatron_ext.plan.program import (BWD, FWD, Message, PipelineSchedule, ProgramStep, build_schedule,
+                                       build_schedules, check_rendezvous)
 from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan
-from megatron_ext.runtime.pipeline import (BWD, FWD, Message, PipelineSchedule, Step, build_schedule, build_schedules,
-                                           check_rendezvous)
 from megatron_ext.spec import ClusterSpec, ModelSpec
 
 MODEL = ModelSpec(name="t", num_layers=8, hidden_size=32, num_attention_heads=8, num_query_groups=4,
@@ -131,7 +131,8 @@ def test_random_valid_orders_give_deadlock_free_programs():
 def test_refusal_agrees_with_the_simulator():
     """Random per-stage orders (each chunk's F before its B, otherwise shuffled): the runtime
     refuses exactly the orders the simulator's list scheduler finds deadlocking."""
-    from megatron_ext.sim.engine import analyze_chunks, list_schedule, op_times, parse_order
+    from megatron_ext.plan.program import list_schedule, parse_order
+    from megatron_ext.sim.engine import analyze_chunks, op_times
 
     rng = random.Random(1)
     refused = accepted = 0
@@ -184,10 +185,10 @@ def test_rendezvous_checker_catches_naive_programs():
     a0, a1, g0, g1 = (Message(i, k, c, src, dst) for i, (k, c, src, dst) in
                       enumerate([("act", 0, 0, 1), ("act", 1, 0, 1), ("grad", 0, 1, 0), ("grad", 1, 1, 0)]))
     naive = PipelineSchedule(2, 1, s.chunks, [], [a0, a1, g0, g1], [
-        [Step((), (FWD, 0)), Step(((a0, "send"),), (FWD, 1)), Step(((a1, "send"), (g1, "recv")), (BWD, 1)),
-         Step(((g0, "recv"),), (BWD, 0)), Step((), None)],
-        [Step(((a1, "recv"),), (FWD, 1)), Step(((a0, "recv"),), (FWD, 0)), Step((), (BWD, 0)),
-         Step(((g0, "send"),), (BWD, 1)), Step(((g1, "send"),), None)],
+        [ProgramStep((), (FWD, 0)), ProgramStep(((a0, "send"),), (FWD, 1)), ProgramStep(((a1, "send"), (g1, "recv")), (BWD, 1)),
+         ProgramStep(((g0, "recv"),), (BWD, 0)), ProgramStep((), None)],
+        [ProgramStep(((a1, "recv"),), (FWD, 1)), ProgramStep(((a0, "recv"),), (FWD, 0)), ProgramStep((), (BWD, 0)),
+         ProgramStep(((g0, "send"),), (BWD, 1)), ProgramStep(((g1, "send"),), None)],
     ])
     with pytest.raises(InvalidPlanError, match="deadlock"):
         check_rendezvous(naive)
