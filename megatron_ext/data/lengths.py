@@ -92,3 +92,15 @@ def read_lengths(path: str | Path) -> np.ndarray:
     if not values:
         raise LengthsError(f"lengths file {path} holds no lengths")
     return np.asarray(values, dtype=np.int64)
+
+
+def batch_lengths(lengths) -> np.ndarray:
+    """THE check of a batch a planner is given: a non-empty 1-D array of positive lengths (as int64),
+    else LengthsError. Every planner entry point (``make_plan``, ``make_pp_plan``, the pipeline
+    builders) calls it."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.ndim != 1 or lengths.size == 0:
+        raise LengthsError("the batch is empty: nothing to plan")
+    if (lengths < 1).any():
+        raise LengthsError(f"sequence {int(np.flatnonzero(lengths < 1)[0])} has a non-positive length")
+    return lengths

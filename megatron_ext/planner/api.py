@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 from megatron_ext.cost import CostModel
+from megatron_ext.data.lengths import batch_lengths
 from megatron_ext.errors import ConfigError, LengthsError, MegatronExtError
 from megatron_ext.plan import MicroBatchPlan, SPGroup, StepPlan, fill_estimates, validate
 from megatron_ext.planner.placement import place_groups
@@ -57,11 +58,7 @@ def make_plan(name: str, lengths, cost: CostModel, options: PlannerOptions = Pla
         return make_pp_plan(name, lengths, cost, options, baselines)
     if name not in PLANNERS:
         raise ConfigError(f"unknown planner {name!r}; choose one of {', '.join([*PLANNERS, *PP_PLANNERS])}")
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if lengths.size == 0:
-        raise LengthsError("the batch is empty: nothing to plan")
-    if (lengths < 1).any():
-        raise LengthsError(f"sequence {int(np.flatnonzero(lengths < 1)[0])} has a non-positive length")
+    lengths = batch_lengths(lengths)
     limit = cost.max_seq_len if options.max_seq_len is None else min(options.max_seq_len, cost.max_seq_len)
     too_long = lengths > limit
     if too_long.any() and not options.drop_over_max:

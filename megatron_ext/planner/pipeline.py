@@ -19,6 +19,7 @@ import numpy as np
 
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost, default_layout
+from megatron_ext.data.lengths import batch_lengths
 from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError
 from megatron_ext.plan.program import list_schedule
 from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan
@@ -238,11 +239,7 @@ def pipeline_options(options, overrides) -> PipelineOptions:
 
 
 def kept_sequences(lengths, seq_ids) -> tuple[np.ndarray, np.ndarray]:
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if lengths.ndim != 1 or lengths.size == 0:
-        raise LengthsError("the batch is empty: nothing to plan")
-    if (lengths < 1).any():
-        raise LengthsError(f"sequence {int(np.flatnonzero(lengths < 1)[0])} has a non-positive length")
+    lengths = batch_lengths(lengths)
     ids = np.arange(len(lengths)) if seq_ids is None else np.asarray(seq_ids, dtype=np.int64)
     if ids.size == 0:
         raise LengthsError("no sequence left to plan")

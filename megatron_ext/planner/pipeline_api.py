@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_ext.cost import CostModel
+from megatron_ext.data.lengths import batch_lengths
 from megatron_ext.errors import ConfigError, LengthsError, MegatronExtError
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner.api import plan_flexsp_kind
@@ -53,9 +54,7 @@ def make_pp_plan(name: str, lengths, cost: CostModel, options=None, baselines: t
     and time each baseline (pipeline planners and FlexSP-kind planners alike) on the same batch."""
     if name not in PP_PLANNERS:
         raise ConfigError(f"unknown pipeline planner {name!r}; choose one of {', '.join(PP_PLANNERS)}")
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if lengths.size == 0:
-        raise LengthsError("the batch is empty: nothing to plan")
+    lengths = batch_lengths(lengths)
     drop = getattr(options, "drop_over_max", False)
     given = getattr(options, "max_seq_len", None)
     ids = np.arange(len(lengths))
