@@ -12,8 +12,8 @@ decides the micro-batches:
   ``UlyssesPackedSeqParams`` naming the group) and runs megatron-core's own
   ``forward_backward_no_pipelining`` over them with ``runtime.step.forward_step``;
 * ``elastic_forward_backward`` takes the step and runs it through ``runtime.forward_backward``,
-  which for an elastic_pp plan runs the elastic pipeline executor on this rank's stage: the plan's chunks in each stage's planned order, point-to-point over
-  Megatron's pipeline group, each stage's data-parallel ranks one Ulysses group (with
+  which for an elastic_pp plan runs the elastic pipeline executor on this rank's stage: the
+  plan's chunks in each stage's planned order, point-to-point over Megatron's pipeline group, each stage's data-parallel ranks one Ulysses group (with
   ``--elastic-pp-sp`` D below them: dp / D groups of D, one per pipeline replica, each replica
   running its own pipelines), the planned layers recomputed per chunk, then Megatron's
   ``finalize_model_grads``.

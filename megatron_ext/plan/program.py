@@ -280,10 +280,12 @@ def chunk_layouts(pipeline: Pipeline, lengths: Sequence[int], layers_per_stage: 
         pos = 0
         for a, b, _ in ps:
             if a != pos:
-                raise InvalidPlanError(f"{where}: the pieces of sequence {sid} do not tile it (gap or overlap at {pos})")
+                raise InvalidPlanError(f"{where}: the pieces of sequence {sid} do not tile it "
+                                       f"(gap or overlap at {pos})")
             pos = b
         if pos != int(lengths[sid]):
-            raise InvalidPlanError(f"{where}: the pieces of sequence {sid} end at {pos}, it has {int(lengths[sid])} tokens")
+            raise InvalidPlanError(f"{where}: the pieces of sequence {sid} end at {pos}, it has "
+                                   f"{int(lengths[sid])} tokens")
     last_end = {sid: ps[-1][1] for sid, ps in by_seq.items()}
     for cid, ch in list(out.items()):
         cont = tuple(a + n < last_end[s] for s, a, n in zip(ch.seq_ids, ch.starts, ch.lengths))

@@ -1,26 +1,26 @@
-"""The elastic pipeline executor: run the ``pipelines`` of an ``elastic_pp`` StepPlan on megatron-core
-(``runtime.forward_backward`` dispatches elastic_pp steps here).
+"""The elastic pipeline executor: run the ``pipelines`` of an ``elastic_pp`` StepPlan on
+megatron-core (``runtime.forward_backward`` dispatches elastic_pp steps here).
 
 The layout is megatron's: ``parallel_state.initialize_model_parallel(1, P)`` on N ranks makes P
 stages of ``d = N / P`` ranks each (stage p holds ranks ``[p d, (p + 1) d)``); every stage builds a
-GPTModel with its ``L / P`` layers (``build_pipeline_model``, runtime/pipeline_model.py: ``pre_process`` on the first stage,
-``post_process`` on the last) and its data-parallel group is the Ulysses group of the stage. A
-plan's pipeline must have ``stages == P`` and ``sp_degree`` dividing d: with ``sp_degree = s < d``
-the stage's data-parallel ranks form d / s replicas (aligned blocks of s ranks, each its own
-Ulysses group from an ``SPGroupPool``), and each rank runs the pipelines of its replica
-(``Pipeline.replica``); megatron's pipeline group links the same data-parallel rank of every
-stage, so a replica's stages talk only to each other.
+GPTModel with its ``L / P`` layers (``build_pipeline_model`` of runtime/pipeline_model.py:
+``pre_process`` on the first stage, ``post_process`` on the last) and its data-parallel group is
+the Ulysses group of the stage. A plan's pipeline must have ``stages == P`` and ``sp_degree``
+dividing d: with ``sp_degree = s < d`` the stage's data-parallel ranks form d / s replicas (aligned
+blocks of s ranks, each its own Ulysses group from an ``SPGroupPool``), and each rank runs the
+pipelines of its replica (``Pipeline.replica``); megatron's pipeline group links the same
+data-parallel rank of every stage, so a replica's stages talk only to each other.
 
 Per pipeline of the plan, on every rank (``forward_backward_elastic``):
 
 1. ``build_schedule`` (plan/program.py, torch-free) turns the pipeline into programs, without any
-   communication, identically on every rank: it checks the pipeline (stages, chunk pieces tile their sequences, every stage runs
-   each chunk's F and B exactly once, recompute counts), then runs the per-stage orders through a
-   list scheduler with the dependencies below. If the orders deadlock, it raises
-   ``InvalidPlanError`` on every rank before anything runs. Dependencies: F of chunk k on stage p
-   after F of k on stage p-1; B of k on p after F of k on p and after B of k on p+1; for two
-   consecutive slices a < b of one sequence, F of b after F of a and B of a after B of b (on the
-   same stage: the prefix K/V and its gradient live there).
+   communication, identically on every rank: it checks the pipeline (stages, chunk pieces tile
+   their sequences, every stage runs each chunk's F and B exactly once, recompute counts), then
+   runs the per-stage orders through the list scheduler with the dependencies below. If the orders
+   deadlock, it raises ``InvalidPlanError`` on every rank before anything runs. Dependencies: F of
+   chunk k on stage p after F of k on stage p-1; B of k on p after F of k on p and after B of k on
+   p+1; for two consecutive slices a < b of one sequence, F of b after F of a and B of a after B of
+   b (on the same stage: the prefix K/V and its gradient live there).
 2. Communication is derived from that schedule as one global sequence of events: every op at its
    scheduled start, and every message (activation of F k from p to p+1, gradient of B k from p to
    p-1) at the end of the op that produces it. Each stage's program is its ops in that order, and

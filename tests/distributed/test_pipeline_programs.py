@@ -14,8 +14,9 @@ import pytest
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import InvalidPlanError
-from megatron_ext.plan.program import (BWD, FWD, Message, PipelineSchedule, ProgramStep, build_schedule,
-                                       build_schedules, check_rendezvous)
+from megatron_ext.plan.program import (BWD, FWD, Message, PipelineSchedule, build_schedule, build_schedules,
+                                       check_rendezvous)
+from megatron_ext.plan.program import ProgramStep as Step
 from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan
 from megatron_ext.spec import ClusterSpec, ModelSpec
 
@@ -185,10 +186,10 @@ def test_rendezvous_checker_catches_naive_programs():
     a0, a1, g0, g1 = (Message(i, k, c, src, dst) for i, (k, c, src, dst) in
                       enumerate([("act", 0, 0, 1), ("act", 1, 0, 1), ("grad", 0, 1, 0), ("grad", 1, 1, 0)]))
     naive = PipelineSchedule(2, 1, s.chunks, [], [a0, a1, g0, g1], [
-        [ProgramStep((), (FWD, 0)), ProgramStep(((a0, "send"),), (FWD, 1)), ProgramStep(((a1, "send"), (g1, "recv")), (BWD, 1)),
-         ProgramStep(((g0, "recv"),), (BWD, 0)), ProgramStep((), None)],
-        [ProgramStep(((a1, "recv"),), (FWD, 1)), ProgramStep(((a0, "recv"),), (FWD, 0)), ProgramStep((), (BWD, 0)),
-         ProgramStep(((g0, "send"),), (BWD, 1)), ProgramStep(((g1, "send"),), None)],
+        [Step((), (FWD, 0)), Step(((a0, "send"),), (FWD, 1)), Step(((a1, "send"), (g1, "recv")), (BWD, 1)),
+         Step(((g0, "recv"),), (BWD, 0)), Step((), None)],
+        [Step(((a1, "recv"),), (FWD, 1)), Step(((a0, "recv"),), (FWD, 0)), Step((), (BWD, 0)),
+         Step(((g0, "send"),), (BWD, 1)), Step(((g1, "send"),), None)],
     ])
     with pytest.raises(InvalidPlanError, match="deadlock"):
         check_rendezvous(naive)
