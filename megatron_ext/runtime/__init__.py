@@ -17,3 +17,12 @@
 
 Submodules are imported on demand (``attention`` imports megatron-core).
 """
+
+
+def __getattr__(name: str):
+    """``runtime.forward_backward``: the one step API (runtime/step.py), imported on first use."""
+    if name == "forward_backward":
+        from megatron_ext.runtime.step import forward_backward
+
+        return forward_backward
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
