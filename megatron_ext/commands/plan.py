@@ -20,7 +20,7 @@ from megatron_ext.cost import CostModel
 from megatron_ext.data.batches import dataset_batches
 from megatron_ext.data.lengths import read_lengths, sample_lengths
 from megatron_ext.errors import ConfigError
-from megatron_ext.plan.pipelines import replica_groups
+from megatron_ext.plan.validate import replica_groups
 from megatron_ext.planner import make_plan
 from megatron_ext.planner.api import PIPELINE_KINDS, get_planner, max_seq_len
 from megatron_ext.planner.api import BASELINES

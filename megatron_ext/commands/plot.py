@@ -27,7 +27,7 @@ import numpy as np
 
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError
-from megatron_ext.plan.pipelines import replica_groups
+from megatron_ext.plan.validate import replica_groups
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.sim.simulator import SimResult, simulate
 from megatron_ext.text import plural

@@ -92,3 +92,5 @@ def read_lengths(path: str | Path) -> np.ndarray:
     if not values:
         raise LengthsError(f"lengths file {path} holds no lengths")
     return np.asarray(values, dtype=np.int64)
+
+

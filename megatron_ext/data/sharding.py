@@ -2,7 +2,8 @@
 
 In a FlexSP micro-batch, an SP group of degree d packs its sequences into one token buffer: the
 tokens of its ``seq_ids`` concatenated in that order (``cu_seqlens`` marks the boundaries). The
-buffer is padded at its end to a multiple of d (``padded_buffer_length``), and the rank at
+buffer is padded at its end to a multiple of d (``padded_buffer_length``, plan/program.py's: the
+one padding rule of FlexSP groups and pipeline chunks alike), and the rank at
 position p of the group (``ranks.index(rank)``) holds the contiguous shard
 ``[p * B/d, (p + 1) * B/d)`` of the padded buffer of length B. Ulysses attention all-to-alls
 those shards into whole sequences over heads/d, so every rank of the group must cut the buffer the
@@ -18,19 +19,28 @@ from typing import Sequence
 import numpy as np
 
 from megatron_ext.errors import InvalidPlanError
+from megatron_ext.plan.program import padded_buffer_length
 from megatron_ext.plan.schema import StepPlan
 
 IGNORE_INDEX = -100  # label of tokens that predict nothing (each sequence's last token, padding)
 
 
-def padded_buffer_length(num_tokens: int, degree: int) -> int:
-    """THE padding rule: a group's packed buffer of ``num_tokens`` real tokens is padded at its
-    end to the next multiple of the group's degree (no padding if it already divides)."""
-    if degree < 1:
-        raise ValueError(f"degree must be at least 1, got {degree}")
-    if num_tokens < 0:
-        raise ValueError(f"num_tokens must be non-negative, got {num_tokens}")
-    return -(-num_tokens // degree) * degree
+def next_token_labels(seq: np.ndarray, start: int, n: int) -> np.ndarray:
+    """THE label rule, for tokens ``[start, start + n)`` of one sequence: token t predicts token
+    t + 1 of the same sequence; the sequence's last token predicts nothing (IGNORE_INDEX). A cut
+    inside a sequence (a shard boundary, a pipeline slice) does not cut a label."""
+    labels = np.full(n, IGNORE_INDEX, dtype=np.int64)
+    nxt = seq[start + 1:start + n + 1]  # one shorter than the part when it reaches the sequence's end
+    labels[:nxt.size] = nxt
+    return labels
+
+
+def model_labels(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What the model is fed for ``labels`` (IGNORE_INDEX where nothing is predicted, padding
+    included): (labels with IGNORE_INDEX replaced by 0, a valid class id; float32 loss mask, 0
+    there and 1 elsewhere)."""
+    mask = labels != IGNORE_INDEX
+    return np.where(mask, labels, 0), mask.astype(np.float32)
 
 
 def shard_bounds(num_tokens: int, degree: int, position: int) -> tuple[int, int]:
@@ -123,9 +133,8 @@ class ShardTokens:
 def shard_tokens(shard: RankShard, batch: Sequence[np.ndarray], pad_id: int) -> ShardTokens:
     """Cut the shard's tokens out of the global batch (token arrays indexed by seq id).
 
-    Labels follow the per-sequence next-token rule: token t of a sequence predicts token t+1 of
-    the same sequence, so a sequence of L tokens has L - 1 labelled tokens (``num_loss_tokens``);
-    a shard boundary inside a sequence does not cut a label."""
+    Labels follow ``next_token_labels``: a sequence of L tokens has L - 1 labelled tokens
+    (``num_loss_tokens``); a shard boundary inside a sequence does not cut a label."""
     n = shard.end - shard.start
     tokens = np.full(n, pad_id, dtype=np.int64)
     positions = np.zeros(n, dtype=np.int64)
@@ -144,8 +153,7 @@ def shard_tokens(shard: RankShard, batch: Sequence[np.ndarray], pad_id: int) -> 
         tokens[out] = seq[a:b]
         positions[out] = np.arange(a, b)
         seq_index[out] = sid
-        nxt = seq[a + 1:b + 1]  # one shorter than the part when it reaches the sequence's end
-        labels[out][:nxt.size] = nxt
+        labels[out] = next_token_labels(seq, a, b - a)
     return ShardTokens(tokens, positions, seq_index, labels)
 
 

@@ -6,13 +6,14 @@ num_microbatches=get_num_microbatches(), ...)`` once per iteration. In a planned
 iterator yields one planned ``Step`` per iteration (``data.py``) and the plan, not Megatron,
 decides the micro-batches:
 
-* ``flexsp_forward_backward`` takes the step, cuts this rank's inputs with
-  ``runtime.schedule.micro_batch_inputs`` (its shard of its SP group's packed tokens and the
+* ``flexsp_forward_backward`` takes the step and runs it through ``runtime.forward_backward`` (the
+  one step API of ``runtime/step.py``, as ``megatron-ext train`` does), which for a FlexSP plan
+  cuts this rank's inputs (its shard of its SP group's packed tokens and the
   ``UlyssesPackedSeqParams`` naming the group) and runs megatron-core's own
-  ``forward_backward_no_pipelining`` over them with ``runtime.schedule.flexsp_forward_step``;
-* ``elastic_forward_backward`` takes the step and runs ``runtime.pipeline.forward_backward_elastic``
-  on this rank's stage: the plan's chunks in each stage's planned order, point-to-point over
-  Megatron's pipeline group, each stage's data-parallel ranks one Ulysses group (with
+  ``forward_backward_no_pipelining`` over them with ``runtime.step.forward_step``;
+* ``elastic_forward_backward`` takes the step and runs it through ``runtime.forward_backward``,
+  which for an elastic_pp plan runs the elastic pipeline executor on this rank's stage: the
+  plan's chunks in each stage's planned order, point-to-point over Megatron's pipeline group, each stage's data-parallel ranks one Ulysses group (with
   ``--elastic-pp-sp`` D below them: dp / D groups of D, one per pipeline replica, each replica
   running its own pipelines), the planned layers recomputed per chunk, then Megatron's
   ``finalize_model_grads``.
@@ -42,7 +43,6 @@ import copy
 import json
 import logging
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 import torch
@@ -52,7 +52,7 @@ from megatron_ext.data.loader import Step
 from megatron_ext.megatron.arguments import mode_flag
 from megatron_ext.runtime import records
 from megatron_ext.runtime.device import rank_device
-from megatron_ext.runtime.schedule import StepTimes, flexsp_forward_step, micro_batch_inputs
+from megatron_ext.runtime.step import forward_backward, forward_step, idle_loss
 from megatron_ext.runtime.timing import DeviceClock
 from megatron_ext.text import plural
 
@@ -196,12 +196,7 @@ def _idle_forward(model):
     params = UlyssesPackedSeqParams.build([1], None, device=STATE.device)
     token = torch.full((1, 1), STATE.pad_id, dtype=torch.long, device=STATE.device)
     output = model(token, params.position_ids[None], None, labels=torch.zeros_like(token), packed_seq_params=params)
-    return output, _idle_loss
-
-
-def _idle_loss(output):
-    zero = output.float().sum() * 0.0
-    return zero, torch.zeros((), dtype=torch.int, device=zero.device), {"lm loss": torch.zeros(2, device=zero.device)}
+    return output, idle_loss
 
 
 def _checked(loss_func):
@@ -223,13 +218,14 @@ def _checked(loss_func):
     return loss
 
 
-def _forward_step(times: StepTimes, data_iterator, model, *unused):
-    """forward_step_func of one FlexSP micro-batch (``data_iterator`` yields MicroBatchInput or None)."""
-    mb = next(data_iterator)
-    if mb is None:
-        times.start_micro_batch()
+def _forward_step(data_iterator, model, *unused):
+    """forward_step_func of one FlexSP micro-batch or pipeline chunk (``data_iterator`` yields a
+    ``runtime.step.ModelInput``, or None where a FlexSP rank idles): the runtime's, with an idle
+    pass through the model and Megatron's loss checks added."""
+    inp = next(data_iterator)
+    if inp is None:
         return _idle_forward(model)
-    output, loss_func = flexsp_forward_step(iter([mb]), model, times)
+    output, loss_func = forward_step(iter([inp]), model)
     return output, _checked(loss_func)
 
 
@@ -254,40 +250,28 @@ def flexsp_forward_backward(*, forward_step_func=None, data_iterator, model, num
     ``data_iterator`` and runs its micro-batches through megatron-core's schedule; Megatron's
     ``num_microbatches``, ``seq_length`` and ``forward_step_func`` are ignored (the plan decides).
     A step ``--flexsp-planner auto`` planned as one-stage pipeline replicas runs as an elastic step."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     step = _planned_step(data_iterator, "--flexsp")
     if step.plan.kind == "elastic_pp":  # --flexsp-planner auto: this step runs as one-stage pipeline replicas
         return _run_elastic(step, model, forward_only, "--flexsp")
     if STATE.pool is None:
         raise RuntimeError("--flexsp: the SP group pool is missing (the planned datasets provider did not run)")
     chunk = _one_model_chunk(model, "--flexsp")
-    inputs = list(micro_batch_inputs(step, STATE.pool, STATE.pad_id, STATE.device))
-    times = StepTimes(DeviceClock(STATE.device))
-    start = times.clock.mark()
-    losses = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, times), data_iterator=iter(inputs), model=[chunk],
-        num_microbatches=len(inputs), seq_length=int(seq_length or 0), micro_batch_size=1,
-        forward_only=forward_only, **kwargs)
-    end = times.finish()
+    clock = DeviceClock(STATE.device)
+    start = clock.mark()
+    losses, times = forward_backward(step, chunk, pool=STATE.pool, pad_id=STATE.pad_id, forward_only=forward_only,
+                                     device=STATE.device, forward_step_func=_forward_step,
+                                     seq_length=int(seq_length or 0), **kwargs)
+    end = clock.mark()
     if not forward_only:
-        report_step(step, times.clock.seconds(start, end), times.micro_batches)
+        report_step(step, clock.seconds(start, end), times.micro_batches)
     return losses
-
-
-def _elastic_forward_step(data_iterator, model):
-    """forward_step_func of one pipeline chunk: the runtime's, Megatron's loss checks added."""
-    from megatron_ext.runtime.pipeline import chunk_forward_step
-
-    output, loss_func = chunk_forward_step(data_iterator, model)
-    return output, _checked(loss_func)
 
 
 def elastic_forward_backward(*, forward_step_func=None, data_iterator, model, num_microbatches=None,
                              seq_length=None, micro_batch_size=None, forward_only=False, **kwargs):
     """Megatron's forward_backward_func for --elastic-pp (same keywords). Consumes one ``Step``
     from ``data_iterator`` and runs on this rank's stage the pipelines of this rank's replica
-    (``forward_backward_elastic``, which ends with Megatron's ``finalize_model_grads``). Returns
+    (``runtime.forward_backward``, which ends with Megatron's ``finalize_model_grads``). Returns
     the last stage's loss dicts, one per chunk (``{"lm loss": [sum, tokens]}``), and nothing
     elsewhere, as Megatron's pipeline schedules do; Megatron's other keywords are ignored (the
     plan decides)."""
@@ -297,14 +281,11 @@ def elastic_forward_backward(*, forward_step_func=None, data_iterator, model, nu
 def _run_elastic(step: Step, model, forward_only: bool, flag: str):
     from megatron.core import parallel_state
 
-    from megatron_ext.runtime.pipeline import forward_backward_elastic
-
     chunk = _one_model_chunk(model, flag)
     clock = DeviceClock(STATE.device)
     start = clock.mark()
-    losses, stats = forward_backward_elastic(step.plan, step.batch, chunk, pad_id=STATE.pad_id,
-                                             forward_only=forward_only, device=STATE.device,
-                                             forward_step_func=_elastic_forward_step, sp_groups=STATE.pool)
+    losses, stats = forward_backward(step, chunk, pool=STATE.pool, pad_id=STATE.pad_id, forward_only=forward_only,
+                                     device=STATE.device, forward_step_func=_forward_step)
     end = clock.mark()
     if not forward_only:
         stages = parallel_state.get_pipeline_model_parallel_world_size()

@@ -24,6 +24,7 @@ import numpy as np
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError, LengthsError, MegatronExtError
 from megatron_ext.plan import StepPlan
+from megatron_ext.plan.validate import checked_batch_lengths
 from megatron_ext.planner.auto import pipeline_layouts, plan_auto, plan_units
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
 from megatron_ext.planner.pp.pipeline import pipeline_cost, pipeline_options, resolve_layout
@@ -131,11 +132,7 @@ def make_plan(name: str, lengths, cost: CostModel, options=None, baselines: tupl
     ``drop_over_max`` drops longer ones instead of refusing the batch. ``overrides``:
     PipelineOptions fields for the pipeline planners."""
     planner = get_planner(name, kinds)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if lengths.size == 0:
-        raise LengthsError("the batch is empty: nothing to plan")
-    if (lengths < 1).any():
-        raise LengthsError(f"sequence {int(np.flatnonzero(lengths < 1)[0])} has a non-positive length")
+    lengths = checked_batch_lengths(lengths)
     ids = _kept(planner, lengths, cost, options, overrides)
     plan = planner.plan(lengths, cost, options, seq_ids=ids, **overrides)
     if baselines:

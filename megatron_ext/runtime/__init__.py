@@ -11,10 +11,23 @@
 - ``rope``: true-position RoPE (``use_true_positions_for_rope``).
 - ``slices``: token-level slices, ``PrefixKVCache`` (prefix K/V and its held gradient between the
   slices of a sequence).
-- ``pipeline``: elastic pipelines (``forward_backward_elastic`` runs an elastic_pp StepPlan on
-  megatron's pipeline layout; ``build_schedule`` validates a pipeline and derives its deadlock-free
-  per-stage programs; ``build_pipeline_model``).
+- ``step``: ``forward_backward(step, model, ...)``, the one step API: a planned Step through the
+  executor of its plan's kind; ``ModelInput`` and ``forward_step``, shared by both executors.
+- ``schedule``: the FlexSP executor (``forward_backward_flexsp``: megatron-core's own schedule).
+- ``pipeline``: the elastic pipeline executor (``forward_backward_elastic`` runs an elastic_pp
+  StepPlan on megatron's pipeline layout, each stage the program plan/program.py's
+  ``build_schedule`` compiled for it).
+- ``pipeline_model``: ``build_pipeline_model`` (this rank's stage of a GPTModel), ``stage_state_dict``.
 
 Submodules are imported on demand (``attention`` and ``rope`` import megatron-core; ``kernels``,
 ``comm`` and ``slices`` torch only).
 """
+
+
+def __getattr__(name: str):
+    """``runtime.forward_backward``: the one step API (runtime/step.py), imported on first use."""
+    if name == "forward_backward":
+        from megatron_ext.runtime.step import forward_backward
+
+        return forward_backward
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

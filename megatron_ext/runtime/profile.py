@@ -100,7 +100,7 @@ def _time(fn, repeats: int, setup: RankSetup) -> float:
 
 def _build_model(spec, max_len: int, setup: RankSetup, ddp: bool = True):
     """The GPTModel `train` runs, built and initialised on this rank's device in its dtype."""
-    from megatron_ext.runtime.pipeline import build_pipeline_model
+    from megatron_ext.runtime.pipeline_model import build_pipeline_model
 
     model, _ = build_pipeline_model(spec, spec.vocab_size, max_len, setup.attention_backend, ddp=ddp,
                                     use_cpu_initialization=setup.device.type == "cpu", params_dtype=setup.dtype,

@@ -27,7 +27,7 @@ YAML, without --cost-model) and, for pipeline steps, each stage measured against
 """
 from __future__ import annotations
 
-from megatron_ext.plan.pipelines import replica_groups
+from megatron_ext.plan.validate import replica_groups
 
 
 def step_record(plan, lengths, *, step: int, tokens: int, step_time_s: float, micro_batch_times_s,

@@ -1,4 +1,5 @@
-"""Run a FlexSP step with megatron-core's own schedule.
+"""The FlexSP executor: a FlexSP step with megatron-core's own schedule (``runtime.forward_backward``
+dispatches FlexSP steps here).
 
 A FlexSP plan changes *which ranks work together* per micro-batch, not the order of work on a
 rank, so megatron's ``forward_backward_no_pipelining`` already is the right schedule: every rank
@@ -11,35 +12,24 @@ empty pass (no tokens, no collective) so that every rank sees the same number of
 
 Loss is per token (``calculate_per_token_loss``): each pass returns the sum of its shard's token
 losses and its token count; megatron sums both over all ranks and divides the gradients once, so
-any plan of the same batch gives the same loss and gradients.
+any plan of the same batch gives the same loss and gradients. The model input, forward step and
+loss are ``runtime/step.py``'s, shared with the elastic pipeline executor.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Callable, Optional
 
-import numpy as np
 import torch
 
 from megatron_ext.data.loader import Step
-from megatron_ext.data.sharding import IGNORE_INDEX, shard_tokens
+from megatron_ext.data.sharding import model_labels, shard_tokens
 from megatron_ext.runtime.attention import UlyssesPackedSeqParams
 from megatron_ext.runtime.device import rank_device
 from megatron_ext.runtime.groups import SPGroupPool
+from megatron_ext.runtime.step import ModelInput, forward_step
 from megatron_ext.runtime.timing import DeviceClock
-
-
-@dataclass
-class MicroBatchInput:
-    """What one rank feeds the model for one micro-batch (tensors are [1, S/d])."""
-
-    tokens: torch.Tensor
-    position_ids: torch.Tensor
-    labels: torch.Tensor
-    loss_mask: torch.Tensor
-    packed_seq_params: UlyssesPackedSeqParams
-    degree: int
-    group: str  # e.g. "SP group d4 ranks 0..3: seqs 5, 9" (names its NVTX range)
 
 
 @dataclass
@@ -69,7 +59,7 @@ class StepTimes:
 
 
 def micro_batch_inputs(step: Step, pool: SPGroupPool, pad_id: int, device=None):
-    """This rank's input for each micro-batch of ``step``, in order; None where it has no work."""
+    """This rank's ``ModelInput`` for each micro-batch of ``step``, in order; None where it has no work."""
     device = rank_device() if device is None else device
     for shard in step.part(pool.rank):
         if shard is None:
@@ -77,12 +67,12 @@ def micro_batch_inputs(step: Step, pool: SPGroupPool, pad_id: int, device=None):
             continue
         params = UlyssesPackedSeqParams.build(shard.seq_lengths, pool.get(shard.ranks), device=device)
         st = shard_tokens(shard, step.batch, pad_id)
-        labels = np.where(st.labels == IGNORE_INDEX, 0, st.labels)  # masked out below
-        yield MicroBatchInput(
+        labels, loss_mask = model_labels(st.labels)
+        yield ModelInput(
             tokens=torch.from_numpy(st.tokens)[None].to(device),
             position_ids=torch.from_numpy(st.positions)[None].to(device),
             labels=torch.from_numpy(labels)[None].to(device),
-            loss_mask=torch.from_numpy(st.loss_mask.astype(np.float32))[None].to(device),
+            loss_mask=torch.from_numpy(loss_mask)[None].to(device),
             packed_seq_params=params,
             degree=shard.degree,
             group=f"SP group d{shard.degree} ranks {shard.ranks[0]}..{shard.ranks[-1]}: seqs "
@@ -90,45 +80,36 @@ def micro_batch_inputs(step: Step, pool: SPGroupPool, pad_id: int, device=None):
         )
 
 
-def per_token_loss(loss_mask: torch.Tensor, output: torch.Tensor):
-    """Megatron's per-token loss contract: (sum of token losses, token count, reported values)."""
-    losses = output.float() * loss_mask
-    total = losses.sum()
-    count = loss_mask.sum().to(torch.int)
-    return total, count, {"lm loss": torch.stack([total.detach(), count.detach().float()])}
-
-
-def flexsp_forward_step(data_iterator, model, times: StepTimes | None = None):
-    """megatron ``forward_step_func`` for FlexSP micro-batches (see module doc)."""
+def _timed_forward_step(times: StepTimes, step_func: Callable, data_iterator, model, *rest):
+    """Marks each micro-batch's start (and names its NVTX range), then runs ``step_func``."""
     mb = next(data_iterator)
-    if times is not None:  # finished in forward_backward_flexsp
-        times.start_micro_batch(mb.group if mb is not None else "idle")
-    if mb is None:  # idle in this micro-batch: an empty pass that still joins the loss contract
-        zero = torch.zeros((), requires_grad=True, device=rank_device())
-        return zero, lambda out: (out, torch.zeros((), dtype=torch.int, device=out.device),
-                                  {"lm loss": torch.zeros(2, device=out.device)})
-    output = model(mb.tokens, mb.position_ids, None, labels=mb.labels, packed_seq_params=mb.packed_seq_params)
-    return output, partial(per_token_loss, mb.loss_mask)
+    times.start_micro_batch(mb.group if mb is not None else "idle")
+    return step_func(iter([mb]), model, *rest)
 
 
 def forward_backward_flexsp(step: Step, model, pool: SPGroupPool, pad_id: int, *, forward_only: bool = False,
-                            device=None) -> tuple[list[dict], StepTimes]:
+                            device=None, forward_step_func: Optional[Callable] = None,
+                            **megatron_kwargs) -> tuple[list[dict], StepTimes]:
     """Forward and backward of every micro-batch of ``step`` on this rank, through megatron's
-    ``get_forward_backward_func()`` (pipeline parallel size 1). Returns megatron's per-micro-batch
-    loss dicts and this rank's wall time per micro-batch."""
+    ``get_forward_backward_func()`` (pipeline parallel size 1). ``forward_step_func(data_iterator,
+    model)``: megatron's contract over ``ModelInput`` or None (an idle micro-batch), default
+    ``runtime.step.forward_step``; ``megatron_kwargs``: further keywords of megatron's function
+    (``seq_length``: unused without pipelining; shapes come from the plan). Returns megatron's
+    per-micro-batch loss dicts and this rank's wall time per micro-batch."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     device = rank_device() if device is None else device
     times = StepTimes(DeviceClock(device))
-    num = len(step.plan.micro_batches)
+    inputs = list(micro_batch_inputs(step, pool, pad_id, device))
+    megatron_kwargs["seq_length"] = int(megatron_kwargs.get("seq_length") or 0)
     losses = get_forward_backward_func()(
-        forward_step_func=partial(flexsp_forward_step, times=times),
-        data_iterator=iter(list(micro_batch_inputs(step, pool, pad_id, device))),
+        forward_step_func=partial(_timed_forward_step, times, forward_step_func or forward_step),
+        data_iterator=iter(inputs),
         model=[model],
-        num_microbatches=num,
-        seq_length=0,  # shapes come from the plan; unused without pipelining
+        num_microbatches=len(inputs),
         micro_batch_size=1,
         forward_only=forward_only,
+        **megatron_kwargs,
     )
     times.finish()
     return losses, times

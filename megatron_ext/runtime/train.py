@@ -40,7 +40,7 @@ def initial_weights(spec: ModelSpec, vocab_size: int, max_seq_len: int, backend:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_ext.runtime.pipeline import build_pipeline_model
+    from megatron_ext.runtime.pipeline_model import build_pipeline_model
 
     parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(seed)
@@ -207,7 +207,7 @@ class Training:
         from megatron_ext.runtime.checkpoint import load_checkpoint
         from megatron_ext.runtime.compat import apply_cpu_compat
         from megatron_ext.runtime.groups import SPGroupPool
-        from megatron_ext.runtime.pipeline import build_pipeline_model, stage_state_dict
+        from megatron_ext.runtime.pipeline_model import build_pipeline_model, stage_state_dict
 
         self.args, self.rank, self.world = args, rank, world
         self.cost = cost = train_cost_model(args)
@@ -255,8 +255,7 @@ class Training:
         from megatron.core import parallel_state
 
         from megatron_ext.runtime.checkpoint import run_identity, save_checkpoint, stop_requested_anywhere
-        from megatron_ext.runtime.pipeline import forward_backward_elastic
-        from megatron_ext.runtime.schedule import forward_backward_flexsp
+        from megatron_ext.runtime.step import forward_backward
 
         args, model, optimizer, device, clock = self.args, self.model, self.optimizer, self.device, self.clock
         with self.loader:
@@ -266,14 +265,12 @@ class Training:
                 model.zero_grad_buffer()
                 optimizer.zero_grad()
                 piped = step.plan.kind == "elastic_pp"  # (auto: per step)
+                losses, times = forward_backward(step, model, pool=self.pool, pad_id=self.data.pad)
                 if piped:
-                    losses, pstats = forward_backward_elastic(step.plan, step.batch, model, pad_id=self.data.pad,
-                                                              sp_groups=self.pool)
                     mb_times = torch.zeros(0, dtype=torch.float64, device=device)
                     # the simulator's row of this rank's stage: replica x stages + stage
-                    mine = (pstats.replica * args.pp + parallel_state.get_pipeline_model_parallel_rank(), pstats)
+                    mine = (times.replica * args.pp + parallel_state.get_pipeline_model_parallel_rank(), times)
                 else:
-                    losses, times = forward_backward_flexsp(step, model, self.pool, self.data.pad)
                     mb_times = torch.tensor(times.micro_batches, dtype=torch.float64, device=device)
                 ok, grad_norm, _ = optimizer.step()
                 dist.barrier()
@@ -310,7 +307,7 @@ def _stage_report(ranks: list, step, cost: CostModel) -> dict:
     plan: activation peak (MB per rank), forward and backward time (s, recompute included), p2p
     wait, and every operation's measured and predicted seconds, in the stage's order. With
     replicas a "stage" is one replica's stage, replica-major (the simulator's rows)."""
-    from megatron_ext.plan.pipelines import replica_groups
+    from megatron_ext.plan.validate import replica_groups
     from megatron_ext.sim import simulate
 
     pipe = step.plan.pipelines[0]

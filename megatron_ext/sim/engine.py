@@ -9,6 +9,8 @@ Dependencies (InfiniPipe / Seq1F1B): for two consecutive pieces of one sequence,
 (b attends to a's K/V), and the backward of a follows the backward of b (a's dK/dV needs the
 gradient b sends back for the prefix). Across stages, the forward of a chunk on stage p follows
 its forward on stage p-1 plus one p2p transfer, the backward on p its backward on p+1 plus one.
+The operations, the order parser and the list scheduler are plan/program.py's (``FWD``, ``BWD``,
+``parse_order``, ``list_schedule``), shared with plan validation and the pipeline runtime.
 
 Each stage executes its operations one after another in the given order, so its memory is a
 function of the order alone (not of the times): after a forward, the chunk's retained memory is
@@ -26,9 +28,8 @@ import numpy as np
 
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import InvalidPlanError
+from megatron_ext.plan.program import BWD, FWD, op_name, slice_predecessors
 from megatron_ext.plan.schema import Chunk
-
-FWD, BWD = 0, 1
 
 
 @dataclass
@@ -76,13 +77,14 @@ def analyze_chunks(chunks: list[Chunk], pc: PipelineCost, where: str = "pipeline
             by_seq.setdefault(int(x.seq_id), []).append((int(x.start), int(x.end), i))
     if len(set(ids)) != n:
         raise InvalidPlanError(f"{where}: chunk ids are not unique")
-    fwd_pred: list[list[int]] = [[] for _ in range(n)]
-    bwd_pred: list[list[int]] = [[] for _ in range(n)]
     split_pieces: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
     seq_end: dict[int, int] = {}
     starts, lens, owner = [], [], []
+    chains = []  # per split sequence, the chunks of its slices in order
     for sid, ps in by_seq.items():
         ps.sort()
+        if len(ps) > 1:
+            chains.append([i for _, _, i in ps])
         for j, (a, b, i) in enumerate(ps):
             starts.append(a)
             lens.append(b - a)
@@ -91,46 +93,14 @@ def analyze_chunks(chunks: list[Chunk], pc: PipelineCost, where: str = "pipeline
                 split[i] += b - a if j < len(ps) - 1 else 0
                 split_pieces[i].append((sid, a, b))
                 seq_end[sid] = ps[-1][1]
-            if j:
-                prev = ps[j - 1][2]
-                if prev == i:
-                    raise InvalidPlanError(f"{where}, chunk {ids[i]}: holds two pieces of sequence {sid}")
-                fwd_pred[i].append(prev)
-                bwd_pred[prev].append(i)
+            if j and ps[j - 1][2] == i:
+                raise InvalidPlanError(f"{where}, chunk {ids[i]}: holds two pieces of sequence {sid}")
     if owner:
         w = pc.piece_work(np.asarray(lens), np.asarray(starts))
         np.add.at(work, np.asarray(owner), w)
         np.add.at(tokens, np.asarray(owner), np.asarray(lens, dtype=np.float64))
+    fwd_pred, bwd_pred = slice_predecessors(n, chains)
     return ChunkTable(ids, tokens, work, split, fwd_pred, bwd_pred, split_pieces, seq_end)
-
-
-def parse_order(order_per_stage: list[list[str]], table: ChunkTable, stages: int,
-                where: str = "pipeline") -> list[list[tuple[int, int]]]:
-    """'F3'/'B3' strings to (FWD|BWD, chunk index); every stage runs each F and B exactly once."""
-    if len(order_per_stage) != stages:
-        raise InvalidPlanError(f"{where}: order_per_stage has {len(order_per_stage)} stages, the pipeline has {stages}")
-    index = table.index()
-    out = []
-    for p, names in enumerate(order_per_stage):
-        ops = []
-        seen = np.zeros((2, table.n), dtype=np.int64)
-        for name in names:
-            if not isinstance(name, str) or len(name) < 2 or name[0] not in "FB" or not name[1:].isdigit():
-                raise InvalidPlanError(f"{where}, stage {p}: operation {name!r} is not 'F<chunk id>' or 'B<chunk id>'")
-            cid = int(name[1:])
-            if cid not in index:
-                raise InvalidPlanError(f"{where}, stage {p}: operation {name} names no chunk of the pipeline")
-            kind = FWD if name[0] == "F" else BWD
-            seen[kind, index[cid]] += 1
-            ops.append((kind, index[cid]))
-        for kind, letter in ((FWD, "F"), (BWD, "B")):
-            bad = np.flatnonzero(seen[kind] != 1)
-            if bad.size:
-                k = int(bad[0])
-                raise InvalidPlanError(f"{where}, stage {p}: {letter}{table.ids[k]} appears {int(seen[kind, k])} "
-                                       f"times (each chunk's forward and backward run once per stage)")
-        out.append(ops)
-    return out
 
 
 # ---- memory ----------------------------------------------------------------------------------
@@ -250,81 +220,6 @@ def op_times(table: ChunkTable, pc: PipelineCost, recompute: np.ndarray):
     rec = pc.recompute_ms(table.work, table.tokens, recompute)  # [P, n]
     bwd = np.stack([pc.bwd_ms(table.work, table.tokens, p) for p in range(pc.pp)]).reshape(pc.pp, table.n) + rec
     return fwd, bwd, rec, pc.p2p_ms(table.tokens)
-
-
-def list_schedule(ops: list[list[tuple[int, int]]], fwd: np.ndarray, bwd: np.ndarray, p2p: np.ndarray,
-                  fwd_pred: list[list[int]], bwd_pred: list[list[int]], start: np.ndarray | None = None,
-                  name=None):
-    """Start and end (ms) of every operation: [2, P, n] arrays (FWD, BWD). ``fwd`` is [n] or
-    [P, n], ``bwd`` [P, n]; ``start`` the time each stage becomes free. Raises InvalidPlanError
-    naming the stage and operation if the order deadlocks."""
-    P = len(ops)
-    n = len(p2p)
-    fwd = np.broadcast_to(fwd, (P, n))
-    begin = np.full((2, P, n), np.nan)
-    end = np.full((2, P, n), np.nan)
-    free = np.zeros(P) if start is None else np.array(start, dtype=np.float64)
-    ptr = [0] * P
-    end_l = [[[None] * n for _ in range(P)] for _ in range(2)]  # python floats: faster lookups
-    fwd_l = fwd.tolist()
-    bwd_l = bwd.tolist()
-    p2p_l = p2p.tolist()
-    free_l = free.tolist()
-    remaining = sum(len(o) for o in ops)
-    while remaining:
-        progressed = False
-        for p in range(P):
-            op_list = ops[p]
-            while ptr[p] < len(op_list):
-                kind, k = op_list[ptr[p]]
-                # (end time of a dependency or None if it has not run, delay after it)
-                if kind == FWD:
-                    deps = [(end_l[FWD][p - 1][k], p2p_l[k])] if p > 0 else []
-                    deps += [(end_l[FWD][p][j], 0.0) for j in fwd_pred[k]]
-                    dur = fwd_l[p][k]
-                else:
-                    deps = [(end_l[FWD][p][k], 0.0)]
-                    if p < P - 1:
-                        deps.append((end_l[BWD][p + 1][k], p2p_l[k]))
-                    deps += [(end_l[BWD][p][j], 0.0) for j in bwd_pred[k]]
-                    dur = bwd_l[p][k]
-                if any(e is None for e, _ in deps):
-                    break
-                ready = max([free_l[p]] + [e + delay for e, delay in deps])
-                begin[kind, p, k] = ready
-                end_l[kind][p][k] = ready + dur
-                free_l[p] = ready + dur
-                ptr[p] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise InvalidPlanError(_deadlock_message(ops, ptr, end_l, fwd_pred, bwd_pred, name))
-    for kind in (FWD, BWD):
-        end[kind] = np.array([[np.nan if v is None else v for v in row] for row in end_l[kind]])
-    return begin, end
-
-
-def _deadlock_message(ops, ptr, end_l, fwd_pred, bwd_pred, name) -> str:
-    name = name or (lambda kind, k: f"{'FB'[kind]}{k}")
-    P = len(ops)
-    for p in range(P):
-        if ptr[p] >= len(ops[p]):
-            continue
-        kind, k = ops[p][ptr[p]]
-        waits = []
-        if kind == FWD:
-            if p > 0 and end_l[FWD][p - 1][k] is None:
-                waits.append(f"{name(FWD, k)} on stage {p - 1}")
-            waits += [f"{name(FWD, j)} on stage {p}" for j in fwd_pred[k] if end_l[FWD][p][j] is None]
-        else:
-            if end_l[FWD][p][k] is None:
-                waits.append(f"{name(FWD, k)} on stage {p}")
-            if p < P - 1 and end_l[BWD][p + 1][k] is None:
-                waits.append(f"{name(BWD, k)} on stage {p + 1}")
-            waits += [f"{name(BWD, j)} on stage {p}" for j in bwd_pred[k] if end_l[BWD][p][j] is None]
-        return (f"the operation order deadlocks: stage {p} cannot run {name(kind, k)} (operation {ptr[p]} of its "
-                f"order): it waits for {', '.join(waits)}, which cannot run first")
-    return "the operation order deadlocks"  # pragma: no cover
 
 
 # ---- order -----------------------------------------------------------------------------------
@@ -490,4 +385,4 @@ def warmup_counts(ops: list[list[tuple[int, int]]]) -> list[int]:
 
 
 def order_names(ops: list[list[tuple[int, int]]], ids: list[int]) -> list[list[str]]:
-    return [[f"{'FB'[kind]}{ids[k]}" for kind, k in o] for o in ops]
+    return [[op_name(kind, ids[k]) for kind, k in o] for o in ops]

@@ -22,10 +22,11 @@ import numpy as np
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import InvalidPlanError
-from megatron_ext.plan.pipelines import replica_groups
+from megatron_ext.plan.program import BWD, FWD, check_one_pipeline_per_sequence, list_schedule, op_name, parse_order
 from megatron_ext.plan.schema import StepPlan
-from megatron_ext.sim.engine import (BWD, FWD, analyze_chunks, checkpoint_memory, list_schedule,
-                                     memory_checkpoints, memory_levels, op_times, parse_order, warmup_counts)
+from megatron_ext.plan.validate import replica_groups
+from megatron_ext.sim.engine import (analyze_chunks, checkpoint_memory, memory_checkpoints, memory_levels, op_times,
+                                     warmup_counts)
 
 
 @dataclass
@@ -152,13 +153,7 @@ class _ReplicaRun:
 def _simulate_pipelines(plan, lengths, cost, b1_scale, memory_mb, want_events) -> SimResult:
     if not plan.pipelines:
         raise InvalidPlanError("an elastic_pp plan needs at least one pipeline")
-    owner: dict[int, int] = {}
-    for i, pipe in enumerate(plan.pipelines):
-        for c in pipe.chunks:
-            for x in c.pieces:
-                if owner.setdefault(int(x.seq_id), i) != i:
-                    raise InvalidPlanError(f"sequence {x.seq_id} has pieces in pipelines {owner[int(x.seq_id)]} and {i}: "
-                                           f"a sequence must stay in one pipeline")
+    check_one_pipeline_per_sequence(plan.pipelines)
     n_gpus = cost.num_gpus
     replicas = replica_groups(plan, n_gpus)
     P = plan.pipelines[0].stages
@@ -238,7 +233,7 @@ def _simulate_replica(plan, pipes: list[int], cost, b1_scale, memory_mb, want_ev
                 j = int(np.argmax(mem)) if len(mem) else 0
                 if len(mem) and mem[j] > room * (1 + 1e-9) + 1e-6:
                     cp = cps[j]
-                    op = f"{'FB'[cp.kind]}{table.ids[cp.chunk]}"
+                    op = op_name(cp.kind, table.ids[cp.chunk])
                     raise InvalidPlanError(
                         f"{where}, stage {p}: {'after' if cp.kind == FWD else 'during'} {op} needs "
                         f"{mem[j] + pc.model_states_mb:.0f} MB per GPU ({pc.model_states_mb:.0f} MB model states + "
@@ -266,14 +261,11 @@ def _simulate_replica(plan, pipes: list[int], cost, b1_scale, memory_mb, want_ev
 
         def name(kind, k, labels=labels, single=len(seg) == 1):
             pi, cid = labels[k].split(":")
-            return f"{'FB'[kind]}{cid}" + ("" if single else f" of pipeline {pi[1:]}")
+            return op_name(kind, cid) + ("" if single else f" of pipeline {pi[1:]}")
 
         where_seg = f"pipeline {seg[0]}" if len(seg) == 1 else f"pipelines {seg[0]}..{seg[-1]}"
 
-        try:
-            begin, end = list_schedule(ops_all, fwd, bwd, p2p, fp, bp, np.full(P, t0), name)
-        except InvalidPlanError as e:
-            raise InvalidPlanError(f"{where_seg}: {e}") from None
+        begin, end = list_schedule(ops_all, fwd, bwd, p2p, fp, bp, np.full(P, t0), name, where_seg)
         seg_end = float(np.nanmax(end))
         b = fwd.sum(axis=1) + bwd.sum(axis=1)
         busy_gpu += float(b.sum()) * sp

@@ -45,7 +45,7 @@ def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
 def load_restores_weights_optimizer_and_every_ranks_rng():
     from megatron_ext.cost import CostModel
     from megatron_ext.runtime.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_ext.runtime.pipeline import build_pipeline_model
+    from megatron_ext.runtime.pipeline_model import build_pipeline_model
     from megatron_ext.runtime.train import build_optimizer
 
     torch.manual_seed(0)  # the same weights on every rank, as training starts

@@ -104,7 +104,7 @@ def _slice_model(num_layers=2, recompute_layers=0):
 
 def _layouts(chunks, lengths):
     from megatron_ext.plan.schema import Chunk, Piece, Pipeline
-    from megatron_ext.runtime.pipeline import chunk_layouts
+    from megatron_ext.plan.program import chunk_layouts
 
     pipe = Pipeline(1, 1, [Chunk(i, [Piece(*x) for x in c]) for i, c in enumerate(chunks)], [[]])
     lay = chunk_layouts(pipe, lengths)
@@ -285,7 +285,7 @@ def _spec(num_layers=4):
 
 def _stage_model(tied: bool = False):
     """This rank's stage (megatron DDP) and the whole reference model, same weights."""
-    from megatron_ext.runtime.pipeline import build_pipeline_model, stage_state_dict
+    from megatron_ext.runtime.pipeline_model import build_pipeline_model, stage_state_dict
 
     key = "stage_tied" if tied else "stage"
     if key not in ST:
@@ -587,7 +587,8 @@ def pipeline_replicas_an_idle_replica_reduces_and_does_not_hang():
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from megatron_ext.errors import InvalidPlanError
-    from megatron_ext.runtime.pipeline import build_pipeline_model, forward_backward_elastic
+    from megatron_ext.runtime.pipeline import forward_backward_elastic
+    from megatron_ext.runtime.pipeline_model import build_pipeline_model
 
     _init_pipeline(2)
     alone = _pipeline([[(0, 0, 35)], [(0, 35, 60), (1, 0, 9)]], 2, 1, recompute=[[1, 0], None])

@@ -14,9 +14,10 @@ import pytest
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import InvalidPlanError
+from megatron_ext.plan.program import (BWD, FWD, Message, PipelineSchedule, build_schedule, build_schedules,
+                                       check_rendezvous)
+from megatron_ext.plan.program import ProgramStep as Step
 from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan
-from megatron_ext.runtime.pipeline import (BWD, FWD, Message, PipelineSchedule, Step, build_schedule, build_schedules,
-                                           check_rendezvous)
 from megatron_ext.spec import ClusterSpec, ModelSpec
 
 MODEL = ModelSpec(name="t", num_layers=8, hidden_size=32, num_attention_heads=8, num_query_groups=4,
@@ -131,7 +132,8 @@ def test_random_valid_orders_give_deadlock_free_programs():
 def test_refusal_agrees_with_the_simulator():
     """Random per-stage orders (each chunk's F before its B, otherwise shuffled): the runtime
     refuses exactly the orders the simulator's list scheduler finds deadlocking."""
-    from megatron_ext.sim.engine import analyze_chunks, list_schedule, op_times, parse_order
+    from megatron_ext.plan.program import list_schedule, parse_order
+    from megatron_ext.sim.engine import analyze_chunks, op_times
 
     rng = random.Random(1)
     refused = accepted = 0

@@ -39,7 +39,7 @@ def _models():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megatron_ext.runtime.pipeline import build_pipeline_model
+    from megatron_ext.runtime.pipeline_model import build_pipeline_model
     from megatron_ext.runtime.train import build_optimizer
 
     torch.manual_seed(0)

@@ -153,7 +153,7 @@ def test_elastic_loader_plans_stages_of_the_given_sp(sp, replicas):
     replicas or not) per step; batch 1F1B on 2 stages when late."""
     from megatron_ext.megatron.cost import load_cost_model
     from megatron_ext.megatron.data import make_loader
-    from megatron_ext.plan.pipelines import replica_groups
+    from megatron_ext.plan.validate import replica_groups
     from megatron_ext.planner import make_plan
 
     cost = load_cost_model(str(ROOT / "configs/megatron/cost/tiny-cpu4.yaml"))

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError, MegatronExtError
 from megatron_ext.plan import StepPlan, validate
-from megatron_ext.plan.pipelines import validate_pipelines
+from megatron_ext.plan.validate import validate_pipelines
 from megatron_ext.planner import PlannerOptions
 from megatron_ext.planner.pp.chunking import check_chunking, split_pack
 from megatron_ext.planner.auto import layout_estimate_s, layout_name, pipeline_layouts, plan_auto

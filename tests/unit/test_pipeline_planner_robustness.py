@@ -16,8 +16,8 @@ from megatron_ext.cost import CostModel
 from megatron_ext.data.lengths import sample_lengths
 from megatron_ext.errors import InfeasibleError
 from megatron_ext.plan import StepPlan, validate
-from megatron_ext.plan.pipelines import validate_pipelines
 from megatron_ext.plan.schema import Chunk, Piece
+from megatron_ext.plan.validate import validate_pipelines
 from megatron_ext.planner.pp.chunking import balanced_chunks, capped_mesh, check_chunking
 from megatron_ext.planner.pp.grouping import GROUP_BLOCKS, _group_bounds, _group_estimates, group_sequences
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp

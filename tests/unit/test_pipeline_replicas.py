@@ -15,7 +15,7 @@ from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import InvalidPlanError
 from megatron_ext.plan import StepPlan, validate
-from megatron_ext.plan.pipelines import replica_groups, validate_pipelines
+from megatron_ext.plan.validate import replica_groups, validate_pipelines
 from megatron_ext.planner.pp.grouping import split_replicas
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
 from megatron_ext.planner.pp.pipeline_baselines import plan_batch_1f1b, plan_seq1f1b

@@ -13,12 +13,12 @@ from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import InvalidPlanError
 from megatron_ext.plan import Chunk, Piece, Pipeline, StepPlan, validate
-from megatron_ext.plan.pipelines import validate_pipelines
+from megatron_ext.plan.program import BWD, FWD, list_schedule
+from megatron_ext.plan.validate import validate_pipelines
 from megatron_ext.planner.pp.chunking import balanced_chunks
 from megatron_ext.planner.pp.pipeline import build_pipeline
 from megatron_ext.sim import simulate
-from megatron_ext.sim.engine import (BWD, FWD, analyze_chunks, backward_order, greedy_orders, list_schedule,
-                                     one_f_one_b, op_times, warmup_counts)
+from megatron_ext.sim.engine import analyze_chunks, backward_order, greedy_orders, one_f_one_b, op_times, warmup_counts
 
 COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
 

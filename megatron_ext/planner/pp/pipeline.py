@@ -19,14 +19,14 @@ import numpy as np
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost, default_layout
 from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError
-from megatron_ext.plan.pipelines import validate_pipelines
-from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan, validate
+from megatron_ext.plan.program import list_schedule
+from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan
+from megatron_ext.plan.validate import checked_batch_lengths, validate, validate_pipelines
 from megatron_ext.planner.options import options_as
 from megatron_ext.planner.pp.checkpointing import greedy_recompute, solve_recompute
 from megatron_ext.planner.pp.chunking import Pieces
 from megatron_ext.sim.engine import (ChunkTable, analyze_chunks, backward_order, checkpoint_memory, greedy_orders,
-                                     list_schedule, memory_checkpoints, memory_levels, one_f_one_b, op_times,
-                                     order_names)
+                                     memory_checkpoints, memory_levels, one_f_one_b, op_times, order_names)
 from megatron_ext.sim.simulator import simulate
 
 
@@ -233,11 +233,7 @@ def pipeline_options(options, overrides) -> PipelineOptions:
 
 
 def kept_sequences(lengths, seq_ids) -> tuple[np.ndarray, np.ndarray]:
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if lengths.ndim != 1 or lengths.size == 0:
-        raise LengthsError("the batch is empty: nothing to plan")
-    if (lengths < 1).any():
-        raise LengthsError(f"sequence {int(np.flatnonzero(lengths < 1)[0])} has a non-positive length")
+    lengths = checked_batch_lengths(lengths)
     ids = np.arange(len(lengths)) if seq_ids is None else np.asarray(seq_ids, dtype=np.int64)
     if ids.size == 0:
         raise LengthsError("no sequence left to plan")

@@ -1,0 +1,203 @@
+"""A StepPlan against a batch and a cluster: ``validate`` (is it safe to run?), ``validate_pipelines``
+(the layout and order rules of elastic pipelines), ``replica_groups`` (which replica runs which
+pipeline) and ``fill_estimates`` (time a FlexSP plan with the cost model).
+
+``validate`` checks what every plan must satisfy (kind, GPU count, every kept sequence covered
+exactly once; FlexSP groups aligned, within memory) and, for elastic_pp plans, the pipelines
+(``validate_pipelines``): their layout, their chunks and their per-stage orders, parsed and checked
+by plan/program.py's ``chunk_layouts`` and ``parse_order`` -- the same rules, with the same
+messages, as the simulator and the pipeline runtime. Whether an order deadlocks and whether memory
+fits at every moment is decided by the simulator (megatron_ext.sim), which every planner runs on
+its plan.
+"""
+from __future__ import annotations
+
+from numbers import Integral
+
+import numpy as np
+
+from megatron_ext.cost import CostModel
+from megatron_ext.errors import InvalidPlanError, LengthsError
+from megatron_ext.plan.program import (BWD, FWD, check_one_pipeline_per_sequence, chunk_layouts, is_int, op_name,
+                                       parse_order)
+from megatron_ext.plan.schema import KINDS, StepPlan
+from megatron_ext.spec import is_power_of_two
+
+
+def checked_batch_lengths(lengths) -> np.ndarray:
+    """The check of a batch a planner is given: a non-empty 1-D array of positive lengths (as int64),
+    else LengthsError. Every planner entry point (``make_plan``, the pipeline builders) calls it."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.ndim != 1 or lengths.size == 0:
+        raise LengthsError("the batch is empty: nothing to plan")
+    if (lengths < 1).any():
+        raise LengthsError(f"sequence {int(np.flatnonzero(lengths < 1)[0])} has a non-positive length")
+    return lengths
+
+
+def _fail(msg: str) -> None:
+    raise InvalidPlanError(msg)
+
+
+def _check_ints(values, what: str) -> None:
+    """Ids and ranks from JSON must be lists of integers (Python or numpy), not floats, bools or strings."""
+    if not isinstance(values, list) or not all(isinstance(v, Integral) and not isinstance(v, bool) for v in values):
+        _fail(f"{what} must be a list of integers, got {values!r:.60}")
+
+
+def _check_coverage(seen: list[int], num_seqs: int, dropped: list[int]) -> None:
+    counts = np.bincount(np.asarray(seen + dropped, dtype=np.int64), minlength=num_seqs) if (seen or dropped) \
+        else np.zeros(num_seqs, dtype=np.int64)
+    if len(counts) > num_seqs:
+        _fail(f"sequence id {len(counts) - 1} does not exist (the batch has {num_seqs} sequences)")
+    if (counts == 0).any():
+        _fail(f"sequence {int(np.flatnonzero(counts == 0)[0])} is missing from the plan")
+    if (counts > 1).any():
+        _fail(f"sequence {int(np.flatnonzero(counts > 1)[0])} appears more than once")
+
+
+def validate(plan: StepPlan, lengths, cost: CostModel) -> StepPlan:
+    """Raise InvalidPlanError unless the plan is safe to run on this batch and cluster."""
+    lengths = np.asarray(lengths)
+    if plan.kind not in KINDS:
+        _fail(f"unknown plan kind {plan.kind!r}")
+    if not isinstance(plan.num_gpus, Integral) or plan.num_gpus != cost.num_gpus:
+        _fail(f"plan is for {plan.num_gpus} GPUs, the cluster has {cost.num_gpus}")
+    _check_ints(plan.dropped_seq_ids, "dropped_seq_ids")
+    if any(not 0 <= i < len(lengths) for i in plan.dropped_seq_ids):
+        _fail("a dropped sequence id is out of range")
+    if plan.kind == "flexsp":
+        _validate_flexsp(plan, lengths, cost)
+    else:
+        _validate_pieces(plan, lengths)
+        validate_pipelines(plan, lengths, cost)
+    return plan
+
+
+def _validate_flexsp(plan: StepPlan, lengths: np.ndarray, cost: CostModel) -> None:
+    n = cost.num_gpus
+    seen: list[int] = []
+    for m, mb in enumerate(plan.micro_batches):
+        if not mb.groups:
+            _fail(f"micro-batch {m} has no groups")
+        used = np.zeros(n, dtype=bool)
+        for g in mb.groups:
+            _check_ints(g.ranks, f"micro-batch {m}: group ranks")
+            _check_ints(g.seq_ids, f"micro-batch {m}: group seq_ids")
+            where = f"micro-batch {m}, group {g.ranks[:1]}..(degree {g.degree})"
+            d = g.degree
+            if not is_power_of_two(d) or d not in cost.degrees:
+                _fail(f"{where}: degree {d} is not allowed (powers of two up to {cost.degrees[-1]})")
+            start = g.ranks[0]
+            if g.ranks != list(range(start, start + d)) or start % d or start + d > n:
+                _fail(f"{where}: ranks must be an aligned block [k*{d}, (k+1)*{d}) within {n} GPUs")
+            if used[start:start + d].any():
+                _fail(f"{where}: overlaps another group")
+            used[start:start + d] = True
+            if not g.seq_ids:
+                _fail(f"{where}: has no sequences")
+            if any(not 0 <= i < len(lengths) for i in g.seq_ids):
+                _fail(f"{where}: sequence id out of range")
+            mem = cost.group_memory_mb(float(lengths[g.seq_ids].sum()), d)
+            if mem > cost.cluster.memory_mb * (1 + 1e-9):
+                _fail(f"{where}: needs {mem:.0f} MB per GPU, over the {cost.cluster.memory_mb:.0f} MB budget")
+            seen.extend(g.seq_ids)
+    _check_coverage(seen, len(lengths), plan.dropped_seq_ids)
+
+
+def _validate_pieces(plan: StepPlan, lengths: np.ndarray) -> None:
+    """Every token of every kept sequence lies in exactly one piece."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for p in plan.pipelines:
+        for c in p.chunks:
+            for x in c.pieces:
+                _check_ints([x.seq_id, x.start, x.end], f"chunk {c.id}: piece seq_id, start and end")
+                spans.setdefault(x.seq_id, []).append((x.start, x.end))
+    _check_coverage(list(spans), len(lengths), plan.dropped_seq_ids)
+    for sid, s in spans.items():
+        pos = 0
+        for start, end in sorted(s):
+            if start != pos or end <= start:
+                _fail(f"sequence {sid}: pieces do not tile [0, {lengths[sid]}) (gap or overlap at {pos})")
+            pos = end
+        if pos != lengths[sid]:
+            _fail(f"sequence {sid}: pieces end at {pos}, the sequence has {lengths[sid]} tokens")
+
+
+def replica_groups(plan: StepPlan, num_gpus: int) -> list[list[int]]:
+    """The plan's pipelines by data-parallel replica (``Pipeline.replica``), in plan order; a
+    replica may run none. A layout of ``stages x sp_degree`` GPUs runs ``num_gpus / (stages x
+    sp_degree)`` replicas side by side; pipelines of different layouts (one after another on
+    every GPU) are allowed only without replicas."""
+    layouts = {}
+    for i, p in enumerate(plan.pipelines):
+        if not (is_int(p.stages) and is_int(p.sp_degree)) or p.stages < 1 or p.sp_degree < 1:
+            raise InvalidPlanError(f"pipeline {i}: stages and sp_degree must be positive integers")
+        if not is_int(p.replica) or p.replica < 0:
+            raise InvalidPlanError(f"pipeline {i}: replica must be a non-negative integer, got {p.replica!r}")
+        if num_gpus % (p.stages * p.sp_degree):
+            raise InvalidPlanError(f"pipeline {i}: {p.stages} stages x SP {p.sp_degree} = {p.stages * p.sp_degree} "
+                                   f"GPUs does not divide the cluster's {num_gpus}")
+        layouts.setdefault((p.stages, p.sp_degree), i)
+    R = {num_gpus // (a * b) for a, b in layouts}
+    if len(layouts) > 1 and R != {1}:
+        raise InvalidPlanError("pipelines of different layouts run one after another on every GPU: each needs "
+                               f"stages x SP = {num_gpus} GPUs, got " + ", ".join(f"{a} x {b}" for a, b in layouts))
+    R = R.pop() if R else 1
+    for i, p in enumerate(plan.pipelines):
+        if p.replica >= R:
+            raise InvalidPlanError(f"pipeline {i}: replica {p.replica}, but {p.stages} stages x SP {p.sp_degree} on "
+                                   f"{num_gpus} GPUs makes {R} replica{'s' if R > 1 else ''} (0..{R - 1})")
+    return [[i for i, p in enumerate(plan.pipelines) if p.replica == r] for r in range(R)]
+
+
+def validate_pipelines(plan: StepPlan, lengths, cost: CostModel) -> StepPlan:
+    """Raise InvalidPlanError unless every pipeline of an elastic_pp plan is well formed:
+    - ``stages`` divides the layers, ``sp_degree`` is an allowed Ulysses degree, stages x sp divides
+      the GPUs and ``replica`` is one of the replicas that makes (``replica_groups``);
+    - a sequence's pieces stay in one pipeline;
+    - chunks: unique integer ids, pieces within their sequence tiling it, and
+      ``recompute_layers_per_stage`` empty or one integer in [0, layers per stage] per stage
+      (``program.chunk_layouts``);
+    - ``order_per_stage`` has one list per stage naming each chunk's F and B exactly once
+      (``program.parse_order``), the F before the B."""
+    if plan.kind != "elastic_pp":
+        return plan
+    if not plan.pipelines:
+        raise InvalidPlanError("an elastic_pp plan needs at least one pipeline")
+    L = cost.model.num_layers
+    replica_groups(plan, cost.num_gpus)
+    check_one_pipeline_per_sequence(plan.pipelines)
+    for i, p in enumerate(plan.pipelines):
+        where = f"pipeline {i}"
+        if L % p.stages:
+            raise InvalidPlanError(f"{where}: {p.stages} stages do not divide the {L} layers of {cost.model.name}")
+        if p.sp_degree not in cost.degrees:
+            raise InvalidPlanError(f"{where}: SP degree {p.sp_degree} is not allowed (allowed: "
+                                   f"{', '.join(map(str, cost.degrees))})")
+        if not p.chunks:
+            raise InvalidPlanError(f"{where}: has no chunks")
+        ids = list(chunk_layouts(p, lengths, L // p.stages, where))
+        for s, ops in enumerate(parse_order(p.order_per_stage, ids, p.stages, where)):
+            forwarded = set()
+            for kind, k in ops:
+                if kind == FWD:
+                    forwarded.add(k)
+                elif k not in forwarded:
+                    raise InvalidPlanError(f"{where}, stage {s}: {op_name(BWD, ids[k])} comes before "
+                                           f"{op_name(FWD, ids[k])}")
+    return plan
+
+
+def fill_estimates(plan: StepPlan, lengths, cost: CostModel) -> StepPlan:
+    """Time every group, micro-batch and the step of a FlexSP plan with the cost model."""
+    lengths = np.asarray(lengths)
+    total = 0.0
+    for mb in plan.micro_batches:
+        for g in mb.groups:
+            g.estimated_time_s = cost.group_time_ms(lengths[g.seq_ids], g.degree) / 1e3
+        mb.estimated_time_s = max((g.estimated_time_s for g in mb.groups), default=0.0)
+        total += mb.estimated_time_s
+    plan.estimated_step_time_s = total
+    plan.lower_bound_step_time_s = cost.lower_bound_ms(np.delete(lengths, plan.dropped_seq_ids)) / 1e3
+    return plan
