@@ -4,7 +4,7 @@ import pickle
 import numpy as np
 import pytest
 
-from megatron_ext.data.datasets import (DataError, IndexedDocuments, InMemoryDocuments, _megatron_indexed,
+from megatron_ext.data.datasets import (DataError, IndexedDocuments, InMemoryDocuments, _megatron_datasets,
                                         document_stats, write_indexed_dataset)
 
 
@@ -29,7 +29,7 @@ def test_indexed_round_trip(tmp_path):
     assert ds.dtype == np.uint16
     assert not list((tmp_path / "sub").glob("*.tmp*")), "temporary files are cleaned up"
     # Megatron's own reader sees the same thing.
-    raw = _megatron_indexed().IndexedDataset(prefix)
+    raw = _megatron_datasets("indexed_dataset").IndexedDataset(prefix)
     np.testing.assert_array_equal(raw.sequence_lengths, ds.lengths)
     # Picklable (reopens from the prefix), as needed to hand it to another process.
     again = pickle.loads(pickle.dumps(ds))
@@ -38,7 +38,7 @@ def test_indexed_round_trip(tmp_path):
 
 def test_indexed_multi_sequence_documents(tmp_path):
     """A sentence-split Megatron dataset: documents made of several index sequences."""
-    mod = _megatron_indexed()
+    mod = _megatron_datasets("indexed_dataset")
     prefix = str(tmp_path / "multi")
     b = mod.IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
     b.add_document(np.arange(10, dtype=np.uint16), [3, 7])
