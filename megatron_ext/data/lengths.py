@@ -25,18 +25,40 @@ class LengthDistribution:
     tail_alpha: float
     note: str
 
+    def documents(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """n document lengths >= 1 at their natural lengths (the tail is not truncated)."""
+        body = rng.lognormal(self.mu, self.sigma, n)
+        tail = self.tail_min * (1.0 + rng.pareto(self.tail_alpha, n))
+        x = np.maximum(1.0, np.where(rng.random(n) < self.tail_p, tail, body))
+        return np.minimum(x, 2.0**62).astype(np.int64)
+
     def sample(self, n: int, rng: np.random.Generator, max_len: int | None = None) -> np.ndarray:
-        """n lengths >= 1 drawn from the distribution truncated at max_len (by redrawing)."""
-        out = np.empty(0, dtype=np.int64)
-        while out.size < n:
-            k = 2 * (n - out.size) + 16
-            body = rng.lognormal(self.mu, self.sigma, k)
-            tail = self.tail_min * (1.0 + rng.pareto(self.tail_alpha, k))
-            x = np.maximum(1, np.where(rng.random(k) < self.tail_p, tail, body)).astype(np.int64)
-            if max_len is not None:
-                x = x[x <= max_len]
-            out = np.concatenate([out, x])
-        return out[:n]
+        """n training sequences: documents drawn at their natural lengths, those over ``max_len``
+        cut into pieces of ``max_len`` tokens (the last shorter) as training cuts them
+        (``cut_documents``, which data/batches.make_samples uses), the pieces shuffled as
+        training shuffles its samples, the first n kept. A larger ``max_len`` thus keeps the
+        long documents longer (and makes fewer pieces of them)."""
+        if max_len is None:
+            return self.documents(n, rng)
+        pieces = np.empty(0, dtype=np.int64)
+        while pieces.size < n:
+            docs = self.documents(n - pieces.size, rng)
+            cut = cut_documents(docs, int(max_len))
+            pieces = np.concatenate([pieces, cut[:, 2] - cut[:, 1]])
+        return pieces[rng.permutation(pieces.size)][:n]
+
+
+def cut_documents(doc_lengths, max_seq_len: int) -> np.ndarray:
+    """How training cuts documents into samples, shape [n, 3]: (doc, start, end). A document
+    longer than ``max_seq_len`` becomes consecutive pieces of ``max_seq_len`` tokens (the last
+    shorter); empty documents are left out."""
+    lengths = np.asarray(doc_lengths, dtype=np.int64)
+    pieces = -(-lengths // max_seq_len)  # 0 for empty documents
+    doc = np.repeat(np.arange(lengths.size, dtype=np.int64), pieces)
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+    start = (np.arange(doc.size, dtype=np.int64) - first) * max_seq_len
+    end = np.minimum(start + max_seq_len, lengths[doc])
+    return np.stack([doc, start, end], axis=1)
 
 
 DISTRIBUTIONS = {
