@@ -20,7 +20,6 @@ import os
 import numpy as np
 
 from megatron_ext.cost import CostModel
-from megatron_ext.cost.pipeline import PipelineCost, default_layout
 from megatron_ext.data.lengths import sample_lengths
 from megatron_ext.sim import simulate_table
 from megatron_ext.sim.table import DEFAULT_PLANNERS
