@@ -29,23 +29,25 @@ class LengthDistribution:
         """n document lengths >= 1 at their natural lengths (the tail is not truncated)."""
         body = rng.lognormal(self.mu, self.sigma, n)
         tail = self.tail_min * (1.0 + rng.pareto(self.tail_alpha, n))
-        x = np.maximum(1.0, np.where(rng.random(n) < self.tail_p, tail, body))
-        return np.minimum(x, 2.0**62).astype(np.int64)
+        return np.maximum(1, np.minimum(np.where(rng.random(n) < self.tail_p, tail, body), 2.0**62)).astype(np.int64)
 
     def sample(self, n: int, rng: np.random.Generator, max_len: int | None = None) -> np.ndarray:
         """n training sequences: documents drawn at their natural lengths, those over ``max_len``
-        cut into pieces of ``max_len`` tokens (the last shorter) as training cuts them
-        (``cut_documents``, which data/batches.make_samples uses), the pieces shuffled as
-        training shuffles its samples, the first n kept. A larger ``max_len`` thus keeps the
-        long documents longer (and makes fewer pieces of them)."""
-        if max_len is None:
-            return self.documents(n, rng)
-        pieces = np.empty(0, dtype=np.int64)
-        while pieces.size < n:
-            docs = self.documents(n - pieces.size, rng)
-            cut = cut_documents(docs, int(max_len))
-            pieces = np.concatenate([pieces, cut[:, 2] - cut[:, 1]])
-        return pieces[rng.permutation(pieces.size)][:n]
+        cut in place into pieces of ``max_len`` tokens (the last shorter), as training cuts them
+        (``cut_documents``, which data/batches.make_samples uses); the first n pieces. A larger
+        ``max_len`` keeps the long documents longer (and makes fewer pieces of them); where no
+        document is over it, the batch is the one the documents make."""
+        out = np.empty(0, dtype=np.int64)
+        while out.size < n:
+            k = 2 * (n - out.size) + 16
+            x = self.documents(k, rng)
+            if max_len is not None:
+                # no more than n pieces of one document can be kept: shorten the rest away first
+                x = np.minimum(x, int(max_len) * (n + 1))
+                cut = cut_documents(x, int(max_len))
+                x = cut[:, 2] - cut[:, 1]
+            out = np.concatenate([out, x])
+        return out[:n]
 
 
 def cut_documents(doc_lengths, max_seq_len: int) -> np.ndarray:
