@@ -2,13 +2,13 @@
 
 A pipeline has ``pp`` stages of ``L_s = L / pp`` layers each; every stage is one Ulysses group of
 ``sp`` GPUs; the cluster runs GPUs / (pp x sp) replicas of it side by side (``replicas``). The
-whole-model FlexSP coefficients (a1, a2, b1: fwd+bwd, ms) are spread evenly over the layers, so a
-stage does ``L_s / L`` of them. For one chunk on one stage (milliseconds):
+whole-model FlexSP coefficients (a1, a2: fwd+bwd, ms, with the model's recompute:
+CostModel.a1/a2) are spread evenly over the layers, so a stage does ``L_s / L`` of them. For one chunk on one stage (milliseconds):
 
     work    = sum over pieces of  a1 ((C + s)^2 - C^2) + a2 s       (C: prefix already processed)
     compute = (L_s / L * attention + share_p * a2 tokens) / sp      (attention = work - a2 tokens)
     a2a     = L_s / L * tokens * comm_ms_per_token(sp)            (4 all-to-alls per layer, fwd+bwd)
-    fixed   = L_s / L * b1 * b1_scale + 8 L_s lat[sp]             (the paper's b1 / d_p, 2 beta(d_s) 2 L / d_p)
+    fixed   = b1_scale * pass_fixed(stage) + 8 L_s lat[sp]        (cost/fixed.py; 2 beta(d_s) 2 L / d_p)
     stage   = compute + a2a + fixed;  forward = stage / 3,  backward = 2 stage / 3
 
 The output layer's matmuls (ModelSpec.head_share of the per-token work, h x vocab) run on
