@@ -7,9 +7,8 @@ lengths, 48K and 96K max context, batch 512. Everything goes through the same si
     .venv/bin/python benchmarks/elastic_pp.py --plots docs/img --crossover
     .venv/bin/python benchmarks/elastic_pp.py --b1-scale 1 --pp 2 --sp 8   # two replicas of 2 stages
 
-``--b1-scale`` takes numbers and ``zero`` (PipelineCost.zero_domain_b1_scale(): a stage's
-per-chunk fixed cost if it were all parameter traffic, gathered over NVLink inside the node
-instead of over the whole cluster; see cost/pipeline.py and docs/elastic_pp.md).
+``--b1-scale`` takes numbers: what-if multipliers of a chunk's fixed cost, which cost/fixed.py
+derives (1: as derived; docs/cost_model.md).
 ``--plots DIR`` writes the figures of the doc (first step of the first setting); ``--crossover``
 finds, per setting, the b1_scale below which elastic_pp beats FlexSP on the first step.
 """
@@ -22,13 +21,11 @@ import numpy as np
 
 from megatron_ext.commands.table import DEFAULT_PLANNERS, simulate_table
 from megatron_ext.cost import CostModel
-from megatron_ext.cost.pipeline import PipelineCost, default_layout
 from megatron_ext.data.lengths import sample_lengths
 
 
 def _scale(text: str, cost: CostModel) -> float:
-    pp, sp = default_layout(cost)
-    return PipelineCost(cost, pp, sp).zero_domain_b1_scale() if text == "zero" else float(text)
+    return float(text)
 
 
 def crossover(cost: CostModel, lengths: np.ndarray, lo: float = 0.0, hi: float = 1.0, iters: int = 7) -> float | None:
@@ -60,7 +57,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--dists", default="commoncrawl,github")
     ap.add_argument("--contexts", default="48K,96K")
-    ap.add_argument("--b1-scale", nargs="+", default=["1", "zero"])
+    ap.add_argument("--b1-scale", nargs="+", default=["1", "0"])
     ap.add_argument("--pp", type=int, help="pipeline stages of every pipeline planner (default: one per node)")
     ap.add_argument("--sp", type=int, help="Ulysses degree of a stage; pp x sp below the GPUs: replicas side by side")
     ap.add_argument("--planners", default=",".join(DEFAULT_PLANNERS))

@@ -28,17 +28,30 @@ def is_power_of_two(n: int) -> bool:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A transformer and its profiled FlexSP cost coefficients (whole model, fwd+bwd, ms)."""
+    """A transformer and its profiled FlexSP cost coefficients (whole model, fwd+bwd, ms).
+
+    The fixed cost of a pass (FlexSP's b1) is not a field: cost/fixed.py derives it from the
+    parameter traffic of the ZeRO stage in use, the links it crosses and ``launch_ms``."""
 
     name: str
     num_layers: int
     hidden_size: int
     num_attention_heads: int
     params_b: float  # parameters, billions
-    act_mb_per_token: float  # activation memory per token on one GPU, MB
     a1: float  # ms per token^2 (attention)
     a2: float  # ms per token (linear layers)
-    b1: float  # ms per micro-batch (fixed overhead)
+    # ms per fwd+bwd pass over the whole model that is neither compute nor parameter traffic:
+    # kernel launches and per-layer synchronisation (a pipeline stage pays its layers' share)
+    launch_ms: float = 0.0
+    # activation memory per token on one GPU, MB (2^20 bytes); None: from the shape and the
+    # recompute policy (cost/activations.py); a number: measured (what `profile` writes)
+    act_mb_per_token: float | None = None
+    # activation recomputation the runtime applies to every pass (for every planner alike):
+    # "none", or "full" (Megatron's --recompute-granularity full --recompute-method block):
+    # ``recompute_layers`` layers (None: all) keep only their input and run their forward twice
+    recompute: str = "none"
+    recompute_layers: int | None = None
+    dropout: bool = True  # dropout after attention and MLP (GPT: 1-byte masks kept; LLaMA: none)
     num_query_groups: int | None = None  # KV heads (GQA); None means multi-head
     ffn_hidden_size: int | None = None
     vocab_size: int = 50257
@@ -46,9 +59,24 @@ class ModelSpec:
     swiglu: bool = False  # gated MLP (three FFN matrices, LLaMA) rather than two (GPT)
     head_time_share: float | None = None  # measured share of a2 in the output layer and loss (None: from FLOPs)
 
+    def __post_init__(self):
+        if self.act_mb_per_token is None and isinstance(self.num_layers, int) and isinstance(self.hidden_size, int):
+            from megatron_ext.cost.activations import act_mb_per_token  # cost/ imports this module
+            try:
+                object.__setattr__(self, "act_mb_per_token", act_mb_per_token(self))
+            except (TypeError, ValueError, ZeroDivisionError):
+                pass  # a malformed shape: validate_model names the field
+
     @property
     def kv_heads(self) -> int:
         return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def recomputed_layers(self) -> int:
+        """Layers whose forward runs twice (activation recomputation of the whole layer)."""
+        if self.recompute != "full":
+            return 0
+        return self.num_layers if self.recompute_layers is None else min(self.recompute_layers, self.num_layers)
 
     @property
     def head_share(self) -> float:
@@ -75,7 +103,8 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """GPUs, their usable memory and the all-to-all bandwidth of a group of each degree."""
+    """GPUs, their usable memory, the all-to-all bandwidth of a group of each degree and the
+    links the collectives of ZeRO and of gradient sync cross (cost/fixed.py)."""
 
     name: str
     num_nodes: int
@@ -94,6 +123,15 @@ class ClusterSpec:
     # ms a FlexSP micro-batch takes beyond the model's estimate (what `profile` measures running
     # a real FlexSP step: a micro-batch ends with its slowest group; 0 in the published GPU presets)
     micro_batch_overhead_ms: float = 0.0
+    # Links for the ring collectives of ZeRO parameter gathers and gradient reductions (NCCL bus
+    # bandwidth, GB/s, for large messages): per GPU inside a node (NVLink), per node between
+    # nodes (all its NICs together); and the ms one such collective call costs however small.
+    # None: from the all-to-all table (inside a node: the widest degree a node holds; between
+    # nodes: the cluster-wide degree's figure times the GPUs of a node) and its latencies.
+    intra_node_bandwidth_gbps: float | None = None
+    inter_node_bandwidth_gbps: float | None = None
+    intra_node_latency_ms: float | None = None
+    inter_node_latency_ms: float | None = None
 
     @property
     def num_gpus(self) -> int:
@@ -109,6 +147,34 @@ class ClusterSpec:
         if not known:
             raise ConfigError(f"cluster {self.name!r}: no all-to-all bandwidth for degree {degree}")
         return self.a2a_bandwidth_gbps[max(known)]
+
+    @property
+    def intra_node_gbps(self) -> float:
+        """Bus bandwidth of a collective inside a node, GB/s per GPU."""
+        if self.intra_node_bandwidth_gbps is not None:
+            return float(self.intra_node_bandwidth_gbps)
+        return self.a2a_bandwidth(max(2, min(self.gpus_per_node, self.num_gpus)))
+
+    @property
+    def inter_node_gbps(self) -> float:
+        """Bandwidth a node's NICs give a collective spanning nodes, GB/s per node."""
+        if self.inter_node_bandwidth_gbps is not None:
+            return float(self.inter_node_bandwidth_gbps)
+        return self.a2a_bandwidth(max(2, self.num_gpus)) * self.gpus_per_node
+
+    @property
+    def intra_node_latency(self) -> float:
+        """ms per collective call inside a node."""
+        if self.intra_node_latency_ms is not None:
+            return float(self.intra_node_latency_ms)
+        return self.a2a_latency(max(2, min(self.gpus_per_node, self.num_gpus)))
+
+    @property
+    def inter_node_latency(self) -> float:
+        """ms per collective call spanning nodes."""
+        if self.inter_node_latency_ms is not None:
+            return float(self.inter_node_latency_ms)
+        return self.a2a_latency(max(2, self.num_gpus))
 
     def a2a_latency(self, degree: int) -> float:
         """ms per all_to_all call of a degree-d group (the widest tabulated degree's beyond the table)."""
@@ -181,9 +247,14 @@ def validate_model(m: ModelSpec) -> ModelSpec:
     for f in ("num_query_groups", "ffn_hidden_size"):
         if getattr(m, f) is not None:
             _check_count(getattr(m, f), what, f)
-    for f in ("params_b", "a1", "a2", "b1"):
+    for f in ("params_b", "a1", "a2", "launch_ms"):
         _check_number(getattr(m, f), what, f, positive=False)
     _check_number(m.act_mb_per_token, what, "act_mb_per_token", positive=True)
+    _check(m.recompute in ("none", "full"), what, f"recompute must be 'none' or 'full', got {m.recompute!r}")
+    if m.recompute_layers is not None:
+        _check(_is_int(m.recompute_layers) and 0 <= m.recompute_layers <= m.num_layers, what,
+               f"recompute_layers must be an integer in 0..{m.num_layers}, got {m.recompute_layers!r}")
+    _check(isinstance(m.dropout, bool), what, f"dropout must be true or false, got {m.dropout!r}")
     _check(m.num_attention_heads % m.kv_heads == 0, what, "num_attention_heads must divide by num_query_groups")
     _check(m.activation_bytes in (1, 2, 4, 8), what, f"activation_bytes must be 1, 2, 4 or 8, got {m.activation_bytes!r}")
     _check(isinstance(m.swiglu, bool), what, f"swiglu must be true or false, got {m.swiglu!r}")
@@ -204,6 +275,10 @@ def validate_cluster(c: ClusterSpec) -> ClusterSpec:
         _check_number(c.p2p_bandwidth_gbps, what, "p2p_bandwidth_gbps", positive=True)
     for name in ("p2p_latency_ms", "pipeline_op_overhead_ms", "micro_batch_overhead_ms"):
         _check_number(getattr(c, name), what, name, positive=False)
+    for name in ("intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps", "intra_node_latency_ms",
+                 "inter_node_latency_ms"):
+        if getattr(c, name) is not None:
+            _check_number(getattr(c, name), what, name, positive=name.endswith("gbps"))
     bw = c.a2a_bandwidth_gbps
     for name, table, positive in (("a2a_bandwidth_gbps", bw, True), ("a2a_latency_ms", c.a2a_latency_ms, False)):
         _check(isinstance(table, dict), what, f"{name} must map degree -> number")
@@ -245,6 +320,10 @@ def load_model(ref: str | ModelSpec) -> ModelSpec:
 
 
 def model_from_mapping(data: dict) -> ModelSpec:
+    if isinstance(data, dict) and "b1" in data:
+        raise ConfigError(f"model {data.get('name')!r}: b1 is no longer a model field: the fixed cost of a pass is "
+                          f"derived from the ZeRO stage's parameter traffic and the links (cost/fixed.py); give what "
+                          f"is neither compute nor traffic as launch_ms (what `megatron-ext profile` fits)")
     return validate_model(_build(ModelSpec, data, f"model {data.get('name')!r}"))
 
 

@@ -117,9 +117,9 @@ def add_pipeline_args(p) -> None:
                         "below the GPU count, GPUs / (pp x sp) replicas of the pipeline run side by side, each "
                         "its share of the sequences")
     g.add_argument("--b1-scale", type=float, metavar="X",
-                   help="per-chunk fixed cost of a stage = X * b1 / pp, b1 the model's per-micro-batch fixed cost "
-                        "(default 1: a chunk pays per layer what a FlexSP micro-batch pays, the InfiniPipe formula; "
-                        "see docs/elastic_pp.md)")
+                   help="what-if multiplier of the per-chunk fixed cost of a stage, which is derived from the "
+                        "launch constant and, at ZeRO-3, the gathers of the stage's own parameters over its group "
+                        "(default 1: as derived; see docs/cost_model.md)")
     g.add_argument("--recompute", choices=("ilp", "greedy", "none", "full"),
                    help="elastic_pp's activation recompute: per (stage, chunk) by the HiGHS ILP (default), by the "
                         "greedy, none (chunks small enough to fit) or every layer")

@@ -169,7 +169,7 @@ def _document(found: Profile, setup: RankSetup, host: str, ranks: int) -> dict:
 
 def _summary(found: Profile, setup: RankSetup) -> str:
     model, cluster, raw = found.cost.model, found.cost.cluster, found.raw_a2a
-    return (f"a1 {model.a1:.3e}  a2 {model.a2:.4f}  b1 {model.b1:.2f} ms  (median fit error "
+    return (f"a1 {model.a1:.3e}  a2 {model.a2:.4f}  launch (b1) {model.launch_ms:.2f} ms  (median fit error "
             f"{round(found.fit['rel_error'], 4):.1%})\n"
             f"activation {model.act_mb_per_token:.4f} MB/token, {model.params_b * 1e3:.3f} M parameters, output layer "
             f"{model.head_time_share:.0%} of the per-token work\n"

@@ -1,11 +1,14 @@
 """The FlexSP cost model (PAPERS.md section 1): time and memory of Ulysses SP groups.
 
 A group of degree d running sequences S costs, in milliseconds,
-    b1 + sum_s (a1 s^2 + a2 s) / d + [d > 1] (sum_s (8 L h s e / 2^20 / d) / bw[d] + 8 L lat[d])
+    b1 + r sum_s (a1 s^2 + a2 s) / d + [d > 1] (sum_s (8 L h s e / 2^20 / d) / bw[d] + 8 L lat[d])
 (4 all-to-alls per layer, forward and backward, of e-byte activations (the model's
-activation_bytes, 2 for bf16); MB over GB/s is ms; lat[d]: the cluster's per-call latency).
-Its memory per GPU is sum_s s / d * act_mb_per_token + model states. A micro-batch costs the
-max over its groups, a step the sum over its micro-batches. Pure Python + numpy: no torch.
+activation_bytes, 2 for bf16); MB over GB/s is ms; lat[d]: the cluster's per-call latency;
+r: the model's recompute policy, cost/activations.py). b1, the fixed cost of a pass, is derived
+(cost/fixed.py): the launch constant, plus under ZeRO-3 the parameter gathers of the whole model
+over all GPUs. Its memory per GPU is sum_s s / d * act_mb_per_token + model states. A micro-batch
+costs the max over its groups, a step the sum over its micro-batches plus, under ZeRO 0/1/2, what
+the once-per-step gradient sync leaves exposed (``step_sync_ms``). Pure Python + numpy: no torch.
 """
 from __future__ import annotations
 
@@ -17,11 +20,17 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_ext.cost.activations import recompute_time_factor
+from megatron_ext.cost.fixed import pass_fixed_ms, step_sync_ms
 from megatron_ext.errors import ConfigError, InfeasibleError
 from megatron_ext.spec import (ClusterSpec, ModelSpec, read_yaml, cluster_from_mapping, load_cluster,
                                load_model, model_from_mapping)
 
-# Fraction of the 16 bytes/param of mixed-precision Adam states kept per GPU, by ZeRO stage.
+# Fraction of the 16 bytes/param of mixed-precision Adam states (2 bf16 weights, 2 gradients, 12
+# fp32 master weights and moments) kept per GPU, by ZeRO stage: (sharded over the GPUs that hold
+# the same parameters, replicated on each). ZeRO-1 shards the 12 optimizer bytes, ZeRO-2 the
+# gradients too, ZeRO-3 everything. (Megatron's distributed optimizer keeps fp32 gradient buffers
+# in bf16 runs, 2 bytes more per parameter than this accounting, which follows the FlexSP paper.)
 _ZERO_SHARDED = {0: (0.0, 1.0), 1: (6 / 8, 2 / 8), 2: (7 / 8, 1 / 8), 3: (1.0, 0.0)}
 
 
@@ -131,6 +140,27 @@ class CostModel:
             raise InfeasibleError(self._too_long(int(arr.max())))
 
     # ---- time (ms) ----------------------------------------------------------------------
+    @cached_property
+    def a1(self) -> float:
+        """ms per token^2 of a pass under the model's recompute policy (model.a1 without it)."""
+        return self.model.a1 * recompute_time_factor(self.model)
+
+    @cached_property
+    def a2(self) -> float:
+        """ms per token of a pass under the model's recompute policy (model.a2 without it)."""
+        return self.model.a2 * recompute_time_factor(self.model)
+
+    @cached_property
+    def pass_fixed_ms(self) -> float:
+        """The fixed cost of a FlexSP micro-batch (FlexSP's b1): a pass of the whole model, its
+        parameters sharded over all GPUs (cost/fixed.py)."""
+        return pass_fixed_ms(self.model, self.cluster, self.zero_stage, self.model.num_layers, range(self.num_gpus))
+
+    @cached_property
+    def step_sync_ms(self) -> float:
+        """What a FlexSP step's gradient sync over all GPUs leaves exposed (ZeRO 0/1/2; 0 at 3)."""
+        return step_sync_ms(self.model, self.cluster, self.zero_stage, range(self.num_gpus))
+
     def comm_ms_per_token(self, degree: int) -> float:
         if degree == 1:
             return 0.0
@@ -147,8 +177,9 @@ class CostModel:
 
     @property
     def micro_batch_fixed_ms(self) -> float:
-        """What every FlexSP micro-batch pays whatever it runs: b1 and the measured overhead."""
-        return self.model.b1 + self.cluster.micro_batch_overhead_ms
+        """What every FlexSP micro-batch pays whatever it runs: the pass's fixed cost (b1) and the
+        measured overhead."""
+        return self.pass_fixed_ms + self.cluster.micro_batch_overhead_ms
 
     def group_fixed_ms(self, degree: int) -> float:
         """What a group pays per micro-batch whatever it runs: the micro-batch's fixed cost and
@@ -158,8 +189,7 @@ class CostModel:
     def seq_time_ms(self, seq_len, degree: int):
         """Time of sequence(s) in a degree-d group, without the per-group b1 (array-friendly)."""
         s = np.asarray(seq_len, dtype=np.float64)
-        m = self.model
-        return (m.a1 * s * s + m.a2 * s) / degree + s * self.comm_ms_per_token(degree)
+        return (self.a1 * s * s + self.a2 * s) / degree + s * self.comm_ms_per_token(degree)
 
     def group_time_ms(self, lengths, degree: int) -> float:
         return self.group_fixed_ms(degree) + float(np.sum(self.seq_time_ms(lengths, degree)))

@@ -2,13 +2,13 @@
 
 A pipeline has ``pp`` stages of ``L_s = L / pp`` layers each; every stage is one Ulysses group of
 ``sp`` GPUs; the cluster runs GPUs / (pp x sp) replicas of it side by side (``replicas``). The
-whole-model FlexSP coefficients (a1, a2, b1: fwd+bwd, ms) are spread evenly over the layers, so a
-stage does ``L_s / L`` of them. For one chunk on one stage (milliseconds):
+whole-model FlexSP coefficients (a1, a2: fwd+bwd, ms, with the model's recompute:
+CostModel.a1/a2) are spread evenly over the layers, so a stage does ``L_s / L`` of them. For one chunk on one stage (milliseconds):
 
     work    = sum over pieces of  a1 ((C + s)^2 - C^2) + a2 s       (C: prefix already processed)
     compute = (L_s / L * attention + share_p * a2 tokens) / sp      (attention = work - a2 tokens)
     a2a     = L_s / L * tokens * comm_ms_per_token(sp)            (4 all-to-alls per layer, fwd+bwd)
-    fixed   = L_s / L * b1 * b1_scale + 8 L_s lat[sp]             (the paper's b1 / d_p, 2 beta(d_s) 2 L / d_p)
+    fixed   = b1_scale * pass_fixed(stage) + 8 L_s lat[sp]        (cost/fixed.py; 2 beta(d_s) 2 L / d_p)
     stage   = compute + a2a + fixed;  forward = stage / 3,  backward = 2 stage / 3
 
 The output layer's matmuls (ModelSpec.head_share of the per-token work, h x vocab) run on
@@ -21,28 +21,20 @@ gradients of both the input and the weights); recomputing ``r`` layers costs ``r
 forward. p2p between stages: ``tokens * hidden * e bytes`` over ``p2p_bandwidth_gbps`` (e: the
 model's activation_bytes), plus the cluster's ``p2p_latency_ms`` per handoff.
 
-``b1_scale`` (default 1): the fixed cost a chunk pays on one stage, as a fraction of the model's
-per-micro-batch fixed cost b1 spread over the stages: ``fixed = b1_scale * b1 / pp``.
-- b1 is the constant term of the FlexSP fit: ms per forward+backward pass over the whole model
-  that do not depend on the tokens. It is ~80 ms per billion parameters in all three published
-  profiles, i.e. per-pass costs that scale with the parameters: ZeRO-3 parameter all-gathers and
-  gradient reduce-scatters not hidden by compute, plus per-layer launch/synchronization.
-- 1 (the default) is the InfiniPipe paper's formula (b1 / d_p): a chunk passing through all pp
-  stages pays exactly what one FlexSP micro-batch pays. With one profile for both planners this
-  charges both the same per-layer, per-pass overhead and credits the pipeline with nothing that
-  has not been measured; it is the conservative choice for elastic pipelines.
-- A stage that shards only its own layers over its own SP group inside a node gathers them over
-  NVLink instead of the cluster's network, so its true scale is likely below 1. If b1 were all
-  parameter traffic and scaled with bandwidth, the scale would be ``zero_domain_b1_scale()`` (the
-  all-to-all bandwidth over the whole cluster / inside the stage's group: 0.06 on the A800
-  preset) -- a floor, not an estimate. Measure it (a stage's fwd+bwd time of a tiny chunk, over
-  b1 / pp) before trusting pipeline-vs-FlexSP comparisons: elastic_pp beats FlexSP on the
-  benchmark batches only below b1_scale ~0.13-0.5 (docs/elastic_pp.md).
+``b1_scale`` (default 1): a what-if multiplier of the fixed cost a chunk pays on one stage.
+That cost is derived (cost/fixed.py), not a share of FlexSP's b1: the launch constant's share of
+the stage's layers, plus under ZeRO-3 the gathers of the stage's own parameters (``params_b /
+pp``, sharded over the stage's SP group, inside one node: NVLink) and its last reduce-scatter;
+under ZeRO 0/1/2 no chunk gathers anything, and the step pays once what the gradient sync of the
+stage's parameters over the GPUs holding them (its SP ranks in every replica) leaves exposed
+(``step_sync_ms``, the slowest stage's).
 
 Memory per GPU of a stage, MB:
-- model states of the stage's layers (params_b / pp), ZeRO-sharded over the stage's sp ranks
-  at the CostModel's ZeRO stage (with replicas, not over them: a stage gathers its parameters
-  inside its node, which is what the per-chunk fixed cost assumes);
+- model states of the stage's layers (params_b / pp), ZeRO-sharded at the CostModel's ZeRO
+  stage: ZeRO-3 over the stage's sp ranks (not over the replicas: a stage gathers its
+  parameters every pass, inside its node, which is what the per-chunk fixed cost assumes);
+  ZeRO 1/2 over every GPU holding the stage (sp ranks x replicas: the distributed optimizer's
+  data-parallel group, which gathers only once per step);
 - per in-flight chunk: ``tokens * act_layer * L_s``, plus on the last stage what the output
   layer and loss keep, ``tokens * (vocab * 4 + 2 * hidden * e) bytes / sp`` (fp32 logits, the
   inputs of the final norm and of the output layer). act_mb_per_token is the whole model's
@@ -59,12 +51,14 @@ Pure Python + numpy.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
+from megatron_ext.cost.fixed import pass_fixed_ms, step_sync_ms
 from megatron_ext.cost.model import _ZERO_SHARDED, CostModel
 from megatron_ext.errors import ConfigError, InfeasibleError
 
@@ -125,19 +119,42 @@ class PipelineCost:
         """Whole-model, one-GPU fwd+bwd ms of tokens [C, C+s) of a sequence (without b1)."""
         s = np.asarray(s, dtype=np.float64)
         c = np.asarray(prefix, dtype=np.float64)
-        m = self.cost.model
-        return m.a1 * ((c + s) ** 2 - c * c) + m.a2 * s
+        a1, a2 = self.cost.a1, self.cost.a2
+        return a1 * ((c + s) ** 2 - c * c) + a2 * s
 
     @cached_property
     def comm_ms_per_token(self) -> float:
         """All-to-all ms per token for the stage's layers (fwd+bwd)."""
         return self.cost.comm_ms_per_token(self.sp) * self.stage_share
 
+    def stage_ranks(self, stage: int = 0, replica: int = 0) -> range:
+        """The GPUs of one stage of one replica (replica-major, stages in order, sp ranks each)."""
+        first = (replica * self.pp + stage) * self.sp
+        return range(first, first + self.sp)
+
+    @cached_property
+    def pass_fixed_ms(self) -> float:
+        """Fixed cost of a chunk's fwd+bwd pass on one stage (cost/fixed.py): the launch share of
+        its layers and, under ZeRO-3, the gathers of its parameters over the stage's group."""
+        c = self.cost
+        return pass_fixed_ms(c.model, c.cluster, c.zero_stage, self.layers_per_stage, self.stage_ranks())
+
     @cached_property
     def fixed_ms(self) -> float:
-        """Per-chunk fixed cost on one stage (fwd+bwd): its share of b1 and its all-to-all latency."""
-        return self.cost.model.b1 * self.b1_scale * self.stage_share + \
-            self.cost.a2a_latency_ms(self.sp, self.layers_per_stage)
+        """Per-chunk fixed cost on one stage (fwd+bwd): the pass's fixed cost (times the what-if
+        ``b1_scale``) and the stage's all-to-all latency."""
+        return self.pass_fixed_ms * self.b1_scale + self.cost.a2a_latency_ms(self.sp, self.layers_per_stage)
+
+    @cached_property
+    def step_sync_ms(self) -> float:
+        """What the once-per-step gradient sync (ZeRO 0/1/2) leaves exposed, the slowest stage's:
+        each stage's layers over the GPUs holding them (its sp ranks in every replica)."""
+        c = self.cost
+        stage_model = dataclasses.replace(c.model, params_b=c.model.params_b / self.pp,
+                                          num_layers=self.layers_per_stage, act_mb_per_token=c.model.act_mb_per_token)
+        return max(step_sync_ms(stage_model, c.cluster, c.zero_stage,
+                                [r for rep in range(self.replicas) for r in self.stage_ranks(p, rep)])
+                   for p in range(self.pp))
 
     def linear_share(self, stage: int | None = None, head: bool = True) -> float:
         """Share of the model's per-token (a2) work a stage does: None, the average stage;
@@ -151,7 +168,7 @@ class PipelineCost:
         """Fwd+bwd ms of a chunk on one stage (None: the average stage), from its whole-model work
         and token count."""
         tokens = np.asarray(tokens, dtype=np.float64)
-        linear = self.cost.model.a2 * tokens
+        linear = self.cost.a2 * tokens
         attention = np.asarray(work, dtype=np.float64) - linear
         return ((attention * self.stage_share + linear * self.linear_share(stage, head)) / self.sp
                 + tokens * self.comm_ms_per_token + self.fixed_ms)
@@ -185,9 +202,8 @@ class PipelineCost:
     @cached_property
     def _quad(self) -> tuple[float, float]:
         """T(x) = alpha x^2 + beta x: stage ms (without the fixed cost) of a sequence's first x tokens."""
-        m = self.cost.model
-        alpha = m.a1 * self.stage_share / self.sp
-        beta = m.a2 * self.stage_share / self.sp + self.comm_ms_per_token
+        alpha = self.cost.a1 * self.stage_share / self.sp
+        beta = self.cost.a2 * self.stage_share / self.sp + self.comm_ms_per_token
         return alpha, beta
 
     def prefix_ms(self, x):
@@ -212,7 +228,8 @@ class PipelineCost:
     @cached_property
     def model_states_mb(self) -> float:
         sharded, replicated = _ZERO_SHARDED[self.cost.zero_stage]
-        return self.cost.model.params_b / self.pp * 16 * 1024 * (sharded / self.sp + replicated)
+        over = self.sp if self.cost.zero_stage == 3 else self.sp * self.replicas
+        return self.cost.model.params_b / self.pp * 16 * 1024 * (sharded / over + replicated)
 
     @cached_property
     def activation_room_mb(self) -> float:
@@ -264,14 +281,6 @@ class PipelineCost:
     def dkv_mb(self, tokens):
         """Gradient buffer of the prefix K/V of a split sequence, for ``tokens`` prefix tokens."""
         return np.asarray(tokens, dtype=np.float64) * self.kv_layer_mb * self.layers_per_stage
-
-    def zero_domain_b1_scale(self) -> float:
-        """An estimate of b1_scale when a stage shards parameters inside its node: the ratio of
-        the all-to-all bandwidth over the whole cluster to that inside the stage's SP group."""
-        c = self.cost.cluster
-        if c.num_gpus <= 1 or self.sp <= 1:
-            return 1.0
-        return min(1.0, c.a2a_bandwidth(c.num_gpus) / c.a2a_bandwidth(self.sp))
 
 
 def default_layout(cost: CostModel) -> tuple[int, int]:

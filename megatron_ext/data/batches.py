@@ -27,6 +27,7 @@ import math
 import numpy as np
 
 from megatron_ext.data.datasets import DataError, blend_documents, open_blend
+from megatron_ext.data.lengths import cut_documents
 from megatron_ext.text import plural
 
 logger = logging.getLogger(__name__)
@@ -38,13 +39,7 @@ def make_samples(doc_lengths, max_seq_len: int) -> np.ndarray:
     empty documents are left out."""
     if max_seq_len < 1:
         raise DataError(f"max_seq_len must be at least 1, got {max_seq_len}")
-    lengths = np.asarray(doc_lengths, dtype=np.int64)
-    pieces = -(-lengths // max_seq_len)  # 0 for empty documents
-    doc = np.repeat(np.arange(lengths.size, dtype=np.int64), pieces)
-    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
-    start = (np.arange(doc.size, dtype=np.int64) - first) * max_seq_len
-    end = np.minimum(start + max_seq_len, lengths[doc])
-    return np.stack([doc, start, end], axis=1)
+    return cut_documents(doc_lengths, max_seq_len)  # the one rule, shared with --dist sampling
 
 
 class GlobalBatches:

@@ -25,18 +25,42 @@ class LengthDistribution:
     tail_alpha: float
     note: str
 
+    def documents(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """n document lengths >= 1 at their natural lengths (the tail is not truncated)."""
+        body = rng.lognormal(self.mu, self.sigma, n)
+        tail = self.tail_min * (1.0 + rng.pareto(self.tail_alpha, n))
+        return np.maximum(1, np.minimum(np.where(rng.random(n) < self.tail_p, tail, body), 2.0**62)).astype(np.int64)
+
     def sample(self, n: int, rng: np.random.Generator, max_len: int | None = None) -> np.ndarray:
-        """n lengths >= 1 drawn from the distribution truncated at max_len (by redrawing)."""
+        """n training sequences: documents drawn at their natural lengths, those over ``max_len``
+        cut in place into pieces of ``max_len`` tokens (the last shorter), as training cuts them
+        (``cut_documents``, which data/batches.make_samples uses); the first n pieces. A larger
+        ``max_len`` keeps the long documents longer (and makes fewer pieces of them); where no
+        document is over it, the batch is the one the documents make."""
         out = np.empty(0, dtype=np.int64)
         while out.size < n:
             k = 2 * (n - out.size) + 16
-            body = rng.lognormal(self.mu, self.sigma, k)
-            tail = self.tail_min * (1.0 + rng.pareto(self.tail_alpha, k))
-            x = np.maximum(1, np.where(rng.random(k) < self.tail_p, tail, body)).astype(np.int64)
+            x = self.documents(k, rng)
             if max_len is not None:
-                x = x[x <= max_len]
+                # no more than n pieces of one document can be kept: shorten the rest away first
+                x = np.minimum(x, int(max_len) * (n + 1))
+                cut = cut_documents(x, int(max_len))
+                x = cut[:, 2] - cut[:, 1]
             out = np.concatenate([out, x])
         return out[:n]
+
+
+def cut_documents(doc_lengths, max_seq_len: int) -> np.ndarray:
+    """How training cuts documents into samples, shape [n, 3]: (doc, start, end). A document
+    longer than ``max_seq_len`` becomes consecutive pieces of ``max_seq_len`` tokens (the last
+    shorter); empty documents are left out."""
+    lengths = np.asarray(doc_lengths, dtype=np.int64)
+    pieces = -(-lengths // max_seq_len)  # 0 for empty documents
+    doc = np.repeat(np.arange(lengths.size, dtype=np.int64), pieces)
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+    start = (np.arange(doc.size, dtype=np.int64) - first) * max_seq_len
+    end = np.minimum(start + max_seq_len, lengths[doc])
+    return np.stack([doc, start, end], axis=1)
 
 
 DISTRIBUTIONS = {

@@ -451,6 +451,9 @@ def measure(base: CostModel, lengths: list[int], repeats: int, setup: RankSetup,
                 **_ulysses_sweep(model, pool, degrees, lengths, vocab, repeats, tick, setup)}
     fit = fit_profile(spec, lengths, measured, raw)
     # all-to-all: fitted from the passes where the heads allow that degree, else the raw sweep's
+    # b1, the fit's constant: the profiled passes gather no parameters (every rank holds the whole
+    # model), so it is the launch constant (ModelSpec.launch_ms); cost/fixed.py adds the ZeRO
+    # traffic of the stage the cost model is used at
     a1, a2, b1, a2a = fit["a1"], fit["a2"], fit["b1"], {**raw, **fit["a2a"]}
     # the output layer's share of the per-token work a2 (the last pipeline stage runs it alone),
     # timed at the longest length, where its fixed costs weigh least
@@ -463,7 +466,7 @@ def measure(base: CostModel, lengths: list[int], repeats: int, setup: RankSetup,
     params_b = sum(p.numel() for p in model.parameters()) / 1e9
     del model  # its memory goes to the models of the real steps below
     fitted = CostModel(
-        dataclasses.replace(spec, a1=a1, a2=a2, b1=b1, act_mb_per_token=act_mb, head_time_share=head_share,
+        dataclasses.replace(spec, a1=a1, a2=a2, launch_ms=b1, act_mb_per_token=act_mb, head_time_share=head_share,
                             params_b=params_b),
         dataclasses.replace(base.cluster, p2p_bandwidth_gbps=p2p, p2p_latency_ms=handoff_ms,
                             a2a_bandwidth_gbps={d: v["bandwidth_gbps"] for d, v in a2a.items()},

@@ -9,6 +9,8 @@
   of a backward. Memory is tracked per stage along its order (sim/engine.py).
 - ``flexsp`` plans: micro-batches one after another; in each, every SP group runs its sequences
   (CostModel.group_time_ms); the micro-batch ends with its slowest group.
+- Both: under ZeRO 0/1/2 the step ends with what its gradient sync leaves exposed
+  (CostModel.step_sync_ms, PipelineCost.step_sync_ms; cost/fixed.py).
 
 The simulator refuses (InvalidPlanError) a plan whose order deadlocks or whose memory exceeds the
 budget, naming the pipeline, stage and operation.
@@ -112,6 +114,7 @@ def _simulate_flexsp(plan, lengths, cost, memory_mb, want_events) -> SimResult:
                     mem_pts[r] += [(t / 1e3, cost.model_states_mb), (t / 1e3, mem), ((t + ms) / 1e3, mem),
                                    ((t + ms) / 1e3, cost.model_states_mb)]
         t += span
+    t += cost.step_sync_ms if plan.micro_batches else 0.0  # ZeRO 0/1/2: the exposed gradient sync
     step = t / 1e3
     for pts in mem_pts:
         pts.append((step, cost.model_states_mb))
@@ -159,7 +162,9 @@ def _simulate_pipelines(plan, lengths, cost, b1_scale, memory_mb, want_events) -
     P = plan.pipelines[0].stages
     runs = [_simulate_replica(plan, idx, cost, b1_scale, memory_mb, want_events, r * P)
             for r, idx in enumerate(replicas)]
-    t_end = max(run.end_ms for run in runs)
+    # once per step, what the gradient sync (ZeRO 0/1/2) leaves exposed: the slowest layout's
+    t_end = max(run.end_ms for run in runs) + max(
+        _stage_cost(plan, i, cost, b1_scale, memory_mb).step_sync_ms for i in range(len(plan.pipelines)))
     step = t_end / 1e3
     mem_pts = [[(float(t), float(v)) for t, v in pts + [(step, pts[-1][1])]] for run in runs for pts in run.memory]
     denom = n_gpus * t_end

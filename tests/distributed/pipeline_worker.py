@@ -280,7 +280,7 @@ def _spec(num_layers=4):
 
     return ModelSpec(name="t", num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
                      num_query_groups=KV_HEADS, ffn_hidden_size=FFN, params_b=1e-5, act_mb_per_token=0.01, a1=1e-4,
-                     a2=0.05, b1=0.5, vocab_size=VOCAB)
+                     a2=0.05, launch_ms=0.5, vocab_size=VOCAB)
 
 
 def _stage_model(tied: bool = False):

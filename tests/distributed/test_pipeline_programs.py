@@ -21,7 +21,7 @@ from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan
 from megatron_ext.spec import ClusterSpec, ModelSpec
 
 MODEL = ModelSpec(name="t", num_layers=8, hidden_size=32, num_attention_heads=8, num_query_groups=4,
-                  ffn_hidden_size=64, params_b=1e-5, act_mb_per_token=0.01, a1=1e-4, a2=0.05, b1=0.5, vocab_size=97)
+                  ffn_hidden_size=64, params_b=1e-5, act_mb_per_token=0.01, a1=1e-4, a2=0.05, launch_ms=0.5, vocab_size=97)
 
 
 def _cost(gpus=8, memory_mb=0.4):

@@ -27,7 +27,7 @@ def _cost():
     from megatron_ext.spec import ClusterSpec, ModelSpec
 
     model = ModelSpec(name="t", num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4,
-                      ffn_hidden_size=64, params_b=1e-5, act_mb_per_token=0.01, a1=1e-4, a2=0.05, b1=5.0)
+                      ffn_hidden_size=64, params_b=1e-5, act_mb_per_token=0.01, a1=1e-4, a2=0.05, launch_ms=5.0)
     cluster = ClusterSpec(name="c", num_nodes=1, gpus_per_node=4, memory_gb=1.2 / 1024,
                           a2a_bandwidth_gbps={2: 0.01, 4: 0.01})  # costly all-to-all: degree 1 where it fits
     return CostModel(model, cluster)

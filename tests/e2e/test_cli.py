@@ -425,7 +425,7 @@ def test_bad_cost_model_yaml(capsys, tmp_path, text, match):
 
 def test_bad_model_yaml(capsys, tmp_path):
     f = write(tmp_path, "m.yaml", "num_layers: 4\nhidden_size: 128\nnum_attention_heads: 8\nnum_query_groups: four\n"
-                                  "params_b: 0.01\nact_mb_per_token: 0.05\na1: 1.0e-6\na2: 0.02\nb1: 15\n")
+                                  "params_b: 0.01\nact_mb_per_token: 0.05\na1: 1.0e-6\na2: 0.02\nlaunch_ms: 15\n")
     assert_one_line_error(*run(capsys, "plan", "--batch", "8", "--model", f, "--cluster", "cpu-4", *FAST),
                           "num_query_groups")
 

@@ -22,7 +22,7 @@ def test_profile_writes_a_usable_cost_model(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     cost = CostModel.from_yaml(out)
     assert cost.num_gpus == 4
-    assert cost.model.a1 >= 0 and cost.model.a2 >= 0 and cost.model.b1 >= 0
+    assert cost.model.a1 >= 0 and cost.model.a2 >= 0 and cost.model.launch_ms >= 0
     assert cost.model.a1 + cost.model.a2 > 0
     assert 0 < cost.model.act_mb_per_token < 1
     assert all(v > 0 for v in cost.cluster.a2a_bandwidth_gbps.values()) and set(cost.cluster.a2a_bandwidth_gbps) == {2, 4}

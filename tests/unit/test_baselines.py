@@ -113,7 +113,7 @@ def test_static_microbatch_count_by_hand(model, degree, length, count, micro_bat
     plan = make_plan("static_ulysses", [length] * count, cost, PlannerOptions(static_degree=degree))
     assert _degrees(plan) == {degree}
     assert len(plan.micro_batches) == micro_batches
-    expected = micro_batches * cost.model.b1 + seqs_on_critical_path * float(cost.seq_time_ms(length, degree))
+    expected = micro_batches * cost.micro_batch_fixed_ms + seqs_on_critical_path * float(cost.seq_time_ms(length, degree))
     assert plan.estimated_step_time_s == pytest.approx(expected / 1e3)
 
 
@@ -123,7 +123,7 @@ def test_static_balances_time_across_groups():
     plan = make_plan("static_ulysses", [1000] * 16, cost, PlannerOptions(static_degree=8))
     (mb,) = plan.micro_batches
     assert [len(g.seq_ids) for g in mb.groups] == [2] * 8
-    expected = (cost.model.b1 + 2 * float(cost.seq_time_ms(1000, 8))) / 1e3
+    expected = (cost.micro_batch_fixed_ms + 2 * float(cost.seq_time_ms(1000, 8))) / 1e3
     assert plan.estimated_step_time_s == pytest.approx(expected)
 
 

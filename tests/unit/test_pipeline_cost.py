@@ -28,12 +28,18 @@ def test_presets_load():
 
 
 def test_stages_add_up_to_the_flexsp_group_time():
-    """One whole sequence through all pp stages costs what FlexSP charges a degree-sp group."""
+    """One whole sequence through all pp stages does the work FlexSP charges a degree-sp group;
+    only the fixed costs differ: a stage gathers its own layers inside its node (cost/fixed.py),
+    a FlexSP micro-batch the whole model over every GPU."""
     for pp, sp in ((4, 8), (8, 4), (2, 8)):
         pc = PipelineCost(COST, pp, sp)
         for s in (1, 1000, 50_000):
-            stages = pp * float(pc.stage_ms(pc.piece_work(s), s))
-            assert stages == pytest.approx(COST.group_time_ms([s], sp), rel=1e-12)
+            stages = pp * (float(pc.stage_ms(pc.piece_work(s), s)) - pc.fixed_ms)
+            assert stages == pytest.approx(COST.group_time_ms([s], sp) - COST.group_fixed_ms(sp), rel=1e-12)
+        assert pp * pc.pass_fixed_ms < COST.pass_fixed_ms / 2  # NVLink, not the nodes' NICs
+    # one stage over the whole cluster's GPUs is a FlexSP micro-batch: the same fixed cost
+    node = CostModel.from_presets("llama-13b", "a800-80g-8x1")
+    assert PipelineCost(node, 1, 8).pass_fixed_ms == pytest.approx(node.pass_fixed_ms, rel=1e-12)
 
 
 def test_prefix_attention_and_slices():
@@ -43,7 +49,9 @@ def test_prefix_attention_and_slices():
     cuts = [0, 7000, 12000, 20000]
     parts = sum(float(pc.piece_work(b - a, a)) for a, b in zip(cuts, cuts[1:]))
     assert parts == pytest.approx(float(pc.piece_work(20000)), rel=1e-12)
-    assert float(pc.piece_work(100, 1000)) == pytest.approx(m.a1 * (1100**2 - 1000**2) + m.a2 * 100)
+    # (the model recomputes 18 of its 40 layers: a third of their pass once more, cost/activations.py)
+    assert COST.a1 == pytest.approx(m.a1 * (1 + 18 / 40 / 3)) and COST.a2 == pytest.approx(m.a2 * (1 + 18 / 40 / 3))
+    assert float(pc.piece_work(100, 1000)) == pytest.approx(COST.a1 * (1100**2 - 1000**2) + COST.a2 * 100)
     # prefix_tokens inverts prefix_ms
     for x in (1, 10, 4096, 98304):
         assert float(pc.prefix_tokens(pc.prefix_ms(x))) == pytest.approx(x, rel=1e-9)
@@ -95,9 +103,22 @@ def test_p2p_and_fixed_cost():
     assert float(busy.fwd_ms(w, 4096)) == pytest.approx(float(pc.fwd_ms(w, 4096)) + 5.0)
     assert float(busy.bwd_ms(w, 4096, 3)) == pytest.approx(float(pc.bwd_ms(w, 4096, 3)) + 5.0)
     assert float(busy.recompute_ms(w, 4096, 2)) == pytest.approx(float(pc.recompute_ms(w, 4096, 2)))
-    assert pc.fixed_ms == pytest.approx(COST.model.b1 / 4)
-    assert PipelineCost(COST, 4, 8, b1_scale=0.5).fixed_ms == pytest.approx(COST.model.b1 / 8)
-    assert 0 < pc.zero_domain_b1_scale() < 0.1
+    # the fixed cost of a chunk (cost/fixed.py), by hand: ZeRO-3 over the stage's 8 GPUs of one
+    # node; per layer 13e9 / 40 bf16 parameters, 7/8 of them into every GPU over NVLink at 155
+    # GB/s, 10 us a call; gathers before each of the 10 layers' forward and backward, the last
+    # reduce-scatter; a quarter of the launch constant (40 x 0.87 ms)
+    one = 13e9 / 40 * 2 * 7 / 8 / 155e6 + 0.01
+    assert pc.fixed_ms == pytest.approx(34.8 / 4 + 21 * one)
+    assert PipelineCost(COST, 4, 8, b1_scale=0.5).fixed_ms == pytest.approx((34.8 / 4 + 21 * one) / 2)
+    assert pc.step_sync_ms == 0.0  # ZeRO-3: the reductions are per pass
+    # ZeRO-1: no pass gathers; once per step one layer's reduction and gather stay exposed, over
+    # the stage's GPUs in every replica (two replicas of pp 2: two nodes, 1/2 over 46 GB/s each)
+    z1 = CostModel.from_presets("llama-13b", "a800-80g-8x4", zero_stage=1)
+    assert PipelineCost(z1, 4, 8).fixed_ms == pytest.approx(34.8 / 4)
+    assert PipelineCost(z1, 4, 8).step_sync_ms == pytest.approx(2 * one)
+    assert PipelineCost(z1, 2, 8).step_sync_ms == pytest.approx(2 * (13e9 / 40 * 2 / 2 / 46e6 + 0.03))
+    # and the distributed optimizer shards over them all: 16 GPUs hold the stages of pp 2
+    assert PipelineCost(z1, 2, 8).model_states_mb == pytest.approx(13.0 / 2 * 16 * 1024 * (6 / 8 / 16 + 2 / 8))
 
 
 def test_memory_terms():
@@ -133,9 +154,9 @@ def test_all_to_all_latency_is_paid_per_call():
     lat = dataclasses.replace(COST.cluster, a2a_latency_ms={2: 0.5, 8: 0.25})
     cost = CostModel(COST.model, lat)
     # 4 all-to-alls per layer each way; degree 4 takes degree 2's figure, degree 1 pays none
-    assert cost.group_fixed_ms(8) == pytest.approx(cost.model.b1 + 8 * 40 * 0.25)
-    assert cost.group_fixed_ms(4) == pytest.approx(cost.model.b1 + 8 * 40 * 0.5)
-    assert cost.group_fixed_ms(1) == cost.model.b1
+    assert cost.group_fixed_ms(8) == pytest.approx(cost.micro_batch_fixed_ms + 8 * 40 * 0.25)
+    assert cost.group_fixed_ms(4) == pytest.approx(cost.micro_batch_fixed_ms + 8 * 40 * 0.5)
+    assert cost.group_fixed_ms(1) == cost.micro_batch_fixed_ms
     assert cost.group_time_ms([1000], 8) == pytest.approx(COST.group_time_ms([1000], 8) + 80.0)
     # a stage of 10 layers pays its own layers' calls on every chunk
     assert PipelineCost(cost, 4, 8).fixed_ms == pytest.approx(PipelineCost(COST, 4, 8).fixed_ms + 8 * 10 * 0.25)
