@@ -59,14 +59,6 @@ class ModelSpec:
     swiglu: bool = False  # gated MLP (three FFN matrices, LLaMA) rather than two (GPT)
     head_time_share: float | None = None  # measured share of a2 in the output layer and loss (None: from FLOPs)
 
-    def __post_init__(self):
-        if self.act_mb_per_token is None and isinstance(self.num_layers, int) and isinstance(self.hidden_size, int):
-            from megatron_ext.cost.activations import act_mb_per_token  # cost/ imports this module
-            try:
-                object.__setattr__(self, "act_mb_per_token", act_mb_per_token(self))
-            except (TypeError, ValueError, ZeroDivisionError):
-                pass  # a malformed shape: validate_model names the field
-
     @property
     def kv_heads(self) -> int:
         return self.num_query_groups or self.num_attention_heads
@@ -249,7 +241,8 @@ def validate_model(m: ModelSpec) -> ModelSpec:
             _check_count(getattr(m, f), what, f)
     for f in ("params_b", "a1", "a2", "launch_ms"):
         _check_number(getattr(m, f), what, f, positive=False)
-    _check_number(m.act_mb_per_token, what, "act_mb_per_token", positive=True)
+    if m.act_mb_per_token is not None:
+        _check_number(m.act_mb_per_token, what, "act_mb_per_token", positive=True)
     _check(m.recompute in ("none", "full"), what, f"recompute must be 'none' or 'full', got {m.recompute!r}")
     if m.recompute_layers is not None:
         _check(_is_int(m.recompute_layers) and 0 <= m.recompute_layers <= m.num_layers, what,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_ext.cost.activations import recompute_time_factor
+from megatron_ext.cost.activations import act_mb_per_token, recompute_time_factor
 from megatron_ext.cost.fixed import pass_fixed_ms, step_sync_ms
 from megatron_ext.errors import ConfigError, InfeasibleError
 from megatron_ext.spec import (ClusterSpec, ModelSpec, read_yaml, cluster_from_mapping, load_cluster,
@@ -88,6 +88,14 @@ class CostModel:
         return self.model.params_b * 16 * 1024 * (sharded / self.num_gpus + replicated)
 
     @cached_property
+    def act_mb_per_token(self) -> float:
+        """Activation memory per token on one GPU, MB: the model's measured figure, else derived
+        from its shape and recompute policy (cost/activations.py)."""
+        if self.model.act_mb_per_token is not None:
+            return self.model.act_mb_per_token
+        return act_mb_per_token(self.model)
+
+    @cached_property
     def tokens_per_gpu(self) -> float:
         """Activation room of one GPU, in tokens (may be fractional)."""
         room = self.cluster.memory_mb - self.model_states_mb
@@ -95,14 +103,14 @@ class CostModel:
             raise InfeasibleError(
                 f"model states of {self.model.name} ({self.model_states_mb:.0f} MB per GPU at ZeRO-{self.zero_stage}) "
                 f"exceed the {self.cluster.memory_mb:.0f} MB usable on {self.cluster.name}")
-        return room / self.model.act_mb_per_token
+        return room / self.act_mb_per_token
 
     def token_capacity(self, degree: int) -> int:
         """Most tokens a group of this degree can hold in one micro-batch."""
         return int(math.floor(self.tokens_per_gpu * degree + 1e-9))
 
     def group_memory_mb(self, tokens: float, degree: int) -> float:
-        return tokens / degree * self.model.act_mb_per_token + self.model_states_mb
+        return tokens / degree * self.act_mb_per_token + self.model_states_mb
 
     # ---- degrees ------------------------------------------------------------------------
     @cached_property

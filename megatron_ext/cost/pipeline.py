@@ -151,7 +151,7 @@ class PipelineCost:
         each stage's layers over the GPUs holding them (its sp ranks in every replica)."""
         c = self.cost
         stage_model = dataclasses.replace(c.model, params_b=c.model.params_b / self.pp,
-                                          num_layers=self.layers_per_stage, act_mb_per_token=c.model.act_mb_per_token)
+                                          num_layers=self.layers_per_stage, act_mb_per_token=c.act_mb_per_token)
         return max(step_sync_ms(stage_model, c.cluster, c.zero_stage,
                                 [r for rep in range(self.replicas) for r in self.stage_ranks(p, rep)])
                    for p in range(self.pp))
@@ -239,7 +239,7 @@ class PipelineCost:
     def act_layer_mb(self) -> float:
         """Stored activations per token per layer on one GPU (the head's are the last stage's)."""
         m = self.cost.model
-        return max(0.0, m.act_mb_per_token - self.head_mb * self.sp) / m.num_layers / self.sp
+        return max(0.0, self.cost.act_mb_per_token - self.head_mb * self.sp) / m.num_layers / self.sp
 
     @cached_property
     def input_layer_mb(self) -> float:

@@ -45,15 +45,15 @@ def test_collectives_by_link():
 
 def test_activation_memory_from_the_shape():
     # gpt-7b: 34 h + 4 heads bytes per layer, fp32 logits and two bf16 h-wide inputs for the head
-    m7 = CostModel.from_presets("gpt-7b", "a100-40g-8x8").model
+    m7 = CostModel.from_presets("gpt-7b", "a100-40g-8x8")
     assert m7.act_mb_per_token == pytest.approx(((34 * 4096 + 256) * 32 + 4 * 50257 + 4 * 4096) / 2**20)
     assert m7.act_mb_per_token == pytest.approx(4.48, rel=0.005)  # published
     # the published 13B / 30B figures: recompute of 18 / 49 layers (full, block)
     for name, published in (("gpt-13b", 4.22), ("gpt-30b", 3.42)):
-        m = CostModel.from_presets(name, "a100-40g-8x8").model
-        assert m.recompute == "full" and m.act_mb_per_token == pytest.approx(published, rel=0.01)
+        c = CostModel.from_presets(name, "a100-40g-8x8")
+        assert c.model.recompute == "full" and c.act_mb_per_token == pytest.approx(published, rel=0.01)
     # LLaMA-13B: SwiGLU keeps 3 e f, no dropout masks; recompute of 18 of 40 layers as gpt-13b
-    l13 = CostModel.from_presets("llama-13b", "a800-80g-8x4").model
+    l13 = CostModel.from_presets("llama-13b", "a800-80g-8x4")
     h, f = 5120, 13824
     layer = (2 * h + 2 * h + 2 * 3 * h + 2 * h + 4 * 40) + (2 * h + 2 * h + 3 * 2 * f)
     expect = (22 * layer + 18 * 2 * h + layer + 4 * 32000 + 4 * h) / 2**20

@@ -128,7 +128,7 @@ def test_memory_terms():
     assert pc.model_states_mb == pytest.approx(13.0 / 4 * 16 * 1024 / 8)
     # the whole-model figure includes the last stage's fp32 logits: the layers share the rest
     head = 32000 * 4 + 2 * 5120 * 2  # fp32 logits, the inputs of the final norm and output layer
-    assert pc.act_layer_mb == pytest.approx((m.act_mb_per_token - head / 2**20) / 40 / 8)
+    assert pc.act_layer_mb == pytest.approx((COST.act_mb_per_token - head / 2**20) / 40 / 8)
     assert pc.input_layer_mb == pytest.approx(5120 * 2 / 2**20 / 8)
     assert pc.kv_layer_mb == pytest.approx(2 * 40 * 128 * 2 / 2**20 / 8)
     assert pc.head_mb == pytest.approx(head / 2**20 / 8)
