@@ -91,7 +91,6 @@ from megatron_ext.runtime.backends import ATTENTION_BACKENDS
 from megatron_ext.spec import is_power_of_two
 
 POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
-OUR_FLAGS = ("--flexsp", "--elastic-pp")
 
 
 class ArgumentConflict(ConfigError):

@@ -10,7 +10,7 @@ decides the micro-batches:
   one step API of ``runtime/step.py``, as ``megatron-ext train`` does), which for a FlexSP plan
   cuts this rank's inputs (its shard of its SP group's packed tokens and the
   ``UlyssesPackedSeqParams`` naming the group) and runs megatron-core's own
-  ``forward_backward_no_pipelining`` over them with ``runtime.step.forward_step``;
+  ``forward_backward_no_pipelining`` over them with ``runtime.forward.forward_step``;
 * ``elastic_forward_backward`` takes the step and runs it through ``runtime.forward_backward``,
   which for an elastic_pp plan runs the elastic pipeline executor on this rank's stage: the
   plan's chunks in each stage's planned order, point-to-point over Megatron's pipeline group, each stage's data-parallel ranks one Ulysses group (with
@@ -52,7 +52,8 @@ from megatron_ext.data.loader import Step
 from megatron_ext.megatron.arguments import mode_flag
 from megatron_ext.runtime import records
 from megatron_ext.runtime.device import rank_device
-from megatron_ext.runtime.step import forward_backward, forward_step, idle_loss
+from megatron_ext.runtime.forward import forward_step, idle_loss
+from megatron_ext.runtime.step import forward_backward
 from megatron_ext.runtime.timing import DeviceClock
 from megatron_ext.text import plural
 
@@ -220,7 +221,7 @@ def _checked(loss_func):
 
 def _forward_step(data_iterator, model, *unused):
     """forward_step_func of one FlexSP micro-batch or pipeline chunk (``data_iterator`` yields a
-    ``runtime.step.ModelInput``, or None where a FlexSP rank idles): the runtime's, with an idle
+    ``runtime.forward.ModelInput``, or None where a FlexSP rank idles): the runtime's, with an idle
     pass through the model and Megatron's loss checks added."""
     inp = next(data_iterator)
     if inp is None:

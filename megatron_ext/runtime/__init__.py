@@ -12,7 +12,8 @@
 - ``slices``: token-level slices, ``PrefixKVCache`` (prefix K/V and its held gradient between the
   slices of a sequence).
 - ``step``: ``forward_backward(step, model, ...)``, the one step API: a planned Step through the
-  executor of its plan's kind; ``ModelInput`` and ``forward_step``, shared by both executors.
+  executor of its plan's kind.
+- ``forward``: ``ModelInput`` and ``forward_step``, what both executors feed the model.
 - ``schedule``: the FlexSP executor (``forward_backward_flexsp``: megatron-core's own schedule).
 - ``pipeline``: the elastic pipeline executor (``forward_backward_elastic`` runs an elastic_pp
   StepPlan on megatron's pipeline layout, each stage the program plan/program.py's

@@ -74,14 +74,14 @@ from megatron_ext.runtime.pipeline_model import unwrap_model
 
 
 def chunk_input(layout: ChunkLayout, batch: Sequence, sp_group, cache, pad_id: int = 0, device="cpu"):
-    """This rank's shard of chunk ``layout`` as a ``runtime.step.ModelInput`` (batch: int token
+    """This rank's shard of chunk ``layout`` as a ``runtime.forward.ModelInput`` (batch: int token
     arrays indexed by seq id). Labels follow the data layer's rule (``data.sharding.next_token_labels``:
     token t predicts token t + 1 of its sequence; a sequence's last token and the padding predict
     nothing)."""
     import torch
 
     from megatron_ext.runtime.attention import UlyssesPackedSeqParams
-    from megatron_ext.runtime.step import ModelInput
+    from megatron_ext.runtime.forward import ModelInput
 
     params = UlyssesPackedSeqParams.build(layout.lengths, sp_group, device=device, starts=layout.starts,
                                           keys=layout.seq_ids, continues=layout.continues, prefix_cache=cache)
@@ -182,7 +182,7 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
     loss dicts (last stage: one per chunk, ``{"lm loss": [sum, tokens]}``; empty elsewhere) and this
     rank's op timings. ``finalize=False`` skips ``finalize_model_grads`` (e.g. to accumulate several
     plans). ``forward_step_func(data_iterator, model) -> (output, loss_func)``: megatron's contract;
-    the iterator yields one ``runtime.step.ModelInput`` (default: ``runtime.step.forward_step``).
+    the iterator yields one ``runtime.forward.ModelInput`` (default: ``runtime.forward.forward_step``).
     ``schedules``: from ``build_schedules`` (e.g. built one step ahead). ``sp_groups``: an
     ``SPGroupPool.from_parallel_state()``, needed when the plan's SP degree is below a stage's
     data-parallel size (replicas side by side; each rank runs its replica's pipelines). Every rank
@@ -195,7 +195,7 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
     from megatron_ext.plan.validate import replica_groups
     from megatron_ext.runtime.device import rank_device
     from megatron_ext.runtime.slices import PrefixKVCache
-    from megatron_ext.runtime.step import forward_step as chunk_forward_step
+    from megatron_ext.runtime.forward import forward_step as chunk_forward_step
     from megatron_ext.runtime.timing import DeviceClock
 
     config = get_model_config(model)

@@ -28,7 +28,7 @@ from megatron_ext.data.sharding import model_labels, shard_tokens
 from megatron_ext.runtime.attention import UlyssesPackedSeqParams
 from megatron_ext.runtime.device import rank_device
 from megatron_ext.runtime.groups import SPGroupPool
-from megatron_ext.runtime.step import ModelInput, forward_step
+from megatron_ext.runtime.forward import ModelInput, forward_step
 from megatron_ext.runtime.timing import DeviceClock
 
 
@@ -93,7 +93,7 @@ def forward_backward_flexsp(step: Step, model, pool: SPGroupPool, pad_id: int, *
     """Forward and backward of every micro-batch of ``step`` on this rank, through megatron's
     ``get_forward_backward_func()`` (pipeline parallel size 1). ``forward_step_func(data_iterator,
     model)``: megatron's contract over ``ModelInput`` or None (an idle micro-batch), default
-    ``runtime.step.forward_step``; ``megatron_kwargs``: further keywords of megatron's function
+    ``runtime.forward.forward_step``; ``megatron_kwargs``: further keywords of megatron's function
     (``seq_length``: unused without pipelining; shapes come from the plan). Returns megatron's
     per-micro-batch loss dicts and this rank's wall time per micro-batch."""
     from megatron.core.pipeline_parallel import get_forward_backward_func

@@ -17,7 +17,7 @@ The pure layers (spec, cost, plan, sim, planner: functions of lengths, cost mode
 not import ``torch.distributed`` or Megatron (megatron-core / Megatron-LM's ``megatron`` package, or
 ``megatron_ext.megatron``). ``PURE_ALLOWED`` names the one exception and why.
 
-(Cycles inside a layer are not checked here.)
+No two modules may import each other, directly or round a loop (lazy imports count too).
 """
 from __future__ import annotations
 
@@ -141,3 +141,57 @@ def test_the_check_sees_what_it_must():
     assert violations(PACKAGE / "runtime" / "device.py", "import torch.distributed\nimport megatron.core\n") == []
     assert violations(PACKAGE / "errors.py", "from megatron_ext.spec import ModelSpec\n") != []
     assert "has no layer" in violations(PACKAGE / "helpers.py", "")[0]
+
+
+def import_cycles(package: Path) -> list[list[str]]:
+    """The import cycles among the modules of ``package`` (every import counted, lazy ones too):
+    each strongly connected group of two or more modules, sorted."""
+    files = {".".join(f.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__"): f
+             for f in sorted(package.rglob("*.py"))}
+
+    def resolve(target: str) -> str | None:  # megatron_ext.plan.validate.checked_batch_lengths -> the module
+        while target and target not in files:
+            target = target.rpartition(".")[0]
+        return target or None
+
+    graph = {m: {t for _, imp, _ in imports(f.read_text(), m, f.name == "__init__.py")
+                 if imp.startswith(package.name) and (t := resolve(imp)) not in (None, m)}
+             for m, f in files.items()}
+    index, low, stack, cycles = {}, {}, [], []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycles():
+    cycles = import_cycles(PACKAGE)
+    assert not cycles, "modules that import each other (directly or round a loop):\n" + "\n".join(map(str, cycles))
+
+
+def test_the_cycle_check_sees_a_cycle(tmp_path):
+    pkg = tmp_path / "megatron_ext" / "sim"
+    pkg.mkdir(parents=True)
+    (pkg / "a.py").write_text("def f():\n    from megatron_ext.sim.b import g\n")
+    (pkg / "b.py").write_text("from megatron_ext.sim.a import f\n")
+    (pkg / "c.py").write_text("from megatron_ext.sim.a import f\n")
+    assert import_cycles(tmp_path / "megatron_ext") == [["megatron_ext.sim.a", "megatron_ext.sim.b"]]
+    (pkg / "a.py").write_text("")
+    assert import_cycles(tmp_path / "megatron_ext") == []
