@@ -72,7 +72,8 @@ def op_name(kind, chunk) -> str:
 def padded_buffer_length(num_tokens: int, degree: int) -> int:
     """THE padding rule: a packed buffer of ``num_tokens`` real tokens (a FlexSP group's, a
     pipeline chunk's) is padded at its end to the next multiple of its SP degree (no padding if it
-    already divides), so that each of the degree's ranks holds an equal shard."""
+    already divides), so that each of the degree's ranks holds an equal shard (``degree``: the SP
+    degree, times any multiple a kernel asks each shard to be)."""
     if degree < 1:
         raise ValueError(f"degree must be at least 1, got {degree}")
     if num_tokens < 0:

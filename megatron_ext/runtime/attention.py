@@ -88,6 +88,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 
+from megatron_ext.plan.program import padded_buffer_length
 from megatron_ext.runtime.backends import ATTENTION_BACKENDS
 from megatron_ext.runtime.comm import all_to_all
 from megatron_ext.runtime.kernels import LayerKernels
@@ -166,8 +167,7 @@ class UlyssesPackedSeqParams(PackedSeqParams):
         if r < 0:
             raise ValueError("this rank is not a member of the SP group it was given")
         real = sum(lengths)
-        unit = d * pad_to_multiple_of
-        total = -(-real // unit) * unit
+        total = padded_buffer_length(real, d * pad_to_multiple_of)
         cu = torch.tensor([0] + list(_cumsum(lengths)), dtype=torch.int32, device=device)
         cu_padded = cu.clone()
         cu_padded[-1] = total
