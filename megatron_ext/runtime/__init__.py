@@ -19,6 +19,13 @@
   StepPlan on megatron's pipeline layout, each stage the program plan/program.py's
   ``build_schedule`` compiled for it).
 - ``pipeline_model``: ``build_pipeline_model`` (this rank's stage of a GPTModel), ``stage_state_dict``.
+- ``records``: ``step_record``, the keys of the step record both writers share (``train --run-dir``,
+  Megatron-LM's ``--planner-log``), read by ``megatron-ext report``.
+- ``device``: the rank's device and the NCCL-rules check mode; ``timing``: ``DeviceClock``, NVTX ranges.
+- ``checkpoint``: ``train --save`` / ``--load`` (megatron-core distributed checkpoints).
+- ``train`` and ``profile``: the engines of ``megatron-ext train`` and ``profile`` (their commands,
+  in ``commands/``, parse the options and start the ranks); ``torchrun``: torchrun as the launcher
+  runs it.
 
 Submodules are imported on demand (``attention`` and ``rope`` import megatron-core; ``kernels``,
 ``comm`` and ``slices`` torch only).
