@@ -343,6 +343,16 @@ def _check_planner_trace(path, iterations: int) -> None:
     assert measured and measured <= planned
 
 
+def _assert_at_uniform_floor(its: dict) -> None:
+    """Mock data is uniform random tokens: nothing to learn, so every iteration's loss sits at the
+    entropy of the uniform distribution over the padded vocabulary, ln(2048), from the first step on
+    (whether one step's loss is below another's is chance; the exactness tests above compare losses
+    and gradients). A loss summed instead of averaged over tokens or ranks, or logits over the
+    wrong vocabulary, move it away."""
+    floor = np.log(-(-(VOCAB + 1) // 128) * 128)
+    assert all(abs(loss - floor) < 0.1 for loss, _ in its.values()), (floor, its)
+
+
 def test_flexsp_trains_on_mock_data(checkouts, tmp_path):
     _, patched = checkouts
     log = tmp_path / "plans.jsonl"
@@ -353,7 +363,7 @@ def test_flexsp_trains_on_mock_data(checkouts, tmp_path):
     its = _ok(run, 4)
     _check_planner_trace(tmp_path / "trace.json", 4)
     assert all(np.isfinite(loss) and loss > 0 for loss, _ in its.values())
-    assert its[4][0] < its[1][0]
+    _assert_at_uniform_floor(its)
     assert "flexsp iteration        1 | plan" in run["output"]
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2, 3, 4]
@@ -527,7 +537,7 @@ def test_elastic_pp_trains_on_mock_data_with_4_ranks(checkouts, tmp_path):
     assert proc.returncode == 0 and sorted(its) == [1, 2, 3, 4], (proc.stdout + proc.stderr)[-6000:]
     _check_planner_trace(tmp_path / "trace.json", 4)
     assert all(np.isfinite(loss) and loss > 0 and np.isfinite(grad) for loss, grad in its.values())
-    assert its[4][0] < its[1][0]
+    _assert_at_uniform_floor(its)
     assert "elastic-pp iteration        1 | plan elastic_pp" in proc.stdout
     assert "x 2 stages x SP 2 | chunks" in proc.stdout
     validation = re.findall(r"validation loss at iteration 4 \| lm loss value: ([0-9.Ee+-]+)", proc.stdout)
