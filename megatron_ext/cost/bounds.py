@@ -43,7 +43,6 @@ FlexSP paper's bound plus the critical path); each refinement only raises it.
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
@@ -73,8 +72,9 @@ def _bound_ms(cost, lengths, degrees: np.ndarray) -> float:
     first = np.searchsorted(filled, np.arange(2, m + 1), side="left")  # k_j (0-based) for j >= 2
     others_path = float(reach[first].sum())
     # The longest at each degree it fits: its time a(d) and GPU-ms d a(d).
-    d = degrees[s[0] <= table.capacity]
-    a = cost.seq_time_ms(s[0], 1) / d + s[0] * table.comm[d] + table.lat[d]
+    fits = np.flatnonzero(s[0] <= table.capacity)
+    d = degrees[fits]
+    a = table.times(s[0], fits) + table.lat[fits]
     work = float(g.sum()) - g[0] + d * a
     lo = d * a
     hi = lo + _most_gpu_ms(s[1:], g[1:], cap - s[0])
@@ -99,19 +99,22 @@ def _most_gpu_ms(s: np.ndarray, g: np.ndarray, room: float) -> float:
 
 
 class _DegreeTable:
-    """Per degree 1..N: capacity in tokens, all-to-all ms per token and latency, from the cost
-    model; and for a set of allowed degrees, each sequence's cheapest GPU-ms and fastest time."""
+    """For a set of allowed degrees (ascending): each one's capacity in tokens, all-to-all ms per
+    token and latency, from the cost model; and each sequence's cheapest GPU-ms and fastest time."""
 
     def __init__(self, cost, degrees: np.ndarray):
-        every = range(cost.num_gpus + 1)  # (index 0 unused)
         self.cost = cost
         self.degrees = degrees
         self.capacity = np.array([cost.token_capacity(d) for d in degrees], dtype=np.float64)
-        self.comm = np.array([cost.comm_ms_per_token(d) if d else 0.0 for d in every])
-        self.lat = np.array([cost.a2a_latency_ms(d) if d else 0.0 for d in every])
+        self.comm = np.array([cost.comm_ms_per_token(d) for d in degrees])
+        self.lat = np.array([cost.a2a_latency_ms(d) for d in degrees])
         # the all-to-all figures a degree is priced at (bandwidth; none at degree 1), compared
         # exactly: comm x d, equal in exact arithmetic along a run, may differ in the last bit
-        self.bandwidth = np.array([cost.cluster.a2a_bandwidth(d) if d > 1 else 0.0 for d in every])
+        self.bandwidth = np.array([cost.cluster.a2a_bandwidth(d) if d > 1 else 0.0 for d in degrees])
+
+    def times(self, s: float, at: np.ndarray) -> np.ndarray:
+        """Time (ms, without latency) of sequences of ``s`` tokens at the degrees in positions ``at``."""
+        return self.cost.seq_time_ms(s, 1) / self.degrees[at] + s * self.comm[at]
 
     def cheapest_and_fastest(self, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each sequence's least GPU-ms (without latency) and least time (with it) over the
@@ -119,18 +122,17 @@ class _DegreeTable:
         two changes of the all-to-all figures form runs in which GPU-ms are the same (the least
         at the run's first degree that holds the sequence) and time falls (the least at its last)."""
         d = self.degrees
-        changes = np.flatnonzero((np.diff(self.bandwidth[d]) != 0) | (np.diff(self.lat[d]) != 0)) + 1
+        changes = np.flatnonzero((np.diff(self.bandwidth) != 0) | (np.diff(self.lat) != 0)) + 1
         starts = np.concatenate([[0], changes])
         ends = np.concatenate([changes - 1, [len(d) - 1]])
-        first_fit = np.searchsorted(self.capacity, s, side="left")  # index of the least degree that holds it
+        first_fit = np.searchsorted(self.capacity, s, side="left")  # position of the least degree that holds it
         cols = np.concatenate([np.maximum(starts[None, :], first_fit[:, None]), np.broadcast_to(ends, (len(s), len(ends)))],
                               axis=1)
         ok = cols >= first_fit[:, None]
         cols = np.minimum(cols, len(d) - 1)
-        deg = d[cols]
-        t = self.cost.seq_time_ms(s, 1)[:, None] / deg + s[:, None] * self.comm[deg]
-        gpu_ms = np.where(ok, deg * t, np.inf).min(axis=1)
-        fastest = np.where(ok, t + self.lat[deg], np.inf).min(axis=1)
+        t = self.times(s[:, None], cols)
+        gpu_ms = np.where(ok, d[cols] * t, np.inf).min(axis=1)
+        fastest = np.where(ok, t + self.lat[cols], np.inf).min(axis=1)
         return gpu_ms, fastest
 
 

@@ -419,6 +419,7 @@ class _SplitSearch:
         self.batch, self.order, self.options, self.deadline = batch, order, options, deadline
         self.budget = options.search_budget  # part solves the descent may still make
         self.timed_out = False
+        self.slowest = 0.0  # seconds of the slowest part solve so far: what a start must leave room for
         self.cache: dict[tuple[int, int], list[tuple[Groups, float]]] = {}
 
     def exhausted(self) -> bool:
@@ -431,7 +432,9 @@ class _SplitSearch:
     def part(self, a: int, b: int) -> list[tuple[Groups, float]]:
         if (a, b) not in self.cache:
             self.budget -= 1
+            began = time.perf_counter()
             self.cache[(a, b)] = _solve_part(self.batch, self.order[a:b], self.options, self.deadline)
+            self.slowest = max(self.slowest, time.perf_counter() - began)
         return self.cache[(a, b)]
 
     def total(self, cuts: list[int]) -> float:
@@ -582,6 +585,7 @@ def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -
     search = _SplitSearch(batch, order, options, start + options.time_limit * 0.8)
     m_min = cost.min_microbatches(lengths)
     work = batch.best_gpu_ms.sum() / batch.n
+    lower = cost.lower_bound_ms(lengths)  # (before the search: its time counts, at the end it would overrun)
     status = "lp_rounded"
     # Starting points: the best homogeneous packings (first: the plan to return whatever the
     # deadline cuts), token-balanced contiguous cuts for each micro-batch count, the homogeneous
@@ -604,15 +608,17 @@ def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -
             break
         contiguous.append((cuts, total))
     contiguous.sort(key=lambda c: c[1])
-    # Mixed degrees inside the two best homogeneous partitions, then the other starting points.
-    starts = [partial(_replan, batch, [g for g, _ in mbs], options, deadline) for mbs, _ in homogeneous[:2]]
-    starts += [partial(_cheapest_degree_start, batch, options, deadline),
-               partial(_filled_start, batch, order, m_min, options, deadline),
-               partial(_filled_start, batch, order, m_min + 1, options, deadline)]
+    # Mixed degrees inside the two best homogeneous partitions, then the other starting points;
+    # none begins a part solve it has no time left to finish (at the pace of the slowest so far).
+    last_start = deadline - search.slowest
+    starts = [partial(_replan, batch, [g for g, _ in mbs], options, last_start) for mbs, _ in homogeneous[:2]]
+    starts += [partial(_cheapest_degree_start, batch, options, last_start),
+               partial(_filled_start, batch, order, m_min, options, last_start),
+               partial(_filled_start, batch, order, m_min + 1, options, last_start)]
     others = [([mb for a, b in zip(c[:-1], c[1:]) for mb in search.part(a, b)], t) for c, t in contiguous[:1]]
     others += [homogeneous[0], *hurried]
     for make in starts:  # each is bounded work, cut short at the deadline on a slow machine
-        if time.perf_counter() > deadline:
+        if time.perf_counter() > last_start:
             search.timed_out = True
             break
         others.append(make())
@@ -628,7 +634,6 @@ def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -
     others.sort(key=lambda c: c[1])
     parts, best_time = others[0]
     # Where the plan is still over 3% above the lower bound, the MILP may improve micro-batches.
-    lower = cost.lower_bound_ms(lengths)
     timed_out = search.timed_out
     mbs = []
     for groups, span in parts:
