@@ -438,6 +438,24 @@ def test_bench_bad_counts(capsys):
                                "1", "--batch", "4", *FAST), "unknown length distribution 'nope'")
 
 
+def test_bench_across_cluster_sizes(capsys):
+    code, out, _ = run(capsys, "bench", "planner", "--gpus", "4,8", "--per-gpu", "4", "--dist", "wikipedia",
+                       "--batches", "1", "--model", "tiny", "--cluster", "cpu-4", "--max-seq-len", "8K", "--json", *FAST)
+    assert code == 0
+    d = json.loads(out)
+    assert [(r["num_gpus"], r["seqs"]) for r in d["rows"]] == [(4, 16), (8, 32)]
+    for r in d["rows"]:
+        assert r["relaxed_bound_s"] <= r["lower_bound_s"] <= r["step_time_s"] * (1 + 1e-9)
+        assert 0 <= r["idle_share"] < 1 and 0 < r["path_share"] <= 1 + 1e-9
+    assert [s["plans"] for s in d["summary"]] == [1, 1]
+    code, out, _ = run(capsys, "bench", "planner", "--gpus", "4", "--per-gpu", "2", "--dist", "wikipedia",
+                       "--batches", "1", "--model", "tiny", "--cluster", "cpu-4", "--max-seq-len", "8K", *FAST)
+    assert code == 0 and "any-deg" in out and "time limit held by" in out
+    for gpus, match in (("6", "whole number"), ("4,x", "comma-separated")):
+        assert_one_line_error(*run(capsys, "bench", "planner", "--gpus", gpus, "--model", "tiny", "--cluster", "cpu-4",
+                                   *FAST), match)
+
+
 def test_usage_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--max-seq-len", "lots"])
