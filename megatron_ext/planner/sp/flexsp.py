@@ -20,6 +20,7 @@ solved (the longest sequences) and packs the rest at one degree.
 """
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from functools import partial
@@ -189,31 +190,66 @@ def _round_groups(batch: _Batch, lp: _DegreeLP, C: float) -> tuple[list[int], np
     return degrees, pref
 
 
-def _assign(batch: _Batch, ids: np.ndarray, group_deg_idx: np.ndarray, pref: dict) -> list[list[int]] | None:
-    """Longest first: least-loaded group of the preferred degree with room, else the group
-    (any degree that holds it) where it finishes earliest. None if some sequence fits nowhere."""
+def _assign(batch: _Batch, ids: np.ndarray, group_deg_idx: np.ndarray, pref: dict,
+            deadline: float = math.inf) -> list[list[int]] | None:
+    """Longest first: least-loaded group of the preferred degree with room (the lowest index among
+    equals), else the group (any degree that holds it) where it finishes earliest, then improved
+    until the deadline. None if some sequence fits nowhere.
+
+    The groups of each degree sit in a heap by (load, index), so a sequence placed at its
+    preferred degree costs a few heap operations, not a scan of every group: tens of thousands
+    of sequences on thousands of GPUs would spend seconds scanning."""
     load = batch.lat[group_deg_idx].astype(np.float64)
     room = batch.cap[group_deg_idx].astype(np.float64)
     G = len(group_deg_idx)
     members: list[list[int]] = [[] for _ in range(G)]
+    heaps = {int(d): [(float(load[g]), int(g)) for g in np.flatnonzero(group_deg_idx == d)]
+             for d in np.unique(group_deg_idx)}
+    shortest = float(batch.lengths[ids].min()) if len(ids) else 0.0
     for i in ids[np.argsort(-batch.lengths[ids], kind="stable")]:
         s = batch.lengths[i]
-        t = batch.time[i, group_deg_idx]
-        ok = room >= s
-        if not ok.any():
-            return None
-        p = pref.get(int(i), -1)
-        same = ok & (group_deg_idx == p)
-        g = int(np.argmin(np.where(same, load, np.inf))) if same.any() else int(np.argmin(np.where(ok, load + t, np.inf)))
-        load[g] += t[g]
+        g = _least_loaded_with_room(heaps.get(pref.get(int(i), -1), []), load, room, s, shortest)
+        if g is None:
+            t = batch.time[i, group_deg_idx]
+            ok = room >= s
+            if not ok.any():
+                return None
+            g = int(np.argmin(np.where(ok, load + t, np.inf)))
+        load[g] += batch.time[i, group_deg_idx[g]]
         room[g] -= s
         members[g].append(int(i))
-    return _improve(batch, group_deg_idx, members, load, room)
+        heapq.heappush(heaps[int(group_deg_idx[g])], (float(load[g]), g))
+    return _improve(batch, group_deg_idx, members, load, room, deadline)
 
 
-def _improve(batch, gdi, members, load, room, max_moves: int = 200):
-    """Move sequences off the slowest group while that lowers the makespan."""
+def _least_loaded_with_room(heap: list, load: np.ndarray, room: np.ndarray, s: float, shortest: float) -> int | None:
+    """The group of least (load, index) in ``heap`` with ``s`` tokens of room, or None. Entries
+    whose load is no longer the group's are stale (the group was pushed again when it changed) and
+    dropped, so are groups with no room for the batch's shortest sequence; groups too full for
+    this one stay for shorter ones."""
+    too_full = []
+    found = None
+    while heap:
+        entry = heapq.heappop(heap)
+        g = entry[1]
+        if entry[0] != load[g] or room[g] < shortest:
+            continue
+        if room[g] >= s:
+            found = g
+            break
+        too_full.append(entry)
+    for entry in too_full:
+        heapq.heappush(heap, entry)
+    return found
+
+
+def _improve(batch, gdi, members, load, room, deadline: float, max_moves: int = 200):
+    """Move sequences off the slowest group while that lowers the makespan (and the deadline has
+    not passed: a move scans the slowest group's sequences against every group, which on
+    thousands of GPUs takes long enough to matter)."""
     for _ in range(max_moves):
+        if time.perf_counter() > deadline:
+            break
         g = int(np.argmax(load))
         best = None
         for i in members[g]:
@@ -290,7 +326,7 @@ def _solve_part(batch: _Batch, ids: np.ndarray, options: PlannerOptions,
     if C is not None:
         degrees, pref = _round_groups(batch, lp, C)
         gdi = np.searchsorted(batch.degrees, degrees)
-        members = _assign(batch, ids, gdi, pref)
+        members = _assign(batch, ids, gdi, pref, deadline)
         if members is not None:
             keep = [g for g, m in enumerate(members) if m]
             best = ([int(gdi[g]) for g in keep], [members[g] for g in keep])
@@ -299,11 +335,15 @@ def _solve_part(batch: _Batch, ids: np.ndarray, options: PlannerOptions,
         if hi > C * 1.01:
             # Bisection on the packing target; fewer steps for big micro-batches (each packing
             # costs sequences x groups).
+            # Each packing is about as long as the last: none begins that would end past the deadline.
+            last = 0.0
             for _ in range(10 if len(ids) <= 1024 else 4):
-                if hi <= lo_c * 1.005 or (best is not None and time.perf_counter() > deadline):
+                if hi <= lo_c * 1.005 or (best is not None and time.perf_counter() + last > deadline):
                     break
                 mid = (lo_c + hi) / 2
+                began = time.perf_counter()
                 packed = _pack_at(batch, ids, mid)
+                last = time.perf_counter() - began
                 if packed is None:
                     lo_c = mid
                 else:
@@ -603,7 +643,7 @@ def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -
         cuts = [0, *np.cumsum([len(p) for p in balanced_split(order, lengths, m)]).tolist()]
         total = search.total(cuts)
         if total == math.inf:  # (a batch too big for the time limit)
-            if (cuts[0], cuts[1]) in search.cache:
+            if not contiguous and (cuts[0], cuts[1]) in search.cache:  # (only when no cut is whole)
                 hurried.append(search.hurried(cuts))
             break
         contiguous.append((cuts, total))
