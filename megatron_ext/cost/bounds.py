@@ -38,11 +38,12 @@ micro-batch's groups hold at most N GPUs). So the step is at least m b1 + sum_j 
   Every d the longest can run at is tried (the bound is the least over them), so no choice of a
   plan escapes it.
 
-With a1 = 0, no latency and memory to spare this is max(b1 + longest's fastest, b1 + W / N) (the
-FlexSP paper's bound plus the critical path); each refinement only raises it.
+It is never below the FlexSP paper's bound, M_min b1 + W / N, nor below b1 plus the longest
+sequence's fastest time: each refinement only raises it.
 """
 from __future__ import annotations
 
+import math
 
 import numpy as np
 
@@ -55,6 +56,12 @@ def lower_bound_ms(cost, lengths) -> float:
 def relaxed_bound_ms(cost, lengths) -> float:
     """No plan whose sequences each run on any number of GPUs (the cost model's pricing) is faster."""
     return _bound_ms(cost, lengths, np.arange(1, cost.num_gpus + 1, dtype=np.int64))
+
+
+def cheapest_gpu_ms(cost, lengths) -> np.ndarray:
+    """GPU-ms of each sequence at its cheapest allowed degree that holds it (without latency)."""
+    s = np.asarray(lengths, dtype=np.float64)
+    return _DegreeTable(cost, np.asarray(cost.degrees, dtype=np.int64)).cheapest_and_fastest(s)[0]
 
 
 def _bound_ms(cost, lengths, degrees: np.ndarray) -> float:
@@ -73,6 +80,8 @@ def _bound_ms(cost, lengths, degrees: np.ndarray) -> float:
     others_path = float(reach[first].sum())
     # The longest at each degree it fits: its time a(d) and GPU-ms d a(d).
     fits = np.flatnonzero(s[0] <= table.capacity)
+    if not fits.size:
+        return math.inf  # no group holds the longest: no plan runs the batch
     d = degrees[fits]
     a = table.times(s[0], fits) + table.lat[fits]
     work = float(g.sum()) - g[0] + d * a
@@ -128,7 +137,7 @@ class _DegreeTable:
         first_fit = np.searchsorted(self.capacity, s, side="left")  # position of the least degree that holds it
         cols = np.concatenate([np.maximum(starts[None, :], first_fit[:, None]), np.broadcast_to(ends, (len(s), len(ends)))],
                               axis=1)
-        ok = cols >= first_fit[:, None]
+        ok = (cols >= first_fit[:, None]) & (first_fit < len(d))[:, None]  # (inf where no degree holds it)
         cols = np.minimum(cols, len(d) - 1)
         t = self.times(s[:, None], cols)
         gpu_ms = np.where(ok, d[cols] * t, np.inf).min(axis=1)
@@ -136,4 +145,4 @@ class _DegreeTable:
         return gpu_ms, fastest
 
 
-__all__ = ["lower_bound_ms", "relaxed_bound_ms"]
+__all__ = ["cheapest_gpu_ms", "lower_bound_ms", "relaxed_bound_ms"]

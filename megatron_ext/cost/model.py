@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_ext.cost.activations import act_mb_per_token, recompute_time_factor
-from megatron_ext.cost.bounds import lower_bound_ms, relaxed_bound_ms
+from megatron_ext.cost.bounds import cheapest_gpu_ms, lower_bound_ms, relaxed_bound_ms
 from megatron_ext.cost.fixed import pass_fixed_ms, step_sync_ms
 from megatron_ext.errors import ConfigError, InfeasibleError
 from megatron_ext.spec import (ClusterSpec, ModelSpec, read_yaml, cluster_from_mapping, load_cluster,
@@ -205,12 +205,7 @@ class CostModel:
 
     def cheapest_gpu_ms(self, lengths) -> np.ndarray:
         """GPU-milliseconds of each sequence at its cheapest feasible degree (for lower bounds)."""
-        s = np.asarray(lengths, dtype=np.float64)
-        best = np.full(s.shape, np.inf)
-        for d in self.degrees:
-            fits = s <= self.token_capacity(d)
-            best = np.where(fits, np.minimum(best, d * self.seq_time_ms(s, d)), best)
-        return best
+        return cheapest_gpu_ms(self, lengths)
 
     def compute_floor_ms(self, lengths) -> float:
         """The batch's compute spread perfectly over every GPU, and nothing else: no all-to-all, no

@@ -124,5 +124,8 @@ def test_bounds_order_on_sampled_batches(gpus):
         assert relaxed <= bound and plain <= bound
 
 
-def test_empty_batch(tiny):
+def test_empty_batch_and_one_no_group_holds(tiny):
     assert tiny.lower_bound_ms([]) == 0.0 and tiny.relaxed_bound_ms([]) == 0.0
+    too_long = tiny.token_capacity(4) + 1
+    assert tiny.lower_bound_ms([too_long, 10]) == math.inf
+    assert np.isinf(tiny.cheapest_gpu_ms([too_long, 10])).tolist() == [True, False]
