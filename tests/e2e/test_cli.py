@@ -456,6 +456,22 @@ def test_bench_across_cluster_sizes(capsys):
                                    *FAST), match)
 
 
+def test_step_shares_by_hand():
+    # two sequences on one GPU each, side by side in one micro-batch of a 4-GPU cluster: two GPUs
+    # idle the whole pass, the shorter one's GPU idles while the longer runs
+    from megatron_ext.commands.scale import step_shares
+    from megatron_ext.planner import PlannerOptions, make_plan
+    cost = CostModel.from_presets("tiny", "cpu-4")
+    lengths = np.array([1500, 500])
+    plan = make_plan("static_ulysses", lengths, cost, PlannerOptions(static_degree=1))
+    assert [[g.degree for g in mb.groups] for mb in plan.micro_batches] == [[1, 1]]
+    t = [cost.group_time_ms([s], 1) for s in lengths]
+    idle, path = step_shares(plan, lengths, cost)
+    assert idle == pytest.approx((4 * t[0] - t[0] - t[1]) / (4 * t[0]), rel=1e-9)
+    fastest = min(cost.group_time_ms([1500], d) for d in cost.degrees if 1500 <= cost.token_capacity(d))
+    assert path == pytest.approx(fastest / t[0], rel=1e-9)
+
+
 def test_usage_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--max-seq-len", "lots"])
