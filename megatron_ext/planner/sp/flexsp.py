@@ -334,8 +334,8 @@ def _solve_part(batch: _Batch, ids: np.ndarray, options: PlannerOptions,
         lo_c = C
         if hi > C * 1.01:
             # Bisection on the packing target; fewer steps for big micro-batches (each packing
-            # costs sequences x groups).
-            # Each packing is about as long as the last: none begins that would end past the deadline.
+            # costs sequences x groups, and is about as long as the last: none begins that would
+            # end past the deadline).
             last = 0.0
             for _ in range(10 if len(ids) <= 1024 else 4):
                 if hi <= lo_c * 1.005 or (best is not None and time.perf_counter() + last > deadline):
