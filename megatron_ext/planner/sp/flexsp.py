@@ -478,10 +478,11 @@ class _SplitSearch:
         return self.cache[(a, b)]
 
     def total(self, cuts: list[int]) -> float:
-        """The step time of the cuts; inf if time ran out before every part was solved."""
+        """The step time of the cuts; inf if time ran out before every part was solved (a part
+        is not begun that would end past the deadline at the pace of the slowest so far)."""
         spans = 0.0
         for a, b in zip(cuts[:-1], cuts[1:]):
-            if (a, b) not in self.cache and time.perf_counter() > self.deadline:
+            if (a, b) not in self.cache and time.perf_counter() + self.slowest > self.deadline:
                 self.timed_out = True
                 return math.inf
             spans += sum(span for _, span in self.part(a, b))
