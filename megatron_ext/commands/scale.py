@@ -22,6 +22,7 @@ from megatron_ext.cost import CostModel
 from megatron_ext.data.lengths import sample_lengths
 from megatron_ext.errors import ConfigError
 from megatron_ext.planner import PlannerOptions, make_plan
+from megatron_ext.planner.api import get_planner, planner_names
 
 LIMIT_SLACK = 1.05  # a plan "held" its time limit when it took at most 5% more
 
@@ -62,6 +63,8 @@ def bench_scale(cost: CostModel, gpus: list[int], dists: list[str], batches: int
                 options: PlannerOptions, planner: str = "flexsp") -> dict:
     if per_gpu < 1:
         raise ConfigError(f"--per-gpu must be at least 1, got {per_gpu}")
+    if get_planner(planner).kind != "sp":  # (the shares and the any-degree bound are of micro-batch plans)
+        raise ConfigError(f"--gpus measures FlexSP-kind planners ({', '.join(planner_names('sp'))}), not {planner}")
     options = dataclasses.replace(options, drop_over_max=True)
     rows = []
     for n in gpus:

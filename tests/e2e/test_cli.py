@@ -454,6 +454,8 @@ def test_bench_across_cluster_sizes(capsys):
     for gpus, match in (("6", "whole number"), ("4,x", "comma-separated")):
         assert_one_line_error(*run(capsys, "bench", "planner", "--gpus", gpus, "--model", "tiny", "--cluster", "cpu-4",
                                    *FAST), match)
+    assert_one_line_error(*run(capsys, "bench", "planner", "--gpus", "4", "--planner", "elastic_pp", "--model", "tiny",
+                               "--cluster", "cpu-4", *FAST), "FlexSP-kind")
 
 
 def test_step_shares_by_hand():
