@@ -2,7 +2,9 @@
 
 For each distribution and seed: the plan's solve time, its estimated step time, the ratio to the
 lower bound and its speedup over every baseline, all timed with the same cost model. A scale row
-plans 8,192 sequences on 1,024 GPUs of the same kind.
+plans 8,192 sequences on 1,024 GPUs of the same kind. With ``--gpus``, a table across cluster
+sizes instead: per GPU count and distribution, plan time against the limit, the step against both
+bounds (cost/bounds.py), and where the rest of the step goes (commands/scale.py).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import statistics
 import numpy as np
 
 from megatron_ext.commands.args import add_cost_args, add_planner_args, cost_from_args, options_from_args, parse_tokens
+from megatron_ext.commands.scale import bench_scale, parse_gpu_counts, scaled_cost
 from megatron_ext.cost import CostModel
 from megatron_ext.data.lengths import sample_lengths
 from megatron_ext.errors import ConfigError, InfeasibleError
@@ -33,6 +36,10 @@ def add_bench_command(sub) -> None:
     bp.add_argument("--max-seq-len", type=parse_tokens, default=parse_tokens("384K"), metavar="L",
                     help="longest sampled sequence (default: 384K); longer ones than the cluster holds are dropped")
     bp.add_argument("--no-scale", action="store_true", help="skip the 1,024-GPU / 8,192-sequence row")
+    bp.add_argument("--gpus", metavar="N,N,...",
+                    help="a table across cluster sizes instead: the cluster scaled to each GPU count, "
+                         "--per-gpu sequences per GPU, no baselines")
+    bp.add_argument("--per-gpu", type=int, default=8, help="with --gpus: sequences per GPU in a batch (default: 8)")
     bp.add_argument("--json", action="store_true")
     add_cost_args(bp)
     add_planner_args(bp)
@@ -43,6 +50,12 @@ def cmd_bench(args) -> int:
     if args.batches < 1:
         raise ConfigError(f"--batches must be at least 1, got {args.batches}")
     cost = cost_from_args(args)
+    if args.gpus is not None:
+        result = bench_scale(cost, gpus=parse_gpu_counts(args.gpus), dists=args.dist.split(","),
+                             batches=args.batches, per_gpu=args.per_gpu, max_seq_len=args.max_seq_len,
+                             options=options_from_args(args), planner=args.planner)
+        print(json.dumps(result, indent=1) if args.json else result["table"])
+        return 0
     result = bench_planner(cost, dists=args.dist.split(","), batches=args.batches, batch=args.batch,
                            max_seq_len=args.max_seq_len, options=options_from_args(args), planner=args.planner,
                            scale=not args.no_scale)
@@ -76,11 +89,9 @@ def bench_planner(cost: CostModel, dists: list[str], batches: int, batch: int, m
             rows.append({"dist": dist, "seed": seed, **_row(planner, lengths, cost, options, baselines)})
     scale_row = None
     if scale:
-        big = dataclasses.replace(cost.cluster, num_nodes=max(1, SCALE_GPUS // cost.cluster.gpus_per_node),
-                                  name=f"{cost.cluster.name} x {SCALE_GPUS} GPUs")
-        big_cost = CostModel(cost.model, big, cost.zero_stage)
+        big_cost = scaled_cost(cost, SCALE_GPUS)
         lengths = sample_lengths(dists[0], SCALE_SEQS, 0, max_seq_len)
-        scale_row = {"dist": dists[0], "seed": 0, "num_gpus": big.num_gpus,
+        scale_row = {"dist": dists[0], "seed": 0, "num_gpus": big_cost.num_gpus,
                      **_row(planner, lengths, big_cost, options, ())}
 
     head = (f"{planner} on {cost.model.name} / {cost.cluster.name} ({cost.num_gpus} GPUs), batch {batch}, "

@@ -116,9 +116,13 @@ def _plan_table(plan, lengths, cost, max_seq_len: int | None = None) -> str:
             parts.append(f"{d}x{len(gs)}: {nseq} seq, {tok:,} tok")
         lines.append(f"{m:>3} {mb.estimated_time_s:>8.3f}  " + "; ".join(parts))
     lb = plan.lower_bound_step_time_s
+    rb = plan.relaxed_bound_step_time_s
     lines += ["", f"estimated step time {plan.estimated_step_time_s:.3f} s   lower bound {lb:.3f} s "
               f"({plan.estimated_step_time_s / lb:.3f}x)   solved in {plan.solve_time_s * 1e3:.0f} ms "
               f"[{plan.solver_status}]"]
+    if rb > 0:
+        lines.append(f"any-degree bound {rb:.3f} s ({plan.estimated_step_time_s / rb:.3f}x): any number of GPUs per "
+                     f"sequence, no head limit")
     if plan.dropped_seq_ids:
         limit = min(cost.max_seq_len, max_seq_len or cost.max_seq_len)
         lines.append(f"dropped {len(plan.dropped_seq_ids)} sequence(s) over the {limit}-token limit: "

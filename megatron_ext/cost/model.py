@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_ext.cost.activations import act_mb_per_token, recompute_time_factor
+from megatron_ext.cost.bounds import cheapest_gpu_ms, lower_bound_ms, relaxed_bound_ms
 from megatron_ext.cost.fixed import pass_fixed_ms, step_sync_ms
 from megatron_ext.errors import ConfigError, InfeasibleError
 from megatron_ext.spec import (ClusterSpec, ModelSpec, read_yaml, cluster_from_mapping, load_cluster,
@@ -204,12 +205,7 @@ class CostModel:
 
     def cheapest_gpu_ms(self, lengths) -> np.ndarray:
         """GPU-milliseconds of each sequence at its cheapest feasible degree (for lower bounds)."""
-        s = np.asarray(lengths, dtype=np.float64)
-        best = np.full(s.shape, np.inf)
-        for d in self.degrees:
-            fits = s <= self.token_capacity(d)
-            best = np.where(fits, np.minimum(best, d * self.seq_time_ms(s, d)), best)
-        return best
+        return cheapest_gpu_ms(self, lengths)
 
     def compute_floor_ms(self, lengths) -> float:
         """The batch's compute spread perfectly over every GPU, and nothing else: no all-to-all, no
@@ -223,15 +219,12 @@ class CostModel:
         return max(1, math.ceil(total / (self.tokens_per_gpu * self.num_gpus) - 1e-9))
 
     def lower_bound_ms(self, lengths) -> float:
-        """No step can be faster: every sequence at its cheapest degree, work spread perfectly
-        over all GPUs, the fewest micro-batches memory allows, each paying its fixed cost; and no faster
-        than the slowest single sequence at its fastest degree."""
-        lengths = np.asarray(lengths)
-        if lengths.size == 0:
-            return 0.0
-        spread = self.min_microbatches(lengths) * self.micro_batch_fixed_ms + \
-            float(self.cheapest_gpu_ms(lengths).sum()) / self.num_gpus
-        longest = int(lengths.max())
-        fastest = min(float(self.seq_time_ms(longest, d)) + self.a2a_latency_ms(d) for d in self.degrees
-                      if longest <= self.token_capacity(d))
-        return max(spread, self.micro_batch_fixed_ms + fastest)
+        """No FlexSP plan runs the batch faster: work spread perfectly at each sequence's cheapest
+        degree, the micro-batches memory forces, each paying its fixed cost, and the critical
+        path of the longest sequences (cost/bounds.py has the argument)."""
+        return lower_bound_ms(self, lengths)
+
+    def relaxed_bound_ms(self, lengths) -> float:
+        """The same bound when a sequence may run on any number of GPUs, neither a power of two
+        nor limited by the heads: what no layout of groups priced by this model beats."""
+        return relaxed_bound_ms(self, lengths)

@@ -64,8 +64,8 @@ class PlanMismatchError(InvalidPlanError):
 
 
 # ---- digests and agreement ------------------------------------------------------------------
-_TIMING_KEYS = ("solve_time_s", "estimated_step_time_s", "lower_bound_step_time_s", "estimated_time_s",
-                "solver_status", "baselines", "planner")
+_TIMING_KEYS = ("solve_time_s", "estimated_step_time_s", "lower_bound_step_time_s", "relaxed_bound_step_time_s",
+                "estimated_time_s", "solver_status", "baselines", "planner")
 
 
 def _decisions(obj):

@@ -72,6 +72,7 @@ class StepPlan:
     solve_time_s: float = 0.0
     estimated_step_time_s: float = 0.0
     lower_bound_step_time_s: float = 0.0
+    relaxed_bound_step_time_s: float = 0.0  # FlexSP-kind plans: the bound of any degree per sequence
     solver_status: str = ""  # how the plan was found, e.g. "milp", "lp_rounded", "fallback"
     dropped_seq_ids: list[int] = field(default_factory=list)
     baselines: dict[str, dict] = field(default_factory=dict)

@@ -199,5 +199,7 @@ def fill_estimates(plan: StepPlan, lengths, cost: CostModel) -> StepPlan:
         mb.estimated_time_s = max((g.estimated_time_s for g in mb.groups), default=0.0)
         total += mb.estimated_time_s
     plan.estimated_step_time_s = total
-    plan.lower_bound_step_time_s = cost.lower_bound_ms(np.delete(lengths, plan.dropped_seq_ids)) / 1e3
+    kept = np.delete(lengths, plan.dropped_seq_ids)
+    plan.lower_bound_step_time_s = cost.lower_bound_ms(kept) / 1e3
+    plan.relaxed_bound_step_time_s = cost.relaxed_bound_ms(kept) / 1e3
     return plan

@@ -438,6 +438,42 @@ def test_bench_bad_counts(capsys):
                                "1", "--batch", "4", *FAST), "unknown length distribution 'nope'")
 
 
+def test_bench_across_cluster_sizes(capsys):
+    code, out, _ = run(capsys, "bench", "planner", "--gpus", "4,8", "--per-gpu", "4", "--dist", "wikipedia",
+                       "--batches", "1", "--model", "tiny", "--cluster", "cpu-4", "--max-seq-len", "8K", "--json", *FAST)
+    assert code == 0
+    d = json.loads(out)
+    assert [(r["num_gpus"], r["seqs"]) for r in d["rows"]] == [(4, 16), (8, 32)]
+    for r in d["rows"]:
+        assert r["relaxed_bound_s"] <= r["lower_bound_s"] <= r["step_time_s"] * (1 + 1e-9)
+        assert 0 <= r["idle_share"] < 1 and 0 < r["path_share"] <= 1 + 1e-9
+    assert [s["plans"] for s in d["summary"]] == [1, 1]
+    code, out, _ = run(capsys, "bench", "planner", "--gpus", "4", "--per-gpu", "2", "--dist", "wikipedia",
+                       "--batches", "1", "--model", "tiny", "--cluster", "cpu-4", "--max-seq-len", "8K", *FAST)
+    assert code == 0 and "any-deg" in out and "time limit held by" in out
+    for gpus, match in (("6", "whole number"), ("4,x", "comma-separated")):
+        assert_one_line_error(*run(capsys, "bench", "planner", "--gpus", gpus, "--model", "tiny", "--cluster", "cpu-4",
+                                   *FAST), match)
+    assert_one_line_error(*run(capsys, "bench", "planner", "--gpus", "4", "--planner", "elastic_pp", "--model", "tiny",
+                               "--cluster", "cpu-4", *FAST), "FlexSP-kind")
+
+
+def test_step_shares_by_hand():
+    # two sequences on one GPU each, side by side in one micro-batch of a 4-GPU cluster: two GPUs
+    # idle the whole pass, the shorter one's GPU idles while the longer runs
+    from megatron_ext.commands.scale import step_shares
+    from megatron_ext.planner import PlannerOptions, make_plan
+    cost = CostModel.from_presets("tiny", "cpu-4")
+    lengths = np.array([1500, 500])
+    plan = make_plan("static_ulysses", lengths, cost, PlannerOptions(static_degree=1))
+    assert [[g.degree for g in mb.groups] for mb in plan.micro_batches] == [[1, 1]]
+    t = [cost.group_time_ms([s], 1) for s in lengths]
+    idle, path = step_shares(plan, lengths, cost)
+    assert idle == pytest.approx((4 * t[0] - t[0] - t[1]) / (4 * t[0]), rel=1e-9)
+    fastest = min(cost.group_time_ms([1500], d) for d in cost.degrees if 1500 <= cost.token_capacity(d))
+    assert path == pytest.approx(fastest / t[0], rel=1e-9)
+
+
 def test_usage_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--max-seq-len", "lots"])

@@ -20,6 +20,7 @@ solved (the longest sequences) and packs the rest at one degree.
 """
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from functools import partial
@@ -189,31 +190,66 @@ def _round_groups(batch: _Batch, lp: _DegreeLP, C: float) -> tuple[list[int], np
     return degrees, pref
 
 
-def _assign(batch: _Batch, ids: np.ndarray, group_deg_idx: np.ndarray, pref: dict) -> list[list[int]] | None:
-    """Longest first: least-loaded group of the preferred degree with room, else the group
-    (any degree that holds it) where it finishes earliest. None if some sequence fits nowhere."""
+def _assign(batch: _Batch, ids: np.ndarray, group_deg_idx: np.ndarray, pref: dict,
+            deadline: float = math.inf) -> list[list[int]] | None:
+    """Longest first: least-loaded group of the preferred degree with room (the lowest index among
+    equals), else the group (any degree that holds it) where it finishes earliest, then improved
+    until the deadline. None if some sequence fits nowhere.
+
+    The groups of each degree sit in a heap by (load, index), so a sequence placed at its
+    preferred degree costs a few heap operations, not a scan of every group: tens of thousands
+    of sequences on thousands of GPUs would spend seconds scanning."""
     load = batch.lat[group_deg_idx].astype(np.float64)
     room = batch.cap[group_deg_idx].astype(np.float64)
     G = len(group_deg_idx)
     members: list[list[int]] = [[] for _ in range(G)]
+    heaps = {int(d): [(float(load[g]), int(g)) for g in np.flatnonzero(group_deg_idx == d)]
+             for d in np.unique(group_deg_idx)}
+    shortest = float(batch.lengths[ids].min()) if len(ids) else 0.0
     for i in ids[np.argsort(-batch.lengths[ids], kind="stable")]:
         s = batch.lengths[i]
-        t = batch.time[i, group_deg_idx]
-        ok = room >= s
-        if not ok.any():
-            return None
-        p = pref.get(int(i), -1)
-        same = ok & (group_deg_idx == p)
-        g = int(np.argmin(np.where(same, load, np.inf))) if same.any() else int(np.argmin(np.where(ok, load + t, np.inf)))
-        load[g] += t[g]
+        g = _least_loaded_with_room(heaps.get(pref.get(int(i), -1), []), load, room, s, shortest)
+        if g is None:
+            t = batch.time[i, group_deg_idx]
+            ok = room >= s
+            if not ok.any():
+                return None
+            g = int(np.argmin(np.where(ok, load + t, np.inf)))
+        load[g] += batch.time[i, group_deg_idx[g]]
         room[g] -= s
         members[g].append(int(i))
-    return _improve(batch, group_deg_idx, members, load, room)
+        heapq.heappush(heaps[int(group_deg_idx[g])], (float(load[g]), g))
+    return _improve(batch, group_deg_idx, members, load, room, deadline)
 
 
-def _improve(batch, gdi, members, load, room, max_moves: int = 200):
-    """Move sequences off the slowest group while that lowers the makespan."""
+def _least_loaded_with_room(heap: list, load: np.ndarray, room: np.ndarray, s: float, shortest: float) -> int | None:
+    """The group of least (load, index) in ``heap`` with ``s`` tokens of room, or None. Entries
+    whose load is no longer the group's are stale (the group was pushed again when it changed) and
+    dropped, so are groups with no room for the batch's shortest sequence; groups too full for
+    this one stay for shorter ones."""
+    too_full = []
+    found = None
+    while heap:
+        entry = heapq.heappop(heap)
+        g = entry[1]
+        if entry[0] != load[g] or room[g] < shortest:
+            continue
+        if room[g] >= s:
+            found = g
+            break
+        too_full.append(entry)
+    for entry in too_full:
+        heapq.heappush(heap, entry)
+    return found
+
+
+def _improve(batch, gdi, members, load, room, deadline: float, max_moves: int = 200):
+    """Move sequences off the slowest group while that lowers the makespan (and the deadline has
+    not passed: a move scans the slowest group's sequences against every group, which on
+    thousands of GPUs takes long enough to matter)."""
     for _ in range(max_moves):
+        if time.perf_counter() > deadline:
+            break
         g = int(np.argmax(load))
         best = None
         for i in members[g]:
@@ -290,7 +326,7 @@ def _solve_part(batch: _Batch, ids: np.ndarray, options: PlannerOptions,
     if C is not None:
         degrees, pref = _round_groups(batch, lp, C)
         gdi = np.searchsorted(batch.degrees, degrees)
-        members = _assign(batch, ids, gdi, pref)
+        members = _assign(batch, ids, gdi, pref, deadline)
         if members is not None:
             keep = [g for g, m in enumerate(members) if m]
             best = ([int(gdi[g]) for g in keep], [members[g] for g in keep])
@@ -298,12 +334,16 @@ def _solve_part(batch: _Batch, ids: np.ndarray, options: PlannerOptions,
         lo_c = C
         if hi > C * 1.01:
             # Bisection on the packing target; fewer steps for big micro-batches (each packing
-            # costs sequences x groups).
+            # costs sequences x groups, and is about as long as the last: none begins that would
+            # end past the deadline).
+            last = 0.0
             for _ in range(10 if len(ids) <= 1024 else 4):
-                if hi <= lo_c * 1.005 or (best is not None and time.perf_counter() > deadline):
+                if hi <= lo_c * 1.005 or (best is not None and time.perf_counter() + last > deadline):
                     break
                 mid = (lo_c + hi) / 2
+                began = time.perf_counter()
                 packed = _pack_at(batch, ids, mid)
+                last = time.perf_counter() - began
                 if packed is None:
                     lo_c = mid
                 else:
@@ -419,6 +459,7 @@ class _SplitSearch:
         self.batch, self.order, self.options, self.deadline = batch, order, options, deadline
         self.budget = options.search_budget  # part solves the descent may still make
         self.timed_out = False
+        self.slowest = 0.0  # seconds of the slowest part solve so far: what a start must leave room for
         self.cache: dict[tuple[int, int], list[tuple[Groups, float]]] = {}
 
     def exhausted(self) -> bool:
@@ -431,14 +472,17 @@ class _SplitSearch:
     def part(self, a: int, b: int) -> list[tuple[Groups, float]]:
         if (a, b) not in self.cache:
             self.budget -= 1
+            began = time.perf_counter()
             self.cache[(a, b)] = _solve_part(self.batch, self.order[a:b], self.options, self.deadline)
+            self.slowest = max(self.slowest, time.perf_counter() - began)
         return self.cache[(a, b)]
 
     def total(self, cuts: list[int]) -> float:
-        """The step time of the cuts; inf if time ran out before every part was solved."""
+        """The step time of the cuts; inf if time ran out before every part was solved (a part
+        is not begun that would end past the deadline at the pace of the slowest so far)."""
         spans = 0.0
         for a, b in zip(cuts[:-1], cuts[1:]):
-            if (a, b) not in self.cache and time.perf_counter() > self.deadline:
+            if (a, b) not in self.cache and time.perf_counter() + self.slowest > self.deadline:
                 self.timed_out = True
                 return math.inf
             spans += sum(span for _, span in self.part(a, b))
@@ -582,6 +626,7 @@ def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -
     search = _SplitSearch(batch, order, options, start + options.time_limit * 0.8)
     m_min = cost.min_microbatches(lengths)
     work = batch.best_gpu_ms.sum() / batch.n
+    lower = cost.lower_bound_ms(lengths)  # (before the search: its time counts, at the end it would overrun)
     status = "lp_rounded"
     # Starting points: the best homogeneous packings (first: the plan to return whatever the
     # deadline cuts), token-balanced contiguous cuts for each micro-batch count, the homogeneous
@@ -599,20 +644,22 @@ def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -
         cuts = [0, *np.cumsum([len(p) for p in balanced_split(order, lengths, m)]).tolist()]
         total = search.total(cuts)
         if total == math.inf:  # (a batch too big for the time limit)
-            if (cuts[0], cuts[1]) in search.cache:
+            if not contiguous and (cuts[0], cuts[1]) in search.cache:  # (only when no cut is whole)
                 hurried.append(search.hurried(cuts))
             break
         contiguous.append((cuts, total))
     contiguous.sort(key=lambda c: c[1])
-    # Mixed degrees inside the two best homogeneous partitions, then the other starting points.
-    starts = [partial(_replan, batch, [g for g, _ in mbs], options, deadline) for mbs, _ in homogeneous[:2]]
-    starts += [partial(_cheapest_degree_start, batch, options, deadline),
-               partial(_filled_start, batch, order, m_min, options, deadline),
-               partial(_filled_start, batch, order, m_min + 1, options, deadline)]
+    # Mixed degrees inside the two best homogeneous partitions, then the other starting points;
+    # none begins a part solve it has no time left to finish (at the pace of the slowest so far).
+    last_start = deadline - search.slowest
+    starts = [partial(_replan, batch, [g for g, _ in mbs], options, last_start) for mbs, _ in homogeneous[:2]]
+    starts += [partial(_cheapest_degree_start, batch, options, last_start),
+               partial(_filled_start, batch, order, m_min, options, last_start),
+               partial(_filled_start, batch, order, m_min + 1, options, last_start)]
     others = [([mb for a, b in zip(c[:-1], c[1:]) for mb in search.part(a, b)], t) for c, t in contiguous[:1]]
     others += [homogeneous[0], *hurried]
     for make in starts:  # each is bounded work, cut short at the deadline on a slow machine
-        if time.perf_counter() > deadline:
+        if time.perf_counter() > last_start:
             search.timed_out = True
             break
         others.append(make())
@@ -628,7 +675,6 @@ def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -
     others.sort(key=lambda c: c[1])
     parts, best_time = others[0]
     # Where the plan is still over 3% above the lower bound, the MILP may improve micro-batches.
-    lower = cost.lower_bound_ms(lengths)
     timed_out = search.timed_out
     mbs = []
     for groups, span in parts:

@@ -1,0 +1,148 @@
+"""Lower bounds on the step time of a batch, for FlexSP-kind plans and for any layout of SP groups.
+
+Both bounds price a sequence of s tokens on a group of degree d as the cost model does:
+t(s, d) = (a1 s^2 + a2 s) / d + s comm(d) (``CostModel.seq_time_ms``), plus lat(d), the group's
+all-to-all latency, once per group and micro-batch; every micro-batch pays b1
+(``micro_batch_fixed_ms``). They differ in which degrees a sequence may have:
+
+- ``lower_bound_ms``: the degrees a Ulysses group can have (``CostModel.degrees``: powers of two,
+  at most the GPU count and the head limit), so no FlexSP plan is faster.
+- ``relaxed_bound_ms``: any number of GPUs from 1 to N, with the cost model's all-to-all figures
+  at that span (the bandwidth and latency of the widest tabulated degree not above it); what a
+  layout of groups unbounded by heads and powers of two (a hybrid of Ulysses and ring attention
+  priced like Ulysses) could at best reach. Its degrees include the first bound's, so it is
+  never above it.
+
+The argument, for a plan of M micro-batches (memory forces M >= m, below). Micro-batch j lasts
+b1 + span_j, where span_j >= max(P_j, W_j / N): P_j, the slowest of its sequences at its degree
+(each runs on one group), and W_j, the GPU-ms of its sequences, each at least its cheapest
+feasible g_k = min_d d t(s_k, d) (a group of degree d running for x ms holds d x GPU-ms, and a
+micro-batch's groups hold at most N GPUs). So the step is at least m b1 + sum_j max(P_j, W_j/N).
+
+- Memory: a micro-batch holds at most C = N x tokens per GPU tokens (a group of degree d holds
+  floor(d x tokens per GPU)), so m = max(ceil(T / C), number of sequences over C / 2) for a batch
+  of T tokens (two of those never share a micro-batch): at least m micro-batches, each paying b1
+  (m may exceed ``CostModel.min_microbatches``, the paper's M_min, which counts tokens only).
+- Critical path: let f_k be sequence k's fastest time at any feasible degree (with lat) and order
+  the sequences longest first. The k longest fill at least n_k = max(ceil(T_k / C), their count
+  over C / 2) micro-batches (T_k: their tokens), each of which has P_j >= min_{i<=k} f_i. So the
+  j-th largest P_j is at least c_j = min_{i<=k_j} f_i, k_j the first k with n_k >= j.
+- The longest sequence runs at some degree d: its micro-batch (call it 1) has P_1 >= a(d) =
+  t(s_1, d) + lat(d), and the batch's GPU-ms are W(d) = W - g_1 + d a(d) (W: the sum of every
+  g_k). The other micro-batches, the i-th largest of them at least c_(i+1), add A = sum_{j>=2} c_j.
+- Micro-batch 1 holds W_1 between d a(d) and d a(d) + F GPU-ms, F the most the other sequences
+  can add within its C - s_1 tokens (fractional knapsack by GPU-ms per token); the rest go to the
+  others. Since sum max(x_j, y_j) >= max(sum x_j, sum y_j),
+      step >= m b1 + min over d of  min over W_1 of  max(a(d), W_1 / N) + max(A, (W(d) - W_1) / N),
+  a convex piecewise-linear function of W_1, so its minimum is at a kink or an end of the range.
+  Every d the longest can run at is tried (the bound is the least over them), so no choice of a
+  plan escapes it.
+
+It is never below the FlexSP paper's bound, M_min b1 + W / N, nor below b1 plus the longest
+sequence's fastest time: each refinement only raises it.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def lower_bound_ms(cost, lengths) -> float:
+    """No FlexSP plan (Ulysses groups of the allowed degrees) runs the batch faster."""
+    return _bound_ms(cost, lengths, np.asarray(cost.degrees, dtype=np.int64))
+
+
+def relaxed_bound_ms(cost, lengths) -> float:
+    """No plan whose sequences each run on any number of GPUs (the cost model's pricing) is faster."""
+    return _bound_ms(cost, lengths, np.arange(1, cost.num_gpus + 1, dtype=np.int64))
+
+
+def cheapest_gpu_ms(cost, lengths) -> np.ndarray:
+    """GPU-ms of each sequence at its cheapest allowed degree that holds it (without latency)."""
+    s = np.asarray(lengths, dtype=np.float64)
+    return _DegreeTable(cost, np.asarray(cost.degrees, dtype=np.int64)).cheapest_and_fastest(s)[0]
+
+
+def _bound_ms(cost, lengths, degrees: np.ndarray) -> float:
+    s = np.sort(np.asarray(lengths, dtype=np.float64))[::-1]  # longest first
+    if not s.size:
+        return 0.0
+    n = cost.num_gpus
+    table = _DegreeTable(cost, degrees)
+    g, f = table.cheapest_and_fastest(s)
+    # The critical path: c_j for the j-th micro-batch by its slowest sequence.
+    cap = cost.tokens_per_gpu * n
+    filled = np.maximum(np.ceil(np.cumsum(s) / cap - 1e-9), np.cumsum(s > cap / 2)).astype(np.int64)
+    m = max(1, int(filled[-1]))
+    reach = np.minimum.accumulate(f)
+    first = np.searchsorted(filled, np.arange(2, m + 1), side="left")  # k_j (0-based) for j >= 2
+    others_path = float(reach[first].sum())
+    # The longest at each degree it fits: its time a(d) and GPU-ms d a(d).
+    fits = np.flatnonzero(s[0] <= table.capacity)
+    if not fits.size:
+        return math.inf  # no group holds the longest: no plan runs the batch
+    d = degrees[fits]
+    a = table.times(s[0], fits) + table.lat[fits]
+    work = float(g.sum()) - g[0] + d * a
+    lo = d * a
+    hi = lo + _most_gpu_ms(s[1:], g[1:], cap - s[0])
+    # min over W_1 in [lo, hi] of max(a, W_1 / N) + max(A, (work - W_1) / N): at a kink or an end
+    points = np.stack([lo, hi, np.clip(n * a, lo, hi), np.clip(work - n * others_path, lo, hi)])
+    total = np.maximum(a, points / n) + np.maximum(others_path, (work - points) / n)
+    return m * cost.micro_batch_fixed_ms + float(total.min())
+
+
+def _most_gpu_ms(s: np.ndarray, g: np.ndarray, room: float) -> float:
+    """Most GPU-ms sequences of lengths ``s`` and GPU-ms ``g`` can put in ``room`` tokens, taken
+    fractionally, densest first (the fractional knapsack: no whole selection holds more)."""
+    if not s.size or room <= 0:
+        return 0.0
+    order = np.argsort(-g / s, kind="stable")
+    tokens, work = np.cumsum(s[order]), np.cumsum(g[order])
+    k = int(np.searchsorted(tokens, room, side="right"))  # the first k fit whole
+    whole = float(work[k - 1]) if k else 0.0
+    if k == len(s):
+        return whole
+    return whole + (room - (tokens[k - 1] if k else 0.0)) * float(g[order[k]] / s[order[k]])
+
+
+class _DegreeTable:
+    """For a set of allowed degrees (ascending): each one's capacity in tokens, all-to-all ms per
+    token and latency, from the cost model; and each sequence's cheapest GPU-ms and fastest time."""
+
+    def __init__(self, cost, degrees: np.ndarray):
+        self.cost = cost
+        self.degrees = degrees
+        self.capacity = np.array([cost.token_capacity(d) for d in degrees], dtype=np.float64)
+        self.comm = np.array([cost.comm_ms_per_token(d) for d in degrees])
+        self.lat = np.array([cost.a2a_latency_ms(d) for d in degrees])
+        # the all-to-all figures a degree is priced at (bandwidth; none at degree 1), compared
+        # exactly: comm x d, equal in exact arithmetic along a run, may differ in the last bit
+        self.bandwidth = np.array([cost.cluster.a2a_bandwidth(d) if d > 1 else 0.0 for d in degrees])
+
+    def times(self, s: float, at: np.ndarray) -> np.ndarray:
+        """Time (ms, without latency) of sequences of ``s`` tokens at the degrees in positions ``at``."""
+        return self.cost.seq_time_ms(s, 1) / self.degrees[at] + s * self.comm[at]
+
+    def cheapest_and_fastest(self, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each sequence's least GPU-ms (without latency) and least time (with it) over the
+        allowed degrees that hold it, evaluated where those can be: the allowed degrees between
+        two changes of the all-to-all figures form runs in which GPU-ms are the same (the least
+        at the run's first degree that holds the sequence) and time falls (the least at its last)."""
+        d = self.degrees
+        changes = np.flatnonzero((np.diff(self.bandwidth) != 0) | (np.diff(self.lat) != 0)) + 1
+        starts = np.concatenate([[0], changes])
+        ends = np.concatenate([changes - 1, [len(d) - 1]])
+        first_fit = np.searchsorted(self.capacity, s, side="left")  # position of the least degree that holds it
+        cols = np.concatenate([np.maximum(starts[None, :], first_fit[:, None]), np.broadcast_to(ends, (len(s), len(ends)))],
+                              axis=1)
+        ok = (cols >= first_fit[:, None]) & (first_fit < len(d))[:, None]  # (inf where no degree holds it)
+        cols = np.minimum(cols, len(d) - 1)
+        t = self.times(s[:, None], cols)
+        gpu_ms = np.where(ok, d[cols] * t, np.inf).min(axis=1)
+        fastest = np.where(ok, t + self.lat[cols], np.inf).min(axis=1)
+        return gpu_ms, fastest
+
+
+__all__ = ["cheapest_gpu_ms", "lower_bound_ms", "relaxed_bound_ms"]

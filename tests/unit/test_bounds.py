@@ -1,0 +1,131 @@
+"""The step-time lower bounds (cost/bounds.py): below every plan found by exhaustive search on small
+batches, above the plain bound they sharpen, and worked out by hand where each refinement binds."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from small_cost import small_cost
+from megatron_ext.cost import CostModel
+
+
+@pytest.fixture(scope="module")
+def tiny() -> CostModel:
+    return small_cost()
+
+
+def set_partitions(items):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in set_partitions(rest):
+        for i in range(len(part)):
+            yield part[:i] + [[first] + part[i]] + part[i + 1:]
+        yield [[first]] + part
+
+
+def best_step_ms(cost: CostModel, lengths, degrees) -> float:
+    """The fastest plan by exhaustive search: every partition of the sequences into groups, every
+    degree of each group that holds it, every partition of the groups into micro-batches that fit
+    the GPUs; a micro-batch lasts as long as its slowest group."""
+    best = math.inf
+    for groups in set_partitions(list(range(len(lengths)))):
+        tokens = [sum(lengths[i] for i in g) for g in groups]
+        choices = [[d for d in degrees if t <= cost.token_capacity(d)] for t in tokens]
+        for degs in itertools.product(*choices):
+            times = [cost.group_time_ms([lengths[i] for i in g], d) for g, d in zip(groups, degs)]
+            for mbs in set_partitions(list(range(len(groups)))):
+                if all(sum(degs[k] for k in mb) <= cost.num_gpus for mb in mbs):
+                    best = min(best, sum(max(times[k] for k in mb) for mb in mbs))
+    return best
+
+
+def plain_bound_ms(cost: CostModel, lengths) -> float:
+    """The bound these sharpen: work spread at the cheapest degrees with the token count of
+    micro-batches, or the longest sequence alone at its fastest degree."""
+    longest = max(lengths)
+    fastest = min(float(cost.seq_time_ms(longest, d)) + cost.a2a_latency_ms(d) for d in cost.degrees
+                  if longest <= cost.token_capacity(d))
+    spread = cost.min_microbatches(lengths) * cost.micro_batch_fixed_ms + cost.cheapest_gpu_ms(lengths).sum() / cost.num_gpus
+    return max(spread, cost.micro_batch_fixed_ms + fastest)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_bounds_below_the_best_plan(tiny, seed):
+    rng = np.random.default_rng(seed)
+    cap = tiny.token_capacity(4)
+    lengths = [int(x) for x in rng.integers(1000, cap, size=4) // rng.choice([1, 4, 16], size=4)]
+    best = best_step_ms(tiny, lengths, tiny.degrees)
+    bound = tiny.lower_bound_ms(lengths)
+    assert plain_bound_ms(tiny, lengths) <= bound + 1e-9 <= best + 2e-9
+    # any degree 1..4 (3 too): a search over more plans, still above the relaxed bound
+    relaxed = tiny.relaxed_bound_ms(lengths)
+    assert relaxed <= bound + 1e-9
+    assert relaxed <= best_step_ms(tiny, lengths, range(1, 5)) + 1e-9
+
+
+def test_memory_forces_a_micro_batch_per_long_sequence(tiny):
+    # three sequences of 55% of a micro-batch's tokens: 1.65 micro-batches of tokens, but no two
+    # share one, so three passes, each with one sequence as its critical path
+    cap = tiny.tokens_per_gpu * 4
+    s = int(cap * 0.55)
+    fastest = float(tiny.seq_time_ms(s, 4))  # it needs all 4 GPUs (no latency on this cluster)
+    assert tiny.min_microbatches([s] * 3) == 2
+    assert tiny.lower_bound_ms([s] * 3) == pytest.approx(3 * (tiny.micro_batch_fixed_ms + fastest), rel=1e-12)
+    assert best_step_ms(tiny, [s] * 3, tiny.degrees) == pytest.approx(tiny.lower_bound_ms([s] * 3), rel=1e-12)
+
+
+def test_longest_sequence_is_a_critical_path_in_every_pass_count():
+    # gpt-7b on 1,024 GPUs: a 150K-token sequence runs on at most 64 GPUs (the head limit), so
+    # its time, not the batch's work spread, sets its pass; short sequences that need a second
+    # pass add that pass's b1 to it (the plain bound counted the path with one b1)
+    cost = CostModel.from_presets("gpt-7b", "a100-40g-8x128")
+    long_ = 150_000
+    short = [512] * int(cost.tokens_per_gpu * 1024 / 512)
+    lengths = [long_] + short
+    assert cost.min_microbatches(lengths) == 2
+    b1 = cost.micro_batch_fixed_ms
+    path = float(cost.seq_time_ms(long_, 64)) + cost.a2a_latency_ms(64)
+    assert plain_bound_ms(cost, lengths) == pytest.approx(b1 + path, rel=1e-12)
+    bound = cost.lower_bound_ms(lengths)
+    assert bound >= 2 * b1 + path
+    # the second pass holds at least the tokens the first cannot, at their cheapest
+    overflow = sum(lengths) - cost.tokens_per_gpu * 1024
+    assert bound <= 2 * b1 + path + overflow / 512 * cost.cheapest_gpu_ms([512])[0] / 1024 + 1e-6
+
+
+def test_relaxed_bound_is_not_held_to_the_head_limit():
+    # gpt-7b has 64 heads: a 300K-token sequence on 1,024 GPUs runs at degree 64 at most, but the
+    # relaxed bound lets it span every GPU (at the widest tabulated all-to-all bandwidth)
+    cost = CostModel.from_presets("gpt-7b", "a100-40g-8x128")
+    s = 300_000
+    b1 = cost.micro_batch_fixed_ms
+    at64 = float(cost.seq_time_ms(s, 64)) + cost.a2a_latency_ms(64)
+    assert cost.lower_bound_ms([s]) == pytest.approx(b1 + at64, rel=1e-12)
+    at1024 = float(cost.seq_time_ms(s, 1024)) + cost.a2a_latency_ms(1024)
+    assert cost.relaxed_bound_ms([s]) == pytest.approx(b1 + at1024, rel=1e-12)
+    # a degree of no power of two is allowed: 17 GPUs hold what 16 cannot, at 16's bandwidth
+    s17 = cost.token_capacity(17)
+    cheapest17 = float(cost.seq_time_ms(s17, 1)) + s17 * 17 * cost.comm_ms_per_token(17)
+    assert cost.relaxed_bound_ms([s17] * 1024) >= b1 * 1 + 1024 * cheapest17 / 1024 - 1e-6
+
+
+@pytest.mark.parametrize("gpus", [64, 1024])
+def test_bounds_order_on_sampled_batches(gpus):
+    from megatron_ext.data.lengths import sample_lengths
+    cost = CostModel.from_presets("gpt-7b", f"a100-40g-8x{gpus // 8}")
+    for dist in ("wikipedia", "github"):
+        lengths = sample_lengths(dist, 8 * gpus, 1, cost.max_seq_len)
+        plain, bound, relaxed = plain_bound_ms(cost, lengths), cost.lower_bound_ms(lengths), cost.relaxed_bound_ms(lengths)
+        assert relaxed <= bound and plain <= bound
+
+
+def test_empty_batch_and_one_no_group_holds(tiny):
+    assert tiny.lower_bound_ms([]) == 0.0 and tiny.relaxed_bound_ms([]) == 0.0
+    too_long = tiny.token_capacity(4) + 1
+    assert tiny.lower_bound_ms([too_long, 10]) == math.inf
+    assert np.isinf(tiny.cheapest_gpu_ms([too_long, 10])).tolist() == [True, False]
