@@ -1,0 +1,217 @@
+"""A regime map: which layout runs a step fastest, over GPUs x memory x context x model x lengths
+x ZeRO stage. Per cell, one sampled batch (default 512 sequences up to the context) is planned by
+FlexSP, elastic_pp, Seq1F1B, batch 1F1B, static Ulysses and ``auto`` (all at the time limit of
+``megatron-ext simulate``, default 1 s) and timed by the same simulator; the compute floor of the
+batch (``CostModel.compute_floor_ms``) bounds every plan from below.
+
+Clusters of N GPUs are the presets ``a100-40g-8x<N/8>`` (40 GB: 28 GB usable, the FlexSP
+paper's) and ``a800-80g-8x<N/8>`` (80 GB: 72 GB usable, InfiniPipe's); models ``llama-7b``,
+``llama-13b``, ``llama-30b`` (``--family gpt`` for the FlexSP paper's gpt-*). A planner that
+cannot run a cell (model states over the memory, a sequence no group holds) is marked in its row
+with the reason.
+
+    .venv/bin/python benchmarks/regimes.py --out docs/regimes              # the whole map
+    .venv/bin/python benchmarks/regimes.py --gpus 32,128 --models 13b --jobs 2 --out runs/regimes
+
+Runs in parts: rows go to ``<out>.json`` (the cells of earlier runs with the same ``--out`` are
+kept, the ones rerun replaced), then ``<out>.csv``, ``<out>.md`` (the table and how far auto is
+from the targets) and ``<out>.png`` (auto's speedup over FlexSP and auto / floor, per cell) are
+written from every row there. ``--jobs N`` plans N cells at once in worker processes.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+PLANNERS = ("flexsp", "elastic_pp", "seq1f1b", "batch_1f1b", "static_ulysses", "auto")
+CLUSTERS = {40: "a100-40g-8x{nodes}", 80: "a800-80g-8x{nodes}"}
+KEYS = ("model", "gpus", "memory_gb", "context", "dist", "zero")
+
+
+def _tokens(text: str) -> int:
+    text = text.strip().upper()
+    return int(text[:-1]) * 1024 if text.endswith("K") else int(text)
+
+
+def cell(spec: dict) -> dict:
+    """One cell's row: every planner's simulated step (or why it cannot run), the floor, auto's choice."""
+    from megatron_ext.commands.table import simulate_table
+    from megatron_ext.cost import CostModel
+    from megatron_ext.data.lengths import sample_lengths
+    from megatron_ext.errors import MegatronExtError
+
+    row = {k: spec[k] for k in KEYS}
+    cluster = CLUSTERS[spec["memory_gb"]].format(nodes=spec["gpus"] // 8)
+    cost = CostModel.from_presets(spec["model"], cluster, spec["zero"])
+    row["cluster"] = cluster
+    lengths = sample_lengths(spec["dist"], spec["batch"], spec["seed"], spec["context"])
+    row["floor_s"] = cost.compute_floor_ms(lengths) / 1e3
+    for name in PLANNERS:
+        try:  # (each planner alone: a setup one cannot run must not hide the others)
+            out = simulate_table(cost, lengths=lengths, planners=(name,), max_seq_len=spec["context"],
+                                 time_limit=spec["time_limit"])
+            r = out["rows"][0]
+        except MegatronExtError as e:
+            r = {"error": str(e)}
+        if "error" in r:
+            row[f"{name}_error"] = r["error"]
+            continue
+        row[f"{name}_s"] = r["step_time_s"]
+        if name == "auto":
+            row["auto_chose"] = r["status"][len("auto chose "):].split(" (", 1)[0]
+    return row
+
+
+def derived(row: dict) -> dict:
+    """auto / floor, auto's speedup over FlexSP and Seq1F1B, FlexSP / floor (None where one did not run)."""
+    def ratio(a, b):
+        return row[a] / row[b] if a in row and b in row else None
+
+    return {"auto_over_floor": ratio("auto_s", "floor_s"), "auto_vs_flexsp": ratio("flexsp_s", "auto_s"),
+            "auto_vs_seq1f1b": ratio("seq1f1b_s", "auto_s"), "flexsp_over_floor": ratio("flexsp_s", "floor_s")}
+
+
+def targets(row: dict) -> str:
+    """Where auto stands against the targets (auto <= 1.15x floor and >= 1.10x over FlexSP; where
+    FlexSP is >= 1.5x the floor: auto <= 1.35x floor, >= 1.3x over FlexSP, >= 1.2x over Seq1F1B)."""
+    d = derived(row)
+    if d["auto_over_floor"] is None:
+        return "auto did not run"
+    hard = d["flexsp_over_floor"] is not None and d["flexsp_over_floor"] >= 1.5
+    floor_t, flex_t = (1.35, 1.3) if hard else (1.15, 1.10)
+    miss = []
+    if d["auto_over_floor"] > floor_t:
+        miss.append(f"floor {d['auto_over_floor']:.2f}x > {floor_t}")
+    if d["auto_vs_flexsp"] is not None and d["auto_vs_flexsp"] < flex_t:
+        # the most any plan could gain over FlexSP is FlexSP / floor
+        why = " (bound: FlexSP is {:.2f}x the floor)".format(d["flexsp_over_floor"]) \
+            if d["flexsp_over_floor"] < flex_t else ""
+        miss.append(f"vs flexsp {d['auto_vs_flexsp']:.2f}x < {flex_t}{why}")
+    if hard and d["auto_vs_seq1f1b"] is not None and d["auto_vs_seq1f1b"] < 1.2:
+        miss.append(f"vs seq1f1b {d['auto_vs_seq1f1b']:.2f}x < 1.2")
+    return "met" if not miss else "; ".join(miss)
+
+
+def _key(row: dict) -> tuple:
+    return tuple(row[k] for k in KEYS)
+
+
+def _fmt(v, spec="{:.2f}") -> str:
+    return "-" if v is None else spec.format(v)
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ["model", "GPUs", "GB", "ctx", "lengths", "ZeRO", "floor s"] + [f"{p} s" for p in PLANNERS] + \
+        ["auto chose", "auto / floor", "auto vs flexsp", "targets"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(rows, key=_key):
+        d = derived(r)
+        cells = [r["model"], str(r["gpus"]), str(r["memory_gb"]), f"{r['context'] // 1024}K", r["dist"],
+                 str(r["zero"]), f"{r['floor_s']:.2f}"]
+        cells += [_fmt(r.get(f"{p}_s")) if f"{p}_s" in r else "n/a" for p in PLANNERS]
+        cells += [r.get("auto_chose", "-"), _fmt(d["auto_over_floor"]), _fmt(d["auto_vs_flexsp"], "{:.2f}x"),
+                  targets(r)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\nn/a: the planner cannot run the cell (its reason is in the JSON rows).\n"
+
+
+def heatmap(rows: list[dict], path: str) -> None:
+    """Two panels, auto's speedup over FlexSP and auto / floor: a row per model x lengths x ZeRO,
+    a column per memory x GPUs x context; cells without a value hatched."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    import numpy as np
+
+    ys = sorted({(r["model"], r["dist"], r["zero"]) for r in rows})
+    xs = sorted({(r["memory_gb"], r["gpus"], r["context"]) for r in rows})
+    by = {((r["model"], r["dist"], r["zero"]), (r["memory_gb"], r["gpus"], r["context"])): derived(r) for r in rows}
+    fig = Figure(figsize=(max(6.0, 0.75 * len(xs) + 3), 2 * (0.42 * len(ys) + 1.6)))
+    FigureCanvasAgg(fig)
+    panels = (("auto_vs_flexsp", "auto's speedup over FlexSP (x)", "RdYlGn", 0.8, 1.6),
+              ("auto_over_floor", "auto's step / the compute floor", "RdYlGn_r", 1.0, 2.0))
+    for i, (key, title, cmap, lo, hi) in enumerate(panels):
+        ax = fig.add_subplot(2, 1, i + 1)
+        grid = np.full((len(ys), len(xs)), np.nan)
+        for (y, x), d in by.items():
+            if d[key] is not None:
+                grid[ys.index(y), xs.index(x)] = d[key]
+        ax.set_facecolor("#eeeeee")
+        im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=lo, vmax=hi, aspect="auto")
+        for yi, xi in itertools.product(range(len(ys)), range(len(xs))):
+            v = grid[yi, xi]
+            ax.text(xi, yi, "n/a" if np.isnan(v) else f"{v:.2f}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(xs)))
+        ax.set_xticklabels([f"{m} GB\n{g} GPUs\n{c // 1024}K" for m, g, c in xs], fontsize=7)
+        ax.set_yticks(range(len(ys)))
+        ax.set_yticklabels([f"{m} {d} Z{z}" for m, d, z in ys], fontsize=7)
+        ax.set_title(title + " (columns: memory, GPUs, context)", fontsize=9, loc="left")
+        fig.colorbar(im, ax=ax, fraction=0.03, pad=0.01)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gpus", default="32,64,128,256")
+    ap.add_argument("--memory", default="40,80", help="GB per GPU: 40 (a100-40g-8xN), 80 (a800-80g-8xN)")
+    ap.add_argument("--contexts", default="48K,96K,192K")
+    ap.add_argument("--models", default="7b,13b,30b")
+    ap.add_argument("--family", default="llama", choices=("llama", "gpt"))
+    ap.add_argument("--dists", default="commoncrawl,github")
+    ap.add_argument("--zero", default="1,3")
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--time-limit", type=float, default=1.0, help="planning time limit per planner (default 1 s)")
+    ap.add_argument("--jobs", type=int, default=1, help="cells planned at once, in worker processes")
+    ap.add_argument("--out", default="regimes", help="path prefix of the .json, .csv, .md and .png written")
+    args = ap.parse_args()
+    ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
+    specs = [{"model": f"{args.family}-{m}", "gpus": g, "memory_gb": mem, "context": _tokens(c), "dist": d, "zero": z,
+              "batch": args.batch, "seed": args.seed, "time_limit": args.time_limit}
+             for g, mem, c, m, d, z in itertools.product(ints(args.gpus), ints(args.memory), args.contexts.split(","),
+                                                        args.models.split(","), args.dists.split(","), ints(args.zero))]
+    store = args.out + ".json"
+    rows = {}
+    if os.path.exists(store):
+        with open(store) as f:
+            rows = {_key(r): r for r in json.load(f)}
+    if args.jobs > 1:
+        with ProcessPoolExecutor(args.jobs) as pool:
+            done = pool.map(cell, specs)
+            for spec, row in zip(specs, done):
+                rows[_key(row)] = row
+                print(_progress(row), flush=True)
+    else:
+        for spec in specs:
+            row = cell(spec)
+            rows[_key(row)] = row
+            print(_progress(row), flush=True)
+    out = sorted(rows.values(), key=_key)
+    os.makedirs(os.path.dirname(os.path.abspath(store)), exist_ok=True)
+    with open(store, "w") as f:
+        json.dump(out, f, indent=1)
+    fields = list(dict.fromkeys(k for r in out for k in (*r, *derived(r))))
+    with open(args.out + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fields)
+        w.writeheader()
+        for r in out:
+            w.writerow({**r, **derived(r)})
+    with open(args.out + ".md", "w") as f:
+        f.write(markdown(out))
+    heatmap(out, args.out + ".png")
+    print(f"{len(out)} cells in {store}, {args.out}.csv, {args.out}.md, {args.out}.png")
+
+
+def _progress(row: dict) -> str:
+    d = derived(row)
+    return (f"{row['model']} {row['gpus']} GPUs {row['memory_gb']} GB {row['context'] // 1024}K {row['dist']} "
+            f"ZeRO-{row['zero']}: auto {_fmt(row.get('auto_s'))} s ({row.get('auto_chose', '-')}), "
+            f"/ floor {_fmt(d['auto_over_floor'])}, vs flexsp {_fmt(d['auto_vs_flexsp'])}")
+
+
+if __name__ == "__main__":
+    main()
