@@ -5,12 +5,13 @@ FlexSP, elastic_pp, Seq1F1B, batch 1F1B, static Ulysses and ``auto`` (all at the
 batch (``CostModel.compute_floor_ms``) bounds every plan from below.
 
 Clusters of N GPUs are the presets ``a100-40g-8x<N/8>`` (40 GB: 28 GB usable, the FlexSP
-paper's) and ``a800-80g-8x<N/8>`` (80 GB: 72 GB usable, InfiniPipe's); models ``llama-7b``,
-``llama-13b``, ``llama-30b`` (``--family gpt`` for the FlexSP paper's gpt-*). A planner that
-cannot run a cell (model states over the memory, a sequence no group holds) is marked in its row
-with the reason.
+paper's) and ``a800-80g-8x<N/8>`` (80 GB: 72 GB usable, InfiniPipe's); models ``gpt-7b``,
+``gpt-13b``, ``gpt-30b`` (the FlexSP paper's, 64 heads: Ulysses up to degree 64), or with
+``--family llama`` ``llama-7b/13b/30b`` (32 / 40 / 52 heads: Ulysses up to 32 / 8 / 4, so FlexSP
+holds far shorter sequences). A planner that cannot run a cell (model states over the memory, a
+sequence no group holds) is marked in its row with the reason.
 
-    .venv/bin/python benchmarks/regimes.py --out docs/regimes              # the whole map
+    .venv/bin/python benchmarks/regimes.py --out benchmarks/results/regimes       # the whole map
     .venv/bin/python benchmarks/regimes.py --gpus 32,128 --models 13b --jobs 2 --out runs/regimes
 
 Runs in parts: rows go to ``<out>.json`` (the cells of earlier runs with the same ``--out`` are
@@ -71,8 +72,10 @@ def derived(row: dict) -> dict:
     def ratio(a, b):
         return row[a] / row[b] if a in row and b in row else None
 
+    others = [row[f"{p}_s"] for p in PLANNERS if p != "auto" and f"{p}_s" in row]
     return {"auto_over_floor": ratio("auto_s", "floor_s"), "auto_vs_flexsp": ratio("flexsp_s", "auto_s"),
-            "auto_vs_seq1f1b": ratio("seq1f1b_s", "auto_s"), "flexsp_over_floor": ratio("flexsp_s", "floor_s")}
+            "auto_vs_seq1f1b": ratio("seq1f1b_s", "auto_s"), "flexsp_over_floor": ratio("flexsp_s", "floor_s"),
+            "auto_over_best_other": row["auto_s"] / min(others) if "auto_s" in row and others else None}
 
 
 def targets(row: dict) -> str:
@@ -87,13 +90,14 @@ def targets(row: dict) -> str:
     if d["auto_over_floor"] > floor_t:
         miss.append(f"floor {d['auto_over_floor']:.2f}x > {floor_t}")
     if d["auto_vs_flexsp"] is not None and d["auto_vs_flexsp"] < flex_t:
-        # the most any plan could gain over FlexSP is FlexSP / floor
-        why = " (bound: FlexSP is {:.2f}x the floor)".format(d["flexsp_over_floor"]) \
-            if d["flexsp_over_floor"] < flex_t else ""
-        miss.append(f"vs flexsp {d['auto_vs_flexsp']:.2f}x < {flex_t}{why}")
+        # the most any plan could gain over FlexSP is FlexSP / floor: the target needs auto at
+        # FlexSP / floor / target of the floor (below 1: below the floor, out of reach)
+        miss.append(f"vs flexsp {d['auto_vs_flexsp']:.2f}x < {flex_t} (needs auto at "
+                    f"{d['flexsp_over_floor'] / flex_t:.2f}x the floor)")
     if hard and d["auto_vs_seq1f1b"] is not None and d["auto_vs_seq1f1b"] < 1.2:
         miss.append(f"vs seq1f1b {d['auto_vs_seq1f1b']:.2f}x < 1.2")
-    return "met" if not miss else "; ".join(miss)
+    note = " (FlexSP cannot run)" if d["auto_vs_flexsp"] is None else ""
+    return ("; ".join(miss) if miss else "met") + note
 
 
 def _key(row: dict) -> tuple:
@@ -106,7 +110,7 @@ def _fmt(v, spec="{:.2f}") -> str:
 
 def markdown(rows: list[dict]) -> str:
     head = ["model", "GPUs", "GB", "ctx", "lengths", "ZeRO", "floor s"] + [f"{p} s" for p in PLANNERS] + \
-        ["auto chose", "auto / floor", "auto vs flexsp", "targets"]
+        ["auto chose", "auto / floor", "auto vs flexsp", "auto / best other", "targets"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(rows, key=_key):
         d = derived(r)
@@ -114,9 +118,10 @@ def markdown(rows: list[dict]) -> str:
                  str(r["zero"]), f"{r['floor_s']:.2f}"]
         cells += [_fmt(r.get(f"{p}_s")) if f"{p}_s" in r else "n/a" for p in PLANNERS]
         cells += [r.get("auto_chose", "-"), _fmt(d["auto_over_floor"]), _fmt(d["auto_vs_flexsp"], "{:.2f}x"),
-                  targets(r)]
+                  _fmt(d["auto_over_best_other"]), targets(r)]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\nn/a: the planner cannot run the cell (its reason is in the JSON rows).\n"
+    return "\n".join(lines) + ("\n\nn/a: the planner cannot run the cell (its reason is in the JSON rows). "
+                               "auto / best other: auto's step over the fastest other planner's.\n")
 
 
 def heatmap(rows: list[dict], path: str) -> None:
@@ -160,7 +165,7 @@ def main() -> None:
     ap.add_argument("--memory", default="40,80", help="GB per GPU: 40 (a100-40g-8xN), 80 (a800-80g-8xN)")
     ap.add_argument("--contexts", default="48K,96K,192K")
     ap.add_argument("--models", default="7b,13b,30b")
-    ap.add_argument("--family", default="llama", choices=("llama", "gpt"))
+    ap.add_argument("--family", default="gpt", choices=("gpt", "llama"))
     ap.add_argument("--dists", default="commoncrawl,github")
     ap.add_argument("--zero", default="1,3")
     ap.add_argument("--batch", type=int, default=512)
@@ -168,32 +173,34 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=1.0, help="planning time limit per planner (default 1 s)")
     ap.add_argument("--jobs", type=int, default=1, help="cells planned at once, in worker processes")
     ap.add_argument("--out", default="regimes", help="path prefix of the .json, .csv, .md and .png written")
+    ap.add_argument("--redraw", action="store_true", help="plan nothing: the .csv, .md and .png from <out>.json")
     args = ap.parse_args()
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
     specs = [{"model": f"{args.family}-{m}", "gpus": g, "memory_gb": mem, "context": _tokens(c), "dist": d, "zero": z,
               "batch": args.batch, "seed": args.seed, "time_limit": args.time_limit}
-             for g, mem, c, m, d, z in itertools.product(ints(args.gpus), ints(args.memory), args.contexts.split(","),
-                                                        args.models.split(","), args.dists.split(","), ints(args.zero))]
+             for g, mem, c, m, d, z in ([] if args.redraw else itertools.product(ints(args.gpus), ints(args.memory), args.contexts.split(","),
+                                                        args.models.split(","), args.dists.split(","), ints(args.zero)))]
     store = args.out + ".json"
     rows = {}
     if os.path.exists(store):
         with open(store) as f:
             rows = {_key(r): r for r in json.load(f)}
+    os.makedirs(os.path.dirname(os.path.abspath(store)), exist_ok=True)
+
+    def save(row: dict) -> None:  # after every cell: a run cut short keeps what it planned
+        rows[_key(row)] = row
+        print(_progress(row), flush=True)
+        with open(store, "w") as f:
+            json.dump(sorted(rows.values(), key=_key), f, indent=1)
+
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as pool:
-            done = pool.map(cell, specs)
-            for spec, row in zip(specs, done):
-                rows[_key(row)] = row
-                print(_progress(row), flush=True)
+            for row in pool.map(cell, specs):
+                save(row)
     else:
         for spec in specs:
-            row = cell(spec)
-            rows[_key(row)] = row
-            print(_progress(row), flush=True)
+            save(cell(spec))
     out = sorted(rows.values(), key=_key)
-    os.makedirs(os.path.dirname(os.path.abspath(store)), exist_ok=True)
-    with open(store, "w") as f:
-        json.dump(out, f, indent=1)
     fields = list(dict.fromkeys(k for r in out for k in (*r, *derived(r))))
     with open(args.out + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fields)

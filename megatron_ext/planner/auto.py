@@ -24,8 +24,9 @@ AUTO_FLEXSP_SHARE = 0.45  # of the time limit, kept for FlexSP (planned after th
 # A layout is skipped if this x its estimate is no faster than a known step: planned layouts came
 # out at 0.97-1.41x their estimate (llama-13b on 32 A800s, ZeRO 1 and 3, 512 sequences of up to 48K / 96K)
 AUTO_PRUNE_MARGIN = 0.95
+AUTO_FLEXSP_FLOOR = 0.15  # FlexSP's share instead where its lower bound loses to the likeliest layout's estimate
 AUTO_RESERVE = 0.03  # of the time limit, left for FlexSP's plan check and the choice, after its solve
-AUTO_TIE = 0.03  # layouts whose order keys are this close are tried largest SP degree first (``tie_order``)
+AUTO_TIE = 0.05  # layouts whose order keys are this close are tried largest SP degree first (``tie_order``)
 # Order of the layouts: the estimate, raised by up to this share where memory presses (``layout_pressure``)
 AUTO_PRESSURE_PENALTY = 0.3
 
@@ -134,12 +135,14 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     (``"flexsp"``, ``"elastic_pp pp4 x sp8"``, ``"elastic_pp pp2 x sp8 x dp2"`` with replicas,
     ...). Time: the layouts go first, most promising first (``layout_order_key``: the estimate,
     raised where the longest sequence presses on memory), in at most 1 - ``AUTO_FLEXSP_SHARE`` of
-    the limit (each may use all of it that is left); a layout whose estimate
+    the limit (each may use all of it that is left, half when the next is tied with it); a layout whose estimate
     (``layout_estimate_s``), less 5%, is no faster than BatchAda's step (an upper bound of
     FlexSP's) or the best layout so far is skipped (reported with its estimate), and so is any
     layout left when their time has run out (less of it than the fastest layout planned took).
     FlexSP goes last, in all the time left but ``AUTO_RESERVE`` of the limit (for its plan's
-    check), unless its lower bound (``CostModel.lower_bound_ms``) is no faster than a layout's plan."""
+    check), unless its lower bound (``CostModel.lower_bound_ms``) is no faster than a layout's
+    plan; where that bound is no faster than the likeliest layout's estimate, FlexSP's share is
+    ``AUTO_FLEXSP_FLOOR`` (the layouts get the rest)."""
     start = time.perf_counter()
     opts = pipeline_options(options, overrides)
     lengths, ids = kept_sequences(lengths, seq_ids)
@@ -168,7 +171,8 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
             continue
         est = layout_estimate_s(lengths[ids], pc, opts.min_slice_tokens)
         layouts.append((layout_order_key(lengths[ids], pc, est), est, layout_name(pc), P, d))
-    layouts.sort(key=tie_order(layouts))
+    order = tie_order(layouts)
+    layouts.sort(key=order)
     if not layouts and not alts and (pin_pp is not None or pin_sp is not None):
         pipeline_cost(cost, pin_pp, pin_sp, opts)  # raises why the pinned layout cannot run
         raise ConfigError(f"auto: no pipeline layout of {cost.model.name} on {cost.cluster.name} matches "
@@ -188,9 +192,17 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         except MegatronExtError:
             pass
     # (no BatchAda plan: no FlexSP plan either, so its share goes to the layouts)
-    layouts_end = start + budget * (1 - AUTO_FLEXSP_SHARE if math.isfinite(ub) else 1)
+    # FlexSP's lower bound (the micro-batches memory forces, each paying its fixed cost, and the
+    # longest sequence at its fastest degree): where it is no faster than the likeliest layout's
+    # estimate, FlexSP keeps only AUTO_FLEXSP_FLOOR of the limit (all that is left if no layout
+    # beats its bound), and is not planned at all once a layout's plan does
+    flex_lb = 0.0  # (no BatchAda plan: FlexSP runs, to say why it cannot)
+    if with_flexsp and math.isfinite(ub):
+        flex_lb = flex_cost.lower_bound_ms(lengths[ids]) / 1e3
+    share = AUTO_FLEXSP_SHARE if not layouts or flex_lb < layouts[0][1] else AUTO_FLEXSP_FLOOR
+    layouts_end = start + budget * (1 - share if math.isfinite(ub) else 1)
     took: list[float] = []  # seconds each layout planned took
-    for _, est, name, P, d in layouts:
+    for i, (_, est, name, P, d) in enumerate(layouts):
         bound, against = min([(ub, "BatchAda (FlexSP's upper bound)")] + [(t, n) for t, n, _ in plans])
         left = layouts_end - time.perf_counter()
         if AUTO_PRUNE_MARGIN * est >= bound:
@@ -203,19 +215,19 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         if plans and left <= max(0.02, min(took, default=0.0)):
             alts[name] = {"skipped": f"time limit reached (estimated {est:.2f} s)"}
             continue
+        # all the layouts' time left (the likeliest go first, and a search that ends early leaves the
+        # rest), or half of it when the next contender is tied with this one: the estimate cannot
+        # tell them apart, so neither may take all the time
+        rival = next((x for x in layouts[i + 1:] if AUTO_PRUNE_MARGIN * x[1] < bound), None)
+        limit = left / 2 if rival is not None and order(rival)[0] == order(layouts[i])[0] else left
         t0 = time.perf_counter()
-        try:  # all the layouts' time left: the likeliest go first, and a search that ends early leaves the rest
-            sub = plan_elastic_pp(lengths, cost, P, d, dataclasses.replace(opts, time_limit=max(0.05, left)),
+        try:
+            sub = plan_elastic_pp(lengths, cost, P, d, dataclasses.replace(opts, time_limit=max(0.05, limit)),
                                   seq_ids=ids)
             record(name, sub, t0)
         except MegatronExtError as e:
             alts[name] = {"error": str(e)}
         took.append(time.perf_counter() - t0)
-    # FlexSP's lower bound (the micro-batches memory forces, each paying its fixed cost, and the
-    # longest sequence at its fastest degree): no faster than a layout planned, it is not planned
-    flex_lb = 0.0  # (no BatchAda plan: FlexSP runs, to say why it cannot)
-    if with_flexsp and math.isfinite(ub):
-        flex_lb = flex_cost.lower_bound_ms(lengths[ids]) / 1e3
     best = min((t for t, _, _ in plans), default=math.inf)
     if with_flexsp and flex_lb >= best:
         alts["flexsp"] = {"skipped": f"its lower bound {flex_lb:.2f} s is no faster than the best layout ({best:.2f} s)",
@@ -247,6 +259,6 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     return plan
 
 
-__all__ = ["AUTO_FLEXSP_SHARE", "AUTO_PRESSURE_PENALTY", "AUTO_PRUNE_MARGIN", "AUTO_RESERVE", "AUTO_TIE", "layout_estimate_s",
+__all__ = ["AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_SHARE", "AUTO_PRESSURE_PENALTY", "AUTO_PRUNE_MARGIN", "AUTO_RESERVE", "AUTO_TIE", "layout_estimate_s",
            "layout_name", "layout_order_key", "layout_pressure", "pipeline_layouts", "plan_auto", "plan_units",
            "tie_order"]
