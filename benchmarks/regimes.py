@@ -1,7 +1,9 @@
 """A regime map: which layout runs a step fastest, over GPUs x memory x context x model x lengths
 x ZeRO stage. Per cell, one sampled batch (default 512 sequences up to the context) is planned by
 FlexSP, elastic_pp, Seq1F1B, batch 1F1B, static Ulysses and ``auto`` (all at the time limit of
-``megatron-ext simulate``, default 1 s) and timed by the same simulator; the compute floor of the
+``megatron-ext simulate``, default 1 s) and timed by the same simulator (the three pipeline
+planners on SP over a node and as many stages as divide the layers and the nodes, the rest of
+the GPUs replicas; ``auto`` on every layout); the compute floor of the
 batch (``CostModel.compute_floor_ms``) bounds every plan from below.
 
 Clusters of N GPUs are the presets ``a100-40g-8x<N/8>`` (40 GB: 28 GB usable, the FlexSP
@@ -51,10 +53,14 @@ def cell(spec: dict) -> dict:
     row["cluster"] = cluster
     lengths = sample_lengths(spec["dist"], spec["batch"], spec["seed"], spec["context"])
     row["floor_s"] = cost.compute_floor_ms(lengths) / 1e3
+    # the pipeline planners: SP over a node, as many stages as divide the layers and the nodes
+    # (one per node where they do), the rest replicas; auto tries every layout itself
+    sp = min(cost.cluster.gpus_per_node, cost.degrees[-1])
     for name in PLANNERS:
+        layout = {"sp": sp} if name in ("elastic_pp", "seq1f1b", "batch_1f1b") else {}
         try:  # (each planner alone: a setup one cannot run must not hide the others)
             out = simulate_table(cost, lengths=lengths, planners=(name,), max_seq_len=spec["context"],
-                                 time_limit=spec["time_limit"])
+                                 time_limit=spec["time_limit"], **layout)
             r = out["rows"][0]
         except MegatronExtError as e:
             r = {"error": str(e)}
@@ -62,6 +68,8 @@ def cell(spec: dict) -> dict:
             row[f"{name}_error"] = r["error"]
             continue
         row[f"{name}_s"] = r["step_time_s"]
+        if layout:
+            row["pipeline_layout"] = f"pp{out['config']['pp']} x sp{out['config']['sp']}"
         if name == "auto":
             row["auto_chose"] = r["status"][len("auto chose "):].split(" (", 1)[0]
     return row
@@ -122,6 +130,37 @@ def markdown(rows: list[dict]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + ("\n\nn/a: the planner cannot run the cell (its reason is in the JSON rows). "
                                "auto / best other: auto's step over the fastest other planner's.\n")
+
+
+def _kind(chose: str) -> str:
+    """auto's choice as a kind of layout: FlexSP, one-stage replicas, or a pipeline (pp > 1)."""
+    return "FlexSP" if chose == "flexsp" else "replicas" if chose.startswith("elastic_pp pp1 ") else "pipeline"
+
+
+def summary(rows: list[dict]) -> str:
+    """One line per memory x GPUs x context: cells auto ran, what it chose, and the ranges of
+    auto / floor, auto over FlexSP and Seq1F1B, FlexSP / floor and auto / best other."""
+    def span(vals, fmt="{:.2f}"):
+        vals = [v for v in vals if v is not None]
+        return "-" if not vals else f"{fmt.format(min(vals))}-{fmt.format(max(vals))}"
+
+    head = ["GB", "GPUs", "ctx", "auto ran", "auto chose", "auto / floor", "auto vs flexsp", "auto vs seq1f1b",
+            "flexsp / floor", "auto / best other"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for mem, gpus, ctx in sorted({(r["memory_gb"], r["gpus"], r["context"]) for r in rows}):
+        cells = [r for r in rows if (r["memory_gb"], r["gpus"], r["context"]) == (mem, gpus, ctx)]
+        ran = [r for r in cells if "auto_s" in r]
+        d = [derived(r) for r in ran]
+        kinds = {}
+        for r in ran:
+            kinds[_kind(r["auto_chose"])] = kinds.get(_kind(r["auto_chose"]), 0) + 1
+        lines.append("| " + " | ".join([
+            str(mem), str(gpus), f"{ctx // 1024}K", f"{len(ran)} of {len(cells)}",
+            ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) or "-",
+            span(x["auto_over_floor"] for x in d), span((x["auto_vs_flexsp"] for x in d), "{:.2f}x"),
+            span((x["auto_vs_seq1f1b"] for x in d), "{:.2f}x"), span(x["flexsp_over_floor"] for x in d),
+            span(x["auto_over_best_other"] for x in d)]) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def heatmap(rows: list[dict], path: str) -> None:
@@ -208,7 +247,7 @@ def main() -> None:
         for r in out:
             w.writerow({**r, **derived(r)})
     with open(args.out + ".md", "w") as f:
-        f.write(markdown(out))
+        f.write(summary(out) + "\n" + markdown(out))
     heatmap(out, args.out + ".png")
     print(f"{len(out)} cells in {store}, {args.out}.csv, {args.out}.md, {args.out}.png")
 
