@@ -135,9 +135,9 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     (``"flexsp"``, ``"elastic_pp pp4 x sp8"``, ``"elastic_pp pp2 x sp8 x dp2"`` with replicas,
     ...). Time: the layouts go first, most promising first (``layout_order_key``: the estimate,
     raised where the longest sequence presses on memory), in at most 1 - ``AUTO_FLEXSP_SHARE`` of
-    the limit (each may use all of it that is left, half when the next is tied with it); a layout whose estimate
-    (``layout_estimate_s``), less 5%, is no faster than BatchAda's step (an upper bound of
-    FlexSP's) or the best layout so far is skipped (reported with its estimate), and so is any
+    the limit (each may use all of it that is left, half when the next is tied with it); a
+    layout whose estimate (``layout_estimate_s``), less 5%, is no faster than BatchAda's step (an
+    upper bound of FlexSP's) or the best layout so far is skipped (reported with its estimate), and so is any
     layout left when their time has run out (less of it than the fastest layout planned took).
     FlexSP goes last, in all the time left but ``AUTO_RESERVE`` of the limit (for its plan's
     check), unless its lower bound (``CostModel.lower_bound_ms``) is no faster than a layout's
