@@ -215,10 +215,11 @@ def main() -> None:
     ap.add_argument("--redraw", action="store_true", help="plan nothing: the .csv, .md and .png from <out>.json")
     args = ap.parse_args()
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
+    grid = itertools.product(ints(args.gpus), ints(args.memory), args.contexts.split(","), args.models.split(","),
+                             args.dists.split(","), ints(args.zero))
     specs = [{"model": f"{args.family}-{m}", "gpus": g, "memory_gb": mem, "context": _tokens(c), "dist": d, "zero": z,
               "batch": args.batch, "seed": args.seed, "time_limit": args.time_limit}
-             for g, mem, c, m, d, z in ([] if args.redraw else itertools.product(ints(args.gpus), ints(args.memory), args.contexts.split(","),
-                                                        args.models.split(","), args.dists.split(","), ints(args.zero)))]
+             for g, mem, c, m, d, z in ([] if args.redraw else grid)]
     store = args.out + ".json"
     rows = {}
     if os.path.exists(store):

@@ -230,7 +230,8 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         took.append(time.perf_counter() - t0)
     best = min((t for t, _, _ in plans), default=math.inf)
     if with_flexsp and flex_lb >= best:
-        alts["flexsp"] = {"skipped": f"its lower bound {flex_lb:.2f} s is no faster than the best layout ({best:.2f} s)",
+        alts["flexsp"] = {"skipped": f"its lower bound {flex_lb:.2f} s is no faster than the best layout "
+                                     f"({best:.2f} s)",
                           "estimated_lower_s": flex_lb}
     elif with_flexsp:
         t0 = time.perf_counter()
@@ -259,6 +260,6 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     return plan
 
 
-__all__ = ["AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_SHARE", "AUTO_PRESSURE_PENALTY", "AUTO_PRUNE_MARGIN", "AUTO_RESERVE", "AUTO_TIE", "layout_estimate_s",
-           "layout_name", "layout_order_key", "layout_pressure", "pipeline_layouts", "plan_auto", "plan_units",
-           "tie_order"]
+__all__ = ["AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_SHARE", "AUTO_PRESSURE_PENALTY", "AUTO_PRUNE_MARGIN", "AUTO_RESERVE",
+           "AUTO_TIE", "layout_estimate_s", "layout_name", "layout_order_key", "layout_pressure", "pipeline_layouts",
+           "plan_auto", "plan_units", "tie_order"]
