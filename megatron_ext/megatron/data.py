@@ -199,7 +199,8 @@ def make_loader(documents, cost, args, *, num_steps: int | None, start_step: int
         auto = args.elastic_pp_sp == "auto"  # per step, the SP degree (and replicas) the simulator finds fastest
         options = PlannerOptions(time_limit=limit, drop_over_max=True, max_seq_len=max_len, pp=pp,
                                  sp=None if auto else int(args.elastic_pp_sp),
-                                 recompute="ilp" if args.adaptive_recompute else "auto")
+                                 recompute="ilp" if args.adaptive_recompute else "auto",
+                                 flexsp=pp == 1)  # (a model cut into stages cannot run FlexSP's passes)
         planner, fallback = ("auto" if auto else "elastic_pp"), "batch_1f1b"
     elif args.flexsp_planner == "auto":
         # FlexSP or one-stage pipeline replicas (which slice what no group holds), per step

@@ -21,8 +21,14 @@ from megatron_ext.planner.sp.flexsp import plan_flexsp
 from megatron_ext.planner.sp.step import plan_sp
 
 AUTO_FLEXSP_SHARE = 0.45  # of the time limit, kept for FlexSP (planned after the layouts, in all the time left)
-AUTO_PRUNE_MARGIN = 0.85  # a layout is skipped if this x its estimate is no faster than a known step
+# A layout is skipped if this x its estimate is no faster than a known step: planned layouts came
+# out at 0.97-1.41x their estimate (llama-13b on 32 A800s, ZeRO 1 and 3, 512 sequences of up to 48K / 96K)
+AUTO_PRUNE_MARGIN = 0.95
+AUTO_FLEXSP_FLOOR = 0.15  # FlexSP's share instead where its lower bound loses to the likeliest layout's estimate
 AUTO_RESERVE = 0.03  # of the time limit, left for FlexSP's plan check and the choice, after its solve
+AUTO_TIE = 0.05  # layouts whose order keys are this close are tried largest SP degree first (``tie_order``)
+# Order of the layouts: the estimate, raised by up to this share where memory presses (``layout_pressure``)
+AUTO_PRESSURE_PENALTY = 0.3
 
 
 def plan_units(plan: StepPlan) -> dict[str, int]:
@@ -59,18 +65,21 @@ def layout_name(pc: PipelineCost) -> str:
     return f"elastic_pp pp{pc.pp} x sp{pc.sp}" + (f" x dp{pc.replicas}" if pc.replicas > 1 else "")
 
 
-def layout_estimate_s(lengths: np.ndarray, pc: PipelineCost) -> float:
+def layout_estimate_s(lengths: np.ndarray, pc: PipelineCost, min_slice_tokens: int = 1024) -> float:
     """Step time of one 1F1B pipeline of n equal chunks at the best n, on each replica's share of
     the work: ``W + n b + (P - 1)(W / n + b)`` (W: work per stage, b: fixed cost per chunk), with
     at least the chunks memory needs: stage 0 holds P chunks in flight, either whole (no
     recompute) or, with every layer recomputed (W grows by a forward), one whole and the others'
-    inputs and K/V. Ramps, list scheduling and partial recompute beat it by up to ~7%."""
+    inputs and K/V; at most a chunk per sequence or per ``min_slice_tokens`` (sequences are cut
+    into slices: a few sequences on many stages still fill the pipeline); plus the step's exposed
+    gradient sync. Ramps, list scheduling and partial recompute beat it by up to ~7%."""
     lengths = np.asarray(lengths, dtype=np.float64)
     W = float(pc.prefix_ms(lengths).sum()) / pc.replicas
     tokens = float(lengths.sum()) / pc.replicas
     P, b, L_s, room = pc.pp, pc.fixed_ms, pc.layers_per_stage, pc.activation_room_mb
     whole, kept = pc.act_layer_mb * L_s, (pc.input_layer_mb + pc.kv_layer_mb) * L_s
-    n = np.arange(1, max(2, -(-len(lengths) // pc.replicas)) + 1, dtype=np.float64)
+    most = max(2, -(-len(lengths) // pc.replicas), math.ceil(tokens / min_slice_tokens))
+    n = np.arange(1, most + 1, dtype=np.float64)
     best = math.inf
     for work, chunk_mb in ((W, P * whole), (W * (1 + FWD_FRACTION), (P - 1) * kept + whole)):
         fits = n * room >= tokens * chunk_mb  # n chunks of tokens / n each
@@ -78,7 +87,38 @@ def layout_estimate_s(lengths: np.ndarray, pc: PipelineCost) -> float:
             best = min(best, float((work + n * b + (P - 1) * (work / n + b))[fits].min()))
     if not math.isfinite(best):  # not even one chunk per sequence fits: no memory bound to offer
         best = float((W + n * b + (P - 1) * (W / n + b)).min())
-    return best / 1e3
+    return (best + pc.step_sync_ms) / 1e3
+
+
+def layout_pressure(lengths: np.ndarray, pc: PipelineCost) -> float:
+    """How much of a stage's activation room the batch's longest sequence takes, whole (its
+    activations and K/V, nothing recomputed), twice over when pipelined (a slice in flight beside
+    its successor's). ``layout_estimate_s`` sees memory only as a chunk count; where it presses,
+    the plan must also cut the longest sequence into a chain of slices, recompute it or run
+    several pipelines one after another, which it does not see: past 0.7 such layouts were
+    planned at up to 1.4x their estimate, below it mostly at 0.97-1.05x (llama-13b, 32 GPUs, ZeRO
+    1 and 3, 48K / 96K)."""
+    whole = (pc.act_layer_mb + pc.kv_layer_mb) * pc.layers_per_stage
+    return float(np.max(lengths)) * whole * min(pc.pp, 2) / pc.activation_room_mb
+
+
+def layout_order_key(lengths: np.ndarray, pc: PipelineCost, estimate_s: float) -> float:
+    """What the layouts are tried in, likeliest first: the estimate, raised by up to
+    ``AUTO_PRESSURE_PENALTY`` as the longest sequence's pressure goes from 0.7 of the room to 1.7x."""
+    lift = min(1.0, max(0.0, layout_pressure(lengths, pc) - 0.7))
+    return estimate_s * (1 + AUTO_PRESSURE_PENALTY * lift)
+
+
+def tie_order(layouts: list[tuple]):
+    """Sort key of ``(order key, estimate, name, pp, sp)`` layouts: by order key, in tiers of
+    ``AUTO_TIE`` from the lowest (within a tier the estimate cannot tell layouts apart), the
+    largest SP degree first in a tier: the fewest chunks, so the quickest to plan and the closest
+    to its estimate."""
+    low = min((x[0] for x in layouts), default=1.0)
+
+    def key(x: tuple) -> tuple:
+        return int(math.log(max(1.0, x[0] / low)) / math.log(1 + AUTO_TIE)), -x[4], x[0], x[2]
+    return key
 
 
 def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = None,
@@ -87,18 +127,22 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     SP on all GPUs, one stage) and with elastic_pp on every feasible (pp, sp) layout (one-stage
     replicas of a fixed degree included), simulate each with the same simulator and return the
     fastest plan (kind ``flexsp`` or ``elastic_pp``). ``pp`` / ``sp`` (or the options') pin the
-    layout: a pinned pp > 1 leaves only its pipeline layouts (of every SP degree), pp = 1 FlexSP
-    and the one-stage layouts; a pinned sp keeps the pipeline layouts of that degree, and FlexSP
-    (which chooses its own degrees) unless pp is pinned too.
+    pipeline layouts (a pinned pp: its layouts of every SP degree; a pinned sp: the layouts of
+    that degree); FlexSP, which chooses its own degrees on one stage, stays a candidate unless the
+    options' ``flexsp`` is False (a run whose model is cut into stages cannot run it).
 
     ``solver_status`` names the choice; ``baselines`` holds every alternative's simulated time
     (``"flexsp"``, ``"elastic_pp pp4 x sp8"``, ``"elastic_pp pp2 x sp8 x dp2"`` with replicas,
-    ...). Time: the layouts go first, most promising first, in at most 1 - ``AUTO_FLEXSP_SHARE``
-    of the limit (each may use all of it that is left); a layout whose estimate (``layout_estimate_s``), less 15%, is no faster than
-    BatchAda's step (an upper bound of FlexSP's) or the best layout so far is skipped (reported
-    with its estimate), and so is any layout left when their time has run out (less of it than the
-    fastest layout planned took). FlexSP goes last,
-    in all the time left but ``AUTO_RESERVE`` of the limit (for its plan's check)."""
+    ...). Time: the layouts go first, most promising first (``layout_order_key``: the estimate,
+    raised where the longest sequence presses on memory), in at most 1 - ``AUTO_FLEXSP_SHARE`` of
+    the limit (each may use all of it that is left, half when the next is tied with it); a
+    layout whose estimate (``layout_estimate_s``), less 5%, is no faster than BatchAda's step (an
+    upper bound of FlexSP's) or the best layout so far is skipped (reported with its estimate), and so is any
+    layout left when their time has run out (less of it than the fastest layout planned took).
+    FlexSP goes last, in all the time left but ``AUTO_RESERVE`` of the limit (for its plan's
+    check), unless its lower bound (``CostModel.lower_bound_ms``) is no faster than a layout's
+    plan; where that bound is no faster than the likeliest layout's estimate, FlexSP's share is
+    ``AUTO_FLEXSP_FLOOR`` (the layouts get the rest)."""
     start = time.perf_counter()
     opts = pipeline_options(options, overrides)
     lengths, ids = kept_sequences(lengths, seq_ids)
@@ -115,7 +159,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     pin_sp = sp if sp is not None else opts.sp
     if pin_sp is not None:  # (FlexSP alone would otherwise run and say nothing of it)
         cost.check_degree(pin_sp)
-    with_flexsp = pin_pp is None or (pin_pp == 1 and pin_sp is None)  # one stage, adaptive degrees
+    with_flexsp = opts.flexsp  # (FlexSP chooses its own degrees on one stage: pp / sp pin the pipelines)
     layouts = []
     longest = int(lengths[ids].max())
     for P, d in pipeline_layouts(cost, pin_pp, pin_sp, opts.memory_mb):
@@ -125,14 +169,16 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
             alts[layout_name(pc)] = {"skipped": f"a stage holds sequences of up to {limit:,} tokens, this batch's "
                                                 f"longest has {longest:,}"}
             continue
-        layouts.append((layout_estimate_s(lengths[ids], pc), layout_name(pc), P, d))
-    layouts.sort()
-    if not layouts and not with_flexsp:
-        if alts:  # the pinned layout cannot hold the batch
-            raise InfeasibleError("auto: " + "; ".join(f"{k}: {v['skipped']}" for k, v in alts.items()))
+        est = layout_estimate_s(lengths[ids], pc, opts.min_slice_tokens)
+        layouts.append((layout_order_key(lengths[ids], pc, est), est, layout_name(pc), P, d))
+    order = tie_order(layouts)
+    layouts.sort(key=order)
+    if not layouts and not alts and (pin_pp is not None or pin_sp is not None):
         pipeline_cost(cost, pin_pp, pin_sp, opts)  # raises why the pinned layout cannot run
         raise ConfigError(f"auto: no pipeline layout of {cost.model.name} on {cost.cluster.name} matches "
                           f"pp {pin_pp}" + (f" x sp {pin_sp}" if pin_sp is not None else ""))
+    if not layouts and not with_flexsp:  # the pinned layouts cannot hold the batch
+        raise InfeasibleError("auto: " + "; ".join(f"{k}: {v['skipped']}" for k, v in alts.items()))
     # BatchAda (one homogeneous degree, milliseconds to plan) bounds FlexSP's step from above: FlexSP
     # keeps the best homogeneous packing among its candidates. The layouts go first, pruned against
     # that bound and the best layout planned so far, in at most 1 - AUTO_FLEXSP_SHARE of the limit;
@@ -146,9 +192,17 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         except MegatronExtError:
             pass
     # (no BatchAda plan: no FlexSP plan either, so its share goes to the layouts)
-    layouts_end = start + budget * (1 - AUTO_FLEXSP_SHARE if math.isfinite(ub) else 1)
+    # FlexSP's lower bound (the micro-batches memory forces, each paying its fixed cost, and the
+    # longest sequence at its fastest degree): where it is no faster than the likeliest layout's
+    # estimate, FlexSP keeps only AUTO_FLEXSP_FLOOR of the limit (all that is left if no layout
+    # beats its bound), and is not planned at all once a layout's plan does
+    flex_lb = 0.0  # (no BatchAda plan: FlexSP runs, to say why it cannot)
+    if with_flexsp and math.isfinite(ub):
+        flex_lb = flex_cost.lower_bound_ms(lengths[ids]) / 1e3
+    share = AUTO_FLEXSP_SHARE if not layouts or flex_lb < layouts[0][1] else AUTO_FLEXSP_FLOOR
+    layouts_end = start + budget * (1 - share if math.isfinite(ub) else 1)
     took: list[float] = []  # seconds each layout planned took
-    for est, name, P, d in layouts:
+    for i, (_, est, name, P, d) in enumerate(layouts):
         bound, against = min([(ub, "BatchAda (FlexSP's upper bound)")] + [(t, n) for t, n, _ in plans])
         left = layouts_end - time.perf_counter()
         if AUTO_PRUNE_MARGIN * est >= bound:
@@ -161,15 +215,25 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         if plans and left <= max(0.02, min(took, default=0.0)):
             alts[name] = {"skipped": f"time limit reached (estimated {est:.2f} s)"}
             continue
+        # all the layouts' time left (the likeliest go first, and a search that ends early leaves the
+        # rest), or half of it when the next contender is tied with this one: the estimate cannot
+        # tell them apart, so neither may take all the time
+        rival = next((x for x in layouts[i + 1:] if AUTO_PRUNE_MARGIN * x[1] < bound), None)
+        limit = left / 2 if rival is not None and order(rival)[0] == order(layouts[i])[0] else left
         t0 = time.perf_counter()
-        try:  # all the layouts' time left: the likeliest go first, and a search that ends early leaves the rest
-            sub = plan_elastic_pp(lengths, cost, P, d, dataclasses.replace(opts, time_limit=max(0.05, left)),
+        try:
+            sub = plan_elastic_pp(lengths, cost, P, d, dataclasses.replace(opts, time_limit=max(0.05, limit)),
                                   seq_ids=ids)
             record(name, sub, t0)
         except MegatronExtError as e:
             alts[name] = {"error": str(e)}
         took.append(time.perf_counter() - t0)
-    if with_flexsp:
+    best = min((t for t, _, _ in plans), default=math.inf)
+    if with_flexsp and flex_lb >= best:
+        alts["flexsp"] = {"skipped": f"its lower bound {flex_lb:.2f} s is no faster than the best layout "
+                                     f"({best:.2f} s)",
+                          "estimated_lower_s": flex_lb}
+    elif with_flexsp:
         t0 = time.perf_counter()
         try:
             left = budget * (1 - AUTO_RESERVE) - (t0 - start)
@@ -196,5 +260,6 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     return plan
 
 
-__all__ = ["AUTO_FLEXSP_SHARE", "AUTO_PRUNE_MARGIN", "AUTO_RESERVE", "layout_estimate_s", "layout_name",
-           "pipeline_layouts", "plan_auto", "plan_units"]
+__all__ = ["AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_SHARE", "AUTO_PRESSURE_PENALTY", "AUTO_PRUNE_MARGIN", "AUTO_RESERVE",
+           "AUTO_TIE", "layout_estimate_s", "layout_name", "layout_order_key", "layout_pressure", "pipeline_layouts",
+           "plan_auto", "plan_units", "tie_order"]

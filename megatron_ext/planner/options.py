@@ -18,6 +18,7 @@ class PlannerOptions:
     pp: int | None = None  # pipeline planners: stages (default: one per node)
     sp: int | None = None  # pipeline planners: Ulysses degree inside a stage (default: GPUs / pp)
     recompute: str = "ilp"  # elastic_pp: per-chunk recompute "ilp" | "greedy", or "auto" (none if it fits, else full)
+    flexsp: bool = True  # auto: FlexSP among the candidates whatever pp / sp pin (False: a run cut into stages)
 
 
 def options_as(cls, options):

@@ -240,7 +240,8 @@ class Training:
         elif auto or world // args.pp > sp > 1:
             self.pool = SPGroupPool.from_parallel_state()
         options = PlannerOptions(time_limit=args.time_limit, static_degree=args.static_degree,
-                                 pp=args.pp if pipelined else None, sp=sp)
+                                 pp=args.pp if pipelined else None, sp=sp,
+                                 flexsp=args.pp == 1)  # (a model cut into stages cannot run FlexSP's passes)
         self.loader = PlanningDataLoader(data.documents, cost, args.global_batch, planner=args.planner,
                                          options=options, seed=args.seed, max_seq_len=args.max_seq_len,
                                          start_step=self.done, num_steps=max(args.steps - self.done, 0),

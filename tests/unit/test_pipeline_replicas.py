@@ -130,7 +130,7 @@ def test_one_of_pp_and_sp_gives_the_other_the_most_the_gpus_allow():
                                           "choose one of 1, 2, 4, 8"):
         resolve_layout(COST, 5, None)
     lengths = np.array([3000, 2000, 1000])
-    one_stage = plan_auto(lengths, COST, pp=1, sp=8)  # one-stage replicas of SP 8, FlexSP left out
+    one_stage = plan_auto(lengths, COST, pp=1, sp=8, flexsp=False)  # one-stage replicas of SP 8 alone
     assert one_stage.kind == "elastic_pp" and set(one_stage.baselines) == set()
     assert {(p.stages, p.sp_degree) for p in one_stage.pipelines} == {(1, 8)}
     plan = plan_elastic_pp(np.array([50_000, 40_000, 3000, 2000]), COST, 2, 8)

@@ -51,6 +51,7 @@ class PipelineOptions:
     ramp: bool = True  # elastic_pp: try small warm-up / cool-down chunks (chunking.ramp_chunks)
     search_targets: int = 8  # elastic_pp: chunk-time targets tried per token cap, likeliest first
     baseline_recompute: str = "auto"  # baselines: "auto" (none if it fits, else full) | "none" | "full"
+    flexsp: bool = True  # auto: FlexSP among the candidates whatever pp / sp pin (False: a run cut into stages)
 
     def __post_init__(self):
         for name, allowed in (("recompute", ("ilp", "greedy", "none", "full", "auto")), ("ties", ("best", "tied", "untied")),
