@@ -302,11 +302,11 @@ def _handoff_latency_ms(world: int, setup: RankSetup, hops: int = 20) -> float:
     return max(0.0, (min(out) - alone) * 1e3)
 
 
-def _planned_batch(planner: str, cost: CostModel, n: int, max_len: int, options=None):
+def _planned_step(planner: str, cost: CostModel, n: int, max_len: int, options=None):
     """A training-sized long-tailed batch of ``n`` random-token sequences and its plan, made on
-    rank 0 and broadcast: (lengths, tokens per sequence, plan), the same on every rank."""
+    rank 0 and broadcast: the same ``Step`` on every rank."""
     from megatron_ext.data.lengths import sample_lengths
-    from megatron_ext.data.loader import broadcast_plan
+    from megatron_ext.data.loader import Step, broadcast_plan
     from megatron_ext.planner import PlannerOptions, make_plan
 
     lengths = sample_lengths("github", n, 0, max_len)
@@ -314,7 +314,7 @@ def _planned_batch(planner: str, cost: CostModel, n: int, max_len: int, options=
     batch = [rng.integers(0, cost.model.vocab_size, int(x)) for x in lengths]
     plan = make_plan(planner, lengths, cost, options or PlannerOptions()) if dist.get_rank() == 0 else None
     plan, _ = broadcast_plan(plan)
-    return lengths, batch, plan
+    return Step(0, plan, batch, lengths, np.zeros((len(lengths), 3), dtype=np.int64), "", "profile", 0.0)
 
 
 def _micro_batch_overhead_ms(cost: CostModel, pool, max_len: int, repeats: int,
@@ -324,16 +324,15 @@ def _micro_batch_overhead_ms(cost: CostModel, pool, max_len: int, repeats: int,
     with ``cost`` (linear in the overhead: every micro-batch pays it once). A micro-batch ends
     with its slowest group, and on busy ranks the slowest runs longer than the expected time
     single passes measure."""
-    from megatron_ext.data.loader import Step
-    from megatron_ext.runtime.schedule import forward_backward_flexsp
+    from megatron_ext.runtime.step import forward_backward
 
     model = _build_model(cost.model, max_len, setup)
-    lengths, batch, plan = _planned_batch("flexsp", cost, 16, max_len)  # several micro-batches
-    step = Step(0, plan, batch, lengths, np.zeros((len(lengths), 3), dtype=np.int64), "", "profile", 0.0)
+    step = _planned_step("flexsp", cost, 16, max_len)  # several micro-batches
+    plan = step.plan
 
     def run():
         model.zero_grad_buffer()
-        forward_backward_flexsp(step, model, pool, pad_id=0, device=setup.device)
+        forward_backward(step, model, pool=pool, device=setup.device)
 
     measured = _time(run, repeats, setup) * 1e3
     predicted = plan.estimated_step_time_s * 1e3
@@ -352,7 +351,7 @@ def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int, setup:
     from megatron.core import parallel_state
 
     from megatron_ext.planner import PlannerOptions
-    from megatron_ext.runtime.pipeline import forward_backward_elastic
+    from megatron_ext.runtime.step import forward_backward
     from megatron_ext.sim import simulate
 
     world, spec = dist.get_world_size(), cost.model
@@ -362,18 +361,18 @@ def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int, setup:
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, stages)
     model = _build_model(spec, max_len, setup)
-    lengths, batch, plan = _planned_batch("elastic_pp", cost, 24, max_len,  # a dozen chunks or more
-                                          PlannerOptions(pp=stages, sp=world // stages, time_limit=5.0))
+    planned = _planned_step("elastic_pp", cost, 24, max_len,  # a dozen chunks or more
+                            PlannerOptions(pp=stages, sp=world // stages, time_limit=5.0))
 
     def step():
         model.zero_grad_buffer()
-        forward_backward_elastic(plan, batch, model, device=setup.device)
+        forward_backward(planned, model, device=setup.device)
 
     measured = _time(step, repeats, setup) * 1e3
 
     def simulated(overhead):
         c = CostModel(spec, dataclasses.replace(cost.cluster, pipeline_op_overhead_ms=overhead), cost.zero_stage)
-        return simulate(plan, lengths, c, events=False).step_time_s * 1e3
+        return simulate(planned.plan, planned.lengths, c, events=False).step_time_s * 1e3
 
     lo, hi = 0.0, 1.0
     if simulated(0.0) >= measured:
@@ -385,7 +384,7 @@ def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int, setup:
         lo, hi = (mid, hi) if simulated(mid) < measured else (lo, mid)
     return hi, {"pipeline_stages": stages, "pipeline_step_ms": round(measured, 1),
                 "pipeline_simulated_ms": round(simulated(0.0), 1),
-                "pipeline_chunks": len(plan.pipelines[0].chunks) if plan.pipelines else 0}
+                "pipeline_chunks": len(planned.plan.pipelines[0].chunks) if planned.plan.pipelines else 0}
 
 
 @dataclasses.dataclass
