@@ -134,7 +134,10 @@ class ClusterSpec:
         return self.memory_gb * 1024.0
 
     def a2a_bandwidth(self, degree: int) -> float:
-        """GB/s of a degree-d all-to-all; beyond the table, the widest tabulated degree's figure."""
+        """GB/s of a degree-d all-to-all; beyond the table, the widest tabulated degree's figure.
+        Degree 1 is unbounded: nothing crosses a link (a one-GPU machine needs no table)."""
+        if degree <= 1:
+            return math.inf
         known = [d for d in self.a2a_bandwidth_gbps if d <= degree]
         if not known:
             raise ConfigError(f"cluster {self.name!r}: no all-to-all bandwidth for degree {degree}")
@@ -145,14 +148,14 @@ class ClusterSpec:
         """Bus bandwidth of a collective inside a node, GB/s per GPU."""
         if self.intra_node_bandwidth_gbps is not None:
             return float(self.intra_node_bandwidth_gbps)
-        return self.a2a_bandwidth(max(2, min(self.gpus_per_node, self.num_gpus)))
+        return self.a2a_bandwidth(min(self.gpus_per_node, self.num_gpus))
 
     @property
     def inter_node_gbps(self) -> float:
         """Bandwidth a node's NICs give a collective spanning nodes, GB/s per node."""
         if self.inter_node_bandwidth_gbps is not None:
             return float(self.inter_node_bandwidth_gbps)
-        return self.a2a_bandwidth(max(2, self.num_gpus)) * self.gpus_per_node
+        return self.a2a_bandwidth(self.num_gpus) * self.gpus_per_node
 
     @property
     def intra_node_latency(self) -> float:

@@ -10,9 +10,11 @@
 # Steps, each timed, then one table (non-zero exit if any step failed):
 #   cuda       CUDA, the GPUs, torch / CUDA / NCCL versions
 #   nccl       an all-reduce and a p2p ring over NCCL on every GPU (torchrun)
-#   flexsp     `megatron-ext train --device cuda` for 3 steps of FlexSP plans (N ranks; one GPU: world 1)
-#   elastic    3 steps of an elastic pipeline (2 stages on 2+ GPUs, else one stage)
 #   profile    `megatron-ext profile --device cuda` (bf16, CUDA events), a cost YAML
+#   profile32  the same in fp32, the dtype `train` runs
+#   flexsp     `megatron-ext train --device cuda` for 3 steps of FlexSP plans (N ranks; one GPU: world 1),
+#              predicted with the fp32 cost YAML
+#   elastic    3 steps of an elastic pipeline (2 stages on 2+ GPUs, else one stage)
 #   backends   every installed attention backend (flash-attn, Transformer Engine) against SDPA at bf16
 # Logs and the YAMLs go to a new directory, named at the end. Without a CUDA GPU: one line, exit 2.
 set -uo pipefail
@@ -72,10 +74,15 @@ cd "$ROOT" || exit 2
 step cuda "$PY" scripts/gpu_smoke.py cuda
 step cluster "$PY" scripts/gpu_smoke.py cluster "$GPUS" "$OUT/cluster.yaml"
 step nccl "$PY" -m torch.distributed.run --standalone --nproc-per-node="$GPUS" scripts/gpu_smoke.py nccl
-step flexsp "${CLI[@]}" train --device cuda --cluster "$OUT/cluster.yaml" --steps 3 --planner flexsp
-step elastic "${CLI[@]}" train --device cuda --cluster "$OUT/cluster.yaml" --steps 3 --pp "$PP" --planner elastic_pp
 step profile "${CLI[@]}" profile --device cuda --cluster "$OUT/cluster.yaml" --model tiny \
   --lengths 256,1024,4096 --repeats 2 --out "$OUT/cost.yaml"
+# train runs fp32: its steps are predicted by an fp32 cost model measured here (its error is this machine's)
+step profile32 "${CLI[@]}" profile --device cuda --dtype fp32 --cluster "$OUT/cluster.yaml" --model tiny \
+  --lengths 256,1024,4096 --repeats 2 --out "$OUT/cost-fp32.yaml"
+COST=(--cluster "$OUT/cluster.yaml")
+[[ -f "$OUT/cost-fp32.yaml" ]] && COST=(--cost-model "$OUT/cost-fp32.yaml")
+step flexsp "${CLI[@]}" train --device cuda "${COST[@]}" --steps 3 --planner flexsp
+step elastic "${CLI[@]}" train --device cuda "${COST[@]}" --steps 3 --pp "$PP" --planner elastic_pp
 step backends "$PY" scripts/gpu_smoke.py backends
 
 echo

@@ -13,9 +13,9 @@ def unwrap_model(model):
 
 def build_pipeline_model(spec, vocab_size: int, max_seq_len: int, backend: str = "auto", *, ddp: bool = True,
                          share_embeddings_and_output_weights: bool = False, **config_overrides):
-    """This rank's stage of a GPTModel (fp32, RoPE, Ulysses core attention with prefix K/V) for
-    megatron's pipeline layout (parallel_state must be initialized with the pipeline size), wrapped
-    in megatron DDP over the stage's data-parallel (= SP) group with ``finalize_model_grads``.
+    """This rank's stage of a GPTModel (fp32; ``bf16=True`` overrides give Megatron's Float16Module;
+    RoPE, Ulysses core attention with prefix K/V) for megatron's pipeline layout (parallel_state
+    must be initialized with the pipeline size), wrapped in megatron DDP over the stage's data-parallel (= SP) group with ``finalize_model_grads``.
     ``spec``: a ModelSpec (layers, hidden size, heads, KV heads, FFN size). Returns (model, config)."""
     import torch
     from megatron.core import parallel_state as ps
@@ -46,6 +46,12 @@ def build_pipeline_model(spec, vocab_size: int, max_seq_len: int, backend: str =
     device = rank_device()
     if device.type == "cuda":  # built on the host (use_cpu_initialization: the same weights on any layout)
         model.cuda(device)
+    if config.bf16 or config.fp16:
+        # Megatron's own mixed precision: every parameter (norms too, which CUDA's layer_norm
+        # needs in the input's dtype) cast, the first stage's inputs cast, fp32 out of the last
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
     if not ddp:
         return model, config
     wrapped = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)

@@ -46,6 +46,7 @@ warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Ape
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 
 from megatron_ext.runtime.attention import UlyssesAttention, UlyssesPackedSeqParams  # noqa: E402
+from megatron_ext.runtime.pipeline_model import unwrap_model  # noqa: E402
 from megatron_ext.runtime.timing import DeviceClock  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -133,6 +134,7 @@ def _compute_sweep(model, lengths, vocab, repeats, tick, setup: RankSetup) -> li
 
 def _head_ms(model, vocab: int, s: int, repeats: int, setup: RankSetup) -> float:
     """Forward+backward ms of what follows the layers (final norm, output layer, loss) for s tokens."""
+    model = unwrap_model(model)
     hidden = torch.randn(s, 1, model.config.hidden_size, requires_grad=True, device=setup.device, dtype=setup.dtype)
     labels = torch.randint(0, vocab, (1, s), device=setup.device)
 

@@ -31,7 +31,7 @@ from megatron_ext.runtime.checkpoint import check_checkpoint_args
 from megatron_ext.runtime.device import rank_device
 from megatron_ext.runtime.records import step_record
 from megatron_ext.runtime.timing import DeviceClock
-from megatron_ext.spec import ModelSpec
+from megatron_ext.spec import ModelSpec, read_yaml
 
 
 def initial_weights(spec: ModelSpec, vocab_size: int, max_seq_len: int, backend: str, seed: int) -> dict:
@@ -131,6 +131,10 @@ def train_cost_model(args) -> CostModel:
         raise ConfigError(f"--cost-model {args.cost_model} says zero_stage: {cost.zero_stage}, but train keeps every "
                           f"model state on every rank (stage {TRAIN_ZERO_STAGE}: no distributed optimizer); "
                           f"drop the stage from the file or make it {TRAIN_ZERO_STAGE}")
+    measured_in = read_yaml(Path(args.cost_model)).get("dtype", "fp32")
+    if measured_in != "fp32":  # its times and activation bytes would not be this run's
+        raise ConfigError(f"--cost-model {args.cost_model} was measured in {measured_in}, but train runs fp32: "
+                          f"measure it with `megatron-ext profile --dtype fp32`")
     return cost
 
 

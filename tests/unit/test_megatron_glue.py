@@ -586,3 +586,34 @@ def test_idle_micro_batches_with_overlapped_grad_reduce(tmp_path):
         assert res["losses"]["idle"] == pytest.approx(res["losses"]["full"], rel=1e-6)
         assert torch.allclose(res["grads"]["idle"], res["grads"]["full"], atol=1e-6)
     assert torch.equal(results[0]["grads"]["idle"], results[1]["grads"]["idle"])
+
+
+def test_bf16_stage_is_megatrons_float16_module(one_rank):
+    """profile's bf16 model: every parameter bf16 (CUDA's layer_norm refuses an fp32 norm weight
+    under bf16 input), fp32 loss out, the same forward as the fp32 model cast by hand."""
+    import torch
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_ext.runtime.attention import UlyssesPackedSeqParams
+    from megatron_ext.runtime.pipeline_model import build_pipeline_model, unwrap_model
+    from small_cost import small_cost
+
+    spec = small_cost().model
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    half, _ = build_pipeline_model(spec, 128, 64, "sdpa", ddp=False, params_dtype=torch.bfloat16,
+                                   pipeline_dtype=torch.bfloat16, bf16=True)
+    assert isinstance(half, Float16Module)
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    full, _ = build_pipeline_model(spec, 128, 64, "sdpa", ddp=False)
+    unwrap_model(half).load_state_dict({k: v.bfloat16() for k, v in full.state_dict().items() if v is not None})
+    tokens = torch.randint(0, 128, (1, 40))
+    params = UlyssesPackedSeqParams.build([40])
+    with torch.no_grad():
+        loss = half(tokens, params.position_ids[None], None, labels=tokens, packed_seq_params=params)
+        ref = full.bfloat16()(tokens, params.position_ids[None], None, labels=tokens, packed_seq_params=params)
+    assert loss.dtype == torch.float32
+    assert torch.allclose(loss, ref.float(), rtol=1e-2)

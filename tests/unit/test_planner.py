@@ -456,3 +456,17 @@ def test_flexsp_plans_with_all_to_all_latency(latency_ms):
         # as filler: the group pays its latency once, whatever it holds)
         sp_groups = [g for mb in plan.micro_batches for g in mb.groups if g.degree > 1]
         assert sp_groups and all(max(lengths[i] for i in g.seq_ids) > cost.token_capacity(1) for g in sp_groups)
+
+
+def test_one_gpu_cluster_needs_no_link_table(tmp_path):
+    """A single GPU (what scripts/gpu_smoke.sh writes for a one-GPU machine) has no all-to-all
+    table: nothing crosses a link, so every planner plans and the links cost nothing."""
+    from megatron_ext.planner.api import make_plan, planner_names
+    from small_cost import SMALL_MODEL
+
+    (tmp_path / "one.yaml").write_text("num_nodes: 1\ngpus_per_node: 1\nmemory_gb: 80\n")
+    cost = CostModel.from_presets(SMALL_MODEL, str(tmp_path / "one.yaml"))
+    assert cost.cluster.intra_node_gbps == cost.cluster.inter_node_gbps == float("inf")
+    for name in planner_names():
+        plan = make_plan(name, [300, 120, 40], cost)
+        assert plan.num_gpus == 1, name

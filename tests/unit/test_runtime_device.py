@@ -37,6 +37,12 @@ def test_train_plans_at_the_stage_it_runs(tmp_path):
     stated.write_text("model: tiny\ncluster: cpu-4\nzero_stage: 3\n")
     with pytest.raises(ConfigError, match="says zero_stage: 3, but train keeps every model state on every rank"):
         train_cost_model(_args(cost_model=str(stated)))
+    half = tmp_path / "bf16.yaml"  # what `profile` writes on CUDA by default
+    half.write_text("model: tiny\ncluster: cpu-4\ndtype: bf16\n")
+    with pytest.raises(ConfigError, match="measured in bf16, but train runs fp32: .*profile --dtype fp32"):
+        train_cost_model(_args(cost_model=str(half)))
+    (tmp_path / "fp32.yaml").write_text("model: tiny\ncluster: cpu-4\ndtype: fp32\n")
+    assert train_cost_model(_args(cost_model=str(tmp_path / "fp32.yaml"))).zero_stage == 0
 
 
 def test_micro_batch_nvtx_ranges_open_and_close_in_turn():
