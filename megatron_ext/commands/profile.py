@@ -176,8 +176,9 @@ def _summary(found: Profile, setup: RankSetup) -> str:
             + "".join(f"all-to-all degree {d}: {v['bandwidth_gbps']:.3f} GB/s, latency {v['latency_ms']:.2f} ms per call "
                       f"in place (raw: {raw[d]['bandwidth_gbps']:.3f} GB/s, {raw[d]['latency_ms']:.2f} ms)\n"
                       for d, v in found.a2a.items())
-            + f"p2p {cluster.p2p_bandwidth_gbps:.3f} GB/s, {found.handoff_ms:.2f} ms per stage handoff\n"
-            f"FlexSP: {cluster.micro_batch_overhead_ms:.2f} ms per micro-batch beyond the model\n"
+            + (f"p2p {cluster.p2p_bandwidth_gbps:.3f} GB/s, {found.handoff_ms:.2f} ms per stage handoff\n"
+               if cluster.p2p_bandwidth_gbps is not None else "p2p: one rank, no pair to time\n")
+            + f"FlexSP: {cluster.micro_batch_overhead_ms:.2f} ms per micro-batch beyond the model\n"
             f"pipeline: {cluster.pipeline_op_overhead_ms:.2f} ms per stage operation beyond the model\n"
             f"on {setup.device_name}, {setup.dtype_name}, {found.attention} attention, ZeRO-{found.cost.zero_stage}")
 

@@ -257,8 +257,11 @@ def _activation_bytes(model) -> int:
     return next(model.parameters()).element_size()
 
 
-def _p2p_bandwidth(world: int, repeats: int, setup: RankSetup) -> float:
-    """GB/s of 8 MB send/recv between rank pairs (0<->1, 2<->3, ...), all pairs at once."""
+def _p2p_bandwidth(world: int, repeats: int, setup: RankSetup) -> float | None:
+    """GB/s of 8 MB send/recv between rank pairs (0<->1, 2<->3, ...), all pairs at once; None
+    with one rank (no pair: the cluster file then states no figure)."""
+    if world < 2:
+        return None
     rank = dist.get_rank()
     peer = rank ^ 1
     if peer >= world:
