@@ -40,10 +40,20 @@ class CostModel:
     model: ModelSpec
     cluster: ClusterSpec
     zero_stage: int = 3
+    # widest ring (context-parallel) degree a group may add beyond the heads' Ulysses limit
+    # (``--max-ring``); 1: Ulysses only
+    max_ring: int = 1
 
     def __post_init__(self):
         if not isinstance(self.zero_stage, int) or self.zero_stage not in _ZERO_SHARDED:
             raise ConfigError(f"zero_stage must be one of 0, 1, 2, 3, got {self.zero_stage!r}")
+        r = self.max_ring
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1 or r & (r - 1):
+            raise ConfigError(f"the ring degree limit must be a power of two (1: no ring), got {r!r}")
+
+    def with_max_ring(self, max_ring: int) -> "CostModel":
+        """The same model with groups of up to ``max_ring`` Ulysses subgroups in a ring."""
+        return dataclasses.replace(self, max_ring=max_ring)
 
     @classmethod
     def from_presets(cls, model: str | ModelSpec, cluster: str | ClusterSpec, zero_stage: int = 3) -> "CostModel":
@@ -116,16 +126,26 @@ class CostModel:
     # ---- degrees ------------------------------------------------------------------------
     @cached_property
     def degrees(self) -> tuple[int, ...]:
-        """Ulysses degrees a group may have: powers of two up to the GPU count and head limit."""
-        top = min(self.num_gpus, self.model.max_sp_degree)
+        """Degrees a group may have: powers of two up to the GPU count and the head limit times
+        the ring limit (``max_ring``)."""
+        top = min(self.num_gpus, self.model.max_sp_degree * self.max_ring)
         return tuple(2**i for i in range(int(math.log2(top)) + 1))
+
+    def ulysses_degree(self, degree: int) -> int:
+        """The Ulysses part of a degree-d group: all of it up to the head limit."""
+        return min(degree, self.model.max_sp_degree)
+
+    def ring_degree(self, degree: int) -> int:
+        """The ring part of a degree-d group (1 up to the head limit): ``SPGroup.ring``."""
+        return degree // self.ulysses_degree(degree)
 
     def check_degree(self, degree) -> None:
         """Refuse an SP degree no group can have, naming the ones it can."""
         if not isinstance(degree, int) or isinstance(degree, bool) or degree not in self.degrees:
+            ring = f" times a ring of up to {self.max_ring}" if self.max_ring > 1 else ""
             raise ConfigError(f"SP degree {degree!r} is not allowed for {self.model.name} on {self.cluster.name}; "
                               f"allowed: {', '.join(map(str, self.degrees))} (powers of two up to the GPU count "
-                              f"that divide the heads)")
+                              f"that divide the heads{ring})")
 
     @property
     def max_seq_len(self) -> int:
@@ -171,18 +191,47 @@ class CostModel:
         return step_sync_ms(self.model, self.cluster, self.zero_stage, range(self.num_gpus))
 
     def comm_ms_per_token(self, degree: int) -> float:
-        if degree == 1:
+        """All-to-all ms per token of a degree-d group: each GPU sends its 1/d of the tokens
+        through the group's Ulysses part (the ring part adds ``ring_ms``)."""
+        u = self.ulysses_degree(degree)
+        if u == 1:
             return 0.0
         m = self.model
         mb_per_token = 8 * m.num_layers * m.hidden_size * m.activation_bytes / 2**20
-        return mb_per_token / degree / self.cluster.a2a_bandwidth(degree)
+        return mb_per_token / degree / self.cluster.a2a_bandwidth(u)
 
     def a2a_latency_ms(self, degree: int, layers: int | None = None) -> float:
         """Latency of the 8 all-to-all calls per layer (forward and backward) of a degree-d group
-        over ``layers`` layers (default: all)."""
-        if degree == 1:
-            return 0.0
-        return 8 * (self.model.num_layers if layers is None else layers) * self.cluster.a2a_latency(degree)
+        over ``layers`` layers (default: all), plus its ring's p2p calls."""
+        u, r = self.ulysses_degree(degree), self.ring_degree(degree)
+        layers = self.model.num_layers if layers is None else layers
+        a2a = 8 * layers * self.cluster.a2a_latency(u) if u > 1 else 0.0
+        return a2a + 3 * (r - 1) * layers * self.cluster.p2p_latency_ms
+
+    @cached_property
+    def ring_bandwidth_gbps(self) -> float:
+        """GB/s each GPU of a ring gets to its neighbour: the measured p2p figure, else the
+        cross-node links shared by a node's GPUs (rings span nodes once the Ulysses part fills them)."""
+        c = self.cluster
+        if c.p2p_bandwidth_gbps:
+            return float(c.p2p_bandwidth_gbps)
+        if c.num_nodes == 1:
+            return c.intra_node_gbps
+        return c.inter_node_gbps / c.gpus_per_node
+
+    def ring_ms(self, seq_len, degree: int):
+        """What a degree-d group's ring leaves exposed per sequence (0 without a ring): K/V blocks
+        pass r - 1 times around the ring forward, K/V and their gradients r - 1 times each backward
+        (3 (r - 1) transfers of s / r tokens of this GPU's K/V heads per layer), overlapped with the
+        attention work a1 s^2 / d that each step runs on the block in hand."""
+        s = np.asarray(seq_len, dtype=np.float64)
+        u, r = self.ulysses_degree(degree), self.ring_degree(degree)
+        if r == 1:
+            return np.zeros_like(s)
+        m = self.model
+        kv_mb_per_token = 2 * m.kv_heads * (m.hidden_size // m.num_attention_heads) * m.activation_bytes / 2**20 / u
+        p2p = 3 * (r - 1) * m.num_layers * (s / r) * kv_mb_per_token / self.ring_bandwidth_gbps
+        return np.maximum(0.0, p2p - self.a1 * s * s / degree)
 
     @property
     def micro_batch_fixed_ms(self) -> float:
@@ -198,7 +247,7 @@ class CostModel:
     def seq_time_ms(self, seq_len, degree: int):
         """Time of sequence(s) in a degree-d group, without the per-group b1 (array-friendly)."""
         s = np.asarray(seq_len, dtype=np.float64)
-        return (self.a1 * s * s + self.a2 * s) / degree + s * self.comm_ms_per_token(degree)
+        return (self.a1 * s * s + self.a2 * s) / degree + s * self.comm_ms_per_token(degree) + self.ring_ms(s, degree)
 
     def group_time_ms(self, lengths, degree: int) -> float:
         return self.group_fixed_ms(degree) + float(np.sum(self.seq_time_ms(lengths, degree)))

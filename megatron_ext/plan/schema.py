@@ -23,10 +23,17 @@ class SPGroup:
     ranks: list[int]
     seq_ids: list[int]
     estimated_time_s: float = 0.0
+    # ring (context-parallel) degree r: the group is r rings of Ulysses subgroups of degree / r
+    # ranks, Ulysses inner (ranks[i] holds ring block i // (degree / r)); 1: plain Ulysses
+    ring: int = 1
 
     @property
     def degree(self) -> int:
         return len(self.ranks)
+
+    @property
+    def ulysses(self) -> int:
+        return len(self.ranks) // self.ring
 
 
 @dataclass
@@ -76,6 +83,10 @@ class StepPlan:
     solver_status: str = ""  # how the plan was found, e.g. "milp", "lp_rounded", "fallback"
     dropped_seq_ids: list[int] = field(default_factory=list)
     baselines: dict[str, dict] = field(default_factory=dict)
+    # FlexSP plans: no barrier between micro-batches; a group starts when its own ranks are free,
+    # so GPU sets run different numbers of passes back to back (ZeRO 0/1/2 only: ZeRO-3 gathers
+    # parameters over every GPU in each pass). The step: the slowest rank, then the gradient sync.
+    barrier_free: bool = False
     version: int = VERSION
 
     # ---- JSON ---------------------------------------------------------------------------

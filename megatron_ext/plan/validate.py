@@ -88,6 +88,9 @@ def _validate_flexsp(plan: StepPlan, lengths: np.ndarray, cost: CostModel) -> No
             d = g.degree
             if not is_power_of_two(d) or d not in cost.degrees:
                 _fail(f"{where}: degree {d} is not allowed (powers of two up to {cost.degrees[-1]})")
+            if g.ring != cost.ring_degree(d):
+                _fail(f"{where}: ring degree {g.ring!r}, but a degree-{d} group is Ulysses "
+                      f"{cost.ulysses_degree(d)} x ring {cost.ring_degree(d)} (Ulysses up to the head limit)")
             start = g.ranks[0]
             if g.ranks != list(range(start, start + d)) or start % d or start + d > n:
                 _fail(f"{where}: ranks must be an aligned block [k*{d}, (k+1)*{d}) within {n} GPUs")
