@@ -55,6 +55,9 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
                         "(DDP), 1 optimizer states and master weights sharded over the GPUs (Megatron's "
                         "--use-distributed-optimizer), 2 gradients too, 3 parameters too (FSDP; default, the FlexSP "
                         "paper's setting); not read with --cost-model (the file's zero_stage, else 3)")
+    g.add_argument("--max-ring", type=positive_int, default=1, metavar="R",
+                   help="groups may reach past the heads' Ulysses limit with a ring (context parallel) of up to R "
+                        "Ulysses subgroups, K/V passed around it (a power of two; default 1: Ulysses only)")
 
 
 def add_planner_args(p: argparse.ArgumentParser) -> None:
@@ -70,6 +73,7 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
 def cost_from_args(args) -> CostModel:
     cost = (CostModel.from_yaml(args.cost_model) if args.cost_model
             else CostModel.from_presets(args.model, args.cluster, args.zero_stage))
+    cost = cost.with_max_ring(getattr(args, "max_ring", 1))
     memory = getattr(args, "memory_mb", None)  # plan / simulate: one budget for every planner
     return cost if memory is None else cost.with_memory(memory)
 

@@ -43,7 +43,7 @@ def scaled_cost(cost: CostModel, gpus: int) -> CostModel:
     if gpus % per_node:
         raise ConfigError(f"{gpus} GPUs is not a whole number of {cost.cluster.name}'s {per_node}-GPU nodes")
     cluster = dataclasses.replace(cost.cluster, num_nodes=gpus // per_node, name=f"{cost.cluster.name} x {gpus} GPUs")
-    return CostModel(cost.model, cluster, cost.zero_stage)
+    return dataclasses.replace(cost, cluster=cluster)
 
 
 def step_shares(plan, lengths: np.ndarray, cost: CostModel) -> tuple[float, float]:
