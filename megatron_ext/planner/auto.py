@@ -51,7 +51,8 @@ def pipeline_layouts(cost: CostModel, pp: int | None = None, sp: int | None = No
         if n % P or L % P or (pp is not None and P != pp):
             continue
         for d in cost.degrees:
-            if (n // P) % d or (sp is not None and d != sp):
+            # a stage's SP group is Ulysses only (no ring inside pipeline stages)
+            if (n // P) % d or (sp is not None and d != sp) or d > cost.model.max_sp_degree:
                 continue
             try:
                 PipelineCost(cost, P, d, memory_mb=memory_mb)

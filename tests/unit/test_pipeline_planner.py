@@ -329,6 +329,9 @@ def test_layouts_and_their_estimate():
     assert pipeline_layouts(COST, pp=2) == [(2, 2), (2, 4), (2, 8)]  # sp 16 is not allowed
     assert pipeline_layouts(COST, sp=8) == [(1, 8), (2, 8), (4, 8)] and pipeline_layouts(COST, pp=1) == [(1, 4), (1, 8)]
     assert pipeline_layouts(COST, pp=2, sp=8) == [(2, 8)]
+    # ring degrees past the head limit are FlexSP's: a stage's group stays Ulysses
+    ringed = COST.with_max_ring(4)
+    assert 16 in ringed.degrees and pipeline_layouts(ringed) == pipeline_layouts(COST)
     c7 = CostModel.from_presets("llama-7b", "a800-80g-8x4")  # 32 layers, 32 heads
     assert [x for x in pipeline_layouts(c7) if x[0] * x[1] == 32] == [(1, 32), (2, 16), (4, 8), (8, 4), (16, 2),
                                                                                (32, 1)]
