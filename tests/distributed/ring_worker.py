@@ -145,6 +145,29 @@ def ring_wrong_layout_is_detected():
     assert _global_max(worst) > 1e-2, worst
 
 
+@check
+def ring_refuses_clearly():
+    import pytest
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_ext.runtime.attention import UlyssesPackedSeqParams
+    from megatron_ext.runtime.slices import PrefixKVCache
+
+    r = ST["rank"]
+    others = tuple(x for x in range(4) if x != r)
+    with pytest.raises(ValueError, match=rf"this rank \({r}\) is not in the ring"):
+        UlyssesPackedSeqParams.build([8], None, ring_ranks=others[:2])
+    with pytest.raises(ValueError, match="token-level slices\\) run without a ring"):
+        UlyssesPackedSeqParams.build([8], None, ring_ranks=(0, 1, 2, 3), starts=[4], keys=["a"], continues=[False],
+                                     prefix_cache=PrefixKVCache())
+    attn = _attention(2, 1, 8)
+    attn.dropout_p = 0.1  # no CPU kernel with log-sum-exps takes attention dropout
+    params = UlyssesPackedSeqParams.build([8], None, ring_ranks=(0, 1, 2, 3))
+    q = torch.randn(2, 1, 2, 8, device=rank_device())
+    with pytest.raises(ValueError, match="ring attention needs a fused kernel with log-sum-exps"):
+        attn(q, q[:, :, :1], q[:, :, :1], None, attn_mask_type=AttnMaskType.causal, packed_seq_params=params)
+
+
 # ---- whole training steps --------------------------------------------------------------------------
 
 def _cost(max_ring: int = 2):
