@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--time-limit", type=float, default=1.0, help="planner time limit per step (s)")
     p.add_argument("--static-degree", type=int, help="degree of static_ulysses")
+    p.add_argument("--max-ring", type=int, default=1, metavar="R",
+                   help="FlexSP groups may reach past the heads' Ulysses limit with a ring (context parallel) of up "
+                   "to R Ulysses subgroups, K/V passed around it (a power of two; default 1: Ulysses only)")
     p.add_argument("--data", nargs="+", metavar="PREFIX",
                    help="a Megatron indexed dataset (PREFIX.bin/.idx), or a blend as Megatron-LM's --data-path takes "
                    "it: W1 PREFIX1 W2 PREFIX2 ... (each its weight's share of every batch); the tokenizer is that of a "

@@ -9,6 +9,10 @@ position p of the group (``ranks.index(rank)``) holds the contiguous shard
 those shards into whole sequences over heads/d, so every rank of the group must cut the buffer the
 same way: use these functions, never a private copy of the rule.
 
+A group with a ring (``SPGroup.ring`` r > 1, degree d = u x r) cuts the same shards: the buffer's
+r contiguous ring blocks of B/r tokens are each held by u ranks in order, so position p holds a
+shard of ring block ``p // u`` (its ``ring_position``) as Ulysses rank ``p % u`` there.
+
 Pure numpy: no torch, importable by the planner side and the runtime alike.
 """
 from __future__ import annotations
@@ -64,10 +68,26 @@ class RankShard:
     pad: int  # pad tokens appended to the buffer (padded length - num_tokens)
     start: int  # this rank's shard of the padded buffer: [start, end)
     end: int
+    ring: int = 1  # ring degree of the group (1: Ulysses only)
 
     @property
     def degree(self) -> int:
         return len(self.ranks)
+
+    @property
+    def ulysses(self) -> int:
+        return self.degree // self.ring
+
+    @property
+    def ring_position(self) -> int:
+        """The ring block this rank holds a shard of."""
+        return self.position // self.ulysses
+
+    @property
+    def block(self) -> tuple[int, int]:
+        """[start, end) of this rank's ring block in the padded buffer (the whole buffer without a ring)."""
+        size = (self.num_tokens + self.pad) // self.ring
+        return self.ring_position * size, (self.ring_position + 1) * size
 
     @property
     def cu_seqlens(self) -> np.ndarray:
@@ -97,7 +117,7 @@ def group_shards(plan: StepPlan, lengths) -> list[list[list[RankShard]]]:
             d = len(g.ranks)
             padded = padded_buffer_length(total, d)
             groups.append([RankShard(m, tuple(int(r) for r in g.ranks), p, ids, seq_lengths, total, padded - total,
-                                     *shard_bounds(total, d, p)) for p in range(d)])
+                                     *shard_bounds(total, d, p), ring=g.ring) for p in range(d)])
         out.append(groups)
     return out
 

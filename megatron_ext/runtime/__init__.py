@@ -8,6 +8,8 @@
 - ``kernels``: the attention backends behind one seam (``AttentionKernel``; ``sdpa``, ``flash``,
   ``te``, one module each) and ``pick_kernel``, which decides per call; names in ``backends``.
 - ``comm``: the autograd all-to-all of Ulysses.
+- ``ring``: ring attention between the Ulysses subgroups of a group past the heads' limit
+  (``SPGroup.ring``): K/V blocks around the ring by p2p, partial attentions merged by log-sum-exp.
 - ``rope``: true-position RoPE (``use_true_positions_for_rope``).
 - ``slices``: token-level slices, ``PrefixKVCache`` (prefix K/V and its held gradient between the
   slices of a sequence).

@@ -63,6 +63,11 @@ aligned bottom-right (flash-attn >= 2.1's ``causal=True``; TE's ``"padding_causa
 SDPA without any slice x prefix mask (``kernels.prefix_sdpa``: the prefix and the slice's own keys
 as two kernel calls merged by their log-sum-exps).
 
+Groups past the heads' Ulysses limit add a ring (``SPGroup.ring``, ``runtime/ring.py``): the buffer
+is cut into r ring blocks, each held by a Ulysses subgroup as above; after the all-to-all within
+the subgroup the ring passes K/V blocks between subgroups and merges the partial attentions by
+their log-sum-exps. The shards are those of a plain group of the same degree.
+
 Without ``UlyssesPackedSeqParams`` the module still works: with megatron's own ``thd``
 PackedSeqParams (``cu_seqlens_q``) it attends within each packed sequence locally, and with no
 packed params it is plain causal (or ``attention_mask``-masked) attention per batch row, like
@@ -92,6 +97,7 @@ from megatron_ext.plan.program import padded_buffer_length
 from megatron_ext.runtime.backends import ATTENTION_BACKENDS
 from megatron_ext.runtime.comm import all_to_all
 from megatron_ext.runtime.kernels import LayerKernels
+from megatron_ext.runtime.ring import ring_attention
 from megatron_ext.runtime.slices import slice_prefixes
 
 
@@ -105,8 +111,10 @@ class UlyssesPackedSeqParams(PackedSeqParams):
     attention must not squeeze them as "thd"), ``cu_seqlens_q/kv`` (int32 [n+1]) the real sequence
     boundaries in the group's packed buffer, ``cu_seqlens_q/kv_padded`` the same with the last
     boundary at S (the padding sits at the end of the buffer), ``max_seqlen_q/kv`` the longest
-    sequence. Extra fields: the group (None for degree 1), this rank's index in it, and
-    ``position_ids`` (int64 [S/d]): each local token's position within its own sequence.
+    sequence. Extra fields: the Ulysses group (None for Ulysses degree 1), this rank's index in it,
+    and ``position_ids`` (int64 [S/d]): each local token's position within its own sequence. A
+    group with a ring (``runtime/ring.py``) adds the global ranks of this rank's ring, in ring
+    order, and its place there: the Ulysses group is then the subgroup holding its ring block.
     Build it with ``UlyssesPackedSeqParams.build``.
     """
 
@@ -114,6 +122,8 @@ class UlyssesPackedSeqParams(PackedSeqParams):
     sp_group: Optional[dist.ProcessGroup] = None
     sp_degree: int = 1
     sp_rank: int = 0
+    ring_ranks: tuple = ()  # global ranks of this rank's ring, in ring order; () without a ring
+    ring_rank: int = 0  # this rank's place in the ring: the ring block it holds
     seq_lengths: tuple = ()
     num_tokens: int = 0  # real tokens of the group, T
     total_tokens: int = 0  # padded length of the group buffer, S
@@ -132,11 +142,16 @@ class UlyssesPackedSeqParams(PackedSeqParams):
     def build(cls, seq_lengths: Sequence[int], sp_group: Optional[dist.ProcessGroup] = None, *,
               pad_to_multiple_of: int = 1, device=None, starts: Optional[Sequence[int]] = None,
               keys: Optional[Sequence] = None, continues: Optional[Sequence[bool]] = None,
-              prefix_cache=None) -> "UlyssesPackedSeqParams":
+              prefix_cache=None, ring_ranks: Sequence[int] = ()) -> "UlyssesPackedSeqParams":
         """Layout of ``seq_lengths`` (the group's sequences in packing order) over ``sp_group``
         (this rank must be a member; None means degree 1). The buffer is padded to a multiple of
         ``degree * pad_to_multiple_of`` tokens. ``device``: where cu_seqlens and position_ids live
         (default CPU; use the GPU for the flash / TE backends).
+
+        A group with a ring of r Ulysses subgroups (``SPGroupPool.ring_layout``): ``sp_group`` is
+        this rank's Ulysses subgroup and ``ring_ranks`` the global ranks of its ring, this rank
+        among them; the group's degree is their product and this rank holds shard
+        ``ring position * u + Ulysses rank`` of the buffer (ring block ``ring position``).
 
         Token-level slices (a packed entry is the piece ``[start, start + length)`` of a longer
         sequence): ``starts`` (true position of each entry's first token), ``keys`` (a hashable per
@@ -166,18 +181,26 @@ class UlyssesPackedSeqParams(PackedSeqParams):
         r = 0 if sp_group is None else dist.get_rank(sp_group)
         if r < 0:
             raise ValueError("this rank is not a member of the SP group it was given")
+        ring_ranks = tuple(int(x) for x in ring_ranks) if len(ring_ranks) > 1 else ()
+        if ring_ranks and dist.get_rank() not in ring_ranks:
+            raise ValueError(f"this rank ({dist.get_rank()}) is not in the ring {list(ring_ranks)} it was given")
+        if ring_ranks and sliced:
+            raise ValueError("pieces of split sequences (token-level slices) run without a ring")
+        ring_rank = ring_ranks.index(dist.get_rank()) if ring_ranks else 0
+        degree = d * max(1, len(ring_ranks))  # the whole group's: every shard of the buffer
         real = sum(lengths)
-        total = padded_buffer_length(real, d * pad_to_multiple_of)
+        total = padded_buffer_length(real, degree * pad_to_multiple_of)
         cu = torch.tensor([0] + list(_cumsum(lengths)), dtype=torch.int32, device=device)
         cu_padded = cu.clone()
         cu_padded[-1] = total
-        shard = total // d
-        start = r * shard
+        shard = total // degree
+        start = (ring_rank * d + r) * shard
         positions = _positions(lengths, total, starts)[start:start + shard].to(device)
         ends = [a + n for a, n in zip(starts, lengths)] if starts else lengths
         return cls(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
                    cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths),
-                   sp_group=sp_group if d > 1 else None, sp_degree=d, sp_rank=r, seq_lengths=tuple(lengths),
+                   sp_group=sp_group if d > 1 else None, sp_degree=d, sp_rank=r, ring_ranks=ring_ranks,
+                   ring_rank=ring_rank, seq_lengths=tuple(lengths),
                    num_tokens=real, total_tokens=total, position_ids=positions,
                    max_position_id=max(max(ends), total - real) - 1,
                    seq_starts=starts if sliced else (), seq_keys=keys, seq_continues=continues if sliced else (),
@@ -188,15 +211,20 @@ class UlyssesPackedSeqParams(PackedSeqParams):
         """Whether some packed sequence is a piece of a split sequence (prefix K/V in play)."""
         return self.prefix_cache is not None and (any(self.seq_starts) or any(self.seq_continues))
 
+    @property
+    def ring_degree(self) -> int:
+        return max(1, len(self.ring_ranks))
+
     # -- this rank's shard --
     @property
     def shard_len(self) -> int:
-        return self.total_tokens // self.sp_degree
+        return self.total_tokens // (self.sp_degree * self.ring_degree)
 
     @property
     def shard_range(self) -> tuple[int, int]:
         """[start, end) of this rank's tokens in the group's padded buffer."""
-        return self.sp_rank * self.shard_len, (self.sp_rank + 1) * self.shard_len
+        start = (self.ring_rank * self.sp_degree + self.sp_rank) * self.shard_len
+        return start, start + self.shard_len
 
     def shard(self, packed: Tensor, dim: int = 0, pad_value=0) -> Tensor:
         """This rank's slice of a group-wide packed tensor (T or S long along ``dim``): e.g.
@@ -219,7 +247,8 @@ class UlyssesPackedSeqParams(PackedSeqParams):
         idx = torch.arange(start, end, device=self.position_ids.device)
         return (idx < self.num_tokens).float()
 
-    # -- the group's whole buffer (after the all-to-all every rank sees all S tokens) --
+    # -- the group's whole buffer (after the all-to-all every rank sees all S tokens, or with a
+    # ring all S/r tokens of its ring block) --
     def segment_bounds(self) -> list[int]:
         """Boundaries of the segments attention runs within: the sequences, then the padding."""
         b = [0] + list(_cumsum(self.seq_lengths))
@@ -329,9 +358,13 @@ class UlyssesAttention(MegatronModule):
         if d > 1:
             q, k, v = self._exchange_qkv(q, k, v, params.sp_group, d)
         q, k, v = q[:, 0], k[:, 0], v[:, 0]
-        # pieces of split sequences: prefix K/V from earlier chunks (runtime/slices.py)
-        prefixes = slice_prefixes(params, self.layer_number, k, v) if params.sliced else None
-        out = self._packed(q, k, v, params.segment_bounds(), causal, params._cache, prefixes)
+        if params.ring_degree > 1:  # this rank's ring block, over the blocks passed around the ring
+            out = ring_attention(q, k, v, params, causal, self.softmax_scale,
+                                 self.dropout_p if self.training else 0.0)
+        else:
+            # pieces of split sequences: prefix K/V from earlier chunks (runtime/slices.py)
+            prefixes = slice_prefixes(params, self.layer_number, k, v) if params.sliced else None
+            out = self._packed(q, k, v, params.segment_bounds(), causal, params._cache, prefixes)
         out = out.unsqueeze(1)  # [S, 1, hq/d, dh]
         if d > 1:
             out = all_to_all(out, params.sp_group, scatter_dim=0, gather_dim=2)

@@ -13,6 +13,12 @@ setting) the domain is the whole world and plan rank i is global rank i. With se
 creates the groups of every domain (torch.distributed requires all ranks to take part in every
 ``new_group``) and looks up in its own domain.
 
+A group with a ring (``SPGroup.ring`` r > 1, ``runtime/ring.py``) of degree d = u x r needs no
+group of its own: its Ulysses subgroups ``ranks[i*u:(i+1)*u]`` are aligned blocks of size u, which
+the pool holds already, and its rings (``ranks[p::u]``) pass K/V blocks with p2p over the default
+group, between global ranks (``ring_layout``). Nothing is created per micro-batch, so ranks can
+never disagree on a creation order.
+
 The pool works beside megatron-core's ``parallel_state``: it only adds groups and never touches
 megatron's.
 """
@@ -115,6 +121,21 @@ class SPGroupPool:
         return self._groups[key]
 
     __getitem__ = get
+
+    def ring_layout(self, ranks: Iterable[int], ring: int) -> tuple[dist.ProcessGroup | None, tuple[int, ...]]:
+        """This rank's part of a plan group with a ring of ``ring`` Ulysses subgroups: (the
+        process group of its Ulysses subgroup, None for Ulysses degree 1; the global ranks of its
+        ring in ring order, () for ring 1), as ``UlyssesPackedSeqParams.build`` takes them."""
+        key = tuple(int(r) for r in ranks)
+        if not (is_power_of_two(ring) and len(key) % ring == 0):
+            raise InvalidPlanError(f"SP group {list(key)}: ring degree {ring} is not a power of two dividing its "
+                                   f"{len(key)} ranks")
+        self.get(key)  # an aligned block with this rank in it
+        u, p = len(key) // ring, key.index(self.rank)
+        block = p // u
+        ulysses = self.get(key[block * u:(block + 1) * u])
+        ring_ranks = tuple(self.domain[r] for r in key[p % u::u]) if ring > 1 else ()
+        return ulysses, ring_ranks
 
     def my_group(self, micro_batch) -> tuple[object, dist.ProcessGroup | None] | None:
         """``(plan_group, process_group)`` of the group of ``micro_batch`` (a MicroBatchPlan, or any

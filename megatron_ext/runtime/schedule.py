@@ -65,7 +65,8 @@ def micro_batch_inputs(step: Step, pool: SPGroupPool, pad_id: int, device=None):
         if shard is None:
             yield None
             continue
-        params = UlyssesPackedSeqParams.build(shard.seq_lengths, pool.get(shard.ranks), device=device)
+        ulysses_group, ring_ranks = pool.ring_layout(shard.ranks, shard.ring)
+        params = UlyssesPackedSeqParams.build(shard.seq_lengths, ulysses_group, ring_ranks=ring_ranks, device=device)
         st = shard_tokens(shard, step.batch, pad_id)
         labels, loss_mask = model_labels(st.labels)
         yield ModelInput(
@@ -75,7 +76,8 @@ def micro_batch_inputs(step: Step, pool: SPGroupPool, pad_id: int, device=None):
             loss_mask=torch.from_numpy(loss_mask)[None].to(device),
             packed_seq_params=params,
             degree=shard.degree,
-            group=f"SP group d{shard.degree} ranks {shard.ranks[0]}..{shard.ranks[-1]}: seqs "
+            group=f"SP group d{shard.degree}{f' (ring {shard.ring})' if shard.ring > 1 else ''} ranks "
+                  f"{shard.ranks[0]}..{shard.ranks[-1]}: seqs "
                   + ", ".join(map(str, shard.seq_ids)),
         )
 

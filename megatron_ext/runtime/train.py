@@ -31,7 +31,7 @@ from megatron_ext.runtime.checkpoint import check_checkpoint_args
 from megatron_ext.runtime.device import rank_device
 from megatron_ext.runtime.records import step_record
 from megatron_ext.runtime.timing import DeviceClock
-from megatron_ext.spec import ModelSpec, read_yaml
+from megatron_ext.spec import ModelSpec, is_power_of_two, read_yaml
 
 
 def initial_weights(spec: ModelSpec, vocab_size: int, max_seq_len: int, backend: str, seed: int) -> dict:
@@ -123,10 +123,13 @@ TRAIN_ZERO_STAGE = 0
 
 def train_cost_model(args) -> CostModel:
     """The cost model a run plans with: ``--cost-model``, else the ``--model`` and ``--cluster``
-    presets, at the ZeRO stage ``train`` runs (a YAML stating another stage is refused)."""
+    presets, at the ZeRO stage ``train`` runs (a YAML stating another stage is refused), with
+    groups of up to ``--max-ring`` Ulysses subgroups in a ring."""
+    if not is_power_of_two(args.max_ring):  # (read here first: check_args gets the model it makes)
+        raise ConfigError(f"--max-ring must be a power of two (1: no ring), got {args.max_ring}")
     if not args.cost_model:
-        return CostModel.from_presets(args.model, args.cluster, TRAIN_ZERO_STAGE)
-    cost = CostModel.from_yaml(args.cost_model, TRAIN_ZERO_STAGE)
+        return CostModel.from_presets(args.model, args.cluster, TRAIN_ZERO_STAGE).with_max_ring(args.max_ring)
+    cost = CostModel.from_yaml(args.cost_model, TRAIN_ZERO_STAGE).with_max_ring(args.max_ring)
     if cost.zero_stage != TRAIN_ZERO_STAGE:
         raise ConfigError(f"--cost-model {args.cost_model} says zero_stage: {cost.zero_stage}, but train keeps every "
                           f"model state on every rank (stage {TRAIN_ZERO_STAGE}: no distributed optimizer); "
@@ -154,6 +157,9 @@ def check_args(args, cost: CostModel, world: int) -> bool:
         raise ConfigError(f"--pp {args.pp} needs a pipeline planner ({runnable}), not {args.planner}")
     if args.pp < 1 or world % args.pp or cost.model.num_layers % args.pp:
         raise ConfigError(f"--pp {args.pp} must divide the {world} ranks and the {cost.model.num_layers} layers")
+    if cost.max_ring > 1 and pipelined:
+        raise ConfigError(f"--max-ring {cost.max_ring} applies to FlexSP planners; the stages of {args.planner} run "
+                          f"Ulysses groups only")
     if args.sp is not None and not pipelined:
         raise ConfigError(f"--sp applies only to pipeline planners ({runnable}); {args.planner} chooses its SP "
                           f"degrees itself")

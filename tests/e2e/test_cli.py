@@ -221,6 +221,8 @@ def test_cluster_yaml_numbers_must_be_finite(capsys, tmp_path, field, value):
     (["--compare", "flexsp,typo"], "unknown planner 'typo'"),  # before the flexsp run trains
     (["--compare", "flexsp,static_ulysses,flexsp"], "--compare names flexsp more than once"),
     (["--compare", "elastic_pp,flexsp", "--pp", "2"], "--pp 2 needs a pipeline planner"),  # before elastic_pp trains
+    (["--max-ring", "3"], "--max-ring must be a power of two (1: no ring), got 3"),
+    (["--compare", "flexsp,elastic_pp", "--max-ring", "2"], "--max-ring 2 applies to FlexSP planners"),
 ])
 def test_train_refuses_before_launching(capsys, argv, match):
     assert_one_line_error(*run(capsys, "train", "--steps", "1", *argv), match)

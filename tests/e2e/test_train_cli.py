@@ -2,7 +2,8 @@
 plans. Five launches: flexsp, static_ulysses, a 2-stage elastic pipeline of SP 2, two replicas
 of a 2-stage pipeline of SP 1 and auto (per step FlexSP or one-stage pipeline replicas, on the
 same model) on the same seed must report the same loss and grad norm at every step (one function
-computed, whatever the layout)."""
+computed, whatever the layout). Two more launches do the same for groups with a ring, on a model
+with 2 KV heads."""
 from __future__ import annotations
 
 import json
@@ -36,6 +37,22 @@ def runs(tmp_path_factory):
     runs["elastic_pp replicas"] = _train("elastic_pp", "--pp", "2", "--sp", "1")
     runs["auto"] = _train("auto")
     return runs
+
+
+def test_ring_groups_train_the_same_function(tmp_path):
+    # 2 KV heads: Ulysses up to 2, so --max-ring 2's degree-4 groups are Ulysses 2 x ring 2
+    from megatron_ext.spec import PRESET_DIR
+
+    model = tmp_path / "tiny-kv2.yaml"
+    model.write_text((PRESET_DIR / "models" / "tiny.yaml").read_text().replace("num_query_groups: 4",
+                                                                                "num_query_groups: 2"))
+    ring = _train("static_ulysses", "--model", str(model), "--max-ring", "2")
+    plain = _train("static_ulysses", "--model", str(model), "--static-degree", "2")
+    assert {d for r in ring for d in r["degrees"]} == {4} and {d for r in plain for d in r["degrees"]} == {2}
+    for x, y in zip(ring, plain, strict=True):
+        assert x["tokens"] == y["tokens"]
+        assert abs(x["loss"] - y["loss"]) / y["loss"] < 1e-4, (x, y)
+        assert abs(x["grad_norm"] - y["grad_norm"]) / y["grad_norm"] < 1e-4, (x, y)
 
 
 def test_records_have_the_contract_keys(runs):

@@ -342,3 +342,21 @@ def test_a_named_te_backend_reports_why_te_has_no_kernel(monkeypatch):
         _module("te")._packed(q, k, v, bounds, True, None)
     with pytest.raises(RuntimeError, match="no kernel for this attention .'padding_causal_bottom_right'"):
         _module("te")._packed(q, k, v, bounds, True, None, prefixes)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("lengths,r", [([5, 3, 9, 1, 6], 4), ([24], 2), ([1, 1, 1, 13], 8), ([7, 9], 2)])
+def test_ring_pieces_over_all_blocks_are_the_block_diagonal_mask(lengths, r, causal):
+    from megatron_ext.runtime.kernels.sdpa import _block_causal_mask
+    from megatron_ext.runtime.ring import ring_pieces
+
+    total = -(-sum(lengths) // r) * r  # padded to a multiple of the ring blocks
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()] + ([total] if total > sum(lengths) else [])
+    block = total // r
+    got = torch.zeros(total, total, dtype=torch.bool)
+    for i in range(r):
+        for j in range(r):
+            for qa, qb, ka, kb, c in ring_pieces(bounds, block, i, j, causal):
+                part = torch.ones(qb - qa, kb - ka, dtype=torch.bool)
+                got[i * block + qa:i * block + qb, j * block + ka:j * block + kb] = part.tril() if c else part
+    assert torch.equal(got, _block_causal_mask(bounds, causal, "cpu"))

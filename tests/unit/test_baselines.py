@@ -244,3 +244,18 @@ def test_batchada_is_the_static_plan_at_its_degree(seed):
     static = make_plan("static_ulysses", lengths, cost, PlannerOptions(static_degree=d))
     assert _layout(static) == _layout(ada)
     assert static.estimated_step_time_s == ada.estimated_step_time_s
+
+
+@pytest.mark.parametrize("planner", ["flexsp", *BASELINES])
+def test_groups_past_the_head_limit_get_their_ring(planner):
+    # 1 KV head: Ulysses degree 1, so every wider group is a ring; the plan validates only with
+    # each group's ring set to the cost model's split (plan/validate.py)
+    import dataclasses
+
+    base = small_cost()
+    cost = dataclasses.replace(base, model=dataclasses.replace(base.model, num_query_groups=1)).with_max_ring(4)
+    lengths = [cost.token_capacity(1) * 3, 100, 50, 700]  # the first needs degree 4
+    plan = make_plan(planner, lengths, cost, PlannerOptions(time_limit=1.0))
+    groups = [g for mb in plan.micro_batches for g in mb.groups]
+    assert all(g.ring == g.degree for g in groups) and max(g.degree for g in groups) == 4
+    validate(plan, lengths, cost)

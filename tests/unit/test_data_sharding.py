@@ -1,4 +1,6 @@
 """Each rank's part of a FlexSP plan: the pad rule, full coverage, positions and labels."""
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -117,3 +119,31 @@ def test_errors():
     with pytest.raises(InvalidPlanError, match="sequence 0 has 4 tokens"):
         shard_tokens(shard, _batch([4, 3, 10, 6, 1]), PAD)
     assert num_loss_tokens(lengths, dropped_seq_ids=[2]) == 4 + 2 + 5 + 0
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.integers(1, 3000), min_size=1, max_size=30))
+def test_ring_groups_cut_the_same_shards_and_know_their_ring_block(lengths):
+    # one KV head: Ulysses degree 1, so every group of degree 2 or 4 is a ring (--max-ring 4)
+    cost = small_cost()
+    cost = dataclasses.replace(cost, model=dataclasses.replace(cost.model, num_query_groups=1)).with_max_ring(4)
+    lengths = np.array(lengths)
+    plan = make_plan("flexsp", lengths, cost, PlannerOptions(time_limit=0.2))
+    _check_coverage(plan, lengths, _batch(lengths, seed=len(lengths)))
+    for m, mb in enumerate(plan.micro_batches):
+        for g in mb.groups:
+            assert g.ring == g.degree and g.ulysses == 1
+            for r in g.ranks:
+                s = rank_part(plan, r, lengths)[m]
+                assert (s.ring, s.ulysses, s.ring_position) == (g.ring, 1, s.position)
+                assert s.block == (s.start, s.end)  # Ulysses 1: a rank's shard is its whole ring block
+
+
+def test_ulysses_x_ring_shards_lie_in_their_ring_block():
+    plan = StepPlan(kind="flexsp", num_gpus=8, micro_batches=[
+        MicroBatchPlan([SPGroup(list(range(8)), [0, 1, 2], ring=2)])])
+    lengths = np.array([30, 7, 9])  # 46 tokens -> 48: ring blocks [0, 24) and [24, 48), shards of 6
+    for r in range(8):
+        s = rank_part(plan, r, lengths)[0]
+        assert (s.ulysses, s.ring_position, s.block) == (4, r // 4, (24 * (r // 4), 24 * (r // 4 + 1)))
+        assert (s.start, s.end) == (6 * r, 6 * r + 6)

@@ -21,7 +21,16 @@ def test_device_choice_without_cuda():
 
 
 def _args(**kw):
-    return argparse.Namespace(**{"cost_model": None, "model": "tiny", "cluster": "cpu-4", **kw})
+    return argparse.Namespace(**{"cost_model": None, "model": "tiny", "cluster": "cpu-4", "max_ring": 1, **kw})
+
+
+def test_train_plans_with_its_max_ring():
+    assert train_cost_model(_args()).max_ring == 1
+    cost = train_cost_model(_args(max_ring=2))
+    assert cost.max_ring == 2
+    for bad in (0, 3, -2):
+        with pytest.raises(ConfigError, match=f"--max-ring must be a power of two \\(1: no ring\\), got {bad}"):
+            train_cost_model(_args(max_ring=bad))
 
 
 def test_train_plans_at_the_stage_it_runs(tmp_path):

@@ -40,7 +40,7 @@ def plan_sp(name: str, fn: SPPlanFn, lengths, cost: CostModel, options=None, *, 
     mbs = []
     for groups in micro_batches:
         ranks = place_groups([d for d, _ in groups], cost.num_gpus)
-        mbs.append(MicroBatchPlan([SPGroup(r, sorted(int(ids[i]) for i in members))
+        mbs.append(MicroBatchPlan([SPGroup(r, sorted(int(ids[i]) for i in members), ring=cost.ring_degree(len(r)))
                                    for r, (_, members) in sorted(zip(ranks, groups), key=lambda x: x[0][0])]))
     plan = StepPlan(kind="flexsp", num_gpus=cost.num_gpus, planner=name, micro_batches=mbs,
                     solve_time_s=solve_time, solver_status=status,

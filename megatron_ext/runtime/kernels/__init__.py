@@ -23,11 +23,12 @@ from torch import Tensor
 from megatron_ext.runtime.backends import ATTENTION_BACKENDS, AUTO_ORDER
 from megatron_ext.runtime.kernels.base import KERNELS, AttentionKernel, NoKernel, VarlenKernel
 from megatron_ext.runtime.kernels.sdpa import (SDPA_DENSE_MASK_MAX_ELEMENTS, SdpaKernel, dense_mask_fits,
-                                               masked_sdpa, prefix_sdpa, prefixed_attention, sdpa_packed)
+                                               expand_kv, fold_kv, lse_kernels, lse_merge, masked_sdpa, prefix_sdpa,
+                                               prefixed_attention, sdpa_packed)
 
 __all__ = ["AttentionKernel", "KERNELS", "LayerKernels", "NoKernel", "SDPA_DENSE_MASK_MAX_ELEMENTS", "SdpaKernel",
-           "VarlenKernel", "available_backends", "dense_mask_fits", "kernel_class", "masked_sdpa", "pick_kernel",
-           "prefix_sdpa", "prefixed_attention", "sdpa_packed"]
+           "VarlenKernel", "available_backends", "dense_mask_fits", "expand_kv", "fold_kv", "kernel_class",
+           "lse_kernels", "lse_merge", "masked_sdpa", "pick_kernel", "prefix_sdpa", "prefixed_attention", "sdpa_packed"]
 
 
 def _load_backends() -> None:

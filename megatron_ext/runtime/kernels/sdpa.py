@@ -56,7 +56,7 @@ class _MaskedFlashCPU(torch.autograd.Function):
     def forward(ctx, q, k, v, make_mask, scale):
         groups = q.shape[1] // k.shape[1]
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, _expand_kv(k, groups), _expand_kv(v, groups), 0.0, False, attn_mask=_additive(make_mask(), q.dtype),
+            q, expand_kv(k, groups), expand_kv(v, groups), 0.0, False, attn_mask=_additive(make_mask(), q.dtype),
             scale=scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.make_mask, ctx.scale, ctx.groups = make_mask, scale, groups
@@ -67,16 +67,16 @@ class _MaskedFlashCPU(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         g = ctx.groups
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad.contiguous(), q, _expand_kv(k, g), _expand_kv(v, g), out, lse, 0.0, False,
+            grad.contiguous(), q, expand_kv(k, g), expand_kv(v, g), out, lse, 0.0, False,
             attn_mask=_additive(ctx.make_mask(), q.dtype), scale=ctx.scale)
-        return dq, _fold_kv(dk, k.shape[1]), _fold_kv(dv, v.shape[1]), None, None
+        return dq, fold_kv(dk, k.shape[1]), fold_kv(dv, v.shape[1]), None, None
 
 
-def _expand_kv(t: Tensor, groups: int) -> Tensor:
+def expand_kv(t: Tensor, groups: int) -> Tensor:
     return t.repeat_interleave(groups, dim=1) if groups > 1 else t
 
 
-def _fold_kv(grad: Tensor, heads: int) -> Tensor:
+def fold_kv(grad: Tensor, heads: int) -> Tensor:
     """The gradient of an expanded K/V summed back over the query heads each KV head served."""
     return grad.unflatten(1, (heads, grad.shape[1] // heads)).sum(2) if grad.shape[1] != heads else grad
 
@@ -109,13 +109,23 @@ def _efficient_backward(grad, q, k, v, out, lse, rng, causal, scale, dropout_p):
     return dq, dk, dv
 
 
-def _lse_kernels(q: Tensor, dropout_p: float):
+def lse_kernels(q: Tensor, dropout_p: float):
     """(forward, backward) of a fused kernel that takes ``q`` and returns log-sum-exps, or None."""
     if q.device.type == "cpu":
         return (_cpu_flash_forward, _cpu_flash_backward) if dropout_p == 0.0 and q.dtype in _CPU_FLASH_DTYPES else None
     if q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.shape[-1] % 8 == 0:
         return _efficient_forward, _efficient_backward
     return None
+
+
+def lse_merge(o1: Tensor, l1: Tensor, o2: Tensor, l2: Tensor) -> tuple[Tensor, Tensor]:
+    """Two attentions of the same queries over disjoint keys as one: outputs ``o`` [..., s, d] and
+    their log-sum-exps ``l`` [..., >= s] (a kernel's padding rows beyond s merge like the others)
+    -> (the output of the union of the keys, its log-sum-exp)."""
+    s = o1.shape[-2]
+    lse = torch.logaddexp(l1, l2)
+    w1, w2 = (torch.exp(l[..., :s] - lse[..., :s]).unsqueeze(-1) for l in (l1, l2))
+    return o1 * w1 + o2 * w2, lse
 
 
 class _PrefixAttention(torch.autograd.Function):
@@ -128,11 +138,10 @@ class _PrefixAttention(torch.autograd.Function):
     def forward(ctx, q, kp, vp, ko, vo, causal, scale, dropout_p, kernels):
         g, s = q.shape[1] // kp.shape[1], q.shape[2]
         forward_kernel = kernels[0]
-        o1, l1, rng1 = forward_kernel(q, _expand_kv(kp, g), _expand_kv(vp, g), False, scale, dropout_p)
-        o2, l2, rng2 = forward_kernel(q, _expand_kv(ko, g), _expand_kv(vo, g), causal, scale, dropout_p)
-        lse = torch.logaddexp(l1, l2)
-        w1, w2 = (torch.exp(l[..., :s] - lse[..., :s]).unsqueeze(-1) for l in (l1, l2))
-        out = (o1 * w1 + o2 * w2).to(q.dtype)
+        o1, l1, rng1 = forward_kernel(q, expand_kv(kp, g), expand_kv(vp, g), False, scale, dropout_p)
+        o2, l2, rng2 = forward_kernel(q, expand_kv(ko, g), expand_kv(vo, g), causal, scale, dropout_p)
+        out, lse = lse_merge(o1, l1, o2, l2)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, kp, vp, ko, vo, out, lse)
         ctx.causal, ctx.scale, ctx.dropout_p, ctx.kernels, ctx.rng = causal, scale, dropout_p, kernels, (rng1, rng2)
         return out
@@ -142,11 +151,11 @@ class _PrefixAttention(torch.autograd.Function):
         q, kp, vp, ko, vo, out, lse = ctx.saved_tensors
         g, hk, grad = q.shape[1] // kp.shape[1], kp.shape[1], grad.contiguous()
         backward_kernel, p = ctx.kernels[1], ctx.dropout_p
-        dq1, dkp, dvp = backward_kernel(grad, q, _expand_kv(kp, g), _expand_kv(vp, g), out, lse, ctx.rng[0], False,
+        dq1, dkp, dvp = backward_kernel(grad, q, expand_kv(kp, g), expand_kv(vp, g), out, lse, ctx.rng[0], False,
                                         ctx.scale, p)
-        dq2, dko, dvo = backward_kernel(grad, q, _expand_kv(ko, g), _expand_kv(vo, g), out, lse, ctx.rng[1],
+        dq2, dko, dvo = backward_kernel(grad, q, expand_kv(ko, g), expand_kv(vo, g), out, lse, ctx.rng[1],
                                         ctx.causal, ctx.scale, p)
-        return (dq1 + dq2, _fold_kv(dkp, hk), _fold_kv(dvp, hk), _fold_kv(dko, hk), _fold_kv(dvo, hk),
+        return (dq1 + dq2, fold_kv(dkp, hk), fold_kv(dvp, hk), fold_kv(dko, hk), fold_kv(dvo, hk),
                 None, None, None, None)
 
 
@@ -155,15 +164,15 @@ def _prefix_attention_unfused(q, kp, vp, ko, vo, causal: bool, scale: float, dro
     CPU, float64 on CUDA, ...): like any unfused attention it holds slice x (prefix + slice) scores
     per head; the only mask is the slice's own [s, s] triangle."""
     g, s, c = q.shape[1] // kp.shape[1], q.shape[2], kp.shape[2]
-    prefix_scores = torch.matmul(q, _expand_kv(kp, g).transpose(-1, -2)) * scale
-    own_scores = torch.matmul(q, _expand_kv(ko, g).transpose(-1, -2)) * scale
+    prefix_scores = torch.matmul(q, expand_kv(kp, g).transpose(-1, -2)) * scale
+    own_scores = torch.matmul(q, expand_kv(ko, g).transpose(-1, -2)) * scale
     if causal:
         own_scores = own_scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     softmax_dtype = torch.promote_types(q.dtype, torch.float32)  # at least fp32 for half inputs
     probs = torch.softmax(torch.cat([prefix_scores, own_scores], -1), -1, dtype=softmax_dtype).to(q.dtype)
     if dropout_p > 0.0:
         probs = F.dropout(probs, dropout_p)
-    return torch.matmul(probs[..., :c], _expand_kv(vp, g)) + torch.matmul(probs[..., c:], _expand_kv(vo, g))
+    return torch.matmul(probs[..., :c], expand_kv(vp, g)) + torch.matmul(probs[..., c:], expand_kv(vo, g))
 
 
 def prefix_sdpa(q: Tensor, kp: Tensor, vp: Tensor, ko: Tensor, vo: Tensor, causal: bool, scale: float,
@@ -171,7 +180,7 @@ def prefix_sdpa(q: Tensor, kp: Tensor, vp: Tensor, ko: Tensor, vo: Tensor, causa
     """Attention of a slice at its true positions: ``q`` [1, hq, s, d] over its prefix's K/V
     ``kp``/``vp`` [1, hk, c, d] (all visible) and its own ``ko``/``vo`` [1, hk, s, d] (up to each
     query when ``causal``). No [s, c] mask is built and nothing of that size is kept for the backward."""
-    kernels = _lse_kernels(q, dropout_p)
+    kernels = lse_kernels(q, dropout_p)
     if kernels is None:
         return _prefix_attention_unfused(q, kp, vp, ko, vo, causal, scale, dropout_p)
     return _PrefixAttention.apply(q, kp, vp, ko, vo, causal, scale, dropout_p, kernels)
