@@ -55,7 +55,8 @@ def cmd_bench(args) -> int:
     if args.gpus is not None:
         result = bench_scale(cost, gpus=parse_gpu_counts(args.gpus), dists=args.dist.split(","),
                              batches=args.batches, per_gpu=args.per_gpu, max_seq_len=args.max_seq_len,
-                             options=options_from_args(args), planners=tuple(dict.fromkeys((args.planner, "timelines"))))
+                             options=options_from_args(args),
+                             planners=tuple(dict.fromkeys((args.planner, "timelines"))))
         print(json.dumps(result, indent=1) if args.json else result["table"])
         return 0
     result = bench_planner(cost, dists=args.dist.split(","), batches=args.batches, batch=args.batch,

@@ -9,9 +9,9 @@ Two layers, so the drawing can be tested without looking at pixels:
   box per chunk and stage, and a recompute box (``R``) at the start of a backward that re-runs layers.
   FlexSP-kind plans: one row per GPU; one box (``G``) per SP group and micro-batch, spanning the
   group's GPUs for its time (without a barrier, ``StepPlan.barrier_free``, where it really runs:
-  from when its own GPUs are free; no micro-batch marks then). ``PlotData.hist`` (``LengthHist``) puts every sequence of the batch
-  in a power-of-two length bucket with the plan's choice for it: the degree of its SP group
-  (FlexSP) or whole / cut into k slices (elastic pipelines).
+  from when its own GPUs are free; no micro-batch marks then). ``PlotData.hist`` (``LengthHist``)
+  puts every sequence of the batch in a power-of-two length bucket with the plan's choice for it:
+  the degree of its SP group (FlexSP) or whole / cut into k slices (elastic pipelines).
 - ``draw(data, path)`` renders it with matplotlib's object-oriented Figure (no pyplot, no display
   needed, the global backend untouched): the timeline
   on top, the memory per GPU of each stage (or the max over replicas, the max/mean over GPUs) below,

@@ -107,12 +107,13 @@ def bench_scale(cost: CostModel, gpus: list[int], dists: list[str], batches: int
             summary.append(s)
             lines.append(f"{n:>5} GPUs, {planner:<10}: time limit held by {s['held']}/{s['plans']} plans (max "
                          f"{s['max_solve_time_s']:.2f} s); step median {s['median_step_time_s']:.2f} s, / bound "
-                         f"{s['median_ratio_to_bound']:.3f}, / any-degree bound {s['median_ratio_to_relaxed_bound']:.3f},"
-                         f" / barrier-free bound {s['median_ratio_to_barrier_free_bound']:.3f}")
-    lines.append("mb-bd: FlexSP's bound with a barrier between micro-batches (a barrier-free plan may beat it); any-deg: "
-                 "the same, any number of GPUs per sequence; no-bar: the barrier-free bound, below every FlexSP-kind "
-                 "plan; mbs: passes of the busiest GPU; idle: GPU-time idle before the last pass ends over N x step; "
-                 "path: the longest sequence alone at its fastest allowed degree (with b1) over the step")
+                         f"{s['median_ratio_to_bound']:.3f}, / any-degree bound "
+                         f"{s['median_ratio_to_relaxed_bound']:.3f}, / barrier-free bound "
+                         f"{s['median_ratio_to_barrier_free_bound']:.3f}")
+    lines.append("mb-bd: FlexSP's bound with a barrier between micro-batches (a barrier-free plan may beat it); "
+                 "any-deg: the same, any number of GPUs per sequence; no-bar: the barrier-free bound, below every "
+                 "FlexSP-kind plan; mbs: passes of the busiest GPU; idle: GPU-time idle before the last pass ends over "
+                 "N x step; path: the longest sequence alone at its fastest allowed degree (with b1) over the step")
     for p in left_out:
         lines.append(f"{p}: no rows at ZeRO-3 (without a barrier, GPU sets cannot share ZeRO-3's parameter gathers "
                      f"over every GPU in each pass); pass --zero-stage 2 (or 1, 0) to bench it")

@@ -86,7 +86,7 @@ def test_barrier_free_boxes_are_where_each_group_runs(tmp_path):
     """A timelines plan: each group's box starts when its own GPUs are free (the simulator's events),
     GPU sets run different numbers of passes, no micro-batch marks; the file renders."""
     cost = CostModel.from_presets("llama-13b", "a800-80g-8x4", zero_stage=2)
-    lengths = np.array([60000, 20000, 9000, 3000, 3000, 800, 500, 100] * 4)
+    lengths = np.array([60000] + [20000] * 3 + [3000] * 40 + [500] * 100)
     plan = make_plan("timelines", lengths, cost)
     res = simulate(plan, lengths, cost)
     data = plot_data(plan, lengths, cost, result=res)

@@ -86,7 +86,8 @@ def test_plans_are_valid_exact_and_above_the_bound(lengths, wide):
     for r in range(cost.num_gpus):  # a rank's passes run one after another, in micro-batch order
         events = res.timeline(r)
         assert all(a.end_s <= b.start_s + 1e-12 for a, b in zip(events, events[1:]))
-        assert [int(e.label.split(":")[0][2:]) for e in events] == sorted(int(e.label.split(":")[0][2:]) for e in events)
+        order = [int(e.label.split(":")[0][2:]) for e in events]
+        assert order == sorted(order)
 
 
 def test_at_scale_gpu_sets_run_different_numbers_of_passes_and_beat_the_barrier():
