@@ -3,8 +3,9 @@
 For each distribution and seed: the plan's solve time, its estimated step time, the ratio to the
 lower bound and its speedup over every baseline, all timed with the same cost model. A scale row
 plans 8,192 sequences on 1,024 GPUs of the same kind. With ``--gpus``, a table across cluster
-sizes instead: per GPU count and distribution, plan time against the limit, the step against both
-bounds (cost/bounds.py), and where the rest of the step goes (commands/scale.py).
+sizes instead: per GPU count and distribution, plan time against the limit, the step against three
+bounds (cost/bounds.py), and where the rest of the step goes (commands/scale.py), for the planner
+and the barrier-free ``timelines`` next to it (at ZeRO 0/1/2; at ZeRO-3 the table says why not).
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def add_bench_command(sub) -> None:
     bp.add_argument("--no-scale", action="store_true", help="skip the 1,024-GPU / 8,192-sequence row")
     bp.add_argument("--gpus", metavar="N,N,...",
                     help="a table across cluster sizes instead: the cluster scaled to each GPU count, "
-                         "--per-gpu sequences per GPU, no baselines")
+                         "--per-gpu sequences per GPU, --planner and timelines (barrier-free: at --zero-stage 0-2 "
+                         "only), no baselines")
     bp.add_argument("--per-gpu", type=int, default=8, help="with --gpus: sequences per GPU in a batch (default: 8)")
     bp.add_argument("--json", action="store_true")
     add_cost_args(bp)
@@ -53,7 +55,8 @@ def cmd_bench(args) -> int:
     if args.gpus is not None:
         result = bench_scale(cost, gpus=parse_gpu_counts(args.gpus), dists=args.dist.split(","),
                              batches=args.batches, per_gpu=args.per_gpu, max_seq_len=args.max_seq_len,
-                             options=options_from_args(args), planner=args.planner)
+                             options=options_from_args(args),
+                             planners=tuple(dict.fromkeys((args.planner, "timelines"))))
         print(json.dumps(result, indent=1) if args.json else result["table"])
         return 0
     result = bench_planner(cost, dists=args.dist.split(","), batches=args.batches, batch=args.batch,

@@ -8,9 +8,10 @@ Two layers, so the drawing can be tested without looking at pixels:
   replicas run side by side, each replica's rows a block); a forward (``F``) and a backward (``B``)
   box per chunk and stage, and a recompute box (``R``) at the start of a backward that re-runs layers.
   FlexSP-kind plans: one row per GPU; one box (``G``) per SP group and micro-batch, spanning the
-  group's GPUs for its time. ``PlotData.hist`` (``LengthHist``) puts every sequence of the batch
-  in a power-of-two length bucket with the plan's choice for it: the degree of its SP group
-  (FlexSP) or whole / cut into k slices (elastic pipelines).
+  group's GPUs for its time (without a barrier, ``StepPlan.barrier_free``, where it really runs:
+  from when its own GPUs are free; no micro-batch marks then). ``PlotData.hist`` (``LengthHist``)
+  puts every sequence of the batch in a power-of-two length bucket with the plan's choice for it:
+  the degree of its SP group (FlexSP) or whole / cut into k slices (elastic pipelines).
 - ``draw(data, path)`` renders it with matplotlib's object-oriented Figure (no pyplot, no display
   needed, the global backend untouched): the timeline
   on top, the memory per GPU of each stage (or the max over replicas, the max/mean over GPUs) below,
@@ -27,7 +28,7 @@ import numpy as np
 
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError
-from megatron_ext.plan.validate import replica_groups
+from megatron_ext.plan.validate import group_starts_ms, replica_groups
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.sim.simulator import SimResult, simulate
 from megatron_ext.text import plural
@@ -351,20 +352,17 @@ def _aggregate_memory(curves, aggregates) -> list[tuple[str, np.ndarray, np.ndar
 
 def _flexsp_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: SimResult) -> PlotData:
     boxes, marks = [], []
-    t = 0.0
     degrees = set()
     degree_of = np.zeros(len(lengths), dtype=np.int64)  # per sequence: its group's degree (0: dropped)
-    for m, mb in enumerate(plan.micro_batches):
-        span = 0.0
-        marks.append((t, f"micro-batch {m}", (0, cost.num_gpus)))
-        for g in mb.groups:
+    starts, times, _ = group_starts_ms(plan, lengths, cost)
+    for m, (mb, t0s, mss) in enumerate(zip(plan.micro_batches, starts, times)):
+        if not plan.barrier_free:  # (without a barrier, micro-batch m starts at different times on each GPU)
+            marks.append((t0s[0] / 1e3 if t0s else 0.0, f"micro-batch {m}", (0, cost.num_gpus)))
+        for g, t, ms in zip(mb.groups, t0s, mss):
             d = len(g.ranks)
-            ms = cost.group_time_ms(lengths[g.seq_ids], d) / 1e3
             degrees.add(d)
             degree_of[g.seq_ids] = d
-            boxes.append(Box(min(g.ranks), d, t, t + ms, "G", d, f"d{d}: {len(g.seq_ids)} seq"))
-            span = max(span, ms)
-        t += span
+            boxes.append(Box(min(g.ranks), d, t / 1e3, (t + ms) / 1e3, "G", d, f"d{d}: {len(g.seq_ids)} seq"))
     n = cost.num_gpus
     # memory: max and mean over GPUs
     memory = _aggregate_memory(res.memory, (("max over GPUs", np.max), ("mean over GPUs", np.mean)))
@@ -374,6 +372,10 @@ def _flexsp_data(plan: StepPlan, lengths: np.ndarray, cost: CostModel, res: SimR
     n_groups = sum(len(mb.groups) for mb in plan.micro_batches)
     detail = (f"{plural(n_groups, 'Ulysses SP group')}; each box is one group: its GPUs (rows) busy with its "
               f"sequences for the group's time; a micro-batch ends with its slowest group")
+    if plan.barrier_free:
+        layout = f"{plural(len(plan.micro_batches), 'pass', 'passes')} at most per GPU, no barrier"
+        detail = (f"{plural(n_groups, 'Ulysses SP group')}; each box is one group: its GPUs (rows) busy with its "
+                  f"sequences for the group's time; a group starts as soon as its own GPUs are free")
     hist = _length_hist(plan, lengths, degree_of, {d: (f"degree {d}", colors[d]) for d in degrees},
                         "the degree of the SP group each ran in")
     return PlotData("flexsp", _title(plan, cost, lengths, layout, res, detail), n, [f"GPU {r}" for r in range(n)], boxes,

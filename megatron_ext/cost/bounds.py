@@ -1,4 +1,5 @@
-"""Lower bounds on the step time of a batch, for FlexSP-kind plans and for any layout of SP groups.
+"""Lower bounds on the step time of a batch, for FlexSP-kind plans (with a barrier between
+micro-batches or without) and for any layout of SP groups.
 
 Both bounds price a sequence of s tokens on a group of degree d as the cost model does:
 t(s, d) = (a1 s^2 + a2 s) / d + s comm(d) (``CostModel.seq_time_ms``), plus lat(d), the group's
@@ -40,6 +41,18 @@ micro-batch's groups hold at most N GPUs). So the step is at least m b1 + sum_j 
 
 It is never below the FlexSP paper's bound, M_min b1 + W / N, nor below b1 plus the longest
 sequence's fastest time: each refinement only raises it.
+
+``barrier_free_bound_ms``: plans without a barrier between micro-batches (``StepPlan.barrier_free``),
+where each set of GPUs runs its own passes back to back, so the micro-batch argument above does
+not hold. Such a step is the last rank's finish plus the exposed gradient sync, and:
+- the GPU set that runs the longest sequence is busy at least b1 + its fastest time at any allowed
+  degree (with its group's latency): the critical path;
+- a pass of degree d holding x <= cap(d) tokens takes d (b1 + lat(d)) GPU-ms whatever it runs, at
+  least x d (b1 + lat(d)) / cap(d); so sequence k, run at degree d, brings d t(s_k, d) GPU-ms of
+  its own plus at least s_k d (b1 + lat(d)) / cap(d) of its pass's fixed cost, and at least the
+  least of that over the degrees that hold it. The N GPUs, between them, are busy that long.
+So step >= max(critical path, sum_k of those GPU-ms / N) + step sync. Every FlexSP plan, with a
+barrier or not, obeys both, so the bound is theirs too.
 """
 from __future__ import annotations
 
@@ -56,6 +69,25 @@ def lower_bound_ms(cost, lengths) -> float:
 def relaxed_bound_ms(cost, lengths) -> float:
     """No plan whose sequences each run on any number of GPUs (the cost model's pricing) is faster."""
     return _bound_ms(cost, lengths, np.arange(1, cost.num_gpus + 1, dtype=np.int64))
+
+
+def barrier_free_bound_ms(cost, lengths) -> float:
+    """No FlexSP-kind plan, with or without a barrier between micro-batches, runs the batch faster
+    (module docstring)."""
+    s = np.asarray(lengths, dtype=np.float64)
+    if not s.size:
+        return 0.0
+    degrees = np.asarray(cost.degrees, dtype=np.int64)
+    table = _DegreeTable(cost, degrees)
+    fixed = cost.micro_batch_fixed_ms + table.lat
+    fits = s[:, None] <= table.capacity[None, :]
+    if not fits[s.argmax()].any():
+        return math.inf  # no group holds the longest: no plan runs the batch
+    at = np.broadcast_to(np.arange(len(degrees)), fits.shape)
+    t = table.times(s[:, None], at)
+    path = float(np.where(fits, t + fixed, np.inf)[s.argmax()].min())
+    gpu_ms = np.where(fits, degrees * t + s[:, None] * degrees * fixed / table.capacity, np.inf).min(axis=1)
+    return max(path, float(gpu_ms.sum()) / cost.num_gpus) + cost.step_sync_ms
 
 
 def cheapest_gpu_ms(cost, lengths) -> np.ndarray:
@@ -145,4 +177,4 @@ class _DegreeTable:
         return gpu_ms, fastest
 
 
-__all__ = ["cheapest_gpu_ms", "lower_bound_ms", "relaxed_bound_ms"]
+__all__ = ["barrier_free_bound_ms", "cheapest_gpu_ms", "lower_bound_ms", "relaxed_bound_ms"]

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_ext.cost.activations import act_mb_per_token, recompute_time_factor
-from megatron_ext.cost.bounds import cheapest_gpu_ms, lower_bound_ms, relaxed_bound_ms
+from megatron_ext.cost.bounds import barrier_free_bound_ms, cheapest_gpu_ms, lower_bound_ms, relaxed_bound_ms
 from megatron_ext.cost.fixed import pass_fixed_ms, step_sync_ms
 from megatron_ext.errors import ConfigError, InfeasibleError
 from megatron_ext.spec import (ClusterSpec, ModelSpec, read_yaml, cluster_from_mapping, load_cluster,
@@ -277,3 +277,10 @@ class CostModel:
         """The same bound when a sequence may run on any number of GPUs, neither a power of two
         nor limited by the heads: what no layout of groups priced by this model beats."""
         return relaxed_bound_ms(self, lengths)
+
+    def barrier_free_bound_ms(self, lengths) -> float:
+        """No FlexSP-kind plan, even one without a barrier between micro-batches (each set of GPUs
+        running its passes back to back), runs the batch faster: the critical path of the longest
+        sequence, or the GPU-ms of the work and of the passes memory forces spread over every GPU,
+        then the exposed gradient sync (cost/bounds.py has the argument)."""
+        return barrier_free_bound_ms(self, lengths)

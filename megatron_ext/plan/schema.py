@@ -78,8 +78,11 @@ class StepPlan:
     pipelines: list[Pipeline] = field(default_factory=list)
     solve_time_s: float = 0.0
     estimated_step_time_s: float = 0.0
+    # no plan of this kind is faster; barrier-free plans: CostModel.barrier_free_bound_ms (the others
+    # assume a barrier between micro-batches)
     lower_bound_step_time_s: float = 0.0
-    relaxed_bound_step_time_s: float = 0.0  # FlexSP-kind plans: the bound of any degree per sequence
+    # FlexSP-kind plans: the bound of any degree per sequence (micro-batches with a barrier)
+    relaxed_bound_step_time_s: float = 0.0
     solver_status: str = ""  # how the plan was found, e.g. "milp", "lp_rounded", "fallback"
     dropped_seq_ids: list[int] = field(default_factory=list)
     baselines: dict[str, dict] = field(default_factory=dict)

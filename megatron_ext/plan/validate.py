@@ -1,6 +1,7 @@
 """A StepPlan against a batch and a cluster: ``validate`` (is it safe to run?), ``validate_pipelines``
 (the layout and order rules of elastic pipelines), ``replica_groups`` (which replica runs which
-pipeline) and ``fill_estimates`` (time a FlexSP plan with the cost model).
+pipeline), ``group_starts_ms`` (when each group of a FlexSP plan runs) and ``fill_estimates`` (time a
+FlexSP plan with the cost model).
 
 ``validate`` checks what every plan must satisfy (kind, GPU count, every kept sequence covered
 exactly once; FlexSP groups aligned, within memory) and, for elastic_pp plans, the pipelines
@@ -66,6 +67,10 @@ def validate(plan: StepPlan, lengths, cost: CostModel) -> StepPlan:
     _check_ints(plan.dropped_seq_ids, "dropped_seq_ids")
     if any(not 0 <= i < len(lengths) for i in plan.dropped_seq_ids):
         _fail("a dropped sequence id is out of range")
+    if plan.barrier_free not in (False, True):
+        _fail(f"barrier_free must be true or false, got {plan.barrier_free!r}")
+    if plan.barrier_free and plan.kind != "flexsp":
+        _fail(f"barrier_free applies to flexsp plans only, not to {plan.kind!r}")
     if plan.kind == "flexsp":
         _validate_flexsp(plan, lengths, cost)
     else:
@@ -76,6 +81,8 @@ def validate(plan: StepPlan, lengths, cost: CostModel) -> StepPlan:
 
 def _validate_flexsp(plan: StepPlan, lengths: np.ndarray, cost: CostModel) -> None:
     n = cost.num_gpus
+    if plan.barrier_free and cost.zero_stage == 3:
+        _fail("a barrier-free plan needs ZeRO 0, 1 or 2: under ZeRO-3 every pass gathers parameters over every GPU")
     seen: list[int] = []
     for m, mb in enumerate(plan.micro_batches):
         if not mb.groups:
@@ -192,17 +199,48 @@ def validate_pipelines(plan: StepPlan, lengths, cost: CostModel) -> StepPlan:
     return plan
 
 
-def fill_estimates(plan: StepPlan, lengths, cost: CostModel) -> StepPlan:
-    """Time every group, micro-batch and the step of a FlexSP plan with the cost model."""
+def group_starts_ms(plan: StepPlan, lengths, cost: CostModel) -> tuple[list[list[float]], list[list[float]], float]:
+    """When each group of a FlexSP plan starts and how long it runs (ms, per micro-batch and group),
+    and when the last one ends. With a barrier between micro-batches, every group of a micro-batch
+    starts when the one before it has ended; without (``barrier_free``), a group starts when the
+    last of its own ranks is free (a DAG: micro-batch order on each rank)."""
     lengths = np.asarray(lengths)
-    total = 0.0
+    ready = np.zeros(cost.num_gpus)
+    starts, times = [], []
+    per_seq: dict[int, np.ndarray] = {}  # each degree's time of every sequence, computed once
     for mb in plan.micro_batches:
         for g in mb.groups:
-            g.estimated_time_s = cost.group_time_ms(lengths[g.seq_ids], g.degree) / 1e3
-        mb.estimated_time_s = max((g.estimated_time_s for g in mb.groups), default=0.0)
-        total += mb.estimated_time_s
-    plan.estimated_step_time_s = total
+            if g.degree not in per_seq:
+                per_seq[g.degree] = cost.seq_time_ms(lengths, g.degree)
+        ms = [cost.group_fixed_ms(g.degree) + float(np.sum(per_seq[g.degree][g.seq_ids])) for g in mb.groups]
+        if plan.barrier_free:
+            t0 = [float(ready[g.ranks].max()) for g in mb.groups]
+            for g, t, d in zip(mb.groups, t0, ms):
+                ready[g.ranks] = t + d
+        else:
+            t0 = [float(ready.max())] * len(mb.groups)
+            ready[:] = t0[0] + max(ms, default=0.0)
+        starts.append(t0)
+        times.append(ms)
+    return starts, times, float(ready.max())
+
+
+def fill_estimates(plan: StepPlan, lengths, cost: CostModel) -> StepPlan:
+    """Time every group, micro-batch and the step of a FlexSP plan with the cost model: the step is
+    the last group's end (``group_starts_ms``) plus the exposed gradient sync (ZeRO 0/1/2), as the
+    simulator has it; a micro-batch's time is its slowest group's. The bounds are reported with the
+    same sync; a barrier-free plan's ``lower_bound_step_time_s`` is ``CostModel.barrier_free_bound_ms``
+    (the micro-batch bounds assume a barrier between micro-batches, which it does not have)."""
+    lengths = np.asarray(lengths)
+    _, times, end = group_starts_ms(plan, lengths, cost)
+    for mb, ms in zip(plan.micro_batches, times):
+        for g, t in zip(mb.groups, ms):
+            g.estimated_time_s = t / 1e3
+        mb.estimated_time_s = max(ms, default=0.0) / 1e3
+    sync = cost.step_sync_ms if plan.micro_batches else 0.0
+    plan.estimated_step_time_s = (end + sync) / 1e3
     kept = np.delete(lengths, plan.dropped_seq_ids)
-    plan.lower_bound_step_time_s = cost.lower_bound_ms(kept) / 1e3
-    plan.relaxed_bound_step_time_s = cost.relaxed_bound_ms(kept) / 1e3
+    lower = cost.barrier_free_bound_ms(kept) if plan.barrier_free else cost.lower_bound_ms(kept) + cost.step_sync_ms
+    plan.lower_bound_step_time_s = lower / 1e3
+    plan.relaxed_bound_step_time_s = (cost.relaxed_bound_ms(kept) + cost.step_sync_ms) / 1e3
     return plan

@@ -33,6 +33,7 @@ from megatron_ext.planner.pp.sequence_limits import longest_sequence
 from megatron_ext.planner.sp.baselines import batchada, megatron_balanced_cp, static_ulysses
 from megatron_ext.planner.sp.flexsp import plan_flexsp
 from megatron_ext.planner.sp.step import plan_sp
+from megatron_ext.planner.sp.timelines import plan_timelines
 from megatron_ext.sim.simulator import simulate
 
 KINDS = ("sp", "pp", "auto")
@@ -50,13 +51,14 @@ class Planner:
     kind: str  # one of KINDS
     fn: Callable
     help: str  # one line, for the command lines
+    barrier_free: bool = False  # kind "sp": ``fn`` returns GPU sets run without a barrier (``sp.step.plan_sp``)
 
     def plan(self, lengths: np.ndarray, cost: CostModel, options=None, *, seq_ids=None, **overrides) -> StepPlan:
         """Plan the sequences ``seq_ids`` of the batch (default: all; the others are reported as
         dropped). ``options``: a PlannerOptions or PipelineOptions; ``overrides``: PipelineOptions
         fields, for the pipeline planners (FlexSP-kind planners have none of them)."""
         if self.kind == "sp":
-            return plan_sp(self.name, self.fn, lengths, cost, options, seq_ids=seq_ids)
+            return plan_sp(self.name, self.fn, lengths, cost, options, seq_ids=seq_ids, barrier_free=self.barrier_free)
         return self.fn(lengths, cost, options=options, seq_ids=seq_ids, **overrides)
 
 
@@ -67,6 +69,9 @@ PLANNERS: dict[str, Planner] = {p.name: p for p in (
     Planner("megatron_balanced_cp", "sp", megatron_balanced_cp,
             "megatron-core's BalancedCPScheduler, dynamic context parallelism"),
     Planner("flexsp", "sp", plan_flexsp, "FlexSP, SP groups of mixed degrees in each micro-batch, solved with HiGHS"),
+    Planner("timelines", "sp", plan_timelines,
+            "FlexSP without a barrier between micro-batches: GPU sets run their own passes back to back "
+            "(ZeRO 0/1/2)", barrier_free=True),
     Planner("elastic_pp", "pp", plan_elastic_pp,
             "InfiniPipe's elastic pipelines: workload-balanced chunks, per-chunk recompute"),
     Planner("batch_1f1b", "pp", plan_batch_1f1b, "Megatron-style 1F1B pipeline over packed micro-batches"),

@@ -9,6 +9,10 @@ the forward step: each micro-batch hands the rank its shard of its SP group's pa
 (``data.sharding``) and a ``UlyssesPackedSeqParams`` naming the group, so the Ulysses attention
 all-to-alls with exactly the ranks the plan grouped. A rank left out of a micro-batch runs an
 empty pass (no tokens, no collective) so that every rank sees the same number of micro-batches.
+Nothing synchronises ranks between micro-batches: a pass waits only on its own group's
+all-to-alls, and the gradients are reduced once, after the last pass. So a barrier-free plan
+(``StepPlan.barrier_free``: GPU sets running different numbers of passes back to back) runs as
+it is: a set with fewer passes runs its empty passes at the end, then waits in the reduction.
 
 Loss is per token (``calculate_per_token_loss``): each pass returns the sum of its shard's token
 losses and its token count; megatron sums both over all ranks and divides the gradients once, so

@@ -8,7 +8,10 @@
   stage + p2p, earlier/later slices of the same sequence) are done. Recompute runs at the start
   of a backward. Memory is tracked per stage along its order (sim/engine.py).
 - ``flexsp`` plans: micro-batches one after another; in each, every SP group runs its sequences
-  (CostModel.group_time_ms); the micro-batch ends with its slowest group.
+  (CostModel.group_time_ms); the micro-batch ends with its slowest group. Barrier-free plans
+  (``StepPlan.barrier_free``): a group starts when the last of its own ranks is free, so each
+  rank's events lie where they really run and ``bubble_ratio`` is the idle share of that timeline
+  (plan/validate.py's ``group_starts_ms`` times both kinds, as ``fill_estimates`` does).
 - Both: under ZeRO 0/1/2 the step ends with what its gradient sync leaves exposed
   (CostModel.step_sync_ms, PipelineCost.step_sync_ms; cost/fixed.py).
 
@@ -26,7 +29,7 @@ from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import InvalidPlanError
 from megatron_ext.plan.program import BWD, FWD, check_one_pipeline_per_sequence, list_schedule, op_name, parse_order
 from megatron_ext.plan.schema import StepPlan
-from megatron_ext.plan.validate import replica_groups
+from megatron_ext.plan.validate import group_starts_ms, replica_groups
 from megatron_ext.sim.engine import (analyze_chunks, checkpoint_memory, memory_checkpoints, memory_levels, op_times,
                                      warmup_counts)
 
@@ -91,15 +94,13 @@ def _simulate_flexsp(plan, lengths, cost, memory_mb, want_events) -> SimResult:
     budget = float(memory_mb) if memory_mb is not None else cost.cluster.memory_mb
     busy = np.zeros(n)
     peak = np.zeros(n)
-    t = 0.0
     evs = []
     mem_pts: list[list[tuple[float, float]]] = [[(0.0, cost.model_states_mb)] for _ in range(n)] if want_events else []
     tokens = 0
-    for m, mb in enumerate(plan.micro_batches):
-        span = 0.0
-        for g in mb.groups:
+    starts, times, end = group_starts_ms(plan, lengths, cost)
+    for m, (mb, t0s, mss) in enumerate(zip(plan.micro_batches, starts, times)):
+        for g, t, ms in zip(mb.groups, t0s, mss):
             d = len(g.ranks)
-            ms = cost.group_time_ms(lengths[g.seq_ids], d)
             mem = cost.group_memory_mb(float(lengths[g.seq_ids].sum()), d)
             if mem > budget * (1 + 1e-9):
                 raise InvalidPlanError(f"micro-batch {m}, group of ranks {g.ranks[0]}..{g.ranks[-1]}: needs {mem:.0f} MB "
@@ -107,14 +108,12 @@ def _simulate_flexsp(plan, lengths, cost, memory_mb, want_events) -> SimResult:
             busy[g.ranks] += ms / 1e3
             peak[g.ranks] = np.maximum(peak[g.ranks], mem)
             tokens += int(lengths[g.seq_ids].sum())
-            span = max(span, ms)
             if want_events:
                 for r in g.ranks:
                     evs.append(Event(r, "MB", f"mb{m}:{len(g.seq_ids)}seq@d{d}", t / 1e3, (t + ms) / 1e3))
                     mem_pts[r] += [(t / 1e3, cost.model_states_mb), (t / 1e3, mem), ((t + ms) / 1e3, mem),
                                    ((t + ms) / 1e3, cost.model_states_mb)]
-        t += span
-    t += cost.step_sync_ms if plan.micro_batches else 0.0  # ZeRO 0/1/2: the exposed gradient sync
+    t = end + (cost.step_sync_ms if plan.micro_batches else 0.0)  # ZeRO 0/1/2: the exposed gradient sync
     step = t / 1e3
     for pts in mem_pts:
         pts.append((step, cost.model_states_mb))

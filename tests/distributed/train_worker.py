@@ -53,15 +53,18 @@ def _models():
     return ST["models"]
 
 
-def _step(planner: str, seed: int):
-    """A random length mix (some over one rank's memory), planned once on rank 0 and broadcast."""
+def _step(planner: str, seed: int, lengths=None, plan=None):
+    """A random length mix (some over one rank's memory), planned once on rank 0 and broadcast;
+    or the ``lengths`` and ``plan`` given, with random tokens."""
     from megatron_ext.data.loader import Step
     from megatron_ext.planner import PlannerOptions, make_plan
 
     rng = np.random.default_rng(seed)
-    lengths = np.concatenate([rng.integers(2, 60, 9), rng.integers(120, 400, 3)])
+    if lengths is None:
+        lengths = np.concatenate([rng.integers(2, 60, 9), rng.integers(120, 400, 3)])
     batch = [rng.integers(0, 97, n) for n in lengths]
-    box = [make_plan(planner, lengths, _cost(), PlannerOptions(time_limit=5.0)) if dist.get_rank() == 0 else None]
+    box = [plan or make_plan(planner, lengths, _cost(), PlannerOptions(time_limit=5.0)) if dist.get_rank() == 0
+           else None]
     dist.broadcast_object_list(box, src=0)
     return Step(step=0, plan=box[0], batch=batch, lengths=lengths, samples=np.zeros((len(lengths), 3), int),
                 digest="", plan_source="test", plan_wait_s=0.0)
@@ -80,11 +83,11 @@ def _reference_grads(reference, step):
     return float(total / count), {n: p.grad.clone() for n, p in reference.named_parameters()}
 
 
-def _run(planner: str, seed: int):
+def _run(planner: str, seed: int, **given):
     from megatron_ext.runtime.schedule import forward_backward_flexsp
 
     ddp, reference, _ = _models()
-    step = _step(planner, seed)
+    step = _step(planner, seed, **given)
     ddp.zero_grad_buffer()
     losses, _ = forward_backward_flexsp(step, ddp, ST["pool"], pad_id=0)
     total = torch.stack([d["lm loss"] for d in losses]).sum(0)
@@ -117,6 +120,23 @@ def static_ulysses_step_matches_single_process():
 @check
 def batchada_step_matches_single_process():
     _run("batchada", seed=3)
+
+
+@check
+def barrier_free_step_matches_single_process():
+    """No barrier between micro-batches: ranks 0-1 run one pass of degree 2, ranks 2 and 3 three
+    passes each alone (ranks 0-1 idle through the last two), then the gradients sync."""
+    import dataclasses
+
+    from megatron_ext.plan import MicroBatchPlan, SPGroup, StepPlan, fill_estimates, validate
+
+    lengths = np.array([200, 50, 30, 40, 20, 60, 10, 45, 15])
+    passes = [[([0, 1], [0]), ([2], [1]), ([3], [5])], [([2], [2, 3]), ([3], [6])], [([2], [4]), ([3], [7, 8])]]
+    plan = StepPlan("flexsp", 4, "timelines", [MicroBatchPlan([SPGroup(r, ids) for r, ids in mb]) for mb in passes],
+                    barrier_free=True)
+    cost = dataclasses.replace(_cost(), zero_stage=2)  # (barrier-free plans need ZeRO 0/1/2)
+    validate(fill_estimates(plan, lengths, cost), lengths, cost)
+    assert _run("timelines", seed=5, lengths=lengths, plan=plan) == {1, 2}
 
 
 @check

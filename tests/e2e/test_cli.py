@@ -449,7 +449,15 @@ def test_bench_across_cluster_sizes(capsys):
     for r in d["rows"]:
         assert r["relaxed_bound_s"] <= r["lower_bound_s"] <= r["step_time_s"] * (1 + 1e-9)
         assert 0 <= r["idle_share"] < 1 and 0 < r["path_share"] <= 1 + 1e-9
-    assert [s["plans"] for s in d["summary"]] == [1, 1]
+    assert [s["plans"] for s in d["summary"]] == [1, 1] and d["left_out"] == ["timelines"]
+    code, out, _ = run(capsys, "bench", "planner", "--gpus", "4,8", "--per-gpu", "4", "--dist", "wikipedia",
+                       "--batches", "1", "--model", "tiny", "--cluster", "cpu-4", "--max-seq-len", "8K", "--json",
+                       "--zero-stage", "2", *FAST)
+    d = json.loads(out)
+    assert [(r["num_gpus"], r["planner"]) for r in d["rows"]] == [(4, "flexsp"), (4, "timelines"), (8, "flexsp"),
+                                                                  (8, "timelines")] and d["left_out"] == []
+    for r in d["rows"]:
+        assert r["barrier_free_bound_s"] <= r["step_time_s"] * (1 + 1e-9)
     code, out, _ = run(capsys, "bench", "planner", "--gpus", "4", "--per-gpu", "2", "--dist", "wikipedia",
                        "--batches", "1", "--model", "tiny", "--cluster", "cpu-4", "--max-seq-len", "8K", *FAST)
     assert code == 0 and "any-deg" in out and "time limit held by" in out

@@ -82,6 +82,25 @@ def test_flexsp_boxes_are_groups():
     assert data.memory[0][2].max() * 1024 == pytest.approx(simulate(plan, lengths, COST).max_peak_memory_mb)
 
 
+def test_barrier_free_boxes_are_where_each_group_runs(tmp_path):
+    """A timelines plan: each group's box starts when its own GPUs are free (the simulator's events),
+    GPU sets run different numbers of passes, no micro-batch marks; the file renders."""
+    cost = CostModel.from_presets("llama-13b", "a800-80g-8x4", zero_stage=2)
+    lengths = np.array([60000] + [20000] * 3 + [3000] * 40 + [500] * 100)
+    plan = make_plan("timelines", lengths, cost)
+    res = simulate(plan, lengths, cost)
+    data = plot_data(plan, lengths, cost, result=res)
+    groups = [g for mb in plan.micro_batches for g in mb.groups]
+    assert plan.barrier_free and data.count("G") == len(groups) and not data.marks
+    starts = {(e.where, round(e.start_s, 9)) for e in res.events}
+    assert all((int(b.row), round(b.start_s, 9)) in starts for b in data.boxes)
+    assert len({b.start_s for b in data.boxes}) > len(plan.micro_batches)  # not in lockstep
+    assert max(b.end_s for b in data.boxes) + cost.step_sync_ms / 1e3 == pytest.approx(res.step_time_s)
+    assert "no barrier" in data.title
+    plot_plan(plan, lengths, cost, tmp_path / "timelines.png")
+    assert (tmp_path / "timelines.png").read_bytes().startswith(PNG)
+
+
 def _hist_cells(hist) -> dict[tuple[str, int], int]:
     """(choice label, bucket) -> sequences, recounted from the per-sequence arrays."""
     cells: dict[tuple[str, int], int] = {}

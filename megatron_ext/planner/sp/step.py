@@ -3,9 +3,11 @@
 A FlexSP-kind planning function (``flexsp``, ``static_ulysses``, ``batchada``,
 ``megatron_balanced_cp``) takes the lengths of the sequences to plan, the cost model and the
 options, and returns its micro-batches as lists of ``(degree, seq_ids)`` groups plus a status
-word. ``plan_sp`` turns them into a StepPlan of the whole batch: groups placed on aligned rank
-blocks, seq ids mapped back to the batch, the others reported as dropped, cost estimates filled
-in and the plan validated.
+word; a barrier-free one (``timelines``) returns the degrees of its GPU sets and every pass
+``(micro-batch, set, offset of its GPUs in the set, degree, seq_ids)`` instead. ``plan_sp`` turns
+them into a StepPlan of the whole batch: groups (or sets) placed on aligned rank blocks, seq ids
+mapped back to the batch, the others reported as dropped, cost estimates filled in and the plan
+validated.
 """
 from __future__ import annotations
 
@@ -24,10 +26,11 @@ Groups = list[tuple[int, list[int]]]  # (degree, seq_ids) per group of one micro
 SPPlanFn = Callable[[np.ndarray, CostModel, PlannerOptions], tuple[list[Groups], str]]
 
 
-def plan_sp(name: str, fn: SPPlanFn, lengths, cost: CostModel, options=None, *, seq_ids=None) -> StepPlan:
+def plan_sp(name: str, fn: SPPlanFn, lengths, cost: CostModel, options=None, *, seq_ids=None,
+            barrier_free: bool = False) -> StepPlan:
     """Plan the sequences ``seq_ids`` of the batch (default: all) with FlexSP-kind planning
     function ``fn`` (named ``name`` in the plan); ``options`` may be any options object (its
-    PlannerOptions fields are used)."""
+    PlannerOptions fields are used). ``barrier_free``: ``fn`` returns GPU sets (module docstring)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     ids = np.arange(len(lengths)) if seq_ids is None else np.asarray(seq_ids, dtype=np.int64)
     if ids.size == 0:
@@ -37,16 +40,31 @@ def plan_sp(name: str, fn: SPPlanFn, lengths, cost: CostModel, options=None, *, 
     micro_batches, status = fn(lengths[ids], cost, planner_options(options))
     solve_time = time.perf_counter() - start
 
-    mbs = []
-    for groups in micro_batches:
+    mbs = _set_passes(micro_batches, ids, cost) if barrier_free else []
+    for groups in [] if barrier_free else micro_batches:
         ranks = place_groups([d for d, _ in groups], cost.num_gpus)
         mbs.append(MicroBatchPlan([SPGroup(r, sorted(int(ids[i]) for i in members), ring=cost.ring_degree(len(r)))
                                    for r, (_, members) in sorted(zip(ranks, groups), key=lambda x: x[0][0])]))
     plan = StepPlan(kind="flexsp", num_gpus=cost.num_gpus, planner=name, micro_batches=mbs,
-                    solve_time_s=solve_time, solver_status=status,
+                    solve_time_s=solve_time, solver_status=status, barrier_free=barrier_free,
                     dropped_seq_ids=[int(i) for i in np.setdiff1d(np.arange(len(lengths)), ids)])
     validate(fill_estimates(plan, lengths, cost), lengths, cost)
     return plan
+
+
+def _set_passes(sets, ids: np.ndarray, cost: CostModel) -> list[MicroBatchPlan]:
+    """The micro-batches of a barrier-free plan: GPU sets placed on aligned blocks once, each pass
+    on its block of the set's GPUs, in the micro-batch the planner gave it."""
+    degrees, passes = sets
+    base = [r[0] for r in place_groups(degrees, cost.num_gpus)]
+    mbs = [MicroBatchPlan([]) for _ in range(max((m for m, *_ in passes), default=-1) + 1)]
+    for m, k, offset, d, members in passes:
+        start = base[k] + offset
+        mbs[m].groups.append(SPGroup(list(range(start, start + d)), sorted(int(ids[i]) for i in members),
+                                     ring=cost.ring_degree(d)))
+    for mb in mbs:
+        mb.groups.sort(key=lambda g: g.ranks[0])
+    return mbs
 
 
 __all__ = ["Groups", "SPPlanFn", "plan_sp"]
