@@ -128,6 +128,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "auto: per step, the degree (and replicas) the simulator finds fastest")
     g.add_argument("--flexsp-max-sp-size", type=int, default=None, metavar="D",
                    help="largest Ulysses degree of a group (power of two; default: the data-parallel size)")
+    g.add_argument("--flexsp-max-ring", type=int, default=None, metavar="R",
+                   help="groups may reach past the Ulysses limit (the heads, --flexsp-max-sp-size) with a ring of up "
+                        "to R Ulysses subgroups, K/V passed around it (power of two; default 1: Ulysses only)")
     g.add_argument("--planner-time-limit", type=float, default=1.0, metavar="SEC",
                    help="solver time limit per step; a late plan is replaced by a heuristic one (default 1.0)")
     g.add_argument("--cost-model", default=None, metavar="PATH|PRESET",
@@ -322,7 +325,8 @@ def validate_args(args, world_size: int | None = None) -> Validated:
     if not (flexsp or elastic):
         for name, flag in (("adaptive_recompute", "--adaptive-recompute"), ("planner_log", "--planner-log"),
                            ("planner_trace", "--planner-trace"),
-                           ("cost_model", "--cost-model"), ("flexsp_max_sp_size", "--flexsp-max-sp-size")):
+                           ("cost_model", "--cost-model"), ("flexsp_max_sp_size", "--flexsp-max-sp-size"),
+                           ("flexsp_max_ring", "--flexsp-max-ring")):
             if _get(args, name):
                 _conflict(f"{flag} has no effect without --flexsp or --elastic-pp")
         return Validated(False)
@@ -357,7 +361,7 @@ def validate_args(args, world_size: int | None = None) -> Validated:
     notes: list[str] = []
     if heads and cost.model.num_attention_heads != heads:
         notes.append(f"the cost model's {cost.model.name} has {cost.model.num_attention_heads} heads, the model "
-                     f"{heads}: degrees are capped at {cost.degrees[-1]} by the model's heads")
+                     f"{heads}: Ulysses degrees are capped at {cost.ulysses_degree(cost.num_gpus)} by the model's heads")
     for mine, theirs, what in ((_get(args, "num_layers"), cost.model.num_layers, "layers"),
                                (_get(args, "hidden_size"), cost.model.hidden_size, "hidden size")):
         if mine and mine != theirs:
@@ -462,6 +466,9 @@ def _check_flexsp(args, world: int, tp: int, pp: int, cp: int, dp: int, head_lim
             _conflict(f"--flexsp-max-sp-size {cap}: Ulysses splits the attention heads over the group, and "
                       f"{heads} heads / {kv or heads} KV heads per TP rank (TP {tp}) only divide by up to "
                       f"{head_limit}")
+    ring = _get(args, "flexsp_max_ring", None) or 1
+    if not is_power_of_two(ring):
+        _conflict(f"--flexsp-max-ring must be a power of two (1: no ring), got {ring}")
     if static is not None and (not is_power_of_two(static) or static > min(cap or dp, head_limit, dp)):
         _conflict(f"--flexsp-static-degree must be a power of two of at most {min(cap or dp, head_limit, dp)}, "
                   f"got {static}")
@@ -546,7 +553,7 @@ def _check_elastic(args, world: int, tp: int, pp: int, dp: int, head_limit: int)
                         f"side by side (a stage's {dp} data-parallel ranks / SP {1 if sp == 'auto' else sp})",
         " or a larger --elastic-pp-sp")
     _check_no_full_recompute(args, "--elastic-pp decides recomputation per chunk and stage")
-    for name in ("flexsp_max_sp_size", "flexsp_static_degree"):
+    for name in ("flexsp_max_sp_size", "flexsp_static_degree", "flexsp_max_ring"):
         if _get(args, name, None) is not None:
             _conflict(f"--{name.replace('_', '-')} belongs to --flexsp; --elastic-pp's SP degree is "
                       f"--elastic-pp-sp (default: the data-parallel size)")

@@ -40,15 +40,18 @@ from megatron_ext.errors import ConfigError
 
 @dataclass(frozen=True)
 class CappedCostModel(CostModel):
-    """A CostModel whose Ulysses degrees stop at ``max_degree`` (a power of two)."""
+    """A CostModel whose Ulysses degrees stop at ``max_degree`` (a power of two: what the run's
+    heads per TP rank and ``--flexsp-max-sp-size`` allow); a ring (``max_ring``) extends groups
+    past it."""
 
     max_degree: int | None = None
 
+    def ulysses_degree(self, degree: int) -> int:
+        return min(degree, self.model.max_sp_degree, self.max_degree or degree)
+
     @cached_property
     def degrees(self) -> tuple[int, ...]:
-        top = min(self.num_gpus, self.model.max_sp_degree)
-        if self.max_degree is not None:
-            top = min(top, self.max_degree)
+        top = min(self.num_gpus, self.ulysses_degree(self.num_gpus) * self.max_ring)
         return tuple(2**i for i in range(int(math.log2(top)) + 1))
 
 
@@ -87,7 +90,7 @@ def megatron_cost_model(args) -> CostModel:
     stage of Megatron's arguments (``megatron_zero_stage``); one stating another stage is refused."""
     ref = args.cost_model
     stage, why = megatron_zero_stage(args)
-    cost = load_cost_model(ref, stage)
+    cost = load_cost_model(ref, stage).with_max_ring(getattr(args, "flexsp_max_ring", None) or 1)
     if cost.zero_stage != stage:
         stated = f"zero_stage: {cost.zero_stage}" if _looks_like_file(ref) else f"ZeRO stage {cost.zero_stage}"
         run = dataclasses.replace(cost, zero_stage=stage)
@@ -109,7 +112,7 @@ def head_degree_limit(num_attention_heads: int, num_query_groups: int | None, te
 
 
 def cap_cost_model(cost: CostModel, max_degree: int | None) -> CostModel:
-    """``cost`` with its degrees capped at ``max_degree`` (unchanged if the cap does not bind)."""
-    if max_degree is None or max_degree >= cost.degrees[-1]:
+    """``cost`` with its Ulysses degrees capped at ``max_degree`` (unchanged if the cap does not bind)."""
+    if max_degree is None or max_degree >= min(cost.num_gpus, cost.model.max_sp_degree):
         return cost
-    return CappedCostModel(cost.model, cost.cluster, cost.zero_stage, max_degree=int(max_degree))
+    return CappedCostModel(cost.model, cost.cluster, cost.zero_stage, cost.max_ring, max_degree=int(max_degree))

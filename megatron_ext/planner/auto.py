@@ -52,7 +52,7 @@ def pipeline_layouts(cost: CostModel, pp: int | None = None, sp: int | None = No
             continue
         for d in cost.degrees:
             # a stage's SP group is Ulysses only (no ring inside pipeline stages)
-            if (n // P) % d or (sp is not None and d != sp) or d > cost.model.max_sp_degree:
+            if (n // P) % d or (sp is not None and d != sp) or cost.ring_degree(d) > 1:
                 continue
             try:
                 PipelineCost(cost, P, d, memory_mb=memory_mb)

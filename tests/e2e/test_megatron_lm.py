@@ -198,7 +198,7 @@ def mixed_degree_cost_model(work: Path, tokens_at_degree_1: int = 470) -> str:
     cost = load_cost_model(COST_2, zero_stage=0)
     spec = yaml.safe_load(Path(COST_2).read_text())
     spec["cluster"]["memory_gb"] = (cost.model_states_mb + tokens_at_degree_1 * cost.model.act_mb_per_token) / 1024
-    path = work / "tiny-cpu2-mixed-degrees.yaml"
+    path = work / f"tiny-cpu2-{tokens_at_degree_1}-tokens.yaml"
     path.write_text(yaml.safe_dump(spec))
     assert load_cost_model(str(path), zero_stage=0).token_capacity(1) == tokens_at_degree_1
     return str(path)
@@ -243,6 +243,12 @@ def equivalence_runs(unpatched: Path, patched: Path, work: Path, iters: int = 3,
     out["static Ulysses SP=2 (patched)"] = _ok(ulysses, iters)
     auto = run_pretrain(patched, flex_common + ["--flexsp-planner", "auto", "--planner-log", str(work / "auto.jsonl")])
     out["flexsp auto (patched)"] = _ok(auto, iters)
+    # barrier-free timelines, degree-2 groups as Ulysses 1 x ring 2 (K/V passed between the ranks)
+    # (memory for 250 tokens a rank: the longer documents need a group of 2)
+    ring = run_pretrain(patched, planned + ["--flexsp", "--cost-model", mixed_degree_cost_model(work, 250),
+                                            "--flexsp-planner", "timelines", "--flexsp-max-sp-size", "1",
+                                            "--flexsp-max-ring", "2", "--planner-log", str(work / "ring.jsonl")])
+    out["timelines, ring 2 (patched)"] = _ok(ring, iters)
     reference = {name: "static (unpatched)" for name in out}
     if tp2:  # Megatron initializes TP=2 weights differently from TP=1: compare with its own TP=2 run
         tp_args = ["--tensor-model-parallel-size", "2"]
@@ -251,7 +257,9 @@ def equivalence_runs(unpatched: Path, patched: Path, work: Path, iters: int = 3,
         reference["static TP=2 (unpatched)"] = reference["flexsp TP=2 (patched)"] = "static TP=2 (unpatched)"
     plans = [json.loads(line) for line in (work / "plans.jsonl").read_text().splitlines()]
     auto_plans = [json.loads(line) for line in (work / "auto.jsonl").read_text().splitlines()]
-    return {"iterations": out, "reference": reference, "plans": plans, "auto_plans": auto_plans}
+    ring_plans = [json.loads(line) for line in (work / "ring.jsonl").read_text().splitlines()]
+    return {"iterations": out, "reference": reference, "plans": plans, "auto_plans": auto_plans,
+            "ring_plans": ring_plans}
 
 
 ELASTIC_SP2, ELASTIC_REPLICAS = "elastic-pp PP=2 SP=2 (patched)", "elastic-pp PP=2 2 replicas x SP=1 (patched)"
@@ -477,6 +485,9 @@ def test_flexsp_matches_unpatched_static_settings(checkouts, tmp_path):
         assert r["plan"]["kind"] == r["kind"] and r["kind"] in ("flexsp", "elastic_pp"), r
         if r["kind"] == "elastic_pp":
             assert {p["stages"] for p in r["pipelines"]} == {1} and r["replicas"] * r["pipelines"][0]["sp_degree"] == 2
+    # the timelines run's plans were barrier-free, and some group ran as a ring
+    assert all(r["plan"]["barrier_free"] for r in result["ring_plans"])
+    assert any(g["ring"] == 2 for r in result["ring_plans"] for mb in r["plan"]["micro_batches"] for g in mb["groups"])
 
 
 @pytest.fixture(scope="module")

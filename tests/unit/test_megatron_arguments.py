@@ -249,6 +249,27 @@ def test_capped_cost_model():
     assert pickle.loads(pickle.dumps(capped)).degrees == (1, 2)  # the planner process gets a copy
 
 
+def test_ring_reaches_past_the_heads():
+    """--flexsp-max-ring: 12 heads / 3 KV heads allow Ulysses 1 only; a ring of 4 still gives groups
+    of 2 and 4 GPUs (1 x ring), and the plans validate against that split."""
+    import numpy as np
+
+    from megatron_ext.planner.api import make_plan
+
+    base = ("--num-attention-heads", "12", "--group-query-attention", "--num-query-groups", "3", "--mock-data",
+            "--flexsp", "--cost-model", COST_4)
+    args = parse(*base, "--flexsp-max-ring", "4")
+    assert validate_args(args, world_size=4).enabled
+    cost = cap_cost_model(megatron_cost_model(args), head_degree_limit(12, 3))  # what the run plans with
+    assert cost.degrees == (1, 2, 4) and [cost.ring_degree(d) for d in cost.degrees] == [1, 2, 4]
+    plan = make_plan("flexsp", np.array([cost.token_capacity(4), 300, 200]), cost)
+    assert any(g.ring == 4 for mb in plan.micro_batches for g in mb.groups)
+    with pytest.raises(ArgumentConflict, match="--flexsp-max-ring must be a power of two"):
+        validate_args(parse(*base, "--flexsp-max-ring", "3"), world_size=4)
+    with pytest.raises(ArgumentConflict, match="--flexsp-max-ring has no effect without --flexsp"):
+        validate_args(parse("--num-attention-heads", "8", "--flexsp-max-ring", "2"), world_size=4)
+
+
 # ---- the ZeRO stage: Megatron's arguments decide it ------------------------------------------------
 def test_zero_stage_follows_megatron_arguments():
     """--use-distributed-optimizer is ZeRO-1, plain DDP ZeRO-0; a cost model stating no stage (a
