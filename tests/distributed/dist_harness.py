@@ -84,6 +84,26 @@ def preload_megatron(*modules: str) -> None:
         importlib.import_module(name)
 
 
+def model_and_reference(spec, vocab_size: int, max_seq_len: int):
+    """The DDP-wrapped stage model ``train`` runs (one stage, SDPA), its weights rank 0's on every
+    rank, and a plain megatron GPTModel with the same weights: the single-process reference."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_ext.runtime.pipeline_model import build_pipeline_model
+
+    torch.manual_seed(0)
+    ddp, config = build_pipeline_model(spec, vocab_size=vocab_size, max_seq_len=max_seq_len, backend="sdpa")
+    for p in ddp.module.parameters():  # identical weights on every rank
+        dist.broadcast(p.data, src=0)
+    reference = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=-(-vocab_size // 128) * 128,
+                         max_sequence_length=max_seq_len, position_embedding_type="rope")
+    reference.load_state_dict(ddp.module.state_dict())
+    return ddp, reference
+
+
 def setup_megatron(seed: int = 1234):
     """For a worker's ``setup()``: megatron's parallel_state with tp = pp = 1, its RNG seeded, and
     the SP group pool of the whole world (returned)."""

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dist_harness import Failures, check, preload_megatron, setup_megatron
+from dist_harness import Failures, check, model_and_reference, preload_megatron, setup_megatron
 from megatron_ext.runtime.device import rank_device
 
 ST: dict = {}
@@ -185,19 +185,7 @@ def _cost(max_ring: int = 2):
 
 def _models():
     if "models" not in ST:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.models.gpt.gpt_model import GPTModel
-
-        from megatron_ext.runtime.pipeline_model import build_pipeline_model
-
-        torch.manual_seed(0)
-        ddp, config = build_pipeline_model(_cost().model, vocab_size=97, max_seq_len=SEQ_LEN, backend="sdpa")
-        for p in ddp.module.parameters():  # identical weights on every rank
-            dist.broadcast(p.data, src=0)
-        reference = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=SEQ_LEN,
-                             position_embedding_type="rope")
-        reference.load_state_dict(ddp.module.state_dict())
-        ST["models"] = ddp, reference
+        ST["models"] = model_and_reference(_cost().model, vocab_size=97, max_seq_len=SEQ_LEN)
     return ST["models"]
 
 
