@@ -19,6 +19,7 @@ from megatron_ext.planner.pp.sequence_limits import longest_sequence
 from megatron_ext.planner.sp.baselines import batchada
 from megatron_ext.planner.sp.flexsp import plan_flexsp
 from megatron_ext.planner.sp.step import plan_sp
+from megatron_ext.planner.sp.timelines import plan_timelines
 
 AUTO_FLEXSP_SHARE = 0.45  # of the time limit, kept for FlexSP (planned after the layouts, in all the time left)
 # A layout is skipped if this x its estimate is no faster than a known step: planned layouts came
@@ -26,6 +27,7 @@ AUTO_FLEXSP_SHARE = 0.45  # of the time limit, kept for FlexSP (planned after th
 AUTO_PRUNE_MARGIN = 0.95
 AUTO_FLEXSP_FLOOR = 0.15  # FlexSP's share instead where its lower bound loses to the likeliest layout's estimate
 AUTO_RESERVE = 0.03  # of the time limit, left for FlexSP's plan check and the choice, after its solve
+AUTO_TIMELINES_SHARE = 0.2  # of the time limit, at most, for timelines (ZeRO 0/1/2; it takes far less)
 AUTO_TIE = 0.05  # layouts whose order keys are this close are tried largest SP degree first (``tie_order``)
 # Order of the layouts: the estimate, raised by up to this share where memory presses (``layout_pressure``)
 AUTO_PRESSURE_PENALTY = 0.3
@@ -125,7 +127,8 @@ def tie_order(layouts: list[tuple]):
 def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = None,
               options: PipelineOptions | None = None, *, seq_ids=None, **overrides) -> StepPlan:
     """Unify FlexSP and elastic pipelines (DESIGN.md "Unify"): plan the step with FlexSP (adaptive
-    SP on all GPUs, one stage) and with elastic_pp on every feasible (pp, sp) layout (one-stage
+    SP on all GPUs, one stage; under ZeRO 0/1/2 also without barriers, ``timelines``, planned
+    first) and with elastic_pp on every feasible (pp, sp) layout (one-stage
     replicas of a fixed degree included), simulate each with the same simulator and return the
     fastest plan (kind ``flexsp`` or ``elastic_pp``). ``pp`` / ``sp`` (or the options') pin the
     pipeline layouts (a pinned pp: its layouts of every SP degree; a pinned sp: the layouts of
@@ -200,6 +203,16 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     flex_lb = 0.0  # (no BatchAda plan: FlexSP runs, to say why it cannot)
     if with_flexsp and math.isfinite(ub):
         flex_lb = flex_cost.lower_bound_ms(lengths[ids]) / 1e3
+    if with_flexsp and flex_cost.zero_stage < 3:
+        # FlexSP without barriers: milliseconds to plan, and as a known step it prunes the layouts
+        # (and FlexSP, whose barrier-bound lower bound it often beats)
+        t0 = time.perf_counter()
+        try:
+            record("timelines", plan_sp("timelines", plan_timelines, lengths, flex_cost,
+                                        PlannerOptions(time_limit=budget * AUTO_TIMELINES_SHARE), seq_ids=ids,
+                                        barrier_free=True), t0)
+        except MegatronExtError as e:
+            alts["timelines"] = {"error": str(e)}
     share = AUTO_FLEXSP_SHARE if not layouts or flex_lb < layouts[0][1] else AUTO_FLEXSP_FLOOR
     layouts_end = start + budget * (1 - share if math.isfinite(ub) else 1)
     took: list[float] = []  # seconds each layout planned took
@@ -262,5 +275,5 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
 
 
 __all__ = ["AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_SHARE", "AUTO_PRESSURE_PENALTY", "AUTO_PRUNE_MARGIN", "AUTO_RESERVE",
-           "AUTO_TIE", "layout_estimate_s", "layout_name", "layout_order_key", "layout_pressure", "pipeline_layouts",
-           "plan_auto", "plan_units", "tie_order"]
+           "AUTO_TIE", "AUTO_TIMELINES_SHARE", "layout_estimate_s", "layout_name", "layout_order_key",
+           "layout_pressure", "pipeline_layouts", "plan_auto", "plan_units", "tie_order"]

@@ -2,6 +2,8 @@
 simulate_table."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -405,19 +407,34 @@ def test_auto_picks_the_fastest_of_flexsp_and_every_layout():
         plan_auto(lengths, COST, pp=5)
 
 
+def test_auto_plans_timelines_first_where_the_zero_stage_allows():
+    """Under ZeRO 0/1/2 FlexSP without barriers is a candidate, planned first (milliseconds); a
+    long-tailed batch on 256 GPUs, where one long sequence holds every FlexSP micro-batch, runs it."""
+    from megatron_ext.commands.scale import scaled_cost
+
+    cost = scaled_cost(CostModel.from_presets("gpt-7b", "a100-40g-8x8", 2), 256)
+    lengths = sample_lengths("wikipedia", 2048, 1, 170 * 1024)
+    plan = plan_auto(lengths, cost)
+    assert plan.barrier_free and plan.solver_status.startswith("auto chose timelines")
+    assert plan.estimated_step_time_s <= make_plan("timelines", lengths, cost).estimated_step_time_s * 1.001
+    assert "timelines" not in plan_auto(lengths, dataclasses.replace(cost, zero_stage=3)).solver_status
+
+
 @pytest.mark.parametrize("dist, zero", [("github", 3), ("commoncrawl", 1)])
 def test_auto_is_within_two_percent_of_its_best_candidate_planned_alone(dist, zero):
-    """auto, at its default time limit, against FlexSP and elastic_pp on every layout auto
-    considers, each planned alone at the same limit: never more than 2% slower."""
+    """auto, at its default time limit, against FlexSP (with and, under ZeRO 1, without barriers)
+    and elastic_pp on every layout auto considers, each planned alone at the same limit: never
+    more than 2% slower."""
     cost = CostModel.from_presets("llama-13b", "a800-80g-8x4", zero)
     for seed in (0, 1):
         lengths = sample_lengths(dist, 24, seed, 32 * 1024)
         auto = plan_auto(lengths, cost).estimated_step_time_s
         alone = []
-        try:
-            alone.append(make_plan("flexsp", lengths, cost).estimated_step_time_s)
-        except MegatronExtError:
-            pass
+        for name in ("flexsp", "timelines") if zero < 3 else ("flexsp",):  # (timelines: ZeRO 0/1/2)
+            try:
+                alone.append(make_plan(name, lengths, cost).estimated_step_time_s)
+            except MegatronExtError:
+                pass
         for P, d in pipeline_layouts(cost):
             try:
                 alone.append(plan_elastic_pp(lengths, cost, P, d).estimated_step_time_s)
