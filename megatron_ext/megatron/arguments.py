@@ -361,7 +361,8 @@ def validate_args(args, world_size: int | None = None) -> Validated:
     notes: list[str] = []
     if heads and cost.model.num_attention_heads != heads:
         notes.append(f"the cost model's {cost.model.name} has {cost.model.num_attention_heads} heads, the model "
-                     f"{heads}: Ulysses degrees are capped at {cost.ulysses_degree(cost.num_gpus)} by the model's heads")
+                     f"{heads}: Ulysses degrees are capped at {cost.ulysses_degree(cost.num_gpus)} by the model's "
+                     f"heads")
     for mine, theirs, what in ((_get(args, "num_layers"), cost.model.num_layers, "layers"),
                                (_get(args, "hidden_size"), cost.model.hidden_size, "hidden size")):
         if mine and mine != theirs:

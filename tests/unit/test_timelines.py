@@ -102,3 +102,15 @@ def test_at_scale_gpu_sets_run_different_numbers_of_passes_and_beat_the_barrier(
     assert passes.min() < passes.max()
     assert plan.estimated_step_time_s <= plan.lower_bound_step_time_s * 1.05
     assert plan.estimated_step_time_s < make_plan("flexsp", lengths, cost, options).estimated_step_time_s
+
+
+def test_few_sequences_a_gpu_pack_into_wider_groups():
+    """One sequence a GPU: each at its narrowest degree would get a pass (and a fixed cost) of its
+    own, two or three after another on some GPUs; timelines raises the narrowest degree and packs
+    them, as fast as the best single degree (BatchAda) or faster."""
+    cost = CostModel.from_presets("gpt-7b", "a100-40g-8x8", 2)
+    for seed in (0, 1):
+        lengths = sample_lengths("wikipedia", 64, seed, 32 * 1024)
+        timelines = make_plan("timelines", lengths, cost)
+        # (within the bisection's tolerance, REL_TOL)
+        assert timelines.estimated_step_time_s <= make_plan("batchada", lengths, cost).estimated_step_time_s * 1.003

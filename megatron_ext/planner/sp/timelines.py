@@ -16,7 +16,10 @@ The plan (``plan_timelines``), for a makespan target T found by bisection (``_Ba
    degree that ends first, into its last pass if the tokens fit, else into a new pass (passes
    filled to capacity: each pays the fixed cost); a new GPU set opens where that would pass T;
    then every slot splits into two halves of the next degree, free from its end on;
-3. T is feasible when the sets' GPUs add up to at most N (placed widest first: aligned).
+3. T is feasible when the sets' GPUs add up to at most N (placed widest first: aligned);
+4. with few sequences a GPU, the narrowest degree is raised (2, 4, ...) while the layout at its
+   own smallest T ends sooner: wider groups pack several short sequences into one pass, where the
+   narrowest would give each its own pass and fixed cost.
 At the smallest feasible T found, GPUs left over open sets from the start and the same target is
 laid out again, the work spread over them, where that ends sooner. Bounded work (a bisection to
 0.2%), linear-logarithmic in the sequences; the time limit cuts the bisection short (the best
@@ -37,6 +40,7 @@ from megatron_ext.planner.options import PlannerOptions
 # the GPU sets' degrees, and every pass: (micro-batch, set, offset of its GPUs in the set, degree, seq ids)
 Sets = tuple[list[int], list[tuple[int, int, int, int, list[int]]]]
 REL_TOL = 2e-3  # the bisection stops when the feasible T is within this of an infeasible one
+FLOOR_SHARE = 0.3  # of the time limit: no narrowest degree is raised after it (step 4 of the docstring)
 
 
 class _Batch:
@@ -53,19 +57,21 @@ class _Batch:
         self.alone = np.where(self.allowed, self.time + self.fixed[None, :], np.inf)  # a pass of it alone
         self.order = np.argsort(-lengths, kind="stable")  # longest (slowest at any degree) first
 
-    def degree_at(self, T: float) -> np.ndarray | None:
-        """Per sequence, the index of the smallest allowed degree whose pass of it alone fits T;
-        None if one fits at none."""
+    def degree_at(self, T: float, floor: int = 0) -> np.ndarray | None:
+        """Per sequence, the index of the smallest allowed degree, ``floor`` or more, whose pass of
+        it alone fits T; None if one fits at none."""
         ok = self.alone <= T
+        ok[:, :floor] = False
         if not ok.any(axis=1).all():
             return None
         return np.argmax(ok, axis=1)
 
-    def layout(self, T: float, spare: int = 0) -> _Layout | None:
+    def layout(self, T: float, spare: int = 0, floor: int = 0) -> _Layout | None:
         """Every sequence placed at target T (module docstring), widest degree first; None if the
         GPU sets need more than N GPUs. ``spare``: GPUs to open sets on before any is needed (the
-        widest powers of two that fit), so the work spreads over them too."""
-        at = self.degree_at(T)
+        widest powers of two that fit), so the work spreads over them too. ``floor``: the index of
+        the narrowest degree any sequence takes."""
+        at = self.degree_at(T, floor)
         if at is None:
             return None
         out = _Layout(self)
@@ -156,22 +162,24 @@ class _Layout:
         return max((s[5] for s in self.slots), default=0.0)
 
 
-def _bisect(batch: _Batch, deadline: float) -> tuple[float, _Layout, bool]:
-    """The smallest feasible T (to REL_TOL), its layout, and whether the deadline cut it short."""
-    at_least = batch.alone.min(axis=1)  # each sequence's fastest pass alone
-    work = np.where(batch.allowed, batch.time * batch.degrees[None, :], np.inf).min(axis=1).sum() / batch.n
+def _bisect(batch: _Batch, deadline: float, floor: int = 0) -> tuple[float, _Layout, bool]:
+    """The smallest feasible T (to REL_TOL) with no degree below index ``floor``, its layout, and
+    whether the deadline cut it short."""
+    at_least = batch.alone[:, floor:].min(axis=1)  # each sequence's fastest pass alone
+    gpu_ms = np.where(batch.allowed, batch.time * batch.degrees[None, :], np.inf)[:, floor:]
+    work = gpu_ms.min(axis=1).sum() / batch.n
     lo = hi = max(float(at_least.max()), float(work))
-    best = batch.layout(hi)
+    best = batch.layout(hi, floor=floor)
     while best is None:  # (finite: at a T that holds every sequence, one set of the widest degree holds them all)
         lo, hi = hi, hi * 2
-        best = batch.layout(hi)
+        best = batch.layout(hi, floor=floor)
     cut = False
     while hi > lo * (1 + REL_TOL):
         if time.perf_counter() > deadline:
             cut = True
             break
         mid = (lo + hi) / 2
-        trial = batch.layout(mid)
+        trial = batch.layout(mid, floor=floor)
         if trial is None:
             lo = mid
         else:
@@ -186,11 +194,21 @@ def plan_timelines(lengths: np.ndarray, cost: CostModel, options: PlannerOptions
         raise ConfigError("timelines runs each GPU set's passes without a barrier between micro-batches, which needs "
                           "ZeRO 0, 1 or 2 (under ZeRO-3 every pass gathers parameters over every GPU); "
                           "pass --zero-stage 2")
-    deadline = time.perf_counter() + options.time_limit
+    start = time.perf_counter()
+    deadline = start + options.time_limit
     batch = _Batch(np.asarray(lengths, dtype=np.int64), cost)
     T, best, cut = _bisect(batch, deadline)
+    floor = 0
+    # Few sequences a GPU: the narrowest degrees leave most GPUs with one short pass each, and each
+    # pass pays the fixed cost; wider groups packing several sequences can end sooner. Raise the
+    # narrowest degree while that helps (and the limit allows)
+    while floor + 1 < len(batch.degrees) and time.perf_counter() < start + FLOOR_SHARE * options.time_limit:
+        T_up, wider, cut_up = _bisect(batch, start + 2 * FLOOR_SHARE * options.time_limit, floor + 1)
+        if wider.end_ms() >= best.end_ms():
+            break
+        floor, T, best, cut = floor + 1, T_up, wider, cut_up
     if best.gpus < batch.n:  # GPUs left over: the same target with them in use from the start
-        spread = batch.layout(T, batch.n - best.gpus)
+        spread = batch.layout(T, batch.n - best.gpus, floor)
         if spread is not None and spread.end_ms() < best.end_ms():
             best = spread
     groups = [(first + p, k, off, int(batch.degrees[d]), ids)
