@@ -21,7 +21,7 @@ from megatron_ext.cost.pipeline import PipelineCost, default_layout
 from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError
 from megatron_ext.plan.program import list_schedule
 from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan
-from megatron_ext.plan.validate import checked_batch_lengths, validate, validate_pipelines
+from megatron_ext.plan.validate import checked_batch_lengths, validate
 from megatron_ext.planner.options import options_as
 from megatron_ext.planner.pp.checkpointing import greedy_recompute, solve_recompute
 from megatron_ext.planner.pp.chunking import Pieces
@@ -217,8 +217,7 @@ def finish_plan(name: str, pipes: list[Pipeline], lengths: np.ndarray, cost: Cos
             opts: PipelineOptions, start: float, status: str, dropped=()) -> StepPlan:
     plan = StepPlan(kind="elastic_pp", num_gpus=cost.num_gpus, planner=name, pipelines=pipes,
                     solver_status=status, dropped_seq_ids=[int(i) for i in dropped])
-    validate(plan, lengths, cost)
-    validate_pipelines(plan, lengths, cost)
+    validate(plan, lengths, cost)  # (its pipelines' programs too)
     res = simulate(plan, lengths, cost, b1_scale=opts.b1_scale, memory_mb=opts.memory_mb, events=False)
     plan.solve_time_s = time.perf_counter() - start
     plan.estimated_step_time_s = res.step_time_s
