@@ -103,7 +103,11 @@ def _plan_table(plan, lengths, cost, max_seq_len: int | None = None) -> str:
     lines = [f"{plan.planner} plan for {plural(len(lengths), 'sequence')} "
              f"({int(lengths.sum()):,} tokens) "
              f"of {cost.model.name} on {cost.cluster.name} ({cost.num_gpus} GPUs)", ""]
-    lines.append(f"{'mb':>3} {'time s':>8}  groups (degree x count: sequences, tokens)")
+    if plan.barrier_free:  # no micro-batch barrier: row k is each GPU set's k-th pass, its slowest timed
+        lines.append(f"{'pass':>4} {'time s':>7}  groups (degree x count: sequences, tokens), each from when its "
+                     f"GPUs are free")
+    else:
+        lines.append(f"{'mb':>3} {'time s':>8}  groups (degree x count: sequences, tokens)")
     for m, mb in enumerate(plan.micro_batches):
         by_deg: dict[int, list] = {}
         for g in mb.groups:

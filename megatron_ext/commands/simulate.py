@@ -27,7 +27,8 @@ def add_simulate_command(sub) -> None:
                    help="with --lengths: drop sequences over --max-seq-len (default: over what every planner can run) "
                         "instead of failing")
     p.add_argument("--planners", default="all",
-                   help=f"comma-separated planners to compare (default: all, i.e. {', '.join(DEFAULT_PLANNERS)})")
+                   help=f"comma-separated planners to compare (default: all, i.e. {', '.join(DEFAULT_PLANNERS)}, "
+                        f"and timelines under ZeRO 0/1/2)")
     p.add_argument("--main", help="the planner the speedups are relative to (default: the first of --planners)")
     p.add_argument("--time-limit", type=float, default=1.0, metavar="SEC", help="planning time limit per step (default 1)")
     p.add_argument("--json", action="store_true", help="rows, summary, compute floor and config as JSON")
@@ -47,6 +48,8 @@ def cmd_simulate(args) -> int:
     planners = DEFAULT_PLANNERS if args.planners == "all" else tuple(x.strip() for x in args.planners.split(","))
     check_args(args, pipelines=any(x in planner_names(*PIPELINE_KINDS) for x in planners))
     cost = cost_from_args(args)
+    if args.planners == "all" and cost.zero_stage < 3:  # FlexSP without barriers runs here too
+        planners += ("timelines",)
     opts = pipeline_options_from_args(args)
     lengths = None
     if args.lengths:
