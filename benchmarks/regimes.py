@@ -15,6 +15,7 @@ sequence no group holds) is marked in its row with the reason.
 
     .venv/bin/python benchmarks/regimes.py --out benchmarks/results/regimes       # the whole map
     .venv/bin/python benchmarks/regimes.py --gpus 32,128 --models 13b --jobs 2 --out runs/regimes
+    .venv/bin/python benchmarks/regimes.py --planners auto --jobs 2 --out benchmarks/results/regimes  # auto anew
 
 Runs in parts: rows go to ``<out>.json`` (the cells of earlier runs with the same ``--out`` are
 kept, the ones rerun replaced), then ``<out>.csv``, ``<out>.md`` (the table and how far auto is
@@ -56,7 +57,7 @@ def cell(spec: dict) -> dict:
     # the pipeline planners: SP over a node, as many stages as divide the layers and the nodes
     # (one per node where they do), the rest replicas; auto tries every layout itself
     sp = min(cost.cluster.gpus_per_node, cost.degrees[-1])
-    for name in PLANNERS:
+    for name in spec.get("planners", PLANNERS):
         layout = {"sp": sp} if name in ("elastic_pp", "seq1f1b", "batch_1f1b") else {}
         try:  # (each planner alone: a setup one cannot run must not hide the others)
             out = simulate_table(cost, lengths=lengths, planners=(name,), max_seq_len=spec["context"],
@@ -213,12 +214,15 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="cells planned at once, in worker processes")
     ap.add_argument("--out", default="regimes", help="path prefix of the .json, .csv, .md and .png written")
     ap.add_argument("--redraw", action="store_true", help="plan nothing: the .csv, .md and .png from <out>.json")
+    ap.add_argument("--planners", default=",".join(PLANNERS),
+                    help="the planners to (re)plan in each cell; the others' results stay as <out>.json has them")
     args = ap.parse_args()
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
     grid = itertools.product(ints(args.gpus), ints(args.memory), args.contexts.split(","), args.models.split(","),
                              args.dists.split(","), ints(args.zero))
     specs = [{"model": f"{args.family}-{m}", "gpus": g, "memory_gb": mem, "context": _tokens(c), "dist": d, "zero": z,
-              "batch": args.batch, "seed": args.seed, "time_limit": args.time_limit}
+              "batch": args.batch, "seed": args.seed, "time_limit": args.time_limit,
+              "planners": tuple(p for p in args.planners.split(",") if p)}
              for g, mem, c, m, d, z in ([] if args.redraw else grid)]
     store = args.out + ".json"
     rows = {}
@@ -227,8 +231,13 @@ def main() -> None:
             rows = {_key(r): r for r in json.load(f)}
     os.makedirs(os.path.dirname(os.path.abspath(store)), exist_ok=True)
 
+    replanned = tuple(p for p in args.planners.split(",") if p)
+
     def save(row: dict) -> None:  # after every cell: a run cut short keeps what it planned
-        rows[_key(row)] = row
+        pipelines = any(p in ("elastic_pp", "seq1f1b", "batch_1f1b") for p in replanned)
+        kept = {k: v for k, v in rows.get(_key(row), {}).items()  # the planners not replanned
+                if not any(k.startswith(f"{p}_") for p in replanned) and not (k == "pipeline_layout" and pipelines)}
+        rows[_key(row)] = {**kept, **row}
         print(_progress(row), flush=True)
         with open(store, "w") as f:
             json.dump(sorted(rows.values(), key=_key), f, indent=1)

@@ -28,7 +28,11 @@ AUTO_PRUNE_MARGIN = 0.95
 AUTO_FLEXSP_FLOOR = 0.15  # FlexSP's share instead where its lower bound loses to the likeliest layout's estimate
 AUTO_RESERVE = 0.03  # of the time limit, left for FlexSP's plan check and the choice, after its solve
 AUTO_TIMELINES_SHARE = 0.2  # of the time limit, at most, for timelines (ZeRO 0/1/2; it takes far less)
-AUTO_TIE = 0.05  # layouts whose order keys are this close are tried largest SP degree first (``tie_order``)
+AUTO_TIE = 0.05  # a layout followed by one whose order key is this close shares the time left with it
+# Layouts whose order keys are this close are tried largest SP degree first (``tie_order``): deep
+# layouts of small SP degree were planned at up to 2x their estimate (gpt-7b on 32 A100-40GB: a
+# 32-stage SP-1 pipeline runs its long sequences as one wave each), and by the estimate alone went first
+AUTO_ORDER_TIER = 0.15
 # Order of the layouts: the estimate, raised by up to this share where memory presses (``layout_pressure``)
 AUTO_PRESSURE_PENALTY = 0.3
 
@@ -114,13 +118,13 @@ def layout_order_key(lengths: np.ndarray, pc: PipelineCost, estimate_s: float) -
 
 def tie_order(layouts: list[tuple]):
     """Sort key of ``(order key, estimate, name, pp, sp)`` layouts: by order key, in tiers of
-    ``AUTO_TIE`` from the lowest (within a tier the estimate cannot tell layouts apart), the
+    ``AUTO_ORDER_TIER`` from the lowest (within a tier the estimate cannot tell layouts apart), the
     largest SP degree first in a tier: the fewest chunks, so the quickest to plan and the closest
     to its estimate."""
     low = min((x[0] for x in layouts), default=1.0)
 
     def key(x: tuple) -> tuple:
-        return int(math.log(max(1.0, x[0] / low)) / math.log(1 + AUTO_TIE)), -x[4], x[0], x[2]
+        return int(math.log(max(1.0, x[0] / low)) / math.log(1 + AUTO_ORDER_TIER)), -x[4], x[0], x[2]
     return key
 
 
@@ -233,7 +237,8 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         # rest), or half of it when the next contender is tied with this one: the estimate cannot
         # tell them apart, so neither may take all the time
         rival = next((x for x in layouts[i + 1:] if AUTO_PRUNE_MARGIN * x[1] < bound), None)
-        limit = left / 2 if rival is not None and order(rival)[0] == order(layouts[i])[0] else left
+        tied = rival is not None and max(rival[0], layouts[i][0]) <= (1 + AUTO_TIE) * min(rival[0], layouts[i][0])
+        limit = left / 2 if tied else left
         t0 = time.perf_counter()
         try:
             sub = plan_elastic_pp(lengths, cost, P, d, dataclasses.replace(opts, time_limit=max(0.05, limit)),
@@ -274,6 +279,6 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     return plan
 
 
-__all__ = ["AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_SHARE", "AUTO_PRESSURE_PENALTY", "AUTO_PRUNE_MARGIN", "AUTO_RESERVE",
-           "AUTO_TIE", "AUTO_TIMELINES_SHARE", "layout_estimate_s", "layout_name", "layout_order_key",
-           "layout_pressure", "pipeline_layouts", "plan_auto", "plan_units", "tie_order"]
+__all__ = ["AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_SHARE", "AUTO_ORDER_TIER", "AUTO_PRESSURE_PENALTY", "AUTO_PRUNE_MARGIN",
+           "AUTO_RESERVE", "AUTO_TIE", "AUTO_TIMELINES_SHARE", "layout_estimate_s", "layout_name",
+           "layout_order_key", "layout_pressure", "pipeline_layouts", "plan_auto", "plan_units", "tie_order"]
