@@ -40,16 +40,20 @@ def plan_sp(name: str, fn: SPPlanFn, lengths, cost: CostModel, options=None, *, 
     micro_batches, status = fn(lengths[ids], cost, planner_options(options))
     solve_time = time.perf_counter() - start
 
-    mbs = _set_passes(micro_batches, ids, cost) if barrier_free else []
-    for groups in [] if barrier_free else micro_batches:
-        ranks = place_groups([d for d, _ in groups], cost.num_gpus)
-        mbs.append(MicroBatchPlan([SPGroup(r, sorted(int(ids[i]) for i in members), ring=cost.ring_degree(len(r)))
-                                   for r, (_, members) in sorted(zip(ranks, groups), key=lambda x: x[0][0])]))
+    mbs = _set_passes(micro_batches, ids, cost) if barrier_free else [_placed(groups, ids, cost)
+                                                                       for groups in micro_batches]
     plan = StepPlan(kind="flexsp", num_gpus=cost.num_gpus, planner=name, micro_batches=mbs,
                     solve_time_s=solve_time, solver_status=status, barrier_free=barrier_free,
                     dropped_seq_ids=[int(i) for i in np.setdiff1d(np.arange(len(lengths)), ids)])
     validate(fill_estimates(plan, lengths, cost), lengths, cost)
     return plan
+
+
+def _placed(groups: Groups, ids: np.ndarray, cost: CostModel) -> MicroBatchPlan:
+    """One micro-batch's groups on aligned rank blocks, in rank order."""
+    ranks = place_groups([d for d, _ in groups], cost.num_gpus)
+    return MicroBatchPlan([SPGroup(r, sorted(int(ids[i]) for i in members), ring=cost.ring_degree(len(r)))
+                           for r, (_, members) in sorted(zip(ranks, groups), key=lambda x: x[0][0])])
 
 
 def _set_passes(sets, ids: np.ndarray, cost: CostModel) -> list[MicroBatchPlan]:
