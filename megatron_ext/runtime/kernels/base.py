@@ -167,11 +167,13 @@ def prepend_prefixes(k: Tensor, v: Tensor, bounds: Sequence[int], prefixes: Sequ
     """Keys and values laid out ``[prefix; own]`` per segment, and their segment boundaries (the
     ``cu_seqlens_kv`` of varlen kernels, whose ``cu_seqlens_q`` stays ``bounds``)."""
     ks, vs, kv_bounds = [], [], [0]
-    for (a, b), prefix in zip(zip(bounds[:-1], bounds[1:]), prefixes):
+    sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    # split, not a slice per segment: each slice's backward would write a buffer-sized zero gradient
+    for n, own_k, own_v, prefix in zip(sizes, k.split(sizes), v.split(sizes), prefixes):
         if prefix is not None:
             ks.append(prefix[0].to(k.dtype))
             vs.append(prefix[1].to(v.dtype))
-        ks.append(k[a:b])
-        vs.append(v[a:b])
-        kv_bounds.append(kv_bounds[-1] + (b - a) + (0 if prefix is None else prefix[0].shape[0]))
+        ks.append(own_k)
+        vs.append(own_v)
+        kv_bounds.append(kv_bounds[-1] + n + (0 if prefix is None else prefix[0].shape[0]))
     return torch.cat(ks), torch.cat(vs), kv_bounds
