@@ -29,6 +29,10 @@ AUTO_FLEXSP_FLOOR = 0.15  # FlexSP's share instead where its lower bound loses t
 AUTO_RESERVE = 0.03  # of the time limit, left for FlexSP's plan check and the choice, after its solve
 AUTO_TIMELINES_SHARE = 0.2  # of the time limit, at most, for timelines (ZeRO 0/1/2; it takes far less)
 AUTO_TIE = 0.05  # a layout followed by one whose order key is this close shares the time left with it
+# Seconds one chunk on one stage costs to build, check and simulate once (a 32-stage pipeline of
+# ~1,000 chunks: 2.6 s on a 2-core machine); a layout is not started where its chunks x stages need
+# more than the time left
+AUTO_CHUNK_STAGE_S = 8e-5
 # Layouts whose order keys are this close are tried largest SP degree first (``tie_order``): deep
 # layouts of small SP degree were planned at up to 2x their estimate (gpt-7b on 32 A100-40GB: a
 # 32-stage SP-1 pipeline runs its long sequences as one wave each), and by the estimate alone went first
@@ -73,13 +77,19 @@ def layout_name(pc: PipelineCost) -> str:
 
 
 def layout_estimate_s(lengths: np.ndarray, pc: PipelineCost, min_slice_tokens: int = 1024) -> float:
+    """``layout_estimate`` in seconds."""
+    return layout_estimate(lengths, pc, min_slice_tokens)[0]
+
+
+def layout_estimate(lengths: np.ndarray, pc: PipelineCost, min_slice_tokens: int = 1024) -> tuple[float, int]:
     """Step time of one 1F1B pipeline of n equal chunks at the best n, on each replica's share of
     the work: ``W + n b + (P - 1)(W / n + b)`` (W: work per stage, b: fixed cost per chunk), with
     at least the chunks memory needs: stage 0 holds P chunks in flight, either whole (no
     recompute) or, with every layer recomputed (W grows by a forward), one whole and the others'
     inputs and K/V; at most a chunk per sequence or per ``min_slice_tokens`` (sequences are cut
     into slices: a few sequences on many stages still fill the pipeline); plus the step's exposed
-    gradient sync. Ramps, list scheduling and partial recompute beat it by up to ~7%."""
+    gradient sync. Ramps, list scheduling and partial recompute beat it by up to ~7%. Returns
+    (seconds, chunks per replica at the best n)."""
     lengths = np.asarray(lengths, dtype=np.float64)
     W = float(pc.prefix_ms(lengths).sum()) / pc.replicas
     tokens = float(lengths.sum()) / pc.replicas
@@ -87,14 +97,28 @@ def layout_estimate_s(lengths: np.ndarray, pc: PipelineCost, min_slice_tokens: i
     whole, kept = pc.act_layer_mb * L_s, (pc.input_layer_mb + pc.kv_layer_mb) * L_s
     most = max(2, -(-len(lengths) // pc.replicas), math.ceil(tokens / min_slice_tokens))
     n = np.arange(1, most + 1, dtype=np.float64)
-    best = math.inf
+    best, chunks = math.inf, int(n[-1])
     for work, chunk_mb in ((W, P * whole), (W * (1 + FWD_FRACTION), (P - 1) * kept + whole)):
         fits = n * room >= tokens * chunk_mb  # n chunks of tokens / n each
         if fits.any():
-            best = min(best, float((work + n * b + (P - 1) * (work / n + b))[fits].min()))
+            t = np.where(fits, work + n * b + (P - 1) * (work / n + b), math.inf)
+            if t.min() < best:
+                best, chunks = float(t.min()), int(n[t.argmin()])
     if not math.isfinite(best):  # not even one chunk per sequence fits: no memory bound to offer
-        best = float((W + n * b + (P - 1) * (W / n + b)).min())
-    return (best + pc.step_sync_ms) / 1e3
+        t = W + n * b + (P - 1) * (W / n + b)
+        best, chunks = float(t.min()), int(n[t.argmin()])
+    # waves: a sequence two of which a stage cannot hold in flight (activations and K/V, nothing
+    # recomputed, over half the room) runs through the stages alone, its k slices one after
+    # another with their own fill and drain: (P - 1) slices' time idle on each stage, plus k fixed
+    # costs, at the k that minimizes the two (whole sequences or min_slice_tokens slices at most)
+    wave = lengths[lengths * (pc.act_layer_mb + pc.kv_layer_mb) * L_s > room / 2] if P > 1 else lengths[:0]
+    if wave.size:
+        t = pc.prefix_ms(wave)
+        k = np.clip(np.sqrt((P - 1) * t / max(b, 1e-9)), 1, np.maximum(1, wave / min_slice_tokens))
+        waves = float(((P - 1) * t / k + k * b).sum()) / pc.replicas
+        if W + waves > best:
+            best, chunks = W + waves, max(chunks, int(k.sum() / pc.replicas))
+    return (best + pc.step_sync_ms) / 1e3, chunks
 
 
 def layout_pressure(lengths: np.ndarray, pc: PipelineCost) -> float:
@@ -117,8 +141,8 @@ def layout_order_key(lengths: np.ndarray, pc: PipelineCost, estimate_s: float) -
 
 
 def tie_order(layouts: list[tuple]):
-    """Sort key of ``(order key, estimate, name, pp, sp)`` layouts: by order key, in tiers of
-    ``AUTO_ORDER_TIER`` from the lowest (within a tier the estimate cannot tell layouts apart), the
+    """Sort key of ``(order key, estimate, name, pp, sp, chunks x stages)`` layouts: by order key,
+    in tiers of ``AUTO_ORDER_TIER`` from the lowest (within a tier the estimate cannot tell layouts apart), the
     largest SP degree first in a tier: the fewest chunks, so the quickest to plan and the closest
     to its estimate."""
     low = min((x[0] for x in layouts), default=1.0)
@@ -142,15 +166,17 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     ``solver_status`` names the choice; ``baselines`` holds every alternative's simulated time
     (``"flexsp"``, ``"elastic_pp pp4 x sp8"``, ``"elastic_pp pp2 x sp8 x dp2"`` with replicas,
     ...). Time: the layouts go first, most promising first (``layout_order_key``: the estimate,
-    raised where the longest sequence presses on memory), in at most 1 - ``AUTO_FLEXSP_SHARE`` of
-    the limit (each may use all of it that is left, half when the next is tied with it); a
-    layout whose estimate (``layout_estimate_s``), less 5%, is no faster than BatchAda's step (an
-    upper bound of FlexSP's) or the best layout so far is skipped (reported with its estimate), and so is any
-    layout left when their time has run out (less of it than the fastest layout planned took).
-    FlexSP goes last, in all the time left but ``AUTO_RESERVE`` of the limit (for its plan's
-    check), unless its lower bound (``CostModel.lower_bound_ms``) is no faster than a layout's
-    plan; where that bound is no faster than the likeliest layout's estimate, FlexSP's share is
-    ``AUTO_FLEXSP_FLOOR`` (the layouts get the rest)."""
+    raised where the longest sequence presses on memory; ``tie_order``), in at most
+    1 - ``AUTO_FLEXSP_SHARE`` of the limit (each may use all of it that is left, half when the
+    next is tied with it). A layout whose estimate (``layout_estimate_s``), less 5%, is no faster
+    than BatchAda's step (an upper bound of FlexSP's) or the best step so far is skipped (reported
+    with its estimate), and so is one left when their time has run out (less of it than the
+    fastest layout planned took, or than its chunks x stages take to build, ``AUTO_CHUNK_STAGE_S``);
+    one that cannot build a candidate in the whole limit is not started while FlexSP or another
+    layout can run. FlexSP goes last, in all the time left but ``AUTO_RESERVE`` of the
+    limit (for its plan's check), unless its lower bound (``CostModel.lower_bound_ms``) is no faster
+    than a layout's plan; where that bound is no faster than the likeliest layout's estimate,
+    FlexSP's share is ``AUTO_FLEXSP_FLOOR`` (the layouts get the rest)."""
     start = time.perf_counter()
     opts = pipeline_options(options, overrides)
     lengths, ids = kept_sequences(lengths, seq_ids)
@@ -177,8 +203,19 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
             alts[layout_name(pc)] = {"skipped": f"a stage holds sequences of up to {limit:,} tokens, this batch's "
                                                 f"longest has {longest:,}"}
             continue
-        est = layout_estimate_s(lengths[ids], pc, opts.min_slice_tokens)
-        layouts.append((layout_order_key(lengths[ids], pc, est), est, layout_name(pc), P, d))
+        est, chunks = layout_estimate(lengths[ids], pc, opts.min_slice_tokens)
+        layouts.append((layout_order_key(lengths[ids], pc, est), est, layout_name(pc), P, d,
+                        chunks * P * pc.replicas))
+    # a layout whose one candidate takes longer to build than the whole limit is not started while
+    # anything else can run (FlexSP or a quicker layout): it would overrun the limit, and its
+    # estimate, which such deep layouts undercut, would lead the order
+    quick = [x for x in layouts if x[5] * AUTO_CHUNK_STAGE_S <= budget]
+    if quick or opts.flexsp:
+        for x in layouts:
+            if x[5] * AUTO_CHUNK_STAGE_S > budget:
+                alts[x[2]] = {"skipped": f"about {x[5] * AUTO_CHUNK_STAGE_S:.1f} s to build one candidate "
+                                         f"({x[5]:,} chunks x stages), over the {budget:g} s limit"}
+        layouts = quick
     order = tie_order(layouts)
     layouts.sort(key=order)
     if not layouts and not alts and (pin_pp is not None or pin_sp is not None):
@@ -220,7 +257,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     share = AUTO_FLEXSP_SHARE if not layouts or flex_lb < layouts[0][1] else AUTO_FLEXSP_FLOOR
     layouts_end = start + budget * (1 - share if math.isfinite(ub) else 1)
     took: list[float] = []  # seconds each layout planned took
-    for i, (_, est, name, P, d) in enumerate(layouts):
+    for i, (_, est, name, P, d, chunk_stages) in enumerate(layouts):
         bound, against = min([(ub, "BatchAda (FlexSP's upper bound)")] + [(t, n) for t, n, _ in plans])
         left = layouts_end - time.perf_counter()
         if AUTO_PRUNE_MARGIN * est >= bound:
@@ -228,9 +265,10 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
                                      f"{AUTO_PRUNE_MARGIN:.0%} of it no faster than {against} ({bound:.2f} s)",
                           "estimated_lower_s": AUTO_PRUNE_MARGIN * est}
             continue
-        # a layout takes about as long to plan as the fastest so far, however short its limit: its
-        # search stops at the limit, but checking and simulating what it found does not
-        if plans and left <= max(0.02, min(took, default=0.0)):
+        # a layout takes about as long to plan as the fastest so far, however short its limit (its
+        # search stops at the limit, but checking and simulating what it found does not), and at
+        # least its chunks x stages x AUTO_CHUNK_STAGE_S to build one candidate
+        if plans and left <= max(0.02, min(took, default=0.0), chunk_stages * AUTO_CHUNK_STAGE_S):
             alts[name] = {"skipped": f"time limit reached (estimated {est:.2f} s)"}
             continue
         # all the layouts' time left (the likeliest go first, and a search that ends early leaves the
@@ -280,5 +318,6 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
 
 
 __all__ = ["AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_SHARE", "AUTO_ORDER_TIER", "AUTO_PRESSURE_PENALTY", "AUTO_PRUNE_MARGIN",
-           "AUTO_RESERVE", "AUTO_TIE", "AUTO_TIMELINES_SHARE", "layout_estimate_s", "layout_name",
+           "AUTO_RESERVE", "AUTO_CHUNK_STAGE_S", "AUTO_TIE", "AUTO_TIMELINES_SHARE", "layout_estimate",
+           "layout_estimate_s", "layout_name",
            "layout_order_key", "layout_pressure", "pipeline_layouts", "plan_auto", "plan_units", "tie_order"]

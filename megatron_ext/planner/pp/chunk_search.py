@@ -16,6 +16,7 @@ from megatron_ext.planner.pp.pipeline import BuiltPipeline, PipelineOptions, bui
 from megatron_ext.planner.pp.sequence_limits import fewest_slices, finest_slice, fit_cap, what_to_change
 
 
+PROBE_TARGETS = 3  # chunk-time targets a probe tries (the likeliest; K is the choice that matters most)
 MAX_CHUNKS = 4096  # chunk candidates with more chunks are not built (their recompute tables grow as n^2)
 
 
@@ -96,10 +97,11 @@ def _ramp_note(front, back) -> str:
 
 
 def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadline: float | None = None,
-               where: str = "pipeline") -> BuiltPipeline:
+               where: str = "pipeline", probe: bool = False) -> BuiltPipeline:
     """Search one pipeline's chunking and order; the fastest simulated candidate (greedy recompute)
     wins. Past ``deadline`` the search keeps the best candidate found so far (with none yet, it
-    goes straight to step 4).
+    goes straight to step 4). ``probe``: step 1 at the ``PROBE_TARGETS`` likeliest targets only
+    (and the finer token caps if memory needs them), a quick measure of what the full search finds.
 
     1. The chunk-time target (and so K) and the chunk token cap: Algorithm 1 (chunking.py) at
        each, with the default warm-up/cool-down ramp, ordered by list scheduling (``greedy``);
@@ -121,8 +123,10 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     # each candidate under that rule
     search_recompute = "greedy" if opts.recompute in ("ilp", "greedy") else opts.recompute
 
+    probed = False  # a probe's targets are done: it stops at what it has
+
     def late() -> bool:
-        return deadline is not None and best is not None and time.perf_counter() > deadline
+        return best is not None and (probed or (deadline is not None and time.perf_counter() > deadline))
 
     def hurry() -> bool:  # out of time with nothing feasible yet: straight to the safest chunkings
         return deadline is not None and best is None and time.perf_counter() > deadline
@@ -132,6 +136,9 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
         if len(pieces) > MAX_CHUNKS:
             errors.append(f"{where}: {len(pieces)} chunks, more than the {MAX_CHUNKS} a pipeline may have")
             return None
+        if best is not None and deadline is not None and time.perf_counter() + best.build_s * max(
+                1.0, len(pieces) / len(best.pieces)) ** 2 > deadline:
+            return None  # would end past the deadline (building grows up to n^2 with the recompute tables)
         try:
             b = build_pipeline(pieces, pc, search_recompute, opts.ties != "untied", where=where, order=order)
         except InfeasibleError as e:
@@ -173,7 +180,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
                 break
             if ci and best is not None and not best.recompute.any():
                 break  # a smaller cap only adds chunks when memory does not bind
-            for target in targets[:max(1, opts.search_targets)]:
+            for target in targets[:PROBE_TARGETS if probe else max(1, opts.search_targets)]:
                 if late() or hurry():
                     break
                 ch = balanced_chunks(seq_ids, lengths, pc, target, cap, opts.granularity, opts.fit,
@@ -190,6 +197,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
         return targets, finite
 
     targets, finite = search(cap_of if capped else None)
+    probed = probe
     if best is None and slice_cap is not None and not capped and not hurry():
         targets, finite = search(cap_of)  # no equal-time mesh worked: cap the slices
     if best_ch is not None:
@@ -240,4 +248,4 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     return best
 
 
-__all__ = ["MAX_CHUNKS", "plan_group"]
+__all__ = ["MAX_CHUNKS", "PROBE_TARGETS", "plan_group"]

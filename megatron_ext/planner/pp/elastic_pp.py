@@ -69,45 +69,66 @@ def _chunking_note(b: BuiltPipeline) -> str:
     return note + (f", {b.ramp}" if b.ramp else "") + f", {b.order} order"
 
 
+def _plan_structure(groups: list[np.ndarray], lengths, pc: PipelineCost, opts: PipelineOptions, start: float,
+                    end: float, probe: bool) -> list[BuiltPipeline]:
+    """The pipelines of one grouping, searched one after another, each until its share of
+    ``start``..``end`` by its place (``probe``: each its first candidates only)."""
+    return [plan_group(g, lengths, pc, opts, start + (end - start) * (i + 1) / len(groups), f"pipeline {i}", probe)
+            for i, g in enumerate(groups)]
+
+
 def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOptions, start: float,
                   budget: float) -> list[BuiltPipeline]:
     """One replica's pipelines (run one after another), planned in ``budget`` seconds from
     ``start``: one pipeline, or the sequences grouped into up to ``max_pipelines``; then the ILP's
-    recompute on the winner."""
-    candidates: list[tuple[float, list[BuiltPipeline], list[np.ndarray]]] = []
+    recompute on the winner. Every grouping is probed first (its first candidates), then the
+    searches go to the groupings in the order of their probes, the likeliest getting most of the
+    time: a short budget still weighs every grouping, rather than spending it all on the first."""
     err = None
-    try:
-        one = plan_group(ids, lengths, pc, opts, start + 0.4 * budget, "pipeline 0")
-        candidates.append((one.makespan_ms, [one], [ids]))
-    except InfeasibleError as e:
-        err = e
+    structures = [[ids]]
+    probes: list[tuple[float, list[BuiltPipeline], int]] = []  # (makespan, pipelines, index in structures)
+
+    def probe(i: int) -> None:
+        nonlocal err
+        try:
+            built = _plan_structure(structures[i], lengths, pc, opts, start, start + 0.3 * budget, probe=True)
+            probes.append((sum(b.makespan_ms for b in built), built, i))
+        except InfeasibleError as e:
+            err = err or e
+
+    probe(0)
     if opts.max_pipelines > 1 and len(ids) > 1:
-        groupings = []
         groups = group_sequences(ids, lengths, pc, opts.max_pipelines)
-        if len(groups) == 1 and err is not None:  # the estimate missed: halve by tokens
+        if len(groups) == 1 and not probes:  # the estimate missed: halve by tokens
             order = groups[0]
             cut = int(np.searchsorted(np.cumsum(lengths[order]), lengths[order].sum() / 2)) + 1
             groups = [order[:cut], order[cut:]] if 0 < cut < len(order) else groups
         if len(groups) > 1:
-            groupings.append(groups)
-        if err is not None or candidates[0][1][0].recompute.any():
+            structures.append(groups)
+        if not probes or probes[0][1][0].recompute.any():
             # memory binds: the longest sequence in a pipeline of its own relieves the others
             order = ids[np.lexsort((ids, -lengths[ids]))]
-            groupings.append([order[:1], order[1:]])
-        for gi, groups in enumerate(groupings):
-            if candidates and time.perf_counter() > start + 0.7 * budget:
-                break  # out of time: keep what was found (only a batch nothing fit yet goes on)
-            try:
-                built = []
-                for i, g in enumerate(groups):
-                    frac = (gi + (i + 1) / len(groups)) / len(groupings)
-                    built.append(plan_group(g, lengths, pc, opts, start + budget * (0.4 + 0.3 * frac),
-                                            f"pipeline {i}"))
-                candidates.append((sum(b.makespan_ms for b in built), built, groups))
-            except InfeasibleError as e:
-                err = err or e
-    if not candidates:
+            structures.append([order[:1], order[1:]])
+        for i in range(1, len(structures)):
+            if probes and time.perf_counter() > start + budget:
+                break  # out of time: keep what was probed (only a batch nothing fit yet goes on)
+            probe(i)
+    if not probes:
         raise err
+    # the full searches: the best probe's grouping until 0.55 of the budget (0.7 alone), the
+    # runner-up's (if within 10% of it) until 0.7; a probe stands where its search finds nothing faster
+    probes.sort(key=lambda c: c[0])
+    candidates = [(t, built) for t, built, _ in probes]
+    ranked = [probes[0]] + [c for c in probes[1:2] if c[0] <= 1.1 * probes[0][0]]
+    for (_, _, i), until in zip(ranked, (0.55, 0.7) if len(ranked) > 1 else (0.7,)):
+        now = time.perf_counter()
+        if now > start + until * budget:
+            break
+        try:
+            built = _plan_structure(structures[i], lengths, pc, opts, now, start + until * budget, probe=False)
+            candidates.append((sum(b.makespan_ms for b in built), built))
+        except InfeasibleError:
+            pass
     candidates.sort(key=lambda c: c[0])
     built = candidates[0][1]
 
