@@ -108,10 +108,11 @@ def layout_estimate(lengths: np.ndarray, pc: PipelineCost, min_slice_tokens: int
         t = W + n * b + (P - 1) * (W / n + b)
         best, chunks = float(t.min()), int(n[t.argmin()])
     # waves: a sequence two of which a stage cannot hold in flight (activations and K/V, nothing
-    # recomputed, over half the room) runs through the stages alone, its k slices one after
-    # another with their own fill and drain: (P - 1) slices' time idle on each stage, plus k fixed
-    # costs, at the k that minimizes the two (whole sequences or min_slice_tokens slices at most)
-    wave = lengths[lengths * (pc.act_layer_mb + pc.kv_layer_mb) * L_s > room / 2] if P > 1 else lengths[:0]
+    # recomputed, over half the room; the last stage's logits too) runs through the stages alone,
+    # its k slices one after another with their own fill and drain: (P - 1) slices' time idle on
+    # each stage, plus k fixed costs, at the k that minimizes the two (at most min_slice_tokens a slice)
+    held = (pc.act_layer_mb + pc.kv_layer_mb) * L_s + pc.head_mb
+    wave = lengths[lengths * held > room / 2] if P > 1 else lengths[:0]
     if wave.size:
         t = pc.prefix_ms(wave)
         k = np.clip(np.sqrt((P - 1) * t / max(b, 1e-9)), 1, np.maximum(1, wave / min_slice_tokens))

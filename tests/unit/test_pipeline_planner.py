@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -350,6 +352,19 @@ def test_layouts_and_their_estimate():
     W2 = float(pc2.prefix_ms(lengths).sum()) / 2
     assert layout_estimate_s(lengths, pc2) * 1e3 == pytest.approx(
         min(W2 + n * pc2.fixed_ms + (W2 / n + pc2.fixed_ms) for n in range(1, 80)))
+
+
+def test_layout_estimate_charges_the_waves_of_sequences_a_stage_holds_one_at_a_time():
+    # gpt-7b on 40 GB at ZeRO-3, 32 stages of SP 1: a 48K sequence's activations and logits take
+    # over half a stage's room, so each runs through the stages alone, with its own fill and
+    # drain: beyond its work, at least 2 sqrt((P - 1) t b) (the best k of (P - 1) t / k + k b)
+    cost = CostModel.from_presets("gpt-7b", "a100-40g-8x4", 3)
+    pc = PipelineCost(cost, 32, 1)
+    short = np.full(30, 2048)
+    with_long = np.concatenate([np.full(3, 49152), short])
+    t, b = float(pc.prefix_ms(49152)), pc.fixed_ms
+    extra = (layout_estimate_s(with_long, pc) - layout_estimate_s(short, pc)) * 1e3
+    assert extra >= 3 * (t + 2 * math.sqrt(31 * t * b))
 
 
 def _auto_checks(plan, lengths, cost=COST, **sim):

@@ -10,7 +10,9 @@ left (``_rebalance``):
 1. Grouping (planner/pp/grouping.py): the sequences, longest first, are cut into one or more
    consecutive groups, each run as its own 1F1B pipeline, one after another, by a DP over an
    analytic estimate. When memory binds, "the longest sequence in a pipeline of its own" is
-   tried too. The one-pipeline plan is always built; the fastest grouping (simulated) wins.
+   tried too. Every grouping (one pipeline always among them) is probed first (step 2 at its
+   likeliest targets only), then searched in full in the order of the probes: the best until
+   0.55 of the time, the runner-up (if within 10%) until 0.7; the fastest wins.
 2. Chunking per pipeline (planner/pp/chunking.py): the target chunk time (and so K) and the chunk
    token cap are searched, likeliest first (at most ``search_targets`` per cap); each candidate
    is chunked, given a warm-up/cool-down ramp (a few small chunks of whole short sequences first
@@ -37,11 +39,11 @@ left (``_rebalance``):
 5. The plan is validated and simulated; the simulator's step time is the estimate.
 
 Time limit (``time_limit``, the whole step's planning; with replicas, each replica's share of its
-first ``REBALANCE_AFTER``): every stage past the first feasible candidate yields to it -- the
-chunk search at 0.4 of it, the groupings at 0.7 (not started later), the ILP when none is left
-(the search's greedy recompute stands, noted in the status). A pipeline with nothing feasible yet
-at its deadline goes straight to the safest chunkings (the capped slices, then finer) and keeps
-trying until something fits.
+first ``REBALANCE_AFTER``): the groupings' probes come first, then their full searches until 0.7
+of it, then the ILP in what is left (if none, the search's greedy recompute stands, noted in the
+status). Past its deadline a search keeps its best candidate and starts no chunking whose build
+would end past it; a pipeline with nothing feasible yet at its deadline goes straight to the
+safest chunkings (the capped slices, then finer) and keeps trying until something fits.
 
 Steps 2-3 (one pipeline's search) are in planner/pp/chunk_search.py; building and scoring a pipeline
 and what the other pipeline planners share, in planner/pp/pipeline.py.
