@@ -33,12 +33,12 @@ AUTO_TIE = 0.05  # a layout followed by one whose order key is this close shares
 # ~1,000 chunks: 2.6 s on a 2-core machine); a layout is not started where its chunks x stages need
 # more than the time left
 AUTO_CHUNK_STAGE_S = 8e-5
-# Layouts whose order keys are this close are tried largest SP degree first (``tie_order``): deep
-# layouts of small SP degree were planned at up to 2x their estimate (gpt-7b on 32 A100-40GB: a
-# 32-stage SP-1 pipeline runs its long sequences as one wave each), and by the estimate alone went first
-AUTO_ORDER_TIER = 0.15
 # Order of the layouts: the estimate, raised by up to this share where memory presses (``layout_pressure``)
 AUTO_PRESSURE_PENALTY = 0.3
+# ... and by this share per doubling of the stages past 8: 16- and 32-stage pipelines were planned at
+# 1.3-1.9x their estimate (gpt-7b on 64 A100-40GB at 48K: 32 x SP 2 at 1.29x, 16 x SP 2 x 2 at 1.3x),
+# where the long sequences' chains of slices cross many stages one slice at a time
+AUTO_DEPTH_PENALTY = 0.15
 
 
 def plan_units(plan: StepPlan) -> dict[str, int]:
@@ -136,21 +136,10 @@ def layout_pressure(lengths: np.ndarray, pc: PipelineCost) -> float:
 
 def layout_order_key(lengths: np.ndarray, pc: PipelineCost, estimate_s: float) -> float:
     """What the layouts are tried in, likeliest first: the estimate, raised by up to
-    ``AUTO_PRESSURE_PENALTY`` as the longest sequence's pressure goes from 0.7 of the room to 1.7x."""
+    ``AUTO_PRESSURE_PENALTY`` as the longest sequence's pressure goes from 0.7 of the room to 1.7x,
+    and by ``AUTO_DEPTH_PENALTY`` per doubling of the stages past 8."""
     lift = min(1.0, max(0.0, layout_pressure(lengths, pc) - 0.7))
-    return estimate_s * (1 + AUTO_PRESSURE_PENALTY * lift)
-
-
-def tie_order(layouts: list[tuple]):
-    """Sort key of ``(order key, estimate, name, pp, sp, chunks x stages)`` layouts: by order key,
-    in tiers of ``AUTO_ORDER_TIER`` from the lowest (within a tier the estimate cannot tell layouts apart), the
-    largest SP degree first in a tier: the fewest chunks, so the quickest to plan and the closest
-    to its estimate."""
-    low = min((x[0] for x in layouts), default=1.0)
-
-    def key(x: tuple) -> tuple:
-        return int(math.log(max(1.0, x[0] / low)) / math.log(1 + AUTO_ORDER_TIER)), -x[4], x[0], x[2]
-    return key
+    return estimate_s * (1 + AUTO_PRESSURE_PENALTY * lift) * (1 + AUTO_DEPTH_PENALTY * max(0.0, math.log2(pc.pp / 8)))
 
 
 def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = None,
@@ -167,7 +156,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     ``solver_status`` names the choice; ``baselines`` holds every alternative's simulated time
     (``"flexsp"``, ``"elastic_pp pp4 x sp8"``, ``"elastic_pp pp2 x sp8 x dp2"`` with replicas,
     ...). Time: the layouts go first, most promising first (``layout_order_key``: the estimate,
-    raised where the longest sequence presses on memory; ``tie_order``), in at most
+    raised where the longest sequence presses on memory and for deep pipelines), in at most
     1 - ``AUTO_FLEXSP_SHARE`` of the limit (each may use all of it that is left, half when the
     next is tied with it). A layout whose estimate (``layout_estimate_s``), less 5%, is no faster
     than BatchAda's step (an upper bound of FlexSP's) or the best step so far is skipped (reported
@@ -217,8 +206,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
                 alts[x[2]] = {"skipped": f"about {x[5] * AUTO_CHUNK_STAGE_S:.1f} s to build one candidate "
                                          f"({x[5]:,} chunks x stages), over the {budget:g} s limit"}
         layouts = quick
-    order = tie_order(layouts)
-    layouts.sort(key=order)
+    layouts.sort(key=lambda x: (x[0], x[2]))  # (order key, name)
     if not layouts and not alts and (pin_pp is not None or pin_sp is not None):
         pipeline_cost(cost, pin_pp, pin_sp, opts)  # raises why the pinned layout cannot run
         raise ConfigError(f"auto: no pipeline layout of {cost.model.name} on {cost.cluster.name} matches "
@@ -318,7 +306,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     return plan
 
 
-__all__ = ["AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_SHARE", "AUTO_ORDER_TIER", "AUTO_PRESSURE_PENALTY", "AUTO_PRUNE_MARGIN",
+__all__ = ["AUTO_DEPTH_PENALTY", "AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_SHARE", "AUTO_PRESSURE_PENALTY", "AUTO_PRUNE_MARGIN",
            "AUTO_RESERVE", "AUTO_CHUNK_STAGE_S", "AUTO_TIE", "AUTO_TIMELINES_SHARE", "layout_estimate",
            "layout_estimate_s", "layout_name",
-           "layout_order_key", "layout_pressure", "pipeline_layouts", "plan_auto", "plan_units", "tie_order"]
+           "layout_order_key", "layout_pressure", "pipeline_layouts", "plan_auto", "plan_units"]
