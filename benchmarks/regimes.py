@@ -69,6 +69,7 @@ def cell(spec: dict) -> dict:
             row[f"{name}_error"] = r["error"]
             continue
         row[f"{name}_s"] = r["step_time_s"]
+        row[f"{name}_plan_s"] = r["solve_time_s"]
         if layout:
             row["pipeline_layout"] = f"pp{out['config']['pp']} x sp{out['config']['sp']}"
         if name == "auto":

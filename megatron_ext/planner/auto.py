@@ -142,17 +142,6 @@ def layout_order_key(lengths: np.ndarray, pc: PipelineCost, estimate_s: float) -
     return estimate_s * (1 + AUTO_PRESSURE_PENALTY * lift) * (1 + AUTO_DEPTH_PENALTY * max(0.0, math.log2(pc.pp / 8)))
 
 
-def tie_order(layouts: list[tuple]):
-    """Sort key of ``(order key, estimate, name, pp, sp, chunks x stages)`` layouts: by order key,
-    in tiers of ``AUTO_TIE`` from the lowest (the estimate cannot tell such layouts apart), the
-    fewest chunks x stages first in a tier: the quickest to plan, and the closest to their estimate."""
-    low = min((x[0] for x in layouts), default=1.0)
-
-    def key(x: tuple) -> tuple:
-        return int(math.log(max(1.0, x[0] / low)) / math.log(1 + AUTO_TIE)), x[5], x[0], x[2]
-    return key
-
-
 def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = None,
               options: PipelineOptions | None = None, *, seq_ids=None, **overrides) -> StepPlan:
     """Unify FlexSP and elastic pipelines (DESIGN.md "Unify"): plan the step with FlexSP (adaptive
@@ -167,7 +156,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     ``solver_status`` names the choice; ``baselines`` holds every alternative's simulated time
     (``"flexsp"``, ``"elastic_pp pp4 x sp8"``, ``"elastic_pp pp2 x sp8 x dp2"`` with replicas,
     ...). Time: the layouts go first, most promising first (``layout_order_key``: the estimate,
-    raised where the longest sequence presses on memory and for deep pipelines; ``tie_order``), in at most
+    raised where the longest sequence presses on memory and for deep pipelines), in at most
     1 - ``AUTO_FLEXSP_SHARE`` of the limit (each may use all of it that is left, half when the
     next is tied with it). A layout whose estimate (``layout_estimate_s``), less 5%, is no faster
     than BatchAda's step (an upper bound of FlexSP's) or the best step so far is skipped (reported
@@ -217,7 +206,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
                 alts[x[2]] = {"skipped": f"about {x[5] * AUTO_CHUNK_STAGE_S:.1f} s to build one candidate "
                                          f"({x[5]:,} chunks x stages), over the {budget:g} s limit"}
         layouts = quick
-    layouts.sort(key=tie_order(layouts))
+    layouts.sort(key=lambda x: (x[0], x[2]))  # (order key, name)
     if not layouts and not alts and (pin_pp is not None or pin_sp is not None):
         pipeline_cost(cost, pin_pp, pin_sp, opts)  # raises why the pinned layout cannot run
         raise ConfigError(f"auto: no pipeline layout of {cost.model.name} on {cost.cluster.name} matches "
@@ -320,4 +309,4 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
 __all__ = ["AUTO_DEPTH_PENALTY", "AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_SHARE", "AUTO_PRESSURE_PENALTY", "AUTO_PRUNE_MARGIN",
            "AUTO_RESERVE", "AUTO_CHUNK_STAGE_S", "AUTO_TIE", "AUTO_TIMELINES_SHARE", "layout_estimate",
            "layout_estimate_s", "layout_name",
-           "layout_order_key", "layout_pressure", "pipeline_layouts", "plan_auto", "plan_units", "tie_order"]
+           "layout_order_key", "layout_pressure", "pipeline_layouts", "plan_auto", "plan_units"]
