@@ -76,11 +76,6 @@ def layout_name(pc: PipelineCost) -> str:
     return f"elastic_pp pp{pc.pp} x sp{pc.sp}" + (f" x dp{pc.replicas}" if pc.replicas > 1 else "")
 
 
-def layout_estimate_s(lengths: np.ndarray, pc: PipelineCost, min_slice_tokens: int = 1024) -> float:
-    """``layout_estimate`` in seconds."""
-    return layout_estimate(lengths, pc, min_slice_tokens)[0]
-
-
 def layout_estimate(lengths: np.ndarray, pc: PipelineCost, min_slice_tokens: int = 1024) -> tuple[float, int]:
     """Step time of one 1F1B pipeline of n equal chunks at the best n, on each replica's share of
     the work: ``W + n b + (P - 1)(W / n + b)`` (W: work per stage, b: fixed cost per chunk), with
@@ -125,7 +120,7 @@ def layout_estimate(lengths: np.ndarray, pc: PipelineCost, min_slice_tokens: int
 def layout_pressure(lengths: np.ndarray, pc: PipelineCost) -> float:
     """How much of a stage's activation room the batch's longest sequence takes, whole (its
     activations and K/V, nothing recomputed), twice over when pipelined (a slice in flight beside
-    its successor's). ``layout_estimate_s`` sees memory only as a chunk count; where it presses,
+    its successor's). ``layout_estimate`` sees memory only as a chunk count; where it presses,
     the plan must also cut the longest sequence into a chain of slices, recompute it or run
     several pipelines one after another, which it does not see: past 0.7 such layouts were
     planned at up to 1.4x their estimate, below it mostly at 0.97-1.05x (llama-13b, 32 GPUs, ZeRO
@@ -158,7 +153,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     ...). Time: the layouts go first, most promising first (``layout_order_key``: the estimate,
     raised where the longest sequence presses on memory and for deep pipelines), in at most
     1 - ``AUTO_FLEXSP_SHARE`` of the limit (each may use all of it that is left, half when the
-    next is tied with it). A layout whose estimate (``layout_estimate_s``), less 5%, is no faster
+    next is tied with it). A layout whose estimate (``layout_estimate``), less 5%, is no faster
     than BatchAda's step (an upper bound of FlexSP's) or the best step so far is skipped (reported
     with its estimate), and so is one left when their time has run out (less of it than the
     fastest layout planned took, or than its chunks x stages take to build, ``AUTO_CHUNK_STAGE_S``);
@@ -308,5 +303,4 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
 
 __all__ = ["AUTO_DEPTH_PENALTY", "AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_SHARE", "AUTO_PRESSURE_PENALTY", "AUTO_PRUNE_MARGIN",
            "AUTO_RESERVE", "AUTO_CHUNK_STAGE_S", "AUTO_TIE", "AUTO_TIMELINES_SHARE", "layout_estimate",
-           "layout_estimate_s", "layout_name",
-           "layout_order_key", "layout_pressure", "pipeline_layouts", "plan_auto", "plan_units"]
+           "layout_name", "layout_order_key", "layout_pressure", "pipeline_layouts", "plan_auto", "plan_units"]

@@ -17,7 +17,7 @@ from megatron_ext.plan import StepPlan, validate
 from megatron_ext.plan.validate import validate_pipelines
 from megatron_ext.planner import PlannerOptions
 from megatron_ext.planner.pp.chunking import check_chunking, split_pack
-from megatron_ext.planner.auto import layout_estimate_s, layout_name, pipeline_layouts, plan_auto
+from megatron_ext.planner.auto import layout_estimate, layout_name, pipeline_layouts, plan_auto
 from megatron_ext.planner.pp.grouping import group_sequences
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
 from megatron_ext.planner.pp.pipeline import PipelineOptions
@@ -342,15 +342,17 @@ def test_layouts_and_their_estimate():
     lengths = np.array([40000, 20000] + [2000] * 50)
     pc = PipelineCost(COST, 4, 8)
     W = float(pc.prefix_ms(lengths).sum())
-    est = layout_estimate_s(lengths, pc) * 1e3
+    est = layout_estimate(lengths, pc)[0] * 1e3
     b = pc.fixed_ms
     # up to a chunk per 1,024 tokens: 157 (more than the 52 sequences; long ones are cut into slices)
     assert est == pytest.approx(min(W + n * b + 3 * (W / n + b) for n in range(1, 158)))
+    # and the chunk count at that n (what building a candidate costs: chunks x stages)
+    assert layout_estimate(lengths, pc)[1] == min(range(1, 158), key=lambda n: W + n * b + 3 * (W / n + b))
     assert est > W + 4 * b
     # two replicas: each does half the work
     pc2 = PipelineCost(COST, 2, 8)
     W2 = float(pc2.prefix_ms(lengths).sum()) / 2
-    assert layout_estimate_s(lengths, pc2) * 1e3 == pytest.approx(
+    assert layout_estimate(lengths, pc2)[0] * 1e3 == pytest.approx(
         min(W2 + n * pc2.fixed_ms + (W2 / n + pc2.fixed_ms) for n in range(1, 80)))
 
 
@@ -363,7 +365,7 @@ def test_layout_estimate_charges_the_waves_of_sequences_a_stage_holds_one_at_a_t
     short = np.full(30, 2048)
     with_long = np.concatenate([np.full(3, 49152), short])
     t, b = float(pc.prefix_ms(49152)), pc.fixed_ms
-    extra = (layout_estimate_s(with_long, pc) - layout_estimate_s(short, pc)) * 1e3
+    extra = (layout_estimate(with_long, pc)[0] - layout_estimate(short, pc)[0]) * 1e3
     assert extra >= 3 * (t + 2 * math.sqrt(31 * t * b))
 
 
@@ -456,6 +458,17 @@ def test_auto_is_within_two_percent_of_its_best_candidate_planned_alone(dist, ze
             except MegatronExtError:
                 pass
         assert auto <= 1.02 * min(alone), (dist, zero, seed, auto, min(alone))
+
+
+def test_auto_does_not_start_a_layout_it_cannot_build_within_the_limit():
+    # gpt-7b on 32 A100-40GB, 48K: one candidate of 32 stages x SP 1 (~900 chunks) takes seconds
+    # to build; with FlexSP and shallower layouts to plan, it is not started
+    cost = CostModel.from_presets("gpt-7b", "a100-40g-8x4", 3)
+    lengths = sample_lengths("github", 512, 0, 48 * 1024)
+    plan = plan_auto(lengths, cost, time_limit=0.5)
+    deep = plan.baselines["elastic_pp pp32 x sp1"]
+    assert "to build one candidate" in deep["skipped"] and "over the 0.5 s limit" in deep["skipped"]
+    assert "elastic_pp pp32 x sp1" not in plan.solver_status.split(";")[0].split("(")[0]
 
 
 def test_auto_holds_every_candidate_to_one_memory_budget():

@@ -75,8 +75,8 @@ def _plan_structure(groups: list[np.ndarray], lengths, pc: PipelineCost, opts: P
                     end: float, probe: bool) -> list[BuiltPipeline]:
     """The pipelines of one grouping, searched one after another, each until its share of
     ``start``..``end`` by its place (``probe``: each its first candidates only)."""
-    return [plan_group(g, lengths, pc, opts, start + (end - start) * (i + 1) / len(groups), f"pipeline {i}", probe)
-            for i, g in enumerate(groups)]
+    return [plan_group(g, lengths, pc, opts, start + (end - start) * (i + 1) / len(groups), f"pipeline {i}",
+                       probe) for i, g in enumerate(groups)]
 
 
 def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOptions, start: float,
@@ -90,7 +90,7 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
     structures = [[ids]]
     probes: list[tuple[float, list[BuiltPipeline], int]] = []  # (makespan, pipelines, index in structures)
 
-    def probe(i: int) -> None:
+    def probe_structure(i: int) -> None:
         nonlocal err
         try:
             built = _plan_structure(structures[i], lengths, pc, opts, start, start + 0.3 * budget, probe=True)
@@ -98,7 +98,7 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
         except InfeasibleError as e:
             err = err or e
 
-    probe(0)
+    probe_structure(0)
     if opts.max_pipelines > 1 and len(ids) > 1:
         groups = group_sequences(ids, lengths, pc, opts.max_pipelines)
         if len(groups) == 1 and not probes:  # the estimate missed: halve by tokens
@@ -114,7 +114,7 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
         for i in range(1, len(structures)):
             if probes and time.perf_counter() > start + budget:
                 break  # out of time: keep what was probed (only a batch nothing fit yet goes on)
-            probe(i)
+            probe_structure(i)
     if not probes:
         raise err
     # the full searches: the best probe's grouping until 0.55 of the budget (0.7 alone), the
