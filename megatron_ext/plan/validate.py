@@ -207,12 +207,8 @@ def group_starts_ms(plan: StepPlan, lengths, cost: CostModel) -> tuple[list[list
     lengths = np.asarray(lengths)
     ready = np.zeros(cost.num_gpus)
     starts, times = [], []
-    per_seq: dict[int, np.ndarray] = {}  # each degree's time of every sequence, computed once
     for mb in plan.micro_batches:
-        for g in mb.groups:
-            if g.degree not in per_seq:
-                per_seq[g.degree] = cost.seq_time_ms(lengths, g.degree)
-        ms = [cost.group_fixed_ms(g.degree) + float(np.sum(per_seq[g.degree][g.seq_ids])) for g in mb.groups]
+        ms = [cost.group_time_ms(lengths[g.seq_ids], g.degree) for g in mb.groups]
         if plan.barrier_free:
             t0 = [float(ready[g.ranks].max()) for g in mb.groups]
             for g, t, d in zip(mb.groups, t0, ms):
