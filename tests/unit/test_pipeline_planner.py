@@ -102,6 +102,18 @@ def test_elastic_beats_the_packed_baselines_on_a_long_tailed_batch():
     assert "bubble ratio" in text and "vs flexsp" in text
 
 
+def test_elastic_searches_the_packed_baselines_chunkings_where_memory_binds():
+    # gpt-30b on 32 A100-40GB at ZeRO-3: memory binds, and whole packs of 48K in 1F1B order with the
+    # ILP's recompute beat every finer chunking; the search tries them first, so elastic_pp is never
+    # slower than batch 1F1B or Seq1F1B on the same layout
+    cost = CostModel.from_presets("gpt-30b", "a100-40g-8x4", 3)
+    lengths = sample_lengths("commoncrawl", 512, 0, 49152)
+    plan = plan_elastic_pp(lengths, cost, 4, 8, time_limit=1.0)
+    _check(plan, lengths, cost)
+    for baseline in (plan_batch_1f1b, plan_seq1f1b):
+        assert plan.estimated_step_time_s <= baseline(lengths, cost, 4, 8).estimated_step_time_s, baseline.__name__
+
+
 def test_make_pp_plan_takes_planner_options_and_drops():
     lengths = np.array([200_000, 3000, 2000])
     with pytest.raises(LengthsError, match="exceed"):

@@ -100,17 +100,19 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
                where: str = "pipeline", probe: bool = False) -> BuiltPipeline:
     """Search one pipeline's chunking and order; the fastest simulated candidate (greedy recompute)
     wins. Past ``deadline`` the search keeps the best candidate found so far (with none yet, it
-    goes straight to step 4). ``probe``: step 1 at the ``PROBE_TARGETS`` likeliest targets only
+    goes straight to step 3). ``probe``: step 1 at the ``PROBE_TARGETS`` likeliest targets only
     (and the finer token caps if memory needs them), a quick measure of what the full search finds.
 
+    0. (Not in a probe.) Packed-slice chunkings (Seq1F1B's: packs cut into k equal-compute
+       slices), so elastic_pp can pick what Seq1F1B or batch 1F1B would run: a few chunks each,
+       so quick to build, and where memory binds whole packs in 1F1B order with recompute may
+       beat every finer chunking (gpt-30b on 32 A100-40GB, 48K: 175 s against the targets' 202 s).
     1. The chunk-time target (and so K) and the chunk token cap: Algorithm 1 (chunking.py) at
        each, with the default warm-up/cool-down ramp, ordered by list scheduling (``greedy``);
        with token-capped slices when memory needs them (``sequence_limits.fit_cap``; first, if no equal-time
        slicing of the longest sequence can fit, else if nothing else fitted).
     2. At the best target: the other ramps (and none), and the elastic 1F1B order.
-    3. Packed-slice chunkings (Seq1F1B's: packs cut into k equal-compute slices), so elastic_pp
-       can pick what Seq1F1B would run (time permitting).
-    4. Nothing fits yet: every sequence at its slice cap, then every slice and chunk at half the
+    3. Nothing fits yet: every sequence at its slice cap, then every slice and chunk at half the
        longest sequence's cap, a quarter, ... down to its finest slicing."""
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
     best: BuiltPipeline | None = None
@@ -124,6 +126,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     search_recompute = "greedy" if opts.recompute in ("ilp", "greedy") else opts.recompute
 
     probed = False  # a probe's targets are done: it stops at what it has
+    priced = [1, 0.0]  # (chunks, seconds) of the largest candidate built: what builds cost, scaled
 
     def late() -> bool:
         return best is not None and (probed or (deadline is not None and time.perf_counter() > deadline))
@@ -136,14 +139,17 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
         if len(pieces) > MAX_CHUNKS:
             errors.append(f"{where}: {len(pieces)} chunks, more than the {MAX_CHUNKS} a pipeline may have")
             return None
-        if best is not None and deadline is not None and time.perf_counter() + best.build_s * max(
-                1.0, len(pieces) / len(best.pieces)) ** 2 > deadline:
+        if best is not None and deadline is not None and time.perf_counter() + priced[1] * max(
+                1.0, len(pieces) / priced[0]) ** 1.5 > deadline:
             return None  # would end past the deadline (building grows up to n^2 with the recompute tables)
+        t0 = time.perf_counter()
         try:
             b = build_pipeline(pieces, pc, search_recompute, opts.ties != "untied", where=where, order=order)
         except InfeasibleError as e:
             errors.append(str(e))
             return None
+        if len(pieces) >= priced[0]:
+            priced[:] = [len(pieces), time.perf_counter() - t0]
         b.slices = slices
         b.ramp = _ramp_note(*ramp)
         if best is None or b.makespan_ms < best.makespan_ms - 1e-9:
@@ -196,6 +202,27 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
                     best_ch = ch
         return targets, finite
 
+    def packed_slices() -> None:
+        """Step 0: packs of the context length or 1-2x the longest sequence, cut into k
+        equal-compute slices (each slice holds at most one continued piece, so the tail rule holds)."""
+        base_cap = pack_capacity(seq_ids, lengths, opts)
+        caps = {base_cap} | {-(-int(longest * f) // 1024) * 1024 for f in (1, 1.5, 2)}
+        packed: dict[int, list[list[int]]] = {}
+        for cap, k in [(c, k) for c in sorted(caps)
+                       for k in sorted(set(opts.pack_slices) | (set(opts.seq1f1b_slices) if c == base_cap else set()))]:
+            if late() or hurry():
+                break
+            if capped and longest / k > slice_cap:
+                continue  # the longest sequence's slices cannot fit
+            if cap not in packed:
+                packed[cap] = best_fit_bins(seq_ids, lengths, cap)
+            pieces = [c for p in packed[cap] for c in split_pack(p, lengths, pc, k)]
+            for order in (orders if cap == base_cap else orders[:1]):
+                if not late():
+                    consider(pieces, -k, order)  # slices < 0 marks a packed-slice chunking in the status
+
+    if not probe:  # (a probe measures the targets' chunkings: the grouping's choice hangs on them)
+        packed_slices()
     targets, finite = search(cap_of if capped else None)
     probed = probe
     if best is None and slice_cap is not None and not capped and not hurry():
@@ -213,23 +240,6 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
             consider(top.pieces, top.slices, order, ((), ()))
             if best is not top:
                 best.ramp = top.ramp
-    # packed-slice candidates (Seq1F1B's chunkings: packs of the context length cut into k
-    # equal-compute slices; each slice holds at most one continued piece, so the tail rule holds)
-    base_cap = pack_capacity(seq_ids, lengths, opts)
-    caps = {base_cap} | {-(-int(longest * f) // 1024) * 1024 for f in (1, 1.5, 2)}
-    packed: dict[int, list[list[int]]] = {}
-    for cap, k in [(c, k) for c in sorted(caps)
-                   for k in sorted(set(opts.pack_slices) | (set(opts.seq1f1b_slices) if c == base_cap else set()))]:
-        if late() or hurry():
-            break
-        if capped and longest / k > slice_cap:
-            continue  # the longest sequence's slices cannot fit
-        if cap not in packed:
-            packed[cap] = best_fit_bins(seq_ids, lengths, cap)
-        pieces = [c for p in packed[cap] for c in split_pack(p, lengths, pc, k)]
-        for order in (orders if cap == base_cap else orders[:1]):
-            if not late():
-                consider(pieces, -k, order)  # slices < 0 marks a packed-slice chunking in the status
     # last resort, until something fits: every slice and chunk within the longest sequence's
     # slice cap, then finer, down to the finest slicing
     t = slice_cap or int(min(finite, default=longest)) // 2
