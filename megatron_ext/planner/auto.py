@@ -14,6 +14,7 @@ from megatron_ext.errors import ConfigError, InfeasibleError, MegatronExtError
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner.options import PlannerOptions
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
+from megatron_ext.planner.pp.grouping import split_replicas
 from megatron_ext.planner.pp.pipeline import PipelineOptions, kept_sequences, pipeline_cost, pipeline_options
 from megatron_ext.planner.pp.sequence_limits import longest_sequence
 from megatron_ext.planner.sp.baselines import batchada
@@ -77,20 +78,30 @@ def layout_name(pc: PipelineCost) -> str:
 
 
 def layout_estimate(lengths: np.ndarray, pc: PipelineCost, min_slice_tokens: int = 1024) -> tuple[float, int]:
-    """Step time of one 1F1B pipeline of n equal chunks at the best n, on each replica's share of
-    the work: ``W + n b + (P - 1)(W / n + b)`` (W: work per stage, b: fixed cost per chunk), with
-    at least the chunks memory needs: stage 0 holds P chunks in flight, either whole (no
-    recompute) or, with every layer recomputed (W grows by a forward), one whole and the others'
-    inputs and K/V; at most a chunk per sequence or per ``min_slice_tokens`` (sequences are cut
-    into slices: a few sequences on many stages still fill the pipeline); plus the step's exposed
-    gradient sync. Ramps, list scheduling and partial recompute beat it by up to ~7%. Returns
-    (seconds, chunks per replica at the best n)."""
+    """Step time of the layout's replicas, each one 1F1B pipeline of n equal chunks at its best n
+    (``pipeline_estimate``) on the sequences elastic_pp gives it (``grouping.split_replicas``: a
+    few long sequences over many replicas leave some with more than their share), the slowest
+    replica's, plus the step's exposed gradient sync. Returns (seconds, chunks per replica: the
+    slowest replica's at its best n)."""
     lengths = np.asarray(lengths, dtype=np.float64)
-    W = float(pc.prefix_ms(lengths).sum()) / pc.replicas
-    tokens = float(lengths.sum()) / pc.replicas
+    parts = split_replicas(np.arange(len(lengths)), lengths, pc, pc.replicas)
+    ms, chunks = max(pipeline_estimate(lengths[p], pc, min_slice_tokens) for p in parts if p.size)
+    return (ms + pc.step_sync_ms) / 1e3, chunks
+
+
+def pipeline_estimate(lengths: np.ndarray, pc: PipelineCost, min_slice_tokens: int = 1024) -> tuple[float, int]:
+    """Milliseconds of one 1F1B pipeline of n equal chunks running ``lengths``, at the best n:
+    ``W + n b + (P - 1)(W / n + b)`` (W: work per stage, b: fixed cost per chunk), with at least
+    the chunks memory needs: stage 0 holds P chunks in flight, either whole (no recompute) or, with
+    every layer recomputed (W grows by a forward), one whole and the others' inputs and K/V; at most
+    a chunk per sequence or per ``min_slice_tokens`` (sequences are cut into slices: a few
+    sequences on many stages still fill the pipeline). Ramps, list scheduling and partial
+    recompute beat it by up to ~7%. Returns (ms, n)."""
+    W = float(pc.prefix_ms(lengths).sum())
+    tokens = float(lengths.sum())
     P, b, L_s, room = pc.pp, pc.fixed_ms, pc.layers_per_stage, pc.activation_room_mb
     whole, kept = pc.act_layer_mb * L_s, (pc.input_layer_mb + pc.kv_layer_mb) * L_s
-    most = max(2, -(-len(lengths) // pc.replicas), math.ceil(tokens / min_slice_tokens))
+    most = max(2, len(lengths), math.ceil(tokens / min_slice_tokens))
     n = np.arange(1, most + 1, dtype=np.float64)
     best, chunks = math.inf, int(n[-1])
     for work, chunk_mb in ((W, P * whole), (W * (1 + FWD_FRACTION), (P - 1) * kept + whole)):
@@ -111,10 +122,10 @@ def layout_estimate(lengths: np.ndarray, pc: PipelineCost, min_slice_tokens: int
     if wave.size:
         t = pc.prefix_ms(wave)
         k = np.clip(np.sqrt((P - 1) * t / max(b, 1e-9)), 1, np.maximum(1, wave / min_slice_tokens))
-        waves = float(((P - 1) * t / k + k * b).sum()) / pc.replicas
+        waves = float(((P - 1) * t / k + k * b).sum())
         if W + waves > best:
-            best, chunks = W + waves, max(chunks, int(k.sum() / pc.replicas))
-    return (best + pc.step_sync_ms) / 1e3, chunks
+            best, chunks = W + waves, max(chunks, int(k.sum()))
+    return best, chunks
 
 
 def layout_pressure(lengths: np.ndarray, pc: PipelineCost) -> float:
@@ -155,8 +166,8 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     1 - ``AUTO_FLEXSP_SHARE`` of the limit (each may use all of it that is left, half when the
     next is tied with it). A layout whose estimate (``layout_estimate``), less 5%, is no faster
     than BatchAda's step (an upper bound of FlexSP's) or the best step so far is skipped (reported
-    with its estimate), and so is one left when their time has run out (less of it than the
-    fastest layout planned took, or than its chunks x stages take to build, ``AUTO_CHUNK_STAGE_S``);
+    with its estimate), and so is one left when their time has run out (less of it than the least
+    a layout planned ran past its limit, or than its chunks x stages take to build, ``AUTO_CHUNK_STAGE_S``);
     one that cannot build a candidate in the whole limit is not started while FlexSP or another
     layout can run. FlexSP goes last, in all the time left but ``AUTO_RESERVE`` of the
     limit (for its plan's check), unless its lower bound (``CostModel.lower_bound_ms``) is no faster
@@ -240,7 +251,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
             alts["timelines"] = {"error": str(e)}
     share = AUTO_FLEXSP_SHARE if not layouts or flex_lb < layouts[0][1] else AUTO_FLEXSP_FLOOR
     layouts_end = start + budget * (1 - share if math.isfinite(ub) else 1)
-    took: list[float] = []  # seconds each layout planned took
+    overran: list[float] = []  # seconds each layout planned ran past its limit
     for i, (_, est, name, P, d, chunk_stages) in enumerate(layouts):
         bound, against = min([(ub, "BatchAda (FlexSP's upper bound)")] + [(t, n) for t, n, _ in plans])
         left = layouts_end - time.perf_counter()
@@ -249,26 +260,27 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
                                      f"{AUTO_PRUNE_MARGIN:.0%} of it no faster than {against} ({bound:.2f} s)",
                           "estimated_lower_s": AUTO_PRUNE_MARGIN * est}
             continue
-        # a layout takes about as long to plan as the fastest so far, however short its limit (its
-        # search stops at the limit, but checking and simulating what it found does not), and at
-        # least its chunks x stages x AUTO_CHUNK_STAGE_S to build one candidate
-        if plans and left <= max(0.02, min(took, default=0.0), chunk_stages * AUTO_CHUNK_STAGE_S):
+        # a layout's search stops at its limit, but checking and simulating what it found does not
+        # (about as long as the least any layout planned ran past its limit), and one candidate takes
+        # about its chunks x stages x AUTO_CHUNK_STAGE_S to build
+        if plans and left <= max(0.02, min(overran, default=0.0), chunk_stages * AUTO_CHUNK_STAGE_S):
             alts[name] = {"skipped": f"time limit reached (estimated {est:.2f} s)"}
             continue
         # all the layouts' time left (the likeliest go first, and a search that ends early leaves the
         # rest), or half of it when the next contender is tied with this one: the estimate cannot
-        # tell them apart, so neither may take all the time
-        rival = next((x for x in layouts[i + 1:] if AUTO_PRUNE_MARGIN * x[1] < bound), None)
+        # tell them apart, so neither may take all the time (unless that one could not build a
+        # candidate in the other half)
+        rival = next((x for x in layouts[i + 1:] if AUTO_PRUNE_MARGIN * x[1] < bound
+                      and x[5] * AUTO_CHUNK_STAGE_S < left / 2), None)
         tied = rival is not None and max(rival[0], layouts[i][0]) <= (1 + AUTO_TIE) * min(rival[0], layouts[i][0])
-        limit = left / 2 if tied else left
+        limit = max(0.05, left / 2 if tied else left)
         t0 = time.perf_counter()
         try:
-            sub = plan_elastic_pp(lengths, cost, P, d, dataclasses.replace(opts, time_limit=max(0.05, limit)),
-                                  seq_ids=ids)
+            sub = plan_elastic_pp(lengths, cost, P, d, dataclasses.replace(opts, time_limit=limit), seq_ids=ids)
             record(name, sub, t0)
         except MegatronExtError as e:
             alts[name] = {"error": str(e)}
-        took.append(time.perf_counter() - t0)
+        overran.append(max(0.0, time.perf_counter() - t0 - limit))
     best = min((t for t, _, _ in plans), default=math.inf)
     if with_flexsp and flex_lb >= best:
         alts["flexsp"] = {"skipped": f"its lower bound {flex_lb:.2f} s is no faster than the best layout "
@@ -303,4 +315,5 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
 
 __all__ = ["AUTO_DEPTH_PENALTY", "AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_SHARE", "AUTO_PRESSURE_PENALTY", "AUTO_PRUNE_MARGIN",
            "AUTO_RESERVE", "AUTO_CHUNK_STAGE_S", "AUTO_TIE", "AUTO_TIMELINES_SHARE", "layout_estimate",
-           "layout_name", "layout_order_key", "layout_pressure", "pipeline_layouts", "plan_auto", "plan_units"]
+           "layout_name", "layout_order_key", "layout_pressure", "pipeline_estimate", "pipeline_layouts", "plan_auto",
+           "plan_units"]

@@ -18,7 +18,7 @@ from megatron_ext.plan.validate import validate_pipelines
 from megatron_ext.planner import PlannerOptions
 from megatron_ext.planner.pp.chunking import check_chunking, split_pack
 from megatron_ext.planner.auto import layout_estimate, layout_name, pipeline_layouts, plan_auto
-from megatron_ext.planner.pp.grouping import group_sequences
+from megatron_ext.planner.pp.grouping import group_sequences, split_replicas
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
 from megatron_ext.planner.pp.pipeline import PipelineOptions
 from megatron_ext.planner.api import PIPELINE_KINDS, make_plan
@@ -361,11 +361,15 @@ def test_layouts_and_their_estimate():
     # and the chunk count at that n (what building a candidate costs: chunks x stages)
     assert layout_estimate(lengths, pc)[1] == min(range(1, 158), key=lambda n: W + n * b + 3 * (W / n + b))
     assert est > W + 4 * b
-    # two replicas: each does half the work
+    # two replicas: the slower of the shares elastic_pp gives them
     pc2 = PipelineCost(COST, 2, 8)
-    W2 = float(pc2.prefix_ms(lengths).sum()) / 2
-    assert layout_estimate(lengths, pc2)[0] * 1e3 == pytest.approx(
-        min(W2 + n * pc2.fixed_ms + (W2 / n + pc2.fixed_ms) for n in range(1, 80)))
+    shares = [lengths[p] for p in split_replicas(np.arange(len(lengths)), lengths, pc2, 2)]
+    assert layout_estimate(lengths, pc2)[0] * 1e3 == pytest.approx(max(
+        min(Wr + n * pc2.fixed_ms + (Wr / n + pc2.fixed_ms) for n in range(1, max(len(x), math.ceil(x.sum() / 1024)) + 1))
+        for x, Wr in ((x, float(pc2.prefix_ms(x).sum())) for x in shares)))
+    # three long sequences over two replicas: one replica runs two of them, whatever the average
+    three = np.array([40000] * 3 + [1000] * 4)
+    assert layout_estimate(three, pc2)[0] * 1e3 >= 2 * float(pc2.prefix_ms(40000)) > float(pc2.prefix_ms(three).sum()) / 2
 
 
 def test_layout_estimate_charges_the_waves_of_sequences_a_stage_holds_one_at_a_time():
