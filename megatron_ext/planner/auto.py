@@ -167,7 +167,8 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     next is tied with it). A layout whose estimate (``layout_estimate``), less 5%, is no faster
     than BatchAda's step (an upper bound of FlexSP's) or the best step so far is skipped (reported
     with its estimate), and so is one left when their time has run out (less of it than the least
-    a layout planned ran past its limit, or than its chunks x stages take to build, ``AUTO_CHUNK_STAGE_S``);
+    a layout planned ran past its limit, half the least one took, or its chunks x stages' build
+    time, ``AUTO_CHUNK_STAGE_S``);
     one that cannot build a candidate in the whole limit is not started while FlexSP or another
     layout can run. FlexSP goes last, in all the time left but ``AUTO_RESERVE`` of the
     limit (for its plan's check), unless its lower bound (``CostModel.lower_bound_ms``) is no faster
@@ -251,7 +252,8 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
             alts["timelines"] = {"error": str(e)}
     share = AUTO_FLEXSP_SHARE if not layouts or flex_lb < layouts[0][1] else AUTO_FLEXSP_FLOOR
     layouts_end = start + budget * (1 - share if math.isfinite(ub) else 1)
-    overran: list[float] = []  # seconds each layout planned ran past its limit
+    took: list[float] = []  # seconds each layout planned took
+    overran: list[float] = []  # ... and ran past its limit
     for i, (_, est, name, P, d, chunk_stages) in enumerate(layouts):
         bound, against = min([(ub, "BatchAda (FlexSP's upper bound)")] + [(t, n) for t, n, _ in plans])
         left = layouts_end - time.perf_counter()
@@ -261,9 +263,12 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
                           "estimated_lower_s": AUTO_PRUNE_MARGIN * est}
             continue
         # a layout's search stops at its limit, but checking and simulating what it found does not
-        # (about as long as the least any layout planned ran past its limit), and one candidate takes
-        # about its chunks x stages x AUTO_CHUNK_STAGE_S to build
-        if plans and left <= max(0.02, min(overran, default=0.0), chunk_stages * AUTO_CHUNK_STAGE_S):
+        # (about as long as the least any layout planned ran past its limit), and its first
+        # candidate, however long, is always built: at least its chunks x stages x
+        # AUTO_CHUNK_STAGE_S, and often far more (the search's finest slicings may have 10x the
+        # estimate's chunks): half what the quickest layout took is the floor
+        if plans and left <= max(0.02, min(overran, default=0.0), min(took, default=0.0) / 2,
+                                chunk_stages * AUTO_CHUNK_STAGE_S):
             alts[name] = {"skipped": f"time limit reached (estimated {est:.2f} s)"}
             continue
         # all the layouts' time left (the likeliest go first, and a search that ends early leaves the
@@ -280,7 +285,8 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
             record(name, sub, t0)
         except MegatronExtError as e:
             alts[name] = {"error": str(e)}
-        overran.append(max(0.0, time.perf_counter() - t0 - limit))
+        took.append(time.perf_counter() - t0)
+        overran.append(max(0.0, took[-1] - limit))
     best = min((t for t, _, _ in plans), default=math.inf)
     if with_flexsp and flex_lb >= best:
         alts["flexsp"] = {"skipped": f"its lower bound {flex_lb:.2f} s is no faster than the best layout "
