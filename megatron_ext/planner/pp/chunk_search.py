@@ -97,13 +97,13 @@ def _ramp_note(front, back) -> str:
 
 
 def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadline: float | None = None,
-               where: str = "pipeline", probe: bool = False) -> BuiltPipeline:
+               where: str = "pipeline", probe: bool = False, whole_packs: bool = False) -> BuiltPipeline:
     """Search one pipeline's chunking and order; the fastest simulated candidate (greedy recompute)
     wins. Past ``deadline`` the search keeps the best candidate found so far (with none yet, it
     goes straight to step 3). ``probe``: step 1 at the ``PROBE_TARGETS`` likeliest targets only
     (and the finer token caps if memory needs them), a quick measure of what the full search finds.
 
-    0. (Not in a probe.) Packed-slice chunkings (Seq1F1B's: packs cut into k equal-compute
+    0. (Not in a probe; ``whole_packs``: in a probe too, whole packs only.) Packed-slice chunkings (Seq1F1B's: packs cut into k equal-compute
        slices), so elastic_pp can pick what Seq1F1B or batch 1F1B would run: a few chunks each,
        so quick to build, and where memory binds whole packs in 1F1B order with recompute may
        beat every finer chunking (gpt-30b on 32 A100-40GB, 48K: 175 s against the targets' 202 s).
@@ -139,9 +139,11 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
         if len(pieces) > MAX_CHUNKS:
             errors.append(f"{where}: {len(pieces)} chunks, more than the {MAX_CHUNKS} a pipeline may have")
             return None
+        # would end past the deadline: building grows about linearly with the chunks (12 to 2,300
+        # chunks: 0.15-0.6 ms each), priced from the largest candidate built so far
         if best is not None and deadline is not None and time.perf_counter() + priced[1] * max(
-                1.0, len(pieces) / priced[0]) ** 1.5 > deadline:
-            return None  # would end past the deadline (building grows up to n^2 with the recompute tables)
+                1.0, len(pieces) / priced[0]) > deadline:
+            return None
         t0 = time.perf_counter()
         try:
             b = build_pipeline(pieces, pc, search_recompute, opts.ties != "untied", where=where, order=order)
@@ -204,12 +206,14 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
 
     def packed_slices() -> None:
         """Step 0: packs of the context length or 1-2x the longest sequence, cut into k
-        equal-compute slices (each slice holds at most one continued piece, so the tail rule holds)."""
+        equal-compute slices (each slice holds at most one continued piece, so the tail rule holds);
+        a probe, the context-length packs whole."""
         base_cap = pack_capacity(seq_ids, lengths, opts)
         caps = {base_cap} | {-(-int(longest * f) // 1024) * 1024 for f in (1, 1.5, 2)}
         packed: dict[int, list[list[int]]] = {}
-        for cap, k in [(c, k) for c in sorted(caps)
-                       for k in sorted(set(opts.pack_slices) | (set(opts.seq1f1b_slices) if c == base_cap else set()))]:
+        for cap, k in [(base_cap, min(opts.pack_slices))] if probe else [
+                (c, k) for c in sorted(caps)
+                for k in sorted(set(opts.pack_slices) | (set(opts.seq1f1b_slices) if c == base_cap else set()))]:
             if late() or hurry():
                 break
             if capped and longest / k > slice_cap:
@@ -221,7 +225,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
                 if not late():
                     consider(pieces, -k, order)  # slices < 0 marks a packed-slice chunking in the status
 
-    if not probe:  # (a probe measures the targets' chunkings: the grouping's choice hangs on them)
+    if whole_packs or not probe:  # (a probe measures the targets' chunkings: the grouping's choice hangs on them)
         packed_slices()
     targets, finite = search(cap_of if capped else None)
     probed = probe

@@ -76,8 +76,10 @@ def _plan_structure(groups: list[np.ndarray], lengths, pc: PipelineCost, opts: P
                     end: float, probe: bool) -> list[BuiltPipeline]:
     """The pipelines of one grouping, searched one after another, each until its share of
     ``start``..``end`` by its place (``probe``: each its first candidates only)."""
+    # (one pipeline's probe tries whole packs too: batch 1F1B's chunking, which wins where memory
+    # binds, and which a short search of the groupings would otherwise never weigh)
     return [plan_group(g, lengths, pc, opts, start + (end - start) * (i + 1) / len(groups), f"pipeline {i}",
-                       probe) for i, g in enumerate(groups)]
+                       probe, whole_packs=len(groups) == 1) for i, g in enumerate(groups)]
 
 
 def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOptions, start: float,
