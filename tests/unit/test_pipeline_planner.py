@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -16,6 +17,8 @@ from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError, Mega
 from megatron_ext.plan import StepPlan, validate
 from megatron_ext.plan.validate import validate_pipelines
 from megatron_ext.planner import PlannerOptions
+from megatron_ext.planner.packing import best_fit_bins
+from megatron_ext.planner.pp.chunk_search import plan_group
 from megatron_ext.planner.pp.chunking import check_chunking, split_pack
 from megatron_ext.planner.auto import layout_estimate, layout_name, pipeline_layouts, plan_auto
 from megatron_ext.planner.pp.grouping import group_sequences, split_replicas
@@ -112,6 +115,19 @@ def test_elastic_searches_the_packed_baselines_chunkings_where_memory_binds():
     _check(plan, lengths, cost)
     for baseline in (plan_batch_1f1b, plan_seq1f1b):
         assert plan.estimated_step_time_s <= baseline(lengths, cost, 4, 8).estimated_step_time_s, baseline.__name__
+
+
+def test_a_probe_of_one_pipeline_weighs_whole_packs_first_however_short_its_time():
+    # the same memory-bound batch: a probe of one pipeline builds the context-length packs whole
+    # first, even with its deadline gone (a short search must still weigh them); a probe of a
+    # grouping's pipeline measures the chunk-time targets only
+    cost = CostModel.from_presets("gpt-30b", "a100-40g-8x4", 3)
+    lengths = sample_lengths("commoncrawl", 512, 0, 49152)
+    pc, ids = PipelineCost(cost, 4, 8), np.arange(512)
+    whole = plan_group(ids, lengths, pc, PipelineOptions(), time.perf_counter(), probe=True, whole_packs=True)
+    assert whole.slices == -1 and len(whole.pieces) == len(best_fit_bins(ids, lengths, 49152))
+    targets = plan_group(ids, lengths, pc, PipelineOptions(), time.perf_counter(), probe=True)
+    assert targets.slices > 0
 
 
 def test_make_pp_plan_takes_planner_options_and_drops():

@@ -103,10 +103,12 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     goes straight to step 3). ``probe``: step 1 at the ``PROBE_TARGETS`` likeliest targets only
     (and the finer token caps if memory needs them), a quick measure of what the full search finds.
 
-    0. (Not in a probe; ``whole_packs``: in a probe too, whole packs only.) Packed-slice chunkings (Seq1F1B's: packs cut into k equal-compute
-       slices), so elastic_pp can pick what Seq1F1B or batch 1F1B would run: a few chunks each,
-       so quick to build, and where memory binds whole packs in 1F1B order with recompute may
-       beat every finer chunking (gpt-30b on 32 A100-40GB, 48K: 175 s against the targets' 202 s).
+    0. Packed-slice chunkings (Seq1F1B's: packs cut into k equal-compute slices), so elastic_pp
+       can pick what Seq1F1B or batch 1F1B would run: a few chunks each, so quick to build, and
+       where memory binds whole packs in 1F1B order with recompute may beat every finer chunking
+       (gpt-30b on 32 A100-40GB, 48K: 175 s against the targets' 202 s). Not in a probe, unless
+       ``whole_packs``: then the context-length packs whole, first (the first is built whatever the
+       deadline).
     1. The chunk-time target (and so K) and the chunk token cap: Algorithm 1 (chunking.py) at
        each, with the default warm-up/cool-down ramp, ordered by list scheduling (``greedy``);
        with token-capped slices when memory needs them (``sequence_limits.fit_cap``; first, if no equal-time
@@ -214,7 +216,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
         for cap, k in [(base_cap, min(opts.pack_slices))] if probe else [
                 (c, k) for c in sorted(caps)
                 for k in sorted(set(opts.pack_slices) | (set(opts.seq1f1b_slices) if c == base_cap else set()))]:
-            if late() or hurry():
+            if late() or (hurry() and not probe):  # (a probe's whole packs are built even in a hurry)
                 break
             if capped and longest / k > slice_cap:
                 continue  # the longest sequence's slices cannot fit
@@ -225,7 +227,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
                 if not late():
                     consider(pieces, -k, order)  # slices < 0 marks a packed-slice chunking in the status
 
-    if whole_packs or not probe:  # (a probe measures the targets' chunkings: the grouping's choice hangs on them)
+    if whole_packs or not probe:  # (a probe measures the targets' chunkings: the grouping hangs on them)
         packed_slices()
     targets, finite = search(cap_of if capped else None)
     probed = probe

@@ -19,8 +19,8 @@ left (``_rebalance``):
    and last, ``chunking.ramp_chunks``), ordered, given greedy recompute and simulated; the
    fastest wins. At the winning target the other ramps (and none) and the other order are tried.
    Packed-slice chunkings (packs of the context length or 1-2x the longest sequence, cut into k
-   equal-compute slices) go first in a full search (not in a probe), so elastic_pp can pick the
-   Seq1F1B or batch 1F1B chunking. When no
+   equal-compute slices) go first in a full search (in a probe of one pipeline, whole packs), so
+   elastic_pp can pick the Seq1F1B or batch 1F1B chunking. When no
    equal-time slicing into slices of at least ``min_slice_tokens`` lets the longest sequence fit
    (or none of those candidates fits), each long sequence's slices are token-capped as much as
    it needs to fit alone (``sequence_limits.fit_cap``, ``chunking.capped_mesh``); if still nothing fits, ever
