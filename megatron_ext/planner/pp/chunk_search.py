@@ -146,14 +146,13 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
         if best is not None and deadline is not None and time.perf_counter() + priced[1] * max(
                 1.0, len(pieces) / priced[0]) > deadline:
             return None
-        t0 = time.perf_counter()
         try:
             b = build_pipeline(pieces, pc, search_recompute, opts.ties != "untied", where=where, order=order)
         except InfeasibleError as e:
             errors.append(str(e))
             return None
         if len(pieces) >= priced[0]:
-            priced[:] = [len(pieces), time.perf_counter() - t0]
+            priced[:] = [len(pieces), b.build_s]
         b.slices = slices
         b.ramp = _ramp_note(*ramp)
         if best is None or b.makespan_ms < best.makespan_ms - 1e-9:

@@ -158,16 +158,20 @@ class VarlenKernel(AttentionKernel):
             cu = (cu_q, torch.tensor(kv_bounds, dtype=torch.int32, device=q.device) if sliced else cu_q)
             if cache is not None:
                 cache["cu"] = cu
-        max_q = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-        max_kv = max(b - a for a, b in zip(kv_bounds[:-1], kv_bounds[1:]))
+        max_q, max_kv = max(segment_sizes(bounds)), max(segment_sizes(kv_bounds))
         return self.varlen(q, k, v, cu[0], cu[1], max_q, max_kv, causal, sliced, training)
+
+
+def segment_sizes(bounds: Sequence[int]) -> list[int]:
+    """Tokens of each packed segment, from its boundaries (``cu_seqlens``)."""
+    return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def prepend_prefixes(k: Tensor, v: Tensor, bounds: Sequence[int], prefixes: Sequence):
     """Keys and values laid out ``[prefix; own]`` per segment, and their segment boundaries (the
     ``cu_seqlens_kv`` of varlen kernels, whose ``cu_seqlens_q`` stays ``bounds``)."""
     ks, vs, kv_bounds = [], [], [0]
-    sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    sizes = segment_sizes(bounds)
     # split, not a slice per segment: each slice's backward would write a buffer-sized zero gradient
     for n, own_k, own_v, prefix in zip(sizes, k.split(sizes), v.split(sizes), prefixes):
         if prefix is not None:

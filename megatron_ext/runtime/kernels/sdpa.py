@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_ext.runtime.kernels.base import AttentionKernel
+from megatron_ext.runtime.kernels.base import AttentionKernel, segment_sizes
 
 
 # The SDPA backend runs one masked [S, S] call per micro-batch up to this many elements, by device
@@ -39,7 +39,7 @@ _CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 def _block_causal_mask(bounds: Sequence[int], causal: bool, device) -> Tensor:
     """bool [S, S], True where query i may attend key j: same segment (and j <= i if causal)."""
-    sizes = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:])], device=device)
+    sizes = torch.tensor(segment_sizes(bounds), device=device)
     seg = torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes)
     mask = seg[:, None] == seg[None, :]
     if causal:
@@ -215,7 +215,7 @@ def sdpa_packed(q: Tensor, k: Tensor, v: Tensor, bounds: Sequence[int], causal: 
     else:
         # split, not one slice per segment: a slice's backward writes a zero gradient the size of
         # the whole buffer, n segments cost n x S (on an H200, 25% of a 16-sequence micro-batch)
-        sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        sizes = segment_sizes(bounds)
         o = torch.cat([F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout_p, is_causal=causal, scale=scale,
                                                       enable_gqa=gqa)
                        for qs, ks, vs in zip(qb.split(sizes, 2), kb.split(sizes, 2), vb.split(sizes, 2))], dim=2)
@@ -237,15 +237,15 @@ def prefixed_attention(q: Tensor, k: Tensor, v: Tensor, bounds: Sequence[int], p
     # pieces: each segment with a prefix alone, the runs between them whole; cut by one split
     # (a slice per piece would cost a buffer-sized zero gradient each in the backward)
     cuts = sorted({0, bounds[-1]} | {bounds[j] for i, p in enumerate(prefixes) if p is not None for j in (i, i + 1)})
-    sizes = [b - a for a, b in zip(cuts[:-1], cuts[1:])]
-    segment_at = {a: i for i, a in enumerate(bounds[:-1])}
+    sizes = segment_sizes(cuts)
+    segment_at = {a: i for i, a in enumerate(bounds)}
     outs = []
     for a, b, qp, kp, vp in zip(cuts[:-1], cuts[1:], q.split(sizes), k.split(sizes), v.split(sizes)):
         i = segment_at[a]
         prefix = prefixes[i]
         if prefix is None:  # segments i.. up to b, none with a prefix
-            stop = bounds.index(b)
-            outs.append(sdpa_packed(qp, kp, vp, [x - a for x in bounds[i:stop + 1]], causal, scale, dropout_p))
+            outs.append(sdpa_packed(qp, kp, vp, [x - a for x in bounds[i:segment_at[b] + 1]], causal, scale,
+                                    dropout_p))
             continue
         o = prefix_sdpa(heads_first(qp), heads_first(prefix[0].to(k.dtype)), heads_first(prefix[1].to(v.dtype)),
                         heads_first(kp), heads_first(vp), causal, scale, dropout_p)
