@@ -148,48 +148,81 @@ def list_schedule(ops: list[list[tuple[int, int]]], fwd: np.ndarray, bwd: np.nda
     P = len(ops)
     n = len(p2p)
     fwd = np.broadcast_to(fwd, (P, n))
-    begin = np.full((2, P, n), np.nan)
-    end = np.full((2, P, n), np.nan)
     free = np.zeros(P) if start is None else np.array(start, dtype=np.float64)
     ptr = [0] * P
-    end_l = [[[None] * n for _ in range(P)] for _ in range(2)]  # python floats: faster lookups
+    # python lists and floats: far faster lookups than numpy's in this loop
+    begin_l = [[[None] * n for _ in range(P)] for _ in range(2)]
+    end_l = [[[None] * n for _ in range(P)] for _ in range(2)]
     fwd_l = fwd.tolist()
     bwd_l = bwd.tolist()
     p2p_l = p2p.tolist()
     free_l = free.tolist()
+    fwd_end, bwd_end = end_l[FWD], end_l[BWD]
     remaining = sum(len(o) for o in ops)
     while remaining:
         progressed = False
         for p in range(P):
             op_list = ops[p]
-            while ptr[p] < len(op_list):
-                kind, k = op_list[ptr[p]]
-                # (end time of a dependency or None if it has not run, delay after it)
+            at, stop = ptr[p], len(op_list)
+            ready = free_l[p]
+            own_f, own_b = fwd_end[p], bwd_end[p]
+            prev_f = fwd_end[p - 1] if p > 0 else None
+            next_b = bwd_end[p + 1] if p < P - 1 else None
+            while at < stop:
+                kind, k = op_list[at]
+                # the op starts when its stage is free and its dependencies are done (with the
+                # p2p transfer from a neighbouring stage); a dependency not run yet blocks the stage
+                t = ready
                 if kind == FWD:
-                    deps = [(end_l[FWD][p - 1][k], p2p_l[k])] if p > 0 else []
-                    deps += [(end_l[FWD][p][j], 0.0) for j in fwd_pred[k]]
+                    if prev_f is not None:
+                        e = prev_f[k]
+                        if e is None:
+                            break
+                        t = max(t, e + p2p_l[k])
+                    blocked = False
+                    for j in fwd_pred[k]:
+                        e = own_f[j]
+                        if e is None:
+                            blocked = True
+                            break
+                        t = max(t, e)
+                    if blocked:
+                        break
                     dur = fwd_l[p][k]
                 else:
-                    deps = [(end_l[FWD][p][k], 0.0)]
-                    if p < P - 1:
-                        deps.append((end_l[BWD][p + 1][k], p2p_l[k]))
-                    deps += [(end_l[BWD][p][j], 0.0) for j in bwd_pred[k]]
+                    e = own_f[k]
+                    if e is None:
+                        break
+                    t = max(t, e)
+                    if next_b is not None:
+                        e = next_b[k]
+                        if e is None:
+                            break
+                        t = max(t, e + p2p_l[k])
+                    blocked = False
+                    for j in bwd_pred[k]:
+                        e = own_b[j]
+                        if e is None:
+                            blocked = True
+                            break
+                        t = max(t, e)
+                    if blocked:
+                        break
                     dur = bwd_l[p][k]
-                if any(e is None for e, _ in deps):
-                    break
-                ready = max([free_l[p]] + [e + delay for e, delay in deps])
-                begin[kind, p, k] = ready
-                end_l[kind][p][k] = ready + dur
-                free_l[p] = ready + dur
-                ptr[p] += 1
-                remaining -= 1
+                begin_l[kind][p][k] = t
+                ready = t + dur
+                end_l[kind][p][k] = ready
+                at += 1
+            if at > ptr[p]:
+                remaining -= at - ptr[p]
+                ptr[p], free_l[p] = at, ready
                 progressed = True
         if not progressed:
             msg = deadlock_message(ops, ptr, end_l, fwd_pred, bwd_pred, name)
             raise InvalidPlanError(f"{where}: {msg}" if where else msg)
-    for kind in (FWD, BWD):
-        end[kind] = np.array([[np.nan if v is None else v for v in row] for row in end_l[kind]])
-    return begin, end
+    begin = np.array([[[np.nan if v is None else v for v in row] for row in begin_l[kind]] for kind in (FWD, BWD)])
+    end = np.array([[[np.nan if v is None else v for v in row] for row in end_l[kind]] for kind in (FWD, BWD)])
+    return begin.reshape(2, P, n), end.reshape(2, P, n)
 
 
 def deadlock_message(ops, ptr, end_l, fwd_pred, bwd_pred, name=None) -> str:

@@ -21,6 +21,9 @@ operation while some remain, the order deadlocks.
 """
 from __future__ import annotations
 
+import heapq
+import math
+
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -126,46 +129,55 @@ class _SliceBuffers:
         self.table = table
         self.dkv: dict[int, int] = {}  # seq -> prefix tokens whose dK/dV waits
         self.cached: dict[int, int] = {}  # seq -> tokens of backwarded slices still cached
+        self.held = 0  # the sum of both (kept as it changes: read at every operation)
 
     def tokens(self, during: int | None = None) -> int:
         """Held now; ``during``: while that chunk's backward runs (its prefix dK/dV is live)."""
-        dkv = self.dkv
-        if during is not None:
-            dkv = dict(dkv)
-            for sid, a, b in self.table.split_pieces[during]:
-                dkv[sid] = max(dkv.get(sid, 0), a)
-        return sum(dkv.values()) + sum(self.cached.values())
+        if during is None:
+            return self.held
+        extra = 0
+        for sid, a, b in self.table.split_pieces[during]:
+            extra += max(0, a - self.dkv.get(sid, 0))
+        return self.held + extra
 
     def backward_done(self, k: int) -> None:
         for sid, a, b in self.table.split_pieces[k]:
+            self.held -= self.dkv.pop(sid, 0)
             if a == 0:
-                self.dkv.pop(sid, None)
-                self.cached.pop(sid, None)
+                self.held -= self.cached.pop(sid, 0)
                 continue
             self.dkv[sid] = a
+            self.held += a
             if b < self.table.seq_end[sid]:
                 self.cached[sid] = self.cached.get(sid, 0) + b - a
+                self.held += b - a
 
 
 def memory_checkpoints(ops: list[tuple[int, int]], table: ChunkTable, full: np.ndarray,
-                       pc: PipelineCost) -> list[Checkpoint]:
-    """The moments that can peak on one stage: after each forward and during each backward."""
+                       pc: PipelineCost, room: float | None = None) -> list[Checkpoint]:
+    """The moments that can peak on one stage: after each forward and during each backward;
+    with ``room``, only those over it with nothing recomputed (recompute only lowers memory, so
+    the others hold whatever it is; their lists of chunks are what costs)."""
     live: dict[int, None] = {}  # ordered set of chunks between forward and backward
     live_sum = 0.0
     per_token = float(pc.dkv_mb(1))
     full = full.tolist()
     held = _SliceBuffers(table)
+    limit = -math.inf if room is None else room
     out = []
     for pos, (kind, k) in enumerate(ops):
         if kind == FWD:
             live[k] = None
             live_sum += full[k]
-            out.append(Checkpoint(pos, FWD, k, live_sum + per_token * held.tokens(), list(live)))
+            const = live_sum + per_token * held.tokens()
+            if const > limit:
+                out.append(Checkpoint(pos, FWD, k, const, list(live)))
         else:
             const = live_sum + per_token * held.tokens(during=k)
             if k not in live:  # backward before forward: the scheduler reports the deadlock
                 const += full[k]
-            out.append(Checkpoint(pos, BWD, k, const, [j for j in live if j != k]))
+            if const > limit:
+                out.append(Checkpoint(pos, BWD, k, const, [j for j in live if j != k]))
             if k in live:
                 del live[k]
                 live_sum -= full[k]
@@ -331,16 +343,31 @@ def greedy_orders(forward: list[int], backward: list[int], table: ChunkTable, fw
                     cand = c
         return cand, held
 
-    state = [stage(p) for p in range(P)]
+    # each stage's candidate and held-back forward sit in two heaps, stale entries (of a stage
+    # whose state changed since) skipped when they surface: the next op in O(log P), not O(P)
+    version = [0] * P
+    runnable: list[tuple] = []
+    holding: list[tuple] = []
+
+    def refresh(q: int) -> None:
+        version[q] += 1
+        c, h = stage(q)
+        if c is not None:
+            heapq.heappush(runnable, (c, version[q]))
+        if h is not None:
+            heapq.heappush(holding, (h, version[q]))
+
+    def top(heap: list[tuple]):
+        while heap and heap[0][1] != version[heap[0][0][2]]:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    for p in range(P):
+        refresh(p)
     makespan = 0.0
     holds = 0
     for _ in range(2 * n * P):
-        best = blocked = None
-        for c, h in state:
-            if c is not None and (best is None or c < best):
-                best = c
-            if h is not None and (blocked is None or h < blocked):
-                blocked = h
+        best, blocked = top(runnable), top(holding)
         if blocked is not None and (best is None or blocked[0] < best[0]):
             holds += 1
         if best is None:  # every runnable op is held by memory: run one anyway (recompute will pay)
@@ -362,9 +389,10 @@ def greedy_orders(forward: list[int], backward: list[int], table: ChunkTable, fw
         free[p] = e
         makespan = max(makespan, e)
         ops[p].append((kind, k))
-        for q in (p - 1, p, p + 1):
-            if 0 <= q < P:
-                state[q] = stage(q)
+        refresh(p)
+        q = p + 1 if kind == FWD else p - 1  # the neighbour waiting on this op (the next stage's forward
+        if 0 <= q < P:                       # on a forward, the previous stage's backward on a backward)
+            refresh(q)
     return ops, makespan, holds
 
 

@@ -30,8 +30,7 @@ from megatron_ext.errors import InvalidPlanError
 from megatron_ext.plan.program import BWD, FWD, check_one_pipeline_per_sequence, list_schedule, op_name, parse_order
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.plan.validate import group_starts_ms, replica_groups
-from megatron_ext.sim.engine import (analyze_chunks, checkpoint_memory, memory_checkpoints, memory_levels, op_times,
-                                     warmup_counts)
+from megatron_ext.sim.engine import analyze_chunks, memory_levels, op_times, warmup_counts
 
 
 @dataclass
@@ -232,19 +231,20 @@ def _simulate_replica(plan, pipes: list[int], cost, b1_scale, memory_mb, want_ev
             _, save = pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, False)
             for p in range(P):
                 full, _ = pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, p == P - 1)
-                cps = memory_checkpoints(ops[p], table, full, pc)
-                mem = checkpoint_memory(cps, save, rec[p])
+                # (one linear pass: a stage peaks during an operation, after a forward or while a
+                # backward runs, as the recompute ILP's checkpoints have it)
+                lv = memory_levels(ops[p], table, full, save, rec[p], pc)
+                mem = lv[1]
                 j = int(np.argmax(mem)) if len(mem) else 0
                 if len(mem) and mem[j] > room * (1 + 1e-9) + 1e-6:
-                    cp = cps[j]
-                    op = op_name(cp.kind, table.ids[cp.chunk])
+                    kind, k = ops[p][j]
                     raise InvalidPlanError(
-                        f"{where}, stage {p}: {'after' if cp.kind == FWD else 'during'} {op} needs "
-                        f"{mem[j] + pc.model_states_mb:.0f} MB per GPU ({pc.model_states_mb:.0f} MB model states + "
-                        f"{mem[j]:.0f} MB activations), over the {budget:.0f} MB budget")
+                        f"{where}, stage {p}: {'after' if kind == FWD else 'during'} {op_name(kind, table.ids[k])} "
+                        f"needs {mem[j] + pc.model_states_mb:.0f} MB per GPU ({pc.model_states_mb:.0f} MB model "
+                        f"states + {mem[j]:.0f} MB activations), over the {budget:.0f} MB budget")
                 peak[p] = max(peak[p], (mem.max() if len(mem) else 0.0) + pc.model_states_mb)
                 if want_events:
-                    levels[p].append(np.stack(memory_levels(ops[p], table, full, save, rec[p], pc), axis=1))
+                    levels[p].append(np.stack(lv, axis=1))
             fwd, bwd, rc, p2p = op_times(table, pc, rec)
             fwd_l.append(np.broadcast_to(fwd, (P, table.n)))
             bwd_l.append(bwd)

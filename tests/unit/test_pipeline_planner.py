@@ -20,7 +20,8 @@ from megatron_ext.planner import PlannerOptions
 from megatron_ext.planner.packing import best_fit_bins
 from megatron_ext.planner.pp.chunk_search import plan_group
 from megatron_ext.planner.pp.chunking import check_chunking, split_pack
-from megatron_ext.planner.auto import layout_estimate, layout_name, pipeline_layouts, plan_auto
+from megatron_ext.planner.auto import forced_slices, layout_estimate, layout_name, pipeline_layouts, plan_auto
+from megatron_ext.planner.pp.sequence_limits import fit_cap
 from megatron_ext.planner.pp.grouping import group_sequences, split_replicas
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
 from megatron_ext.planner.pp.pipeline import PipelineOptions
@@ -539,3 +540,20 @@ def test_make_plan_auto_and_the_cli_summary(capsys):
     add_pipeline_args(p)
     assert run_pp_plan(p.parse_args([]), COST, lengths[:30]) == 0
     assert "auto plan" in capsys.readouterr().out
+
+
+def test_auto_counts_the_slices_memory_forces_before_starting_a_layout():
+    # gpt-13b on 32 A800s at ZeRO-1, 96K: 2 stages x SP 4 (4 replicas) hold a 96K sequence only
+    # cut into 128-token slices (768 of them); the 1F1B estimate sees a few hundred chunks, a
+    # candidate has thousands (seconds to build), so the layout is not started
+    cost = CostModel.from_presets("gpt-13b", "a800-80g-8x4", 1)
+    pc = PipelineCost(cost, 2, 4)
+    lengths = np.array([98304] * 6 + [30000, 8000] + [2000] * 40)
+    caps = {s: fit_cap(s, pc, 128) for s in (98304, 30000, 8000, 2000)}
+    assert caps[98304] == 128 and caps[2000] is None
+    want = sum(math.ceil(s / caps[s]) for s in lengths.tolist() if caps[s] is not None)
+    assert forced_slices(lengths, pc) == want >= 6 * 768
+    assert layout_estimate(lengths, pc)[1] * pc.replicas < want / 10
+    assert forced_slices(lengths, PipelineCost(cost, 8, 4)) == 0  # room for every sequence whole
+    plan = plan_auto(lengths, cost, time_limit=0.5)
+    assert "to build one candidate" in plan.baselines["elastic_pp pp2 x sp4 x dp4"]["skipped"]

@@ -21,10 +21,10 @@ from megatron_ext.plan.validate import validate_pipelines
 from megatron_ext.planner.pp.chunking import balanced_chunks, capped_mesh, check_chunking
 from megatron_ext.planner.pp.grouping import GROUP_BLOCKS, _group_bounds, _group_estimates, group_sequences
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
-from megatron_ext.planner.pp.pipeline import PipelineOptions, _checkpoints, build_pipeline, pipeline_cost
+from megatron_ext.planner.pp.pipeline import PipelineOptions, build_pipeline, pipeline_cost
 from megatron_ext.planner.pp.sequence_limits import MAX_SLICES, finest_slice, longest_sequence, sequence_peak_mb
 from megatron_ext.sim import simulate
-from megatron_ext.sim.engine import analyze_chunks, backward_order, checkpoint_memory, one_f_one_b
+from megatron_ext.sim.engine import analyze_chunks, backward_order, memory_levels, one_f_one_b
 
 TINY4 = CostModel.from_presets("tiny4", "cpu-4")  # 4 layers: its output layer's logits dominate the last stage
 COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
@@ -53,8 +53,12 @@ def test_sequence_peak_is_the_simulators_peak_of_a_sequence_alone():
             table = analyze_chunks(chunks, pc)
             forward = list(range(table.n))
             ops = one_f_one_b(forward, backward_order(forward, table), pp)
-            cps, save = _checkpoints(table, ops, pc)
-            sim = max(checkpoint_memory(cps[p], save, np.full(table.n, pc.layers_per_stage)).max() for p in range(pp))
+            rec = np.full(table.n, pc.layers_per_stage)
+            _, save = pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, False)
+            sim = 0.0
+            for p in range(pp):  # (the simulator's measure: memory during each operation)
+                full, _ = pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, p == pp - 1)
+                sim = max(sim, memory_levels(ops[p], table, full, save, rec, pc)[1].max())
             assert sequence_peak_mb(pc, bounds) == pytest.approx(sim, rel=1e-9)
 
 

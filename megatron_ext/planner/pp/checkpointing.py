@@ -14,6 +14,7 @@ chunk). Solved with HiGHS (time-limited, 2% gap); if HiGHS has no incumbent in t
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -57,15 +58,19 @@ def _rows(cps: list[list[Checkpoint]], save: np.ndarray, room: np.ndarray, var: 
         for cp in st:
             nd = cp.const - room[p]
             if nd > 1e-9:
-                ks = np.asarray(cp.reducible, dtype=np.int64)
-                parts.append(ks[save[ks] > 0])
+                parts.append(cp.reducible)
                 stage.append(p)
                 over.append(cp)
                 need.append(nd)
+    # every row's chunks in one array (a chunk that saves nothing by recompute is no entry)
+    sizes = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
+    every = np.fromiter(itertools.chain.from_iterable(parts), dtype=np.int64, count=int(sizes.sum()))
+    keep = save[every] > 0
+    chunk = every[keep]
+    counts = np.bincount(np.repeat(np.arange(len(parts)), sizes)[keep], minlength=len(parts))
+    indptr = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
     stage_a = np.asarray(stage, dtype=np.int64)
-    chunk = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    indptr = np.concatenate([[0], np.cumsum([len(k) for k in parts], dtype=np.int64)])
-    col = var[np.repeat(stage_a, np.diff(indptr)), chunk] if len(chunk) else chunk
+    col = var[np.repeat(stage_a, counts), chunk] if len(chunk) else chunk
     return _Rows(stage_a, over, np.asarray(need, dtype=np.float64), indptr, chunk, col, save[chunk])
 
 
