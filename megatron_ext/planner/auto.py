@@ -268,6 +268,12 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     overran: list[float] = []  # ... and ran past its limit
     for i, (_, est, name, P, d, chunk_stages) in enumerate(layouts):
         bound, against = min([(ub, "BatchAda (FlexSP's upper bound)")] + [(t, n) for t, n, _ in plans])
+        if share < AUTO_FLEXSP_SHARE and math.isfinite(ub) and i and flex_lb < AUTO_PRUNE_MARGIN * bound:
+            # the layouts' estimates promised more than their plans keep: FlexSP, whose lower
+            # bound beats every plan now (by the margin a layout's estimate must), gets its whole
+            # share back
+            share = AUTO_FLEXSP_SHARE
+            layouts_end = start + budget * (1 - share)
         left = layouts_end - time.perf_counter()
         if AUTO_PRUNE_MARGIN * est >= bound:
             alts[name] = {"skipped": f"estimated {est:.2f} s (one 1F1B pipeline of equal chunks), "
