@@ -30,9 +30,11 @@ AUTO_FLEXSP_FLOOR = 0.15  # FlexSP's share instead where its lower bound loses t
 AUTO_RESERVE = 0.03  # of the time limit, left for FlexSP's plan check and the choice, after its solve
 AUTO_TIMELINES_SHARE = 0.2  # of the time limit, at most, for timelines (ZeRO 0/1/2; it takes far less)
 AUTO_TIE = 0.05  # a layout followed by one whose order key is this close shares the time left with it
-# Seconds one chunk on one stage costs to build, check and simulate once (a 32-stage pipeline of
-# ~1,000 chunks: 2.6 s on a 2-core machine); a layout is not started where its chunks x stages need
-# more than the time left
+# Seconds one chunk on one stage costs to build, check and simulate once, where memory binds (on a
+# 2-core machine: a 2-stage pipeline of 2,800 chunks, hundreds in flight, 0.4-0.9 s to build;
+# with few in flight far less: 32 stages of ~1,000 chunks, 0.56 s); a layout is not started where
+# its chunks x stages need more than the time left (3e-5 started more layouts than could finish:
+# 9 map cells over 2% behind against 6)
 AUTO_CHUNK_STAGE_S = 8e-5
 # Order of the layouts: the estimate, raised by up to this share where memory presses (``layout_pressure``)
 AUTO_PRESSURE_PENALTY = 0.3

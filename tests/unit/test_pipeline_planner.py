@@ -494,8 +494,8 @@ def test_auto_is_within_two_percent_of_its_best_candidate_planned_alone(dist, ze
 
 
 def test_auto_does_not_start_a_layout_it_cannot_build_within_the_limit():
-    # gpt-7b on 32 A100-40GB, 48K: one candidate of 32 stages x SP 1 (~900 chunks) takes seconds
-    # to build; with FlexSP and shallower layouts to plan, it is not started
+    # gpt-7b on 32 A100-40GB, 48K: one candidate of 32 stages x SP 1 (~900 chunks) takes more than
+    # the 0.5 s limit to build and check; with FlexSP and shallower layouts to plan, it is not started
     cost = CostModel.from_presets("gpt-7b", "a100-40g-8x4", 3)
     lengths = sample_lengths("github", 512, 0, 48 * 1024)
     plan = plan_auto(lengths, cost, time_limit=0.5)
