@@ -136,11 +136,6 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     def hurry() -> bool:  # out of time with nothing feasible yet: straight to the safest chunkings
         return deadline is not None and best is None and time.perf_counter() > deadline
 
-    built = [0]  # candidates built (or tried): in a hurry, the search's likeliest one is still tried
-    # first, as the safest chunkings cut every chunk to the longest sequence's slice cap: where
-    # memory binds hard, thousands of chunks (gpt-13b, 2 stages x SP 4 on 80 GB, 96K: 2,800
-    # chunks, 0.4-0.9 s to build, against the likeliest one's 0.02 s)
-
     def consider(pieces, slices, order, ramp=((), ())) -> BuiltPipeline | None:
         nonlocal best
         if len(pieces) > MAX_CHUNKS:
@@ -151,7 +146,6 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
         if best is not None and deadline is not None and time.perf_counter() + priced[1] * max(
                 1.0, len(pieces) / priced[0]) > deadline:
             return None
-        built[0] += 1
         try:
             b = build_pipeline(pieces, pc, search_recompute, opts.ties != "untied", where=where, order=order)
         except InfeasibleError as e:
@@ -196,7 +190,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
             if ci and best is not None and not best.recompute.any():
                 break  # a smaller cap only adds chunks when memory does not bind
             for target in targets[:PROBE_TARGETS if probe else max(1, opts.search_targets)]:
-                if late() or (hurry() and built[0]):
+                if late() or hurry():
                     break
                 ch = balanced_chunks(seq_ids, lengths, pc, target, cap, opts.granularity, opts.fit,
                                      min_tail=opts.granularity, max_slice_tokens=mesh_cap)
