@@ -137,6 +137,24 @@ def slice_predecessors(n: int, chains) -> tuple[list[list[int]], list[list[int]]
 
 # ---- the list scheduler ------------------------------------------------------------------------
 
+def _start(free: float, neighbour: list | None, k: int, preds: list[int], own: list, p2p: list[float]):
+    """When an op of chunk ``k`` can start on a stage free at ``free``: after its neighbouring
+    stage's op (``neighbour``'s end, plus the p2p transfer) and its same-stage predecessors
+    (``own``'s ends); None while one of them has not run (the stage is blocked)."""
+    t = free
+    if neighbour is not None:
+        e = neighbour[k]
+        if e is None:
+            return None
+        t = max(t, e + p2p[k])
+    for j in preds:
+        e = own[j]
+        if e is None:
+            return None
+        t = max(t, e)
+    return t
+
+
 def list_schedule(ops: list[list[tuple[int, int]]], fwd: np.ndarray, bwd: np.ndarray, p2p: np.ndarray,
                   fwd_pred: list[list[int]], bwd_pred: list[list[int]], start: np.ndarray | None = None,
                   name=None, where: str | None = None):
@@ -170,45 +188,15 @@ def list_schedule(ops: list[list[tuple[int, int]]], fwd: np.ndarray, bwd: np.nda
             next_b = bwd_end[p + 1] if p < P - 1 else None
             while at < stop:
                 kind, k = op_list[at]
-                # the op starts when its stage is free and its dependencies are done (with the
-                # p2p transfer from a neighbouring stage); a dependency not run yet blocks the stage
-                t = ready
                 if kind == FWD:
-                    if prev_f is not None:
-                        e = prev_f[k]
-                        if e is None:
-                            break
-                        t = max(t, e + p2p_l[k])
-                    blocked = False
-                    for j in fwd_pred[k]:
-                        e = own_f[j]
-                        if e is None:
-                            blocked = True
-                            break
-                        t = max(t, e)
-                    if blocked:
-                        break
+                    t = _start(ready, prev_f, k, fwd_pred[k], own_f, p2p_l)
                     dur = fwd_l[p][k]
                 else:
-                    e = own_f[k]
-                    if e is None:
-                        break
-                    t = max(t, e)
-                    if next_b is not None:
-                        e = next_b[k]
-                        if e is None:
-                            break
-                        t = max(t, e + p2p_l[k])
-                    blocked = False
-                    for j in bwd_pred[k]:
-                        e = own_b[j]
-                        if e is None:
-                            blocked = True
-                            break
-                        t = max(t, e)
-                    if blocked:
-                        break
+                    e = own_f[k]  # (its own forward first)
+                    t = None if e is None else _start(max(ready, e), next_b, k, bwd_pred[k], own_b, p2p_l)
                     dur = bwd_l[p][k]
+                if t is None:
+                    break
                 begin_l[kind][p][k] = t
                 ready = t + dur
                 end_l[kind][p][k] = ready

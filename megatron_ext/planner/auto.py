@@ -181,7 +181,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     next is tied with it). A layout whose estimate (``layout_estimate``), less 5%, is no faster
     than BatchAda's step (an upper bound of FlexSP's) or the best step so far is skipped (reported
     with its estimate), and so is one left when their time has run out (less of it than the least
-    a layout planned ran past its limit, half the least one took, or its chunks x stages' build
+    a layout planned ran past its limit, a quarter of the least one took, or its chunks x stages' build
     time, ``AUTO_CHUNK_STAGE_S``);
     one that cannot build a candidate in the whole limit is not started while FlexSP or another
     layout can run. FlexSP goes last, in all the time left but ``AUTO_RESERVE`` of the
@@ -286,8 +286,9 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         # (about as long as the least any layout planned ran past its limit), and its first
         # candidate, however long, is always built: at least its chunks x stages x
         # AUTO_CHUNK_STAGE_S, and often far more (the search's finest slicings may have 10x the
-        # estimate's chunks): half what the quickest layout took is the floor
-        if plans and left <= max(0.02, min(overran, default=0.0), min(took, default=0.0) / 2,
+        # estimate's chunks): a quarter of what the quickest layout took is the floor (half of it
+        # skipped, by a few ms, layouts that won: 9 map cells over 2% behind against 7)
+        if plans and left <= max(0.02, min(overran, default=0.0), min(took, default=0.0) / 4,
                                 chunk_stages * AUTO_CHUNK_STAGE_S):
             alts[name] = {"skipped": f"time limit reached (estimated {est:.2f} s)"}
             continue
