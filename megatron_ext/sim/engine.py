@@ -135,10 +135,11 @@ class _SliceBuffers:
         """Held now; ``during``: while that chunk's backward runs (its prefix dK/dV is live)."""
         if during is None:
             return self.held
-        extra = 0
+        raised: dict[int, int] = {}  # seq -> its prefix dK/dV while the chunk runs, where that grows
         for sid, a, b in self.table.split_pieces[during]:
-            extra += max(0, a - self.dkv.get(sid, 0))
-        return self.held + extra
+            if a > raised.get(sid, self.dkv.get(sid, 0)):
+                raised[sid] = a
+        return self.held + sum(a - self.dkv.get(sid, 0) for sid, a in raised.items())
 
     def backward_done(self, k: int) -> None:
         for sid, a, b in self.table.split_pieces[k]:
