@@ -187,7 +187,9 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     layout can run. FlexSP goes last, in all the time left but ``AUTO_RESERVE`` of the
     limit (for its plan's check), unless its lower bound (``CostModel.lower_bound_ms``) is no faster
     than a layout's plan; where that bound is no faster than the likeliest layout's estimate,
-    FlexSP's share is ``AUTO_FLEXSP_FLOOR`` (the layouts get the rest)."""
+    FlexSP's share is ``AUTO_FLEXSP_FLOOR`` (the layouts get the rest), until that bound beats
+    every plan so far by ``AUTO_PRUNE_MARGIN``. A layout's chunks are at least the slices memory
+    forces on its sequences (``forced_slices``)."""
     start = time.perf_counter()
     opts = pipeline_options(options, overrides)
     lengths, ids = kept_sequences(lengths, seq_ids)
