@@ -131,6 +131,26 @@ def test_a_probe_of_one_pipeline_weighs_whole_packs_first_however_short_its_time
     assert targets.slices > 0
 
 
+def test_a_search_takes_the_candidates_built_before_from_builds(monkeypatch):
+    # a grouping's full search starts with its probe's candidates: with the probe's builds it
+    # builds only the new ones, and finds what it finds alone
+    import megatron_ext.planner.pp.chunk_search as chunk_search
+    cost = CostModel.from_presets("gpt-7b", "a100-40g-8x4", 1)
+    lengths = sample_lengths("github", 128, 0, 98304)
+    pc, ids, opts = PipelineCost(cost, 4, 8), np.arange(128), PipelineOptions()
+    alone = plan_group(ids, lengths, pc, opts, None)
+    builds: dict = {}
+    plan_group(ids, lengths, pc, opts, None, probe=True, builds=builds)
+    probed = dict(builds)
+    made = []
+    real = chunk_search.build_pipeline
+    monkeypatch.setattr(chunk_search, "build_pipeline", lambda pieces, *a, **k: made.append(pieces) or real(pieces, *a, **k))
+    full = plan_group(ids, lengths, pc, opts, None, builds=builds)
+    assert probed and len(made) == len(builds) - len(probed)
+    assert (full.makespan_ms, full.pieces, full.slices, full.ramp) == (alone.makespan_ms, alone.pieces, alone.slices,
+                                                                     alone.ramp)
+
+
 def test_make_pp_plan_takes_planner_options_and_drops():
     lengths = np.array([200_000, 3000, 2000])
     with pytest.raises(LengthsError, match="exceed"):

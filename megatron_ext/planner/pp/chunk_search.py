@@ -3,6 +3,7 @@ elastic_pp planner, planner/pp/elastic_pp.py): candidate chunkings (chunking.py)
 simulated (pipeline.build_pipeline) with the greedy's recompute, and the fastest wins."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -97,7 +98,8 @@ def _ramp_note(front, back) -> str:
 
 
 def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadline: float | None = None,
-               where: str = "pipeline", probe: bool = False, whole_packs: bool = False) -> BuiltPipeline:
+               where: str = "pipeline", probe: bool = False, whole_packs: bool = False,
+               builds: dict | None = None) -> BuiltPipeline:
     """Search one pipeline's chunking and order; the fastest simulated candidate (greedy recompute)
     wins. Past ``deadline`` the search keeps the best candidate found so far (with none yet, it
     goes straight to step 3). ``probe``: step 1 at the ``PROBE_TARGETS`` likeliest targets only
@@ -115,8 +117,13 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
        slicing of the longest sequence can fit, else if nothing else fitted).
     2. At the best target: the other ramps (and none), and the elastic 1F1B order.
     3. Nothing fits yet: every sequence at its slice cap, then every slice and chunk at half the
-       longest sequence's cap, a quarter, ... down to its finest slicing."""
+       longest sequence's cap, a quarter, ... down to its finest slicing.
+
+    ``builds``: the candidates built so far (or why they cannot run), by pipeline, order and
+    chunking, shared by the searches of one replica's pipelines: a grouping's full search starts
+    with its probe's candidates (20-40% of the builds), which it then takes from here."""
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
+    builds = {} if builds is None else builds
     best: BuiltPipeline | None = None
     best_ch = None
     errors = []
@@ -141,18 +148,24 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
         if len(pieces) > MAX_CHUNKS:
             errors.append(f"{where}: {len(pieces)} chunks, more than the {MAX_CHUNKS} a pipeline may have")
             return None
-        # would end past the deadline: building grows about linearly with the chunks (12 to 2,300
-        # chunks: 0.15-0.6 ms each), priced from the largest candidate built so far
-        if best is not None and deadline is not None and time.perf_counter() + priced[1] * max(
-                1.0, len(pieces) / priced[0]) > deadline:
+        key = (where, order, tuple(tuple(map(tuple, c)) for c in pieces))
+        if key not in builds:
+            # would end past the deadline: building grows about linearly with the chunks (12 to
+            # 2,300 chunks: 0.15-0.6 ms each), priced from the largest candidate built so far
+            if best is not None and deadline is not None and time.perf_counter() + priced[1] * max(
+                    1.0, len(pieces) / priced[0]) > deadline:
+                return None
+            try:
+                builds[key] = build_pipeline(pieces, pc, search_recompute, opts.ties != "untied", where=where,
+                                            order=order)
+            except InfeasibleError as e:
+                builds[key] = str(e)
+            if not isinstance(builds[key], str) and len(pieces) >= priced[0]:
+                priced[:] = [len(pieces), builds[key].build_s]
+        if isinstance(builds[key], str):
+            errors.append(builds[key])
             return None
-        try:
-            b = build_pipeline(pieces, pc, search_recompute, opts.ties != "untied", where=where, order=order)
-        except InfeasibleError as e:
-            errors.append(str(e))
-            return None
-        if len(pieces) >= priced[0]:
-            priced[:] = [len(pieces), b.build_s]
+        b = dataclasses.replace(builds[key])  # (this search's own labels: slices, ramp)
         b.slices = slices
         b.ramp = _ramp_note(*ramp)
         if best is None or b.makespan_ms < best.makespan_ms - 1e-9:
