@@ -373,6 +373,46 @@ def test_a_cut_short_search_packs_the_rest_at_one_degree():
     assert total / 1e3 < batchada.estimated_step_time_s * 0.8
 
 
+def brute_pack(batch, ids, C):
+    """FlexSP's packing rule, sequence by sequence over every group: longest first, into the open
+    group where it costs the fewest GPU-ms and fits C and memory (cheapest degree, then most loaded,
+    then first opened), else a new group of the smallest degree that runs it within C."""
+    gdi, load, room, members, used = [], [], [], [], 0
+    for i in sorted(ids.tolist(), key=lambda i: -batch.lengths[i]):
+        s, t = batch.lengths[i], batch.time[i]
+        fits = [(t[d] * batch.degrees[d], d, -load[g], g) for g, d in enumerate(gdi)
+                if load[g] + t[d] <= C and room[g] >= s]
+        if fits:
+            g = min(fits)[3]
+            load[g] += t[gdi[g]]
+            room[g] -= s
+            members[g].append(i)
+            continue
+        ok = [d for d in range(len(batch.degrees)) if batch.fits[i, d] and t[d] + batch.lat[d] <= C]
+        if not ok or used + batch.degrees[ok[0]] > batch.n:
+            return None
+        used += batch.degrees[ok[0]]
+        gdi.append(ok[0]), load.append(batch.lat[ok[0]] + t[ok[0]]), room.append(batch.cap[ok[0]] - s)
+        members.append([i])
+    return gdi, members
+
+
+@small
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 200), slack=st.floats(1.0, 3.0))
+def test_flexsp_packing_matches_its_rule_checked_group_by_group(seed, n, slack):
+    from megatron_ext.data.lengths import sample_lengths
+    from megatron_ext.planner.sp.flexsp import _Batch, _pack_at
+
+    cost = COSTS["gpt-7b/a100-40g-8x2"]
+    lengths = sample_lengths("github", n, seed, cost.max_seq_len)
+    batch = _Batch(lengths, cost)
+    ids = np.random.default_rng(seed).permutation(n)[: max(1, n // 2)]
+    C = slack * max(batch.best_gpu_ms[ids].sum() / batch.n, batch.fastest[ids].max())
+    got, want = _pack_at(batch, ids, C), brute_pack(batch, ids, C)
+    event("packed" if want is not None else "GPUs ran out")
+    assert got == want
+
+
 def test_flexsp_mixes_degrees_on_a_long_tailed_batch():
     """The point of FlexSP: one micro-batch holds groups of different degrees."""
     cost = COSTS["gpt-7b/a100-40g-8x8"]

