@@ -522,7 +522,9 @@ class _SplitSearch:
         while improved and not self.exhausted():
             improved = False
             for k in range(1, len(cuts) - 1):
-                for step in (1, -1, 4, -4, 16, -16):
+                # the big moves first: they free or fill a group sooner (FlexSP alone, map cells
+                # faster / slower by over 2% than smallest first: 10 / 2 of 180 at 0.55 s, 6 / 1 at 1 s)
+                for step in (16, -16, 4, -4, 1, -1):
                     c = cuts[k] + step
                     if not cuts[k - 1] < c < cuts[k + 1] or self.exhausted():
                         continue
