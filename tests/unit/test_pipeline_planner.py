@@ -144,7 +144,8 @@ def test_a_search_takes_the_candidates_built_before_from_builds(monkeypatch):
     probed = dict(builds)
     made = []
     real = chunk_search.build_pipeline
-    monkeypatch.setattr(chunk_search, "build_pipeline", lambda pieces, *a, **k: made.append(pieces) or real(pieces, *a, **k))
+    monkeypatch.setattr(chunk_search, "build_pipeline",
+                        lambda pieces, *a, **k: made.append(pieces) or real(pieces, *a, **k))
     full = plan_group(ids, lengths, pc, opts, None, builds=builds)
     assert probed and len(made) == len(builds) - len(probed)
     assert (full.makespan_ms, full.pieces, full.slices, full.ramp) == (alone.makespan_ms, alone.pieces, alone.slices,
