@@ -133,23 +133,29 @@ def test_a_probe_of_one_pipeline_weighs_whole_packs_first_however_short_its_time
 
 def test_a_search_takes_the_candidates_built_before_from_builds(monkeypatch):
     # a grouping's full search starts with its probe's candidates: with the probe's builds it
-    # builds only the new ones, and finds what it finds alone
+    # builds only the new ones, and finds what it finds alone; a cache keeps no more than its
+    # chunks x stages, and a search with a full one plans the same
     import megatron_ext.planner.pp.chunk_search as chunk_search
     cost = CostModel.from_presets("gpt-7b", "a100-40g-8x4", 1)
     lengths = sample_lengths("github", 128, 0, 98304)
     pc, ids, opts = PipelineCost(cost, 4, 8), np.arange(128), PipelineOptions()
     alone = plan_group(ids, lengths, pc, opts, None)
-    builds: dict = {}
+    builds = chunk_search.BuildCache()
     plan_group(ids, lengths, pc, opts, None, probe=True, builds=builds)
-    probed = dict(builds)
+    probed = dict(builds.built)
     made = []
     real = chunk_search.build_pipeline
     monkeypatch.setattr(chunk_search, "build_pipeline",
                         lambda pieces, *a, **k: made.append(pieces) or real(pieces, *a, **k))
     full = plan_group(ids, lengths, pc, opts, None, builds=builds)
-    assert probed and len(made) == len(builds) - len(probed)
-    assert (full.makespan_ms, full.pieces, full.slices, full.ramp) == (alone.makespan_ms, alone.pieces, alone.slices,
-                                                                     alone.ramp)
+    assert probed and len(made) == len(builds.built) - len(probed)
+    same = (alone.makespan_ms, alone.pieces, alone.slices, alone.ramp)
+    assert (full.makespan_ms, full.pieces, full.slices, full.ramp) == same
+    monkeypatch.setattr(chunk_search, "KEPT_CHUNK_STAGES", builds.size // 2)
+    small = chunk_search.BuildCache()
+    capped = plan_group(ids, lengths, pc, opts, None, builds=small)
+    assert 0 < small.size <= builds.size // 2 and len(small.built) < len(builds.built)
+    assert (capped.makespan_ms, capped.pieces, capped.slices, capped.ramp) == same
 
 
 def test_make_pp_plan_takes_planner_options_and_drops():

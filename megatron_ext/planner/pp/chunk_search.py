@@ -19,6 +19,26 @@ from megatron_ext.planner.pp.sequence_limits import fewest_slices, finest_slice,
 
 PROBE_TARGETS = 3  # chunk-time targets a probe tries (the likeliest; K is the choice that matters most)
 MAX_CHUNKS = 4096  # chunk candidates with more chunks are not built (their recompute tables grow as n^2)
+KEPT_CHUNK_STAGES = 500_000  # candidates a BuildCache keeps, in chunks x stages (~260 bytes each: ~130 MB)
+
+
+class BuildCache:
+    """The candidates one replica's searches built (or why they cannot run), by pipeline, order
+    and chunking: a grouping's full search starts with its probe's candidates (20-40% of the
+    builds), which it takes from here. The first ``KEPT_CHUNK_STAGES`` are kept (the probes', those
+    asked again), so a long time limit cannot fill memory with them."""
+
+    def __init__(self) -> None:
+        self.built: dict[tuple, BuiltPipeline | str] = {}
+        self.size = 0  # chunks x stages kept
+
+    def get(self, key: tuple) -> BuiltPipeline | str | None:
+        return self.built.get(key)
+
+    def keep(self, key: tuple, built: BuiltPipeline | str, stages: int) -> None:
+        size = 0 if isinstance(built, str) else built.table.n * stages
+        if self.size + size <= KEPT_CHUNK_STAGES:
+            self.built[key], self.size = built, self.size + size
 
 
 def _targets(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, capped: bool = False) -> list[float]:
@@ -99,7 +119,7 @@ def _ramp_note(front, back) -> str:
 
 def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadline: float | None = None,
                where: str = "pipeline", probe: bool = False, whole_packs: bool = False,
-               builds: dict | None = None) -> BuiltPipeline:
+               builds: BuildCache | None = None) -> BuiltPipeline:
     """Search one pipeline's chunking and order; the fastest simulated candidate (greedy recompute)
     wins. Past ``deadline`` the search keeps the best candidate found so far (with none yet, it
     goes straight to step 3). ``probe``: step 1 at the ``PROBE_TARGETS`` likeliest targets only
@@ -119,11 +139,9 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     3. Nothing fits yet: every sequence at its slice cap, then every slice and chunk at half the
        longest sequence's cap, a quarter, ... down to its finest slicing.
 
-    ``builds``: the candidates built so far (or why they cannot run), by pipeline, order and
-    chunking, shared by the searches of one replica's pipelines: a grouping's full search starts
-    with its probe's candidates (20-40% of the builds), which it then takes from here."""
+    ``builds``: the candidates built so far, shared by the searches of one replica's pipelines."""
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
-    builds = {} if builds is None else builds
+    builds = BuildCache() if builds is None else builds
     best: BuiltPipeline | None = None
     best_ch = None
     errors = []
@@ -149,23 +167,24 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
             errors.append(f"{where}: {len(pieces)} chunks, more than the {MAX_CHUNKS} a pipeline may have")
             return None
         key = (where, order, tuple(tuple(map(tuple, c)) for c in pieces))
-        if key not in builds:
+        b = builds.get(key)
+        if b is None:
             # would end past the deadline: building grows about linearly with the chunks (12 to
             # 2,300 chunks: 0.15-0.6 ms each), priced from the largest candidate built so far
             if best is not None and deadline is not None and time.perf_counter() + priced[1] * max(
                     1.0, len(pieces) / priced[0]) > deadline:
                 return None
             try:
-                builds[key] = build_pipeline(pieces, pc, search_recompute, opts.ties != "untied", where=where,
-                                            order=order)
+                b = build_pipeline(pieces, pc, search_recompute, opts.ties != "untied", where=where, order=order)
             except InfeasibleError as e:
-                builds[key] = str(e)
-            if not isinstance(builds[key], str) and len(pieces) >= priced[0]:
-                priced[:] = [len(pieces), builds[key].build_s]
-        if isinstance(builds[key], str):
-            errors.append(builds[key])
+                b = str(e)
+            builds.keep(key, b, pc.pp)
+            if not isinstance(b, str) and len(pieces) >= priced[0]:
+                priced[:] = [len(pieces), b.build_s]
+        if isinstance(b, str):
+            errors.append(b)
             return None
-        b = dataclasses.replace(builds[key])  # (this search's own labels: slices, ramp)
+        b = dataclasses.replace(b)  # (this search's own labels: slices, ramp)
         b.slices = slices
         b.ramp = _ramp_note(*ramp)
         if best is None or b.makespan_ms < best.makespan_ms - 1e-9:
@@ -276,4 +295,4 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     return best
 
 
-__all__ = ["MAX_CHUNKS", "PROBE_TARGETS", "plan_group"]
+__all__ = ["KEPT_CHUNK_STAGES", "MAX_CHUNKS", "PROBE_TARGETS", "BuildCache", "plan_group"]

@@ -59,7 +59,7 @@ from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import InfeasibleError
 from megatron_ext.plan.schema import StepPlan
-from megatron_ext.planner.pp.chunk_search import plan_group
+from megatron_ext.planner.pp.chunk_search import BuildCache, plan_group
 from megatron_ext.planner.pp.grouping import group_sequences, split_replicas
 from megatron_ext.planner.pp.pipeline import (BuiltPipeline, PipelineOptions, build_pipeline, finish_plan, kept_sequences,
                                            pipeline_cost, pipeline_options)
@@ -73,10 +73,10 @@ def _chunking_note(b: BuiltPipeline) -> str:
 
 
 def _plan_structure(groups: list[np.ndarray], lengths, pc: PipelineCost, opts: PipelineOptions, start: float,
-                    end: float, probe: bool, builds: dict) -> list[BuiltPipeline]:
+                    end: float, probe: bool, builds: BuildCache) -> list[BuiltPipeline]:
     """The pipelines of one grouping, searched one after another, each until its share of
     ``start``..``end`` by its place (``probe``: each its first candidates only; ``builds``: the
-    candidates built so far, ``chunk_search.plan_group``'s)."""
+    candidates built so far)."""
     # (one pipeline's probe tries whole packs too: batch 1F1B's chunking, which wins where memory
     # binds, and which a short search of the groupings would otherwise never weigh)
     return [plan_group(g, lengths, pc, opts, start + (end - start) * (i + 1) / len(groups), f"pipeline {i}",
@@ -91,7 +91,7 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
     searches go to the groupings in the order of their probes, the likeliest getting most of the
     time: a short budget still weighs every grouping, rather than spending it all on the first."""
     err = None
-    builds: dict = {}  # every candidate built, shared by the probes and the full searches
+    builds = BuildCache()  # the candidates built, shared by the probes and the full searches
     structures = [[ids]]
     probes: list[tuple[float, list[BuiltPipeline], int]] = []  # (makespan, pipelines, index in structures)
 
