@@ -303,6 +303,7 @@ def _pack_at(batch: _Batch, ids: np.ndarray, C: float) -> tuple[list[int], list[
         for d in ranks[k]:
             groups, td = by_degree[d], t[d]
             j = bisect.bisect_right(groups, (C - td, math.inf)) - 1
+            # (load + time <= C again: C - time rounds, and the rule is the sum's)
             while j >= 0 and (room[-groups[j][1]] < s or load[-groups[j][1]] + td > C):
                 j -= 1
             if j >= 0:
