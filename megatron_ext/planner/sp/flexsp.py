@@ -12,8 +12,9 @@ The step (``plan_flexsp``) compares starting partitions into micro-batches -- to
 contiguous cuts of the length-sorted batch (the paper's blaster) for each micro-batch count, the
 best homogeneous packings, every sequence at its cheapest degree, long sequences with short ones
 as filler -- refines the cuts by local search, and lets a node-limited MILP (warm-started) improve
-micro-batches while the plan is over 3% above the lower bound. Work is bounded by counts, not the
-clock, so the same input gives the same plan; the time limit is a guard and is reported if hit.
+micro-batches while the plan is over 3% above the lower bound (before the last starting points
+where little of the limit is left). Work is bounded by counts, not the clock, so the same input
+gives the same plan; the time limit is a guard and is reported if it cut or reordered the work.
 What the limit cannot cut is the first plan, the best homogeneous packing (by a step-time bound),
 and the part solve under way when it passes; a cut search the limit stops keeps the parts it
 solved (the longest sequences) and packs the rest at one degree.
