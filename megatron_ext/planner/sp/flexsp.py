@@ -749,4 +749,3 @@ def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -
     timed_out |= time.perf_counter() > deadline
     mbs = [groups for groups, _ in parts]
     return mbs, "time_limit" if timed_out else ("milp" if polished else "lp_rounded")
-
