@@ -719,31 +719,31 @@ def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -
         others.append(([mb for a, b in zip(cuts[:-1], cuts[1:]) for mb in search.part(a, b)], total))
     others.sort(key=lambda c: c[1])
     parts, best_time = others[0]
-    polished, timed_out = False, search.timed_out
+    timed_out = search.timed_out
     # Where the plan is still over 3% above the lower bound, the MILP polishes its micro-batches:
     # with little of the limit left (as with auto's share of it, ~0.42 s) before the starts below,
     # which win less often and left it no time (FlexSP alone at 0.42 s: 6 of 180 map cells over
     # 1% faster, none slower), else after them (polishing first at 1 s: 3 cells 1-3.5% slower,
     # where one micro-batch's MILP took the time of a filled start that won)
-    first = deadline - time.perf_counter() < POLISH_FIRST * options.time_limit
-    if first:  # (the clock chose this course: the plan's status says the limit shaped it)
+    unpolished = True  # (the plan in hand)
+    if deadline - time.perf_counter() < POLISH_FIRST * options.time_limit:
+        # (the clock chose this course: the plan's status says the limit shaped it)
         parts, best_time, polished, _ = _polish(batch, (parts, best_time), lower, deadline)
-        timed_out = True
+        unpolished, timed_out = False, True
     # Mixed degrees inside the second homogeneous partition, then the filled starts; none begins a
     # part solve it has no time left to finish (at the pace of the slowest so far).
     last_start = deadline - search.slowest
     starts = [partial(_replan, batch, [g for g, _ in mbs], options, last_start) for mbs, _ in homogeneous[1:2]]
     starts += [partial(_filled_start, batch, order, m_min, options, last_start),
                partial(_filled_start, batch, order, m_min + 1, options, last_start)]
-    found = False  # a start beat the plan so far
     for make in starts:  # each is bounded work, cut short at the deadline on a slow machine
         if time.perf_counter() > last_start:
             timed_out = True
             break
         candidate = make()
         if candidate[1] < best_time:
-            (parts, best_time), found = candidate, True
-    if found or not first:
+            (parts, best_time), unpolished = candidate, True
+    if unpolished:
         parts, best_time, polished, cut = _polish(batch, (parts, best_time), lower, deadline)
         timed_out |= cut
     timed_out |= time.perf_counter() > deadline
