@@ -22,6 +22,16 @@ from megatron_ext.errors import ConfigError
 PRESET_DIR = Path(os.environ.get("MEGATRON_EXT_CONFIGS", Path(__file__).resolve().parent / "presets"))
 
 
+# Units. Memory and message sizes: MB of 2**20 bytes (a cluster's memory_gb: GB of 1024 MB).
+# Model states follow the FlexSP paper's accounting, params_b x 16 x 1024 MB (a billion
+# parameters' 16 bytes taken as 16 GB), on which its published memory figures and worked example
+# rest. All-to-all and p2p tables (``a2a_bandwidth_gbps``, ``p2p_bandwidth_gbps``): MB per ms, as
+# the paper's code divides MB by them ("GB/s": 1000 MB a second) and ``profile`` fits them. Link
+# figures for ZeRO collectives (``intra_node_bandwidth_gbps``, ``inter_node_bandwidth_gbps``):
+# GB/s of 1e9 bytes, as NCCL bus bandwidths are quoted (cost/fixed.py).
+MB = 2**20
+
+
 def is_power_of_two(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
 
@@ -252,7 +262,8 @@ def validate_model(m: ModelSpec) -> ModelSpec:
                f"recompute_layers must be an integer in 0..{m.num_layers}, got {m.recompute_layers!r}")
     _check(isinstance(m.dropout, bool), what, f"dropout must be true or false, got {m.dropout!r}")
     _check(m.num_attention_heads % m.kv_heads == 0, what, "num_attention_heads must divide by num_query_groups")
-    _check(m.activation_bytes in (1, 2, 4, 8), what, f"activation_bytes must be 1, 2, 4 or 8, got {m.activation_bytes!r}")
+    _check(_is_int(m.activation_bytes) and m.activation_bytes in (1, 2, 4, 8), what,
+           f"activation_bytes must be 1, 2, 4 or 8, got {m.activation_bytes!r}")
     _check(isinstance(m.swiglu, bool), what, f"swiglu must be true or false, got {m.swiglu!r}")
     _check(m.head_time_share is None or (_is_number(m.head_time_share) and 0 <= m.head_time_share < 1),
            what, f"head_time_share must be in [0, 1), got {m.head_time_share!r}")

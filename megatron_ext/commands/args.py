@@ -91,7 +91,9 @@ def add_batch_source_args(p, default_dist: str) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--lengths", metavar="FILE", help="text file, one sequence length per line (one batch)")
     src.add_argument("--dist", default=default_dist, choices=sorted(DISTRIBUTIONS),
-                     help=f"synthetic length distribution (default: {default_dist})")
+                     help="synthetic length distribution: " + "; ".join(
+                         f"{k} ({d.note})".replace("%", "%%") for k, d in sorted(DISTRIBUTIONS.items()))
+                     + f" (default: {default_dist})")
     src.add_argument("--data", nargs="+", metavar="PREFIX",
                      help="Megatron indexed dataset (PREFIX.bin/.idx), or a blend as Megatron-LM's --data-path takes "
                           "it (W1 PREFIX1 W2 PREFIX2 ...): the batches a training run with this --seed, --batch and "

@@ -12,6 +12,7 @@ says when the cost model should be re-measured (``megatron-ext profile``).
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -57,13 +58,33 @@ def load_run(run: str | Path) -> list[dict]:
         raise ConfigError(f"{path} holds no steps")
     if not all(isinstance(r, dict) and "step_time_s" in r and "predicted_step_time_s" in r for r in records):
         raise ConfigError(f"{path}: not step records of `megatron-ext train` or Megatron-LM's --planner-log")
+    for i, r in enumerate(records, 1):
+        why = _bad_times(r)
+        if why:
+            raise ConfigError(f"{path}: record {i}" + (f" (step {r['step']})" if "step" in r else "") + f": {why}")
     return records
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def _bad_times(r: dict) -> str | None:
+    """Why a step record's times cannot be compared, or None."""
+    for key in ("step_time_s", "predicted_step_time_s"):
+        if not _positive(r[key]):
+            return f"{key} must be a positive number of seconds, got {r[key]!r}"
+    mbs = [r.get(k, []) for k in ("micro_batch_times_s", "predicted_micro_batch_times_s")]
+    if not all(isinstance(x, list) and all(_positive(t) for t in x) for x in mbs):
+        return "micro_batch_times_s and predicted_micro_batch_times_s must be lists of positive seconds"
+    if mbs[0] and mbs[1] and len(mbs[0]) != len(mbs[1]):  # (a pipelined step measures none)
+        return f"{len(mbs[0])} measured micro-batch times against {len(mbs[1])} predicted"
+    return None
 
 
 def _errors(measured, predicted) -> np.ndarray:
     m, p = np.asarray(measured, dtype=float), np.asarray(predicted, dtype=float)
-    keep = m > 0
-    return (p[keep] - m[keep]) / m[keep]
+    return (p - m) / m
 
 
 def fidelity(records: list[dict]) -> dict:
@@ -71,8 +92,9 @@ def fidelity(records: list[dict]) -> dict:
     the first step (start-up costs), with their median, p90, bias and drift."""
     body = records[1:] or records
     step_err = _errors([r["step_time_s"] for r in body], [r["predicted_step_time_s"] for r in body])
-    mb_err = _errors([t for r in body for t in r.get("micro_batch_times_s", [])],
-                     [t for r in body for t in r.get("predicted_micro_batch_times_s", [])])
+    timed = [r for r in body if len(r.get("micro_batch_times_s", [])) == len(r.get("predicted_micro_batch_times_s", []))]
+    mb_err = _errors([t for r in timed for t in r.get("micro_batch_times_s", [])],
+                     [t for r in timed for t in r.get("predicted_micro_batch_times_s", [])])
     thirds = np.array_split(np.abs(step_err), 3) if len(step_err) >= 3 else [np.abs(step_err)] * 3
     out = {
         "steps": len(body),

@@ -145,13 +145,12 @@ def compare_table(runs: dict[str, list[dict]]) -> str:
     for name, recs in runs.items():
         body = recs[1:] or recs  # the first step pays start-up costs
         measured = np.array([r["step_time_s"] for r in body])
-        predicted = np.array([r["predicted_step_time_s"] for r in body])
         t = float(np.median(measured))
         base_time = base_time or t
         loss_diff = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(recs, first))
         grad_diff = max(abs(a["grad_norm"] - b["grad_norm"]) / abs(b["grad_norm"]) for a, b in zip(recs, first))
         lines.append(f"{name:<22}{len(recs):>6}{t:>9.3f}{sum(r['tokens'] for r in body) / measured.sum():>10,.0f}"
-                     f"{base_time / t:>8.2f}x{np.median(np.abs(predicted - measured) / measured):>9.0%} "
+                     f"{base_time / t:>8.2f}x{fidelity(recs)['step_median_abs_error']:>9.0%} "
                      f"{loss_diff:>14.1e}{grad_diff:>15.1e}  "
                      + layouts_text(layout_counts(recs)))
     return "\n".join(lines)

@@ -22,7 +22,7 @@ against the FlexSP paper's published 4.48 (-0.4%).
 """
 from __future__ import annotations
 
-_MB = 2.0**20
+from megatron_ext.spec import MB
 
 
 def layer_bytes_per_token(model) -> float:
@@ -49,7 +49,7 @@ def act_mb_per_token(model) -> float:
     layer = layer_bytes_per_token(model)
     kept = (L - n) * layer + n * model.hidden_size * model.activation_bytes
     working = layer if n else 0.0  # a recomputed layer's activations during its backward
-    return (kept + working + head_bytes_per_token(model)) / _MB
+    return (kept + working + head_bytes_per_token(model)) / MB
 
 
 def recompute_time_factor(model) -> float:

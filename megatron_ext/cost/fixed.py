@@ -76,13 +76,6 @@ def pass_fixed_ms(model, cluster, zero_stage: int, layers: int, ranks: Sequence[
     return launch + (GATHERS_PER_PASS * layers + EXPOSED_REDUCES_PER_PASS) * one
 
 
-def pass_traffic_ms(model, cluster, zero_stage: int, layers: int, ranks: Sequence[int]) -> float:
-    """All the parameter traffic of a pass, hidden or not (for reports)."""
-    if zero_stage != 3 or len(ranks) <= 1:
-        return 0.0
-    return 3 * layers * collective_ms(cluster, layer_param_bytes(model), ranks)
-
-
 def step_sync_ms(model, cluster, zero_stage: int, ranks: Sequence[int]) -> float:
     """What the once-per-step gradient sync (ZeRO 0/1/2) adds to a step beyond the passes: one
     layer's reduction and one layer's parameter gather over the ``ranks`` that hold copies (or
@@ -92,5 +85,4 @@ def step_sync_ms(model, cluster, zero_stage: int, ranks: Sequence[int]) -> float
     return EXPOSED_STEP_COLLECTIVES * collective_ms(cluster, layer_param_bytes(model), ranks)
 
 
-__all__ = ["collective_ms", "group_span", "layer_param_bytes", "pass_fixed_ms", "pass_traffic_ms",
-           "step_sync_ms"]
+__all__ = ["collective_ms", "group_span", "layer_param_bytes", "pass_fixed_ms", "step_sync_ms"]

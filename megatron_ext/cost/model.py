@@ -24,8 +24,8 @@ from megatron_ext.cost.activations import act_mb_per_token, recompute_time_facto
 from megatron_ext.cost.bounds import barrier_free_bound_ms, cheapest_gpu_ms, lower_bound_ms, relaxed_bound_ms
 from megatron_ext.cost.fixed import pass_fixed_ms, step_sync_ms
 from megatron_ext.errors import ConfigError, InfeasibleError
-from megatron_ext.spec import (ClusterSpec, ModelSpec, read_yaml, cluster_from_mapping, load_cluster,
-                               load_model, model_from_mapping)
+from megatron_ext.spec import (MB, ClusterSpec, ModelSpec, read_yaml, cluster_from_mapping, is_power_of_two,
+                               load_cluster, load_model, model_from_mapping)
 
 # Fraction of the 16 bytes/param of mixed-precision Adam states (2 bf16 weights, 2 gradients, 12
 # fp32 master weights and moments) kept per GPU, by ZeRO stage: (sharded over the GPUs that hold
@@ -33,6 +33,13 @@ from megatron_ext.spec import (ClusterSpec, ModelSpec, read_yaml, cluster_from_m
 # gradients too, ZeRO-3 everything. (Megatron's distributed optimizer keeps fp32 gradient buffers
 # in bf16 runs, 2 bytes more per parameter than this accounting, which follows the FlexSP paper.)
 _ZERO_SHARDED = {0: (0.0, 1.0), 1: (6 / 8, 2 / 8), 2: (7 / 8, 1 / 8), 3: (1.0, 0.0)}
+
+
+def model_states_mb(params_b: float, zero_stage: int, shards: int) -> float:
+    """MB per GPU of ``params_b`` billion parameters' model states under ``zero_stage``, the
+    sharded part split over ``shards`` GPUs (the paper's 16 x 1024 MB a billion: spec.py, units)."""
+    sharded, replicated = _ZERO_SHARDED[zero_stage]
+    return params_b * 16 * 1024 * (sharded / shards + replicated)
 
 
 @dataclass(frozen=True)
@@ -45,10 +52,11 @@ class CostModel:
     max_ring: int = 1
 
     def __post_init__(self):
-        if not isinstance(self.zero_stage, int) or self.zero_stage not in _ZERO_SHARDED:
+        z = self.zero_stage
+        if not isinstance(z, int) or isinstance(z, bool) or z not in _ZERO_SHARDED:
             raise ConfigError(f"zero_stage must be one of 0, 1, 2, 3, got {self.zero_stage!r}")
         r = self.max_ring
-        if not isinstance(r, int) or isinstance(r, bool) or r < 1 or r & (r - 1):
+        if not isinstance(r, int) or isinstance(r, bool) or not is_power_of_two(r):
             raise ConfigError(f"the ring degree limit must be a power of two (1: no ring), got {r!r}")
 
     def with_max_ring(self, max_ring: int) -> "CostModel":
@@ -95,8 +103,7 @@ class CostModel:
     @cached_property
     def model_states_mb(self) -> float:
         """params * 16 bytes, the ZeRO-sharded part spread over all GPUs (MB per GPU)."""
-        sharded, replicated = _ZERO_SHARDED[self.zero_stage]
-        return self.model.params_b * 16 * 1024 * (sharded / self.num_gpus + replicated)
+        return model_states_mb(self.model.params_b, self.zero_stage, self.num_gpus)
 
     @cached_property
     def act_mb_per_token(self) -> float:
@@ -197,7 +204,7 @@ class CostModel:
         if u == 1:
             return 0.0
         m = self.model
-        mb_per_token = 8 * m.num_layers * m.hidden_size * m.activation_bytes / 2**20
+        mb_per_token = 8 * m.num_layers * m.hidden_size * m.activation_bytes / MB
         return mb_per_token / degree / self.cluster.a2a_bandwidth(u)
 
     def a2a_latency_ms(self, degree: int, layers: int | None = None) -> float:
@@ -229,7 +236,7 @@ class CostModel:
         if r == 1:
             return np.zeros_like(s)
         m = self.model
-        kv_mb_per_token = 2 * m.kv_heads * (m.hidden_size // m.num_attention_heads) * m.activation_bytes / 2**20 / u
+        kv_mb_per_token = 2 * m.kv_heads * (m.hidden_size // m.num_attention_heads) * m.activation_bytes / MB / u
         p2p = 3 * (r - 1) * m.num_layers * (s / r) * kv_mb_per_token / self.ring_bandwidth_gbps
         return np.maximum(0.0, p2p - self.a1 * s * s / degree)
 

@@ -58,12 +58,13 @@ from functools import cached_property
 
 import numpy as np
 
+from megatron_ext.cost.activations import head_bytes_per_token
 from megatron_ext.cost.fixed import pass_fixed_ms, step_sync_ms
-from megatron_ext.cost.model import _ZERO_SHARDED, CostModel
+from megatron_ext.cost.model import CostModel, model_states_mb
 from megatron_ext.errors import ConfigError, InfeasibleError
+from megatron_ext.spec import MB
 
 FWD_FRACTION = 1.0 / 3.0  # forward share of a fwd+bwd pass (and so the cost of a recomputation)
-_MB = 2.0**20
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ class PipelineCost:
     def p2p_ms(self, tokens):
         """Sending a chunk's activations (or their gradients) to the next (previous) stage."""
         m = self.cost.model
-        return (np.asarray(tokens, dtype=np.float64) * m.hidden_size * m.activation_bytes / _MB / self.p2p_bandwidth_gbps
+        return (np.asarray(tokens, dtype=np.float64) * m.hidden_size * m.activation_bytes / MB / self.p2p_bandwidth_gbps
                 + self.cost.cluster.p2p_latency_ms)
 
     # ---- time along a sequence (for balanced slicing) -----------------------------------
@@ -227,9 +228,8 @@ class PipelineCost:
 
     @cached_property
     def model_states_mb(self) -> float:
-        sharded, replicated = _ZERO_SHARDED[self.cost.zero_stage]
         over = self.sp if self.cost.zero_stage == 3 else self.sp * self.replicas
-        return self.cost.model.params_b / self.pp * 16 * 1024 * (sharded / over + replicated)
+        return model_states_mb(self.cost.model.params_b / self.pp, self.cost.zero_stage, over)
 
     @cached_property
     def activation_room_mb(self) -> float:
@@ -245,21 +245,20 @@ class PipelineCost:
     def input_layer_mb(self) -> float:
         """A checkpointed layer keeps its input: hidden * activation_bytes per token."""
         m = self.cost.model
-        return m.hidden_size * m.activation_bytes / _MB / self.sp
+        return m.hidden_size * m.activation_bytes / MB / self.sp
 
     @cached_property
     def kv_layer_mb(self) -> float:
         """K and V of one token in one layer, on one GPU."""
         m = self.cost.model
         head_dim = m.hidden_size / m.num_attention_heads
-        return 2 * m.kv_heads * head_dim * m.activation_bytes / _MB / self.sp
+        return 2 * m.kv_heads * head_dim * m.activation_bytes / MB / self.sp
 
     @cached_property
     def head_mb(self) -> float:
         """What the output layer and the loss keep per token on one GPU (last stage): fp32
         logits and the inputs of the final norm and of the output layer."""
-        m = self.cost.model
-        return (m.vocab_size * 4 + 2 * m.hidden_size * m.activation_bytes) / _MB / self.sp
+        return head_bytes_per_token(self.cost.model) / MB / self.sp
 
     def chunk_memory(self, tokens, cached_tokens, prefix_tokens, last_stage: bool):
         """(I, F): memory a chunk holds between its forward and backward with no recompute, and

@@ -43,7 +43,7 @@ import numpy as np
 
 from megatron_ext.data.datasets import (DataError, IndexedDocuments, document_stats, indexed_dataset_exists,
                                         write_indexed_dataset)
-from megatron_ext.data.tokenizer import BPETokenizer, ByteTokenizer
+from megatron_ext.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ def corpus_manifest(prefix: str | Path) -> dict:
         raise DataError(f"no readable manifest for corpus {prefix}: {e}") from None
 
 
-def corpus_tokenizer(prefix: str | Path) -> ByteTokenizer | BPETokenizer:
+def corpus_tokenizer(prefix: str | Path) -> Tokenizer:
     """The tokenizer that made the corpus at ``prefix`` (from its manifest, and for BPE the
     ``PREFIX.tokenizer.json`` beside it): what a trainer needs for ``vocab_size``, ``eod``, ``pad``."""
     prefix = _strip_prefix(prefix)

@@ -5,6 +5,7 @@ Pareto tail mixed in, so the few very long documents that dominate attention wor
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,10 +105,9 @@ def read_lengths(path: str | Path) -> np.ndarray:
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
-        try:
-            v = int(line)
-        except ValueError:
-            raise LengthsError(f"{path}:{no}: expected one integer per line, got {line[:40]!r}") from None
+        if re.fullmatch(r"-?[0-9]+", line) is None:  # (not int()'s "1_000" or "+5": a length file is plain digits)
+            raise LengthsError(f"{path}:{no}: expected one integer per line, got {line[:40]!r}")
+        v = int(line)
         if v < 1:
             raise LengthsError(f"{path}:{no}: a sequence length must be positive, got {v}")
         if v > MAX_LENGTH:

@@ -313,7 +313,7 @@ def _checked_texts(texts: Iterable[str]) -> Iterator[str]:
         yield t
 
 
-def get_tokenizer(name: str | Path = "byte") -> ByteTokenizer | BPETokenizer:
+def get_tokenizer(name: str | Path = "byte") -> Tokenizer:
     """``"byte"``: the byte-level tokenizer; a path to a saved BPE JSON file: that BPE tokenizer."""
     if str(name) == "byte":
         return ByteTokenizer()

@@ -8,6 +8,6 @@
 - ``cost``: ``--cost-model`` references and the SP-degree cap (pure Python: the planner process loads it);
 - ``launch``: runs a Megatron-LM script, on CPU ranks when there is no CUDA.
 
-Only ``step``, ``model`` and ``launch`` import torch / megatron-core, and only ``hooks`` and ``launch``
-touch Megatron-LM (``megatron.training``), when called.
+Only ``step`` imports torch when loaded; megatron-core and Megatron-LM (``megatron.training``) are
+imported inside the functions that use them, so ``arguments`` and ``cost`` load without either.
 """

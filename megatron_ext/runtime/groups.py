@@ -120,8 +120,6 @@ class SPGroupPool:
             return None
         return self._groups[key]
 
-    __getitem__ = get
-
     def ring_layout(self, ranks: Iterable[int], ring: int) -> tuple[dist.ProcessGroup | None, tuple[int, ...]]:
         """This rank's part of a plan group with a ring of ``ring`` Ulysses subgroups: (the
         process group of its Ulysses subgroup, None for Ulysses degree 1; the global ranks of its
@@ -148,10 +146,6 @@ class SPGroupPool:
 
     def __len__(self) -> int:
         return len(self._groups)
-
-    def __contains__(self, ranks) -> bool:
-        key = tuple(int(r) for r in ranks)
-        return key in self._groups or (len(key) == 1 and 0 <= key[0] < self.size)
 
     def __repr__(self) -> str:
         return f"SPGroupPool(rank={self.rank}, size={self.size}, groups={len(self._groups)})"

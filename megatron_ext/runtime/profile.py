@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError
+from megatron_ext.spec import MB
 
 # megatron-core says on import, once per module, that CPU runs use its plain-torch fallbacks (the
 # launcher imports this module too, through commands/profile.py, and its errors are one line)
@@ -213,7 +214,7 @@ def fit_profile(model_spec, lengths, fwd_bwd_ms: dict[int, list[float]], raw: di
             rows.append(row)
             ys.append(y)
     coef, resid = nonnegative_fit(np.array(rows), np.array(ys))
-    per_token_mb = 8 * model_spec.num_layers * model_spec.hidden_size * model_spec.activation_bytes / 2**20
+    per_token_mb = 8 * model_spec.num_layers * model_spec.hidden_size * model_spec.activation_bytes / MB
     out = {"a1": float(coef[0]), "a2": float(coef[1]), "b1": float(coef[2]), "a2a": {}, "residual_ms": {}}
     n = len(s)
     for i, d in enumerate(sorted(fwd_bwd_ms)):
@@ -227,7 +228,7 @@ def fit_profile(model_spec, lengths, fwd_bwd_ms: dict[int, list[float]], raw: di
 
 
 def _a2a_sweep(pool, world: int, repeats: int, tick, setup: RankSetup) -> dict[int, dict]:
-    """Per degree: latency (ms) and bandwidth (GB/s) of all_to_all_single, every group at once."""
+    """Per degree: latency (ms) and bandwidth (MB per ms) of all_to_all_single, every group at once."""
     sizes_mb = [0.25, 1.0, 4.0]
     itemsize = setup.dtype.itemsize
     out = {}
@@ -238,17 +239,17 @@ def _a2a_sweep(pool, world: int, repeats: int, tick, setup: RankSetup) -> dict[i
         group = pool.get(block)
         points = []
         for mb in sizes_mb:
-            x = torch.zeros(int(mb * 2**20 / itemsize), device=setup.device, dtype=setup.dtype)
+            x = torch.zeros(int(mb * MB / itemsize), device=setup.device, dtype=setup.dtype)
             x = x[: len(x) // d * d]
             y = torch.empty_like(x)
-            points.append((x.numel() * itemsize / 2**20,
+            points.append((x.numel() * itemsize / MB,
                            _time(lambda: dist.all_to_all_single(y, x, group=group), repeats, setup)))
             tick(f"all-to-all, degree {d}, {mb:g} MB")
         mbs = np.array([p[0] for p in points])
         secs = np.array([p[1] for p in points])
         slope, intercept = np.polyfit(mbs, secs, 1)
         out[d] = {"latency_ms": max(float(intercept), 0.0) * 1e3,
-                  "bandwidth_gbps": float(1.0 / 1024 / max(slope, 1e-12))}  # MB per second -> GB/s
+                  "bandwidth_gbps": float(1e-3 / max(slope, 1e-12))}  # s per MB -> MB per ms (spec.py, units)
         d *= 2
     return out
 
@@ -258,7 +259,7 @@ def _activation_bytes(model) -> int:
 
 
 def _p2p_bandwidth(world: int, repeats: int, setup: RankSetup) -> float | None:
-    """GB/s of 8 MB send/recv between rank pairs (0<->1, 2<->3, ...), all pairs at once; None
+    """Bandwidth (MB per ms: spec.py, units) of 8 MB send/recv between rank pairs (0<->1, 2<->3, ...), all pairs at once; None
     with one rank (no pair: the cluster file then states no figure)."""
     if world < 2:
         return None
@@ -266,14 +267,14 @@ def _p2p_bandwidth(world: int, repeats: int, setup: RankSetup) -> float | None:
     peer = rank ^ 1
     if peer >= world:
         return 0.0
-    x = torch.zeros(8 * 2**20 // setup.dtype.itemsize, device=setup.device, dtype=setup.dtype)
+    x = torch.zeros(8 * MB // setup.dtype.itemsize, device=setup.device, dtype=setup.dtype)
 
     def run():
         ops = [dist.P2POp(dist.isend, x, peer), dist.P2POp(dist.irecv, torch.empty_like(x), peer)]
         for r in dist.batch_isend_irecv(ops):
             r.wait()
 
-    return 8 / 1024 / _time(run, repeats, setup)
+    return 8 / (_time(run, repeats, setup) * 1e3)  # MB per ms, as the cost model divides by it
 
 
 def _handoff_latency_ms(world: int, setup: RankSetup, hops: int = 20) -> float:
@@ -444,7 +445,7 @@ def measure(base: CostModel, lengths: list[int], repeats: int, setup: RankSetup,
     gathered = [None] * world
     dist.all_gather_object(gathered, times_ms)
     per_length = np.median(np.array(gathered), axis=0)  # ranks ran concurrently; take the typical one
-    act_mb = _saved_bytes_per_token(model, vocab, setup) / 2**20
+    act_mb = _saved_bytes_per_token(model, vocab, setup) / MB
     head_s = max(lengths)
     head = [None] * world
     dist.all_gather_object(head, _head_ms(model, vocab, head_s, repeats, setup))

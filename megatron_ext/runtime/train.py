@@ -31,7 +31,7 @@ from megatron_ext.runtime.checkpoint import check_checkpoint_args
 from megatron_ext.runtime.device import rank_device
 from megatron_ext.runtime.records import step_record
 from megatron_ext.runtime.timing import DeviceClock
-from megatron_ext.spec import ModelSpec, is_power_of_two, read_yaml
+from megatron_ext.spec import MB, ModelSpec, is_power_of_two, read_yaml
 
 
 def initial_weights(spec: ModelSpec, vocab_size: int, max_seq_len: int, backend: str, seed: int) -> dict:
@@ -151,6 +151,8 @@ def check_args(args, cost: CostModel, world: int) -> bool:
         raise ConfigError(f"--lr must be a finite number, 0 or more, got {args.lr}")
     if not (np.isfinite(args.time_limit) and args.time_limit > 0):
         raise ConfigError(f"--time-limit must be positive (seconds), got {args.time_limit}")
+    if args.max_seq_len < 1:
+        raise ConfigError(f"--max-seq-len must be at least 1 token, got {args.max_seq_len}")
     pipelined = get_planner(args.planner).kind in PIPELINE_KINDS
     runnable = ", ".join(planner_names(*PIPELINE_KINDS))
     if args.pp > 1 and not pipelined:
@@ -338,7 +340,7 @@ def _stage_report(ranks: list, step, cost: CostModel) -> dict:
     peak, fwd, bwd, wait = [0.0] * P, [0.0] * P, [0.0] * P, [0.0] * P
     ops: list[dict[str, float]] = [{} for _ in range(P)]
     for stage, st in ranks:
-        peak[stage] = max(peak[stage], st.activation_peak_bytes / 2**20)
+        peak[stage] = max(peak[stage], st.activation_peak_bytes / MB)
         fwd[stage] = max(fwd[stage], sum(t for op, t in st.ops if op[0] == "F"))
         bwd[stage] = max(bwd[stage], sum(t for op, t in st.ops if op[0] == "B"))
         wait[stage] = max(wait[stage], st.comm_wait_s)

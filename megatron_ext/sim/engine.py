@@ -112,7 +112,6 @@ def analyze_chunks(chunks: list[Chunk], pc: PipelineCost, where: str = "pipeline
 class Checkpoint:
     """Memory of a stage at one moment: const - sum_{k in reducible} save[k] * recompute[k]."""
 
-    pos: int  # position of the operation in the stage's order
     kind: int  # FWD: right after the forward; BWD: during the backward
     chunk: int
     const: float  # MB with no recompute (activations, logits, dK/dV buffers), without model states
@@ -172,13 +171,13 @@ def memory_checkpoints(ops: list[tuple[int, int]], table: ChunkTable, full: np.n
             live_sum += full[k]
             const = live_sum + per_token * held.tokens()
             if const > limit:
-                out.append(Checkpoint(pos, FWD, k, const, list(live)))
+                out.append(Checkpoint(FWD, k, const, list(live)))
         else:
             const = live_sum + per_token * held.tokens(during=k)
             if k not in live:  # backward before forward: the scheduler reports the deadlock
                 const += full[k]
             if const > limit:
-                out.append(Checkpoint(pos, BWD, k, const, [j for j in live if j != k]))
+                out.append(Checkpoint(BWD, k, const, [j for j in live if j != k]))
             if k in live:
                 del live[k]
                 live_sum -= full[k]

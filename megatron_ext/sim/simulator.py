@@ -26,7 +26,7 @@ import numpy as np
 
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
-from megatron_ext.errors import InvalidPlanError
+from megatron_ext.errors import InvalidPlanError, MegatronExtError
 from megatron_ext.plan.program import BWD, FWD, check_one_pipeline_per_sequence, list_schedule, op_name, parse_order
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.plan.validate import group_starts_ms, replica_groups
@@ -85,7 +85,7 @@ def simulate(plan: StepPlan, lengths, cost: CostModel, *, b1_scale: float = 1.0,
         return _simulate_flexsp(plan, lengths, cost, memory_mb, events)
     if plan.kind != "elastic_pp":
         raise InvalidPlanError(f"cannot simulate a plan of kind {plan.kind!r}")
-    return _simulate_pipelines(plan, lengths, cost, b1_scale, memory_mb, events)
+    return _simulate_pipelines(plan, cost, b1_scale, memory_mb, events)
 
 
 def _simulate_flexsp(plan, lengths, cost, memory_mb, want_events) -> SimResult:
@@ -151,7 +151,7 @@ class _ReplicaRun:
     budget: float
 
 
-def _simulate_pipelines(plan, lengths, cost, b1_scale, memory_mb, want_events) -> SimResult:
+def _simulate_pipelines(plan, cost, b1_scale, memory_mb, want_events) -> SimResult:
     if not plan.pipelines:
         raise InvalidPlanError("an elastic_pp plan needs at least one pipeline")
     check_one_pipeline_per_sequence(plan.pipelines)
@@ -179,7 +179,7 @@ def _stage_cost(plan, i: int, cost, b1_scale, memory_mb) -> PipelineCost:
     p = plan.pipelines[i]
     try:
         return PipelineCost(cost, p.stages, p.sp_degree, b1_scale, memory_mb)
-    except Exception as e:  # ConfigError / InfeasibleError: a plan the cluster cannot run
+    except MegatronExtError as e:  # ConfigError / InfeasibleError: a plan the cluster cannot run
         raise InvalidPlanError(f"pipeline {i}: {e}") from None
 
 

@@ -158,6 +158,8 @@ def test_max_seq_len_with_lengths_file(capsys, tmp_path):
     ("# only a comment\n\n", "holds no lengths"),
     ("100\nabc\n", ":2: expected one integer per line"),
     ("100\n1.5\n", "expected one integer"),
+    ("1_000\n", "expected one integer per line, got '1_000'"),
+    ("+300\n", "expected one integer per line, got '+300'"),
     ("100\n0\n", "must be positive, got 0"),
     ("-5\n", "must be positive, got -5"),
     ("100\n99999999999999999999\n", ":2: a sequence length must be at most 9223372036854775807"),
@@ -218,6 +220,7 @@ def test_cluster_yaml_numbers_must_be_finite(capsys, tmp_path, field, value):
     (["--time-limit", "-1"], "--time-limit must be positive (seconds), got -1.0"),
     (["--time-limit", "0"], "--time-limit must be positive"),
     (["--time-limit", "nan"], "--time-limit must be positive"),
+    (["--max-seq-len", "0"], "--max-seq-len must be at least 1 token, got 0"),
     (["--compare", "flexsp,typo"], "unknown planner 'typo'"),  # before the flexsp run trains
     (["--compare", "flexsp,static_ulysses,flexsp"], "--compare names flexsp more than once"),
     (["--compare", "elastic_pp,flexsp", "--pp", "2"], "--pp 2 needs a pipeline planner"),  # before elastic_pp trains

@@ -74,8 +74,9 @@ def test_zero1_and_zero2_hand_values():
 
 
 def test_bad_zero_stage():
-    with pytest.raises(ConfigError, match="zero_stage"):
-        CostModel.from_presets("gpt-7b", "a100-40g-8x8", zero_stage=4)
+    for stage in (4, True, 1.0):  # (True is an int equal to 1 in Python; a YAML `true` is no stage)
+        with pytest.raises(ConfigError, match="zero_stage"):
+            CostModel.from_presets("gpt-7b", "a100-40g-8x8", zero_stage=stage)
 
 
 def test_tokens_per_gpu_paper_example(c7b):
@@ -372,6 +373,7 @@ def test_cluster_yaml_num_nodes_3(tmp_path):
     (TINY_YAML + "ffn_hidden_size: 0\n", "ffn_hidden_size must be a positive integer"),
     (TINY_YAML + "swiglu: 1\n", "swiglu must be true or false"),
     (TINY_YAML + "head_time_share: .nan\n", "head_time_share"),
+    (TINY_YAML + "activation_bytes: true\n", "activation_bytes must be 1, 2, 4 or 8, got True"),
 ])
 def test_bad_model_yaml(tmp_path, text, match):
     p = tmp_path / "bad.yaml"

@@ -62,6 +62,9 @@ def test_ops_print_as_their_names_and_compare_as_ints():
     assert f"{OpKind.B}{3}" == op_name(BWD, 3) == "B3" and (OpKind.F, 2) in {(FWD, 2)}
     s = build_schedule(_plan([["F0", "F1", "B1", "B0"]] * 2).pipelines[0], LENGTHS)
     assert [op_name(*st.op) for st in s.program(1) if st.op] == ["F0", "F1", "B1", "B0"]
+    # the last stage receives each activation before its forward, sends each gradient once it has it
+    assert s.describe(1).splitlines() == ["[recv act0<-0] F0", "[recv act1<-0] F1", "B1", "[send grad1->0] B0",
+                                          "[send grad0->0] (end)"]
     assert s.chunks[1].padded(8) == padded_buffer_length(400, 8) == 400 and padded_buffer_length(401, 8) == 408
 
 

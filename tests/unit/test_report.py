@@ -60,6 +60,28 @@ def test_missing_or_malformed_run(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("megatron-ext: error:")
 
 
+@pytest.mark.parametrize("record, match", [
+    (_rec(3, 0, 1.0), "record 2 \\(step 3\\): step_time_s must be a positive number of seconds, got 0"),
+    (_rec(3, None, 1.0), "step_time_s must be a positive number of seconds, got None"),
+    (_rec(3, 1.0, "x"), "predicted_step_time_s must be a positive number of seconds, got 'x'"),
+    (_rec(3, True, 1.0), "step_time_s must be a positive number"),
+    ({**_rec(3, 1.0, 1.0), "micro_batch_times_s": [0.5, 0.5], "predicted_micro_batch_times_s": [1.0]},
+     "2 measured micro-batch times against 1 predicted"),
+    ({**_rec(3, 1.0, 1.0), "micro_batch_times_s": [0.5, -1]}, "lists of positive seconds"),
+])
+def test_records_with_times_that_cannot_be_compared_are_refused(tmp_path, capsys, record, match):
+    with pytest.raises(ConfigError, match=match):
+        load_run(_write(tmp_path, [_rec(2, 1.0, 1.0), record]))
+    assert main(["report", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("megatron-ext: error:")
+
+
+def test_a_pipelined_step_measures_no_micro_batches():
+    recs = [_rec(0, 1.0, 1.0), {**_rec(1, 1.0, 1.1), "micro_batch_times_s": [], "predicted_micro_batch_times_s": [0.6]},
+            _rec(2, 1.0, 1.1, [(0.5, 0.55)])]
+    assert fidelity(recs)["micro_batch_median_abs_error"] == pytest.approx(0.1)
+
+
 def _pp_rec(step, peaks, ops):
     return {**_rec(step, 1.0, 0.9), "planner": "elastic_pp", "degrees": [2], "activation_room_mb": 30.0,
             "activation_peak_mb_per_stage": peaks, "planned_activation_mb_per_stage": [25.0, 26.0],
