@@ -26,6 +26,8 @@ from megatron_ext.planner.api import PIPELINE_KINDS, get_planner, max_seq_len
 from megatron_ext.planner.api import BASELINES
 from megatron_ext.text import plural
 
+PAST_LIMIT = 1.5  # a pipeline plan this many times its time limit gets a note on stderr
+
 
 def add_plan_command(sub) -> None:
     p = sub.add_parser("plan", help="plan one step from lengths and print the StepPlan")
@@ -155,6 +157,11 @@ def run_pp_plan(args, cost, lengths) -> int:
     overrides = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
     plan = make_plan(args.planner, lengths, cost, drop, baselines=() if getattr(args, "no_baselines", False)
                      else PP_BASELINES, kinds=PIPELINE_KINDS, **overrides)
+    if plan.solve_time_s > PAST_LIMIT * opts.time_limit:  # (a training run's loader falls back to BatchAda then)
+        print(f"note: planned in {plan.solve_time_s:.2g} s, past --time-limit {opts.time_limit:g}: a pipeline search "
+              f"is not cut short before its first candidate, and one of {sum(len(p.chunks) for p in plan.pipelines):,} "
+              f"chunks (the longest sequence {int(lengths.max()):,} tokens) takes that long here; raise "
+              f"--time-limit or lower --max-seq-len", file=sys.stderr)
     if getattr(args, "json", False):
         print(plan.to_json(indent=1))
     else:

@@ -203,6 +203,17 @@ def test_plan_notes_a_time_limit_below_its_first_plan(capsys):
     assert err.rstrip().endswith("--time-limit 0.0001 is too short")
 
 
+def test_plan_notes_a_pipeline_plan_past_its_time_limit(capsys, tmp_path):
+    # (its first candidate, which the limit does not cut short, takes far longer than 1 ms)
+    f = write(tmp_path, "long.txt", "640000\n1000\n")
+    code, out, err = run(capsys, "plan", "--planner", "elastic_pp", "--model", "llama-13b", "--cluster", "a800-80g-8x4",
+                         "--lengths", f, "--time-limit", "0.001", "--no-baselines")
+    assert code == 0 and "estimated step time" in out
+    assert err.startswith("note: planned in ") and err.count("\n") == 1
+    assert "past --time-limit 0.001: a pipeline search is not cut short before its first candidate" in err
+    assert "(the longest sequence 640,000 tokens)" in err
+
+
 @pytest.mark.parametrize("field, value", [("memory_gb", ".inf"), ("memory_gb", ".nan"), ("memory_gb", "-28"),
                                           ("p2p_bandwidth_gbps", ".nan"), ("p2p_latency_ms", ".inf")])
 def test_cluster_yaml_numbers_must_be_finite(capsys, tmp_path, field, value):
