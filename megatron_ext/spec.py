@@ -231,7 +231,7 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v) -> bool:
+def is_number(v) -> bool:
     """A finite int or float (YAML's .inf and .nan are floats; true and false are not numbers)."""
     return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
 
@@ -241,7 +241,7 @@ def _check_count(v, what: str, name: str) -> None:
 
 
 def _check_number(v, what: str, name: str, positive: bool) -> None:
-    ok = _is_number(v) and (v > 0 if positive else v >= 0)
+    ok = is_number(v) and (v > 0 if positive else v >= 0)
     _check(ok, what, f"{name} must be a {'positive' if positive else 'non-negative'} finite number, got {v!r}")
 
 
@@ -265,7 +265,7 @@ def validate_model(m: ModelSpec) -> ModelSpec:
     _check(_is_int(m.activation_bytes) and m.activation_bytes in (1, 2, 4, 8), what,
            f"activation_bytes must be 1, 2, 4 or 8, got {m.activation_bytes!r}")
     _check(isinstance(m.swiglu, bool), what, f"swiglu must be true or false, got {m.swiglu!r}")
-    _check(m.head_time_share is None or (_is_number(m.head_time_share) and 0 <= m.head_time_share < 1),
+    _check(m.head_time_share is None or (is_number(m.head_time_share) and 0 <= m.head_time_share < 1),
            what, f"head_time_share must be in [0, 1), got {m.head_time_share!r}")
     return m
 

@@ -12,13 +12,13 @@ says when the cost model should be re-measured (``megatron-ext profile``).
 from __future__ import annotations
 
 import json
-import math
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.spec import is_number
 from megatron_ext.text import plural
 
 DRIFT_THRESHOLD = 0.15  # median absolute error above which the model is called off
@@ -66,7 +66,7 @@ def load_run(run: str | Path) -> list[dict]:
 
 
 def _positive(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+    return is_number(x) and x > 0
 
 
 def _bad_times(r: dict) -> str | None:

@@ -717,8 +717,7 @@ def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -
             break
         cuts, total = search.descend(cuts)
         others.append(([mb for a, b in zip(cuts[:-1], cuts[1:]) for mb in search.part(a, b)], total))
-    others.sort(key=lambda c: c[1])
-    parts, best_time = others[0]
+    parts, best_time = min(others, key=lambda c: c[1])
     timed_out = search.timed_out
     # Where the plan is still over 3% above the lower bound, the MILP polishes its micro-batches:
     # with little of the limit left (as with auto's share of it, ~0.42 s) before the starts below,
