@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 
 from megatron_ext.errors import ConfigError
@@ -61,8 +63,11 @@ def torchrun(module: str, rest: list[str], capture: bool = False):
     # whose warning about them would follow the line naming the rank.
     env["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"),
                                                    "ignore:resource_tracker:UserWarning"]))
+    # torchrun keeps per-rank log folders (empty unless it redirects the ranks' output, which it
+    # does not here) and never removes them: given a folder of the run's own, they go with it
+    logs = tempfile.mkdtemp(prefix="megatron-ext-torchrun-")
     cmd = [sys.executable, "-m", "megatron_ext.runtime.torchrun", "--standalone", f"--nproc-per-node={cost.num_gpus}",
-           "-m", module, *rest]
+           f"--log-dir={logs}", "-m", module, *rest]
     # The stop signals received. Each is passed on to torchrun as SIGTERM, which every process of the
     # run ends on quietly, even before it sets its handlers (SIGINT would print a KeyboardInterrupt
     # traceback from each rank still importing torch).
@@ -100,6 +105,7 @@ def torchrun(module: str, rest: list[str], capture: bool = False):
             except (ProcessLookupError, PermissionError):  # the usual case: nothing is left in it
                 pass
             proc.wait()
+        shutil.rmtree(logs, ignore_errors=True)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     if stopped:

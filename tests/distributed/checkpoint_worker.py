@@ -5,6 +5,7 @@ torch, megatron's tracker), which the training losses cannot show (the model has
 from __future__ import annotations
 
 import random
+import shutil
 import tempfile
 
 import numpy as np
@@ -77,6 +78,9 @@ def load_restores_weights_optimizer_and_every_ranks_rng():
         f.close(a, m, f"optimizer tensor {i}", rtol=0, atol=0)
     for what, got, want in zip(("python", "numpy", "torch", "tracker"), _draws(), draws):
         f.close(torch.as_tensor(got), torch.as_tensor(want), f"{what} draw after loading", rtol=0, atol=0)
+    dist.barrier()  # every rank has loaded
+    if rank == 0:
+        shutil.rmtree(root[0])
     f.raise_any()
 
 

@@ -4,7 +4,8 @@ killed, the launcher sent SIGTERM. A run that cannot go on ends within 30 s with
 why and the documented exit status; one that can (the planner's death) trains to its end on
 fallback plans. Either way no process of the run is left: the launcher's process tree is taken
 before the blow, and after it neither those processes nor any whose command line holds the run's
-unique --run-dir may live on. Too many ranks for the machine are refused before launching."""
+unique --run-dir may live on, and nothing of the run's stays in its TMPDIR. Too many ranks for the
+machine are refused before launching."""
 from __future__ import annotations
 
 import os
@@ -62,9 +63,12 @@ class Run:
 
     def __init__(self, tmp_path, steps: int, *extra: str):
         self.marker = str(tmp_path / f"faults-{uuid.uuid4().hex}")
+        self.tmp = tmp_path / "tmp"  # the run's TMPDIR
+        self.tmp.mkdir()
         self.proc = subprocess.Popen([*CLI, "train", "--steps", str(steps), "--global-batch", "4", "--max-seq-len",
                                       "1024", "--run-dir", self.marker, *extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=dict(os.environ, TMPDIR=str(self.tmp)))
         self.out: list[str] = []
         self.err: list[str] = []
         self.stepped = threading.Event()
@@ -123,6 +127,10 @@ class Run:
         while left() and time.monotonic() < by:
             time.sleep(0.2)
         assert not left(), left()
+        # nor any folder of the run's in its TMPDIR (torchrun left its log folders there, one a run);
+        # torch's compile cache may stay
+        kept = [n for n in os.listdir(self.tmp) if not n.startswith("torchinductor_")]
+        assert not kept, kept
 
     def stderr_says(self, line: str) -> None:
         """``line`` ends stderr and is its only "megatron-ext:" line, with no traceback anywhere."""
