@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import uuid
 
 from megatron_ext.errors import ConfigError
 from megatron_ext.lifetime import exit_text
@@ -27,6 +28,7 @@ from megatron_ext.text import plural
 CPU_RANKS_PER_CORE = 4
 CPU_RANK_MB = 512  # a rank training the tiny model holds ~440 MB resident (torch, megatron-core, gloo)
 _PIPE_GRACE_S = 5.0  # how long the launcher reads the ranks' last lines after torchrun exits
+RUN_ID_ENV = "MEGATRON_EXT_RUN_ID"  # in the environment of every process of a run (``kill_leftovers``)
 LAUNCHER_HELP = f"""
 launcher:
   --allow-oversubscribe
@@ -55,6 +57,7 @@ def torchrun(module: str, rest: list[str], capture: bool = False):
         raise ConfigError(f"unknown option(s): {' '.join(unknown)} (see {parser.prog} --help)")
     cost = ranks.check_before_launch(targs)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env[RUN_ID_ENV] = uuid.uuid4().hex
     if choose_device(targs.device, cost.num_gpus) == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # megatron runs on CPU ranks only where CUDA is absent (runtime/compat)
         if not oversubscribe:
@@ -63,8 +66,9 @@ def torchrun(module: str, rest: list[str], capture: bool = False):
     # whose warning about them would follow the line naming the rank.
     env["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"),
                                                    "ignore:resource_tracker:UserWarning"]))
-    # torchrun keeps per-rank log folders (empty unless it redirects the ranks' output, which it
-    # does not here) and never removes them: given a folder of the run's own, they go with it
+    # torchrun keeps per-rank log folders (empty: it does not redirect the ranks' output here) and
+    # never removes them: given a folder of the run's own, they go with it. (Not the run's own TMPDIR:
+    # multiprocessing's sockets live there, and a deeper path can pass AF_UNIX's 108 bytes.)
     logs = tempfile.mkdtemp(prefix="megatron-ext-torchrun-")
     cmd = [sys.executable, "-m", "megatron_ext.runtime.torchrun", "--standalone", f"--nproc-per-node={cost.num_gpus}",
            f"--log-dir={logs}", "-m", module, *rest]
@@ -105,6 +109,7 @@ def torchrun(module: str, rest: list[str], capture: bool = False):
             except (ProcessLookupError, PermissionError):  # the usual case: nothing is left in it
                 pass
             proc.wait()
+            kill_leftovers(env[RUN_ID_ENV])
         shutil.rmtree(logs, ignore_errors=True)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -116,6 +121,23 @@ def torchrun(module: str, rest: list[str], capture: bool = False):
     if code not in (0, 2):
         raise SystemExit(1)
     return subprocess.CompletedProcess(cmd, code, "".join(out)) if capture else code
+
+
+def kill_leftovers(run_id: str) -> None:
+    """Kill what is left of the run once torchrun is gone: the processes whose environment holds
+    its id. The ranks die with torchrun, but not their own children: one killed outright orphans
+    them (after a save, megatron-core's checkpoint writer's queue manager, which would wait on for
+    ever). Linux (/proc); elsewhere nothing to read."""
+    if not os.path.isdir("/proc"):
+        return
+    mark = f"{RUN_ID_ENV}={run_id}".encode()
+    for pid in (int(d) for d in os.listdir("/proc") if d.isdigit()):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    os.kill(pid, signal.SIGKILL)
+        except OSError:  # gone meanwhile, or another user's
+            pass
 
 
 def _relay_stderr(stream, said: list) -> None:

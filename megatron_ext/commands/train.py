@@ -192,6 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         # A rank that dies breaks its peers' collectives; torchrun (checking every 0.1 s) stops them a
         # moment later and names it. Wait for that stop, quiet, rather than print a traceback about it.
+        # Under --save the stop may have come already, taken as "save after this step", which cannot
+        # be (the step's collectives broke): it ends the rank now, as one to come will.
+        exit_quietly_on_stop_signals()
+        if args.save:
+            from megatron_ext.runtime.checkpoint import stop_requested
+            if stop_requested():
+                raise SystemExit(128 + signal.SIGTERM) from None
         time.sleep(5.0)
         raise
     finally:

@@ -102,6 +102,11 @@ def request_stop() -> None:
     _stop_requested = True
 
 
+def stop_requested() -> bool:
+    """Whether this rank was asked to stop (``request_stop``)."""
+    return _stop_requested
+
+
 def save_and_stop_on_signals() -> None:
     """Under ``--save``: the first SIGTERM or SIGINT (the launcher's, passed on by torchrun; Slurm's
     before the time limit) lets the running step finish, saves it and ends the run, as Megatron's

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import traceback
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
@@ -201,12 +202,18 @@ def launch(script: Path, nprocs: int, timeout: float = 240.0) -> dict[str, list[
     """Run the checks of ``script`` on ``nprocs`` ranks; returns {check name: [failure message per
     failing rank]} (empty list = passed everywhere). Checks a rank did not report fail, with the
     ranks' log tails."""
+    from megatron_ext.commands.launch import RUN_ID_ENV, kill_leftovers
+
     out = Path(tempfile.mkdtemp(prefix="mx-dist-"))
     init = f"file://{out / 'rendezvous'}"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, __file__, str(script), str(nprocs), init, str(out), str(timeout)],
-                          env=env, cwd=script.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=timeout + 60)
+    run_id = uuid.uuid4().hex
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **{RUN_ID_ENV: run_id})
+    try:
+        proc = subprocess.run([sys.executable, __file__, str(script), str(nprocs), init, str(out), str(timeout)],
+                              env=env, cwd=script.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=timeout + 60)
+    finally:  # the ranks end with os._exit: what they started (a checkpoint's writer queue manager) is left
+        kill_leftovers(run_id)
     results: dict[str, list[str]] = {}
     reported: dict[str, int] = {}
     problems = [f"launcher exited {proc.returncode}:\n{proc.stdout[-3000:]}"] if proc.returncode else []

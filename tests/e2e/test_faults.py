@@ -52,14 +52,22 @@ def _processes() -> list[Proc]:
     return [p for p in map(_proc, (int(d) for d in os.listdir("/proc") if d.isdigit())) if p is not None]
 
 
+def _environ(pid: int) -> dict[bytes, bytes]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+    except OSError:  # gone meanwhile
+        return {}
+
+
 def _rank(pid: int) -> int | None:
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+    env = _environ(pid)
     return int(env[b"RANK"]) if b"RANK" in env else None
 
 
 class Run:
-    """``megatron-ext train`` with a unique --run-dir, its stdout and stderr read as they come."""
+    """``megatron-ext train`` with a unique --run-dir and a unique marker in its environment (which
+    every process of the run inherits), its stdout and stderr read as they come."""
 
     def __init__(self, tmp_path, steps: int, *extra: str):
         self.marker = str(tmp_path / f"faults-{uuid.uuid4().hex}")
@@ -68,10 +76,11 @@ class Run:
         self.proc = subprocess.Popen([*CLI, "train", "--steps", str(steps), "--global-batch", "4", "--max-seq-len",
                                       "1024", "--run-dir", self.marker, *extra],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=dict(os.environ, TMPDIR=str(self.tmp)))
+                                     env=dict(os.environ, TMPDIR=str(self.tmp), FAULTS_RUN=self.marker))
         self.out: list[str] = []
         self.err: list[str] = []
         self.stepped = threading.Event()
+        self.saved = threading.Event()
         self.readers = [threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True),
                         threading.Thread(target=self._read, args=(self.proc.stderr, self.err), daemon=True)]
         for r in self.readers:
@@ -82,6 +91,8 @@ class Run:
             lines.append(line.rstrip("\n"))
             if line.startswith("step "):
                 self.stepped.set()
+            if line.startswith("saved step "):
+                self.saved.set()
 
     def tree(self) -> dict[str, Proc]:
         """The run's processes by role, once its first step is out: "launcher", "torchrun", "rank
@@ -118,18 +129,22 @@ class Run:
         return code, took
 
     def assert_nothing_left(self, tree: dict[str, Proc], by: float) -> None:
-        """No process of ``tree`` and none naming the run's --run-dir lives at time ``by`` (polled:
-        the last of them may be on its way out as the launcher returns)."""
+        """No process of ``tree`` and none naming the run's --run-dir or holding its marker in its
+        environment lives at time ``by`` (polled: the last of them may be on its way out as the
+        launcher returns)."""
+        mark = self.marker.encode()
+
         def left():
             mine = [p for p in tree.values() if _proc(p.pid) == p]
-            return mine + [p for p in _processes() if self.marker in p.cmdline and p not in mine]
+            return mine + [p for p in _processes() if p not in mine and
+                           (self.marker in p.cmdline or _environ(p.pid).get(b"FAULTS_RUN") == mark)]
 
         while left() and time.monotonic() < by:
             time.sleep(0.2)
         assert not left(), left()
-        # nor any folder of the run's in its TMPDIR (torchrun left its log folders there, one a run);
-        # torch's compile cache may stay
-        kept = [n for n in os.listdir(self.tmp) if not n.startswith("torchinductor_")]
+        # nor torchrun's log folders in its TMPDIR (one was left a run); torch's compile cache may
+        # stay, and multiprocessing's folders of processes killed outright (Python's, not the run's)
+        kept = [n for n in os.listdir(self.tmp) if not n.startswith(("torchinductor_", "pymp-"))]
         assert not kept, kept
 
     def stderr_says(self, line: str) -> None:
@@ -140,11 +155,14 @@ class Run:
         assert "Traceback" not in text, text[-3000:]
 
 
-@pytest.mark.parametrize("rank", [0, 2])
-def test_a_killed_rank_ends_the_run_naming_it(tmp_path, rank):
-    """Rank 0's planner process outlived it and held the launcher's stderr open: the run hung."""
-    run = Run(tmp_path, steps=50)
+@pytest.mark.parametrize("rank, save", [(0, False), (2, True)])
+def test_a_killed_rank_ends_the_run_naming_it(tmp_path, rank, save):
+    """Rank 0's planner process outlived it and held the launcher's stderr open: the run hung.
+    Killed after a save, a rank orphaned its checkpoint writer's queue manager, and under --save
+    the others printed the tracebacks of their broken collectives."""
+    run = Run(tmp_path, 50, *(["--save", str(tmp_path / "ckpt"), "--save-interval", "1"] if save else []))
     tree = run.tree()
+    assert not save or run.saved.wait(FIRST_STEP_S), "\n".join(run.err[-30:])
     blow = time.monotonic()
     os.kill(tree[f"rank {rank}"].pid, signal.SIGKILL)
     code, took = run.ended(blow)
