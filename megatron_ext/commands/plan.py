@@ -8,13 +8,14 @@ plan (``plot.py``), ``--trace FILE.json`` writes its simulated timeline as a Chr
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 
 import numpy as np
 
 from megatron_ext.commands.args import (add_batch_source_args, add_cost_args, add_pipeline_args, add_planner_args,
-                                        check_args, cost_from_args, options_from_args, parse_tokens,
+                                        check_args, cost_from_args, options_from_args, parse_tokens, positive_int,
                                         pipeline_options_from_args)
 from megatron_ext.cost import CostModel
 from megatron_ext.data.batches import dataset_batches
@@ -27,6 +28,7 @@ from megatron_ext.planner.api import BASELINES
 from megatron_ext.text import plural
 
 PAST_LIMIT = 1.5  # a pipeline plan this many times its time limit gets a note on stderr
+SHOWN_CHUNKS = 40  # chunks `plan` lists per pipeline unless --chunks says otherwise (a plan may have thousands)
 
 
 def add_plan_command(sub) -> None:
@@ -40,10 +42,22 @@ def add_plan_command(sub) -> None:
                         "with --data, needed: the length training cuts documents at)")
     p.add_argument("--json", action="store_true", help="print the StepPlan JSON")
     p.add_argument("--no-baselines", action="store_true", help="skip timing the baselines")
+    p.add_argument("--chunks", type=_chunk_count, default=SHOWN_CHUNKS, metavar="N",
+                   help=f"pipeline plans: chunks listed per pipeline, its first and last ones (default {SHOWN_CHUNKS}; "
+                        f"all: every one; --json: the whole plan)")
     add_cost_args(p)
     add_planner_args(p)
     add_pipeline_args(p)
     p.set_defaults(func=cmd_plan)
+
+
+def _chunk_count(text: str) -> int | None:
+    if text.strip().lower() == "all":
+        return None
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of chunks or 'all', got {text!r}") from None
 
 
 def cmd_plan(args) -> int:
@@ -170,7 +184,8 @@ def run_pp_plan(args, cost, lengths) -> int:
               f"{cost.model.name} on {cost.cluster.name} ({cost.num_gpus} GPUs)\n")
         print(describe_plan(plan, lengths, res))
         if plan.pipelines:
-            print("\n" + pipeline_tables(plan, lengths, cost, opts.b1_scale))
+            print("\n" + pipeline_tables(plan, lengths, cost, opts.b1_scale,
+                                          max_chunks=getattr(args, "chunks", SHOWN_CHUNKS)))
     plot_if_asked(args, plan, lengths, cost)
     trace_if_asked(args, plan, lengths, cost)
     return 0
@@ -194,10 +209,12 @@ def _wrap(head: str, items: list[str], width: int = 100) -> list[str]:
     return lines + [line]
 
 
-def pipeline_tables(plan, lengths, cost, b1_scale: float = 1.0, max_pieces: int = 4) -> str:
-    """What each pipeline of a plan runs: its chunks (kind, tokens, average-stage time, pieces as
-    ``seq[start:end)``), every stage's operation order and the recompute table (layers each stage
-    recomputes per chunk)."""
+def pipeline_tables(plan, lengths, cost, b1_scale: float = 1.0, max_pieces: int = 4,
+                    max_chunks: int | None = None) -> str:
+    """What each pipeline of a plan runs: its chunks (kind, tokens, average-stage time, layers
+    each stage recomputes, pieces as ``seq[start:end)``) and every stage's operation order. With
+    ``max_chunks``, a pipeline of more chunks lists its first three quarters of that many and its
+    last quarter, and each stage's order only its first operations."""
     from megatron_ext.cost.pipeline import PipelineCost
     from megatron_ext.sim.engine import analyze_chunks
 
@@ -209,29 +226,37 @@ def pipeline_tables(plan, lengths, cost, b1_scale: float = 1.0, max_pieces: int 
         table = analyze_chunks(p.chunks, pc, f"pipeline {i}")
         ms = pc.stage_ms(table.work, table.tokens)
         rep = f" (replica {p.replica})" if len(groups) > 1 else ""
-        out += [f"pipeline {i}{rep} chunks (forward order; ms: forward+backward on an average stage):",
-                f"  {'chunk':>5}  {'kind':<7} {'tokens':>9} {'ms':>8}  pieces (sequence[start:end))"]
-        for c, tok, t in zip(p.chunks, table.tokens, ms):
+        n = len(p.chunks)
+        shown = range(n) if max_chunks is None or n <= max_chunks else \
+            [*range(max_chunks - max_chunks // 4), *range(n - max_chunks // 4, n)]
+        rec = [c.recompute_layers_per_stage or [0] * p.stages for c in p.chunks]
+        recomputes = any(any(r) for r in rec)
+        digits = max(len(str(x)) for r in rec for x in r)  # (stages in aligned columns: ties show as diagonals)
+        width = max(len("recompute"), p.stages * (digits + 1) - 1)
+        out += [f"pipeline {i}{rep} chunks (forward order; ms: forward+backward on an average stage"
+                + (f"; recompute: layers of {cost.model.num_layers // p.stages} each stage recomputes, . = none):"
+                   if recomputes else "; no stage recomputes):"),
+                f"  {'chunk':>5}  {'kind':<7} {'tokens':>9} {'ms':>8}  "
+                + (f"{'recompute':<{width}}  " if recomputes else "") + "pieces (sequence[start:end))"]
+        for k, j in enumerate(shown):
+            if k and j != shown[k - 1] + 1:
+                out.append(f"  {'...':>5}  {plural(j - shown[k - 1] - 1, 'chunk')} not listed "
+                           f"(--chunks all lists them; --json gives the whole plan)")
+            c = p.chunks[j]
             pieces = [f"{x.seq_id}[{x.start}:{x.end})" for x in c.pieces[:max_pieces]]
             more = len(c.pieces) - max_pieces
             if more > 0:
                 pieces.append(f"+{plural(more, 'whole sequence')}"
                               if all(x.start == 0 and x.end == lengths[x.seq_id] for x in c.pieces[max_pieces:])
                               else f"+{more} more")
-            out.append(f"  {c.id:>5}  {_chunk_kind(c, lengths):<7} {int(tok):>9,} {t:>8.1f}  {', '.join(pieces)}")
+            cells = " ".join(str(x or ".").rjust(digits) for x in rec[j])
+            layers = f"{cells:<{width}}  " if recomputes else ""
+            out.append(f"  {c.id:>5}  {_chunk_kind(c, lengths):<7} {int(table.tokens[j]):>9,} {ms[j]:>8.1f}  "
+                       f"{layers}{', '.join(pieces)}")
         out.append(f"pipeline {i} order per stage (F3 / B3: forward / backward of chunk 3):")
         for st, order in enumerate(p.order_per_stage):
-            out += _wrap(f"  stage {st}:", order)
-        layers = cost.model.num_layers // p.stages
-        rec = [c.recompute_layers_per_stage or [0] * p.stages for c in p.chunks]
-        if not any(any(r) for r in rec):
-            out.append(f"pipeline {i} recompute: none (every stage holds its chunks' activations)")
-            continue
-        out.append(f"pipeline {i} recompute (layers of {layers} per stage recomputed, by chunk; . = none):")
-        w = max(3, len(str(max(c.id for c in p.chunks))) + 1)
-        out += _wrap("  chunk   ", [f"{c.id:>{w}}" for c in p.chunks], 10_000)
-        for st in range(p.stages):
-            out += _wrap(f"  stage {st:<2}", [f"{(r[st] or '.'):>{w}}" for r in rec], 10_000)
+            cut = len(order) if len(shown) == n else 2 * len(shown)
+            out += _wrap(f"  stage {st}:", order[:cut] + ([f"... +{len(order) - cut:,} more"] if cut < len(order) else []))
     return "\n".join(out)
 
 

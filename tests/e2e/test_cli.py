@@ -504,6 +504,10 @@ def test_usage_errors_exit_2(capsys):
     assert e.value.code == 2
     assert "expected a token count" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
+        main(["plan", "--planner", "elastic_pp", "--chunks", "0"])
+    assert e.value.code == 2
+    assert "expected a positive number of chunks or 'all', got '0'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
         main([])
     assert e.value.code == 2
 

@@ -304,7 +304,7 @@ def test_cli_glue(capsys):
     assert run_pp_plan(args, COST, lengths) == 0
     text = capsys.readouterr().out
     assert "elastic_pp plan" in text and "vs flexsp" in text and "bubble ratio" in text
-    assert "pipeline 0 chunks" in text and "  stage 3: F" in text and "pipeline 0 recompute" in text
+    assert "pipeline 0 chunks" in text and "  stage 3: F" in text and "stage recomputes" in text
     args = p.parse_args(["--planner", "seq1f1b", "--json"])
     assert run_pp_plan(args, COST, lengths) == 0
     assert json.loads(capsys.readouterr().out)["planner"] == "seq1f1b"
@@ -312,41 +312,58 @@ def test_cli_glue(capsys):
 
 
 def test_plan_prints_chunks_orders_and_the_recompute_table():
-    """`plan --planner elastic_pp` shows every chunk with its pieces, each stage's order exactly as
-    planned, and the recompute table (rows = stages, columns = chunks) when anything recomputes."""
+    """`plan --planner elastic_pp` shows every chunk with its pieces and the layers each stage
+    recomputes (when anything does), and each stage's order exactly as planned; with a cap on the
+    chunks, the first and last ones, a line counting the rest, and each stage's first operations."""
     from megatron_ext.commands.plan import pipeline_tables
 
     lengths = sample_lengths("github", 128, 3, 96 * 1024)
     plan = plan_elastic_pp(lengths, COST, 4, 8, memory_mb=30000, time_limit=2.0)
     assert any(any(c.recompute_layers_per_stage) for p in plan.pipelines for c in p.chunks)  # memory binds
-    text = pipeline_tables(plan, lengths, COST)
+
+    def blocks(text):  # each pipeline's lines
+        parts = text.split("pipeline ")[1:]
+        return [("pipeline " + "pipeline ".join(b for b in parts if b.startswith(f"{k} "))).split("\n")
+                for k in range(len(plan.pipelines))]
+
+    def orders(lines, stage):  # wrapped lines joined back
+        i = next(j for j, ln in enumerate(lines) if ln.startswith(f"  stage {stage}:"))
+        ops = lines[i].split()[2:]
+        while i + 1 < len(lines) and lines[i + 1].startswith("           "):
+            i += 1
+            ops += lines[i].split()
+        return ops
+
     # (a document over 96K cut into pieces, as training cuts it, makes this batch two pipelines:
     # each pipeline's block of the print is checked)
-    blocks = text.split("pipeline ")[1:]
-    for k, pipe in enumerate(plan.pipelines):
-        lines = ("pipeline " + "pipeline ".join(b for b in blocks if b.startswith(f"{k} "))).split("\n")
+    for pipe, lines in zip(plan.pipelines, blocks(pipeline_tables(plan, lengths, COST))):
+        recomputes = any(any(c.recompute_layers_per_stage) for c in pipe.chunks)
+        assert ("recompute: layers of" in lines[0]) == recomputes and ("no stage recomputes" in lines[0]) != recomputes
         rows = {int(ln.split()[0]): ln.split() for ln in lines if ln.split() and ln.split()[0].isdigit()}
         assert sorted(rows) == sorted(c.id for c in pipe.chunks)
         for c in pipe.chunks:
-            assert int(rows[c.id][2].replace(",", "")) == sum(x.end - x.start for x in c.pieces)
-            assert f"{c.pieces[0].seq_id}[{c.pieces[0].start}:{c.pieces[0].end})" in " ".join(rows[c.id])
-        for stage, order in enumerate(pipe.order_per_stage):  # wrapped lines joined back = the plan's order
-            i = next(j for j, ln in enumerate(lines) if ln.startswith(f"  stage {stage}:"))
-            ops = lines[i].split()[2:]
-            while i + 1 < len(lines) and lines[i + 1].startswith("           "):
-                i += 1
-                ops += lines[i].split()
-            assert ops == order
-        if not any(any(c.recompute_layers_per_stage) for c in pipe.chunks):
-            continue
-        header = next(ln for ln in lines if ln.startswith("  chunk   "))
-        assert [int(x) for x in header.split()[1:]] == [c.id for c in pipe.chunks]
-        for stage in range(pipe.stages):
-            row = next(ln for ln in lines if ln.startswith(f"  stage {stage:<2}") and ":" not in ln).split()[2:]
-            assert row == [str(c.recompute_layers_per_stage[stage] or ".") if c.recompute_layers_per_stage else "."
-                           for c in pipe.chunks]
+            row = rows[c.id]
+            assert int(row[2].replace(",", "")) == sum(x.end - x.start for x in c.pieces)
+            assert f"{c.pieces[0].seq_id}[{c.pieces[0].start}:{c.pieces[0].end})" in " ".join(row)
+            if recomputes:
+                assert row[4:4 + pipe.stages] == [str(x or ".") for x in c.recompute_layers_per_stage
+                                                  or [0] * pipe.stages]
+        for stage, order in enumerate(pipe.order_per_stage):
+            assert orders(lines, stage) == order
     quiet = plan_elastic_pp(lengths[:8], COST, 4, 8)
-    assert "recompute: none" in pipeline_tables(quiet, lengths[:8], COST)
+    assert "no stage recomputes" in pipeline_tables(quiet, lengths[:8], COST)
+
+    assert max(len(p.chunks) for p in plan.pipelines) > 8
+    for pipe, lines in zip(plan.pipelines, blocks(pipeline_tables(plan, lengths, COST, max_chunks=8))):
+        n = len(pipe.chunks)
+        rows = [int(ln.split()[0]) for ln in lines if ln.split() and ln.split()[0].isdigit()]
+        if n <= 8:
+            assert rows == [c.id for c in pipe.chunks]
+            continue
+        assert rows == [c.id for c in pipe.chunks[:6] + pipe.chunks[-2:]]
+        assert any(ln.split()[:3] == ["...", str(n - 8), "chunks"] for ln in lines)
+        for stage, order in enumerate(pipe.order_per_stage):
+            assert orders(lines, stage) == order[:16] + ["...", f"+{len(order) - 16:,}", "more"]
 
 
 def test_recompute_ties_best_keeps_the_faster_of_tied_and_untied():
