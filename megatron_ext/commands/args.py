@@ -4,12 +4,16 @@
 - ``add_cost_args`` / ``cost_from_args``: the model, cluster, cost-model YAML and ZeRO stage;
 - ``add_planner_args`` / ``options_from_args``: the FlexSP-kind planner and its options (``plan``, ``bench``);
 - ``add_pipeline_args`` / ``pipeline_options_from_args``: ``--memory-mb``, ``--plot``, ``--trace`` and the
-  pipeline planners' options (``plan``, ``simulate``); ``check_args`` refuses what they cannot run.
+  pipeline planners' options (``plan``, ``simulate``); ``check_args`` refuses what they cannot run;
+- ``check_output_file`` / ``check_output_dir``: an output path that cannot be written, refused before the
+  work that would fill it (every command that writes one).
 """
 from __future__ import annotations
 
 import argparse
 import math
+import tempfile
+from pathlib import Path
 
 from megatron_ext.cost import CostModel
 from megatron_ext.data.lengths import DISTRIBUTIONS
@@ -141,15 +145,48 @@ def check_args(args, pipelines: bool) -> None:
         raise ConfigError("--data needs --max-seq-len: the length a training run cuts its documents at "
                           "(train's --max-seq-len, Megatron-LM's --seq-length), so the batches are the run's")
     plot = getattr(args, "plot", None)
-    if plot and not plot.lower().endswith(PLOT_FORMATS):
-        raise ConfigError(f"--plot {plot}: the file name must end in {', '.join(PLOT_FORMATS)}")
+    if plot is not None and not plot.lower().endswith(PLOT_FORMATS):
+        raise ConfigError(f"--plot {plot!r}: the file name must end in {', '.join(PLOT_FORMATS)}")
     trace = getattr(args, "trace", None)
-    if trace and not trace.lower().endswith(".json"):
-        raise ConfigError(f"--trace {trace}: the file name must end in .json (Chrome trace-event JSON)")
+    if trace is not None and not trace.lower().endswith(".json"):
+        raise ConfigError(f"--trace {trace!r}: the file name must end in .json (Chrome trace-event JSON)")
+    for option, path in (("--plot", plot), ("--trace", trace)):
+        if path is not None:
+            check_output_file(path, option)
     given = [flag for name, flag in PIPELINE_ONLY.items() if getattr(args, name, None) is not None]
     if given and not pipelines:
         raise ConfigError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to pipeline planners "
                           f"({', '.join(planner_names(*PIPELINE_KINDS))}), not to {getattr(args, 'planner', None) or getattr(args, 'planners', '')}")
+
+
+def check_output_file(path: str, option: str) -> None:
+    """Refuse an output file that cannot be written (a folder, or in a folder that is missing or
+    takes no new file), before the work whose result it would hold: found after, the work is lost."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{option} {path}: is a folder, not a file")
+    _check_writable(p.parent, option, path)
+
+
+def check_output_dir(path: str, option: str) -> None:
+    """Refuse an output folder that cannot be written (a file, or missing where its nearest existing
+    parent takes no new folder), before the work that would fill it."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{option} {path}: is a file, not a folder")
+    nearest = next(a for a in (p, *p.parents) if a.exists())
+    if not nearest.is_dir():
+        raise ConfigError(f"{option} {path}: {nearest} is a file, not a folder")
+    _check_writable(nearest, option, path)
+
+
+def _check_writable(folder: Path, option: str, path: str) -> None:
+    # a file created and removed: permission bits alone do not tell (root, read-only mounts, /proc)
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{option} {path}: cannot write in {folder}: {e.strerror or e}") from None
 
 
 def pipeline_options_from_args(args):

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch.distributed as dist
 import yaml
 
+from megatron_ext.commands.args import check_output_file, positive_int
 from megatron_ext.commands.launch import LAUNCHER_HELP, torchrun
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError, MegatronExtError
@@ -53,9 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny", help="model preset or YAML (its shape is what gets measured)")
     p.add_argument("--cluster", default="cpu-4", help="cluster preset or YAML (its GPU count is the rank count)")
     p.add_argument("--out", required=True, metavar="PATH", help="cost-model YAML to write")
-    p.add_argument("--lengths", default="128,256,512,1024,2048,3072",
+    p.add_argument("--lengths", type=_length_list, default="128,256,512,1024,2048,3072",
                    help="comma-separated sequence lengths of the compute sweep")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median is kept)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed runs per point (the median is kept)")
     p.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
                    help="where the ranks run: cuda (NCCL, one GPU per rank), cpu (gloo), or auto: cuda where "
                         "there is CUDA (default auto)")
@@ -67,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO stage of the profiled run's model states, written to the YAML (default 0, the plain "
                         "Adam of `train`; 1 for Megatron-LM's --use-distributed-optimizer)")
     return p
+
+
+def _length_list(text: str) -> list[int]:
+    try:
+        return [positive_int(x.strip()) for x in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive lengths, e.g. 128,512,2048, "
+                                         f"got {text!r}") from None
 
 
 def check_args(args, local_ranks: int) -> tuple[str, str]:
@@ -91,6 +100,7 @@ def check_before_launch(args) -> CostModel:
     model of ``--model`` and ``--cluster``, whose GPU count is the run's rank count."""
     cost = CostModel.from_presets(args.model, args.cluster)
     check_args(args, cost.num_gpus)
+    check_output_file(args.out, "--out")  # (written after every measurement)
     return cost
 
 
@@ -123,7 +133,7 @@ def _profile(args, setup: RankSetup) -> int:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     base = CostModel.from_presets(args.model, args.cluster, args.zero_stage)
-    lengths = [int(x) for x in args.lengths.split(",")]
+    lengths = args.lengths
     progress = tqdm(total=measurements(world, base.model, lengths), disable=rank != 0, file=sys.stderr,
                     bar_format="[{bar:30}] {n}/{total} {desc}")
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_ext.commands.args import check_output_dir, check_output_file
 from megatron_ext.commands.launch import LAUNCHER_HELP, torchrun
 from megatron_ext.commands.report import advice, fidelity, layout_counts, layouts_text, step_layout
 from megatron_ext.cost import CostModel
@@ -96,6 +97,11 @@ def check_before_launch(args) -> CostModel:
     check_args(args, cost, cost.num_gpus)
     if args.data is not None:  # a dataset that cannot be read or trained is refused before launching
         open_training_data(args.data, args.vocab_size)
+    if args.trace is not None:  # (written after the last step)
+        check_output_file(args.trace, "--trace")
+    for option, folder in (("--run-dir", args.run_dir), ("--save", args.save)):
+        if folder is not None:
+            check_output_dir(folder, option)
     return cost
 
 

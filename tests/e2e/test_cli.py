@@ -365,6 +365,21 @@ def test_pipeline_and_simulate_config_errors(capsys, argv, match):
     assert_one_line_error(*run(capsys, argv[0], *FAST, *SMALL, "--batch", "8", *argv[1:]), match)
 
 
+@pytest.mark.parametrize("command", ["plan", "simulate"])
+def test_plot_and_trace_files_that_cannot_be_written_are_refused_first(capsys, tmp_path, command):
+    """Before planning, and before another output is written (a plot was, then the trace failed)."""
+    kept = tmp_path / "kept.svg"
+    kept.write_text("kept")
+    missing = tmp_path / "missing" / "t.json"
+    assert_one_line_error(*run(capsys, command, *FAST, *SMALL, "--batch", "8", "--plot", str(kept), "--trace",
+                               str(missing)), f"--trace {missing}: cannot write in {missing.parent}")
+    assert kept.read_text() == "kept"
+    (tmp_path / "dir.png").mkdir()
+    assert_one_line_error(*run(capsys, command, *FAST, *SMALL, "--plot", str(tmp_path / "dir.png")),
+                          "is a folder, not a file")
+    assert_one_line_error(*run(capsys, command, *FAST, *SMALL, "--trace", ""), "--trace '': the file name must end")
+
+
 def test_memory_budget_and_length_limits_apply_to_every_planner(capsys, tmp_path):
     """--memory-mb is the budget of FlexSP and its baselines too; pipeline planners drop what no
     layout can run with --drop-over-max; simulate refuses (or drops) lengths over --max-seq-len."""

@@ -150,3 +150,32 @@ def test_checks_on_a_cuda_machine(monkeypatch, tmp_path, capsys):
     # a rank started by hand with --device cpu that still sees CUDA is refused, not run on the GPU
     assert profile.main(["--out", str(tmp_path / "c.yaml"), "--device", "cpu"]) == 2
     assert "CUDA_VISIBLE_DEVICES=" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, args, says", [
+    ("profile", ["--out", "{tmp}/missing/c.yaml"],
+     "--out {tmp}/missing/c.yaml: cannot write in {tmp}/missing: No such file or directory"),
+    ("profile", ["--out", "{tmp}"], "--out {tmp}: is a folder, not a file"),
+    ("train", ["--trace", "{tmp}/missing/t.json"], "--trace {tmp}/missing/t.json: cannot write in {tmp}/missing"),
+    ("train", ["--run-dir", "{tmp}/file"], "--run-dir {tmp}/file: is a file, not a folder"),
+    ("train", ["--save", "{tmp}/file/ckpt"], "--save {tmp}/file/ckpt: {tmp}/file is a file, not a folder"),
+])
+def test_outputs_that_cannot_be_written_are_refused_before_launching(tmp_path, capsys, launches, command, args,
+                                                                      says):
+    """(They were written after the run: a run whose every step trained ended in an error.)"""
+    (tmp_path / "file").write_text("kept\n")
+    assert cli.main([command, *(a.format(tmp=tmp_path) for a in args)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"megatron-ext: error: {says.format(tmp=tmp_path)}") and err.count("\n") == 1
+    assert not launches and (tmp_path / "file").read_text() == "kept\n"
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--lengths", "128,x"], "expected comma-separated positive lengths, e.g. 128,512,2048, got '128,x'"),
+    (["--lengths", "0,-5"], "expected comma-separated positive lengths"),
+    (["--repeats", "0"], "expected a positive integer, got '0'"),
+])
+def test_bad_sweep_options_are_usage_errors(tmp_path, capsys, launches, args, says):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["profile", "--out", str(tmp_path / "c.yaml"), *args])
+    assert e.value.code == 2 and says in capsys.readouterr().err and not launches
