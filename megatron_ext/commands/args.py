@@ -26,16 +26,22 @@ PIPELINE_ONLY = {"pp": "--pp", "sp": "--sp", "b1_scale": "--b1-scale", "recomput
                  "recompute_ties": "--recompute-ties"}  # options that only pipeline planners use
 
 
+MAX_TOKENS = 2**40  # a token count past this is a typo (the longest documents are millions)
+
+
 def parse_tokens(text: str) -> int:
-    """'384K' -> 393216, '1M' -> 1048576, '8192' -> 8192."""
+    """'384K' -> 393216, '1M' -> 1048576, '8192' -> 8192, '1.5K' -> 1536."""
     t = text.strip().upper()
     scale = {"K": 1024, "M": 1024**2}.get(t[-1:], 1)
     try:
-        value = int(float(t[:-1] if scale > 1 else t) * scale)
+        exact = float(t[:-1] if scale > 1 else t) * scale
+        value = int(exact)
     except (ValueError, OverflowError):  # not a number, or inf / nan
         raise argparse.ArgumentTypeError(f"expected a token count like 8192 or 384K, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive token count, got {text!r}")
+    if value != exact:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens, got {text!r}")
+    if not 1 <= value <= MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"expected a token count from 1 to {MAX_TOKENS:,}, got {text!r}")
     return value
 
 

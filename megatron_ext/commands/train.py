@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_ext.commands.args import check_output_dir, check_output_file
+from megatron_ext.commands.args import check_output_dir, check_output_file, parse_tokens
 from megatron_ext.commands.launch import LAUNCHER_HELP, torchrun
 from megatron_ext.commands.report import advice, fidelity, layout_counts, layouts_text, step_layout
 from megatron_ext.cost import CostModel
@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5, help="training steps (with --load: in all, the checkpoint's "
                    "included, as Megatron's --train-iters)")
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step")
-    p.add_argument("--max-seq-len", type=int, default=4096, help="longer documents are cut into pieces")
+    p.add_argument("--max-seq-len", type=parse_tokens, default=4096,
+                   help="longer documents are cut into pieces (e.g. 4096 or 8K)")
     p.add_argument("--seed", type=int, default=0, help="same seed: same data and initial weights for every planner")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--time-limit", type=float, default=1.0, help="planner time limit per step (s)")

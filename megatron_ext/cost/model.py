@@ -124,8 +124,9 @@ class CostModel:
         return room / self.act_mb_per_token
 
     def token_capacity(self, degree: int) -> int:
-        """Most tokens a group of this degree can hold in one micro-batch."""
-        return int(math.floor(self.tokens_per_gpu * degree + 1e-9))
+        """Most tokens a group of this degree can hold in one micro-batch (at most 2^53: memory that
+        no batch runs short of, as an exact integer)."""
+        return int(math.floor(min(self.tokens_per_gpu * degree + 1e-9, 2.0**53)))
 
     def group_memory_mb(self, tokens: float, degree: int) -> float:
         return tokens / degree * self.act_mb_per_token + self.model_states_mb

@@ -151,8 +151,6 @@ def check_args(args, cost: CostModel, world: int) -> bool:
         raise ConfigError(f"--lr must be a finite number, 0 or more, got {args.lr}")
     if not (np.isfinite(args.time_limit) and args.time_limit > 0):
         raise ConfigError(f"--time-limit must be positive (seconds), got {args.time_limit}")
-    if args.max_seq_len < 1:
-        raise ConfigError(f"--max-seq-len must be at least 1 token, got {args.max_seq_len}")
     pipelined = get_planner(args.planner).kind in PIPELINE_KINDS
     runnable = ", ".join(planner_names(*PIPELINE_KINDS))
     if args.pp > 1 and not pipelined:

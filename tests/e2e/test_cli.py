@@ -231,7 +231,6 @@ def test_cluster_yaml_numbers_must_be_finite(capsys, tmp_path, field, value):
     (["--time-limit", "-1"], "--time-limit must be positive (seconds), got -1.0"),
     (["--time-limit", "0"], "--time-limit must be positive"),
     (["--time-limit", "nan"], "--time-limit must be positive"),
-    (["--max-seq-len", "0"], "--max-seq-len must be at least 1 token, got 0"),
     (["--compare", "flexsp,typo"], "unknown planner 'typo'"),  # before the flexsp run trains
     (["--compare", "flexsp,static_ulysses,flexsp"], "--compare names flexsp more than once"),
     (["--compare", "elastic_pp,flexsp", "--pp", "2"], "--pp 2 needs a pipeline planner"),  # before elastic_pp trains
@@ -518,6 +517,13 @@ def test_usage_errors_exit_2(capsys):
         main(["plan", "--max-seq-len", "lots"])
     assert e.value.code == 2
     assert "expected a token count" in capsys.readouterr().err
+    for argv, says in ((["plan", "--max-seq-len", "1e17"], "expected a token count from 1 to 1,099,511,627,776"),
+                       (["plan", "--max-seq-len", "1.5"], "expected a whole number of tokens, got '1.5'"),
+                       (["train", "--max-seq-len", "0"], "expected a token count from 1 to")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        assert says in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["plan", "--planner", "elastic_pp", "--chunks", "0"])
     assert e.value.code == 2
