@@ -207,11 +207,22 @@ def _build(cls, data: dict, what: str):
         raise ConfigError(f"{what}: {e}") from None
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """Safe YAML, reading exponents without a dot (``a1: 5e-6``) as numbers, as YAML 1.2 does
+    (PyYAML's 1.1 rules read them as strings)."""
+
+
+_YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                                  list("-+0123456789"))
+
+
 def read_yaml(path: Path) -> dict:
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_YamlLoader)
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text (a YAML file was expected)") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):
@@ -262,6 +273,8 @@ def validate_model(m: ModelSpec) -> ModelSpec:
                f"recompute_layers must be an integer in 0..{m.num_layers}, got {m.recompute_layers!r}")
     _check(isinstance(m.dropout, bool), what, f"dropout must be true or false, got {m.dropout!r}")
     _check(m.num_attention_heads % m.kv_heads == 0, what, "num_attention_heads must divide by num_query_groups")
+    _check(m.hidden_size % m.num_attention_heads == 0, what,
+           f"hidden_size {m.hidden_size} must divide by num_attention_heads {m.num_attention_heads} (the head size)")
     _check(_is_int(m.activation_bytes) and m.activation_bytes in (1, 2, 4, 8), what,
            f"activation_bytes must be 1, 2, 4 or 8, got {m.activation_bytes!r}")
     _check(isinstance(m.swiglu, bool), what, f"swiglu must be true or false, got {m.swiglu!r}")

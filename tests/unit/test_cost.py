@@ -374,6 +374,7 @@ def test_cluster_yaml_num_nodes_3(tmp_path):
     (TINY_YAML + "swiglu: 1\n", "swiglu must be true or false"),
     (TINY_YAML + "head_time_share: .nan\n", "head_time_share"),
     (TINY_YAML + "activation_bytes: true\n", "activation_bytes must be 1, 2, 4 or 8, got True"),
+    (TINY_YAML.replace("hidden_size: 64", "hidden_size: 63"), "hidden_size 63 must divide by num_attention_heads"),
 ])
 def test_bad_model_yaml(tmp_path, text, match):
     p = tmp_path / "bad.yaml"
@@ -405,6 +406,15 @@ def test_bad_cluster_yaml(tmp_path, text, match):
     p.write_text(text)
     with pytest.raises(ConfigError, match=match):
         load_cluster(str(p))
+
+
+def test_yaml_exponents_without_a_dot_are_numbers_and_binary_files_are_refused(tmp_path):
+    p = tmp_path / "m.yaml"
+    p.write_text(TINY_YAML.replace("a1: 1.0e-6", "a1: 5e-6"))
+    assert load_model(str(p)).a1 == 5e-6
+    p.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_model(str(p))
 
 
 def test_missing_yaml_file(tmp_path):
