@@ -61,8 +61,8 @@ def latest_checkpoint(root: str) -> tuple[int, Path]:
         raise ConfigError(f"--load {root}: no such directory")
     if not tracker.is_file():
         raise ConfigError(f"--load {root} holds no checkpoint (no {TRACKER_FILE}; `train --save {root}` writes one)")
-    text = tracker.read_text().strip()
-    if not text.isdigit():
+    text = tracker.read_text(errors="replace").strip()
+    if not (text.isascii() and text.isdigit()):
         raise ConfigError(f"--load {root}: {TRACKER_FILE} should hold a step count, not {text[:40]!r}")
     path = Path(root) / f"iter_{int(text):07d}"
     if not (path / RUN_FILE).is_file():
@@ -80,7 +80,13 @@ def check_checkpoint_args(args, cost) -> None:
     if not args.load:
         return
     step, path = latest_checkpoint(args.load)
-    saved = json.loads((path / RUN_FILE).read_text())
+    try:
+        saved = json.loads((path / RUN_FILE).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--load {args.load}: {path / RUN_FILE} is damaged ({e}); resume from another "
+                          f"checkpoint (point {TRACKER_FILE} at it)") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"--load {args.load}: {path / RUN_FILE} is damaged (not a JSON object)")
     ours = run_identity(args, cost)
     for key, option in _OPTIONS.items():
         if saved.get(key) != ours[key]:

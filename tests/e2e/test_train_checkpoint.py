@@ -80,12 +80,22 @@ def test_a_checkpoint_of_another_layout_or_run_is_refused(runs):
     (["--load", "{tmp}"], "--load {tmp} holds no checkpoint (no latest_checkpointed_iteration.txt"),
     (["--save", "{tmp}", "--save-interval", "0"], "--save-interval must be at least 1, got 0"),
     (["--save-interval", "2"], "--save-interval applies to --save"),
+    (["--load", "{tmp}/damaged"], "--load {tmp}/damaged: {tmp}/damaged/iter_0000004/megatron_ext.json is damaged"),
+    (["--load", "{tmp}/listed"], "--load {tmp}/listed: {tmp}/listed/iter_0000004/megatron_ext.json is damaged "
+                                 "(not a JSON object)"),
+    (["--load", "{tmp}/binary"], "--load {tmp}/binary: latest_checkpointed_iteration.txt should hold a step count"),
 ])
 def test_bad_checkpoint_options_are_refused_before_launching(tmp_path, argv, message):
     from megatron_ext.cost import CostModel
     from megatron_ext.errors import ConfigError
     from megatron_ext.commands.train import build_parser
     from megatron_ext.runtime.train import check_args
+
+    for name, tracker, run_file in (("damaged", b"4\n", b"not json{"), ("listed", b"4\n", b"[1, 2]"),
+                                    ("binary", b"\xff\xfe4", b"{}")):
+        (tmp_path / name / "iter_0000004").mkdir(parents=True)
+        (tmp_path / name / "latest_checkpointed_iteration.txt").write_bytes(tracker)
+        (tmp_path / name / "iter_0000004" / "megatron_ext.json").write_bytes(run_file)
 
     args = build_parser().parse_args([*ARGS, *(a.format(tmp=tmp_path) for a in argv)])
     with pytest.raises(ConfigError) as refused:
