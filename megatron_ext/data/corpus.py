@@ -230,9 +230,12 @@ def corpus_manifest(prefix: str | Path) -> dict:
     """The manifest written next to a corpus: files in document order, tokenizer, statistics."""
     prefix = _strip_prefix(prefix)
     try:
-        return json.loads(Path(prefix + ".json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        manifest = json.loads(Path(prefix + ".json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"no readable manifest for corpus {prefix}: {e}") from None
+    if not isinstance(manifest, dict):
+        raise DataError(f"no readable manifest for corpus {prefix}: {prefix}.json holds no JSON object")
+    return manifest
 
 
 def corpus_tokenizer(prefix: str | Path) -> Tokenizer:

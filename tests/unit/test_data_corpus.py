@@ -128,6 +128,10 @@ def test_corpus_tokenizer_errors(tmp_path):
     prefix = stdlib_corpus(tmp_path, max_files=10, vocab_size=300)
     with pytest.raises(DataError, match="no readable manifest"):
         corpus_tokenizer(tmp_path / "nothing")
+    for text in (b"[]", b"\xff\xfe"):  # a list, not a manifest; not text
+        (tmp_path / "odd.json").write_bytes(text)
+        with pytest.raises(DataError, match="no readable manifest for corpus"):
+            corpus_tokenizer(tmp_path / "odd")
     other = BPETokenizer.train_from_texts(["print('hello world')\n" * 50], vocab_size=300)
     good = open(prefix + ".tokenizer.json").read()
     other.save(prefix + ".tokenizer.json")
