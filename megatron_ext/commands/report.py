@@ -50,35 +50,70 @@ def load_run(run: str | Path) -> list[dict]:
     except (OSError, UnicodeDecodeError):
         raise ConfigError(f"no run records at {path} (write them with `megatron-ext train --run-dir DIR`, or "
                           f"Megatron-LM's pretrain_gpt.py --planner-log FILE)") from None
-    try:
-        records = [json.loads(line) for line in lines if line.strip()]
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: malformed record ({e})") from None
+    records = []
+    for n, line in enumerate(lines, 1):
+        try:
+            if line.strip():
+                records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: line {n} is not a JSON record ({e.msg}, column {e.colno})") from None
     if not records:
         raise ConfigError(f"{path} holds no steps")
     if not all(isinstance(r, dict) and "step_time_s" in r and "predicted_step_time_s" in r for r in records):
         raise ConfigError(f"{path}: not step records of `megatron-ext train` or Megatron-LM's --planner-log")
     for i, r in enumerate(records, 1):
-        why = _bad_times(r)
+        why = _bad_record(r)
         if why:
             raise ConfigError(f"{path}: record {i}" + (f" (step {r['step']})" if "step" in r else "") + f": {why}")
     return records
 
 
-def _positive(x) -> bool:
-    return is_number(x) and x > 0
+def _seconds(x) -> bool:
+    return is_number(x) and x >= 1e-9  # (a denormal time made the errors inf)
 
 
-def _bad_times(r: dict) -> str | None:
-    """Why a step record's times cannot be compared, or None."""
+def _counts(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+def _numbers(x) -> bool:
+    return isinstance(x, list) and all(is_number(v) for v in x)
+
+
+def _bad_record(r: dict) -> str | None:
+    """Why a step record cannot be reported on (its times, the layout it names, its pipeline
+    stages' measurements), or None."""
     for key in ("step_time_s", "predicted_step_time_s"):
-        if not _positive(r[key]):
+        if not _seconds(r[key]):
             return f"{key} must be a positive number of seconds, got {r[key]!r}"
     mbs = [r.get(k, []) for k in ("micro_batch_times_s", "predicted_micro_batch_times_s")]
-    if not all(isinstance(x, list) and all(_positive(t) for t in x) for x in mbs):
+    if not all(isinstance(x, list) and all(_seconds(t) for t in x) for x in mbs):
         return "micro_batch_times_s and predicted_micro_batch_times_s must be lists of positive seconds"
     if mbs[0] and mbs[1] and len(mbs[0]) != len(mbs[1]):  # (a pipelined step measures none)
         return f"{len(mbs[0])} measured micro-batch times against {len(mbs[1])} predicted"
+    for key in ("planner", "kind"):
+        if not isinstance(r.get(key, ""), str):
+            return f"{key} must be a name, got {r[key]!r}"
+    if r.get("kind") != "elastic_pp" and "ops_per_stage" not in r:
+        return None
+    # a pipeline step: its layout, and each stage's operations [name, measured s, predicted s or null]
+    if not (isinstance(r.get("degrees"), list) and r["degrees"] and all(_counts(d) for d in r["degrees"])):
+        return f"a pipeline step's degrees must be a list of SP degrees, got {r.get('degrees')!r}"
+    for key in ("stages", "replicas"):
+        if key in r and not _counts(r[key]):
+            return f"{key} must be a positive integer, got {r[key]!r}"
+    ops = r.get("ops_per_stage")
+    if ops is None:
+        return None if "stages" in r else "a pipeline step names no stages (neither stages nor ops_per_stage)"
+    if not (isinstance(ops, list) and ops and all(isinstance(st, list) for st in ops) and
+            all(isinstance(op, list) and len(op) == 3 and is_number(op[1]) and (op[2] is None or is_number(op[2]))
+                for st in ops for op in st)):
+        return "ops_per_stage must list each stage's operations as [name, measured s, predicted s or null]"
+    if not all(_numbers(r.get(k)) and len(r[k]) == len(ops)
+               for k in ("activation_peak_mb_per_stage", "planned_activation_mb_per_stage")) \
+            or not is_number(r.get("activation_room_mb")):
+        return ("ops_per_stage needs activation_peak_mb_per_stage and planned_activation_mb_per_stage (a number a "
+                "stage) and activation_room_mb")
     return None
 
 

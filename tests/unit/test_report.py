@@ -55,9 +55,11 @@ def test_missing_or_malformed_run(tmp_path, capsys):
     (tmp_path / "other.jsonl").write_text('{"loss": 1.0}\n')
     with pytest.raises(ConfigError, match="not step records"):
         load_run(tmp_path / "other.jsonl")
-    (tmp_path / "steps.jsonl").write_text("{not json\n")
+    (tmp_path / "steps.jsonl").write_text(json.dumps(_rec(0, 1.0, 1.0)) + "\n{not json\n")
     assert main(["report", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.startswith("megatron-ext: error:")
+    assert capsys.readouterr().err.startswith(f"megatron-ext: error: {tmp_path / 'steps.jsonl'}: line 2 is not a "
+                                              f"JSON record (Expecting property name enclosed in double quotes, "
+                                              f"column 2)")
 
 
 @pytest.mark.parametrize("record, match", [
@@ -68,8 +70,17 @@ def test_missing_or_malformed_run(tmp_path, capsys):
     ({**_rec(3, 1.0, 1.0), "micro_batch_times_s": [0.5, 0.5], "predicted_micro_batch_times_s": [1.0]},
      "2 measured micro-batch times against 1 predicted"),
     ({**_rec(3, 1.0, 1.0), "micro_batch_times_s": [0.5, -1]}, "lists of positive seconds"),
+    (_rec(3, 1e-320, 1.0), "step_time_s must be a positive number of seconds, got 1e-320"),  # (errors were inf)
+    ({**_rec(3, 1.0, 1.0), "planner": [1]}, "planner must be a name, got \\[1\\]"),
+    ({**_rec(3, 1.0, 1.0), "kind": "elastic_pp"}, "a pipeline step's degrees must be a list of SP degrees"),
+    ({**_rec(3, 1.0, 1.0), "kind": "elastic_pp", "degrees": [2]}, "a pipeline step names no stages"),
+    ({**_rec(3, 1.0, 1.0), "kind": "elastic_pp", "degrees": [2], "stages": 0}, "stages must be a positive integer"),
+    ({**_rec(3, 1.0, 1.0), "degrees": [2], "ops_per_stage": 5}, "ops_per_stage must list each stage's operations"),
+    ({**_rec(3, 1.0, 1.0), "degrees": [2], "ops_per_stage": [[[1, 2]]]}, "ops_per_stage must list each stage's"),
+    ({**_rec(3, 1.0, 1.0), "degrees": [2], "ops_per_stage": [[["F0", 0.1, 0.1]]]},
+     "ops_per_stage needs activation_peak_mb_per_stage"),
 ])
-def test_records_with_times_that_cannot_be_compared_are_refused(tmp_path, capsys, record, match):
+def test_records_that_cannot_be_reported_on_are_refused(tmp_path, capsys, record, match):
     with pytest.raises(ConfigError, match=match):
         load_run(_write(tmp_path, [_rec(2, 1.0, 1.0), record]))
     assert main(["report", str(tmp_path)]) == 2
