@@ -24,10 +24,12 @@ import numpy as np
 from megatron_ext.cost import CostModel
 from megatron_ext.data.lengths import sample_lengths
 from megatron_ext.errors import ConfigError
+from megatron_ext.spec import validate_cluster
 from megatron_ext.planner import PlannerOptions, make_plan
 from megatron_ext.plan import group_starts_ms
 from megatron_ext.planner.api import PLANNERS, get_planner, planner_names
 
+MAX_GPUS = 2**20  # past this a GPU count is a typo (and its batch would not fit in memory here)
 LIMIT_SLACK = 1.05  # a plan "held" its time limit when it took at most 5% more
 
 
@@ -36,8 +38,8 @@ def parse_gpu_counts(text: str) -> list[int]:
         counts = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ConfigError(f"--gpus takes comma-separated GPU counts, got {text!r}") from None
-    if not counts or min(counts) < 1:
-        raise ConfigError(f"--gpus takes positive GPU counts, got {text!r}")
+    if not counts or min(counts) < 1 or max(counts) > MAX_GPUS:
+        raise ConfigError(f"--gpus takes GPU counts from 1 to {MAX_GPUS:,}, got {text!r}")
     return counts
 
 
@@ -46,7 +48,8 @@ def scaled_cost(cost: CostModel, gpus: int) -> CostModel:
     per_node = cost.cluster.gpus_per_node
     if gpus % per_node:
         raise ConfigError(f"{gpus} GPUs is not a whole number of {cost.cluster.name}'s {per_node}-GPU nodes")
-    cluster = dataclasses.replace(cost.cluster, num_nodes=gpus // per_node, name=f"{cost.cluster.name} x {gpus} GPUs")
+    cluster = validate_cluster(dataclasses.replace(cost.cluster, num_nodes=gpus // per_node,
+                                                   name=f"{cost.cluster.name} x {gpus} GPUs"))
     return dataclasses.replace(cost, cluster=cluster)
 
 

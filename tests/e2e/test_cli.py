@@ -489,7 +489,8 @@ def test_bench_across_cluster_sizes(capsys):
     code, out, _ = run(capsys, "bench", "planner", "--gpus", "4", "--per-gpu", "2", "--dist", "wikipedia",
                        "--batches", "1", "--model", "tiny", "--cluster", "cpu-4", "--max-seq-len", "8K", *FAST)
     assert code == 0 and "any-deg" in out and "time limit held by" in out
-    for gpus, match in (("6", "whole number"), ("4,x", "comma-separated")):
+    for gpus, match in (("6", "whole number"), ("4,x", "comma-separated"), ("24", "num_nodes=6 is not a power of two"),
+                        ("99999999999999999992", "GPU counts from 1 to 1,048,576")):
         assert_one_line_error(*run(capsys, "bench", "planner", "--gpus", gpus, "--model", "tiny", "--cluster", "cpu-4",
                                    *FAST), match)
     assert_one_line_error(*run(capsys, "bench", "planner", "--gpus", "4", "--planner", "elastic_pp", "--model", "tiny",
