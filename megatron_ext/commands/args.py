@@ -5,6 +5,7 @@
 - ``add_planner_args`` / ``options_from_args``: the FlexSP-kind planner and its options (``plan``, ``bench``);
 - ``add_pipeline_args`` / ``pipeline_options_from_args``: ``--memory-mb``, ``--plot``, ``--trace`` and the
   pipeline planners' options (``plan``, ``simulate``); ``check_args`` refuses what they cannot run;
+- ``ArgumentParser``: argparse's, with one-line usage errors;
 - ``check_output_file`` / ``check_output_dir``: an output path that cannot be written, refused before the
   work that would fill it (every command that writes one).
 """
@@ -22,6 +23,16 @@ from megatron_ext.planner import PlannerOptions
 from megatron_ext.planner.api import PIPELINE_KINDS, planner_names, planners_help
 
 PLOT_FORMATS = (".png", ".pdf", ".svg")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser (every command's), its usage errors one line as any other bad input:
+    ``megatron-ext: error: argument --pp: invalid int value: 'x' (see megatron-ext plan --help)``."""
+
+    def error(self, message: str):
+        self.exit(2, f"megatron-ext: error: {message} (see {self.prog} --help)\n")
+
+
 PIPELINE_ONLY = {"pp": "--pp", "sp": "--sp", "b1_scale": "--b1-scale", "recompute": "--recompute",
                  "recompute_ties": "--recompute-ties"}  # options that only pipeline planners use
 

@@ -9,11 +9,12 @@ import argparse
 import importlib
 import sys
 
+from megatron_ext.commands.args import ArgumentParser
 from megatron_ext.commands.bench import add_bench_command
 from megatron_ext.commands.plan import add_plan_command
 from megatron_ext.commands.report import add_report_command
 from megatron_ext.commands.simulate import add_simulate_command
-from megatron_ext.errors import MegatronExtError
+from megatron_ext.errors import ConfigError, MegatronExtError
 
 # Commands whose options the ranks parse (``commands/launch.py``): the module of each, imported when
 # run (it imports torch), with its --help; the rest of the command line is passed on.
@@ -21,7 +22,7 @@ LAUNCHED = {"train": "megatron_ext.commands.train", "profile": "megatron_ext.com
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="megatron-ext", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="megatron-ext", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
     add_plan_command(sub)
     add_simulate_command(sub)
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             return command.run(rest)
         if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+            raise ConfigError(f"unrecognized arguments: {' '.join(rest)} (see megatron-ext {args.command} --help)")
         return args.func(args)
     except MegatronExtError as e:
         print(f"megatron-ext: error: {e}", file=sys.stderr)

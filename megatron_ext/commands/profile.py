@@ -21,7 +21,7 @@ from pathlib import Path
 import torch.distributed as dist
 import yaml
 
-from megatron_ext.commands.args import check_output_file, positive_int
+from megatron_ext.commands.args import ArgumentParser, check_output_file, positive_int
 from megatron_ext.commands.launch import LAUNCHER_HELP, torchrun
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError, MegatronExtError
@@ -50,7 +50,7 @@ def print_help() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-ext profile", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="megatron-ext profile", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="model preset or YAML (its shape is what gets measured)")
     p.add_argument("--cluster", default="cpu-4", help="cluster preset or YAML (its GPU count is the rank count)")
     p.add_argument("--out", required=True, metavar="PATH", help="cost-model YAML to write")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_ext.commands.args import check_output_dir, check_output_file, parse_tokens
+from megatron_ext.commands.args import ArgumentParser, check_output_dir, check_output_file, parse_tokens
 from megatron_ext.commands.launch import LAUNCHER_HELP, torchrun
 from megatron_ext.commands.report import advice, fidelity, layout_counts, layouts_text, step_layout
 from megatron_ext.cost import CostModel
@@ -36,7 +36,7 @@ RANKS = "megatron_ext.commands.train"  # what torchrun runs on every rank: this 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-ext train", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="megatron-ext train", description=__doc__.splitlines()[0])
     p.add_argument("--planner", default="flexsp",
                    help=f"one of: {planners_help('sp')}; with --pp: {planners_help('pp')}; auto: per "
                    f"step, the fastest of FlexSP (at --pp 1) and the pipelines of --pp stages")
@@ -114,7 +114,10 @@ def run(rest: list[str]) -> int:
     i = rest.index("--compare")
     if i + 1 >= len(rest):
         raise ConfigError("--compare needs a comma-separated list of planners, e.g. flexsp,static_ulysses")
-    planners = rest[i + 1].split(",")
+    planners = [p.strip() for p in rest[i + 1].split(",")]
+    if not all(planners):
+        raise ConfigError(f"--compare needs a comma-separated list of planners, e.g. flexsp,static_ulysses, "
+                          f"got {rest[i + 1]!r}")
     base = [a for j, a in enumerate(rest) if j not in (i, i + 1)]
     if "--planner" in base or "--json" in base:
         raise ConfigError("--compare sets --planner and --json itself")

@@ -233,6 +233,7 @@ def test_cluster_yaml_numbers_must_be_finite(capsys, tmp_path, field, value):
     (["--time-limit", "nan"], "--time-limit must be positive"),
     (["--compare", "flexsp,typo"], "unknown planner 'typo'"),  # before the flexsp run trains
     (["--compare", "flexsp,static_ulysses,flexsp"], "--compare names flexsp more than once"),
+    (["--compare", ","], "--compare needs a comma-separated list of planners, e.g. flexsp,static_ulysses, got ','"),
     (["--compare", "elastic_pp,flexsp", "--pp", "2"], "--pp 2 needs a pipeline planner"),  # before elastic_pp trains
     (["--max-ring", "3"], "--max-ring must be a power of two (1: no ring), got 3"),
     (["--compare", "flexsp,elastic_pp", "--max-ring", "2"], "--max-ring 2 applies to FlexSP planners"),
@@ -529,6 +530,12 @@ def test_usage_errors_exit_2(capsys):
         main(["plan", "--planner", "elastic_pp", "--chunks", "0"])
     assert e.value.code == 2
     assert "expected a positive number of chunks or 'all', got '0'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--pp", "x"])
+    assert e.value.code == 2  # one line, as any bad input (not argparse's usage block)
+    assert capsys.readouterr().err == ("megatron-ext: error: argument --pp: expected a positive integer, got 'x' "
+                                       "(see megatron-ext plan --help)\n")
+    assert_one_line_error(*run(capsys, "plan", "--bogus"), "unrecognized arguments: --bogus (see megatron-ext plan --help)")
     with pytest.raises(SystemExit) as e:
         main([])
     assert e.value.code == 2
