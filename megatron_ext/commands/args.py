@@ -56,6 +56,13 @@ def parse_tokens(text: str) -> int:
     return value
 
 
+def path_arg(text: str) -> str:
+    """A file or folder argument: not empty (an empty one was taken as not given)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r}")
+    return text
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -110,7 +117,7 @@ def add_batch_source_args(p, default_dist: str) -> None:
     """Where a command's lengths come from: ``--lengths FILE``, ``--dist NAME`` or ``--data PREFIX``
     (with ``--batch N --seed S``)."""
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--lengths", metavar="FILE", help="text file, one sequence length per line (one batch)")
+    src.add_argument("--lengths", type=path_arg, metavar="FILE", help="text file, one sequence length per line (one batch)")
     src.add_argument("--dist", default=default_dist, choices=sorted(DISTRIBUTIONS),
                      help="synthetic length distribution: " + "; ".join(
                          f"{k} ({d.note})".replace("%", "%%") for k, d in sorted(DISTRIBUTIONS.items()))

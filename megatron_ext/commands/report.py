@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_ext.commands.args import path_arg
 from megatron_ext.errors import ConfigError
 from megatron_ext.spec import is_number
 from megatron_ext.text import plural
@@ -27,7 +28,7 @@ DRIFT_THRESHOLD = 0.15  # median absolute error above which the model is called 
 def add_report_command(sub) -> None:
     rp = sub.add_parser("report", help="how well the cost model predicted a run: a `train --run-dir` directory, or "
                                         "Megatron-LM's --planner-log file")
-    rp.add_argument("run_dir", metavar="RUN", help="a `train --run-dir` directory (or its steps.jsonl), or the JSONL "
+    rp.add_argument("run_dir", type=path_arg, metavar="RUN", help="a `train --run-dir` directory (or its steps.jsonl), or the JSONL "
                                                    "file of pretrain_gpt.py --planner-log")
     rp.add_argument("--json", action="store_true")
     rp.set_defaults(func=cmd_report)

@@ -536,6 +536,10 @@ def test_usage_errors_exit_2(capsys):
     assert capsys.readouterr().err == ("megatron-ext: error: argument --pp: expected a positive integer, got 'x' "
                                        "(see megatron-ext plan --help)\n")
     assert_one_line_error(*run(capsys, "plan", "--bogus"), "unrecognized arguments: --bogus (see megatron-ext plan --help)")
+    for argv in (["plan", "--lengths", ""], ["report", ""]):  # (were taken as not given)
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "expected a path, got ''" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main([])
     assert e.value.code == 2
