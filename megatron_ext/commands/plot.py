@@ -28,8 +28,9 @@ import numpy as np
 
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError
-from megatron_ext.plan.validate import group_starts_ms, replica_groups
+from megatron_ext.files import replacing
 from megatron_ext.plan.schema import StepPlan
+from megatron_ext.plan.validate import group_starts_ms, replica_groups
 from megatron_ext.sim.simulator import SimResult, simulate
 from megatron_ext.text import plural
 
@@ -578,7 +579,8 @@ def draw(data: PlotData, path=None, *, extra=None):
         if f:
             f()
     if path is not None:
-        fig.savefig(path, dpi=110)
+        with replacing(path) as tmp:
+            fig.savefig(tmp, dpi=110)
     return fig
 
 

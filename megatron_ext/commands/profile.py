@@ -25,6 +25,7 @@ from megatron_ext.commands.args import ArgumentParser, check_output_file, positi
 from megatron_ext.commands.launch import LAUNCHER_HELP, torchrun
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError, MegatronExtError
+from megatron_ext.files import replacing
 
 # megatron-core says on import, once per module, that CPU runs use its plain-torch fallbacks (the
 # launcher imports this module too, and its errors are one line)
@@ -146,10 +147,12 @@ def _profile(args, setup: RankSetup) -> int:
     if rank == 0:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(f"# Measured by `megatron-ext profile --model {args.model} --cluster {args.cluster}` "
-                       f"on {world} {dist.get_backend()} ranks ({setup.device_name}, {setup.dtype_name}, "
-                       f"{found.attention} attention).\n"
-                       + yaml.safe_dump(_document(found, setup, dist.get_backend(), world), sort_keys=False))
+        text = (f"# Measured by `megatron-ext profile --model {args.model} --cluster {args.cluster}` "
+                f"on {world} {dist.get_backend()} ranks ({setup.device_name}, {setup.dtype_name}, "
+                f"{found.attention} attention).\n"
+                + yaml.safe_dump(_document(found, setup, dist.get_backend(), world), sort_keys=False))
+        with replacing(out) as tmp:
+            tmp.write_text(text)
         print(_summary(found, setup) + f"\nwrote {out}", flush=True)
     return 0
 

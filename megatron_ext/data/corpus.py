@@ -44,6 +44,7 @@ import numpy as np
 from megatron_ext.data.datasets import (DataError, IndexedDocuments, document_stats, indexed_dataset_exists,
                                         write_indexed_dataset)
 from megatron_ext.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
+from megatron_ext.files import replacing
 
 logger = logging.getLogger(__name__)
 
@@ -196,9 +197,8 @@ def stdlib_corpus(cache_dir: str | Path | None = None, max_files: int | None = N
                  "python": sys.version.split()[0], "root": str(root),
                  "files": [p.relative_to(root).as_posix() for p in files],
                  "stats": _stats(lengths)})
-    tmp = manifest.with_suffix(f".json.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(info, indent=1))
-    os.replace(tmp, manifest)
+    with replacing(manifest) as tmp:
+        tmp.write_text(json.dumps(info, indent=1))
     logger.info("built %s (%d documents, %d tokens) in %.1f s", prefix, len(lengths), sum(lengths),
                 time.perf_counter() - start)
     return prefix

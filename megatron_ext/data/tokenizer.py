@@ -20,12 +20,12 @@ duck type Megatron's dataset code uses, so either can stand in for a Megatron to
 from __future__ import annotations
 
 import hashlib
-import os
-import uuid
 from pathlib import Path
 from typing import Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
+
+from megatron_ext.files import replacing
 
 
 class Tokenizer(Protocol):
@@ -221,13 +221,8 @@ class BPETokenizer:
         """Write the JSON to ``path`` atomically (temporary file, then rename). Returns the path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-        try:
+        with replacing(path) as tmp:
             tmp.write_text(self.to_str(), encoding="utf-8")
-            os.replace(tmp, path)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
         return str(path)
 
     @property

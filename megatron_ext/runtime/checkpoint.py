@@ -23,11 +23,11 @@ saving and loading are collective over every rank.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.files import replacing
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's name
 RUN_FILE = "megatron_ext.json"  # not metadata.json: dist_checkpointing writes that one
@@ -201,10 +201,8 @@ def save_checkpoint(root: str, steps_done: int, model, optimizer, identity: dict
     dist_checkpointing.save(_sharded_state_dict(model, optimizer, is_loading=False), str(path), strategy)
     if dist.get_rank() == 0:
         (path / RUN_FILE).write_text(json.dumps(identity, indent=1) + "\n")
-        tracker = Path(root) / TRACKER_FILE
-        partial = tracker.with_suffix(".tmp")
-        partial.write_text(f"{steps_done}\n")
-        os.replace(partial, tracker)
+        with replacing(Path(root) / TRACKER_FILE) as tmp:
+            tmp.write_text(f"{steps_done}\n")
     dist.barrier()
     return path
 

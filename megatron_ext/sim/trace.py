@@ -17,6 +17,7 @@ import json
 import numpy as np
 
 from megatron_ext.cost import CostModel
+from megatron_ext.files import replacing
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.sim.simulator import simulate
 
@@ -133,7 +134,7 @@ def trace_document(events: list[dict], **metadata) -> dict:
 
 
 def write_trace(path: str, document: dict) -> None:
-    with open(path, "w") as f:
+    with replacing(path) as tmp, open(tmp, "w") as f:
         json.dump(document, f)
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_ext"
 LAYERS = ("spec", "cost", "plan", "sim", "planner", "data", "runtime", "megatron", "commands")
 BOTTOM = "bottom"  # below every layer: the shared leaves
-LEAVES = ("errors", "text", "lifetime")
+LEAVES = ("errors", "text", "lifetime", "files")
 TOP_LEVEL = {"__init__": BOTTOM, "spec": "spec", **{name: BOTTOM for name in LEAVES}}
 RANK = {BOTTOM: -1, **{name: i for i, name in enumerate(LAYERS)}}
 PURE = ("spec", "cost", "plan", "sim", "planner")

@@ -136,7 +136,7 @@ class _PrefixAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, kp, vp, ko, vo, causal, scale, dropout_p, kernels):
-        g, s = q.shape[1] // kp.shape[1], q.shape[2]
+        g = q.shape[1] // kp.shape[1]
         forward_kernel = kernels[0]
         o1, l1, rng1 = forward_kernel(q, expand_kv(kp, g), expand_kv(vp, g), False, scale, dropout_p)
         o2, l2, rng2 = forward_kernel(q, expand_kv(ko, g), expand_kv(vo, g), causal, scale, dropout_p)
