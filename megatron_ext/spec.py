@@ -30,6 +30,7 @@ PRESET_DIR = Path(os.environ.get("MEGATRON_EXT_CONFIGS", Path(__file__).resolve(
 # figures for ZeRO collectives (``intra_node_bandwidth_gbps``, ``inter_node_bandwidth_gbps``):
 # GB/s of 1e9 bytes, as NCCL bus bandwidths are quoted (cost/fixed.py).
 MB = 2**20
+MAX_GPUS = 2**20  # a cluster past this many GPUs is a typo (its batches would not fit in memory here)
 
 
 def is_power_of_two(n: int) -> bool:
@@ -290,6 +291,8 @@ def validate_cluster(c: ClusterSpec) -> ClusterSpec:
     _check(_is_int(c.num_nodes) and is_power_of_two(c.num_nodes), what,
            f"the GPU count must be a power of two times the node size; num_nodes={c.num_nodes!r} "
            f"is not a power of two")
+    _check(c.gpus_per_node * c.num_nodes <= MAX_GPUS, what,
+           f"{c.gpus_per_node * c.num_nodes:,} GPUs is over the {MAX_GPUS:,} this models")
     _check_number(c.memory_gb, what, "memory_gb", positive=True)
     if c.p2p_bandwidth_gbps is not None:
         _check_number(c.p2p_bandwidth_gbps, what, "p2p_bandwidth_gbps", positive=True)

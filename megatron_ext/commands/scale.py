@@ -24,12 +24,11 @@ import numpy as np
 from megatron_ext.cost import CostModel
 from megatron_ext.data.lengths import sample_lengths
 from megatron_ext.errors import ConfigError
-from megatron_ext.spec import validate_cluster
+from megatron_ext.spec import MAX_GPUS, validate_cluster
 from megatron_ext.planner import PlannerOptions, make_plan
 from megatron_ext.plan import group_starts_ms
 from megatron_ext.planner.api import PLANNERS, get_planner, planner_names
 
-MAX_GPUS = 2**20  # past this a GPU count is a typo (and its batch would not fit in memory here)
 LIMIT_SLACK = 1.05  # a plan "held" its time limit when it took at most 5% more
 
 

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from megatron_ext.cost import CostModel
-from megatron_ext.errors import ConfigError, LengthsError, MegatronExtError
+from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError, MegatronExtError
 from megatron_ext.plan import StepPlan
 from megatron_ext.plan.validate import checked_batch_lengths
 from megatron_ext.planner.auto import pipeline_layouts, plan_auto, plan_units
@@ -107,7 +107,7 @@ def max_seq_len(name: str, cost: CostModel, options=None) -> int:
     layout."""
     kind = PLANNERS[name].kind if name in PLANNERS else "sp"
     if kind == "sp":
-        return cost.max_seq_len
+        return _some_tokens(cost.max_seq_len, name, cost)
     opts = pipeline_options(options, {})
     layouts = (pipeline_layouts(cost, opts.pp, opts.sp, opts.memory_mb) if kind == "auto"
                else [resolve_layout(cost, opts.pp, opts.sp)])
@@ -126,7 +126,14 @@ def max_seq_len(name: str, cost: CostModel, options=None) -> int:
         if err is None:  # auto with a pinned layout that does not exist: say why
             pipeline_cost(cost, opts.pp, opts.sp, opts)
         raise err or ConfigError(f"{name}: no pipeline layout fits {cost.model.name} on {cost.cluster.name}")
-    return max(limits)
+    return _some_tokens(max(limits), name, cost)
+
+
+def _some_tokens(limit: int, name: str, cost: CostModel) -> int:
+    if limit < 1:  # (a batch drawn up to 0 tokens would never fill)
+        raise InfeasibleError(f"{name}: {cost.model.name} on {cost.cluster.name} holds no sequence at all: one "
+                              f"token's activations do not fit in the memory the model states leave")
+    return limit
 
 
 def make_plan(name: str, lengths, cost: CostModel, options=None, baselines: tuple[str, ...] = (), *,

@@ -400,6 +400,7 @@ def test_bad_model_yaml(tmp_path, text, match):
     (CLUSTER_YAML + "micro_batch_overhead_ms: .inf\n", "micro_batch_overhead_ms must be a non-negative finite"),
     (CLUSTER_YAML.replace("{2: 100.0, 4: 80.0, 8: 10.0}", "{2: 100.0, 4: .inf}"), r"a2a_bandwidth_gbps\[4\]"),
     (CLUSTER_YAML + "a2a_latency_ms: {2: .nan}\n", r"a2a_latency_ms\[2\] must be a non-negative finite"),
+    (CLUSTER_YAML.replace("num_nodes: 2", "num_nodes: 1073741824"), "4,294,967,296 GPUs is over the 1,048,576"),
 ])
 def test_bad_cluster_yaml(tmp_path, text, match):
     p = tmp_path / "bad.yaml"
@@ -491,3 +492,14 @@ def test_spec_dataclasses_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         m.num_layers = 3  # type: ignore[misc]
     assert isinstance(m, ModelSpec) and isinstance(load_cluster("cpu-4"), ClusterSpec)
+
+
+def test_a_model_that_holds_no_token_is_refused_not_sampled_for_ever(tmp_path):
+    from megatron_ext.planner.api import max_seq_len
+
+    p = tmp_path / "deep.yaml"
+    p.write_text(TINY_YAML.replace("act_mb_per_token: 0.01", "act_mb_per_token: 1.0e+9"))
+    cost = CostModel.from_presets(str(p), "cpu-4")
+    for planner in ("flexsp", "elastic_pp", "auto"):
+        with pytest.raises(InfeasibleError, match="holds no sequence at all"):
+            max_seq_len(planner, cost)
