@@ -19,7 +19,7 @@ from megatron_ext.commands.args import (add_batch_source_args, add_cost_args, ad
                                         pipeline_options_from_args)
 from megatron_ext.cost import CostModel
 from megatron_ext.data.batches import dataset_batches
-from megatron_ext.data.lengths import read_lengths, sample_lengths
+from megatron_ext.data.lengths import MAX_BATCH, read_lengths, sample_lengths
 from megatron_ext.errors import ConfigError
 from megatron_ext.plan.validate import replica_groups
 from megatron_ext.planner import make_plan
@@ -88,8 +88,8 @@ def lengths_from_args(args, limit: int) -> np.ndarray:
     if args.step < 0:
         raise ConfigError(f"--step must be a step number (0 or more), got {args.step}")
     if args.data:
-        if args.batch < 1:
-            raise ConfigError(f"--batch must be at least 1, got {args.batch}")
+        if not 1 <= args.batch <= MAX_BATCH:
+            raise ConfigError(f"--batch must be from 1 to {MAX_BATCH:,} sequences, got {args.batch:,}")
         batches, source = dataset_batches(args.data, args.batch, limit, args.seed, range(args.step, args.step + 1))
         print(f"batch: {source}", file=sys.stderr)
         return batches[0]

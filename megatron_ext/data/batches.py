@@ -27,7 +27,7 @@ import math
 import numpy as np
 
 from megatron_ext.data.datasets import DataError, blend_documents, open_blend
-from megatron_ext.data.lengths import cut_documents
+from megatron_ext.data.lengths import MAX_BATCH, MAX_SEED, cut_documents
 from megatron_ext.text import plural
 
 logger = logging.getLogger(__name__)
@@ -50,10 +50,10 @@ class GlobalBatches:
 
     def __init__(self, doc_lengths, global_batch_size: int, max_seq_len: int, seed: int = 0,
                  shuffle: bool = True, source_sizes=None, weights=None):
-        if global_batch_size < 1:
-            raise DataError(f"global_batch_size must be at least 1, got {global_batch_size}")
-        if seed < 0:
-            raise DataError(f"--seed must be non-negative, got {seed}")
+        if not 1 <= global_batch_size <= MAX_BATCH:
+            raise DataError(f"the global batch must be from 1 to {MAX_BATCH:,} sequences, got {global_batch_size:,}")
+        if not 0 <= seed <= MAX_SEED:
+            raise DataError(f"--seed must be from 0 to 2^63 - 1, got {seed}")
         self.global_batch_size = int(global_batch_size)
         self.max_seq_len = int(max_seq_len)
         self.seed = int(seed)

@@ -79,13 +79,17 @@ DISTRIBUTIONS = {
 }
 
 
+MAX_BATCH = 2**20  # sequences in one batch: past this, a typo (hours of planning, gigabytes to draw)
+MAX_SEED = 2**63 - 1  # (torch's seeds are 64-bit signed)
+
+
 def sample_lengths(dist: str, batch: int, seed: int, max_len: int | None = None) -> np.ndarray:
     if dist not in DISTRIBUTIONS:
         raise LengthsError(f"unknown length distribution {dist!r}; choose one of {', '.join(DISTRIBUTIONS)}")
-    if batch < 1:
-        raise LengthsError(f"--batch must be at least 1, got {batch}")
-    if seed < 0:
-        raise LengthsError(f"--seed must be non-negative, got {seed}")
+    if not 1 <= batch <= MAX_BATCH:
+        raise LengthsError(f"--batch must be from 1 to {MAX_BATCH:,} sequences, got {batch:,}")
+    if not 0 <= seed <= MAX_SEED:
+        raise LengthsError(f"--seed must be from 0 to 2^63 - 1, got {seed}")
     return DISTRIBUTIONS[dist].sample(batch, np.random.default_rng(seed), max_len)
 
 

@@ -187,7 +187,7 @@ def test_nonexistent_lengths_file(capsys, tmp_path):
     (["--time-limit", "0"], "--time-limit must be positive"),
     (["--time-limit", "-1"], "--time-limit must be positive"),
     (["--planner", "magic"], "unknown planner 'magic'"),
-    (["--batch", "0"], "--batch must be at least 1"),
+    (["--batch", "0"], "--batch must be from 1 to 1,048,576 sequences, got 0"),
     (["--static-degree", "3", "--planner", "static_ulysses"], "degree 3 is not allowed"),
     (["--model", "gpt-30b", "--cluster", "a100-40g-8x1", "--zero-stage", "0"], "model states"),
 ])
@@ -233,6 +233,9 @@ def test_cluster_yaml_numbers_must_be_finite(capsys, tmp_path, field, value):
     (["--time-limit", "nan"], "--time-limit must be positive"),
     (["--compare", "flexsp,typo"], "unknown planner 'typo'"),  # before the flexsp run trains
     (["--compare", "flexsp,static_ulysses,flexsp"], "--compare names flexsp more than once"),
+    (["--seed", "-1"], "--seed must be from 0 to 2^63 - 1, got -1"),  # (was refused by the ranks, after launching)
+    (["--seed", "99999999999999999999"], "--seed must be from 0 to 2^63 - 1"),
+    (["--global-batch", "100000000000"], "--global-batch from 1 to 1,048,576"),
     (["--compare", ","], "--compare needs a comma-separated list of planners, e.g. flexsp,static_ulysses, got ','"),
     (["--compare", "elastic_pp,flexsp", "--pp", "2"], "--pp 2 needs a pipeline planner"),  # before elastic_pp trains
     (["--max-ring", "3"], "--max-ring must be a power of two (1: no ring), got 3"),
@@ -317,9 +320,9 @@ def test_plan_and_simulate_a_weighted_blend(capsys, corpus, tmp_path):
     (["--data", "{corpus}"], "--data needs --max-seq-len"),  # else the batch would hang on the planner's limit
     (["--data", "{tmp}/nothing", "--max-seq-len", "8K"], "no indexed dataset at"),
     (["--data", "{corpus}", "--batch", "100", "--max-seq-len", "8K"], "fewer than one global batch of 100"),
-    (["--data", "{corpus}", "--batch", "0", "--max-seq-len", "8K"], "--batch must be at least 1"),
+    (["--data", "{corpus}", "--batch", "0", "--max-seq-len", "8K"], "--batch must be from 1 to 1,048,576"),
     (["--data", "{corpus}", "--step", "-1", "--max-seq-len", "8K"], "--step must be a step number"),
-    (["--data", "{corpus}", "--seed", "-2", "--max-seq-len", "8K"], "--seed must be non-negative"),
+    (["--data", "{corpus}", "--seed", "-2", "--max-seq-len", "8K"], "--seed must be from 0 to 2^63 - 1, got -2"),
     (["--data", "0.5", "{corpus}", "0.5", "--max-seq-len", "8K"], "odd count"),
     (["--data", "{corrupt}", "--max-seq-len", "8K"], "truncated or corrupted"),
     (["--data", "{bigger}", "--max-seq-len", "8K"], "its index describes"),  # .idx lengths the .bin lacks
@@ -346,7 +349,7 @@ SMALL = ["--model", "llama-7b", "--cluster", "a800-80g-8x1"]  # one node of 8 GP
     (["plan", "--planner", "flexsp", "--pp", "4"], "--pp applies only to pipeline planners"),
     (["plan", "--planner", "flexsp", "--recompute", "none", "--b1-scale", "0.5"], "--b1-scale, --recompute apply only"),
     (["plan", "--planner", "elastic_pp", "--plot", "out.txt"], "must end in .png, .pdf, .svg"),
-    (["plan", "--planner", "elastic_pp", "--seed", "-1"], "--seed must be non-negative"),
+    (["plan", "--planner", "elastic_pp", "--seed", "-1"], "--seed must be from 0 to 2^63 - 1, got -1"),
     (["plan", "--planner", "elastic_pp", "--b1-scale", "inf"], "b1_scale must be a non-negative number"),
     (["plan", "--planner", "elastic_pp", "--time-limit", "nan"], "--time-limit must be positive"),
     (["plan", "--planner", "auto", "--pp", "3"], "pipeline degree 3 does not divide the 8 GPUs of a800-80g-8x1; choose one of 1, 2, 4, 8"),
@@ -357,6 +360,7 @@ SMALL = ["--model", "llama-7b", "--cluster", "a800-80g-8x1"]  # one node of 8 GP
     (["simulate", "--planners", "elastic_pp", "--pp", "3"], "pipeline degree 3 does not divide"),
     (["simulate", "--planners", "flexsp", "--sp", "2"], "--sp applies only to pipeline planners"),
     (["simulate", "--steps", "0"], "--batch and --steps must be at least 1"),
+    (["simulate", "--batch", "99999999999"], "--batch must be from 1 to 1,048,576 sequences"),
     (["simulate", "--drop-over-max"], "--drop-over-max applies to --lengths"),
     (["plan", "--planner", "auto", "--sp", "3"], "SP degree 3 is not allowed"),  # not FlexSP alone, silently
     (["plan", "--planner", "auto", "--static-degree", "16"], "SP degree 16 is not allowed"),
@@ -462,9 +466,10 @@ def test_bad_model_yaml(capsys, tmp_path):
 
 
 def test_bench_bad_counts(capsys):
-    for argv in (["--batches", "0"], ["--batch", "0"]):
+    for argv, says in ((["--batches", "0"], "--batches must be at least 1"),
+                       (["--batch", "0"], "--batch must be from 1 to 1,048,576 sequences, got 0")):
         assert_one_line_error(*run(capsys, "bench", "planner", "--no-scale", "--dist", "wikipedia", *argv, *FAST),
-                              "at least 1")
+                              says)
     assert_one_line_error(*run(capsys, "bench", "planner", "--no-scale", "--dist", "wikipedia,nope", "--batches",
                                "1", "--batch", "4", *FAST), "unknown length distribution 'nope'")
 

@@ -87,7 +87,7 @@ def test_blend_errors():
         GlobalBatches(np.arange(1, 11), 8, 100, source_sizes=[8, 2], weights=[1, 1])
     with pytest.raises(DataError, match="non-negative"):
         GlobalBatches(np.arange(1, 11), 4, 100, source_sizes=[5, 5], weights=[1, float("nan")])
-    with pytest.raises(DataError, match="--seed must be non-negative"):
+    with pytest.raises(DataError, match="--seed must be from 0 to 2\\^63 - 1"):
         GlobalBatches(np.arange(1, 11), 4, 100, seed=-1)
 
 
