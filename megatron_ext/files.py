@@ -21,3 +21,17 @@ def replacing(path: str | Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+class TooBigError(ValueError):
+    """An input file over the size its reader takes."""
+
+
+def read_text(path: str | Path, limit_bytes: int) -> str:
+    """The UTF-8 text of an input file of at most ``limit_bytes`` (``TooBigError`` past it: a
+    device such as /dev/zero, or the wrong file, would otherwise be read until memory runs out)."""
+    with open(path, "rb") as f:
+        data = f.read(limit_bytes + 1)
+    if len(data) > limit_bytes:
+        raise TooBigError(f"over {limit_bytes:,} bytes")
+    return data.decode("utf-8")

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.files import TooBigError, read_text
 
 # MEGATRON_EXT_CONFIGS names another directory holding models/ and clusters/ presets
 PRESET_DIR = Path(os.environ.get("MEGATRON_EXT_CONFIGS", Path(__file__).resolve().parent / "presets"))
@@ -219,11 +220,15 @@ _YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?
 
 def read_yaml(path: Path) -> dict:
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_YamlLoader)
+        data = yaml.load(read_text(path, 2**24), Loader=_YamlLoader)
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e.strerror}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not UTF-8 text (a YAML file was expected)") from None
+    except TooBigError as e:
+        raise ConfigError(f"{path}: too big to be a model, cluster or cost-model YAML ({e})") from None
+    except ValueError:  # (what else yaml's int() refuses: over 4,300 digits)
+        raise ConfigError(f"{path}: holds a number of over 4,300 digits") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):

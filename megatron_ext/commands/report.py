@@ -12,6 +12,7 @@ says when the cost model should be re-measured (``megatron-ext profile``).
 from __future__ import annotations
 
 import json
+import shlex
 from collections import Counter
 from pathlib import Path
 
@@ -48,7 +49,9 @@ def load_run(run: str | Path) -> list[dict]:
         path = path / "steps.jsonl"
     try:
         lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError):
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not text (step records are JSON lines)") from None
+    except OSError:
         raise ConfigError(f"no run records at {path} (write them with `megatron-ext train --run-dir DIR`, or "
                           f"Megatron-LM's pretrain_gpt.py --planner-log FILE)") from None
     records = []
@@ -58,6 +61,8 @@ def load_run(run: str | Path) -> list[dict]:
                 records.append(json.loads(line))
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: line {n} is not a JSON record ({e.msg}, column {e.colno})") from None
+        except ValueError:  # (what else json's int() refuses: over 4,300 digits)
+            raise ConfigError(f"{path}: line {n} holds a number of over 4,300 digits") from None
     if not records:
         raise ConfigError(f"{path} holds no steps")
     if not all(isinstance(r, dict) and "step_time_s" in r and "predicted_step_time_s" in r for r in records):
@@ -237,7 +242,8 @@ def advice(records: list[dict], f: dict) -> list[str]:
                      "processes waiting to be scheduled); a `profile` of this model with as many stages measures "
                      "it as pipeline_op_overhead_ms")
     elif f["recalibrate"]:
-        model = records[0].get("model", "<this run's model>")
+        model = records[0].get("model")  # (quoted: a record's text goes into a command to paste)
+        model = shlex.quote(model) if isinstance(model, str) and model else "<this run's model>"
         lines.append("the cost model is off for this machine: re-measure it with "
                      f"`megatron-ext profile --model {model} --out my-cost.yaml` and pass --cost-model my-cost.yaml")
     else:

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_ext.errors import LengthsError
+from megatron_ext.files import TooBigError, read_text
 
 
 @dataclass(frozen=True)
@@ -99,11 +100,13 @@ MAX_LENGTH = np.iinfo(np.int64).max  # lengths are int64 arrays
 def read_lengths(path: str | Path) -> np.ndarray:
     """One positive integer per line; blank lines and '#' comments are ignored."""
     try:
-        text = Path(path).read_text()
+        text = read_text(path, 2**28)  # (256 MB: ~30 million lengths)
     except OSError as e:
         raise LengthsError(f"cannot read lengths file {path}: {e.strerror}") from None
     except UnicodeDecodeError:
         raise LengthsError(f"lengths file {path} is not text") from None
+    except TooBigError as e:
+        raise LengthsError(f"lengths file {path} is too big to be one: {e}") from None
     values = []
     for no, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
@@ -111,6 +114,8 @@ def read_lengths(path: str | Path) -> np.ndarray:
             continue
         if re.fullmatch(r"-?[0-9]+", line) is None:  # (not int()'s "1_000" or "+5": a length file is plain digits)
             raise LengthsError(f"{path}:{no}: expected one integer per line, got {line[:40]!r}")
+        if len(line.lstrip("-")) > 19:  # (past int64, and int() refuses 4,300 digits)
+            raise LengthsError(f"{path}:{no}: a sequence length must be at most {MAX_LENGTH} (int64), got {line[:40]}...")
         v = int(line)
         if v < 1:
             raise LengthsError(f"{path}:{no}: a sequence length must be positive, got {v}")

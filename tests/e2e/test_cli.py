@@ -163,10 +163,16 @@ def test_max_seq_len_with_lengths_file(capsys, tmp_path):
     ("100\n0\n", "must be positive, got 0"),
     ("-5\n", "must be positive, got -5"),
     ("100\n99999999999999999999\n", ":2: a sequence length must be at most 9223372036854775807"),
+    ("9" * 5000 + "\n", ":1: a sequence length must be at most 9223372036854775807"),  # (past int()'s digits)
 ])
 def test_bad_lengths_file(capsys, tmp_path, content, match):
     f = write(tmp_path, "bad.txt", content)
     assert_one_line_error(*run(capsys, "plan", "--lengths", f, *FAST), match)
+
+
+def test_a_device_is_not_read_as_a_lengths_file_for_ever(capsys):
+    assert_one_line_error(*run(capsys, "plan", "--lengths", "/dev/zero", *FAST),
+                          "lengths file /dev/zero is too big to be one: over 268,435,456 bytes")
 
 
 def test_binary_lengths_file(capsys, tmp_path):

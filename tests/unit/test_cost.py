@@ -416,6 +416,11 @@ def test_yaml_exponents_without_a_dot_are_numbers_and_binary_files_are_refused(t
     p.write_bytes(b"\xff\xfe\x00binary")
     with pytest.raises(ConfigError, match="not UTF-8 text"):
         load_model(str(p))
+    p.write_text("num_layers: " + "9" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="holds a number of over 4,300 digits"):
+        load_model(str(p))
+    with pytest.raises(ConfigError, match="/dev/zero: too big to be a model, cluster or cost-model YAML"):
+        load_model("/dev/zero")
 
 
 def test_missing_yaml_file(tmp_path):

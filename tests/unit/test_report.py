@@ -149,3 +149,15 @@ def test_auto_runs_report_each_layout_apart(tmp_path, capsys):
     assert "ran 1 flexsp, 1 pp1 x sp2 x dp2, 1 pp1 x sp4" in out
     assert "pp1 x sp2 x dp2 (1 step): stage operations, measured / predicted time: replica 0 stage 0 1.50x" in out
     assert "pp1 x sp4 (1 step): activation peak per stage" in out and "OVER the budget at (step, stage) [(3, 0)]" in out
+
+
+def test_odd_files_and_fields_are_one_line_or_quoted(tmp_path, capsys):
+    (tmp_path / "bin.jsonl").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ConfigError, match="bin.jsonl is not text"):
+        load_run(tmp_path / "bin.jsonl")
+    (tmp_path / "big.jsonl").write_text('{"step_time_s": ' + "9" * 5000 + ', "predicted_step_time_s": 1}\n')
+    with pytest.raises(ConfigError, match="line 1 holds a number of over 4,300 digits"):
+        load_run(tmp_path / "big.jsonl")
+    off = [{**_rec(i, 1.0, 0.5), "model": "my model; rm -rf x"} for i in range(3)]  # the model is off by half
+    assert main(["report", str(_write(tmp_path, off))]) == 0
+    assert "profile --model 'my model; rm -rf x' --out" in capsys.readouterr().out
