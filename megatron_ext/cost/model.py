@@ -69,8 +69,8 @@ class CostModel:
 
     @classmethod
     def from_yaml(cls, path: str | Path, zero_stage: int = 3) -> "CostModel":
-        """A cost-model file: ``model`` and ``cluster`` (preset names, file paths or inline
-        mappings of their fields), optionally ``zero_stage`` (else the ``zero_stage`` given), and what ``megatron-ext profile``
+        """A cost-model file: ``model`` and ``cluster`` (preset names, file paths, relative ones
+        from the file's folder where a file is there, or inline mappings of their fields), optionally ``zero_stage`` (else the ``zero_stage`` given), and what ``megatron-ext profile``
         writes besides: ``device``, ``dtype`` and ``attention_backend`` (what it measured on) and
         the ``profile`` section (measurements and fit residuals); those are for people, not read here."""
         data = read_yaml(Path(path))
@@ -82,6 +82,8 @@ class CostModel:
         for what, v in (("model", model), ("cluster", cluster)):
             if not isinstance(v, (str, dict)):
                 raise ConfigError(f"{path}: '{what}' must be a preset name, a file path or a mapping of fields")
+        model, cluster = (str(Path(path).parent / v) if isinstance(v, str) and (Path(path).parent / v).is_file()
+                          and not Path(v).is_absolute() else v for v in (model, cluster))
         if isinstance(model, dict):
             model = model_from_mapping({"name": Path(path).stem, **model})
         if isinstance(cluster, dict):

@@ -460,6 +460,14 @@ def test_from_yaml_presets_and_default_stage(tmp_path):
     assert CostModel.from_yaml(p).num_gpus == 128
 
 
+def test_from_yaml_reads_relative_files_from_its_folder(tmp_path, monkeypatch):
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "mymodel.yaml").write_text(TINY_YAML)
+    (tmp_path / "conf" / "cost.yaml").write_text("model: mymodel.yaml\ncluster: cpu-4\n")
+    monkeypatch.chdir(tmp_path)  # (not the YAML's folder)
+    assert CostModel.from_yaml("conf/cost.yaml").model.name == "mymodel"
+
+
 def test_from_yaml_takes_what_profile_measured_on_as_metadata(tmp_path):
     """A profiled YAML names its device, dtype and attention backend: it loads like any cost
     model, with the same costs as without them, and its ZeRO stage."""
