@@ -335,6 +335,22 @@ def test_flexsp_past_its_deadline_still_plans_no_worse_than_batchada():
     assert plan.estimated_step_time_s <= batchada.estimated_step_time_s * (1 + REL)
 
 
+@pytest.mark.parametrize("share", [0.25, 0.0])  # (0: the early starts go after the cut search)
+def test_flexsp_early_starts_before_or_after_the_cut_search(monkeypatch, share):
+    """Where the re-plan of the best homogeneous packing would take much of the limit (4,096
+    GPUs: 0.76 s of 1 s, leaving the cut search that wins there none), it and the cheapest-degree
+    start go after the cut search; either way a generous limit finds the same quality of plan."""
+    import megatron_ext.planner.sp.flexsp as flexsp
+    from megatron_ext.data.lengths import sample_lengths
+
+    monkeypatch.setattr(flexsp, "EARLY_START_SHARE", share)
+    cost = CostModel.from_presets("gpt-7b", "a100-40g-8x8")
+    lengths = sample_lengths("commoncrawl", 256, 1, cost.max_seq_len)
+    plan = make_plan("flexsp", lengths, cost, PlannerOptions(time_limit=5.0))
+    validate(plan, lengths, cost)
+    assert plan.estimated_step_time_s <= 1.25 * cost.lower_bound_ms(lengths) / 1e3
+
+
 def test_flexsp_on_a_batch_too_big_for_its_time_limit():
     """20,000 sequences in 0.3 s: the plan is valid, says so, and is no slower than BatchAda's
     (here a single degree is feasible: its packing is the first plan)."""

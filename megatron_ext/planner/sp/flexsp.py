@@ -382,6 +382,10 @@ def _solve_part(batch: _Batch, ids: np.ndarray, options: PlannerOptions,
 MILP_OVERSHOOT_S = 0.04
 # Of the time limit: with less left after the cut search, the MILP polish goes before the last starts
 POLISH_FIRST = 0.3
+# The early starts go after the cut search where this many homogeneous packings' time (about what
+# one of them takes) is over this share of the time limit
+EARLY_START_PACKINGS = 10
+EARLY_START_SHARE = 0.25
 
 
 def _milp_improve(batch: _Batch, ids: np.ndarray, incumbent: tuple[list[int], list[list[int]]],
@@ -683,10 +687,17 @@ def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -
     # short sequences left go to narrow groups, many more of them): it stops in time for that.
     search.deadline = min(search.deadline, deadline - 2 * (time.perf_counter() - packing_start))
     # The two starting points that win most often go before the cut search, which a short limit
-    # would leave them no time after (at 0.55 s, 7 of 180 map cells 2-8% faster; at 1 s the same)
+    # would leave them no time after (at 0.55 s, 7 of 180 map cells 2-8% faster; at 1 s the same),
+    # unless one would take much of the limit (its part solves ~10 packings' time, measured: 4,096
+    # GPUs and 32,768 sequences packed in 0.08 s and the re-plan took 0.76 s of 1 s, leaving the cut
+    # search, which wins there, no time): then they go after it, with the other starts
+    def early_starts(until: float) -> list:
+        return [partial(_replan, batch, [g for g, _ in homogeneous[0][0]], options, until),
+                partial(_cheapest_degree_start, batch, options, until)]
+
+    deferred = EARLY_START_PACKINGS * (time.perf_counter() - packing_start) > EARLY_START_SHARE * options.time_limit
     early = []
-    for make in (partial(_replan, batch, [g for g, _ in homogeneous[0][0]], options, search.deadline),
-                 partial(_cheapest_degree_start, batch, options, search.deadline)):
+    for make in [] if deferred else early_starts(search.deadline):
         if time.perf_counter() < search.deadline:
             early.append(make())
         else:
@@ -732,7 +743,8 @@ def plan_flexsp(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -
     # Mixed degrees inside the second homogeneous partition, then the filled starts; none begins a
     # part solve it has no time left to finish (at the pace of the slowest so far).
     last_start = deadline - search.slowest
-    starts = [partial(_replan, batch, [g for g, _ in mbs], options, last_start) for mbs, _ in homogeneous[1:2]]
+    starts = early_starts(last_start) if deferred else []
+    starts += [partial(_replan, batch, [g for g, _ in mbs], options, last_start) for mbs, _ in homogeneous[1:2]]
     starts += [partial(_filled_start, batch, order, m_min, options, last_start),
                partial(_filled_start, batch, order, m_min + 1, options, last_start)]
     for make in starts:  # each is bounded work, cut short at the deadline on a slow machine
