@@ -385,7 +385,7 @@ POLISH_FIRST = 0.3
 # The early starts go after the cut search where this many homogeneous packings' time (about what
 # one of them takes) is over this share of the time limit
 EARLY_START_PACKINGS = 10
-EARLY_START_SHARE = 0.25
+EARLY_START_SHARE = 0.15
 
 
 def _milp_improve(batch: _Batch, ids: np.ndarray, incumbent: tuple[list[int], list[list[int]]],
