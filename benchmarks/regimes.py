@@ -239,7 +239,7 @@ def main() -> None:
         kept = {k: v for k, v in rows.get(_key(row), {}).items()  # the planners not replanned
                 if not any(k.startswith(f"{p}_") for p in replanned) and not (k == "pipeline_layout" and pipelines)}
         rows[_key(row)] = {**kept, **row}
-        print(_progress(row), flush=True)
+        print(_progress(rows[_key(row)]), flush=True)  # (with the kept planners: auto vs flexsp)
         with open(store, "w") as f:
             json.dump(sorted(rows.values(), key=_key), f, indent=1)
 
