@@ -211,7 +211,17 @@ def _build(cls, data: dict, what: str):
 
 class _YamlLoader(yaml.SafeLoader):
     """Safe YAML, reading exponents without a dot (``a1: 5e-6``) as numbers, as YAML 1.2 does
-    (PyYAML's 1.1 rules read them as strings)."""
+    (PyYAML's 1.1 rules read them as strings), and refusing a key given twice (PyYAML keeps the
+    last without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 _YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"),
@@ -363,8 +373,13 @@ def cluster_from_mapping(data: dict) -> ClusterSpec:
     data = dict(data)
     for name in ("a2a_bandwidth_gbps", "a2a_latency_ms"):
         if isinstance(data.get(name), dict):
+            keys = list(data[name])
             try:
-                data[name] = {int(k): v for k, v in data[name].items()}
+                ints = [int(k) for k in keys]
             except (TypeError, ValueError):
-                raise ConfigError(f"cluster {data['name']!r}: {name} keys must be integer degrees") from None
+                ints = []
+            if len(ints) != len(keys) or any(i != k for i, k in zip(ints, keys) if not isinstance(k, str)):
+                raise ConfigError(f"cluster {data['name']!r}: {name} keys must be integer degrees, got "
+                                  f"{', '.join(map(repr, keys))}")
+            data[name] = dict(zip(ints, data[name].values()))
     return validate_cluster(_build(ClusterSpec, data, f"cluster {data.get('name')!r}"))

@@ -401,6 +401,8 @@ def test_bad_model_yaml(tmp_path, text, match):
     (CLUSTER_YAML.replace("{2: 100.0, 4: 80.0, 8: 10.0}", "{2: 100.0, 4: .inf}"), r"a2a_bandwidth_gbps\[4\]"),
     (CLUSTER_YAML + "a2a_latency_ms: {2: .nan}\n", r"a2a_latency_ms\[2\] must be a non-negative finite"),
     (CLUSTER_YAML.replace("num_nodes: 2", "num_nodes: 1073741824"), "4,294,967,296 GPUs is over the 1,048,576"),
+    (CLUSTER_YAML.replace("{2: 100.0, 4: 80.0, 8: 10.0}", "{2: 100.0, 2.5: 1.0}"), "integer degrees, got 2, 2.5"),
+    (CLUSTER_YAML + "memory_gb: 80\n", "key 'memory_gb' given twice"),
 ])
 def test_bad_cluster_yaml(tmp_path, text, match):
     p = tmp_path / "bad.yaml"
