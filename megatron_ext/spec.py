@@ -254,17 +254,18 @@ def _presets(kind: str) -> list[str]:
     return sorted(p.stem for p in (PRESET_DIR / kind).glob("*.yaml"))
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
+    """An int, not a bool (YAML's true and false are not counts)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def is_number(v) -> bool:
     """A finite int or float (YAML's .inf and .nan are floats; true and false are not numbers)."""
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+    return (is_int(v) or isinstance(v, float)) and math.isfinite(v)
 
 
 def _check_count(v, what: str, name: str) -> None:
-    _check(_is_int(v) and v > 0, what, f"{name} must be a positive integer, got {v!r}")
+    _check(is_int(v) and v > 0, what, f"{name} must be a positive integer, got {v!r}")
 
 
 def _check_number(v, what: str, name: str, positive: bool) -> None:
@@ -285,13 +286,13 @@ def validate_model(m: ModelSpec) -> ModelSpec:
         _check_number(m.act_mb_per_token, what, "act_mb_per_token", positive=True)
     _check(m.recompute in ("none", "full"), what, f"recompute must be 'none' or 'full', got {m.recompute!r}")
     if m.recompute_layers is not None:
-        _check(_is_int(m.recompute_layers) and 0 <= m.recompute_layers <= m.num_layers, what,
+        _check(is_int(m.recompute_layers) and 0 <= m.recompute_layers <= m.num_layers, what,
                f"recompute_layers must be an integer in 0..{m.num_layers}, got {m.recompute_layers!r}")
     _check(isinstance(m.dropout, bool), what, f"dropout must be true or false, got {m.dropout!r}")
     _check(m.num_attention_heads % m.kv_heads == 0, what, "num_attention_heads must divide by num_query_groups")
     _check(m.hidden_size % m.num_attention_heads == 0, what,
            f"hidden_size {m.hidden_size} must divide by num_attention_heads {m.num_attention_heads} (the head size)")
-    _check(_is_int(m.activation_bytes) and m.activation_bytes in (1, 2, 4, 8), what,
+    _check(is_int(m.activation_bytes) and m.activation_bytes in (1, 2, 4, 8), what,
            f"activation_bytes must be 1, 2, 4 or 8, got {m.activation_bytes!r}")
     _check(isinstance(m.swiglu, bool), what, f"swiglu must be true or false, got {m.swiglu!r}")
     _check(m.head_time_share is None or (is_number(m.head_time_share) and 0 <= m.head_time_share < 1),
@@ -301,9 +302,9 @@ def validate_model(m: ModelSpec) -> ModelSpec:
 
 def validate_cluster(c: ClusterSpec) -> ClusterSpec:
     what = f"cluster {c.name!r}"
-    _check(_is_int(c.gpus_per_node) and is_power_of_two(c.gpus_per_node), what,
+    _check(is_int(c.gpus_per_node) and is_power_of_two(c.gpus_per_node), what,
            f"gpus_per_node must be a power of two, got {c.gpus_per_node!r}")
-    _check(_is_int(c.num_nodes) and is_power_of_two(c.num_nodes), what,
+    _check(is_int(c.num_nodes) and is_power_of_two(c.num_nodes), what,
            f"the GPU count must be a power of two times the node size; num_nodes={c.num_nodes!r} "
            f"is not a power of two")
     _check(c.gpus_per_node * c.num_nodes <= MAX_GPUS, what,
@@ -321,7 +322,7 @@ def validate_cluster(c: ClusterSpec) -> ClusterSpec:
     for name, table, positive in (("a2a_bandwidth_gbps", bw, True), ("a2a_latency_ms", c.a2a_latency_ms, False)):
         _check(isinstance(table, dict), what, f"{name} must map degree -> number")
         for d, v in table.items():
-            _check(_is_int(d) and is_power_of_two(d) and d >= 2, what,
+            _check(is_int(d) and is_power_of_two(d) and d >= 2, what,
                    f"{name} key {d!r} is not a power-of-two degree >= 2")
             _check_number(v, what, f"{name}[{d}]", positive)
     if c.num_gpus > 1:

@@ -20,7 +20,7 @@ import numpy as np
 
 from megatron_ext.commands.args import path_arg
 from megatron_ext.errors import ConfigError
-from megatron_ext.spec import is_number
+from megatron_ext.spec import is_int, is_number
 from megatron_ext.text import plural
 
 DRIFT_THRESHOLD = 0.15  # median absolute error above which the model is called off
@@ -79,7 +79,7 @@ def _seconds(x) -> bool:
 
 
 def _counts(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+    return is_int(x) and x >= 1
 
 
 def _numbers(x) -> bool:

@@ -24,10 +24,10 @@ import numpy as np
 from megatron_ext.cost import CostModel
 from megatron_ext.data.lengths import sample_lengths
 from megatron_ext.errors import ConfigError
-from megatron_ext.spec import MAX_GPUS, validate_cluster
 from megatron_ext.planner import PlannerOptions, make_plan
 from megatron_ext.plan import group_starts_ms
 from megatron_ext.planner.api import PLANNERS, get_planner, planner_names
+from megatron_ext.spec import MAX_GPUS, validate_cluster
 
 LIMIT_SLACK = 1.05  # a plan "held" its time limit when it took at most 5% more
 

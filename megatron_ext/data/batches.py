@@ -27,7 +27,7 @@ import math
 import numpy as np
 
 from megatron_ext.data.datasets import DataError, blend_documents, open_blend
-from megatron_ext.data.lengths import MAX_BATCH, MAX_SEED, cut_documents
+from megatron_ext.data.lengths import MAX_BATCH, check_seed, cut_documents
 from megatron_ext.text import plural
 
 logger = logging.getLogger(__name__)
@@ -52,8 +52,7 @@ class GlobalBatches:
                  shuffle: bool = True, source_sizes=None, weights=None):
         if not 1 <= global_batch_size <= MAX_BATCH:
             raise DataError(f"the global batch must be from 1 to {MAX_BATCH:,} sequences, got {global_batch_size:,}")
-        if not 0 <= seed <= MAX_SEED:
-            raise DataError(f"--seed must be from 0 to 2^63 - 1, got {seed}")
+        check_seed(seed, DataError)
         self.global_batch_size = int(global_batch_size)
         self.max_seq_len = int(max_seq_len)
         self.seed = int(seed)

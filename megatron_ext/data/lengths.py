@@ -84,13 +84,18 @@ MAX_BATCH = 2**20  # sequences in one batch: past this, a typo (hours of plannin
 MAX_SEED = 2**63 - 1  # (torch's seeds are 64-bit signed)
 
 
+def check_seed(seed: int, error: type[Exception] = LengthsError) -> None:
+    """Refuse a seed the random streams cannot take (as ``error``: the caller's kind of bad input)."""
+    if not 0 <= seed <= MAX_SEED:
+        raise error(f"--seed must be from 0 to 2^63 - 1, got {seed}")
+
+
 def sample_lengths(dist: str, batch: int, seed: int, max_len: int | None = None) -> np.ndarray:
     if dist not in DISTRIBUTIONS:
         raise LengthsError(f"unknown length distribution {dist!r}; choose one of {', '.join(DISTRIBUTIONS)}")
     if not 1 <= batch <= MAX_BATCH:
         raise LengthsError(f"--batch must be from 1 to {MAX_BATCH:,} sequences, got {batch:,}")
-    if not 0 <= seed <= MAX_SEED:
-        raise LengthsError(f"--seed must be from 0 to 2^63 - 1, got {seed}")
+    check_seed(seed)
     return DISTRIBUTIONS[dist].sample(batch, np.random.default_rng(seed), max_len)
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.data.datasets import DataError
-from megatron_ext.data.lengths import MAX_BATCH, MAX_SEED
+from megatron_ext.data.lengths import MAX_BATCH, check_seed
 from megatron_ext.errors import ConfigError
 from megatron_ext.planner import PlannerOptions
 from megatron_ext.planner.api import PIPELINE_KINDS, get_planner, max_seq_len, planner_names
@@ -185,8 +185,7 @@ def check_args(args, cost: CostModel, world: int) -> bool:
     if args.steps < 1 or not 1 <= args.global_batch <= MAX_BATCH:
         raise ConfigError(f"--steps must be at least 1 and --global-batch from 1 to {MAX_BATCH:,}, got "
                           f"{args.steps} and {args.global_batch}")
-    if not 0 <= args.seed <= MAX_SEED:
-        raise ConfigError(f"--seed must be from 0 to 2^63 - 1, got {args.seed}")
+    check_seed(args.seed, ConfigError)
     if args.data is None and args.vocab_size is not None:
         raise ConfigError("--vocab-size applies to --data; the default corpus has its tokenizer")
     check_checkpoint_args(args, cost)
