@@ -162,9 +162,11 @@ def add_pipeline_args(p) -> None:
                         "chunk, or both and the faster simulated plan (default: best)")
 
 
-def check_args(args, pipelines: bool) -> None:
+def check_args(args, pipelines: bool, sp_groups: bool) -> None:
     """Before any work: ``--data`` with the length that cuts its documents, the plot file's format,
-    and no pipeline option without a pipeline planner (``pipelines``: the command runs one)."""
+    no pipeline option without a pipeline planner (``pipelines``: the command runs one) and no
+    ``--max-ring`` without a planner of SP groups over all GPUs (``sp_groups``: FlexSP's kind or
+    auto; a pipeline stage's group is Ulysses only)."""
     if getattr(args, "data", None) and not args.max_seq_len:
         raise ConfigError("--data needs --max-seq-len: the length a training run cuts its documents at "
                           "(train's --max-seq-len, Megatron-LM's --seq-length), so the batches are the run's")
@@ -180,7 +182,15 @@ def check_args(args, pipelines: bool) -> None:
     given = [flag for name, flag in PIPELINE_ONLY.items() if getattr(args, name, None) is not None]
     if given and not pipelines:
         raise ConfigError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to pipeline planners "
-                          f"({', '.join(planner_names(*PIPELINE_KINDS))}), not to {getattr(args, 'planner', None) or getattr(args, 'planners', '')}")
+                          f"({', '.join(planner_names(*PIPELINE_KINDS))}), not to {_planners_given(args)}")
+    if getattr(args, "max_ring", 1) > 1 and not sp_groups:
+        raise ConfigError(f"--max-ring applies only to planners of SP groups over all GPUs "
+                          f"({', '.join(planner_names('sp', 'auto'))}), not to {_planners_given(args)}: "
+                          f"a pipeline stage's SP group is Ulysses only")
+
+
+def _planners_given(args) -> str:
+    return getattr(args, "planner", None) or getattr(args, "planners", "")
 
 
 def check_output_file(path: str, option: str) -> None:

@@ -41,7 +41,7 @@ def add_bench_command(sub) -> None:
                     help="a table across cluster sizes instead: the cluster scaled to each GPU count, "
                          "--per-gpu sequences per GPU, --planner and timelines (barrier-free: at --zero-stage 0-2 "
                          "only), no baselines")
-    bp.add_argument("--per-gpu", type=int, default=8, help="with --gpus: sequences per GPU in a batch (default: 8)")
+    bp.add_argument("--per-gpu", type=int, help="with --gpus: sequences per GPU in a batch (default: 8)")
     bp.add_argument("--json", action="store_true")
     add_cost_args(bp)
     add_planner_args(bp)
@@ -51,10 +51,13 @@ def add_bench_command(sub) -> None:
 def cmd_bench(args) -> int:
     if args.batches < 1:
         raise ConfigError(f"--batches must be at least 1, got {args.batches}")
+    if args.per_gpu is not None and args.gpus is None:
+        raise ConfigError("--per-gpu applies with --gpus (the table across cluster sizes); without it, --batch "
+                          "sets the sequences per batch")
     cost = cost_from_args(args)
     if args.gpus is not None:
         result = bench_scale(cost, gpus=parse_gpu_counts(args.gpus), dists=args.dist.split(","),
-                             batches=args.batches, per_gpu=args.per_gpu, max_seq_len=args.max_seq_len,
+                             batches=args.batches, per_gpu=8 if args.per_gpu is None else args.per_gpu, max_seq_len=args.max_seq_len,
                              options=options_from_args(args),
                              planners=tuple(dict.fromkeys((args.planner, "timelines"))))
         print(json.dumps(result, indent=1) if args.json else result["table"])

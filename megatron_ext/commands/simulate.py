@@ -12,7 +12,7 @@ from megatron_ext.commands.args import (add_batch_source_args, add_cost_args, ad
 from megatron_ext.commands.plan import trace_if_asked
 from megatron_ext.commands.table import DEFAULT_PLANNERS, simulate_table
 from megatron_ext.data.lengths import read_lengths
-from megatron_ext.errors import ConfigError, LengthsError
+from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError
 
 
 def add_simulate_command(sub) -> None:
@@ -46,7 +46,8 @@ def cmd_simulate(args) -> int:
         raise ConfigError("--drop-over-max applies to --lengths: --dist samples and --data cuts its documents "
                           "within --max-seq-len")
     planners = DEFAULT_PLANNERS if args.planners == "all" else tuple(x.strip() for x in args.planners.split(","))
-    check_args(args, pipelines=any(x in planner_names(*PIPELINE_KINDS) for x in planners))
+    check_args(args, pipelines=any(x in planner_names(*PIPELINE_KINDS) for x in planners),
+               sp_groups=any(x not in planner_names("pp") for x in planners))  # (an unknown name is refused later)
     cost = cost_from_args(args)
     if args.planners == "all" and cost.zero_stage < 3:  # FlexSP without barriers runs here too
         planners += ("timelines",)
@@ -59,6 +60,9 @@ def cmd_simulate(args) -> int:
                          max_seq_len=args.max_seq_len, planners=planners, main=args.main, options=opts,
                          time_limit=opts.time_limit, keep_plans=bool(args.plot or args.trace))
     print(json.dumps({k: out[k] for k in ("config", "summary", "floor", "rows")}, indent=1) if args.json else out["table"])
+    if all("error" in s for s in out["summary"]):  # (the table says why, planner by planner)
+        raise InfeasibleError(f"no planner could plan any step: {', '.join(s['planner'] for s in out['summary'])} "
+                              f"infeasible")
     if args.plot or args.trace:
         main = out["config"]["main"]
         first = out["plans"].get(main)

@@ -370,6 +370,9 @@ SMALL = ["--model", "llama-7b", "--cluster", "a800-80g-8x1"]  # one node of 8 GP
     (["simulate", "--drop-over-max"], "--drop-over-max applies to --lengths"),
     (["plan", "--planner", "auto", "--sp", "3"], "SP degree 3 is not allowed"),  # not FlexSP alone, silently
     (["plan", "--planner", "auto", "--static-degree", "16"], "SP degree 16 is not allowed"),
+    # a pipeline stage's SP group is Ulysses only: the ring reached the FlexSP baseline alone
+    (["plan", "--planner", "elastic_pp", "--max-ring", "2"], "--max-ring applies only to planners of SP groups"),
+    (["simulate", "--planners", "seq1f1b,batch_1f1b", "--max-ring", "2"], "not to seq1f1b,batch_1f1b"),
 ])
 def test_pipeline_and_simulate_config_errors(capsys, argv, match):
     assert_one_line_error(*run(capsys, argv[0], *FAST, *SMALL, "--batch", "8", *argv[1:]), match)
@@ -411,6 +414,15 @@ def test_memory_budget_and_length_limits_apply_to_every_planner(capsys, tmp_path
     code, out, err = run(capsys, "simulate", *SMALL, "--lengths", long, "--max-seq-len", "48K", "--drop-over-max",
                          "--planners", "flexsp,elastic_pp", *FAST)
     assert code == 0 and "dropped 1 sequence(s)" in err and "2 given lengths" in out and "flexsp speedup" in out
+
+
+def test_simulate_fails_when_no_planner_plans_a_step(capsys, tmp_path):
+    """The table says why, planner by planner; the exit status says nothing ran (it was 0)."""
+    f = write(tmp_path, "long.txt", "2000000\n1000\n")
+    code, out, err = run(capsys, "simulate", *SMALL, "--lengths", f, "--max-seq-len", "2M", "--planners", "flexsp",
+                         *FAST)
+    assert code == 2 and "flexsp            infeasible: a sequence of 2000000 tokens" in out
+    assert err.strip() == "megatron-ext: error: no planner could plan any step: flexsp infeasible"
 
 
 def test_static_degree_reaches_static_ulysses_from_every_planner(capsys, lengths_file):
@@ -473,7 +485,8 @@ def test_bad_model_yaml(capsys, tmp_path):
 
 def test_bench_bad_counts(capsys):
     for argv, says in ((["--batches", "0"], "--batches must be at least 1"),
-                       (["--batch", "0"], "--batch must be from 1 to 1,048,576 sequences, got 0")):
+                       (["--batch", "0"], "--batch must be from 1 to 1,048,576 sequences, got 0"),
+                       (["--per-gpu", "0"], "--per-gpu applies with --gpus")):  # (was accepted, unused)
         assert_one_line_error(*run(capsys, "bench", "planner", "--no-scale", "--dist", "wikipedia", *argv, *FAST),
                               says)
     assert_one_line_error(*run(capsys, "bench", "planner", "--no-scale", "--dist", "wikipedia,nope", "--batches",
