@@ -1,4 +1,4 @@
-"""`megatron-ext`: plan and benchmark adaptive sequence-parallel steps.
+"""`megatron-ext`: per-step FlexSP and elastic-pipeline plans from a batch's lengths; train on them, profile, report.
 
 Every command prints a readable table, or JSON with --json. Bad input is one line on stderr and
 exit status 2, never a traceback.
