@@ -74,8 +74,12 @@ def load_run(run: str | Path) -> list[dict]:
     return records
 
 
+MAX_SECONDS = 1e7  # a step or operation time past this (four months) is not a measurement
+
+
 def _seconds(x) -> bool:
-    return is_number(x) and x >= 1e-9  # (a denormal time made the errors inf)
+    # (a denormal time made the errors inf; one of 1e308 against 1e-9, inf and NaN in --json)
+    return is_number(x) and 1e-9 <= x <= MAX_SECONDS
 
 
 def _counts(x) -> bool:
@@ -86,15 +90,23 @@ def _numbers(x) -> bool:
     return isinstance(x, list) and all(is_number(v) for v in x)
 
 
+def _at_most(x) -> float:
+    """``x`` if a number of seconds within ``MAX_SECONDS``, else -1."""
+    return x if is_number(x) and x <= MAX_SECONDS else -1
+
+
 def _bad_record(r: dict) -> str | None:
     """Why a step record cannot be reported on (its times, the layout it names, its pipeline
     stages' measurements), or None."""
     for key in ("step_time_s", "predicted_step_time_s"):
         if not _seconds(r[key]):
-            return f"{key} must be a positive number of seconds, got {r[key]!r}"
+            return f"{key} must be a number of seconds from 1e-9 to {MAX_SECONDS:g}, got {r[key]!r}"
+    if "step" in r and not (is_int(r["step"]) and r["step"] >= 0):
+        return f"step must be a step number, got {r['step']!r}"
     mbs = [r.get(k, []) for k in ("micro_batch_times_s", "predicted_micro_batch_times_s")]
     if not all(isinstance(x, list) and all(_seconds(t) for t in x) for x in mbs):
-        return "micro_batch_times_s and predicted_micro_batch_times_s must be lists of positive seconds"
+        return (f"micro_batch_times_s and predicted_micro_batch_times_s must be lists of seconds from 1e-9 to "
+                f"{MAX_SECONDS:g}")
     if mbs[0] and mbs[1] and len(mbs[0]) != len(mbs[1]):  # (a pipelined step measures none)
         return f"{len(mbs[0])} measured micro-batch times against {len(mbs[1])} predicted"
     for key in ("planner", "kind"):
@@ -112,9 +124,16 @@ def _bad_record(r: dict) -> str | None:
     if ops is None:
         return None if "stages" in r else "a pipeline step names no stages (neither stages nor ops_per_stage)"
     if not (isinstance(ops, list) and ops and all(isinstance(st, list) for st in ops) and
-            all(isinstance(op, list) and len(op) == 3 and is_number(op[1]) and (op[2] is None or is_number(op[2]))
+            all(isinstance(op, list) and len(op) == 3 and 0 <= _at_most(op[1]) and (op[2] is None or 0 <= _at_most(op[2]))
                 for st in ops for op in st)):
-        return "ops_per_stage must list each stage's operations as [name, measured s, predicted s or null]"
+        return ("ops_per_stage must list each stage's operations as [name, measured s, predicted s or null], "
+                f"seconds from 0 to {MAX_SECONDS:g}")
+    if "step" not in r:  # (its stages' peaks over the room are named by step)
+        return "a pipeline step's record needs its step number (step)"
+    stages, rows = r.get("stages", len(ops)), len(ops)
+    if rows % stages or rows != stages * r.get("replicas", rows // stages):  # a row per replica's stage
+        return (f"ops_per_stage has {rows} rows, not one per stage of each replica ({plural(stages, 'stage')} x "
+                f"{plural(r.get('replicas', rows // stages), 'replica')})")
     if not all(_numbers(r.get(k)) and len(r[k]) == len(ops)
                for k in ("activation_peak_mb_per_stage", "planned_activation_mb_per_stage")) \
             or not is_number(r.get("activation_room_mb")):
@@ -197,9 +216,11 @@ def _stage_fidelity(layout: str, stages: list[dict]) -> dict:
 def report_table(records: list[dict]) -> str:
     f = fidelity(records)
     ran = "; ran " + layouts_text(f["layouts"]) if len(f["layouts"]) > 1 else ""
-    lines = [f"{records[0].get('planner', '?')}: {f['steps']} steps (the first is left out){ran}",
+    bias = f["step_bias"]
+    lines = [f"{records[0].get('planner') or 'run'}: {plural(f['steps'], 'step')}"
+             f"{' (the first is left out)' if len(records) > 1 else ''}{ran}",
              f"step time error:        median {f['step_median_abs_error']:.1%}, p90 {f['step_p90_abs_error']:.1%}, "
-             f"bias {f['step_bias']:+.1%} ({'over' if f['step_bias'] > 0 else 'under'}-predicts)"]
+             f"bias {bias:+.1%}" + (f" ({'over' if bias > 0 else 'under'}-predicts)" if bias else "")]
     if f["micro_batch_median_abs_error"] is not None:
         lines.append(f"micro-batch time error: median {f['micro_batch_median_abs_error']:.1%}, "
                      f"p90 {f['micro_batch_p90_abs_error']:.1%}")

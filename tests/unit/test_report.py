@@ -63,28 +63,44 @@ def test_missing_or_malformed_run(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("record, match", [
-    (_rec(3, 0, 1.0), "record 2 \\(step 3\\): step_time_s must be a positive number of seconds, got 0"),
-    (_rec(3, None, 1.0), "step_time_s must be a positive number of seconds, got None"),
-    (_rec(3, 1.0, "x"), "predicted_step_time_s must be a positive number of seconds, got 'x'"),
-    (_rec(3, True, 1.0), "step_time_s must be a positive number"),
+    (_rec(3, 0, 1.0), "record 2 \\(step 3\\): step_time_s must be a number of seconds from 1e-9 to 1e\\+07, got 0"),
+    (_rec(3, None, 1.0), "step_time_s must be a number of seconds from 1e-9 to 1e\\+07, got None"),
+    (_rec(3, 1.0, "x"), "predicted_step_time_s must be a number of seconds from 1e-9 to 1e\\+07, got 'x'"),
+    (_rec(3, True, 1.0), "step_time_s must be a number of seconds"),
+    (_rec(3, 1e308, 1.0), "step_time_s must be a number of seconds from 1e-9 to 1e\\+07, got 1e\\+308"),  # (inf, NaN)
+    (_rec(-1, 1.0, 1.0), "step must be a step number, got -1"),
     ({**_rec(3, 1.0, 1.0), "micro_batch_times_s": [0.5, 0.5], "predicted_micro_batch_times_s": [1.0]},
      "2 measured micro-batch times against 1 predicted"),
-    ({**_rec(3, 1.0, 1.0), "micro_batch_times_s": [0.5, -1]}, "lists of positive seconds"),
-    (_rec(3, 1e-320, 1.0), "step_time_s must be a positive number of seconds, got 1e-320"),  # (errors were inf)
+    ({**_rec(3, 1.0, 1.0), "micro_batch_times_s": [0.5, -1]}, "lists of seconds from 1e-9"),
+    (_rec(3, 1e-320, 1.0), "step_time_s must be a number of seconds from 1e-9 to 1e\\+07, got 1e-320"),  # (inf)
     ({**_rec(3, 1.0, 1.0), "planner": [1]}, "planner must be a name, got \\[1\\]"),
     ({**_rec(3, 1.0, 1.0), "kind": "elastic_pp"}, "a pipeline step's degrees must be a list of SP degrees"),
     ({**_rec(3, 1.0, 1.0), "kind": "elastic_pp", "degrees": [2]}, "a pipeline step names no stages"),
     ({**_rec(3, 1.0, 1.0), "kind": "elastic_pp", "degrees": [2], "stages": 0}, "stages must be a positive integer"),
     ({**_rec(3, 1.0, 1.0), "degrees": [2], "ops_per_stage": 5}, "ops_per_stage must list each stage's operations"),
     ({**_rec(3, 1.0, 1.0), "degrees": [2], "ops_per_stage": [[[1, 2]]]}, "ops_per_stage must list each stage's"),
+    ({**_rec(3, 1.0, 1.0), "degrees": [2], "ops_per_stage": [[["F0", 0.1, 1e300]]]}, "seconds from 0 to 1e\\+07"),
     ({**_rec(3, 1.0, 1.0), "degrees": [2], "ops_per_stage": [[["F0", 0.1, 0.1]]]},
      "ops_per_stage needs activation_peak_mb_per_stage"),
+    # (a KeyError and an IndexError in the report, below)
+    ({k: v for k, v in _rec(3, 1.0, 1.0).items() if k != "step"} | {"degrees": [2], "ops_per_stage": [[]]},
+     "a pipeline step's record needs its step number"),
+    ({**_rec(3, 1.0, 1.0), "degrees": [2], "stages": 2, "replicas": 1, "ops_per_stage": [[]] * 4},
+     "ops_per_stage has 4 rows, not one per stage of each replica \\(2 stages x 1 replica\\)"),
+    ({**_rec(3, 1.0, 1.0), "degrees": [2], "stages": 3, "ops_per_stage": [[]] * 4}, "ops_per_stage has 4 rows"),
 ])
 def test_records_that_cannot_be_reported_on_are_refused(tmp_path, capsys, record, match):
     with pytest.raises(ConfigError, match=match):
         load_run(_write(tmp_path, [_rec(2, 1.0, 1.0), record]))
     assert main(["report", str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith("megatron-ext: error:")
+
+
+def test_one_record_of_no_planner(tmp_path, capsys):
+    """Nothing is left out of a run of one step; a record without a planner is a run's."""
+    assert main(["report", str(_write(tmp_path, [{"step_time_s": 1.0, "predicted_step_time_s": 1.0}]))]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "run: 1 step" and out[1].endswith("bias +0.0%")  # (no "under-predicts" at 0)
 
 
 def test_a_pipelined_step_measures_no_micro_batches():
