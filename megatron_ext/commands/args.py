@@ -88,14 +88,17 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
                         "Ulysses subgroups, K/V passed around it (a power of two; default 1: Ulysses only)")
 
 
-def add_planner_args(p: argparse.ArgumentParser) -> None:
+def add_planner_args(p: argparse.ArgumentParser, kinds: tuple[str, ...] = (), drop_over_max: bool = True) -> None:
+    """``--planner`` (one of ``kinds``, default all), its time limit and baselines' degree, and
+    ``--drop-over-max`` where the command may fail on a sequence (``bench`` always drops them)."""
     g = p.add_argument_group("planner")
     g.add_argument("--planner", default="flexsp",
-                   help=f"one of: {planners_help()}; default flexsp")
+                   help=f"one of: {planners_help(*kinds)}; default flexsp")
     g.add_argument("--time-limit", type=float, default=1.0, metavar="SEC", help="solver time limit per step (default 1)")
     g.add_argument("--static-degree", type=int, help="degree of static_ulysses (default: the largest allowed)")
-    g.add_argument("--drop-over-max", action="store_true",
-                   help="drop (and report) sequences no group can hold instead of failing")
+    if drop_over_max:
+        g.add_argument("--drop-over-max", action="store_true",
+                       help="drop (and report) sequences no group can hold instead of failing")
 
 
 def cost_from_args(args) -> CostModel:
@@ -110,7 +113,7 @@ def options_from_args(args) -> PlannerOptions:
     if not (math.isfinite(args.time_limit) and args.time_limit > 0):
         raise ConfigError(f"--time-limit must be positive (seconds), got {args.time_limit}")
     return PlannerOptions(time_limit=args.time_limit, static_degree=args.static_degree,
-                          drop_over_max=args.drop_over_max, max_seq_len=args.max_seq_len)
+                          drop_over_max=getattr(args, "drop_over_max", False), max_seq_len=args.max_seq_len)
 
 
 def add_batch_source_args(p, default_dist: str) -> None:

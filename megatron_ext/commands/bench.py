@@ -21,7 +21,7 @@ from megatron_ext.cost import CostModel
 from megatron_ext.data.lengths import sample_lengths
 from megatron_ext.errors import ConfigError, InfeasibleError
 from megatron_ext.planner import PlannerOptions, make_plan
-from megatron_ext.planner.api import BASELINES
+from megatron_ext.planner.api import BASELINES, planner_names
 
 SCALE_GPUS, SCALE_SEQS = 1024, 8192
 
@@ -33,7 +33,7 @@ def add_bench_command(sub) -> None:
     bp.add_argument("--dist", default="wikipedia,commoncrawl,github",
                     help="comma-separated distributions (default: wikipedia,commoncrawl,github)")
     bp.add_argument("--batches", type=int, default=5, help="batches per distribution")
-    bp.add_argument("--batch", type=int, default=512, help="sequences per batch")
+    bp.add_argument("--batch", type=int, help="sequences per batch (default 512; with --gpus, --per-gpu instead)")
     bp.add_argument("--max-seq-len", type=parse_tokens, default=parse_tokens("384K"), metavar="L",
                     help="longest sampled sequence (default: 384K); longer ones than the cluster holds are dropped")
     bp.add_argument("--no-scale", action="store_true", help="skip the 1,024-GPU / 8,192-sequence row")
@@ -44,16 +44,24 @@ def add_bench_command(sub) -> None:
     bp.add_argument("--per-gpu", type=int, help="with --gpus: sequences per GPU in a batch (default: 8)")
     bp.add_argument("--json", action="store_true")
     add_cost_args(bp)
-    add_planner_args(bp)
+    add_planner_args(bp, kinds=("sp",), drop_over_max=False)  # (its batches drop what no group holds)
     bp.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args) -> int:
     if args.batches < 1:
         raise ConfigError(f"--batches must be at least 1, got {args.batches}")
+    if args.planner not in planner_names("sp"):  # (the bounds, baselines and shares are of micro-batch plans)
+        raise ConfigError(f"bench planner measures FlexSP-kind planners ({', '.join(planner_names('sp'))}), not "
+                          f"{args.planner}; compare pipeline planners and auto with `megatron-ext simulate`")
     if args.per_gpu is not None and args.gpus is None:
         raise ConfigError("--per-gpu applies with --gpus (the table across cluster sizes); without it, --batch "
                           "sets the sequences per batch")
+    unused = [flag for flag, given in (("--batch", args.batch is not None), ("--no-scale", args.no_scale),
+                                       ("--static-degree", args.static_degree is not None)) if given]
+    if args.gpus is not None and unused:
+        raise ConfigError(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply with --gpus (a table "
+                          f"across cluster sizes: --per-gpu sequences per GPU, no baselines, no scale row)")
     cost = cost_from_args(args)
     if args.gpus is not None:
         result = bench_scale(cost, gpus=parse_gpu_counts(args.gpus), dists=args.dist.split(","),
@@ -62,7 +70,8 @@ def cmd_bench(args) -> int:
                              planners=tuple(dict.fromkeys((args.planner, "timelines"))))
         print(json.dumps(result, indent=1) if args.json else result["table"])
         return 0
-    result = bench_planner(cost, dists=args.dist.split(","), batches=args.batches, batch=args.batch,
+    result = bench_planner(cost, dists=args.dist.split(","), batches=args.batches,
+                           batch=512 if args.batch is None else args.batch,
                            max_seq_len=args.max_seq_len, options=options_from_args(args), planner=args.planner,
                            scale=not args.no_scale)
     print(json.dumps(result, indent=1) if args.json else result["table"])

@@ -22,7 +22,7 @@ import statistics
 import numpy as np
 
 from megatron_ext.cost import CostModel
-from megatron_ext.data.lengths import sample_lengths
+from megatron_ext.data.lengths import MAX_BATCH, sample_lengths
 from megatron_ext.errors import ConfigError
 from megatron_ext.planner import PlannerOptions, make_plan
 from megatron_ext.plan import group_starts_ms
@@ -67,11 +67,17 @@ def bench_scale(cost: CostModel, gpus: list[int], dists: list[str], batches: int
                 options: PlannerOptions, planners: tuple[str, ...] = ("flexsp",)) -> dict:
     if per_gpu < 1:
         raise ConfigError(f"--per-gpu must be at least 1, got {per_gpu}")
+    if per_gpu * max(gpus) > MAX_BATCH:
+        raise ConfigError(f"--per-gpu {per_gpu:,} x {max(gpus):,} GPUs is {per_gpu * max(gpus):,} sequences a batch, "
+                          f"over {MAX_BATCH:,}")
     for planner in planners:
         if get_planner(planner).kind != "sp":  # (the shares and the bounds are of micro-batch plans)
             raise ConfigError(f"--gpus measures FlexSP-kind planners ({', '.join(planner_names('sp'))}), not {planner}")
     left_out = [p for p in planners if PLANNERS[p].barrier_free and cost.zero_stage == 3]
     planners = tuple(p for p in planners if p not in left_out)
+    if not planners:
+        raise ConfigError(f"{', '.join(left_out)} runs passes without barriers, which ZeRO-3 cannot (every pass "
+                          f"gathers the parameters over every GPU): use --zero-stage 0, 1 or 2")
     options = dataclasses.replace(options, drop_over_max=True)
     rows = []
     for n in gpus:

@@ -486,8 +486,16 @@ def test_bad_model_yaml(capsys, tmp_path):
 def test_bench_bad_counts(capsys):
     for argv, says in ((["--batches", "0"], "--batches must be at least 1"),
                        (["--batch", "0"], "--batch must be from 1 to 1,048,576 sequences, got 0"),
-                       (["--per-gpu", "0"], "--per-gpu applies with --gpus")):  # (was accepted, unused)
+                       (["--per-gpu", "0"], "--per-gpu applies with --gpus"),  # (was accepted, unused)
+                       (["--planner", "auto"], "measures FlexSP-kind planners"),  # (was a KeyError)
+                       (["--planner", "elastic_pp", "--max-ring", "2"], "compare pipeline planners and auto with"),
+                       (["--drop-over-max"], "unrecognized arguments: --drop-over-max")):  # (always on in bench)
         assert_one_line_error(*run(capsys, "bench", "planner", "--no-scale", "--dist", "wikipedia", *argv, *FAST),
+                              says)
+    for argv, says in ((["--batch", "7", "--no-scale"], "--batch, --no-scale do not apply with --gpus"),
+                       (["--per-gpu", "100000"], "6,400,000 sequences a batch, over 1,048,576"),
+                       (["--planner", "timelines"], "ZeRO-3 cannot")):  # (an empty table)
+        assert_one_line_error(*run(capsys, "bench", "planner", "--gpus", "64", "--dist", "wikipedia", *argv, *FAST),
                               says)
     assert_one_line_error(*run(capsys, "bench", "planner", "--no-scale", "--dist", "wikipedia,nope", "--batches",
                                "1", "--batch", "4", *FAST), "unknown length distribution 'nope'")
