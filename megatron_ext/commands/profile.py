@@ -24,7 +24,7 @@ import yaml
 from megatron_ext.commands.args import ArgumentParser, check_output_file, positive_int
 from megatron_ext.commands.launch import LAUNCHER_HELP, torchrun
 from megatron_ext.cost import CostModel
-from megatron_ext.errors import ConfigError, MegatronExtError
+from megatron_ext.errors import MegatronExtError
 from megatron_ext.files import replacing
 
 # megatron-core says on import, once per module, that CPU runs use its plain-torch fallbacks (the
@@ -32,7 +32,7 @@ from megatron_ext.files import replacing
 warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 
-from megatron_ext.runtime.kernels import available_backends  # noqa: E402
+from megatron_ext.runtime.kernels import check_backend  # noqa: E402
 from megatron_ext.runtime.backends import ATTENTION_BACKENDS  # noqa: E402
 from megatron_ext.runtime.device import DEVICE_CHOICES, choose_device, init_rank_process_group, rank_device  # noqa: E402
 from megatron_ext.runtime.profile import DTYPES, Profile, RankSetup, measure, measurements  # noqa: E402
@@ -85,14 +85,7 @@ def check_args(args, local_ranks: int) -> tuple[str, str]:
     ranks run on ("cuda" or "cpu") and the dtype name."""
     device = choose_device(args.device, local_ranks)
     dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
-    usable = available_backends() if device == "cuda" else ["sdpa"]  # flash and TE run on CUDA tensors only
-    if args.attention_backend not in ("auto", *usable):
-        raise ConfigError(f"--attention-backend {args.attention_backend} cannot run on this {device} profile "
-                          f"(flash needs flash-attn, te Transformer Engine, both on CUDA); usable here: "
-                          f"auto, {', '.join(usable)}")
-    if args.attention_backend == "flash" and dtype == "fp32":
-        raise ConfigError("--attention-backend flash runs bf16 only (flash-attn has no fp32 kernels); "
-                          "use --dtype bf16")
+    check_backend(args.attention_backend, device, dtype, "profile", "use --dtype bf16")
     return device, dtype
 
 

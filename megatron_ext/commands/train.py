@@ -28,7 +28,8 @@ from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.planner.api import planners_help
 from megatron_ext.runtime.backends import ATTENTION_BACKENDS
-from megatron_ext.runtime.device import DEVICE_CHOICES
+from megatron_ext.runtime.device import DEVICE_CHOICES, choose_device
+from megatron_ext.runtime.kernels import check_backend
 from megatron_ext.runtime.train import check_args, open_training_data, stage_sp, train_cost_model
 from megatron_ext.text import plural
 
@@ -96,6 +97,8 @@ def check_before_launch(args) -> CostModel:
     model, whose GPU count is the run's rank count."""
     cost = train_cost_model(args)
     check_args(args, cost, cost.num_gpus)
+    check_backend(args.attention_backend, choose_device(args.device, cost.num_gpus), "fp32", "train",
+                  "train runs fp32, as its cost model was measured: use auto or sdpa")
     if args.data is not None:  # a dataset that cannot be read or trained is refused before launching
         open_training_data(args.data, args.vocab_size)
     if args.trace is not None:  # (written after the last step)
@@ -119,16 +122,20 @@ def run(rest: list[str]) -> int:
         raise ConfigError(f"--compare needs a comma-separated list of planners, e.g. flexsp,static_ulysses, "
                           f"got {rest[i + 1]!r}")
     base = [a for j, a in enumerate(rest) if j not in (i, i + 1)]
-    if "--planner" in base or "--json" in base:
+    # (what the runs' options say, in any spelling argparse takes: --planner=x, --plan x)
+    given, _ = build_parser().parse_known_args(base, argparse.Namespace(planner=None, json=None))
+    if given.planner is not None or given.json is not None:
         raise ConfigError("--compare sets --planner and --json itself")
     twice = sorted({p for p in planners if planners.count(p) > 1})
     if twice:
         raise ConfigError(f"--compare names {', '.join(twice)} more than once")
-    _check_compared_runs(base, planners)
+    argv = {planner: [*base, *_own_outputs(given, planner), "--planner", planner] for planner in planners}
+    for planner in planners:  # any run that could not start is refused before the first one trains
+        check_before_launch(build_parser().parse_known_args(argv[planner])[0])  # (unknown options: the first run)
     runs = {}
     for planner in planners:
         print(f"training with --planner {planner} ...", file=sys.stderr, flush=True)
-        done = torchrun(RANKS, [*base, "--planner", planner, "--json"], capture=True)
+        done = torchrun(RANKS, [*argv[planner], "--json"], capture=True)
         if done.returncode != 0:
             raise ConfigError(f"the {planner} run failed (exit {done.returncode})")
         runs[planner] = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -136,13 +143,17 @@ def run(rest: list[str]) -> int:
     return 0
 
 
-def _check_compared_runs(base: list[str], planners: list[str]) -> None:
-    """Refuse a ``--compare`` whose run of any planner could not start (an unknown planner, one
-    the other options do not suit), before the first run trains."""
-    for planner in planners:
-        targs, _ = build_parser().parse_known_args([*base, "--planner", planner])  # (unknown options: the first run)
-        cost = train_cost_model(targs)
-        check_args(targs, cost, cost.num_gpus)
+def _own_outputs(given, planner: str) -> list[str]:
+    """A compared run's own --run-dir, --save and --trace (each planner's in DIR/PLANNER and
+    FILE.PLANNER.json; one place for all, each run overwrote the one before), given after the
+    shared ones, which they override."""
+    out = []
+    for option, folder in (("--run-dir", given.run_dir), ("--save", given.save)):
+        if folder is not None:
+            out += [option, str(Path(folder) / planner)]
+    if given.trace is not None and given.trace.lower().endswith(".json"):  # (any other name is refused as given)
+        out += ["--trace", f"{given.trace[:-5]}.{planner}{given.trace[-5:]}"]
+    return out
 
 
 def compare_table(runs: dict[str, list[dict]]) -> str:

@@ -246,9 +246,28 @@ def test_cluster_yaml_numbers_must_be_finite(capsys, tmp_path, field, value):
     (["--compare", "elastic_pp,flexsp", "--pp", "2"], "--pp 2 needs a pipeline planner"),  # before elastic_pp trains
     (["--max-ring", "3"], "--max-ring must be a power of two (1: no ring), got 3"),
     (["--compare", "flexsp,elastic_pp", "--max-ring", "2"], "--max-ring 2 applies to FlexSP planners"),
+    # (the ranks started, then each printed its traceback)
+    (["--attention-backend", "flash"], "--attention-backend flash cannot run on this cpu train"),
+    (["--compare", "flexsp,static_ulysses", "--planner=auto"], "--compare sets --planner and --json itself"),
+    (["--compare", "flexsp,static_ulysses", "--plan", "auto"], "--compare sets --planner"),  # (was overridden)
 ])
 def test_train_refuses_before_launching(capsys, argv, match):
     assert_one_line_error(*run(capsys, "train", "--steps", "1", *argv), match)
+
+
+def test_compared_runs_write_their_own_outputs():
+    """Each planner's records, checkpoints and trace in a place of its own (each run overwrote the
+    one before), given after the shared options, which they override."""
+    import argparse
+
+    from megatron_ext.commands.train import _own_outputs, build_parser
+
+    base = ["--run-dir", "rd", "--save", "ck", "--trace", "out/t.JSON"]
+    given = build_parser().parse_known_args(base, argparse.Namespace(planner=None, json=None))[0]
+    own = _own_outputs(given, "flexsp")
+    assert own == ["--run-dir", "rd/flexsp", "--save", "ck/flexsp", "--trace", "out/t.flexsp.JSON"]
+    args = build_parser().parse_args([*base, *own])
+    assert (args.run_dir, args.save, args.trace) == ("rd/flexsp", "ck/flexsp", "out/t.flexsp.JSON")
 
 
 

@@ -8,6 +8,8 @@ import yaml
 
 from megatron_ext.commands import cli, profile
 from megatron_ext.cost import CostModel
+from megatron_ext.errors import ConfigError
+from megatron_ext.runtime import kernels
 from megatron_ext.runtime.profile import fit_profile, nonnegative_fit
 from megatron_ext.spec import load_model
 
@@ -138,14 +140,14 @@ def test_checks_on_a_cuda_machine(monkeypatch, tmp_path, capsys):
     """The GPU side of the checks, with CUDA and flash-attn faked: two GPUs, four ranks asked."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(profile, "available_backends", lambda: ["flash", "sdpa"])
+    monkeypatch.setattr(kernels, "available_backends", lambda: ["flash", "sdpa"])
     assert profile.check_args(_args("--attention-backend", "flash"), 2) == ("cuda", "bf16")
     assert profile.check_args(_args("--device", "cpu"), 4) == ("cpu", "fp32")
-    with pytest.raises(profile.ConfigError, match="4 ranks need a GPU each; this machine has 2"):
+    with pytest.raises(ConfigError, match="4 ranks need a GPU each; this machine has 2"):
         profile.check_args(_args(), 4)
-    with pytest.raises(profile.ConfigError, match="flash runs bf16 only"):
+    with pytest.raises(ConfigError, match="flash runs bf16 only"):
         profile.check_args(_args("--attention-backend", "flash", "--dtype", "fp32"), 2)
-    with pytest.raises(profile.ConfigError, match="te cannot run on this cuda profile.*usable here: auto, flash, sdpa"):
+    with pytest.raises(ConfigError, match="te cannot run on this cuda profile.*usable here: auto, flash, sdpa"):
         profile.check_args(_args("--attention-backend", "te"), 2)
     # a rank started by hand with --device cpu that still sees CUDA is refused, not run on the GPU
     assert profile.main(["--out", str(tmp_path / "c.yaml"), "--device", "cpu"]) == 2

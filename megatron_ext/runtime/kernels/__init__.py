@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 
 from torch import Tensor
 
+from megatron_ext.errors import ConfigError
 from megatron_ext.runtime.backends import ATTENTION_BACKENDS, AUTO_ORDER
 from megatron_ext.runtime.kernels.base import KERNELS, AttentionKernel, NoKernel, VarlenKernel
 from megatron_ext.runtime.kernels.sdpa import (SDPA_DENSE_MASK_MAX_ELEMENTS, SdpaKernel, dense_mask_fits,
@@ -27,7 +28,7 @@ from megatron_ext.runtime.kernels.sdpa import (SDPA_DENSE_MASK_MAX_ELEMENTS, Sdp
                                                prefixed_attention, sdpa_packed)
 
 __all__ = ["AttentionKernel", "KERNELS", "LayerKernels", "NoKernel", "SDPA_DENSE_MASK_MAX_ELEMENTS", "SdpaKernel",
-           "VarlenKernel", "available_backends", "dense_mask_fits", "expand_kv", "fold_kv", "kernel_class",
+           "VarlenKernel", "available_backends", "check_backend", "dense_mask_fits", "expand_kv", "fold_kv", "kernel_class",
            "lse_kernels", "lse_merge", "masked_sdpa", "pick_kernel", "prefix_sdpa", "prefixed_attention", "sdpa_packed"]
 
 
@@ -69,6 +70,18 @@ def available_backends() -> list[str]:
     """Backends usable in this process, in "auto"'s order ("sdpa" always, last)."""
     order = [*AUTO_ORDER, *(b for b in ATTENTION_BACKENDS if b not in AUTO_ORDER and b not in ("auto", "sdpa"))]
     return [b for b in order if KERNELS[b].installed()] + ["sdpa"]
+
+
+def check_backend(backend: str, device: str, dtype: str, run: str, fp32_fix: str) -> None:
+    """Refuse, before any rank starts, an attention backend that ranks of ``device`` running a
+    model in ``dtype`` cannot use (``run``: "profile", "train"; ``fp32_fix``: what to do about
+    flash in fp32); named, such a backend would fail on every rank's first attention call."""
+    usable = available_backends() if device == "cuda" else ["sdpa"]  # flash and TE run on CUDA tensors only
+    if backend not in ("auto", *usable):
+        raise ConfigError(f"--attention-backend {backend} cannot run on this {device} {run} (flash needs flash-attn, "
+                          f"te Transformer Engine, both on CUDA); usable here: auto, {', '.join(usable)}")
+    if backend == "flash" and dtype == "fp32":
+        raise ConfigError(f"--attention-backend flash runs bf16 only (flash-attn has no fp32 kernels); {fp32_fix}")
 
 
 class LayerKernels:
