@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from megatron_ext.cost import CostModel
-from megatron_ext.data.lengths import DISTRIBUTIONS
+from megatron_ext.data.lengths import DISTRIBUTIONS, MAX_LENGTH
 from megatron_ext.errors import ConfigError
 from megatron_ext.planner import PlannerOptions
 from megatron_ext.planner.api import PIPELINE_KINDS, planner_names, planners_help
@@ -37,7 +37,6 @@ PIPELINE_ONLY = {"pp": "--pp", "sp": "--sp", "b1_scale": "--b1-scale", "recomput
                  "recompute_ties": "--recompute-ties"}  # options that only pipeline planners use
 
 
-MAX_TOKENS = 2**40  # a token count past this is a typo (the longest documents are millions)
 
 
 def parse_tokens(text: str) -> int:
@@ -51,8 +50,8 @@ def parse_tokens(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a token count like 8192 or 384K, got {text!r}") from None
     if value != exact:
         raise argparse.ArgumentTypeError(f"expected a whole number of tokens, got {text!r}")
-    if not 1 <= value <= MAX_TOKENS:
-        raise argparse.ArgumentTypeError(f"expected a token count from 1 to {MAX_TOKENS:,}, got {text!r}")
+    if not 1 <= value <= MAX_LENGTH:
+        raise argparse.ArgumentTypeError(f"expected a token count from 1 to {MAX_LENGTH:,}, got {text!r}")
     return value
 
 

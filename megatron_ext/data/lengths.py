@@ -99,7 +99,9 @@ def sample_lengths(dist: str, batch: int, seed: int, max_len: int | None = None)
     return DISTRIBUTIONS[dist].sample(batch, np.random.default_rng(seed), max_len)
 
 
-MAX_LENGTH = np.iinfo(np.int64).max  # lengths are int64 arrays
+# a sequence longer than this is a typo (the longest documents are millions of tokens); with at most
+# MAX_BATCH of them a batch's tokens stay far inside int64 (2^60: 9e18 + 9e18 wrapped to a negative sum)
+MAX_LENGTH = 2**40
 
 
 def read_lengths(path: str | Path) -> np.ndarray:
@@ -113,20 +115,23 @@ def read_lengths(path: str | Path) -> np.ndarray:
     except TooBigError as e:
         raise LengthsError(f"lengths file {path} is too big to be one: {e}") from None
     values = []
-    for no, line in enumerate(text.splitlines(), 1):
+    for no, line in enumerate(text.removeprefix("\ufeff").splitlines(), 1):  # (a BOM: some editors' UTF-8)
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
         if re.fullmatch(r"-?[0-9]+", line) is None:  # (not int()'s "1_000" or "+5": a length file is plain digits)
             raise LengthsError(f"{path}:{no}: expected one integer per line, got {line[:40]!r}")
-        if len(line.lstrip("-")) > 19:  # (past int64, and int() refuses 4,300 digits)
-            raise LengthsError(f"{path}:{no}: a sequence length must be at most {MAX_LENGTH} (int64), got {line[:40]}...")
+        if len(line.lstrip("-")) > 19:  # (int() refuses 4,300 digits)
+            raise LengthsError(f"{path}:{no}: a sequence length must be at most {MAX_LENGTH:,} tokens, got "
+                               f"{line[:40]}...")
         v = int(line)
         if v < 1:
             raise LengthsError(f"{path}:{no}: a sequence length must be positive, got {v}")
         if v > MAX_LENGTH:
-            raise LengthsError(f"{path}:{no}: a sequence length must be at most {MAX_LENGTH} (int64), got {line[:40]}")
+            raise LengthsError(f"{path}:{no}: a sequence length must be at most {MAX_LENGTH:,} tokens, got {v:,}")
         values.append(v)
+        if len(values) > MAX_BATCH:
+            raise LengthsError(f"lengths file {path} holds more than {MAX_BATCH:,} lengths, the most a batch may")
     if not values:
         raise LengthsError(f"lengths file {path} holds no lengths")
     return np.asarray(values, dtype=np.int64)

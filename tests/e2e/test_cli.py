@@ -162,8 +162,11 @@ def test_max_seq_len_with_lengths_file(capsys, tmp_path):
     ("+300\n", "expected one integer per line, got '+300'"),
     ("100\n0\n", "must be positive, got 0"),
     ("-5\n", "must be positive, got -5"),
-    ("100\n99999999999999999999\n", ":2: a sequence length must be at most 9223372036854775807"),
-    ("9" * 5000 + "\n", ":1: a sequence length must be at most 9223372036854775807"),  # (past int()'s digits)
+    ("100\n99999999999999999999\n", ":2: a sequence length must be at most 1,099,511,627,776 tokens"),
+    ("9" * 5000 + "\n", ":1: a sequence length must be at most 1,099,511,627,776 tokens"),  # (past int()'s digits)
+    # (two of these summed to 998 tokens with a third of 1,000)
+    ("9223372036854775807\n1000\n", ":1: a sequence length must be at most 1,099,511,627,776 tokens, got 9,223,"),
+    ("5\n" * (2**20 + 1), "holds more than 1,048,576 lengths, the most a batch may"),
 ])
 def test_bad_lengths_file(capsys, tmp_path, content, match):
     f = write(tmp_path, "bad.txt", content)
@@ -173,6 +176,13 @@ def test_bad_lengths_file(capsys, tmp_path, content, match):
 def test_a_device_is_not_read_as_a_lengths_file_for_ever(capsys):
     assert_one_line_error(*run(capsys, "plan", "--lengths", "/dev/zero", *FAST),
                           "lengths file /dev/zero is too big to be one: over 268,435,456 bytes")
+
+
+def test_a_lengths_file_may_start_with_a_byte_order_mark(capsys, tmp_path):
+    f = tmp_path / "bom.txt"
+    f.write_text("\ufeff5000\n300\n", encoding="utf-8")
+    code, out, _ = run(capsys, "plan", "--lengths", str(f), "--no-baselines", *FAST)
+    assert code == 0 and "2 sequences (5,300 tokens)" in out
 
 
 def test_binary_lengths_file(capsys, tmp_path):
