@@ -158,7 +158,10 @@ class IndexedDocuments(HeldLengths):
         self._open()
 
     def _open(self) -> None:
-        self._check_files()
+        try:
+            self._check_files()
+        except OSError as e:  # (a folder named PREFIX.idx, a file without read permission)
+            raise DataError(f"cannot read the indexed dataset {self.prefix}: {e.filename}: {e.strerror or e}") from None
         idx_mod = _megatron_datasets("indexed_dataset")
         try:
             self._ds = idx_mod.IndexedDataset(self.prefix)

@@ -361,6 +361,7 @@ def test_plan_and_simulate_a_weighted_blend(capsys, corpus, tmp_path):
     (["--data", "0.5", "{corpus}", "0.5", "--max-seq-len", "8K"], "odd count"),
     (["--data", "{corrupt}", "--max-seq-len", "8K"], "truncated or corrupted"),
     (["--data", "{bigger}", "--max-seq-len", "8K"], "its index describes"),  # .idx lengths the .bin lacks
+    (["--data", "{tmp}/folder", "--max-seq-len", "8K"], "folder.idx: Is a directory"),  # (was a traceback)
 ])
 def test_data_errors(capsys, tmp_path, corpus, argv, match):
     import shutil
@@ -372,6 +373,8 @@ def test_data_errors(capsys, tmp_path, corpus, argv, match):
     Path(str(corrupt) + ".idx").write_bytes(idx[:26] + b"\xff" * 8 + idx[34:])  # a huge document count
     idx[34:38] = (2_000_000_000).to_bytes(4, "little")  # the first sequence's length
     Path(str(bigger) + ".idx").write_bytes(idx)
+    (tmp_path / "folder.idx").mkdir()
+    (tmp_path / "folder.bin").write_bytes(b"")
     argv = [a.format(tmp=tmp_path, corpus=corpus, corrupt=corrupt, bigger=bigger) for a in argv]
     code, out, err = run(capsys, "plan", *FAST, *argv)
     assert_one_line_error(code, out, err, match)
