@@ -20,7 +20,7 @@ from megatron_ext.cost import CostModel
 from megatron_ext.data.lengths import DISTRIBUTIONS, MAX_LENGTH
 from megatron_ext.errors import ConfigError
 from megatron_ext.planner import PlannerOptions
-from megatron_ext.planner.api import PIPELINE_KINDS, planner_names, planners_help
+from megatron_ext.planner.api import PIPELINE_KINDS, PLANNERS, PP_BASELINES, planner_names, planners_help
 
 PLOT_FORMATS = (".png", ".pdf", ".svg")
 
@@ -33,8 +33,9 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"megatron-ext: error: {message} (see {self.prog} --help)\n")
 
 
-PIPELINE_ONLY = {"pp": "--pp", "sp": "--sp", "b1_scale": "--b1-scale", "recompute": "--recompute",
-                 "recompute_ties": "--recompute-ties"}  # options that only pipeline planners use
+PIPELINE_ONLY = {"pp": "--pp", "sp": "--sp", "b1_scale": "--b1-scale"}  # options that only pipeline planners use
+# ... and only elastic_pp (auto's pipelines too): the baselines' recompute is their own (none if it fits, else all)
+ELASTIC_ONLY = {"recompute": "--recompute", "recompute_ties": "--recompute-ties"}
 
 
 
@@ -164,11 +165,13 @@ def add_pipeline_args(p) -> None:
                         "chunk, or both and the faster simulated plan (default: best)")
 
 
-def check_args(args, pipelines: bool, sp_groups: bool) -> None:
+def check_args(args, planners: tuple[str, ...]) -> None:
     """Before any work: ``--data`` with the length that cuts its documents, the plot file's format,
-    no pipeline option without a pipeline planner (``pipelines``: the command runs one) and no
-    ``--max-ring`` without a planner of SP groups over all GPUs (``sp_groups``: FlexSP's kind or
-    auto; a pipeline stage's group is Ulysses only)."""
+    and no option that none of ``planners`` (the command's) uses: pipeline options without a
+    pipeline planner, recompute options without elastic_pp or auto (the pipeline baselines
+    recompute by their own rule), ``--max-ring`` without a planner of SP groups over all GPUs
+    (FlexSP's kind or auto; a pipeline stage's group is Ulysses only). An unknown name counts as
+    any planner (it is refused by name later)."""
     if getattr(args, "data", None) and not args.max_seq_len:
         raise ConfigError("--data needs --max-seq-len: the length a training run cuts its documents at "
                           "(train's --max-seq-len, Megatron-LM's --seq-length), so the batches are the run's")
@@ -181,18 +184,17 @@ def check_args(args, pipelines: bool, sp_groups: bool) -> None:
     for option, path in (("--plot", plot), ("--trace", trace)):
         if path is not None:
             check_output_file(path, option)
-    given = [flag for name, flag in PIPELINE_ONLY.items() if getattr(args, name, None) is not None]
-    if given and not pipelines:
-        raise ConfigError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to pipeline planners "
-                          f"({', '.join(planner_names(*PIPELINE_KINDS))}), not to {_planners_given(args)}")
-    if getattr(args, "max_ring", 1) > 1 and not sp_groups:
+    elastic = planner_names(*PIPELINE_KINDS)
+    for options, what, users in ((PIPELINE_ONLY, "pipeline planners", elastic),
+                                 (ELASTIC_ONLY, "elastic pipelines", [p for p in elastic if p not in PP_BASELINES])):
+        given = [flag for name, flag in options.items() if getattr(args, name, None) is not None]
+        if given and not any(p in users or p not in PLANNERS for p in planners):
+            raise ConfigError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to {what} "
+                              f"({', '.join(users)}), not to {', '.join(planners)}")
+    if getattr(args, "max_ring", 1) > 1 and all(p in PLANNERS and PLANNERS[p].kind == "pp" for p in planners):
         raise ConfigError(f"--max-ring applies only to planners of SP groups over all GPUs "
-                          f"({', '.join(planner_names('sp', 'auto'))}), not to {_planners_given(args)}: "
+                          f"({', '.join(planner_names('sp', 'auto'))}), not to {', '.join(planners)}: "
                           f"a pipeline stage's SP group is Ulysses only")
-
-
-def _planners_given(args) -> str:
-    return getattr(args, "planner", None) or getattr(args, "planners", "")
 
 
 def check_output_file(path: str, option: str) -> None:

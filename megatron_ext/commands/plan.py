@@ -61,9 +61,8 @@ def _chunk_count(text: str) -> int | None:
 
 
 def cmd_plan(args) -> int:
-    kind = get_planner(args.planner).kind
-    pipelines = kind in PIPELINE_KINDS
-    check_args(args, pipelines, sp_groups=kind != "pp")
+    pipelines = get_planner(args.planner).kind in PIPELINE_KINDS
+    check_args(args, (args.planner,))
     cost = cost_from_args(args)
     if args.static_degree is not None:
         cost.check_degree(args.static_degree)

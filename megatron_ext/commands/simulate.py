@@ -38,16 +38,13 @@ def add_simulate_command(sub) -> None:
 
 
 def cmd_simulate(args) -> int:
-    from megatron_ext.planner.api import PIPELINE_KINDS, planner_names
-
     if args.batch < 1 or args.steps < 1:
         raise ConfigError(f"--batch and --steps must be at least 1, got {args.batch} and {args.steps}")
     if args.drop_over_max and not args.lengths:
         raise ConfigError("--drop-over-max applies to --lengths: --dist samples and --data cuts its documents "
                           "within --max-seq-len")
     planners = DEFAULT_PLANNERS if args.planners == "all" else tuple(x.strip() for x in args.planners.split(","))
-    check_args(args, pipelines=any(x in planner_names(*PIPELINE_KINDS) for x in planners),
-               sp_groups=any(x not in planner_names("pp") for x in planners))  # (an unknown name is refused later)
+    check_args(args, planners)
     cost = cost_from_args(args)
     if args.planners == "all" and cost.zero_stage < 3:  # FlexSP without barriers runs here too
         planners += ("timelines",)

@@ -385,7 +385,10 @@ SMALL = ["--model", "llama-7b", "--cluster", "a800-80g-8x1"]  # one node of 8 GP
 
 @pytest.mark.parametrize("argv, match", [
     (["plan", "--planner", "flexsp", "--pp", "4"], "--pp applies only to pipeline planners"),
-    (["plan", "--planner", "flexsp", "--recompute", "none", "--b1-scale", "0.5"], "--b1-scale, --recompute apply only"),
+    (["plan", "--planner", "flexsp", "--recompute", "none", "--b1-scale", "0.5"], "--b1-scale applies only to pipeline"),
+    # (the baselines recompute by their own rule: it was ignored)
+    (["plan", "--planner", "seq1f1b", "--recompute", "full", "--recompute-ties", "tied"],
+     "--recompute, --recompute-ties apply only to elastic pipelines (elastic_pp, auto), not to seq1f1b"),
     (["plan", "--planner", "elastic_pp", "--plot", "out.txt"], "must end in .png, .pdf, .svg"),
     (["plan", "--planner", "elastic_pp", "--seed", "-1"], "--seed must be from 0 to 2^63 - 1, got -1"),
     (["plan", "--planner", "elastic_pp", "--b1-scale", "inf"], "b1_scale must be a non-negative number"),
@@ -404,7 +407,7 @@ SMALL = ["--model", "llama-7b", "--cluster", "a800-80g-8x1"]  # one node of 8 GP
     (["plan", "--planner", "auto", "--static-degree", "16"], "SP degree 16 is not allowed"),
     # a pipeline stage's SP group is Ulysses only: the ring reached the FlexSP baseline alone
     (["plan", "--planner", "elastic_pp", "--max-ring", "2"], "--max-ring applies only to planners of SP groups"),
-    (["simulate", "--planners", "seq1f1b,batch_1f1b", "--max-ring", "2"], "not to seq1f1b,batch_1f1b"),
+    (["simulate", "--planners", "seq1f1b,batch_1f1b", "--max-ring", "2"], "not to seq1f1b, batch_1f1b"),
 ])
 def test_pipeline_and_simulate_config_errors(capsys, argv, match):
     assert_one_line_error(*run(capsys, argv[0], *FAST, *SMALL, "--batch", "8", *argv[1:]), match)
