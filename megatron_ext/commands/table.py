@@ -150,7 +150,7 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
              "ceiling": {x["planner"]: x["ceiling"] for x in summary if "ceiling" in x}}
     config = {"model": cost.model.name, "cluster": cost.cluster.name, "num_gpus": cost.num_gpus, "pp": pp, "sp": sp,
               "source": source, "b1_scale": opts.b1_scale, "memory_mb": opts.memory_mb or cost.cluster.memory_mb,
-              "time_limit": time_limit, "main": main}
+              "time_limit": time_limit, "main": main, "steps": len(batches)}
     choices: dict[str, int] = {}
     for r in rows:
         if r["planner"] == "auto" and "error" not in r and r["status"].startswith("auto chose "):
@@ -169,24 +169,29 @@ def format_table(summary: list[dict], floor: dict, config: dict, main: str) -> s
     head = (f"{config['model']} on {config['cluster']} ({config['num_gpus']} GPUs; pipelines: pp {config['pp']} x "
             f"sp {config['sp']}{f' x {reps} replicas' if reps > 1 else ''}); {config['source']}; b1_scale {config['b1_scale']:g}; "
             f"memory {config['memory_mb'] / div:.{prec}f} {unit} per GPU")
-    cols = (f"{'planner':<16}{'step s':>9}{'tokens/s':>11}{'bubble':>8}{'recomp':>8}{'peak ' + unit:>9}"
-            f"{'plan ms':>9}{'max ms':>8}{main + ' speedup':>22}")
+    w = max(16, 2 + max(len(s["planner"]) for s in summary))  # (megatron_balanced_cp: 20)
+    v = max(22, 2 + len(main + " speedup"))
+    cols = (f"{'planner':<{w}}{'step s':>9}{'tokens/s':>11}{'bubble':>8}{'recomp':>8}{'peak ' + unit:>9}"
+            f"{'plan ms':>9}{'max ms':>8}{main + ' speedup':>{v}}")
     lines = [head, "", cols]
     for s in summary:
         if "error" in s:
-            lines.append(f"{s['planner']:<16}  infeasible: {s['error']}")
+            lines.append(f"{s['planner']:<{w}}  infeasible: {s['error']}")
             continue
         sp = s.get(f"speedup_of_{main}")
         sp_txt = "-" if s["planner"] == main else ("n/a" if sp is None else f"{sp:.2f}x")
         fail = f"  ({s['failed_steps']} step(s) infeasible)" if s["failed_steps"] else ""
-        lines.append(f"{s['planner']:<16}{s['step_time_s']:>9.2f}{s['tokens_per_s']:>11,.0f}{s['bubble_ratio']:>8.1%}"
+        lines.append(f"{s['planner']:<{w}}{s['step_time_s']:>9.2f}{s['tokens_per_s']:>11,.0f}{s['bubble_ratio']:>8.1%}"
                      f"{s['recompute_ratio']:>8.1%}{s['peak_memory_gb'] * 1024 / div:>9.1f}{s['solve_time_s'] * 1e3:>9.0f}"
-                     f"{s['max_solve_time_s'] * 1e3:>8.0f}{sp_txt:>22}{fail}")
-    lines.append(f"{'(compute floor)':<16}{floor['step_time_s']:>9.2f}{floor['tokens_per_s']:>11,.0f}{'-':>8}{'-':>8}"
-                 f"{'-':>9}{'-':>9}{'-':>8}{'-':>22}")
+                     f"{s['max_solve_time_s'] * 1e3:>8.0f}{sp_txt:>{v}}{fail}")
+    lines.append(f"{'(compute floor)':<{w}}{floor['step_time_s']:>9.2f}{floor['tokens_per_s']:>11,.0f}{'-':>8}{'-':>8}"
+                 f"{'-':>9}{'-':>9}{'-':>8}{'-':>{v}}")
     if floor["ceiling"]:
         lines += ["", "no plan is faster than the compute floor; the most any plan could gain: "
                   + ", ".join(f"{v:.2f}x over {k}" for k, v in floor["ceiling"].items())]
+    if any("error" in s or s["failed_steps"] for s in summary):  # (then the means are over different steps)
+        lines += ["", f"the compute floor's step is the mean over all {config['steps']} step(s); a planner's, over "
+                      "the steps it ran (its gain over the floor is on those)"]
     if "auto_choices" in config:
         lines += ["", "auto chose: " + ", ".join(f"{k} x{v}" for k, v in config["auto_choices"].items())]
     lines += ["", "step s: mean simulated step time; bubble: idle share of GPU-time; recomp: recompute share; "

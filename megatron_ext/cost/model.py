@@ -171,7 +171,7 @@ class CostModel:
     def _too_long(self, seq_len: int) -> str:
         return (f"a sequence of {seq_len} tokens does not fit even at SP degree {self.degrees[-1]} "
                 f"({self.model.name} on {self.cluster.name}: at most {self.max_seq_len} tokens); "
-                f"use --drop-over-max or a larger cluster")
+                f"drop or cut it, or use a larger cluster or a pipeline planner")  # (no flag: not every command has one)
 
     def check_lengths(self, lengths) -> None:
         arr = np.asarray(lengths)
