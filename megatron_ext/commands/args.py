@@ -132,7 +132,8 @@ def add_batch_source_args(p, default_dist: str) -> None:
     p.add_argument("--batch", type=int, default=512,
                    help="sequences per step with --dist or --data (default 512; ignored with --lengths)")
     p.add_argument("--seed", type=int, default=0,
-                   help="sampling seed with --dist, shuffling seed with --data (train's --seed) (default 0)")
+                   help="sampling seed with --dist, shuffling seed with --data (train's --seed) (default 0; ignored with "
+                        "--lengths)")
 
 
 def add_pipeline_args(p) -> None:

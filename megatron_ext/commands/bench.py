@@ -63,6 +63,8 @@ def cmd_bench(args) -> int:
         raise ConfigError(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply with --gpus (a table "
                           f"across cluster sizes: --per-gpu sequences per GPU, no baselines, no scale row)")
     cost = cost_from_args(args)
+    if args.static_degree is not None:  # (else refused as "a 16-sequence batch" cannot run it)
+        cost.check_degree(args.static_degree)
     if args.gpus is not None:
         result = bench_scale(cost, gpus=parse_gpu_counts(args.gpus), dists=args.dist.split(","),
                              batches=args.batches, per_gpu=8 if args.per_gpu is None else args.per_gpu, max_seq_len=args.max_seq_len,

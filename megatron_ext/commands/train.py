@@ -25,6 +25,7 @@ from megatron_ext.commands.args import ArgumentParser, check_output_dir, check_o
 from megatron_ext.commands.launch import LAUNCHER_HELP, torchrun
 from megatron_ext.commands.report import advice, fidelity, layout_counts, layouts_text, step_layout
 from megatron_ext.cost import CostModel
+from megatron_ext.data.batches import GlobalBatches
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.planner.api import planners_help
 from megatron_ext.runtime.backends import ATTENTION_BACKENDS
@@ -100,7 +101,10 @@ def check_before_launch(args) -> CostModel:
     check_backend(args.attention_backend, choose_device(args.device, cost.num_gpus), "fp32", "train",
                   "train runs fp32, as its cost model was measured: use auto or sdpa")
     if args.data is not None:  # a dataset that cannot be read or trained is refused before launching
-        open_training_data(args.data, args.vocab_size)
+        data = open_training_data(args.data, args.vocab_size)
+        # (a global batch larger than the samples: the ranks found it, after a launch of tens of seconds)
+        GlobalBatches(data.documents.lengths, args.global_batch, args.max_seq_len, args.seed,
+                      source_sizes=data.source_sizes, weights=data.weights)
     if args.trace is not None:  # (written after the last step)
         check_output_file(args.trace, "--trace")
     for option, folder in (("--run-dir", args.run_dir), ("--save", args.save)):
@@ -316,8 +320,9 @@ def _summary(planner: str, records: list[dict]) -> str:
     late = sum(r["plan_source"].endswith("fallback") for r in records)
     return (f"{planner}: {plural(len(records), 'step')}{chose}"
             + (f", {late} of them on a fallback plan" if late else "")
-            + f", median step {np.median(measured):.2f} s, {tokens / measured.sum():,.0f} tokens/s (after the first "
-              f"step); cost-model error {f['step_median_abs_error']:.0%} (median)"
+            + f", median step {np.median(measured):.2f} s, {tokens / measured.sum():,.0f} tokens/s"
+            + (" (after the first step)" if len(records) > 1 else "")  # (one step: that one, start-up and all)
+            + f"; cost-model error {f['step_median_abs_error']:.0%} (median)"
             + "".join(f"\n  {line}" for line in advice(records, f) if f["recalibrate"]))
 
 

@@ -351,6 +351,11 @@ def test_plan_and_simulate_a_weighted_blend(capsys, corpus, tmp_path):
     assert [r["tokens"] for r in rows] == [int(ref.batch_lengths(k).sum()) for k in (0, 1)]
 
 
+def test_train_refuses_a_dataset_smaller_than_a_batch_before_launching(capsys, corpus):
+    assert_one_line_error(*run(capsys, "train", "--steps", "1", "--data", corpus, "--global-batch", "1000",
+                               "--max-seq-len", "4096", "--vocab-size", "1000"), "fewer than one global batch of 1000")
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--data", "{corpus}"], "--data needs --max-seq-len"),  # else the batch would hang on the planner's limit
     (["--data", "{tmp}/nothing", "--max-seq-len", "8K"], "no indexed dataset at"),
@@ -524,7 +529,8 @@ def test_bench_bad_counts(capsys):
                        (["--per-gpu", "0"], "--per-gpu applies with --gpus"),  # (was accepted, unused)
                        (["--planner", "auto"], "measures FlexSP-kind planners"),  # (was a KeyError)
                        (["--planner", "elastic_pp", "--max-ring", "2"], "compare pipeline planners and auto with"),
-                       (["--drop-over-max"], "unrecognized arguments: --drop-over-max")):  # (always on in bench)
+                       (["--drop-over-max"], "unrecognized arguments: --drop-over-max"),  # (always on in bench)
+                       (["--static-degree", "3"], "SP degree 3 is not allowed")):  # (was "a 16-sequence batch")
         assert_one_line_error(*run(capsys, "bench", "planner", "--no-scale", "--dist", "wikipedia", *argv, *FAST),
                               says)
     for argv, says in ((["--batch", "7", "--no-scale"], "--batch, --no-scale do not apply with --gpus"),
