@@ -44,6 +44,7 @@ import numpy as np
 from megatron_ext.data.datasets import (DataError, IndexedDocuments, document_stats, indexed_dataset_exists,
                                         write_indexed_dataset)
 from megatron_ext.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
+from megatron_ext.errors import MegatronExtError
 from megatron_ext.files import replacing
 
 logger = logging.getLogger(__name__)
@@ -276,11 +277,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     start = time.perf_counter()
-    prefix = stdlib_corpus(args.cache_dir, args.max_files, args.rebuild, tokenizer=args.tokenizer,
-                           vocab_size=args.vocab_size)
+    try:  # (bad input one line, as the CLI's)
+        prefix = stdlib_corpus(args.cache_dir, args.max_files, args.rebuild, tokenizer=args.tokenizer,
+                               vocab_size=args.vocab_size)
+        tok = corpus_tokenizer(prefix)
+        stats = _stats(IndexedDocuments(prefix).lengths)
+    except (MegatronExtError, OSError) as e:
+        why = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror else e
+        print(f"{ap.prog}: error: {why}", file=sys.stderr)
+        return 2
     seconds = time.perf_counter() - start
-    tok = corpus_tokenizer(prefix)
-    stats = _stats(IndexedDocuments(prefix).lengths)
     extra = {"tokenizer": _tokenizer_tag(args.tokenizer, tok.vocab_size), "vocab_size": tok.vocab_size,
              "eod": tok.eod, "pad": tok.pad, "seconds": round(seconds, 2)}
     if args.json:

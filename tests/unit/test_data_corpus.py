@@ -192,3 +192,23 @@ def test_length_distribution_is_long_tailed(tmp_path):
     median, p99, top = np.median(sizes), np.percentile(sizes, 99), sizes.max()
     assert 1_000 < median < 20_000
     assert p99 > 5 * median and top > 100_000
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--max-files", "0"], "max_files must be at least 1, got 0"),
+    (["--vocab-size", "5"], "BPE vocab_size must be an integer of at least 258, got 5"),
+])
+def test_the_corpus_command_says_bad_input_in_one_line(tmp_path, capsys, argv, says):
+    from megatron_ext.data.corpus import main
+
+    assert main(["--cache-dir", str(tmp_path), *argv]) == 2
+    assert capsys.readouterr().err == f"python -m megatron_ext.data.corpus: error: {says}\n"
+
+
+def test_the_corpus_command_says_an_unwritable_cache_in_one_line(tmp_path, capsys):
+    from megatron_ext.data.corpus import main
+
+    (tmp_path / "a-file").write_text("")
+    assert main(["--cache-dir", str(tmp_path / "a-file" / "below"), "--max-files", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m megatron_ext.data.corpus: error: ") and "Not a directory" in err, err
