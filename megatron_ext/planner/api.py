@@ -161,7 +161,10 @@ def _kept(planner: Planner, lengths: np.ndarray, cost: CostModel, options, overr
         limit = cost.max_seq_len if given is None else min(given, cost.max_seq_len)
         too_long = lengths > limit
         if too_long.any() and not drop:
-            cost.check_lengths(lengths)  # raises with the reason
+            try:
+                cost.check_lengths(lengths)  # raises with the reason
+            except InfeasibleError as e:
+                raise InfeasibleError(f"{e} (--drop-over-max drops it)") from None
             raise LengthsError(f"{int(too_long.sum())} sequence(s) exceed the maximum length {limit} "
                                f"(longest {int(lengths.max())}); use --drop-over-max to drop them")
         if too_long.all():
