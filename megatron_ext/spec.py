@@ -33,6 +33,9 @@ PRESET_DIR = Path(os.environ.get("MEGATRON_EXT_CONFIGS", Path(__file__).resolve(
 # GB/s of 1e9 bytes, as NCCL bus bandwidths are quoted (cost/fixed.py).
 MB = 2**20
 MAX_GPUS = 2**20  # a cluster past this many GPUs is a typo (its batches would not fit in memory here)
+# a sequence longer than this is a typo (the longest documents are millions of tokens); with at most
+# 2^20 of them in a batch its tokens stay far inside int64 (9e18 + 9e18 wrapped to a negative sum)
+MAX_LENGTH = 2**40
 
 
 def is_power_of_two(n: int) -> bool:

@@ -17,10 +17,11 @@ import tempfile
 from pathlib import Path
 
 from megatron_ext.cost import CostModel
-from megatron_ext.data.lengths import DISTRIBUTIONS, MAX_LENGTH
+from megatron_ext.data.lengths import DISTRIBUTIONS
 from megatron_ext.errors import ConfigError
 from megatron_ext.planner import PlannerOptions
 from megatron_ext.planner.api import PIPELINE_KINDS, PLANNERS, PP_BASELINES, planner_names, planners_help
+from megatron_ext.spec import MAX_LENGTH
 
 PLOT_FORMATS = (".png", ".pdf", ".svg")
 

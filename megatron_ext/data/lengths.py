@@ -13,6 +13,7 @@ import numpy as np
 
 from megatron_ext.errors import LengthsError
 from megatron_ext.files import TooBigError, read_text
+from megatron_ext.spec import MAX_LENGTH
 
 
 @dataclass(frozen=True)
@@ -99,9 +100,6 @@ def sample_lengths(dist: str, batch: int, seed: int, max_len: int | None = None)
     return DISTRIBUTIONS[dist].sample(batch, np.random.default_rng(seed), max_len)
 
 
-# a sequence longer than this is a typo (the longest documents are millions of tokens); with at most
-# MAX_BATCH of them a batch's tokens stay far inside int64 (2^60: 9e18 + 9e18 wrapped to a negative sum)
-MAX_LENGTH = 2**40
 
 
 def read_lengths(path: str | Path) -> np.ndarray:

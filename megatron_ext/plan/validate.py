@@ -22,18 +22,27 @@ from megatron_ext.errors import InvalidPlanError, LengthsError
 from megatron_ext.plan.program import (BWD, FWD, check_one_pipeline_per_sequence, chunk_layouts, is_int, op_name,
                                        parse_order)
 from megatron_ext.plan.schema import KINDS, StepPlan
-from megatron_ext.spec import is_power_of_two
+from megatron_ext.spec import MAX_LENGTH, is_power_of_two
 
 
 def checked_batch_lengths(lengths) -> np.ndarray:
-    """The check of a batch a planner is given: a non-empty 1-D array of positive lengths (as int64),
-    else LengthsError. Every planner entry point (``make_plan``, the pipeline builders) calls it."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if lengths.ndim != 1 or lengths.size == 0:
+    """The check of a batch a planner is given: a non-empty 1-D array of whole, positive lengths up
+    to ``MAX_LENGTH`` (returned as int64), else LengthsError. Every planner entry point
+    (``make_plan``, the pipeline builders) calls it. (Cast as they came, 1000.5 planned as 1,000,
+    '100' as 100, NaN raised numpy's ValueError, a 2-D array was "empty".)"""
+    arr = np.asarray(lengths)
+    if arr.ndim != 1:
+        raise LengthsError(f"a batch is a 1-D sequence of lengths, got an array of shape {arr.shape}")
+    if arr.size == 0:
         raise LengthsError("the batch is empty: nothing to plan")
-    if (lengths < 1).any():
-        raise LengthsError(f"sequence {int(np.flatnonzero(lengths < 1)[0])} has a non-positive length")
-    return lengths
+    if arr.dtype.kind not in "iuf":
+        raise LengthsError(f"sequence lengths must be whole numbers, got {arr.dtype} values (e.g. {arr[0].item()!r})")
+    bad = ~np.isfinite(arr) | (arr != np.floor(arr)) if arr.dtype.kind == "f" else np.zeros(arr.size, dtype=bool)
+    bad |= (arr < 1) | (arr > MAX_LENGTH)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise LengthsError(f"sequence {i} has length {arr[i].item()!r}: lengths are whole numbers from 1 to {MAX_LENGTH:,}")
+    return arr.astype(np.int64)
 
 
 def _fail(msg: str) -> None:

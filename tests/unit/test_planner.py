@@ -168,10 +168,29 @@ def test_empty_batch():
         make_plan("flexsp", [], COSTS["tiny/cpu-4"])
 
 
-@pytest.mark.parametrize("lengths", [[100, 0, 5], [100, -3]])
-def test_non_positive_lengths(lengths):
-    with pytest.raises(LengthsError, match="non-positive"):
+@pytest.mark.parametrize("lengths, says", [
+    ([100, 0, 5], "sequence 1 has length 0: lengths are whole numbers from 1 to 1,099,511,627,776"),
+    ([100, -3], "sequence 1 has length -3"),
+    # (each was planned or raised something else: 1000.5 as 1,000, '100' as 100, NaN numpy's ValueError)
+    ([1000.5, 200], "sequence 0 has length 1000.5"),
+    ([float("nan")], "sequence 0 has length nan"),
+    ([100, 2**41], "sequence 1 has length 2199023255552"),
+    (["100", "200"], "sequence lengths must be whole numbers, got <U3 values (e.g. '100')"),
+    (np.array([True, False]), "got bool values"),
+    ([[100, 200], [300, 400]], "a batch is a 1-D sequence of lengths, got an array of shape (2, 2)"),
+    (1000, "got an array of shape ()"),
+])
+def test_bad_lengths(lengths, says):
+    with pytest.raises(LengthsError) as err:
         make_plan("flexsp", lengths, COSTS["tiny/cpu-4"])
+    assert says in str(err.value)
+
+
+def test_whole_float_lengths_are_lengths():
+    a, b = (make_plan("flexsp", lens, COSTS["tiny/cpu-4"]) for lens in (np.array([300.0, 200.0]), [300, 200]))
+    assert a.estimated_step_time_s == b.estimated_step_time_s
+    assert [[g.seq_ids for g in mb.groups] for mb in a.micro_batches] == \
+        [[g.seq_ids for g in mb.groups] for mb in b.micro_batches]
 
 
 def test_unknown_planner():
