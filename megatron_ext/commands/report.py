@@ -77,9 +77,9 @@ def load_run(run: str | Path) -> list[dict]:
 MAX_SECONDS = 1e7  # a step or operation time past this (four months) is not a measurement
 
 
-def _seconds(x) -> bool:
+def _seconds(x, least: float = 1e-9) -> bool:
     # (a denormal time made the errors inf; one of 1e308 against 1e-9, inf and NaN in --json)
-    return is_number(x) and 1e-9 <= x <= MAX_SECONDS
+    return is_number(x) and least <= x <= MAX_SECONDS
 
 
 def _counts(x) -> bool:
@@ -88,11 +88,6 @@ def _counts(x) -> bool:
 
 def _numbers(x) -> bool:
     return isinstance(x, list) and all(is_number(v) for v in x)
-
-
-def _at_most(x) -> float:
-    """``x`` if a number of seconds within ``MAX_SECONDS``, else -1."""
-    return x if is_number(x) and x <= MAX_SECONDS else -1
 
 
 def _bad_record(r: dict) -> str | None:
@@ -124,7 +119,7 @@ def _bad_record(r: dict) -> str | None:
     if ops is None:
         return None if "stages" in r else "a pipeline step names no stages (neither stages nor ops_per_stage)"
     if not (isinstance(ops, list) and ops and all(isinstance(st, list) for st in ops) and
-            all(isinstance(op, list) and len(op) == 3 and 0 <= _at_most(op[1]) and (op[2] is None or 0 <= _at_most(op[2]))
+            all(isinstance(op, list) and len(op) == 3 and _seconds(op[1], 0) and (op[2] is None or _seconds(op[2], 0))
                 for st in ops for op in st)):
         return ("ops_per_stage must list each stage's operations as [name, measured s, predicted s or null], "
                 f"seconds from 0 to {MAX_SECONDS:g}")

@@ -26,7 +26,7 @@ from megatron_ext.data.lengths import MAX_BATCH, sample_lengths
 from megatron_ext.errors import ConfigError
 from megatron_ext.planner import PlannerOptions, make_plan
 from megatron_ext.plan import group_starts_ms
-from megatron_ext.planner.api import PLANNERS, get_planner, planner_names
+from megatron_ext.planner.api import PLANNERS
 from megatron_ext.spec import MAX_GPUS, validate_cluster
 
 LIMIT_SLACK = 1.05  # a plan "held" its time limit when it took at most 5% more
@@ -70,9 +70,6 @@ def bench_scale(cost: CostModel, gpus: list[int], dists: list[str], batches: int
     if per_gpu * max(gpus) > MAX_BATCH:
         raise ConfigError(f"--per-gpu {per_gpu:,} x {max(gpus):,} GPUs is {per_gpu * max(gpus):,} sequences a batch, "
                           f"over {MAX_BATCH:,}")
-    for planner in planners:
-        if get_planner(planner).kind != "sp":  # (the shares and the bounds are of micro-batch plans)
-            raise ConfigError(f"--gpus measures FlexSP-kind planners ({', '.join(planner_names('sp'))}), not {planner}")
     left_out = [p for p in planners if PLANNERS[p].barrier_free and cost.zero_stage == 3]
     planners = tuple(p for p in planners if p not in left_out)
     if not planners:
