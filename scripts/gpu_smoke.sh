@@ -74,11 +74,13 @@ cd "$ROOT" || exit 2
 step cuda "$PY" scripts/gpu_smoke.py cuda
 step cluster "$PY" scripts/gpu_smoke.py cluster "$GPUS" "$OUT/cluster.yaml"
 step nccl "$PY" -m torch.distributed.run --standalone --nproc-per-node="$GPUS" scripts/gpu_smoke.py nccl
+# lengths long enough for tiny's work to show past the launch constant on a fast GPU (at 256-4,096
+# tokens an H100 timed the same 12 ms at every length, which profile refuses to fit)
 step profile "${CLI[@]}" profile --device cuda --cluster "$OUT/cluster.yaml" --model tiny \
-  --lengths 256,1024,4096 --repeats 2 --out "$OUT/cost.yaml"
+  --lengths 2048,8192,32768 --repeats 2 --out "$OUT/cost.yaml"
 # train runs fp32: its steps are predicted by an fp32 cost model measured here (its error is this machine's)
 step profile32 "${CLI[@]}" profile --device cuda --dtype fp32 --cluster "$OUT/cluster.yaml" --model tiny \
-  --lengths 256,1024,4096 --repeats 2 --out "$OUT/cost-fp32.yaml"
+  --lengths 2048,8192,32768 --repeats 2 --out "$OUT/cost-fp32.yaml"
 COST=(--cluster "$OUT/cluster.yaml")
 [[ -f "$OUT/cost-fp32.yaml" ]] && COST=(--cost-model "$OUT/cost-fp32.yaml")
 step flexsp "${CLI[@]}" train --device cuda "${COST[@]}" --steps 3 --planner flexsp

@@ -83,7 +83,6 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -97,6 +96,7 @@ from megatron_ext.plan.program import padded_buffer_length
 from megatron_ext.runtime.backends import ATTENTION_BACKENDS
 from megatron_ext.runtime.comm import all_to_all
 from megatron_ext.runtime.kernels import LayerKernels
+from megatron_ext.runtime.kernels.sdpa import gqa_sdpa
 from megatron_ext.runtime.ring import ring_attention
 from megatron_ext.runtime.slices import slice_prefixes
 
@@ -403,13 +403,10 @@ class UlyssesAttention(MegatronModule):
         s, b = q.shape[0], q.shape[1]
         qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, dh]
         p = self.dropout_p if self.training else 0.0
-        gqa = qb.shape[1] != kb.shape[1]
         if attention_mask is not None:  # megatron: True = masked out
-            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=~attention_mask.bool(), dropout_p=p,
-                                               scale=self.softmax_scale, enable_gqa=gqa)
+            o = gqa_sdpa(qb, kb, vb, attn_mask=~attention_mask.bool(), dropout_p=p, scale=self.softmax_scale)
         else:
-            o = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=p, is_causal=causal,
-                                               scale=self.softmax_scale, enable_gqa=gqa)
+            o = gqa_sdpa(qb, kb, vb, dropout_p=p, is_causal=causal, scale=self.softmax_scale)
         return o.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 

@@ -214,6 +214,13 @@ def fit_profile(model_spec, lengths, fwd_bwd_ms: dict[int, list[float]], raw: di
             rows.append(row)
             ys.append(y)
     coef, resid = nonnegative_fit(np.array(rows), np.array(ys))
+    if coef[0] <= 0 and coef[1] <= 0:
+        # a cost model whose passes cost the same at any length cannot divide work (every planner
+        # would put all tokens anywhere): say so rather than write it
+        at = ", ".join(f"{t:.1f}" for t in fwd_bwd_ms[1])
+        raise ConfigError(f"the passes took {at} ms at {', '.join(f'{int(x):,}' for x in s)} tokens: no time "
+                          f"grows with the length, the fixed cost of a pass hides the work; profile longer "
+                          f"--lengths (up to the longest sequence the model will train) or a larger model")
     per_token_mb = 8 * model_spec.num_layers * model_spec.hidden_size * model_spec.activation_bytes / MB
     out = {"a1": float(coef[0]), "a2": float(coef[1]), "b1": float(coef[2]), "a2a": {}, "residual_ms": {}}
     n = len(s)

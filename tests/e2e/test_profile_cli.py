@@ -90,6 +90,16 @@ def test_fit_profile_recovers_compute_bandwidth_and_latency():
     assert fit["a2a"][2]["latency_ms"] == pytest.approx(3.0 / (8 * spec.num_layers), rel=1e-6)
 
 
+def test_fit_profile_refuses_passes_that_do_not_grow_with_length():
+    # a small model on a fast GPU: the launch constant hides the work (15.4, 11.3, 12.4 ms on an
+    # H100 at 256-4,096 tokens fitted a1 = a2 = 0, and the pipeline planners divided by zero)
+    spec = load_model("tiny")
+    with pytest.raises(ConfigError, match=r"15.4, 11.3, 12.4 ms at 256, 1,024, 4,096 tokens: no time grows"):
+        fit_profile(spec, [256, 1024, 4096], {1: [15.377, 11.287, 12.43]}, {})
+    # growth in either term is enough
+    assert fit_profile(spec, [256, 1024, 4096], {1: [12.0, 12.5, 14.0]}, {})["a2"] > 0
+
+
 class _Launched(Exception):
     """Raised in place of starting the ranks."""
 

@@ -76,6 +76,18 @@ def expand_kv(t: Tensor, groups: int) -> Tensor:
     return t.repeat_interleave(groups, dim=1) if groups > 1 else t
 
 
+def gqa_sdpa(qb: Tensor, kb: Tensor, vb: Tensor, attn_mask: Tensor | None = None, **kw) -> Tensor:
+    """F.scaled_dot_product_attention where K/V [b, hk, S, d] may have fewer heads than Q. On CUDA
+    torch runs ``enable_gqa`` in its flash kernel (half precision, no mask) or its math one, which
+    keeps an [S, S] matrix per head (fp32 ``tiny`` at 8,192 tokens ran out of an H100's 80 GB): where
+    flash cannot run, K/V are expanded so the memory-efficient kernel does."""
+    groups = qb.shape[1] // kb.shape[1]
+    flash = qb.dtype in (torch.float16, torch.bfloat16) and attn_mask is None
+    if groups > 1 and qb.device.type == "cuda" and not flash:
+        kb, vb, groups = expand_kv(kb, groups), expand_kv(vb, groups), 1
+    return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=attn_mask, enable_gqa=groups > 1, **kw)
+
+
 def fold_kv(grad: Tensor, heads: int) -> Tensor:
     """The gradient of an expanded K/V summed back over the query heads each KV head served."""
     return grad.unflatten(1, (heads, grad.shape[1] // heads)).sum(2) if grad.shape[1] != heads else grad
@@ -196,19 +208,16 @@ def masked_sdpa(qb: Tensor, kb: Tensor, vb: Tensor, make_mask, scale: float, dro
     is not kept for the backward (``_MaskedFlashCPU``)."""
     if qb.device.type == "cpu" and dropout_p == 0.0 and qb.dtype in _CPU_FLASH_DTYPES:
         return _MaskedFlashCPU.apply(qb, kb, vb, make_mask, scale)
-    return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=make_mask(), dropout_p=dropout_p, scale=scale,
-                                          enable_gqa=qb.shape[1] != kb.shape[1])
+    return gqa_sdpa(qb, kb, vb, attn_mask=make_mask(), dropout_p=dropout_p, scale=scale)
 
 
 def sdpa_packed(q: Tensor, k: Tensor, v: Tensor, bounds: Sequence[int], causal: bool, scale: float,
                 dropout_p: float) -> Tensor:
     """q [S, hq, dh], k/v [S, hk, dh] -> [S, hq, dh], attention within each segment."""
     S = q.shape[0]
-    gqa = q.shape[1] != k.shape[1]
     qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, h, S, dh]
     if len(bounds) == 2:
-        o = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=dropout_p, is_causal=causal, scale=scale,
-                                           enable_gqa=gqa)
+        o = gqa_sdpa(qb, kb, vb, dropout_p=dropout_p, is_causal=causal, scale=scale)
     elif dense_mask_fits(S, S, q.device):
         o = masked_sdpa(qb, kb, vb, functools.partial(_block_causal_mask, tuple(bounds), causal, q.device), scale,
                         dropout_p)
@@ -216,8 +225,7 @@ def sdpa_packed(q: Tensor, k: Tensor, v: Tensor, bounds: Sequence[int], causal: 
         # split, not one slice per segment: a slice's backward writes a zero gradient the size of
         # the whole buffer, n segments cost n x S (on an H200, 25% of a 16-sequence micro-batch)
         sizes = segment_sizes(bounds)
-        o = torch.cat([F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout_p, is_causal=causal, scale=scale,
-                                                      enable_gqa=gqa)
+        o = torch.cat([gqa_sdpa(qs, ks, vs, dropout_p=dropout_p, is_causal=causal, scale=scale)
                        for qs, ks, vs in zip(qb.split(sizes, 2), kb.split(sizes, 2), vb.split(sizes, 2))], dim=2)
     return o.squeeze(0).transpose(0, 1)
 
