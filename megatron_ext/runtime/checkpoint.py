@@ -5,7 +5,13 @@ A save directory is laid out as Megatron-LM lays out its ``torch_dist`` checkpoi
 checkpoint, ``DIR/iter_0000004/`` holds that checkpoint: ``dist_checkpointing`` files of every
 stage's model and optimizer (Adam moments and step count) and every rank's RNG states (Python,
 numpy, torch CPU and CUDA, megatron's tracker), plus ``megatron_ext.json``, the settings of the
-run that wrote it (``run_identity``), which a resuming run must share.
+run that wrote it (``run_identity``), which a resuming run must share, and the size of every file
+the checkpoint holds, which a resuming run checks before it launches (a lost or cut-short shard
+is one line, not a traceback on every rank).
+
+A save is written to a hidden folder beside its ``iter_`` folder and renamed to it once whole, so
+the tracker never names a folder that is being written (a save of a step already saved replaces
+it only then).
 
 What else a resumed run needs is not stored because it is a function of what is: the data
 position is the steps done (step k's global batch is a function of the data, seed, batch size and
@@ -31,6 +37,7 @@ from megatron_ext.files import replacing
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's name
 RUN_FILE = "megatron_ext.json"  # not metadata.json: dist_checkpointing writes that one
+FILES_KEY = "files"  # RUN_FILE's list of the checkpoint's files and their sizes (not a run setting)
 
 # what each run_identity key is called on the command line, for the refusal
 _OPTIONS = {"model": "--model", "ranks": "ranks (--cluster)", "pp": "--pp", "data": "--data",
@@ -87,12 +94,27 @@ def check_checkpoint_args(args, cost) -> None:
                           f"checkpoint (point {TRACKER_FILE} at it)") from None
     if not isinstance(saved, dict):
         raise ConfigError(f"--load {args.load}: {path / RUN_FILE} is damaged (not a JSON object)")
+    _check_files(args.load, path, saved.get(FILES_KEY, {}))
     ours = run_identity(args, cost)
     for key, option in _OPTIONS.items():
         if saved.get(key) != ours[key]:
             raise ConfigError(f"--load {args.load}: its step-{step} checkpoint was saved by a run with {option} "
                               f"{_shown(saved.get(key))}, this run has {_shown(ours[key])}; resume with the same "
                               f"settings")
+
+
+def _check_files(root: str, path: Path, files) -> None:
+    """Every file the save wrote is there at the size it wrote."""
+    damaged = f"--load {root}: {path} is damaged"
+    again = f"; resume from another checkpoint (point {TRACKER_FILE} at it)"
+    if not isinstance(files, dict):
+        raise ConfigError(f"{damaged} ({RUN_FILE}'s {FILES_KEY} is not a mapping){again}")
+    for name, size in files.items():
+        f = path / name
+        if not f.is_file():
+            raise ConfigError(f"{damaged}: {name} is missing{again}")
+        if f.stat().st_size != size:
+            raise ConfigError(f"{damaged}: {name} has {f.stat().st_size:,} bytes, {size:,} were saved{again}")
 
 
 def _shown(value) -> str:
@@ -184,23 +206,35 @@ def _sharded_state_dict(model, optimizer, is_loading: bool) -> dict:
 
 def save_checkpoint(root: str, steps_done: int, model, optimizer, identity: dict) -> Path:
     """Save the run after ``steps_done`` steps to ``root``/iter_NNNNNNN (collective), then point
-    the tracker at it: a run killed while saving leaves the previous checkpoint the latest."""
+    the tracker at it: a run killed while saving leaves the previous checkpoint the latest, and an
+    earlier save of the same step as it was."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
     path = Path(root) / f"iter_{steps_done:07d}"
+    writing = path.with_name(f".{path.name}.saving")
     if dist.get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)  # an older save of this step: replaced, not mixed with this one
-        path.mkdir(parents=True)
+        shutil.rmtree(writing, ignore_errors=True)  # what a run killed while saving left
+        writing.mkdir(parents=True)
     dist.barrier()
     # each stage's data-parallel ranks hold the same states: they share the writing
     strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(),
                                                 parallel_state.get_data_parallel_group())
-    dist_checkpointing.save(_sharded_state_dict(model, optimizer, is_loading=False), str(path), strategy)
+    dist_checkpointing.save(_sharded_state_dict(model, optimizer, is_loading=False), str(writing), strategy)
+    dist.barrier()  # every rank's files are written
     if dist.get_rank() == 0:
-        (path / RUN_FILE).write_text(json.dumps(identity, indent=1) + "\n")
+        files = {str(f.relative_to(writing)): f.stat().st_size for f in sorted(writing.rglob("*")) if f.is_file()}
+        (writing / RUN_FILE).write_text(json.dumps({**identity, FILES_KEY: files}, indent=1) + "\n")
+        if path.exists():  # an earlier save of this step: set aside until this one has its name
+            replaced = path.with_name(f".{path.name}.replaced")
+            shutil.rmtree(replaced, ignore_errors=True)
+            path.rename(replaced)
+            writing.rename(path)
+            shutil.rmtree(replaced)
+        else:
+            writing.rename(path)
         with replacing(Path(root) / TRACKER_FILE) as tmp:
             tmp.write_text(f"{steps_done}\n")
     dist.barrier()
@@ -211,17 +245,32 @@ def load_checkpoint(root: str, model, optimizer) -> tuple[int, Path]:
     """Load the newest checkpoint of ``root`` into the model, the optimizer and this rank's RNGs
     (collective; ``check_checkpoint_args`` has compared the runs). Returns the steps it had done
     (the next step's index) and its directory."""
+    import logging
     import warnings
 
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
     steps_done, path = latest_checkpoint(root)
+    # torch's checkpoint reader logs a traceback on the root logger before it falls back from a
+    # file it cannot read, and the error below says it once
+    root_logger = logging.getLogger()
+    level = root_logger.level
+    root_logger.setLevel(logging.ERROR)
     with warnings.catch_warnings():  # megatron-core's use of torch APIs torch deprecates: nothing for a user to do
         warnings.filterwarnings("ignore", message=r"(`load_state_dict` is deprecated|Please use DTensor instead)",
                                 category=FutureWarning)
         # (megatron's fully parallel load exchanges tensors on CUDA only; each rank reads its stage's states)
-        state = dist_checkpointing.load(_sharded_state_dict(model, optimizer, is_loading=True), str(path))
-    model.module.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    _set_rng_states(state["rng_state"])
+        try:
+            state = dist_checkpointing.load(_sharded_state_dict(model, optimizer, is_loading=True), str(path))
+            model.module.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            _set_rng_states(state["rng_state"])
+        except (Exception, CheckpointException) as e:  # a file that passed check_checkpoint_args's sizes, not its reading
+            # (torch's exception gathers every rank's: its last line ends the last failing rank's)
+            said = [line for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+            raise ConfigError(f"--load {root}: {path} could not be loaded ({said[-1].strip()[:200]}); resume "
+                              f"from another checkpoint (point {TRACKER_FILE} at it)") from e
+        finally:
+            root_logger.setLevel(level)
     return steps_done, path

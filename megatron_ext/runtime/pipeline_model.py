@@ -16,7 +16,8 @@ def build_pipeline_model(spec, vocab_size: int, max_seq_len: int, backend: str =
     """This rank's stage of a GPTModel (fp32; ``bf16=True`` overrides give Megatron's Float16Module;
     RoPE, Ulysses core attention with prefix K/V) for megatron's pipeline layout (parallel_state
     must be initialized with the pipeline size), wrapped in megatron DDP over the stage's data-parallel (= SP) group with ``finalize_model_grads``.
-    ``spec``: a ModelSpec (layers, hidden size, heads, KV heads, FFN size). Returns (model, config)."""
+    ``spec``: a ModelSpec (layers, hidden size, heads, KV heads, FFN size, SwiGLU or GELU MLP).
+    Returns (model, config)."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -32,6 +33,8 @@ def build_pipeline_model(spec, vocab_size: int, max_seq_len: int, backend: str =
               num_query_groups=spec.kv_heads, ffn_hidden_size=spec.ffn_hidden_size or 4 * spec.hidden_size,
               hidden_dropout=0.0, attention_dropout=0.0, calculate_per_token_loss=True, use_cpu_initialization=True,
               params_dtype=torch.float32, pipeline_dtype=torch.float32, pipeline_model_parallel_size=P)
+    if spec.swiglu:  # LLaMA's gated MLP (megatron's default: GPT's GELU)
+        kw.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
     kw.update(config_overrides)
     config = TransformerConfig(**kw)
     if spec.num_layers % P:

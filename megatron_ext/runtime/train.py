@@ -33,6 +33,7 @@ from megatron_ext.runtime.device import rank_device
 from megatron_ext.runtime.records import step_record
 from megatron_ext.runtime.timing import DeviceClock
 from megatron_ext.spec import MB, ModelSpec, is_power_of_two, read_yaml
+from megatron_ext.text import plural
 
 
 def initial_weights(spec: ModelSpec, vocab_size: int, max_seq_len: int, backend: str, seed: int) -> dict:
@@ -50,6 +51,14 @@ def initial_weights(spec: ModelSpec, vocab_size: int, max_seq_len: int, backend:
     state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in model.state_dict().items()}
     parallel_state.destroy_model_parallel()
     return state
+
+
+def model_recompute(spec: ModelSpec) -> dict:
+    """The TransformerConfig fields of the model's own recompute policy (``recompute: full``: its
+    first ``recompute_layers`` layers keep only their input, Megatron's full block method), which
+    the cost model prices; FlexSP steps run it (pipelines choose recompute per chunk instead)."""
+    n = spec.recomputed_layers
+    return dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=n) if n else {}
 
 
 def build_optimizer(ddp, lr: float):
@@ -182,9 +191,16 @@ def check_args(args, cost: CostModel, world: int) -> bool:
         if args.planner == "static_ulysses" and args.max_seq_len > cost.token_capacity(args.static_degree):
             raise ConfigError(f"--max-seq-len {args.max_seq_len} is over the {cost.token_capacity(args.static_degree)} "
                               f"tokens a group of --static-degree {args.static_degree} holds; lower it or raise the degree")
-    if args.steps < 1 or not 1 <= args.global_batch <= MAX_BATCH:
-        raise ConfigError(f"--steps must be at least 1 and --global-batch from 1 to {MAX_BATCH:,}, got "
-                          f"{args.steps} and {args.global_batch}")
+    if pipelined and cost.model.recomputed_layers:
+        raise ConfigError(f"model {cost.model.name} recomputes {plural(cost.model.recomputed_layers, 'layer')} (recompute: full), "
+                          f"which train runs under FlexSP planners; {args.planner}'s pipelines choose each chunk's "
+                          f"recompute (--recompute): drop recompute from the model's YAML")
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be at least 1, got {args.steps}")
+    if not 1 <= args.global_batch <= MAX_BATCH:
+        raise ConfigError(f"--global-batch must be from 1 to {MAX_BATCH:,}, got {args.global_batch}")
+    if args.max_seq_len < 2:  # (its one token has no next token: no loss, NaN steps)
+        raise ConfigError(f"--max-seq-len must be at least 2 tokens, got {args.max_seq_len}")
     check_seed(args.seed, ConfigError)
     if args.data is None and args.vocab_size is not None:
         raise ConfigError("--vocab-size applies to --data; the default corpus has its tokenizer")
@@ -237,7 +253,8 @@ class Training:
         self.data = data = open_training_data(values, args.vocab_size)
         weights = initial_weights(cost.model, data.vocab_size, args.max_seq_len, args.attention_backend, args.seed)
         parallel_state.initialize_model_parallel(1, args.pp)
-        self.model, _ = build_pipeline_model(cost.model, data.vocab_size, args.max_seq_len, args.attention_backend)
+        self.model, _ = build_pipeline_model(cost.model, data.vocab_size, args.max_seq_len, args.attention_backend,
+                                             **model_recompute(cost.model))
         self.model.module.load_state_dict(stage_state_dict(weights, self.model))
         self.optimizer = build_optimizer(self.model, args.lr)
         self.done, self.resumed_from = (load_checkpoint(args.load, self.model, self.optimizer) if args.load

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import shutil
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -60,6 +61,8 @@ def load_restores_weights_optimizer_and_every_ranks_rng():
     root = [tempfile.mkdtemp(prefix="ckpt-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(root, src=0)
     save_checkpoint(root[0], 3, model, optimizer, {})
+    _train_step(model, optimizer, 0.2)  # then the same step saved again: the second save replaces the first whole
+    save_checkpoint(root[0], 3, model, optimizer, {})
     weights = [p.detach().clone() for p in model.module.parameters()]
     moments = _optimizer_tensors(optimizer)
     draws = _draws()
@@ -70,6 +73,8 @@ def load_restores_weights_optimizer_and_every_ranks_rng():
 
     f = Failures()
     f.true(steps_done == 3, f"steps done {steps_done}, saved 3")
+    left = sorted(p.name for p in Path(root[0]).iterdir())
+    f.true(left == ["iter_0000003", "latest_checkpointed_iteration.txt"], f"save folder holds {left}")
     for i, (p, w) in enumerate(zip(model.module.parameters(), weights)):
         f.close(p.detach(), w, f"weight {i}", rtol=0, atol=0)
     after = _optimizer_tensors(optimizer)

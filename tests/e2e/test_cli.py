@@ -251,7 +251,10 @@ def test_cluster_yaml_numbers_must_be_finite(capsys, tmp_path, field, value):
     (["--compare", "flexsp,static_ulysses,flexsp"], "--compare names flexsp more than once"),
     (["--seed", "-1"], "--seed must be from 0 to 2^63 - 1, got -1"),  # (was refused by the ranks, after launching)
     (["--seed", "99999999999999999999"], "--seed must be from 0 to 2^63 - 1"),
-    (["--global-batch", "100000000000"], "--global-batch from 1 to 1,048,576"),
+    (["--global-batch", "100000000000"], "--global-batch must be from 1 to 1,048,576, got 100000000000"),
+    (["--global-batch", "0"], "--global-batch must be from 1 to 1,048,576, got 0"),  # (named --steps too)
+    (["--steps", "0"], "--steps must be at least 1, got 0"),
+    (["--max-seq-len", "1"], "--max-seq-len must be at least 2 tokens, got 1"),  # (trained, NaN losses)
     (["--compare", ","], "--compare needs a comma-separated list of planners, e.g. flexsp,static_ulysses, got ','"),
     (["--compare", "elastic_pp,flexsp", "--pp", "2"], "--pp 2 needs a pipeline planner"),  # before elastic_pp trains
     (["--max-ring", "3"], "--max-ring must be a power of two (1: no ring), got 3"),
@@ -263,6 +266,16 @@ def test_cluster_yaml_numbers_must_be_finite(capsys, tmp_path, field, value):
 ])
 def test_train_refuses_before_launching(capsys, argv, match):
     assert_one_line_error(*run(capsys, "train", "--steps", "1", *argv), match)
+
+
+def test_train_refuses_a_recomputing_model_under_pipeline_planners(capsys, tmp_path):
+    from megatron_ext.spec import PRESET_DIR
+
+    text = (PRESET_DIR / "models" / "tiny.yaml").read_text()
+    f = write(tmp_path, "tiny-recompute.yaml", text + "recompute: full\nrecompute_layers: 1\n")
+    assert_one_line_error(*run(capsys, "train", "--steps", "1", "--model", f, "--planner", "elastic_pp", "--pp", "2"),
+                          "model tiny-recompute recomputes 1 layer (recompute: full), which train runs under FlexSP "
+                          "planners; elastic_pp's pipelines choose")
 
 
 def test_compared_runs_write_their_own_outputs():

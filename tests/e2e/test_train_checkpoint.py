@@ -51,6 +51,8 @@ def test_checkpoints_are_saved_every_interval_and_at_the_end(runs):
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     run = json.loads((ckpt / "iter_0000004" / "megatron_ext.json").read_text())
     assert run["pp"] == (2 if runs["layout"] else 1) and run["ranks"] == 4 and run["seed"] == 7
+    assert not list(ckpt.glob(".iter_*"))  # written under a hidden name, renamed once whole
+    assert run["files"][".metadata"] > 0 and any(name.endswith(".distcp") for name in run["files"])
     assert f"saved step 2 to {ckpt / 'iter_0000002'}" in runs["first_log"]
     assert f"resumed from {ckpt / 'iter_0000002'} at step 2" in runs["rest_log"]
 
@@ -73,6 +75,28 @@ def test_a_checkpoint_of_another_layout_or_run_is_refused(runs):
         args = build_parser().parse_args([*ARGS, "--load", ckpt, *argv])
         with pytest.raises(ConfigError, match=match):
             check_args(args, cost, 4)
+
+
+def test_a_checkpoint_missing_or_cutting_a_file_is_refused_before_launching(runs, tmp_path):
+    import shutil
+
+    from megatron_ext.cost import CostModel
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.commands.train import build_parser
+    from megatron_ext.runtime.train import check_args
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(runs["ckpt"], copy)
+    shard = sorted((copy / "iter_0000004").glob("*.distcp"))[-1]
+    args = build_parser().parse_args([*ARGS, *runs["layout"], "--load", str(copy)])
+    cost = CostModel.from_presets("tiny", "cpu-4")
+    with shard.open("r+b") as f:
+        f.truncate(shard.stat().st_size - 1)
+    with pytest.raises(ConfigError, match=rf"iter_0000004 is damaged: {shard.name} has [\d,]+ bytes, [\d,]+ were saved"):
+        check_args(args, cost, 4)
+    shard.unlink()
+    with pytest.raises(ConfigError, match=rf"iter_0000004 is damaged: {shard.name} is missing; resume from another"):
+        check_args(args, cost, 4)
 
 
 @pytest.mark.parametrize("argv, message", [

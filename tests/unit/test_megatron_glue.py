@@ -617,3 +617,41 @@ def test_bf16_stage_is_megatrons_float16_module(one_rank):
         ref = full.bfloat16()(tokens, params.position_ids[None], None, labels=tokens, packed_seq_params=params)
     assert loss.dtype == torch.float32
     assert torch.allclose(loss, ref.float(), rtol=1e-2)
+
+
+def test_the_model_yaml_shape_and_recompute_are_built(one_rank):
+    """A model YAML's swiglu builds LLaMA's gated MLP (three FFN matrices, as params_b counts them),
+    and its recompute: full runs Megatron's full recompute of that many layers under FlexSP, with
+    the gradients of the model that keeps every activation."""
+    import dataclasses
+
+    import torch
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_ext.runtime.attention import UlyssesPackedSeqParams
+    from megatron_ext.runtime.pipeline_model import build_pipeline_model
+    from megatron_ext.runtime.train import model_recompute
+    from small_cost import small_cost
+
+    spec = dataclasses.replace(small_cost().model, swiglu=True, recompute="full", recompute_layers=1)
+    ffn, h = spec.ffn_hidden_size or 4 * spec.hidden_size, spec.hidden_size
+    grads, runs = [], []
+    for overrides in ({}, model_recompute(spec)):
+        torch.manual_seed(0)
+        model_parallel_cuda_manual_seed(0)
+        model, config = build_pipeline_model(spec, 128, 64, "sdpa", ddp=False, **overrides)
+        fc1 = model.decoder.layers[0].mlp.linear_fc1.weight
+        assert tuple(fc1.shape) == (2 * ffn, h)  # gate and up
+        tokens = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+        params = UlyssesPackedSeqParams.build([40])
+        calls = [0] * len(model.decoder.layers)
+        for i, layer in enumerate(model.decoder.layers):
+            layer.mlp.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+        model(tokens, params.position_ids[None], None, labels=tokens, packed_seq_params=params).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        runs.append(calls)
+    assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == ("full", "block", 1)
+    assert runs == [[1] * spec.num_layers, [2] + [1] * (spec.num_layers - 1)]  # the first layer's forward ran again for its backward
+    for plain, recomputed in zip(*grads):
+        torch.testing.assert_close(recomputed, plain, rtol=0, atol=0)
+    assert model_recompute(dataclasses.replace(spec, recompute="none")) == {}
