@@ -27,6 +27,7 @@ from megatron_ext.commands.report import advice, fidelity, layout_counts, layout
 from megatron_ext.cost import CostModel
 from megatron_ext.data.batches import GlobalBatches
 from megatron_ext.errors import ConfigError, MegatronExtError
+from megatron_ext.files import replacing
 from megatron_ext.planner.api import planners_help
 from megatron_ext.runtime.backends import ATTENTION_BACKENDS
 from megatron_ext.runtime.device import DEVICE_CHOICES, choose_device
@@ -148,11 +149,11 @@ def run(rest: list[str]) -> int:
 
 
 def _own_outputs(given, planner: str) -> list[str]:
-    """A compared run's own --run-dir, --save and --trace (each planner's in DIR/PLANNER and
-    FILE.PLANNER.json; one place for all, each run overwrote the one before), given after the
-    shared ones, which they override."""
+    """A compared run's own --run-dir, --save, --load and --trace (each planner's in DIR/PLANNER and
+    FILE.PLANNER.json; one place for all, each run overwrote the one before; each resumes what it
+    saved), given after the shared ones, which they override."""
     out = []
-    for option, folder in (("--run-dir", given.run_dir), ("--save", given.save)):
+    for option, folder in (("--run-dir", given.run_dir), ("--save", given.save), ("--load", given.load)):
         if folder is not None:
             out += [option, str(Path(folder) / planner)]
     if given.trace is not None and given.trace.lower().endswith(".json"):  # (any other name is refused as given)
@@ -255,7 +256,7 @@ def _train(args, rank: int, world: int) -> int:
     trace = RunTrace(cost) if rank == 0 and args.trace else None
     if rank == 0 and args.run_dir:
         Path(args.run_dir).mkdir(parents=True, exist_ok=True)
-        log = open(Path(args.run_dir) / "steps.jsonl", "w")
+        log = _open_step_log(Path(args.run_dir) / "steps.jsonl", run.done)
     try:
         for trained in run.steps():
             rec, step = trained.record, trained.step
@@ -283,6 +284,23 @@ def _train(args, rank: int, world: int) -> int:
     return 0
 
 
+def _open_step_log(path: Path, done: int):
+    """--run-dir's steps.jsonl, to append to: a run resumed at step ``done`` keeps the records of
+    the steps before it (those of a run that went on past its last checkpoint are trained again)."""
+    kept = []
+    if done and path.is_file():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                step = json.loads(line).get("step")
+            except (json.JSONDecodeError, AttributeError):
+                continue
+            if isinstance(step, int) and step < done:
+                kept.append(line + "\n")
+    with replacing(path) as tmp:
+        tmp.write_text("".join(kept))
+    return open(path, "a")
+
+
 def _header(args, cost: CostModel, world: int, data: str) -> str:
     """What the run trains, on what, with which planner and data (printed before its steps)."""
     sp = stage_sp(args, cost)
@@ -295,7 +313,7 @@ def _header(args, cost: CostModel, world: int, data: str) -> str:
     else:
         layout = "SP groups per micro-batch"
     return (f"train: {cost.model.name} on {cost.cluster.name} ({world} ranks), planner {args.planner} ({layout}); "
-            f"{args.global_batch} sequences a step of up to {args.max_seq_len:,} tokens, {plural(args.steps, 'step')}, "
+            f"{plural(args.global_batch, 'sequence')} a step of up to {args.max_seq_len:,} tokens, {plural(args.steps, 'step')}, "
             f"seed {args.seed}; data {data}")
 
 

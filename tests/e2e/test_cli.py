@@ -285,12 +285,14 @@ def test_compared_runs_write_their_own_outputs():
 
     from megatron_ext.commands.train import _own_outputs, build_parser
 
-    base = ["--run-dir", "rd", "--save", "ck", "--trace", "out/t.JSON"]
+    base = ["--run-dir", "rd", "--save", "ck", "--load", "ck", "--trace", "out/t.JSON"]
     given = build_parser().parse_known_args(base, argparse.Namespace(planner=None, json=None))[0]
     own = _own_outputs(given, "flexsp")
-    assert own == ["--run-dir", "rd/flexsp", "--save", "ck/flexsp", "--trace", "out/t.flexsp.JSON"]
+    assert own == ["--run-dir", "rd/flexsp", "--save", "ck/flexsp", "--load", "ck/flexsp", "--trace",
+                   "out/t.flexsp.JSON"]  # (each resumes what it saved)
     args = build_parser().parse_args([*base, *own])
-    assert (args.run_dir, args.save, args.trace) == ("rd/flexsp", "ck/flexsp", "out/t.flexsp.JSON")
+    assert (args.run_dir, args.save, args.load, args.trace) == ("rd/flexsp", "ck/flexsp", "ck/flexsp",
+                                                                "out/t.flexsp.JSON")
 
 
 

@@ -28,11 +28,14 @@ def _train(*argv: str) -> tuple[list[dict], str]:
 def runs(request, tmp_path_factory):
     layout = LAYOUTS[request.param]
     ckpt = tmp_path_factory.mktemp(f"ckpt-{request.param}")
+    run_dir = ckpt / "records"
     whole, _ = _train("--steps", "4", *layout)
-    first, first_log = _train("--steps", "2", "--save", str(ckpt), "--save-interval", "1", *layout)
-    rest, rest_log = _train("--steps", "4", "--load", str(ckpt), "--save", str(ckpt), *layout)
+    first, first_log = _train("--steps", "2", "--save", str(ckpt), "--save-interval", "1", "--run-dir", str(run_dir),
+                              *layout)
+    rest, rest_log = _train("--steps", "4", "--load", str(ckpt), "--save", str(ckpt), "--run-dir", str(run_dir),
+                            *layout)
     return {"whole": whole, "first": first, "rest": rest, "first_log": first_log, "rest_log": rest_log,
-            "ckpt": ckpt, "layout": layout}
+            "ckpt": ckpt, "layout": layout, "run_dir": run_dir}
 
 
 def test_resumed_run_continues_where_the_saved_one_stopped(runs):
@@ -43,6 +46,11 @@ def test_resumed_run_continues_where_the_saved_one_stopped(runs):
         assert x["tokens"] == y["tokens"], (x, y)  # the same batches: nothing repeated or skipped
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-6), (x["step"], x["loss"], y["loss"])
         assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-6), (x["step"], x["grad_norm"], y["grad_norm"])
+
+
+def test_a_resumed_run_adds_its_records_to_the_run_dir(runs):
+    lines = (runs["run_dir"] / "steps.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1, 2, 3]  # (the resumed run wrote over 0 and 1)
 
 
 def test_checkpoints_are_saved_every_interval_and_at_the_end(runs):
