@@ -60,3 +60,17 @@ def exit_text(code: int) -> str:
         return f"died (signal {signum} {signal.Signals(signum).name})"
     except ValueError:  # not a signal's number
         return f"failed (exit status {code})"
+
+
+RANK_ERROR_WAIT_S = 1.0  # how long a rank other than 0 leaves rank 0 to say an error they share
+
+
+def say_rank_error(error, rank: int) -> int:
+    """Print a rank's bad-input error (``megatron-ext: error: ...``) once for the run and return
+    the exit status 2. Ranks on the same input raise the same error together, and torchrun stops
+    the others when the first exits: a rank other than 0 waits a moment, in which rank 0 says it
+    and the run is stopped, and says it only if it is still running (the error was its own)."""
+    if rank != 0:
+        time.sleep(RANK_ERROR_WAIT_S)
+    print(f"megatron-ext: error: {error}", file=sys.stderr, flush=True)
+    return 2

@@ -102,7 +102,7 @@ def check_before_launch(args) -> CostModel:
 def main(argv: list[str] | None = None) -> int:
     import signal
 
-    from megatron_ext.lifetime import die_with_parent, exit_quietly_on_stop_signals
+    from megatron_ext.lifetime import die_with_parent, exit_quietly_on_stop_signals, say_rank_error
 
     # as train's ranks: stopped (torchrun passes SIGTERM / SIGINT on) or orphaned, a rank ends quietly
     exit_quietly_on_stop_signals()
@@ -117,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             dist.destroy_process_group()
     except MegatronExtError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"megatron-ext: error: {e}", file=sys.stderr)
-        return 2
+        return say_rank_error(e, int(os.environ.get("RANK", "0")))
 
 
 def _profile(args, setup: RankSetup) -> int:

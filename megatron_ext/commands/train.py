@@ -28,6 +28,7 @@ from megatron_ext.cost import CostModel
 from megatron_ext.data.batches import GlobalBatches
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.files import replacing
+from megatron_ext.lifetime import die_with_parent, exit_quietly_on_stop_signals, say_rank_error
 from megatron_ext.planner.api import planners_help
 from megatron_ext.runtime.backends import ATTENTION_BACKENDS
 from megatron_ext.runtime.device import DEVICE_CHOICES, choose_device
@@ -189,7 +190,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from megatron_ext.lifetime import die_with_parent, exit_quietly_on_stop_signals
     from megatron_ext.runtime.device import init_rank_process_group
 
     # Stopped (torchrun passes SIGTERM / SIGINT on) or orphaned (torchrun died), a rank ends quietly.
@@ -205,16 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         init_rank_process_group(args.device)
     except MegatronExtError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"megatron-ext: error: {e}", file=sys.stderr)
-        return 2
+        return say_rank_error(e, int(os.environ.get("RANK", "0")))
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         return _train(args, rank, world)
     except MegatronExtError as e:
-        if rank == 0:
-            print(f"megatron-ext: error: {e}", file=sys.stderr)
-        return 2
+        return say_rank_error(e, rank)
     except Exception:
         # A rank that dies breaks its peers' collectives; torchrun (checking every 0.1 s) stops them a
         # moment later and names it. Wait for that stop, quiet, rather than print a traceback about it.

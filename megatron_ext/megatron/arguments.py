@@ -87,6 +87,7 @@ import sys
 from dataclasses import dataclass, field
 
 from megatron_ext.errors import ConfigError, MegatronExtError
+from megatron_ext.lifetime import say_rank_error
 from megatron_ext.runtime.backends import ATTENTION_BACKENDS
 from megatron_ext.spec import is_power_of_two
 
@@ -589,13 +590,11 @@ def env_rank() -> int:
 
 def check_or_exit(args) -> Validated:
     """``validate_args``; on a conflict, rank 0 prints one line ``megatron-ext: error: ...`` and
-    every rank exits 2."""
+    every rank exits 2 (``say_rank_error``)."""
     try:
         result = validate_args(args)
     except MegatronExtError as e:
-        if env_rank() == 0:
-            print(f"megatron-ext: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(say_rank_error(e, env_rank()))
     if result.enabled and result.notes and env_rank() == 0:
         print(f"megatron_ext: {mode_flag(args)} set " + "; ".join(result.notes), flush=True)
     return result

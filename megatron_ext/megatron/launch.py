@@ -55,6 +55,7 @@ import sysconfig
 import types
 
 from megatron_ext.errors import MegatronExtError
+from megatron_ext.lifetime import say_rank_error
 from megatron_ext.megatron.arguments import env_rank
 
 # Flags a CPU run needs, with the value to add when the user did not give the flag (None: a
@@ -289,9 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run_as_main(script)
     except MegatronExtError as e:  # bad data, a batch no plan holds: every rank raises it, rank 0 says it
-        if env_rank() == 0:
-            print(f"megatron-ext: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return say_rank_error(e, env_rank())
     if cpu:
         _destroy_process_group()
     return 0

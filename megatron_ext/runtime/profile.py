@@ -452,6 +452,7 @@ def measure(base: CostModel, lengths: list[int], repeats: int, setup: RankSetup,
     gathered = [None] * world
     dist.all_gather_object(gathered, times_ms)
     per_length = np.median(np.array(gathered), axis=0)  # ranks ran concurrently; take the typical one
+    fit_profile(base.model, lengths, {1: per_length.tolist()}, {})  # times that do not grow: refused now, not last
     act_mb = _saved_bytes_per_token(model, vocab, setup) / MB
     head_s = max(lengths)
     head = [None] * world

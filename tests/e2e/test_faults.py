@@ -237,6 +237,20 @@ def test_exit_text_names_the_signal():
     assert exit_text(1) == "failed (exit status 1)"
 
 
+def test_a_rank_other_than_0_leaves_rank_0_to_say_a_shared_error(monkeypatch, capsys):
+    # every rank raises the same bad-input error together; torchrun stops the rest at the first
+    # exit, so a rank 1 that exited first took rank 0 down before it printed (the run said only
+    # "rank 1 failed (exit status 2)")
+    from megatron_ext import lifetime
+    from megatron_ext.errors import ConfigError
+
+    waited = []
+    monkeypatch.setattr(lifetime.time, "sleep", waited.append)
+    assert lifetime.say_rank_error(ConfigError("bad"), 0) == 2 and waited == []
+    assert lifetime.say_rank_error(ConfigError("bad"), 3) == 2 and waited == [lifetime.RANK_ERROR_WAIT_S]
+    assert capsys.readouterr().err == "megatron-ext: error: bad\n" * 2
+
+
 def test_root_cause_is_a_killed_rank_among_those_failing_together():
     """torchrun slow to look: the ranks whose collectives broke on the dead one failed in the same
     second, and torchrun's order would name the lowest of them."""

@@ -107,6 +107,24 @@ def test_a_checkpoint_missing_or_cutting_a_file_is_refused_before_launching(runs
         check_args(args, cost, 4)
 
 
+def test_a_checkpoint_the_ranks_cannot_read_is_a_one_line_error(runs, tmp_path):
+    import shutil
+
+    if runs["layout"]:
+        pytest.skip("one layout is enough: the load is the same")
+    copy = tmp_path / "ckpt"
+    shutil.copytree(runs["ckpt"], copy)
+    metadata = copy / "iter_0000004" / ".metadata"
+    data = bytearray(metadata.read_bytes())
+    data[8:40] = b"x" * 32  # the size the checkpoint lists, but not a pickle
+    metadata.write_bytes(bytes(data))
+    done = subprocess.run([*CLI, *ARGS, "--steps", "5", "--load", str(copy)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-3000:]
+    assert done.stderr.startswith(f"megatron-ext: error: --load {copy}: {copy / 'iter_0000004'} could not be "
+                                  f"loaded (") and done.stderr.count("\n") == 1, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--load", "{tmp}/missing"], "--load {tmp}/missing: no such directory"),
     (["--load", "{tmp}"], "--load {tmp} holds no checkpoint (no latest_checkpointed_iteration.txt"),
