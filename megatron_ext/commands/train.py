@@ -31,6 +31,7 @@ from megatron_ext.files import replacing
 from megatron_ext.lifetime import die_with_parent, exit_quietly_on_stop_signals, say_rank_error
 from megatron_ext.planner.api import planners_help
 from megatron_ext.runtime.backends import ATTENTION_BACKENDS
+from megatron_ext.runtime.checkpoint import TRACKER_FILE
 from megatron_ext.runtime.device import DEVICE_CHOICES, choose_device
 from megatron_ext.runtime.kernels import check_backend
 from megatron_ext.runtime.train import check_args, open_training_data, stage_sp, train_cost_model
@@ -150,12 +151,14 @@ def run(rest: list[str]) -> int:
 
 
 def _own_outputs(given, planner: str) -> list[str]:
-    """A compared run's own --run-dir, --save, --load and --trace (each planner's in DIR/PLANNER and
-    FILE.PLANNER.json; one place for all, each run overwrote the one before; each resumes what it
-    saved), given after the shared ones, which they override."""
+    """A compared run's own --run-dir, --save and --trace (each planner's in DIR/PLANNER and
+    FILE.PLANNER.json; one place for all, each run overwrote the one before), given after the
+    shared ones, which they override; --load DIR too where DIR holds no checkpoint of its own but
+    the compared runs' (each resumes what it saved; else every planner starts from DIR's)."""
     out = []
-    for option, folder in (("--run-dir", given.run_dir), ("--save", given.save), ("--load", given.load)):
-        if folder is not None:
+    load = given.load is not None and not (Path(given.load) / TRACKER_FILE).is_file()
+    for option, folder in (("--run-dir", given.run_dir), ("--save", given.save), ("--load", load and given.load)):
+        if folder:
             out += [option, str(Path(folder) / planner)]
     if given.trace is not None and given.trace.lower().endswith(".json"):  # (any other name is refused as given)
         out += ["--trace", f"{given.trace[:-5]}.{planner}{given.trace[-5:]}"]
@@ -290,7 +293,7 @@ def _open_step_log(path: Path, done: int):
                 step = json.loads(line).get("step")
             except (json.JSONDecodeError, AttributeError):
                 continue
-            if isinstance(step, int) and step < done:
+            if type(step) is int and step < done:
                 kept.append(line + "\n")
     with replacing(path) as tmp:
         tmp.write_text("".join(kept))

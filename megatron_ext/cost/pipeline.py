@@ -86,6 +86,10 @@ class PipelineCost:
             raise ConfigError(f"pipeline degree {self.pp} does not divide the {m.num_layers} layers of {m.name}; "
                               f"on {c.name} ({c.num_gpus} GPUs) choose one of {', '.join(map(str, fits))}")
         self.cost.check_degree(self.sp)
+        if not (m.a1 > 0 or m.a2 > 0):  # (a model to be profiled may say so; a pipeline cannot be cut by it)
+            raise ConfigError(f"model {m.name}: a1 and a2 are both 0, so a pass takes as long for any number of "
+                              f"tokens and no chunking is better than another; measure them with `megatron-ext "
+                              f"profile` (at --lengths long enough for the time to grow)")
         if c.num_gpus % (self.pp * self.sp):
             raise ConfigError(f"pp {self.pp} x sp {self.sp} = {self.pp * self.sp} GPUs does not divide the "
                               f"{c.num_gpus} GPUs of {c.name} (a layout runs as GPUs / (pp x sp) replicas side by side)")

@@ -55,7 +55,7 @@ def run_identity(args, cost) -> dict:
     backend: they change how a step is computed, not what."""
     m = cost.model
     return {"model": f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
-                     f"({m.kv_heads} KV), FFN {m.ffn_hidden_size or 4 * m.hidden_size}",
+                     f"({m.kv_heads} KV), FFN {m.ffn_hidden_size or 4 * m.hidden_size}" + (" SwiGLU" if m.swiglu else ""),
             "ranks": cost.num_gpus, "pp": args.pp, "data": args.data, "vocab_size": args.vocab_size,
             "seed": args.seed, "global_batch": args.global_batch, "max_seq_len": args.max_seq_len, "lr": args.lr}
 
@@ -107,14 +107,27 @@ def _check_files(root: str, path: Path, files) -> None:
     """Every file the save wrote is there at the size it wrote."""
     damaged = f"--load {root}: {path} is damaged"
     again = f"; resume from another checkpoint (point {TRACKER_FILE} at it)"
-    if not isinstance(files, dict):
-        raise ConfigError(f"{damaged} ({RUN_FILE}'s {FILES_KEY} is not a mapping){again}")
+    if not (isinstance(files, dict) and all(type(size) is int for size in files.values())):
+        raise ConfigError(f"{damaged} ({RUN_FILE}'s {FILES_KEY} is not a mapping of file names to sizes){again}")
     for name, size in files.items():
         f = path / name
         if not f.is_file():
             raise ConfigError(f"{damaged}: {name} is missing{again}")
         if f.stat().st_size != size:
             raise ConfigError(f"{damaged}: {name} has {f.stat().st_size:,} bytes, {size:,} were saved{again}")
+
+
+def _first_cause(error: BaseException) -> str:
+    """What went wrong first, in one line: the error at the root of ``error``'s causes (torch's
+    CheckpointException: of the first rank's failure, which it gathers from every rank)."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        error = first[0] if isinstance(first, tuple) else first
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0][:300]}" if lines else type(error).__name__
 
 
 def _shown(value) -> str:
@@ -227,16 +240,14 @@ def save_checkpoint(root: str, steps_done: int, model, optimizer, identity: dict
     if dist.get_rank() == 0:
         files = {str(f.relative_to(writing)): f.stat().st_size for f in sorted(writing.rglob("*")) if f.is_file()}
         (writing / RUN_FILE).write_text(json.dumps({**identity, FILES_KEY: files}, indent=1) + "\n")
+        replaced = path.with_name(f".{path.name}.replaced")
         if path.exists():  # an earlier save of this step: set aside until this one has its name
-            replaced = path.with_name(f".{path.name}.replaced")
             shutil.rmtree(replaced, ignore_errors=True)
             path.rename(replaced)
-            writing.rename(path)
-            shutil.rmtree(replaced)
-        else:
-            writing.rename(path)
+        writing.rename(path)
         with replacing(Path(root) / TRACKER_FILE) as tmp:
             tmp.write_text(f"{steps_done}\n")
+        shutil.rmtree(replaced, ignore_errors=True)  # (a shared file system may hold on to some of it)
     dist.barrier()
     return path
 
@@ -267,10 +278,8 @@ def load_checkpoint(root: str, model, optimizer) -> tuple[int, Path]:
             optimizer.load_state_dict(state["optimizer"])
             _set_rng_states(state["rng_state"])
         except (Exception, CheckpointException) as e:  # a file that passed check_checkpoint_args's sizes, not its reading
-            # (torch's exception gathers every rank's: its last line ends the last failing rank's)
-            said = [line for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
-            raise ConfigError(f"--load {root}: {path} could not be loaded ({said[-1].strip()[:200]}); resume "
-                              f"from another checkpoint (point {TRACKER_FILE} at it)") from e
+            raise ConfigError(f"--load {root}: {path} could not be loaded ({_first_cause(e)}); resume from "
+                              f"another checkpoint (point {TRACKER_FILE} at it)") from e
         finally:
             root_logger.setLevel(level)
     return steps_done, path

@@ -101,7 +101,8 @@ def _time(fn, repeats: int, setup: RankSetup) -> float:
 
 
 def _build_model(spec, max_len: int, setup: RankSetup, ddp: bool = True):
-    """The GPTModel `train` runs, built and initialised on this rank's device in its dtype."""
+    """The GPTModel `train` runs (without a recompute policy of the model's), built and initialised
+    on this rank's device in its dtype."""
     from megatron_ext.runtime.pipeline_model import build_pipeline_model
 
     model, _ = build_pipeline_model(spec, spec.vocab_size, max_len, setup.attention_backend, ddp=ddp,
@@ -485,9 +486,13 @@ def measure(base: CostModel, lengths: list[int], repeats: int, setup: RankSetup,
                             a2a_bandwidth_gbps={d: v["bandwidth_gbps"] for d, v in a2a.items()},
                             a2a_latency_ms={d: v["latency_ms"] for d, v in a2a.items()}),
         base.zero_stage)
-    mb_overhead, flexsp_run = _micro_batch_overhead_ms(fitted, pool, max(lengths), repeats, setup)
+    # the real steps run the model as built here, without a recompute policy of the model's
+    # (the fitted a1 and a2 are those of passes without it, as the YAML's are): priced alike
+    plain = dataclasses.replace(fitted, model=dataclasses.replace(fitted.model, recompute="none",
+                                                                  recompute_layers=None))
+    mb_overhead, flexsp_run = _micro_batch_overhead_ms(plain, pool, max(lengths), repeats, setup)
     tick("a real FlexSP step")
-    op_overhead, pipeline_run = _pipeline_op_overhead_ms(fitted, max(lengths), repeats, setup)
+    op_overhead, pipeline_run = _pipeline_op_overhead_ms(plain, max(lengths), repeats, setup)
     fitted = CostModel(fitted.model, dataclasses.replace(fitted.cluster, pipeline_op_overhead_ms=op_overhead,
                                                          micro_batch_overhead_ms=mb_overhead), base.zero_stage)
     tick("a real pipeline step")

@@ -12,6 +12,7 @@ stage measured against the simulator, on rank 0), then saves a checkpoint where 
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,6 @@ from megatron_ext.runtime.device import rank_device
 from megatron_ext.runtime.records import step_record
 from megatron_ext.runtime.timing import DeviceClock
 from megatron_ext.spec import MB, ModelSpec, is_power_of_two, read_yaml
-from megatron_ext.text import plural
 
 
 def initial_weights(spec: ModelSpec, vocab_size: int, max_seq_len: int, backend: str, seed: int) -> dict:
@@ -56,7 +56,7 @@ def initial_weights(spec: ModelSpec, vocab_size: int, max_seq_len: int, backend:
 def model_recompute(spec: ModelSpec) -> dict:
     """The TransformerConfig fields of the model's own recompute policy (``recompute: full``: its
     first ``recompute_layers`` layers keep only their input, Megatron's full block method), which
-    the cost model prices; FlexSP steps run it (pipelines choose recompute per chunk instead)."""
+    the cost model prices; FlexSP planners run it (``train_cost_model`` leaves it out for pipelines)."""
     n = spec.recomputed_layers
     return dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=n) if n else {}
 
@@ -134,20 +134,25 @@ TRAIN_ZERO_STAGE = 0
 def train_cost_model(args) -> CostModel:
     """The cost model a run plans with: ``--cost-model``, else the ``--model`` and ``--cluster``
     presets, at the ZeRO stage ``train`` runs (a YAML stating another stage is refused), with
-    groups of up to ``--max-ring`` Ulysses subgroups in a ring."""
+    groups of up to ``--max-ring`` Ulysses subgroups in a ring. Under a pipeline planner (auto
+    included) the model's own recompute (``recompute: full``) is left out: the pipelines choose
+    each chunk's recompute, and FlexSP steps of auto run none."""
     if not is_power_of_two(args.max_ring):  # (read here first: check_args gets the model it makes)
         raise ConfigError(f"--max-ring must be a power of two (1: no ring), got {args.max_ring}")
     if not args.cost_model:
-        return CostModel.from_presets(args.model, args.cluster, TRAIN_ZERO_STAGE).with_max_ring(args.max_ring)
-    cost = CostModel.from_yaml(args.cost_model, TRAIN_ZERO_STAGE).with_max_ring(args.max_ring)
-    if cost.zero_stage != TRAIN_ZERO_STAGE:
-        raise ConfigError(f"--cost-model {args.cost_model} says zero_stage: {cost.zero_stage}, but train keeps every "
-                          f"model state on every rank (stage {TRAIN_ZERO_STAGE}: no distributed optimizer); "
-                          f"drop the stage from the file or make it {TRAIN_ZERO_STAGE}")
-    measured_in = read_yaml(Path(args.cost_model)).get("dtype", "fp32")
-    if measured_in != "fp32":  # its times and activation bytes would not be this run's
-        raise ConfigError(f"--cost-model {args.cost_model} was measured in {measured_in}, but train runs fp32: "
-                          f"measure it with `megatron-ext profile --dtype fp32`")
+        cost = CostModel.from_presets(args.model, args.cluster, TRAIN_ZERO_STAGE).with_max_ring(args.max_ring)
+    else:
+        cost = CostModel.from_yaml(args.cost_model, TRAIN_ZERO_STAGE).with_max_ring(args.max_ring)
+        if cost.zero_stage != TRAIN_ZERO_STAGE:
+            raise ConfigError(f"--cost-model {args.cost_model} says zero_stage: {cost.zero_stage}, but train keeps "
+                              f"every model state on every rank (stage {TRAIN_ZERO_STAGE}: no distributed optimizer); "
+                              f"drop the stage from the file or make it {TRAIN_ZERO_STAGE}")
+        measured_in = read_yaml(Path(args.cost_model)).get("dtype", "fp32")
+        if measured_in != "fp32":  # its times and activation bytes would not be this run's
+            raise ConfigError(f"--cost-model {args.cost_model} was measured in {measured_in}, but train runs fp32: "
+                              f"measure it with `megatron-ext profile --dtype fp32`")
+    if cost.model.recomputed_layers and get_planner(args.planner).kind in PIPELINE_KINDS:
+        cost = dataclasses.replace(cost, model=dataclasses.replace(cost.model, recompute="none", recompute_layers=None))
     return cost
 
 
@@ -191,10 +196,6 @@ def check_args(args, cost: CostModel, world: int) -> bool:
         if args.planner == "static_ulysses" and args.max_seq_len > cost.token_capacity(args.static_degree):
             raise ConfigError(f"--max-seq-len {args.max_seq_len} is over the {cost.token_capacity(args.static_degree)} "
                               f"tokens a group of --static-degree {args.static_degree} holds; lower it or raise the degree")
-    if pipelined and cost.model.recomputed_layers:
-        raise ConfigError(f"model {cost.model.name} recomputes {plural(cost.model.recomputed_layers, 'layer')} (recompute: full), "
-                          f"which train runs under FlexSP planners; {args.planner}'s pipelines choose each chunk's "
-                          f"recompute (--recompute): drop recompute from the model's YAML")
     if args.steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {args.steps}")
     if not 1 <= args.global_batch <= MAX_BATCH:

@@ -268,17 +268,7 @@ def test_train_refuses_before_launching(capsys, argv, match):
     assert_one_line_error(*run(capsys, "train", "--steps", "1", *argv), match)
 
 
-def test_train_refuses_a_recomputing_model_under_pipeline_planners(capsys, tmp_path):
-    from megatron_ext.spec import PRESET_DIR
-
-    text = (PRESET_DIR / "models" / "tiny.yaml").read_text()
-    f = write(tmp_path, "tiny-recompute.yaml", text + "recompute: full\nrecompute_layers: 1\n")
-    assert_one_line_error(*run(capsys, "train", "--steps", "1", "--model", f, "--planner", "elastic_pp", "--pp", "2"),
-                          "model tiny-recompute recomputes 1 layer (recompute: full), which train runs under FlexSP "
-                          "planners; elastic_pp's pipelines choose")
-
-
-def test_compared_runs_write_their_own_outputs():
+def test_compared_runs_write_their_own_outputs(tmp_path):
     """Each planner's records, checkpoints and trace in a place of its own (each run overwrote the
     one before), given after the shared options, which they override."""
     import argparse
@@ -293,6 +283,10 @@ def test_compared_runs_write_their_own_outputs():
     args = build_parser().parse_args([*base, *own])
     assert (args.run_dir, args.save, args.load, args.trace) == ("rd/flexsp", "ck/flexsp", "ck/flexsp",
                                                                 "out/t.flexsp.JSON")
+    # a checkpoint in DIR itself: every planner starts from it
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2\n")
+    given = build_parser().parse_known_args(["--load", str(tmp_path)], argparse.Namespace(planner=None))[0]
+    assert _own_outputs(given, "flexsp") == []
 
 
 

@@ -175,6 +175,10 @@ def test_layout_errors():
         PipelineCost(COST, 4, 8, b1_scale=-1)
     with pytest.raises(ConfigError, match="20 GPUs does not divide the 32 GPUs"):
         PipelineCost(COST, 5, 4)
+    # a launch-bound profile fitted both to 0 (an H100, tiny at up to 4,096 tokens): chunk counts were NaN
+    flat = dataclasses.replace(COST, model=dataclasses.replace(COST.model, a1=0.0, a2=0.0))
+    with pytest.raises(ConfigError, match="a1 and a2 are both 0"):
+        PipelineCost(flat, 4, 8)
     assert PipelineCost(COST, 2, 8).replicas == 2 and PipelineCost(COST, 4, 8).replicas == 1
     assert default_layout(COST) == (4, 8)
     assert default_layout(CostModel.from_presets("llama-30b", "a800-80g-8x4")) == (8, 4)

@@ -21,7 +21,8 @@ def test_device_choice_without_cuda():
 
 
 def _args(**kw):
-    return argparse.Namespace(**{"cost_model": None, "model": "tiny", "cluster": "cpu-4", "max_ring": 1, **kw})
+    return argparse.Namespace(**{"cost_model": None, "model": "tiny", "cluster": "cpu-4", "max_ring": 1,
+                                 "planner": "flexsp", **kw})
 
 
 def test_train_plans_with_its_max_ring():
@@ -31,6 +32,16 @@ def test_train_plans_with_its_max_ring():
     for bad in (0, 3, -2):
         with pytest.raises(ConfigError, match=f"--max-ring must be a power of two \\(1: no ring\\), got {bad}"):
             train_cost_model(_args(max_ring=bad))
+
+
+def test_a_models_recompute_is_left_to_the_pipelines(tmp_path):
+    from megatron_ext.spec import PRESET_DIR
+
+    f = tmp_path / "tiny-recompute.yaml"
+    f.write_text((PRESET_DIR / "models" / "tiny.yaml").read_text() + "recompute: full\nrecompute_layers: 1\n")
+    assert train_cost_model(_args(model=str(f))).model.recomputed_layers == 1  # FlexSP runs it (model_recompute)
+    for planner in ("elastic_pp", "auto"):  # pipelines choose each chunk's
+        assert train_cost_model(_args(model=str(f), planner=planner)).model.recomputed_layers == 0
 
 
 def test_train_plans_at_the_stage_it_runs(tmp_path):
