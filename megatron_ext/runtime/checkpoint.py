@@ -11,7 +11,7 @@ is one line, not a traceback on every rank).
 
 A save is written to a hidden folder beside its ``iter_`` folder and renamed to it once whole, so
 the tracker never names a folder that is being written (a save of a step already saved replaces
-it only then).
+it only then; the next save clears what a run killed while saving left).
 
 What else a resumed run needs is not stored because it is a function of what is: the data
 position is the steps done (step k's global batch is a function of the data, seed, batch size and
@@ -229,7 +229,8 @@ def save_checkpoint(root: str, steps_done: int, model, optimizer, identity: dict
     path = Path(root) / f"iter_{steps_done:07d}"
     writing = path.with_name(f".{path.name}.saving")
     if dist.get_rank() == 0:
-        shutil.rmtree(writing, ignore_errors=True)  # what a run killed while saving left
+        for left in Path(root).glob(".iter_*.*"):  # what a run killed while saving left, of any step
+            shutil.rmtree(left, ignore_errors=True)
         writing.mkdir(parents=True)
     dist.barrier()
     # each stage's data-parallel ranks hold the same states: they share the writing
