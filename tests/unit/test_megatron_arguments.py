@@ -483,10 +483,17 @@ def test_extra_args_provider_chains_and_validates(capsys, monkeypatch):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("megatron-ext: error: --flexsp replaces context parallelism") and err.count("\n") == 1
-    monkeypatch.setenv("RANK", "1")  # other ranks exit silently
-    with pytest.raises(SystemExit):
+    # another rank leaves rank 0 a moment to say it (torchrun then stops the rest), and says it
+    # itself only if still running
+    from megatron_ext import lifetime
+
+    waited = []
+    monkeypatch.setattr(lifetime.time, "sleep", waited.append)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as e:
         parser.parse_known_args([*TINY, "--flexsp", "--cost-model", COST_2, "--micro-batch-size", "2"])
-    assert capsys.readouterr().err == ""
+    assert e.value.code == 2 and waited == [lifetime.RANK_ERROR_WAIT_S]
+    assert capsys.readouterr().err.startswith("megatron-ext: error: --flexsp needs --micro-batch-size 1 (got 2)")
 
 
 # ---- the argument files ----------------------------------------------------------------------------
