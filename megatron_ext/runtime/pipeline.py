@@ -262,15 +262,19 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
             def shape(c):
                 return (sched.chunks[c].padded(d) // d, 1, hidden)
 
+            def sent(t, key):
+                """A send is done: free the sent activation's data when megatron's
+                deallocate_pipeline_outputs is on (its backward then expects it freed)."""
+                if key[0] == "act" and config.deallocate_pipeline_outputs and key[1] in saved:
+                    deallocate_output_tensor(t, True)
+
             def reap(force_key=None):
-                """Retire completed sends (and the send of ``force_key``, waiting for it); free the
-                sent activations' data when megatron's deallocate_pipeline_outputs is on."""
+                """Retire completed sends (and the send of ``force_key``, waiting for it)."""
                 keep = []
                 for work, t, key in sends:
                     if key == force_key or work.is_completed():
                         work.wait()
-                        if key[0] == "act" and config.deallocate_pipeline_outputs and key[1] in saved:
-                            deallocate_output_tensor(t, True)
+                        sent(t, key)
                     else:
                         keep.append((work, t, key))
                 sends[:] = keep
@@ -300,6 +304,8 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
                         if role == "send":
                             if w is not None:
                                 sends.append((w, t, key))
+                            else:  # (waited for with its batch: stream-ordered, so freed now)
+                                sent(t, key)
                         else:
                             if w is not None:
                                 w.wait()

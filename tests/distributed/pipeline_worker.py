@@ -431,11 +431,33 @@ def pipeline_pp2_forward_only_and_deallocated_outputs():
         assert int(total[1]) == n_tokens and abs(float(total[0]) / n_tokens - ref_loss) < 1e-5, (total, ref_loss)
     assert all(float(p.main_grad.abs().sum()) == 0 for p in model.module.parameters()), "forward_only made gradients"
     config = model.config
-    config.deallocate_pipeline_outputs = True
+    config.deallocate_pipeline_outputs = True  # (as Megatron-LM runs it)
+    import torch.distributed as tdist
+
+    orig = tdist.batch_isend_irecv
+
+    class Batch:  # NCCL's one handle for a whole batch (its sends were never freed)
+        def __init__(self, works):
+            self.works = works
+
+        def wait(self):
+            for w in self.works:
+                w.wait()
+
+        def is_completed(self):
+            return all(w.is_completed() for w in self.works)
+
+    def coalesced(ops):
+        works = orig(ops)
+        return [Batch(works)] if len(works) > 1 else works
+
     try:
         run_pipeline_plan(plan, lengths, seed=56, what="deallocate_pipeline_outputs")
+        tdist.batch_isend_irecv = coalesced
+        run_pipeline_plan(plan, lengths, seed=57, what="deallocate_pipeline_outputs, coalesced p2p batches")
     finally:
         config.deallocate_pipeline_outputs = False
+        tdist.batch_isend_irecv = orig
 
 
 @check
