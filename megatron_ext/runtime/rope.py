@@ -25,6 +25,10 @@ def rotary_pos_emb_at(rotary: RotaryEmbedding, position_ids: Tensor, max_positio
     attention layers as ``rotary_pos_emb`` of a packed shard whose tokens sit at those positions."""
     pos = position_ids.reshape(-1).long()
     n = (int(pos.max()) if max_position is None else int(max_position)) + 1
+    # megatron keeps the last 32 tables (an lru_cache on forward) and each micro-batch's longest
+    # position differs: lengths rounded up to a power of two keep those few and under twice the
+    # longest table (the rows are the same at any length)
+    n = 1 << (n - 1).bit_length()
     table = RotaryEmbedding.forward(rotary, n, 0, True)  # packed_seq=True: no CP slicing; lru-cached
     return table.index_select(0, pos.to(table.device))
 

@@ -330,6 +330,13 @@ def rope_uses_true_positions():
     x = torch.zeros(12, 1, 4)
     assert r2.get_rotary_seq_len(None, None, x, cfg, None) == 12
     torch.testing.assert_close(r2(12), rope(12), atol=0, rtol=0)
+    # each micro-batch's longest position differs; the tables megatron caches stay few and short
+    fresh = RotaryEmbedding(kv_channels=D, rotary_percent=1.0)
+    RotaryEmbedding.forward.cache_clear()
+    for top in range(40, 70):
+        pos = torch.arange(top + 1)
+        torch.testing.assert_close(rotary_pos_emb_at(fresh, pos), fresh.get_emb(top + 1), atol=0, rtol=0)
+    assert RotaryEmbedding.forward.cache_info().currsize == 2  # 64 and 128 rows (was 30 tables)
 
 
 # ---- whole GPTModel: Ulysses + true-position RoPE vs megatron, one sequence at a time ------------
