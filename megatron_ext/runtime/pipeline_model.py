@@ -12,12 +12,13 @@ def unwrap_model(model):
 
 
 def build_pipeline_model(spec, vocab_size: int, max_seq_len: int, backend: str = "auto", *, ddp: bool = True,
-                         share_embeddings_and_output_weights: bool = False, **config_overrides):
+                         on_host: bool = False, share_embeddings_and_output_weights: bool = False,
+                         **config_overrides):
     """This rank's stage of a GPTModel (fp32; ``bf16=True`` overrides give Megatron's Float16Module;
     RoPE, Ulysses core attention with prefix K/V) for megatron's pipeline layout (parallel_state
     must be initialized with the pipeline size), wrapped in megatron DDP over the stage's data-parallel (= SP) group with ``finalize_model_grads``.
     ``spec``: a ModelSpec (layers, hidden size, heads, KV heads, FFN size, SwiGLU or GELU MLP).
-    Returns (model, config)."""
+    ``on_host``: left in host memory (a whole model whose weights the stages load). Returns (model, config)."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -47,7 +48,7 @@ def build_pipeline_model(spec, vocab_size: int, max_seq_len: int, backend: str =
                      share_embeddings_and_output_weights=share_embeddings_and_output_weights)
     use_true_positions_for_rope(model)
     device = rank_device()
-    if device.type == "cuda":  # built on the host (use_cpu_initialization: the same weights on any layout)
+    if device.type == "cuda" and not on_host:  # built on the host (use_cpu_initialization: the same weights on any layout)
         model.cuda(device)
     if config.bf16 or config.fp16:
         # Megatron's own mixed precision: every parameter (norms too, which CUDA's layer_norm

@@ -47,7 +47,9 @@ def initial_weights(spec: ModelSpec, vocab_size: int, max_seq_len: int, backend:
     parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    model, _ = build_pipeline_model(spec, vocab_size, max_seq_len, backend, ddp=False)
+    # in host memory: the whole model, on each rank, beside its stage (twice a 13B model's fp32
+    # weights would not fit an 80 GB GPU)
+    model, _ = build_pipeline_model(spec, vocab_size, max_seq_len, backend, ddp=False, on_host=True)
     state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in model.state_dict().items()}
     parallel_state.destroy_model_parallel()
     return state
