@@ -116,6 +116,10 @@ def _efficient_forward(q, k, v, causal, scale, dropout_p):
 
 
 def _efficient_backward(grad, q, k, v, out, lse, rng, causal, scale, dropout_p):
+    # the kernel reads ``out`` [b, h, s, d] as its forward wrote it, [b, s, h, d] in memory, whatever
+    # its strides say (o_strideM is h * d; at half precision it computes delta from out itself):
+    # a slice of a heads-first buffer (the ring's) would be read at the wrong rows
+    out = out.transpose(1, 2).contiguous().transpose(1, 2)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         grad, q, k, v, None, out, lse, rng[0], rng[1], dropout_p, [True, True, True, False], causal, scale=scale)
     return dq, dk, dv
