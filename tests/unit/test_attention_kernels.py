@@ -359,4 +359,4 @@ def test_ring_pieces_over_all_blocks_are_the_block_diagonal_mask(lengths, r, cau
             for qa, qb, ka, kb, c in ring_pieces(bounds, block, i, j, causal):
                 part = torch.ones(qb - qa, kb - ka, dtype=torch.bool)
                 got[i * block + qa:i * block + qb, j * block + ka:j * block + kb] = part.tril() if c else part
-    assert torch.equal(got, _block_causal_mask(bounds, causal, "cpu"))
+    assert torch.equal(got, _block_causal_mask(tuple(bounds), causal, "cpu"))

@@ -37,10 +37,13 @@ _CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 # ---- attention over packed segments --------------------------------------------------------------
 
-def _block_causal_mask(bounds: Sequence[int], causal: bool, device) -> Tensor:
+@functools.lru_cache(maxsize=8)  # every layer of a micro-batch, forward and backward, asks for the same
+def _block_causal_mask(bounds: tuple[int, ...], causal: bool, device) -> Tensor:
     """bool [S, S], True where query i may attend key j: same segment (and j <= i if causal)."""
-    sizes = torch.tensor(segment_sizes(bounds), device=device)
-    seg = torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes)
+    sizes = torch.tensor(segment_sizes(bounds))
+    seg = torch.repeat_interleave(torch.arange(len(sizes)), sizes)  # on the host: no wait for the GPU
+    if torch.device(device).type == "cuda":
+        seg = seg.pin_memory().to(device, non_blocking=True)
     mask = seg[:, None] == seg[None, :]
     if causal:
         mask = torch.tril(mask)  # within a diagonal block, tril is exactly the causal mask
@@ -76,14 +79,20 @@ def expand_kv(t: Tensor, groups: int) -> Tensor:
     return t.repeat_interleave(groups, dim=1) if groups > 1 else t
 
 
+def _flash_runs(q: Tensor, attn_mask) -> bool:
+    """Whether torch's flash kernel takes this call (half precision, no mask, head size up to 256,
+    an Ampere or newer GPU)."""
+    return (q.dtype in (torch.float16, torch.bfloat16) and attn_mask is None and q.shape[-1] <= 256
+            and torch.cuda.get_device_capability(q.device)[0] >= 8)
+
+
 def gqa_sdpa(qb: Tensor, kb: Tensor, vb: Tensor, attn_mask: Tensor | None = None, **kw) -> Tensor:
     """F.scaled_dot_product_attention where K/V [b, hk, S, d] may have fewer heads than Q. On CUDA
     torch runs ``enable_gqa`` in its flash kernel (half precision, no mask) or its math one, which
     keeps an [S, S] matrix per head (fp32 ``tiny`` at 8,192 tokens ran out of an H100's 80 GB): where
     flash cannot run, K/V are expanded so the memory-efficient kernel does."""
     groups = qb.shape[1] // kb.shape[1]
-    flash = qb.dtype in (torch.float16, torch.bfloat16) and attn_mask is None
-    if groups > 1 and qb.device.type == "cuda" and not flash:
+    if groups > 1 and qb.device.type == "cuda" and not _flash_runs(qb, attn_mask):
         kb, vb, groups = expand_kv(kb, groups), expand_kv(vb, groups), 1
     return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=attn_mask, enable_gqa=groups > 1, **kw)
 
