@@ -386,13 +386,18 @@ class UlyssesAttention(MegatronModule):
 
     def _thd_local(self, q, k, v, params: PackedSeqParams, causal: bool) -> Tensor:
         """Megatron's own packed format at degree 1: q [t, h, dh] (or [t, 1, h, dh])."""
-        if params.cu_seqlens_q_padded is not None and not torch.equal(params.cu_seqlens_q_padded,
-                                                                        params.cu_seqlens_q):
-            raise NotImplementedError("UlyssesAttention: thd with per-sequence padding is not supported")
         squeeze = q.dim() == 4
         if squeeze:
             q, k, v = q[:, 0], k[:, 0], v[:, 0]
-        bounds = [int(x) for x in params.cu_seqlens_q.tolist()]
+        # read from the GPU once for the micro-batch's layers (each read waits for the GPU)
+        bounds = getattr(params, "_megatron_ext_bounds", None)
+        if bounds is None:
+            if params.cu_seqlens_q_padded is not None and not torch.equal(params.cu_seqlens_q_padded,
+                                                                            params.cu_seqlens_q):
+                raise NotImplementedError("UlyssesAttention: thd with per-sequence padding is not supported")
+            bounds = [int(x) for x in params.cu_seqlens_q.tolist()]
+            params._megatron_ext_bounds = bounds
+        bounds = list(bounds)
         if bounds[-1] < q.shape[0]:
             bounds.append(q.shape[0])
         out = self._packed(q, k, v, bounds, causal, None)
