@@ -312,7 +312,8 @@ def _header(args, cost: CostModel, world: int, data: str) -> str:
     else:
         layout = "SP groups per micro-batch"
     return (f"train: {cost.model.name} on {cost.cluster.name} ({world} ranks), planner {args.planner} ({layout}); "
-            f"{plural(args.global_batch, 'sequence')} a step of up to {args.max_seq_len:,} tokens, {plural(args.steps, 'step')}, "
+            f"{plural(args.global_batch, 'sequence')} a step of up to {args.max_seq_len:,} tokens, "
+            f"{plural(args.steps, 'step')}, "
             f"seed {args.seed}; data {data}")
 
 

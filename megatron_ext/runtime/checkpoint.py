@@ -55,7 +55,8 @@ def run_identity(args, cost) -> dict:
     backend: they change how a step is computed, not what."""
     m = cost.model
     return {"model": f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
-                     f"({m.kv_heads} KV), FFN {m.ffn_hidden_size or 4 * m.hidden_size}" + (" SwiGLU" if m.swiglu else ""),
+                     f"({m.kv_heads} KV), FFN {m.ffn_hidden_size or 4 * m.hidden_size}"
+                     + (" SwiGLU" if m.swiglu else ""),
             "ranks": cost.num_gpus, "pp": args.pp, "data": args.data, "vocab_size": args.vocab_size,
             "seed": args.seed, "global_batch": args.global_batch, "max_seq_len": args.max_seq_len, "lr": args.lr}
 
@@ -278,7 +279,7 @@ def load_checkpoint(root: str, model, optimizer) -> tuple[int, Path]:
             model.module.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             _set_rng_states(state["rng_state"])
-        except (Exception, CheckpointException) as e:  # a file that passed check_checkpoint_args's sizes, not its reading
+        except (Exception, CheckpointException) as e:  # files of the right sizes that cannot be read
             raise ConfigError(f"--load {root}: {path} could not be loaded ({_first_cause(e)}); resume from "
                               f"another checkpoint (point {TRACKER_FILE} at it)") from e
         finally:

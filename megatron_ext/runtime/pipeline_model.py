@@ -48,7 +48,8 @@ def build_pipeline_model(spec, vocab_size: int, max_seq_len: int, backend: str =
                      share_embeddings_and_output_weights=share_embeddings_and_output_weights)
     use_true_positions_for_rope(model)
     device = rank_device()
-    if device.type == "cuda" and not on_host:  # built on the host (use_cpu_initialization: the same weights on any layout)
+    # built on the host (use_cpu_initialization: the same weights on any layout)
+    if device.type == "cuda" and not on_host:
         model.cuda(device)
     if config.bf16 or config.fp16:
         # Megatron's own mixed precision: every parameter (norms too, which CUDA's layer_norm

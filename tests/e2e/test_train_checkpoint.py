@@ -100,7 +100,8 @@ def test_a_checkpoint_missing_or_cutting_a_file_is_refused_before_launching(runs
     cost = CostModel.from_presets("tiny", "cpu-4")
     with shard.open("r+b") as f:
         f.truncate(shard.stat().st_size - 1)
-    with pytest.raises(ConfigError, match=rf"iter_0000004 is damaged: {shard.name} has [\d,]+ bytes, [\d,]+ were saved"):
+    cut = rf"iter_0000004 is damaged: {shard.name} has [\d,]+ bytes, [\d,]+ were saved"
+    with pytest.raises(ConfigError, match=cut):
         check_args(args, cost, 4)
     shard.unlink()
     with pytest.raises(ConfigError, match=rf"iter_0000004 is damaged: {shard.name} is missing; resume from another"):

@@ -651,7 +651,8 @@ def test_the_model_yaml_shape_and_recompute_are_built(one_rank):
         grads.append([p.grad.clone() for p in model.parameters()])
         runs.append(calls)
     assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == ("full", "block", 1)
-    assert runs == [[1] * spec.num_layers, [2] + [1] * (spec.num_layers - 1)]  # the first layer's forward ran again for its backward
+    # the first layer's forward ran again for its backward
+    assert runs == [[1] * spec.num_layers, [2] + [1] * (spec.num_layers - 1)]
     for plain, recomputed in zip(*grads):
         torch.testing.assert_close(recomputed, plain, rtol=0, atol=0)
     assert model_recompute(dataclasses.replace(spec, recompute="none")) == {}
