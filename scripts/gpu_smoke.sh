@@ -15,7 +15,8 @@
 #   flexsp     `megatron-ext train --device cuda` for 3 steps of FlexSP plans (N ranks; one GPU: world 1),
 #              predicted with the fp32 cost YAML
 #   elastic    3 steps of an elastic pipeline (2 stages on 2+ GPUs, else one stage)
-#   backends   every installed attention backend (flash-attn, Transformer Engine) against SDPA at bf16
+#   backends   every installed attention backend (flash-attn, Transformer Engine) against SDPA at bf16,
+#              and the ring's fused-kernel backward on a heads-first output
 # Logs and the YAMLs go to a new directory, named at the end. Without a CUDA GPU: one line, exit 2.
 set -uo pipefail
 
