@@ -95,6 +95,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from megatron_ext.plan.program import padded_buffer_length
 from megatron_ext.runtime.backends import ATTENTION_BACKENDS
 from megatron_ext.runtime.comm import all_to_all
+from megatron_ext.runtime.device import host_to_device
 from megatron_ext.runtime.kernels import LayerKernels
 from megatron_ext.runtime.kernels.sdpa import gqa_sdpa
 from megatron_ext.runtime.ring import ring_attention
@@ -190,12 +191,12 @@ class UlyssesPackedSeqParams(PackedSeqParams):
         degree = d * max(1, len(ring_ranks))  # the whole group's: every shard of the buffer
         real = sum(lengths)
         total = padded_buffer_length(real, degree * pad_to_multiple_of)
-        cu = torch.tensor([0] + list(_cumsum(lengths)), dtype=torch.int32, device=device)
+        cu = host_to_device(torch.tensor([0] + list(_cumsum(lengths)), dtype=torch.int32), device)
         cu_padded = cu.clone()
         cu_padded[-1] = total
         shard = total // degree
         start = (ring_rank * d + r) * shard
-        positions = _positions(lengths, total, starts)[start:start + shard].to(device)
+        positions = host_to_device(_positions(lengths, total, starts)[start:start + shard], device)
         ends = [a + n for a, n in zip(starts, lengths)] if starts else lengths
         return cls(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
                    cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths),

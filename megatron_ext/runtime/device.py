@@ -96,6 +96,15 @@ def _on_host(t) -> bool:
     return isinstance(t, torch.Tensor) and t.__dict__.get(_HOST, False)
 
 
+def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """Host tensor ``t`` on ``device``. Onto a GPU through pinned memory, without the host waiting:
+    a copy from pageable memory returns only once done, after every kernel queued before it, so
+    the host could not queue the next operation's kernels while the GPU runs."""
+    if is_cuda_device(device):
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def is_cuda_device(dev) -> bool:
     """Whether ``dev`` (a torch.device, a string or a bare index) names a CUDA device."""
     if isinstance(dev, torch.device):

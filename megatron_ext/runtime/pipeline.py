@@ -81,6 +81,7 @@ def chunk_input(layout: ChunkLayout, batch: Sequence, sp_group, cache, pad_id: i
     import torch
 
     from megatron_ext.runtime.attention import UlyssesPackedSeqParams
+    from megatron_ext.runtime.device import host_to_device
     from megatron_ext.runtime.forward import ModelInput
 
     params = UlyssesPackedSeqParams.build(layout.lengths, sp_group, device=device, starts=layout.starts,
@@ -92,8 +93,9 @@ def chunk_input(layout: ChunkLayout, batch: Sequence, sp_group, cache, pad_id: i
         labels.append(next_token_labels(seq, a, n))
     tokens = params.shard(torch.from_numpy(np.concatenate(toks)), pad_value=pad_id)
     lab, mask = model_labels(params.shard(torch.from_numpy(np.concatenate(labels)), pad_value=IGNORE_INDEX).numpy())
-    return ModelInput(tokens[None].to(device), params.position_ids[None], torch.from_numpy(lab)[None].to(device),
-                      torch.from_numpy(mask)[None].to(device), params)
+    return ModelInput(host_to_device(tokens[None], device), params.position_ids[None],
+                      host_to_device(torch.from_numpy(lab)[None], device),
+                      host_to_device(torch.from_numpy(mask)[None], device), params)
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ import torch
 from megatron_ext.data.loader import Step
 from megatron_ext.data.sharding import model_labels, shard_tokens
 from megatron_ext.runtime.attention import UlyssesPackedSeqParams
-from megatron_ext.runtime.device import rank_device
+from megatron_ext.runtime.device import host_to_device, rank_device
 from megatron_ext.runtime.groups import SPGroupPool
 from megatron_ext.runtime.forward import ModelInput, forward_step
 from megatron_ext.runtime.timing import DeviceClock
@@ -74,10 +74,10 @@ def micro_batch_inputs(step: Step, pool: SPGroupPool, pad_id: int, device=None):
         st = shard_tokens(shard, step.batch, pad_id)
         labels, loss_mask = model_labels(st.labels)
         yield ModelInput(
-            tokens=torch.from_numpy(st.tokens)[None].to(device),
-            position_ids=torch.from_numpy(st.positions)[None].to(device),
-            labels=torch.from_numpy(labels)[None].to(device),
-            loss_mask=torch.from_numpy(loss_mask)[None].to(device),
+            tokens=host_to_device(torch.from_numpy(st.tokens)[None], device),
+            position_ids=host_to_device(torch.from_numpy(st.positions)[None], device),
+            labels=host_to_device(torch.from_numpy(labels)[None], device),
+            loss_mask=host_to_device(torch.from_numpy(loss_mask)[None], device),
             packed_seq_params=params,
             degree=shard.degree,
             group=f"SP group d{shard.degree}{f' (ring {shard.ring})' if shard.ring > 1 else ''} ranks "
