@@ -142,7 +142,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, params, causal: bool, scale:
     if kernels is None:
         raise ValueError(f"ring attention needs a fused kernel with log-sum-exps, which takes none of {q.dtype} on "
                          f"{q.device.type} with dropout {dropout_p} and head_dim {q.shape[-1]} (CPU: no attention "
-                         f"dropout; CUDA: head_dim a multiple of 8)")
+                         f"dropout; CUDA: head_dim a multiple of 8, bf16 from Ampere on)")
     heads_first = [t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v)]
     out = _RingAttention.apply(*heads_first, tuple(params.segment_bounds()), tuple(params.ring_ranks),
                                params.ring_rank, causal, scale, dropout_p, kernels)

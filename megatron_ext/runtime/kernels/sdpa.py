@@ -138,6 +138,8 @@ def lse_kernels(q: Tensor, dropout_p: float):
     """(forward, backward) of a fused kernel that takes ``q`` and returns log-sum-exps, or None."""
     if q.device.type == "cpu":
         return (_cpu_flash_forward, _cpu_flash_backward) if dropout_p == 0.0 and q.dtype in _CPU_FLASH_DTYPES else None
+    if q.dtype == torch.bfloat16 and q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] < 8:
+        return None  # (the kernel has no bf16 build before Ampere)
     if q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.shape[-1] % 8 == 0:
         return _efficient_forward, _efficient_backward
     return None
