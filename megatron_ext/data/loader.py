@@ -195,6 +195,9 @@ def _stop_worker(proc, tasks) -> None:
         proc.join(timeout=2.0)
 
 
+PLANNER_STARTUP_S = 60.0  # the first step's longest wait for the planner process to start
+
+
 class PlanningDataLoader(GlobalBatches):
     """Global batches of variable-length documents with a plan per step (see the module doc).
 
@@ -215,7 +218,7 @@ class PlanningDataLoader(GlobalBatches):
                  max_seq_len: int | None = None, num_steps: int | None = None, start_step: int = 0,
                  shuffle: bool = True, background: bool = True, deadline_s: float | None = None,
                  fallback: str = "batchada", baselines: tuple[str, ...] = (),
-                 startup_timeout_s: float = 60.0, worker_imports: tuple[str, ...] = (),
+                 startup_timeout_s: float = PLANNER_STARTUP_S, worker_imports: tuple[str, ...] = (),
                  plan_delay_s: float = 0.0, sync: str | None = None, group=None, src_rank: int = 0,
                  source_sizes=None, weights=None):
         known = list(PLANNERS)

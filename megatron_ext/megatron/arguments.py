@@ -271,6 +271,16 @@ def _check_common(args, flag: str, tp: int, cp: int, dp: int) -> None:
             _conflict(f"{flag}: --{name.replace('_', '-')} needs Megatron's GPT datasets; a planned run validates "
                       f"--eval-iters planned steps of the validation split, going on where the last evaluation "
                       f"stopped; drop it")
+    graphs = [f for f, on in (("--cuda-graph-impl", _get(args, "cuda_graph_impl", "none") not in (None, "none")),
+                              ("--enable-cuda-graph", _get(args, "enable_cuda_graph", False)),
+                              ("--external-cuda-graph", _get(args, "external_cuda_graph", False))) if on]
+    if graphs:
+        _conflict(f"{flag}: CUDA graphs replay fixed shapes and launches, and planned steps change both every step "
+                  f"(sequence lengths, SP groups, micro-batches); drop {' and '.join(graphs)}")
+    if _get(args, "inprocess_restart", False):
+        _conflict(f"{flag}: --inprocess-restart rebuilds the process groups inside the running processes, and the "
+                  f"planned SP groups built at the first step would not follow; restart the job instead (Slurm "
+                  f"--requeue, as scripts/slurm does)")
     if _get(args, "window_size", None) is not None:
         _conflict(f"{flag}: the Ulysses attention does not support sliding-window attention (--window-size)")
     pos = _get(args, "position_embedding_type", "learned_absolute")
@@ -404,6 +414,15 @@ def _check_planning(args) -> None:
     ahead = _get(args, "plan_ahead", 1)
     if ahead is None or ahead < 0:
         _conflict(f"--plan-ahead must be 0 or more, got {ahead}")
+    from megatron_ext.data.loader import PLANNER_STARTUP_S
+
+    # the other ranks wait for rank 0's plan in a collective, which NCCL's watchdog ends
+    timeout_s = 60 * (_get(args, "distributed_timeout_minutes", 10) or 10)
+    if PLANNER_STARTUP_S + limit + 1 >= timeout_s / 2:
+        _conflict(f"--planner-time-limit {limit:g} s: the other ranks wait for each plan (up to the limit + 1 s, "
+                  f"and {PLANNER_STARTUP_S:.0f} s more for the planner to start) in a collective that NCCL ends "
+                  f"after --distributed-timeout-minutes ({timeout_s / 60:g} min); keep the wait under half of it "
+                  f"(lower the limit or raise the timeout)")
     if ahead > 1:
         raise NotYetSupported(f"--plan-ahead {ahead}: the planning data loader plans one step ahead; use "
                               f"--plan-ahead 1 (background, the default) or 0 (inline)")

@@ -68,6 +68,11 @@ def megatron_like_parser(ours: bool = True) -> argparse.ArgumentParser:
         "--ckpt-format": dict(default="torch_dist"),
         "--full-validation": dict(action="store_true"),
         "--multiple-validation-sets": dict(action="store_true"),
+        "--cuda-graph-impl": dict(default="none"),
+        "--enable-cuda-graph": dict(action="store_true"),
+        "--external-cuda-graph": dict(action="store_true"),
+        "--inprocess-restart": dict(action="store_true"),
+        "--distributed-timeout-minutes": dict(type=int, default=10),
     }.items():
         p.add_argument(name, **kw)
     return add_arguments(p) if ours else p
@@ -147,6 +152,13 @@ def test_flexsp_adjusts_what_it_must_and_says_so():
     (["--flexsp-planner", "auto", "--flexsp-static-degree", "2"], 2, "static_ulysses only"),
     (["--full-validation"], 2, "--full-validation needs Megatron's GPT datasets"),
     (["--multiple-validation-sets"], 2, "--multiple-validation-sets needs Megatron's GPT datasets"),
+    # CUDA graphs replay fixed shapes (GPU-only failures); an in-process restart leaves stale SP groups
+    (["--cuda-graph-impl", "local"], 2, "CUDA graphs replay fixed shapes.*drop --cuda-graph-impl$"),
+    (["--enable-cuda-graph", "--external-cuda-graph"], 2, "drop --enable-cuda-graph and --external-cuda-graph$"),
+    (["--inprocess-restart"], 2, "--inprocess-restart rebuilds the process groups"),
+    # other ranks wait in an NCCL collective for each plan (the watchdog: --distributed-timeout-minutes)
+    (["--planner-time-limit", "300"], 2, r"--planner-time-limit 300 s: .* \(10 min\); keep the wait under half"),
+    (["--planner-time-limit", "30", "--distributed-timeout-minutes", "2"], 2, r"\(2 min\)"),
     (["--global-batch-size", "7"], 2, r"^--global-batch-size 7 is not a multiple of the data-parallel size 2 \(world 2 "
                                       r"/ \(TP 1 x PP 1 x CP 1\)\) x --micro-batch-size 1, .*; use 6 or 8$"),
 ])
