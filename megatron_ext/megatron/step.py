@@ -43,6 +43,7 @@ import copy
 import json
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -113,7 +114,8 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     elastic = flag == "--elastic-pp"
     dp = parallel_state.get_data_parallel_world_size()
     if STATE.pool is None and (not elastic or args.elastic_pp_sp == "auto" or 1 < args.elastic_pp_sp < dp):
-        STATE.pool = SPGroupPool.from_parallel_state()
+        # (Megatron's own groups' timeout: the default would be torch's, not --distributed-timeout-minutes)
+        STATE.pool = SPGroupPool.from_parallel_state(timeout=timedelta(minutes=args.distributed_timeout_minutes))
     tokenizer = get_tokenizer()
     STATE.pad_id = _pad_id(tokenizer)
     STATE.device = rank_device()

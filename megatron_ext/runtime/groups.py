@@ -26,9 +26,11 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+import torch
 import torch.distributed as dist
 
 from megatron_ext.errors import InvalidPlanError
+from megatron_ext.runtime.device import rank_device
 from megatron_ext.spec import is_power_of_two
 
 
@@ -87,6 +89,12 @@ class SPGroupPool:
                 self.creation_order.append(tuple(global_ranks))
                 if domain == self.domain:
                     self._groups[block] = pg
+        # NCCL sets a group up at its first collective, which would fall in a planned step (its
+        # time, its buffers): every group of this rank is set up now, in the same order on all
+        device = rank_device()
+        for block, pg in self._groups.items():
+            if len(block) > 1:
+                dist.all_reduce(torch.zeros(1, device=device), group=pg)
 
     @classmethod
     def from_parallel_state(cls, **kw) -> "SPGroupPool":
