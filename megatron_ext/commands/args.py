@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import tempfile
 from pathlib import Path
 
@@ -102,10 +103,18 @@ def add_planner_args(p: argparse.ArgumentParser, kinds: tuple[str, ...] = (), dr
                        help="drop (and report) sequences no group can hold instead of failing")
 
 
+def note_unused_ring(cost: CostModel) -> None:
+    """Say so where ``--max-ring`` changes nothing: Ulysses groups already span every GPU."""
+    if cost.max_ring > 1 and cost.model.max_sp_degree >= cost.num_gpus:
+        print(f"note: --max-ring {cost.max_ring} changes nothing here: {cost.model.name}'s Ulysses groups already "
+              f"span all {cost.num_gpus} GPUs (its heads allow degree {cost.model.max_sp_degree})", file=sys.stderr)
+
+
 def cost_from_args(args) -> CostModel:
     cost = (CostModel.from_yaml(args.cost_model) if args.cost_model
             else CostModel.from_presets(args.model, args.cluster, args.zero_stage))
     cost = cost.with_max_ring(getattr(args, "max_ring", 1))
+    note_unused_ring(cost)
     memory = getattr(args, "memory_mb", None)  # plan / simulate: one budget for every planner
     return cost if memory is None else cost.with_memory(memory)
 

@@ -268,6 +268,16 @@ def test_train_refuses_before_launching(capsys, argv, match):
     assert_one_line_error(*run(capsys, "train", "--steps", "1", *argv), match)
 
 
+def test_a_ring_that_changes_nothing_is_noted(capsys):
+    # tiny's 4 KV heads allow Ulysses degree 4: over cpu-4's 4 GPUs a ring adds no degree
+    code, out, err = run(capsys, "plan", "--model", "tiny", "--cluster", "cpu-4", "--max-ring", "2", "--batch", "8",
+                         "--no-baselines", *FAST)
+    assert code == 0 and "note: --max-ring 2 changes nothing here: tiny's Ulysses groups already span all 4 GPUs" in err
+    code, out, err = run(capsys, "plan", "--model", "tiny", "--cluster", "cpu-4", "--batch", "8", "--no-baselines",
+                         *FAST)
+    assert code == 0 and "--max-ring" not in err
+
+
 def test_compared_runs_write_their_own_outputs(tmp_path):
     """Each planner's records, checkpoints and trace in a place of its own (each run overwrote the
     one before), given after the shared options, which they override."""
