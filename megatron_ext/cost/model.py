@@ -90,6 +90,10 @@ class CostModel:
             cluster = cluster_from_mapping({"name": Path(path).stem, **cluster})
         return cls.from_presets(model, cluster, data.get("zero_stage", zero_stage))
 
+    def without_recompute(self) -> "CostModel":
+        """The same model without its own recompute policy (a runtime that runs none of it)."""
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, recompute="none", recompute_layers=None))
+
     def with_memory(self, memory_mb: float) -> "CostModel":
         """The same model on GPUs with ``memory_mb`` usable each (``--memory-mb``: every planner,
         the simulator and the length limits then see one budget)."""

@@ -12,7 +12,6 @@ stage measured against the simulator, on rank 0), then saves a checkpoint where 
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,7 +153,7 @@ def train_cost_model(args) -> CostModel:
             raise ConfigError(f"--cost-model {args.cost_model} was measured in {measured_in}, but train runs fp32: "
                               f"measure it with `megatron-ext profile --dtype fp32`")
     if cost.model.recomputed_layers and get_planner(args.planner).kind in PIPELINE_KINDS:
-        cost = dataclasses.replace(cost, model=dataclasses.replace(cost.model, recompute="none", recompute_layers=None))
+        cost = cost.without_recompute()
     return cost
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from megatron_ext.runtime.device import host_to_device
 from megatron_ext.runtime.kernels.base import AttentionKernel, segment_sizes
 
 
@@ -41,9 +42,8 @@ _CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 def _block_causal_mask(bounds: tuple[int, ...], causal: bool, device) -> Tensor:
     """bool [S, S], True where query i may attend key j: same segment (and j <= i if causal)."""
     sizes = torch.tensor(segment_sizes(bounds))
-    seg = torch.repeat_interleave(torch.arange(len(sizes)), sizes)  # on the host: no wait for the GPU
-    if torch.device(device).type == "cuda":
-        seg = seg.pin_memory().to(device, non_blocking=True)
+    # built on the host: no wait for the GPU
+    seg = host_to_device(torch.repeat_interleave(torch.arange(len(sizes)), sizes), device)
     mask = seg[:, None] == seg[None, :]
     if causal:
         mask = torch.tril(mask)  # within a diagonal block, tril is exactly the causal mask
@@ -79,11 +79,15 @@ def expand_kv(t: Tensor, groups: int) -> Tensor:
     return t.repeat_interleave(groups, dim=1) if groups > 1 else t
 
 
+def _ampere(q: Tensor) -> bool:
+    """Whether ``q``'s GPU is an Ampere or newer (compute capability 8+)."""
+    return torch.cuda.get_device_capability(q.device)[0] >= 8
+
+
 def _flash_runs(q: Tensor, attn_mask) -> bool:
     """Whether torch's flash kernel takes this call (half precision, no mask, head size up to 256,
     an Ampere or newer GPU)."""
-    return (q.dtype in (torch.float16, torch.bfloat16) and attn_mask is None and q.shape[-1] <= 256
-            and torch.cuda.get_device_capability(q.device)[0] >= 8)
+    return q.dtype in (torch.float16, torch.bfloat16) and attn_mask is None and q.shape[-1] <= 256 and _ampere(q)
 
 
 def gqa_sdpa(qb: Tensor, kb: Tensor, vb: Tensor, attn_mask: Tensor | None = None, **kw) -> Tensor:
@@ -138,7 +142,7 @@ def lse_kernels(q: Tensor, dropout_p: float):
     """(forward, backward) of a fused kernel that takes ``q`` and returns log-sum-exps, or None."""
     if q.device.type == "cpu":
         return (_cpu_flash_forward, _cpu_flash_backward) if dropout_p == 0.0 and q.dtype in _CPU_FLASH_DTYPES else None
-    if q.dtype == torch.bfloat16 and q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] < 8:
+    if q.dtype == torch.bfloat16 and q.device.type == "cuda" and not _ampere(q):
         return None  # (the kernel has no bf16 build before Ampere)
     if q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.shape[-1] % 8 == 0:
         return _efficient_forward, _efficient_backward
