@@ -103,11 +103,17 @@ def add_planner_args(p: argparse.ArgumentParser, kinds: tuple[str, ...] = (), dr
                        help="drop (and report) sequences no group can hold instead of failing")
 
 
+NOTED: set[str] = set()  # notes said by this command (train --compare checks each run's options twice)
+
+
 def note_unused_ring(cost: CostModel) -> None:
-    """Say so where ``--max-ring`` changes nothing: Ulysses groups already span every GPU."""
+    """Say so, once, where ``--max-ring`` changes nothing: Ulysses groups already span every GPU."""
     if cost.max_ring > 1 and cost.model.max_sp_degree >= cost.num_gpus:
-        print(f"note: --max-ring {cost.max_ring} changes nothing here: {cost.model.name}'s Ulysses groups already "
-              f"span all {cost.num_gpus} GPUs (its heads allow degree {cost.model.max_sp_degree})", file=sys.stderr)
+        note = (f"note: --max-ring {cost.max_ring} changes nothing here: {cost.model.name}'s Ulysses groups "
+                f"already span all {cost.num_gpus} GPUs (its heads allow degree {cost.model.max_sp_degree})")
+        if note not in NOTED:
+            NOTED.add(note)
+            print(note, file=sys.stderr)
 
 
 def cost_from_args(args) -> CostModel:

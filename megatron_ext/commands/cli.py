@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-from megatron_ext.commands.args import ArgumentParser
+from megatron_ext.commands.args import NOTED, ArgumentParser
 from megatron_ext.commands.bench import add_bench_command
 from megatron_ext.commands.plan import add_plan_command
 from megatron_ext.commands.report import add_report_command
@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    NOTED.clear()  # (one command's notes; tests run many in one process)
     try:
         if args.command in LAUNCHED:
             command = importlib.import_module(LAUNCHED[args.command])

@@ -19,6 +19,7 @@ import tempfile
 import threading
 import uuid
 
+from megatron_ext.commands.args import note_unused_ring
 from megatron_ext.errors import ConfigError
 from megatron_ext.lifetime import exit_text
 from megatron_ext.text import plural
@@ -56,6 +57,7 @@ def torchrun(module: str, rest: list[str], capture: bool = False):
     if unknown:
         raise ConfigError(f"unknown option(s): {' '.join(unknown)} (see {parser.prog} --help)")
     cost = ranks.check_before_launch(targs)
+    note_unused_ring(cost)  # (once a command: train --compare launches a run per planner)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     env[RUN_ID_ENV] = uuid.uuid4().hex
     if choose_device(targs.device, cost.num_gpus) == "cpu":

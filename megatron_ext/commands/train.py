@@ -146,6 +146,9 @@ def run(rest: list[str]) -> int:
         if done.returncode != 0:
             raise ConfigError(f"the {planner} run failed (exit {done.returncode})")
         runs[planner] = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        if not runs[planner]:  # (a --load checkpoint already at --steps)
+            raise ConfigError(f"the {planner} run trained no steps: nothing to compare (is --steps past the "
+                              f"checkpoint's step?)")
     print(compare_table(runs))
     return 0
 

@@ -34,7 +34,7 @@ import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -157,13 +157,36 @@ def fallback_plan(lengths, cost: CostModel, options: PlannerOptions, fallback: s
 
 
 # ---- steps ----------------------------------------------------------------------------------
+class BatchTokens(Sequence):
+    """The tokens of a global batch's sequences (int64 arrays indexed by seq id), each read from
+    the documents when first asked for: a rank reads only the sequences its shards hold (a
+    pipeline's middle stages none of them), not the whole batch every step."""
+
+    def __init__(self, documents: Documents, samples: np.ndarray):
+        self.documents, self.samples = documents, samples
+        self._read: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, sid):
+        if isinstance(sid, slice):
+            return [self[i] for i in range(*sid.indices(len(self)))]
+        sid = int(sid)
+        seq = self._read.get(sid)
+        if seq is None:
+            d, a, e = (int(x) for x in self.samples[sid])
+            seq = self._read[sid] = np.array(self.documents.get(d, a, e - a), dtype=np.int64)
+        return seq
+
+
 @dataclass
 class Step:
     """One training step's data and plan."""
 
     step: int
     plan: StepPlan
-    batch: list[np.ndarray]  # int64 tokens of each sequence, indexed by seq id
+    batch: Sequence[np.ndarray]  # int64 tokens of each sequence, indexed by seq id (``BatchTokens``)
     lengths: np.ndarray  # tokens per sequence (what the plan was made for)
     samples: np.ndarray  # [n, 3]: (doc, start, end) of each sequence in the dataset
     digest: str  # plan_digest(plan, samples)
@@ -257,9 +280,6 @@ class PlanningDataLoader(GlobalBatches):
         # How steps got their plans: "planner", "inline", "fallback", plus worker results that came
         # too late ("late_discarded") and tasks the worker skipped as stale ("skipped").
         self.stats: Counter[str] = Counter()
-
-    def read_batch(self, samples: np.ndarray) -> list[np.ndarray]:
-        return [np.array(self.documents.get(int(d), int(a), int(e - a)), dtype=np.int64) for d, a, e in samples]
 
     # ---- the planner process ----------------------------------------------------------------
     @property
@@ -427,5 +447,5 @@ class PlanningDataLoader(GlobalBatches):
             digest = plan_digest(plan, samples)
             if self.sync is not None:
                 check_plan_agreement(digest, self.group)
-            yield Step(step, plan, self.read_batch(samples), lengths, samples, digest, source, wait)
+            yield Step(step, plan, BatchTokens(self.documents, samples), lengths, samples, digest, source, wait)
             step += 1

@@ -30,7 +30,7 @@ from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
 from megatron_ext.planner.pp.pipeline import pipeline_cost, pipeline_options, resolve_layout
 from megatron_ext.planner.pp.pipeline_baselines import plan_batch_1f1b, plan_seq1f1b
 from megatron_ext.planner.pp.sequence_limits import longest_sequence
-from megatron_ext.planner.sp.baselines import batchada, megatron_balanced_cp, static_ulysses
+from megatron_ext.planner.sp.baselines import balanced_cp_scheduler, batchada, megatron_balanced_cp, static_ulysses
 from megatron_ext.planner.sp.flexsp import plan_flexsp
 from megatron_ext.planner.sp.step import plan_sp
 from megatron_ext.planner.sp.timelines import plan_timelines
@@ -52,11 +52,14 @@ class Planner:
     fn: Callable
     help: str  # one line, for the command lines
     barrier_free: bool = False  # kind "sp": ``fn`` returns GPU sets run without a barrier (``sp.step.plan_sp``)
+    setup: Callable | None = None  # loads what ``fn`` needs, once, outside its planning time
 
     def plan(self, lengths: np.ndarray, cost: CostModel, options=None, *, seq_ids=None, **overrides) -> StepPlan:
         """Plan the sequences ``seq_ids`` of the batch (default: all; the others are reported as
         dropped). ``options``: a PlannerOptions or PipelineOptions; ``overrides``: PipelineOptions
         fields, for the pipeline planners (FlexSP-kind planners have none of them)."""
+        if self.setup is not None:
+            self.setup()
         if self.kind == "sp":
             return plan_sp(self.name, self.fn, lengths, cost, options, seq_ids=seq_ids, barrier_free=self.barrier_free)
         return self.fn(lengths, cost, options=options, seq_ids=seq_ids, **overrides)
@@ -67,7 +70,7 @@ PLANNERS: dict[str, Planner] = {p.name: p for p in (
             "DeepSpeed-Ulysses, one SP degree for every group: --static-degree, default the largest"),
     Planner("batchada", "sp", batchada, "BatchAda, the best single SP degree for each batch"),
     Planner("megatron_balanced_cp", "sp", megatron_balanced_cp,
-            "megatron-core's BalancedCPScheduler, dynamic context parallelism"),
+            "megatron-core's BalancedCPScheduler, dynamic context parallelism", setup=balanced_cp_scheduler),
     Planner("flexsp", "sp", plan_flexsp, "FlexSP, SP groups of mixed degrees in each micro-batch, solved with HiGHS"),
     Planner("timelines", "sp", plan_timelines,
             "FlexSP without a barrier between micro-batches: GPU sets run their own passes back to back "

@@ -16,6 +16,7 @@ import pytest
 from megatron_ext.commands.cli import main
 from megatron_ext.cost import CostModel
 from megatron_ext.data.datasets import IndexedDocuments, write_indexed_dataset
+from megatron_ext.errors import ConfigError
 from megatron_ext.data.loader import PlanningDataLoader
 from megatron_ext.plan import StepPlan, validate
 from megatron_ext.planner.api import BASELINES
@@ -678,3 +679,32 @@ def test_console_script_bench_planner():
     row = d["rows"][0]
     assert row["dist"] == "wikipedia" and row["seqs"] == 64
     assert "plan time: median" in d["table"]
+
+
+def test_compared_runs_note_an_unused_ring_once(capsys, monkeypatch):
+    import subprocess as sp
+
+    import megatron_ext.commands.launch as launch
+
+    # each run's torchrun, replaced by a process that prints one step's record
+    record = {"step_time_s": 1.0, "predicted_step_time_s": 1.0, "tokens": 8, "loss": 2.0, "grad_norm": 1.0,
+              "planner": "flexsp"}
+    started, popen = [], sp.Popen
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda cmd, **kw: started.append(cmd) or popen(
+        [sys.executable, "-c", f"print({json.dumps(record)!r})"], **kw))
+    monkeypatch.setattr(launch, "_check_cpu_ranks_fit", lambda *a: None)
+    code, out, err = run(capsys, "train", "--steps", "1", "--compare", "flexsp,static_ulysses", "--max-ring", "2")
+    assert code == 0 and len(started) == 2 and "static_ulysses" in out, err
+    assert err.count("note: --max-ring 2 changes nothing here") == 1, err
+
+
+def test_compared_runs_that_trained_nothing_are_refused(capsys, monkeypatch):
+    import subprocess as sp
+
+    import megatron_ext.commands.launch as launch
+
+    popen = sp.Popen  # (a --load checkpoint already at --steps: the runs print no step)
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda cmd, **kw: popen([sys.executable, "-c", ""], **kw))
+    monkeypatch.setattr(launch, "_check_cpu_ranks_fit", lambda *a: None)
+    code, out, err = run(capsys, "train", "--steps", "1", "--compare", "flexsp,static_ulysses")
+    assert_one_line_error(code, out, err.split("\n", 1)[1], "the flexsp run trained no steps")

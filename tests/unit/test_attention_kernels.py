@@ -360,3 +360,17 @@ def test_ring_pieces_over_all_blocks_are_the_block_diagonal_mask(lengths, r, cau
                 part = torch.ones(qb - qa, kb - ka, dtype=torch.bool)
                 got[i * block + qa:i * block + qb, j * block + ka:j * block + kb] = part.tril() if c else part
     assert torch.equal(got, _block_causal_mask(tuple(bounds), causal, "cpu"))
+
+
+@pytest.mark.parametrize("capability, head, dtype, mask, flash", [
+    ((9, 0), 256, torch.bfloat16, None, True), ((8, 0), 224, torch.float16, None, True),
+    ((8, 6), 192, torch.bfloat16, None, True), ((8, 6), 224, torch.bfloat16, None, False),
+    ((8, 9), 256, torch.bfloat16, None, False), ((9, 0), 320, torch.bfloat16, None, False),
+    ((7, 5), 128, torch.float16, None, False), ((9, 0), 128, torch.float32, None, False),
+    ((9, 0), 128, torch.bfloat16, "mask", False)])
+def test_gqa_keeps_kv_unexpanded_only_where_torch_runs_flash(capability, head, dtype, mask, flash, monkeypatch):
+    from megatron_ext.runtime.kernels.sdpa import _flash_runs
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    q = types.SimpleNamespace(dtype=dtype, shape=(1, 8, 64, head), device="cuda:0")
+    assert _flash_runs(q, mask) is flash

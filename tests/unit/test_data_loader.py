@@ -56,6 +56,21 @@ def test_same_seed_same_batches_for_every_planner():
         assert s.batch[i].dtype == np.int64 and s.lengths[i] == e - a
 
 
+def test_a_rank_reads_only_the_sequences_it_asks_for():
+    class Counting(InMemoryDocuments):
+        def get(self, idx, offset=0, length=None):
+            reads.append(idx)
+            return super().get(idx, offset, length)
+
+    reads = []
+    step = next(iter(PlanningDataLoader(Counting([DOCS.get(i) for i in range(len(DOCS))]), COST, 16,
+                                        options=OPTS, num_steps=1, background=False)))
+    assert reads == [] and len(step.batch) == 16
+    first, again = step.batch[5], step.batch[5]
+    assert first is again and reads == [int(step.samples[5, 0])]  # read once, kept for the step
+    np.testing.assert_array_equal(step.batch[2:4][1], step.batch[3])
+
+
 def test_epochs_and_resume():
     dl = _loader(max_seq_len=4096, num_steps=None)
     assert dl.steps_per_epoch == len(dl.samples) // 16

@@ -21,6 +21,7 @@ one-pass-per-sample execution priced by our cost model.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import time
@@ -215,13 +216,19 @@ def adapt_megatron_schedule(sample_id_groups, lengths: np.ndarray, cost: CostMod
     return out, repairs
 
 
-def megatron_balanced_cp(lengths: np.ndarray, cost: CostModel,
-                         options: PlannerOptions) -> tuple[list[Groups], str]:
-    # Imported here only: the planner package must stay importable without megatron / torch.distributed.
+@functools.cache
+def balanced_cp_scheduler() -> type:
+    """megatron-core's BalancedCPScheduler, imported on first use (the planner package stays
+    importable without megatron / torch.distributed; the import, ~2 s, is not a plan's time)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron-core warns at import that TE / Apex are absent
         from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+    return BalancedCPScheduler
 
+
+def megatron_balanced_cp(lengths: np.ndarray, cost: CostModel,
+                         options: PlannerOptions) -> tuple[list[Groups], str]:
+    BalancedCPScheduler = balanced_cp_scheduler()
     per_rank = cost.token_capacity(1)
     top = cost.degrees[-1]
     # Megatron's CP size is the next power of two of len / max_seq_len_per_rank; a sequence just

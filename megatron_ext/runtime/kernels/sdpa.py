@@ -85,9 +85,12 @@ def _ampere(q: Tensor) -> bool:
 
 
 def _flash_runs(q: Tensor, attn_mask) -> bool:
-    """Whether torch's flash kernel takes this call (half precision, no mask, head size up to 256,
-    an Ampere or newer GPU)."""
-    return q.dtype in (torch.float16, torch.bfloat16) and attn_mask is None and q.shape[-1] <= 256 and _ampere(q)
+    """Whether torch's flash kernel takes this call: half precision, no mask, an Ampere or newer
+    GPU, head size up to 256, and up to 192 on sm86 / sm89 (torch has no flash backward above 192
+    there; counted for forward-only calls too, where expanding K/V costs memory only)."""
+    if not (q.dtype in (torch.float16, torch.bfloat16) and attn_mask is None and _ampere(q)):
+        return False
+    return q.shape[-1] <= (192 if torch.cuda.get_device_capability(q.device) in ((8, 6), (8, 9)) else 256)
 
 
 def gqa_sdpa(qb: Tensor, kb: Tensor, vb: Tensor, attn_mask: Tensor | None = None, **kw) -> Tensor:
