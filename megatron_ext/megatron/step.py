@@ -295,13 +295,13 @@ def _run_elastic(step: Step, model, forward_only: bool, flag: str):
         busy = [0.0] * stages
         busy[parallel_state.get_pipeline_model_parallel_rank()] = sum(t for _, t in stats.ops)
         per_row = None
-        if getattr(_args(), "planner_trace", None):  # (the same on every rank: all gather)
+        if getattr(_args(), "planner_trace", None):  # (set on every rank; rank 0 writes the trace)
             from megatron_ext.sim.trace import ops_per_row
 
             mine = (stats.replica * stages + parallel_state.get_pipeline_model_parallel_rank(), stats)
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, mine)
-            per_row = ops_per_row(gathered)
+            gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+            dist.gather_object(mine, gathered, dst=0)
+            per_row = ops_per_row(gathered) if gathered is not None else None
         report_step(step, clock.seconds(start, end), busy, ops_per_row=per_row)
     return losses
 

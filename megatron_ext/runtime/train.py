@@ -317,10 +317,10 @@ class Training:
                                      step_time_s=step_time, micro_batch_times_s=mb_times.tolist(),
                                      plan_source=step.plan_source)}
                 ranks = None
-                if piped:
-                    gathered = [None] * self.world
-                    dist.all_gather_object(gathered, mine)
-                    if self.rank == 0:  # the one that reports
+                if piped:  # every stage's operations, to the rank that reports
+                    gathered = [None] * self.world if self.rank == 0 else None
+                    dist.gather_object(mine, gathered, dst=0)
+                    if gathered is not None:
                         ranks = gathered
                         rec.update(_stage_report(ranks, step, self.cost))
                 if not args.cost_model:  # the preset or YAML `report` tells to re-profile
