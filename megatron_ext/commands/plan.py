@@ -18,7 +18,7 @@ from megatron_ext.commands.args import (add_batch_source_args, add_cost_args, ad
                                         check_args, cost_from_args, options_from_args, parse_tokens, positive_int,
                                         pipeline_options_from_args)
 from megatron_ext.cost import CostModel
-from megatron_ext.data.batches import dataset_batches
+from megatron_ext.data.batches import MAX_STEP, dataset_batches
 from megatron_ext.data.lengths import MAX_BATCH, read_lengths, sample_lengths
 from megatron_ext.errors import ConfigError
 from megatron_ext.plan.validate import replica_groups
@@ -85,8 +85,8 @@ def lengths_from_args(args, limit: int) -> np.ndarray:
     the planners drop or refuse what they cannot run), step ``--step`` of ``--data`` (documents
     cut into pieces of at most ``--max-seq-len``, as training cuts them; its source on stderr), or sampled
     from ``--dist`` up to ``limit`` with the seed ``simulate`` gives that step."""
-    if args.step < 0:
-        raise ConfigError(f"--step must be a step number (0 or more), got {args.step}")
+    if not 0 <= args.step <= MAX_STEP:
+        raise ConfigError(f"--step must be a step number, from 0 to {MAX_STEP:,}, got {args.step:,}")
     if args.data:
         if not 1 <= args.batch <= MAX_BATCH:
             raise ConfigError(f"--batch must be from 1 to {MAX_BATCH:,} sequences, got {args.batch:,}")

@@ -32,11 +32,19 @@ from megatron_ext.text import plural
 
 logger = logging.getLogger(__name__)
 
+# The last step a run may reach: a blend's shares count samples of steps 0..k as floats, exact
+# below 2^53 (steps x the largest batch).
+MAX_STEP = 2**53 // MAX_BATCH - 1
+
+
+class TooFewSamples(DataError):
+    """The documents (or a source of a blend) make fewer samples than one global batch takes."""
+
 
 def make_samples(doc_lengths, max_seq_len: int) -> np.ndarray:
     """Samples of the documents, shape [n, 3]: (doc, start, end). A document longer than
     ``max_seq_len`` becomes consecutive pieces of ``max_seq_len`` tokens (the last shorter);
-    empty documents are left out."""
+    samples of under 2 tokens are left out (``cut_documents``)."""
     if max_seq_len < 1:
         raise DataError(f"max_seq_len must be at least 1, got {max_seq_len}")
     return cut_documents(doc_lengths, max_seq_len)  # the one rule, shared with --dist sampling
@@ -69,7 +77,7 @@ class GlobalBatches:
         self.weights = None if weights is None or len(weights) < 2 else self._blend(source_sizes, weights)
         if self.weights is None:
             if len(self.samples) < self.global_batch_size:
-                raise DataError(f"the dataset has {plural(len(self.samples), 'sample')}, fewer than one global batch "
+                raise TooFewSamples(f"the dataset has {plural(len(self.samples), 'sample')}, fewer than one global batch "
                                 f"of {self.global_batch_size}")
             self.steps_per_epoch = len(self.samples) // self.global_batch_size
         else:
@@ -92,7 +100,7 @@ class GlobalBatches:
         for i, ids in enumerate(self._source_samples):
             need = math.ceil(w[i] * self.global_batch_size - 1e-9)
             if len(ids) < need:
-                raise DataError(f"source {i} of the blend has {plural(len(ids), 'sample')}, fewer than its share of one "
+                raise TooFewSamples(f"source {i} of the blend has {plural(len(ids), 'sample')}, fewer than its share of one "
                                 f"global batch ({need} of {self.global_batch_size} at weight {w[i]:.3g})")
         self._weight_sums = np.concatenate([[0.0], np.cumsum(w)])
         return w
@@ -127,6 +135,8 @@ class GlobalBatches:
     def batch_sample_ids(self, step: int) -> np.ndarray:
         """Sample ids of step ``step``'s global batch (its seq ids index this array)."""
         step = int(step)
+        if not 0 <= step <= MAX_STEP:
+            raise DataError(f"step {step:,} is not a step of a run: steps are numbered 0 to {MAX_STEP:,}")
         b = self.global_batch_size
         if self.weights is None:
             epoch, k = divmod(step, self.steps_per_epoch)

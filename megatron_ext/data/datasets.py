@@ -107,6 +107,7 @@ def _megatron_datasets(module: str):
 
 _IDX_MAGIC = b"MMIDIDX\x00\x00"  # first bytes of a Megatron .idx file
 _IDX_HEAD = len(_IDX_MAGIC) + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence and document counts
+_TOKEN_DTYPE_CODES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 8: "uint16"}  # megatron-core's DType
 
 
 def indexed_dataset_exists(prefix: str | Path) -> bool:
@@ -166,14 +167,20 @@ class IndexedDocuments(HeldLengths):
         try:
             self._ds = idx_mod.IndexedDataset(self.prefix)
         except Exception as e:  # a foreign file: whatever megatron-core trips over, it is unreadable
-            raise DataError(f"{self.prefix}: not a readable Megatron indexed dataset ({e})") from None
+            raise DataError(f"{self.prefix}: not a readable Megatron indexed dataset ({e or type(e).__name__})") from None
         seq_lengths = np.asarray(self._ds.sequence_lengths, dtype=np.int64)
         doc_idx = np.asarray(self._ds.document_indices, dtype=np.int64)
         if (seq_lengths < 0).any() or doc_idx.size < 1 or (np.diff(doc_idx) < 0).any() or \
                 doc_idx[0] != 0 or doc_idx[-1] != seq_lengths.size:
             raise DataError(f"{self.prefix}.idx: not a readable Megatron indexed dataset (inconsistent index)")
         cum = np.concatenate([[0], np.cumsum(seq_lengths)])
-        tokens_bytes = int(cum[-1]) * np.dtype(self._ds.index.dtype).itemsize
+        itemsize = np.dtype(self._ds.index.dtype).itemsize
+        # Sequences one after another from the start of the .bin, as megatron-core writes them (a
+        # document is read across its sequences from the first): any other pointer reads other tokens.
+        if not np.array_equal(np.asarray(self._ds.index.sequence_pointers, dtype=np.int64), cum[:-1] * itemsize):
+            raise DataError(f"{self.prefix}.idx: not a readable Megatron indexed dataset (its sequence pointers do "
+                            f"not follow its sequence lengths: corrupted)")
+        tokens_bytes = int(cum[-1]) * itemsize
         if tokens_bytes > os.path.getsize(self.prefix + ".bin"):
             raise DataError(f"{self.prefix}.bin holds {os.path.getsize(self.prefix + '.bin'):,} bytes, fewer than the "
                             f"{tokens_bytes:,} its index describes (truncated, or not this index's data file)")
@@ -191,12 +198,19 @@ class IndexedDocuments(HeldLengths):
             raise DataError(f"{idx}: not a readable Megatron indexed dataset (bad header)")
         if len(head) < _IDX_HEAD:
             raise DataError(f"{idx}: not a readable Megatron indexed dataset (truncated header)")
-        version, _, sequences, documents = struct.unpack("<QBQQ", head[len(_IDX_MAGIC):])
+        version, code, sequences, documents = struct.unpack("<QBQQ", head[len(_IDX_MAGIC):])
         want = _IDX_HEAD + sequences * 12 + documents * 8  # int32 lengths, int64 pointers, int64 doc indices
         if version != 1 or want > os.path.getsize(idx):
             raise DataError(f"{idx}: not a readable Megatron indexed dataset (version {version}, "
                             f"{sequences} sequences and {documents} document indices in "
                             f"{os.path.getsize(idx):,} bytes: truncated or corrupted)")
+        if documents < 2:  # (document indices: 0, then where each document ends)
+            raise DataError(f"{idx}: the index lists no documents")
+        if code not in _TOKEN_DTYPE_CODES:
+            raise DataError(f"{idx}: not a dataset of token ids (its dtype code is {code}; megatron-core's integer "
+                            f"types are {', '.join(f'{c} ({n})' for c, n in _TOKEN_DTYPE_CODES.items())})")
+        if not os.path.isfile(self.prefix + ".bin"):
+            raise DataError(f"{self.prefix}.bin is not a file")
         if os.path.getsize(self.prefix + ".bin") == 0:
             raise DataError(f"{self.prefix}.bin is empty: the dataset holds no tokens")
 

@@ -56,14 +56,16 @@ class LengthDistribution:
 def cut_documents(doc_lengths, max_seq_len: int) -> np.ndarray:
     """How training cuts documents into samples, shape [n, 3]: (doc, start, end). A document
     longer than ``max_seq_len`` becomes consecutive pieces of ``max_seq_len`` tokens (the last
-    shorter); empty documents are left out."""
+    shorter); a document or last piece of under 2 tokens is left out (no token of it predicts
+    another: a step of only such samples would have no loss)."""
     lengths = np.asarray(doc_lengths, dtype=np.int64)
     pieces = -(-lengths // max_seq_len)  # 0 for empty documents
     doc = np.repeat(np.arange(lengths.size, dtype=np.int64), pieces)
     first = np.repeat(np.cumsum(pieces) - pieces, pieces)
     start = (np.arange(doc.size, dtype=np.int64) - first) * max_seq_len
     end = np.minimum(start + max_seq_len, lengths[doc])
-    return np.stack([doc, start, end], axis=1)
+    keep = end - start >= 2
+    return np.stack([doc[keep], start[keep], end[keep]], axis=1)
 
 
 DISTRIBUTIONS = {

@@ -29,7 +29,6 @@ import hashlib
 import json
 import logging
 import multiprocessing as mp
-import queue
 import time
 import weakref
 from collections import Counter
@@ -274,6 +273,7 @@ class PlanningDataLoader(GlobalBatches):
 
         self._proc = None
         self._ready = False
+        self._startup_waited = False
         self._dead = False
         self._ticket = 0
         self._early: dict[int, tuple] = {}
@@ -294,12 +294,15 @@ class PlanningDataLoader(GlobalBatches):
     def _start_worker(self) -> None:
         from megatron_ext.data.plan_worker import worker_main
         ctx = mp.get_context("spawn")
-        self._tasks, self._results = ctx.Queue(), ctx.Queue()
+        # Results come through a one-way pipe whose sending end only the worker holds: a worker that
+        # dies, even halfway through a plan, ends the pipe (EOF) instead of leaving a read to block.
+        self._tasks, (self._results, sending) = ctx.Queue(), ctx.Pipe(duplex=False)
         self._floor = ctx.Value("q", 0)
         self._proc = ctx.Process(target=worker_main, name="megatron-ext-planner", daemon=True,
                                  args=(self.planner, self.cost, self.options, self.baselines, self._tasks,
-                                       self._results, self._floor, self.worker_imports, self.plan_delay_s))
+                                       sending, self._floor, self.worker_imports, self.plan_delay_s))
         self._proc.start()
+        sending.close()
         self._finalizer = weakref.finalize(self, _stop_worker, self._proc, self._tasks)
 
     def close(self) -> None:
@@ -309,10 +312,13 @@ class PlanningDataLoader(GlobalBatches):
             self._finalizer()
             while True:  # account for what the worker sent before it stopped
                 try:
-                    kind, ticket, _ = self._results.get(timeout=0.1)
-                except (queue.Empty, OSError, ValueError, EOFError):
+                    if not self._results.poll(0.1):
+                        break
+                    kind, ticket, _ = self._results.recv()
+                except (OSError, EOFError):
                     break
                 self._note(kind, ticket, None)
+            self._results.close()
             self._proc = None
             self._ready = False
             if self.stats["fallback"]:
@@ -353,14 +359,15 @@ class PlanningDataLoader(GlobalBatches):
             if left <= 0:
                 return None
             try:
-                kind, ticket, payload = self._results.get(timeout=min(left, _POLL_S))
-            except queue.Empty:
-                if not self._proc.is_alive():
-                    self._dead = True
-                    logger.warning("the planner process exited (code %s); every further step uses the %s "
-                                   "fallback plan", self._proc.exitcode, self.fallback)
-                    return None
-                continue
+                if not self._results.poll(min(left, _POLL_S)):
+                    continue
+                kind, ticket, payload = self._results.recv()
+            except (EOFError, OSError):  # the worker is gone (its end of the pipe closed)
+                self._proc.join(1.0)
+                self._dead = True
+                logger.warning("the planner process exited (code %s); every further step uses the %s "
+                               "fallback plan", self._proc.exitcode, self.fallback)
+                return None
             if kind == "ready":
                 self._ready = True
                 if want is None:
@@ -383,7 +390,8 @@ class PlanningDataLoader(GlobalBatches):
             reason = "no planner process"
         else:
             self._floor.value = ticket
-            if not self._ready:
+            if not self._ready and not self._startup_waited:  # (once: later steps wait their deadline only)
+                self._startup_waited = True
                 self._receive(time.monotonic() + self.startup_timeout_s, None)
                 if not self._ready and not self._dead:
                     reason = f"the planner process did not start within {self.startup_timeout_s:.1f}s"

@@ -2,7 +2,7 @@
 
 Kept apart from ``loader.py`` so the child imports only numpy, highspy and the planner modules:
 no torch, no torch.distributed, no megatron-core. It receives ``(step, lengths)`` tasks, answers
-``("ok", step, StepPlan)`` or ``("error", step, message)``, and skips a task whose step the
+``("ok", step, StepPlan)`` or ``("error", step, message)`` on its end of a one-way pipe, and skips a task whose step the
 trainer has already passed (it ran that step on a fallback plan).
 """
 from __future__ import annotations
@@ -37,22 +37,22 @@ def worker_main(planner: str, cost, options, baselines: tuple[str, ...], tasks, 
             importlib.import_module(name)
         from megatron_ext.planner import make_plan
     except BaseException as e:  # report, then die: the loader falls back for every step
-        results.put(("dead", -1, f"{type(e).__name__}: {e}"))
+        results.send(("dead", -1, f"{type(e).__name__}: {e}"))
         raise
-    results.put(("ready", -1, os.getpid()))
+    results.send(("ready", -1, os.getpid()))
     while True:
         task = tasks.get()
         if task is None:
             return
         step, lengths = task
         if step < floor.value:
-            results.put(("skipped", step, None))
+            results.send(("skipped", step, None))
             continue
         if delay_s:
             time.sleep(delay_s)
         try:
             plan = make_plan(planner, lengths, cost, options, baselines)
         except Exception as e:  # noqa: BLE001 -- every planner error goes back to the trainer
-            results.put(("error", step, f"{type(e).__name__}: {e}"))
+            results.send(("error", step, f"{type(e).__name__}: {e}"))
         else:
-            results.put(("ok", step, plan))
+            results.send(("ok", step, plan))

@@ -134,6 +134,11 @@ def data_blends(args) -> tuple[list[str] | None, list[list[str] | None] | None]:
         except (json.JSONDecodeError, AttributeError):
             raise DataError(f"{args.per_split_data_args_path}: expected a JSON object with \"train\", \"valid\" "
                             f"and \"test\" lists") from None
+        for k, v in zip(SPLITS, per_split):
+            if not (v is None or isinstance(v, str) or isinstance(v, list) and all(
+                    isinstance(x, (str, int, float)) and not isinstance(x, bool) for x in v)):
+                raise DataError(f"{args.per_split_data_args_path}: \"{k}\" must be a string or a list of prefixes "
+                                f"(and weights), got {json.dumps(v)}")
         return None, [v.split() if isinstance(v, str) else (list(map(str, v)) if v else None) for v in per_split]
     per_split = [getattr(args, f"{k}_data_path", None) or None for k in SPLITS]
     return None, (per_split if any(per_split) else None)

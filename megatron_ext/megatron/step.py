@@ -105,6 +105,7 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     from megatron.training import get_tokenizer, print_rank_0
 
     from megatron_ext.megatron.cost import cap_cost_model, head_degree_limit, megatron_cost_model
+    from megatron_ext.data.batches import TooFewSamples
     from megatron_ext.data.datasets import DataError
     from megatron_ext.megatron.data import make_loader, planned_splits
     from megatron_ext.runtime.groups import SPGroupPool
@@ -134,23 +135,23 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     starts = (start, valid_start_step(args), 0)  # test starts at its first batch, as in Megatron
     loaders = []
     for k, (docs, sizes, weights, _) in enumerate(splits):
-        n = len(docs)
-        if k == 0 and n < args.global_batch_size:
-            raise DataError(f"{flag}: the train split holds {n} documents, fewer than one global "
-                            f"batch ({args.global_batch_size})")
-        if k == 1 and args.eval_iters and n < args.global_batch_size:
-            raise DataError(f"{flag}: --eval-iters {args.eval_iters} needs a validation split of at least one "
-                            f"global batch ({args.global_batch_size} documents), the data gives {n}; set "
-                            f"--eval-iters 0, or give validation documents (--split, --valid-data-path)")
-        if k > 0 and not (args.eval_iters and n >= args.global_batch_size):
+        if k > 0 and not args.eval_iters:
             loaders.append(None)
             continue
         steps = max(0, int(args.train_iters) - start) if k == 0 and args.train_iters else None
+        name = ("train", "validation", "test")[k]
         try:
             loaders.append(make_loader(docs, cost, args, num_steps=steps, start_step=starts[k],
                                        seed=args.seed + k, source_sizes=sizes, weights=weights))
+        except TooFewSamples as e:  # (samples: documents cut at the run's longest sequence)
+            if k == 2:  # not tested, as Megatron leaves a split without a dataset
+                loaders.append(None)
+                continue
+            hint = (f"; --eval-iters {args.eval_iters} needs one: set --eval-iters 0, or give validation documents "
+                    f"(--split, --valid-data-path)" if k == 1 else "")
+            raise DataError(f"{flag}: the {name} split: {e}{hint}") from None
         except DataError as e:
-            raise DataError(f"{flag}: the {('train', 'validation', 'test')[k]} split: {e}") from None
+            raise DataError(f"{flag}: the {name} split: {e}") from None
     STATE.loaders = tuple(loaders)
     atexit.register(_close_loaders)
     train = loaders[0]

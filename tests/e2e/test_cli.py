@@ -382,6 +382,8 @@ def test_train_refuses_a_dataset_smaller_than_a_batch_before_launching(capsys, c
     (["--data", "{corpus}", "--batch", "100", "--max-seq-len", "8K"], "fewer than one global batch of 100"),
     (["--data", "{corpus}", "--batch", "0", "--max-seq-len", "8K"], "--batch must be from 1 to 1,048,576"),
     (["--data", "{corpus}", "--step", "-1", "--max-seq-len", "8K"], "--step must be a step number"),
+    (["--data", "1", "{corpus}", "1", "{corpus}", "--step", "1" + "0" * 20, "--max-seq-len", "8K"],
+     "--step must be a step number, from 0 to 8,589,934,591"),  # (a blend's shares: a traceback)
     (["--data", "{corpus}", "--seed", "-2", "--max-seq-len", "8K"], "--seed must be from 0 to 2^63 - 1, got -2"),
     (["--data", "0.5", "{corpus}", "0.5", "--max-seq-len", "8K"], "odd count"),
     (["--data", "{corrupt}", "--max-seq-len", "8K"], "truncated or corrupted"),
@@ -396,7 +398,8 @@ def test_data_errors(capsys, tmp_path, corpus, argv, match):
         shutil.copy(corpus + ".bin", str(bad) + ".bin")
     idx = bytearray(Path(corpus + ".idx").read_bytes())
     Path(str(corrupt) + ".idx").write_bytes(idx[:26] + b"\xff" * 8 + idx[34:])  # a huge document count
-    idx[34:38] = (2_000_000_000).to_bytes(4, "little")  # the first sequence's length
+    last = 34 + 4 * (int.from_bytes(idx[18:26], "little") - 1)  # the last sequence's length (no pointer follows)
+    idx[last:last + 4] = (2_000_000_000).to_bytes(4, "little")
     Path(str(bigger) + ".idx").write_bytes(idx)
     (tmp_path / "folder.idx").mkdir()
     (tmp_path / "folder.bin").write_bytes(b"")

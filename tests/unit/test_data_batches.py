@@ -10,8 +10,8 @@ from megatron_ext.data.datasets import ConcatDocuments, DataError, InMemoryDocum
 
 
 def test_make_samples_splits_long_documents():
-    s = make_samples([5, 0, 12, 4], 4)
-    assert s.tolist() == [[0, 0, 4], [0, 4, 5], [2, 0, 4], [2, 4, 8], [2, 8, 12], [3, 0, 4]]
+    s = make_samples([5, 0, 12, 4, 1, 6], 4)  # (a 1-token document and last piece: nothing to predict)
+    assert s.tolist() == [[0, 0, 4], [2, 0, 4], [2, 4, 8], [2, 8, 12], [3, 0, 4], [5, 0, 4], [5, 4, 6]]
     with pytest.raises(DataError):
         make_samples([3], 0)
 
@@ -25,7 +25,7 @@ def test_blend_shares_every_batch_by_weight(sizes, raw, batch, seed):
     if not any(weights):
         weights[0] = 1
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(1, 300, sum(sizes))
+    lengths = rng.integers(2, 300, sum(sizes))  # (every document a sample)
     w = np.asarray(weights, float) / sum(weights)
     if any(np.ceil(w * batch - 1e-9) > sizes):  # a source smaller than its share of a batch
         with pytest.raises(DataError, match="fewer than its share of one global batch"):
@@ -69,7 +69,7 @@ def test_blend_steps_far_ahead_and_huge_weights():
 
 
 def test_one_source_and_unweighted_blends_are_plain_batches():
-    lengths = np.arange(1, 41)
+    lengths = np.arange(2, 42)
     plain = GlobalBatches(lengths, 8, 100, 3)
     for sizes, weights in (([40], [0.7]), ([10, 30], None)):
         other = GlobalBatches(lengths, 8, 100, 3, source_sizes=sizes, weights=weights)
@@ -110,3 +110,13 @@ def test_concat_documents():
     np.testing.assert_array_equal(docs.get(1), np.arange(5))
     with pytest.raises(IndexError):
         docs.get(3)
+
+
+def test_steps_past_the_exact_count_are_refused():
+    from megatron_ext.data.batches import MAX_STEP
+
+    gb = GlobalBatches(np.full(40, 5), 8, 100, 3, source_sizes=[20, 20], weights=[1, 3])
+    assert len(gb.batch_sample_ids(MAX_STEP)) == 8
+    for step in (-1, MAX_STEP + 1):
+        with pytest.raises(DataError, match="not a step of a run"):
+            gb.batch_sample_ids(step)

@@ -69,6 +69,41 @@ def test_indexed_errors(tmp_path):
         IndexedDocuments(tmp_path / "junk")
 
 
+def _patched_index(tmp_path, name, edit):
+    """A copy of a 3-document dataset whose .idx bytes ``edit`` changed (a bytearray, in place)."""
+    prefix = write_indexed_dataset(tmp_path / "ok", [np.arange(5), np.arange(7), np.arange(3)])
+    idx = bytearray((tmp_path / "ok.idx").read_bytes())
+    edit(idx)
+    (tmp_path / f"{name}.idx").write_bytes(bytes(idx))
+    (tmp_path / f"{name}.bin").write_bytes((tmp_path / "ok.bin").read_bytes())
+    return str(tmp_path / name), prefix
+
+
+HEAD = 9 + 8 + 1 + 8 + 8  # magic, version, dtype code, counts: then int32 lengths, int64 pointers
+
+
+@pytest.mark.parametrize("name, edit, match", [
+    ("zeroptr", lambda b: b.__setitem__(slice(HEAD + 12 + 8, HEAD + 12 + 16), bytes(8)), "sequence pointers"),
+    ("farptr", lambda b: b.__setitem__(slice(HEAD + 12 + 16, HEAD + 12 + 24), (10 ** 9).to_bytes(8, "little")),
+     "sequence pointers"),
+    ("floats", lambda b: b.__setitem__(17, 7), "not a dataset of token ids .*dtype code is 7"),
+    ("nodocs", lambda b: b.__setitem__(slice(26, 34), (1).to_bytes(8, "little")), "lists no documents"),
+])
+def test_a_corrupted_index_is_refused_in_one_line(tmp_path, name, edit, match):
+    bad, good = _patched_index(tmp_path, name, edit)
+    IndexedDocuments(good)  # (the copy it was made from reads)
+    with pytest.raises(DataError, match=match):
+        IndexedDocuments(bad)
+
+
+def test_a_folder_for_the_bin_is_refused(tmp_path):
+    write_indexed_dataset(tmp_path / "ds", [np.arange(5)])
+    (tmp_path / "ds.bin").unlink()
+    (tmp_path / "ds.bin").mkdir()
+    with pytest.raises(DataError, match="ds.bin is not a file"):
+        IndexedDocuments(tmp_path / "ds")
+
+
 def test_in_memory_and_stats():
     docs = InMemoryDocuments([np.arange(5), np.arange(3000)])
     assert docs.lengths.tolist() == [5, 3000]

@@ -148,6 +148,42 @@ def test_dead_worker_falls_back(caplog):
     assert "failed to start" in caplog.text and "No module named 'megatron_ext_no_such_module'" in caplog.text
 
 
+def test_a_worker_killed_halfway_through_sending_a_plan_falls_back(caplog):
+    """A plan larger than a pipe's buffer is half written when the worker dies: the step gets the
+    fallback within its deadline, not a read that blocks for ever."""
+    import os
+    import signal
+    import threading
+    import time
+
+    rng = np.random.default_rng(1)
+    docs = InMemoryDocuments([rng.integers(0, 256, k) for k in rng.integers(2, 40, 70_000)])
+    dl = PlanningDataLoader(docs, COST, 60_000, planner="batchada", options=OPTS, num_steps=2, deadline_s=5.0)
+    it = iter(dl)
+    next(it)
+    waited = time.monotonic() + 60
+    while not dl._results.poll(0.05) and time.monotonic() < waited:  # step 1's plan (~180 KB) is on its way
+        pass
+    os.kill(dl._proc.pid, signal.SIGKILL)
+    got = []
+    with caplog.at_level(logging.WARNING, logger="megatron_ext.data.loader"):
+        reader = threading.Thread(target=lambda: got.append(next(it)), daemon=True)
+        reader.start()
+        reader.join(30)
+    assert not reader.is_alive(), "the step waited on a dead worker's pipe"
+    assert got[0].plan_source == "fallback" and "planner process exited" in caplog.text
+    dl.close()
+
+
+def test_a_worker_that_never_starts_costs_its_start_up_wait_once(tmp_path, monkeypatch):
+    (tmp_path / "slow_planner_import.py").write_text("import time\ntime.sleep(30)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # (the spawned worker gets this process's path)
+    with _loader(background=True, num_steps=3, deadline_s=0.2, startup_timeout_s=1.0,
+                 worker_imports=("slow_planner_import",)) as dl:
+        waits = [s.plan_wait_s for s in dl]
+    assert 1.0 <= waits[0] < 5 and all(w < 0.6 for w in waits[1:]), waits
+
+
 def test_worker_side_imports_no_torch():
     code = ("import sys, megatron_ext.data.plan_worker, megatron_ext.data.sharding, megatron_ext.planner;"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')];"

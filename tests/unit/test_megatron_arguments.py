@@ -223,6 +223,8 @@ def test_per_split_data_paths_and_argument_files(tmp_path):
     (tmp_path / "splits.json").write_text('{"train": "0.3 a 0.7 b", "valid": ["c"], "test": null}')
     validate_args(parse(*base, "--per-split-data-args-path", str(tmp_path / "splits.json")), world_size=2)
     (tmp_path / "bad.json").write_text('["a"]')
+    (tmp_path / "number.json").write_text('{"train": 5}')
+    (tmp_path / "object.json").write_text('{"train": {"a": 1}}')
     (tmp_path / "odd.txt").write_text("0.3 a 0.7")
     for extra, match in ((["--valid-data-path", "c"], "need a train split"),
                          (["--train-data-path", "a", "--split", "90,10,0"], "--split divides --data-path"),
@@ -230,6 +232,8 @@ def test_per_split_data_paths_and_argument_files(tmp_path):
                          (["--data-args-path", str(tmp_path / "nothing.txt")], "cannot read"),
                          (["--data-args-path", str(tmp_path / "odd.txt")], "odd count"),
                          (["--per-split-data-args-path", str(tmp_path / "bad.json")], "a JSON object"),
+                         (["--per-split-data-args-path", str(tmp_path / "number.json")], '"train" must be a string'),
+                         (["--per-split-data-args-path", str(tmp_path / "object.json")], r'or a list .*got \{"a": 1\}'),
                          (["--mock-data", "--train-data-path", "a"], "give --train-data-path or --mock-data")):
         with pytest.raises(ArgumentConflict, match=match):
             validate_args(parse(*base, *extra), world_size=2)
