@@ -8,12 +8,17 @@ that watches the parent's pid. Imports nothing of torch: the planner process use
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
 import threading
 import time
+
+# What stops a run: a kill, Ctrl-C, a closed terminal, Slurm's warning before the time limit
+# (``--signal=USR1@SECONDS``, sent to every process of the job step unless ``B:`` is given).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _WATCH_S = 1.0  # how often the fallback watch looks at the parent's pid
@@ -40,14 +45,33 @@ def _watch_parent(parent: int, sig: int) -> None:
     os.kill(os.getpid(), sig)
 
 
+def ignore(signum, frame) -> None:
+    """A handler that does nothing: what a process sets on a signal it has had enough of. Not
+    SIG_IGN: a signal that arrived as the handler was changed would raise OSError ("ignored due
+    to race condition") in the main thread, wherever it is."""
+
+
+@contextlib.contextmanager
+def blocked_in_children(*signals: int):
+    """Processes started in the block never receive ``signals`` (they start with them blocked, as
+    a mask survives exec and Python leaves it; a handler would not: it is reset to the default,
+    which for SIGUSR1 and SIGHUP ends the process). This thread gets any of them that arrived
+    meanwhile when the block ends."""
+    saved = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, saved)
+
+
 def exit_quietly_on_stop_signals() -> None:
-    """SIGTERM and SIGINT end this process as ``SystemExit(128 + signal)``: its ``finally``
-    blocks and context managers run, and nothing is printed (Python's KeyboardInterrupt would
-    print a traceback from every rank). Main thread only, as every signal handler."""
+    """A stop signal (``STOP_SIGNALS``) ends this process as ``SystemExit(128 + signal)``: its
+    ``finally`` blocks and context managers run, and nothing is printed (Python's KeyboardInterrupt
+    would print a traceback from every rank). Main thread only, as every signal handler."""
     def stop(signum, frame):
         raise SystemExit(128 + signum)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, stop)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 from megatron_ext.commands.args import NOTED, ArgumentParser
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except BrokenPipeError:  # e.g. piped into head
         return 0
+    except KeyboardInterrupt:  # Ctrl-C before a command sets its own handlers (while it imports torch)
+        print("megatron-ext: stopped by SIGINT", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

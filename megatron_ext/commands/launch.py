@@ -4,8 +4,8 @@ cluster with torchrun (``runtime/torchrun.py``), on this machine.
 ``torchrun(module, rest)`` refuses what cannot run before anything starts (the module's
 ``build_parser`` parses the options, its ``check_before_launch`` checks them and gives the cost
 model, whose GPU count is the rank count; too many CPU ranks for this machine are refused too),
-then runs ``python -m module`` on every rank, relays the ranks' stderr, and passes a SIGTERM or
-SIGINT on to every rank.
+then runs ``python -m module`` on every rank, relays the ranks' stderr, and passes a stop signal
+(``lifetime.STOP_SIGNALS``) on to every rank as SIGTERM: the first one; a third kills the run.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import uuid
 
 from megatron_ext.commands.args import note_unused_ring
 from megatron_ext.errors import ConfigError
-from megatron_ext.lifetime import exit_text
+from megatron_ext.lifetime import STOP_SIGNALS, exit_text
 from megatron_ext.text import plural
 
 # CPU ranks a machine runs well: more than this many a core, or than fit in its free memory at
@@ -74,18 +74,29 @@ def torchrun(module: str, rest: list[str], capture: bool = False):
     logs = tempfile.mkdtemp(prefix="megatron-ext-torchrun-")
     cmd = [sys.executable, "-m", "megatron_ext.runtime.torchrun", "--standalone", f"--nproc-per-node={cost.num_gpus}",
            f"--log-dir={logs}", "-m", module, *rest]
-    # The stop signals received. Each is passed on to torchrun as SIGTERM, which every process of the
-    # run ends on quietly, even before it sets its handlers (SIGINT would print a KeyboardInterrupt
-    # traceback from each rank still importing torch).
+    # The stop signals received. The first is passed on to torchrun as SIGTERM, which every process
+    # of the run ends on quietly, even before it sets its handlers (SIGINT would print a
+    # KeyboardInterrupt traceback from each rank still importing torch), and ranks under --save save
+    # on first. A second is the same stop (as Slurm sends it to every process); a third kills the run.
     stopped: list[int] = []
     proc = None
 
     def pass_on(signum, frame):
         stopped.append(signum)
-        if proc is not None:
+        if proc is None:
+            return
+        if len(stopped) == 1:
             proc.send_signal(signal.SIGTERM)
+        elif len(stopped) == 2:
+            print("megatron-ext: stopping after the ranks' step (and its save, under --save); a third signal "
+                  "kills them now", file=sys.stderr, flush=True)
+        else:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # (gone already)
+                pass
 
-    handlers = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGINT)}
+    handlers = {sig: signal.signal(sig, pass_on) for sig in STOP_SIGNALS}
     try:
         # In a session of its own, torchrun gets a terminal's Ctrl-C once (from here, not also from the
         # terminal), and its process group can be killed whole.
@@ -115,6 +126,8 @@ def torchrun(module: str, rest: list[str], capture: bool = False):
         shutil.rmtree(logs, ignore_errors=True)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+    if not stopped and code - 128 in STOP_SIGNALS:  # torchrun alone was stopped: it exits 128 + the signal
+        stopped.append(code - 128)
     if stopped:
         print(f"megatron-ext: stopped by {signal.Signals(stopped[0]).name}", file=sys.stderr, flush=True)
         raise SystemExit(128 + stopped[0])

@@ -104,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_ext.lifetime import die_with_parent, exit_quietly_on_stop_signals, say_rank_error
 
-    # as train's ranks: stopped (torchrun passes SIGTERM / SIGINT on) or orphaned, a rank ends quietly
+    # as train's ranks: stopped (torchrun passes a stop signal on), a rank ends quietly; orphaned, at once
     exit_quietly_on_stop_signals()
-    die_with_parent(signal.SIGTERM)
+    die_with_parent(signal.SIGKILL)
     args = build_parser().parse_args(argv)
     try:
         _, dtype_name = check_args(args, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

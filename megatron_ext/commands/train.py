@@ -198,9 +198,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_ext.runtime.device import init_rank_process_group
 
-    # Stopped (torchrun passes SIGTERM / SIGINT on) or orphaned (torchrun died), a rank ends quietly.
+    # Stopped (torchrun passes a stop signal on as SIGTERM), a rank ends quietly; orphaned (torchrun
+    # died), at once: no stop to save on, nor a launcher left to clear what a stuck rank leaves.
     exit_quietly_on_stop_signals()
-    die_with_parent(signal.SIGTERM)
+    die_with_parent(signal.SIGKILL)
     args = build_parser().parse_args(argv)
     if args.save:
         from megatron_ext.runtime.checkpoint import save_and_stop_on_signals
@@ -268,7 +269,7 @@ def _train(args, rank: int, world: int) -> int:
                                ops_per_row=ops_per_row(trained.ranks) if trained.ranks is not None else None)
             records.append(rec)
             if rank == 0:
-                print(json.dumps(rec) if args.json else _line(rec), flush=True)
+                _print_record(json.dumps(rec) if args.json else _line(rec))
                 if log:
                     print(json.dumps(rec), file=log, flush=True)
     finally:
@@ -284,6 +285,18 @@ def _train(args, rank: int, world: int) -> int:
     if rank == 0 and not args.json:
         print(_summary(args.planner, records), flush=True)
     return 0
+
+
+def _print_record(line: str) -> None:
+    """Rank 0's line of a step. Where the reader of its output is gone (``train --json | head``),
+    the run stops after the step, as any stopped run (saving under --save), and prints no more."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        from megatron_ext.runtime.checkpoint import request_stop
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (what is buffered goes nowhere)
+        request_stop()
 
 
 def _open_step_log(path: Path, done: int):

@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import multiprocessing as mp
+import signal
 import time
 import weakref
 from collections import Counter
@@ -44,6 +45,7 @@ from megatron_ext.data.sharding import (IGNORE_INDEX, RankShard, ShardTokens, gr
                                         padded_buffer_length, rank_part, shard_bounds, shard_tokens)
 from megatron_ext import errors
 from megatron_ext.errors import InvalidPlanError, MegatronExtError
+from megatron_ext.lifetime import blocked_in_children
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner import PLANNERS, PlannerOptions, make_plan
 from megatron_ext.planner.api import planner_names
@@ -296,12 +298,16 @@ class PlanningDataLoader(GlobalBatches):
         ctx = mp.get_context("spawn")
         # Results come through a one-way pipe whose sending end only the worker holds: a worker that
         # dies, even halfway through a plan, ends the pipe (EOF) instead of leaving a read to block.
-        self._tasks, (self._results, sending) = ctx.Queue(), ctx.Pipe(duplex=False)
-        self._floor = ctx.Value("q", 0)
-        self._proc = ctx.Process(target=worker_main, name="megatron-ext-planner", daemon=True,
-                                 args=(self.planner, self.cost, self.options, self.baselines, self._tasks,
-                                       sending, self._floor, self.worker_imports, self.plan_delay_s))
-        self._proc.start()
+        # The worker, and the resource tracker multiprocessing starts for the queue's semaphores, never
+        # get Slurm's SIGUSR1 (every process of the job step does) or SIGHUP: the tracker, killed,
+        # would be replaced by one that knows none of the semaphores (a traceback for each).
+        with blocked_in_children(signal.SIGUSR1, signal.SIGHUP):
+            self._tasks, (self._results, sending) = ctx.Queue(), ctx.Pipe(duplex=False)
+            self._floor = ctx.Value("q", 0)
+            self._proc = ctx.Process(target=worker_main, name="megatron-ext-planner", daemon=True,
+                                     args=(self.planner, self.cost, self.options, self.baselines, self._tasks,
+                                           sending, self._floor, self.worker_imports, self.plan_delay_s))
+            self._proc.start()
         sending.close()
         self._finalizer = weakref.finalize(self, _stop_worker, self._proc, self._tasks)
 

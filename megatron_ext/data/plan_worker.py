@@ -25,9 +25,9 @@ def worker_main(planner: str, cost, options, baselines: tuple[str, ...], tasks, 
     # then this one goes too, not to plan for no one and hold the trainer's pipes (its stderr is
     # the launcher's) open. Ctrl-C is the trainer's to handle, not a traceback here, and so is
     # Slurm's warning before the time limit (SIGUSR1 reaches every process of the job step; its
-    # default action would kill this one).
+    # default action would kill this one), and a closed terminal's SIGHUP.
     die_with_parent(signal.SIGKILL, multiprocessing.parent_process().pid)
-    for sig in (signal.SIGINT, signal.SIGUSR1):
+    for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     # Below the trainer in CPU priority: planning a step ahead must use idle cycles, not take them
     # from training (it has the whole step to finish, and a fallback if it does not).

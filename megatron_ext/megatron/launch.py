@@ -49,13 +49,14 @@ import functools
 import importlib
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import sysconfig
 import types
 
 from megatron_ext.errors import MegatronExtError
-from megatron_ext.lifetime import say_rank_error
+from megatron_ext.lifetime import die_with_parent, say_rank_error
 from megatron_ext.megatron.arguments import env_rank
 
 # Flags a CPU run needs, with the value to add when the user did not give the flag (None: a
@@ -267,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isfile(script):
         print(f"megatron-ext: error: no such script: {argv[0]}", file=sys.stderr)
         return 2
+    if world_to_check is None and "TORCHELASTIC_RUN_ID" in os.environ:
+        # A rank of torchrun ends with it (killed, it would leave the ranks training as orphans; its
+        # own stop reaches them as a signal first, which Megatron's --exit-signal-handler takes).
+        die_with_parent(signal.SIGKILL)
     args = argv[1:]
     sys.path.insert(0, os.path.dirname(script))
     import torch

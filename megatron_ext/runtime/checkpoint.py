@@ -10,8 +10,9 @@ the checkpoint holds, which a resuming run checks before it launches (a lost or 
 is one line, not a traceback on every rank).
 
 A save is written to a hidden folder beside its ``iter_`` folder and renamed to it once whole, so
-the tracker never names a folder that is being written (a save of a step already saved replaces
-it only then; the next save clears what a run killed while saving left).
+the tracker never names a folder that is being written (a save of a step already saved sets that
+one aside only then, and the next save or ``--load`` puts it back if the run was killed between
+the two renames; the next save clears what a run killed while saving left).
 
 What else a resumed run needs is not stored because it is a function of what is: the data
 position is the steps done (step k's global batch is a function of the data, seed, batch size and
@@ -78,6 +79,15 @@ def latest_checkpoint(root: str) -> tuple[int, Path]:
     return int(text), path
 
 
+def restore_replaced(root: str) -> None:
+    """Put back an earlier save of a step that a save of the same step, killed between its two
+    renames, left set aside (``.iter_N.replaced`` with ``iter_N`` gone: the tracker names it)."""
+    for kept in Path(root).glob(".iter_*.replaced"):
+        name = Path(root) / kept.name[1:-len(".replaced")]
+        if not name.exists() and (kept / RUN_FILE).is_file():
+            kept.rename(name)
+
+
 def check_checkpoint_args(args, cost) -> None:
     """Refuse ``--save-interval`` below 1 or without ``--save``, and a ``--load`` directory that
     holds no checkpoint, or one of a run this one cannot continue (``run_identity``)."""
@@ -87,6 +97,8 @@ def check_checkpoint_args(args, cost) -> None:
         raise ConfigError(f"--save-interval must be at least 1, got {args.save_interval}")
     if not args.load:
         return
+    if Path(args.load).is_dir():
+        restore_replaced(args.load)
     step, path = latest_checkpoint(args.load)
     try:
         saved = json.loads((path / RUN_FILE).read_text())
@@ -150,19 +162,21 @@ def stop_requested() -> bool:
 
 
 def save_and_stop_on_signals() -> None:
-    """Under ``--save``: the first SIGTERM or SIGINT (the launcher's, passed on by torchrun; Slurm's
-    before the time limit) lets the running step finish, saves it and ends the run, as Megatron's
-    exit-signal handler does (torchrun gives the ranks 30 s before it kills them); a second one
-    ends the rank at once, quietly (``lifetime.exit_quietly_on_stop_signals``). Main thread only."""
+    """Under ``--save``: the first stop signal (``lifetime.STOP_SIGNALS``: the launcher's, passed
+    on by torchrun; Slurm's before the time limit) lets the running step finish, saves it and ends
+    the run, as Megatron's exit-signal handler does. Later ones are the same stop reaching this
+    rank again (Slurm signals every process of the job step, torchrun passes its own on) and are
+    ignored: torchrun kills a rank whose step and save outlast its 30 s. Main thread only."""
     import signal
 
-    from megatron_ext.lifetime import exit_quietly_on_stop_signals
+    from megatron_ext.lifetime import STOP_SIGNALS, ignore
 
     def first(signum, frame):
         request_stop()
-        exit_quietly_on_stop_signals()
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, ignore)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, first)
 
 
@@ -230,6 +244,7 @@ def save_checkpoint(root: str, steps_done: int, model, optimizer, identity: dict
     path = Path(root) / f"iter_{steps_done:07d}"
     writing = path.with_name(f".{path.name}.saving")
     if dist.get_rank() == 0:
+        restore_replaced(root)
         for left in Path(root).glob(".iter_*.*"):  # what a run killed while saving left, of any step
             shutil.rmtree(left, ignore_errors=True)
         writing.mkdir(parents=True)

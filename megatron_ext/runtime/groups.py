@@ -91,9 +91,10 @@ class SPGroupPool:
                     self._groups[block] = pg
         # NCCL sets a group up at its first collective, which would fall in a planned step (its
         # time, its buffers): every group of this rank is set up now, in the same order on all
+        # (the domain's other groups are not this rank's: a collective there only warns)
         device = rank_device()
         for block, pg in self._groups.items():
-            if len(block) > 1:
+            if len(block) > 1 and self.rank in block:
                 dist.all_reduce(torch.zeros(1, device=device), group=pg)
 
     @classmethod

@@ -3,21 +3,39 @@ ARGS`` is ``torchrun ARGS`` (torch.distributed.run, its failure detection: with 
 first rank to fail stops the others), except that
 
 - it receives SIGTERM when its parent (the launcher) exits, and then stops the ranks;
+- a stop signal (``lifetime.STOP_SIGNALS``, and SIGQUIT) reaches the ranks as SIGTERM, once:
+  later ones are ignored while torchrun gives the ranks their 30 s to finish the step and save
+  (Slurm signals every process of the job step, and the launcher passes its own on; torchrun's
+  own handler took each as a new stop and killed the ranks mid-save);
 - when a rank fails it prints one line naming the rank that stopped the run (``root_cause``),
   e.g. ``megatron-ext: error: rank 0 died (signal 9 SIGKILL); the run stopped``, in place
   of torchrun's traceback and failure table, and exits 2 if that rank exited with status 2 (bad
   input, which it reported itself), else 1;
-- stopped by SIGTERM or SIGINT (which torchrun passes on to the ranks) it exits 128 + the
-  signal without a word: the launcher that sent it says so;
+- stopped, it exits 128 + the (first) signal without a word: the launcher says so;
 - torchrun's own log lines are off: they would repeat those lines.
 """
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 
-from megatron_ext.lifetime import die_with_parent, exit_text
+from megatron_ext.lifetime import STOP_SIGNALS, die_with_parent, exit_text, ignore
+
+_HANDLED = (*STOP_SIGNALS, signal.SIGQUIT)  # torchrun's own are SIGTERM, SIGINT, SIGHUP and SIGQUIT
+_received: list[int] = []
+
+
+def _stop_once(signum, frame):
+    """torchrun's handler of a stop signal: the ranks are sent SIGTERM (torchrun passes on the
+    signal its handler raises) and every later signal is ignored."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    for sig in _HANDLED:
+        signal.signal(sig, ignore)
+    _received.append(signum)
+    raise SignalException(f"stopped by {signal.Signals(signum).name}", sigval=signal.SIGTERM)
 
 
 def root_cause(failures: dict) -> tuple:
@@ -33,15 +51,24 @@ def root_cause(failures: dict) -> tuple:
 
 def main(argv: list[str] | None = None) -> int:
     die_with_parent(signal.SIGTERM)
+    import torch.distributed.elastic.multiprocessing.api as processes
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     logging.disable(logging.ERROR)
+    # torchrun sets its handler (this one, so patched) on the signals it is told to handle as it
+    # starts the ranks (its --signals-to-handle, copied to the variable; older versions: the variable)
+    names = ",".join(signal.Signals(s).name for s in _HANDLED)
+    config = parse_args(sys.argv[1:] if argv is None else argv)
+    if hasattr(config, "signals_to_handle"):
+        config.signals_to_handle = names
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = names
+    processes._terminate_process_handler = _stop_once
     try:
-        run(parse_args(sys.argv[1:] if argv is None else argv))
+        run(config)
     except SignalException as e:
-        return 128 + e.sigval
+        return 128 + (_received[0] if _received else e.sigval)
     except ChildFailedError as e:
         rank, failure = root_cause(e.failures)
         print(f"megatron-ext: error: rank {rank} {exit_text(failure.exitcode)}; the run stopped", file=sys.stderr,

@@ -711,3 +711,14 @@ def test_compared_runs_that_trained_nothing_are_refused(capsys, monkeypatch):
     monkeypatch.setattr(launch, "_check_cpu_ranks_fit", lambda *a: None)
     code, out, err = run(capsys, "train", "--steps", "1", "--compare", "flexsp,static_ulysses")
     assert_one_line_error(code, out, err.split("\n", 1)[1], "the flexsp run trained no steps")
+
+
+def test_ctrl_c_before_a_command_sets_its_handlers_is_one_line(capsys, monkeypatch):
+    import megatron_ext.commands.cli as cli
+
+    def interrupted(name):  # (Ctrl-C while train imports torch)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.importlib, "import_module", interrupted)
+    code, out, err = run(capsys, "train", "--steps", "1")
+    assert code == 130 and out == "" and err == "megatron-ext: stopped by SIGINT\n"

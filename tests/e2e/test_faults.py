@@ -208,6 +208,31 @@ def test_sigterm_stops_the_run_quietly(tmp_path, save):
     run.assert_nothing_left(tree, blow + ENDS_WITHIN_S)
 
 
+def test_a_stop_signal_to_every_process_twice_still_saves(tmp_path):
+    """Slurm's ``--signal=USR1`` (without ``B:``) reaches every process of the job step at once,
+    and here a SIGTERM follows to torchrun: every process takes the first stop it gets, and the
+    later ones are the same stop (torchrun took each as a new one and killed the ranks mid-save)."""
+    ckpt = tmp_path / "ckpt"
+    run = Run(tmp_path, 50, "--save", str(ckpt), "--save-interval", "1000")
+    tree = run.tree()
+    blow = time.monotonic()
+    for p in tree.values():
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(0.1)
+    os.kill(tree["torchrun"].pid, signal.SIGTERM)
+    code, took = run.ended(blow)
+    print(f"SIGUSR1 to every process, then SIGTERM to torchrun: the launcher exited {took:.1f} s later")
+    assert code == 128 + signal.SIGUSR1
+    run.stderr_says("megatron-ext: stopped by SIGUSR1")
+    saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    steps = [line for line in run.out if line.startswith("step ")]
+    assert saved == len(steps) >= 1, (saved, steps)
+    run.assert_nothing_left(tree, blow + ENDS_WITHIN_S)
+
+
 @pytest.mark.parametrize("command", [["train"], ["profile", "--out", "unused.yaml"]])
 def test_more_ranks_than_the_machine_runs_are_refused_before_launching(command, capsys):
     """1,024 CPU ranks: over 4 a core and over 512 MB each of free memory, on any machine."""

@@ -108,6 +108,26 @@ def test_a_checkpoint_missing_or_cutting_a_file_is_refused_before_launching(runs
         check_args(args, cost, 4)
 
 
+def test_a_resave_killed_between_its_renames_loses_neither_copy(runs, tmp_path):
+    """A save of step 4 again, killed after it set the first save aside and before it named its
+    own: the tracker names a missing folder; the check before launching puts the first one back,
+    and the next save clears the second's leftovers."""
+    import shutil
+
+    from megatron_ext.cost import CostModel
+    from megatron_ext.commands.train import build_parser
+    from megatron_ext.runtime.train import check_args
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(runs["ckpt"], copy)
+    (copy / "iter_0000004").rename(copy / ".iter_0000004.replaced")
+    shutil.copytree(copy / ".iter_0000004.replaced", copy / ".iter_0000004.saving")
+    args = build_parser().parse_args([*ARGS, *runs["layout"], "--load", str(copy)])
+    check_args(args, CostModel.from_presets("tiny", "cpu-4"), 4)
+    assert (copy / "iter_0000004" / "megatron_ext.json").is_file()
+    assert not (copy / ".iter_0000004.replaced").exists()
+
+
 def test_a_checkpoint_the_ranks_cannot_read_is_a_one_line_error(runs, tmp_path):
     import shutil
 

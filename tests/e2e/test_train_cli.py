@@ -22,6 +22,7 @@ def _train(planner: str, *extra: str) -> list[dict]:
     done = subprocess.run([*CLI, *ARGS, "--planner", planner, *extra], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, MEGATRON_EXT_DEVICE_CHECK="1"))
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "Warning" not in done.stderr, done.stderr[-3000:]  # (e.g. a collective on a group of other ranks)
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
