@@ -53,6 +53,11 @@ class LengthDistribution:
         return out[:n]
 
 
+# The rule by which cut_documents makes samples, named in checkpoints (a resumed run must draw the
+# batches the saved one would have): a new rule, a new name.
+SAMPLE_RULE = "pieces of max_seq_len, under 2 tokens left out"
+
+
 def cut_documents(doc_lengths, max_seq_len: int) -> np.ndarray:
     """How training cuts documents into samples, shape [n, 3]: (doc, start, end). A document
     longer than ``max_seq_len`` becomes consecutive pieces of ``max_seq_len`` tokens (the last

@@ -33,6 +33,7 @@ import json
 import shutil
 from pathlib import Path
 
+from megatron_ext.data.lengths import SAMPLE_RULE
 from megatron_ext.errors import ConfigError
 from megatron_ext.files import replacing
 
@@ -43,7 +44,7 @@ FILES_KEY = "files"  # RUN_FILE's list of the checkpoint's files and their sizes
 # what each run_identity key is called on the command line, for the refusal
 _OPTIONS = {"model": "--model", "ranks": "ranks (--cluster)", "pp": "--pp", "data": "--data",
             "vocab_size": "--vocab-size", "seed": "--seed", "global_batch": "--global-batch",
-            "max_seq_len": "--max-seq-len", "lr": "--lr"}
+            "max_seq_len": "--max-seq-len", "sample_rule": "documents cut into samples as", "lr": "--lr"}
 
 _stop_requested = False
 
@@ -51,15 +52,16 @@ _stop_requested = False
 def run_identity(args, cost) -> dict:
     """What a checkpoint shares with the runs that may resume it: the model's shapes, the ranks
     and pipeline stages its states are spread over (one RNG state per rank), the data stream
-    (step k's batch is a function of the data, seed, batch size and cut length) and the learning
-    rate (the optimizer state carries it). Not the planner, the SP degrees or the attention
+    (step k's batch is a function of the data, seed, batch size, cut length and the rule that
+    cuts, ``data.lengths.SAMPLE_RULE``) and the learning rate (the optimizer state carries it). Not the planner, the SP degrees or the attention
     backend: they change how a step is computed, not what."""
     m = cost.model
     return {"model": f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
                      f"({m.kv_heads} KV), FFN {m.ffn_hidden_size or 4 * m.hidden_size}"
                      + (" SwiGLU" if m.swiglu else ""),
             "ranks": cost.num_gpus, "pp": args.pp, "data": args.data, "vocab_size": args.vocab_size,
-            "seed": args.seed, "global_batch": args.global_batch, "max_seq_len": args.max_seq_len, "lr": args.lr}
+            "seed": args.seed, "global_batch": args.global_batch, "max_seq_len": args.max_seq_len,
+            "sample_rule": SAMPLE_RULE, "lr": args.lr}
 
 
 def latest_checkpoint(root: str) -> tuple[int, Path]:

@@ -85,6 +85,28 @@ def test_a_checkpoint_of_another_layout_or_run_is_refused(runs):
             check_args(args, cost, 4)
 
 
+def test_a_checkpoint_of_another_sampling_rule_is_refused(runs, tmp_path):
+    """A checkpoint of a version that cut documents into samples otherwise (its step k drew other
+    batches) is not resumed as if it were this one's."""
+    import shutil
+
+    from megatron_ext.cost import CostModel
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.commands.train import build_parser
+    from megatron_ext.runtime.train import check_args
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(runs["ckpt"], copy)
+    run_file = copy / "iter_0000004" / "megatron_ext.json"
+    saved = json.loads(run_file.read_text())
+    del saved["sample_rule"]
+    run_file.write_text(json.dumps(saved))
+    args = build_parser().parse_args([*ARGS, *runs["layout"], "--load", str(copy)])
+    with pytest.raises(ConfigError, match="saved by a run with documents cut into samples as not given, this run has "
+                                          "pieces of max_seq_len, under 2 tokens left out"):
+        check_args(args, CostModel.from_presets("tiny", "cpu-4"), 4)
+
+
 def test_a_checkpoint_missing_or_cutting_a_file_is_refused_before_launching(runs, tmp_path):
     import shutil
 
