@@ -216,7 +216,14 @@ def _build(cls, data: dict, what: str):
 class _YamlLoader(yaml.SafeLoader):
     """Safe YAML, reading exponents without a dot (``a1: 5e-6``) as numbers, as YAML 1.2 does
     (PyYAML's 1.1 rules read them as strings), and refusing a key given twice (PyYAML keeps the
-    last without a word)."""
+    last without a word) and aliases (``*name``: a spec needs none, and nested ones expand to
+    billions of values)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"*{event.anchor}: aliases are not read here", event.start_mark)
+        return super().compose_node(parent, index)
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -272,12 +279,27 @@ def _check_count(v, what: str, name: str) -> None:
     _check(is_int(v) and v > 0, what, f"{name} must be a positive integer, got {v!r}")
 
 
+# Past these a spec's times overflow or lose all precision (a2a_latency_ms: 1e300, a1: 1e307), so
+# no plan could be compared with another: no real model or machine comes near them.
+_LARGEST = 1e9
+_SLOWEST_GBPS = 1e-3  # 1 Mbit/s
+
+
 def _check_number(v, what: str, name: str, positive: bool) -> None:
     ok = is_number(v) and (v > 0 if positive else v >= 0)
     _check(ok, what, f"{name} must be a {'positive' if positive else 'non-negative'} finite number, got {v!r}")
+    _check(v <= _LARGEST, what, f"{name} must be at most {_LARGEST:g}, got {v!r}")
+    if "gbps" in name:
+        _check(v >= _SLOWEST_GBPS, what, f"{name} must be at least {_SLOWEST_GBPS:g} GB/s, got {v!r}")
+
+
+def _check_name(name, kind: str) -> None:
+    _check(isinstance(name, str) and 0 < len(name) <= 100, f"{kind} name", f"must be a string of 1-100 characters, "
+           f"got {str(name)[:60]!r}")
 
 
 def validate_model(m: ModelSpec) -> ModelSpec:
+    _check_name(m.name, "model")
     what = f"model {m.name!r}"
     for f in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size"):
         _check_count(getattr(m, f), what, f)
@@ -286,6 +308,8 @@ def validate_model(m: ModelSpec) -> ModelSpec:
             _check_count(getattr(m, f), what, f)
     for f in ("params_b", "a1", "a2", "launch_ms"):
         _check_number(getattr(m, f), what, f, positive=False)
+    _check(m.a1 > 0 or m.a2 > 0, what, "a1 and a2 are both 0: a pass would take no time (measure them with "
+           "`megatron-ext profile`)")
     if m.act_mb_per_token is not None:
         _check_number(m.act_mb_per_token, what, "act_mb_per_token", positive=True)
     _check(m.recompute in ("none", "full"), what, f"recompute must be 'none' or 'full', got {m.recompute!r}")
@@ -305,6 +329,7 @@ def validate_model(m: ModelSpec) -> ModelSpec:
 
 
 def validate_cluster(c: ClusterSpec) -> ClusterSpec:
+    _check_name(c.name, "cluster")
     what = f"cluster {c.name!r}"
     _check(is_int(c.gpus_per_node) and is_power_of_two(c.gpus_per_node), what,
            f"gpus_per_node must be a power of two, got {c.gpus_per_node!r}")

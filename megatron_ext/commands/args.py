@@ -106,21 +106,25 @@ def add_planner_args(p: argparse.ArgumentParser, kinds: tuple[str, ...] = (), dr
 NOTED: set[str] = set()  # notes said by this command (train --compare checks each run's options twice)
 
 
-def note_unused_ring(cost: CostModel) -> None:
-    """Say so, once, where ``--max-ring`` changes nothing: Ulysses groups already span every GPU."""
-    if cost.max_ring > 1 and cost.model.max_sp_degree >= cost.num_gpus:
+def note_unused_ring(cost: CostModel, largest: int | None = None) -> None:
+    """Say so, once, where ``--max-ring`` changes nothing: Ulysses groups already span every GPU
+    of the largest cluster the command plans for (``largest``, default the cost model's)."""
+    gpus = largest or cost.num_gpus
+    if cost.max_ring > 1 and cost.model.max_sp_degree >= gpus:
         note = (f"note: --max-ring {cost.max_ring} changes nothing here: {cost.model.name}'s Ulysses groups "
-                f"already span all {cost.num_gpus} GPUs (its heads allow degree {cost.model.max_sp_degree})")
+                f"already span all {gpus} GPUs (its heads allow degree {cost.model.max_sp_degree})")
         if note not in NOTED:
             NOTED.add(note)
             print(note, file=sys.stderr)
 
 
-def cost_from_args(args) -> CostModel:
+def cost_from_args(args, largest: int | None = None) -> CostModel:
+    """The cost model of the options; ``largest``: the most GPUs the command plans for (bench's
+    --gpus and scale row), for ``note_unused_ring``."""
     cost = (CostModel.from_yaml(args.cost_model) if args.cost_model
             else CostModel.from_presets(args.model, args.cluster, args.zero_stage))
     cost = cost.with_max_ring(getattr(args, "max_ring", 1))
-    note_unused_ring(cost)
+    note_unused_ring(cost, largest)
     memory = getattr(args, "memory_mb", None)  # plan / simulate: one budget for every planner
     return cost if memory is None else cost.with_memory(memory)
 

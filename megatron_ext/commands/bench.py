@@ -62,11 +62,12 @@ def cmd_bench(args) -> int:
     if args.gpus is not None and unused:
         raise ConfigError(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply with --gpus (a table "
                           f"across cluster sizes: --per-gpu sequences per GPU, no baselines, no scale row)")
-    cost = cost_from_args(args)
+    gpus = parse_gpu_counts(args.gpus) if args.gpus is not None else None
+    cost = cost_from_args(args, max(gpus) if gpus else None if args.no_scale else SCALE_GPUS)
     if args.static_degree is not None:  # (else refused as "a 16-sequence batch" cannot run it)
         cost.check_degree(args.static_degree)
     if args.gpus is not None:
-        result = bench_scale(cost, gpus=parse_gpu_counts(args.gpus), dists=args.dist.split(","),
+        result = bench_scale(cost, gpus=gpus, dists=args.dist.split(","),
                              batches=args.batches, per_gpu=8 if args.per_gpu is None else args.per_gpu, max_seq_len=args.max_seq_len,
                              options=options_from_args(args),
                              planners=tuple(dict.fromkeys((args.planner, "timelines"))))

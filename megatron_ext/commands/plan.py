@@ -171,7 +171,7 @@ def run_pp_plan(args, cost, lengths) -> int:
     overrides = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
     plan = make_plan(args.planner, lengths, cost, drop, baselines=() if getattr(args, "no_baselines", False)
                      else PP_BASELINES, kinds=PIPELINE_KINDS, **overrides)
-    if plan.solve_time_s > PAST_LIMIT * opts.time_limit:  # (a training run's loader falls back to a quick plan then)
+    if plan.pipelines and plan.solve_time_s > PAST_LIMIT * opts.time_limit:  # (a run's loader falls back then)
         print(f"note: planned in {plan.solve_time_s:.2g} s, past --time-limit {opts.time_limit:g}: a pipeline search "
               f"is not cut short before its first candidate, and one of {sum(len(p.chunks) for p in plan.pipelines):,} "
               f"chunks (the longest sequence {int(lengths.max()):,} tokens) takes that long here; raise "

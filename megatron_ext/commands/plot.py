@@ -23,6 +23,7 @@ Two layers, so the drawing can be tested without looking at pixels:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -579,8 +580,9 @@ def draw(data: PlotData, path=None, *, extra=None):
         if f:
             f()
     if path is not None:
-        with replacing(path) as tmp:
-            fig.savefig(tmp, dpi=110)
+        name = Path(path).name
+        with replacing(path) as tmp:  # (the format from the name: the temporary one's says nothing, nor ".png"'s suffix)
+            fig.savefig(tmp, dpi=110, format=name.rsplit(".", 1)[1].lower() if "." in name else None)
     return fig
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from megatron_ext.commands.args import path_arg
 from megatron_ext.errors import ConfigError
+from megatron_ext.files import TooBigError
 from megatron_ext.spec import is_int, is_number
 from megatron_ext.text import plural
 
@@ -41,6 +42,21 @@ def cmd_report(args) -> int:
     return 0
 
 
+RECORD_LINE_LIMIT = 2**28  # bytes: a step with its plan of a million sequences is under a tenth of it
+
+
+def _record_lines(path: Path) -> list[str]:
+    """The lines of a records file, each read up to ``RECORD_LINE_LIMIT`` (a log of a long run may be
+    gigabytes; a device such as /dev/zero, or the wrong file, would be one endless line)."""
+    lines = []
+    with open(path, encoding="utf-8") as f:
+        while line := f.readline(RECORD_LINE_LIMIT + 1):
+            if len(line) > RECORD_LINE_LIMIT:
+                raise TooBigError(f"line {len(lines) + 1} is over {RECORD_LINE_LIMIT:,} characters")
+            lines.append(line)
+    return lines
+
+
 def load_run(run: str | Path) -> list[dict]:
     """The step records of a ``train --run-dir`` directory, or of a JSONL file: its
     ``steps.jsonl`` or a Megatron-LM ``--planner-log``."""
@@ -48,9 +64,11 @@ def load_run(run: str | Path) -> list[dict]:
     if path.is_dir():
         path = path / "steps.jsonl"
     try:
-        lines = path.read_text().splitlines()
+        lines = _record_lines(path)
     except UnicodeDecodeError:
         raise ConfigError(f"{path} is not text (step records are JSON lines)") from None
+    except TooBigError as e:
+        raise ConfigError(f"{path}: {e}: not step records") from None
     except OSError:
         raise ConfigError(f"no run records at {path} (write them with `megatron-ext train --run-dir DIR`, or "
                           f"Megatron-LM's pretrain_gpt.py --planner-log FILE)") from None

@@ -104,9 +104,11 @@ def sample_lengths(dist: str, batch: int, seed: int, max_len: int | None = None)
     if not 1 <= batch <= MAX_BATCH:
         raise LengthsError(f"--batch must be from 1 to {MAX_BATCH:,} sequences, got {batch:,}")
     check_seed(seed)
+    if max_len is not None:
+        if max_len < 2:  # (every piece would be left out: the batch would never fill)
+            raise LengthsError(f"--max-seq-len must be at least 2 tokens (one token predicts nothing), got {max_len:,}")
+        max_len = min(int(max_len), MAX_LENGTH)  # (a limit from a cost model that holds any length)
     return DISTRIBUTIONS[dist].sample(batch, np.random.default_rng(seed), max_len)
-
-
 
 
 def read_lengths(path: str | Path) -> np.ndarray:

@@ -722,3 +722,32 @@ def test_ctrl_c_before_a_command_sets_its_handlers_is_one_line(capsys, monkeypat
     monkeypatch.setattr(cli.importlib, "import_module", interrupted)
     code, out, err = run(capsys, "train", "--steps", "1")
     assert code == 130 and out == "" and err == "megatron-ext: stopped by SIGINT\n"
+
+
+@pytest.mark.parametrize("command", [["plan", "--batch", "16"], ["simulate", "--steps", "1", "--batch", "8"],
+                                     ["bench", "planner", "--batches", "1", "--batch", "8", "--no-scale"]])
+def test_a_one_token_limit_is_refused_not_drawn_for_ever(capsys, command):
+    # (every piece of one token is left out: the batch never filled)
+    assert_one_line_error(*run(capsys, *command, "--max-seq-len", "1"), "--max-seq-len must be at least 2 tokens")
+
+
+def test_a_plot_named_only_by_its_extension_is_drawn(capsys, tmp_path):
+    code, out, err = run(capsys, "plan", "--batch", "16", "--no-baselines", *FAST, "--plot", str(tmp_path / ".svg"))
+    assert code == 0 and (tmp_path / ".svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_report_reads_a_line_only_up_to_its_limit(capsys, tmp_path, monkeypatch):
+    import megatron_ext.commands.report as report
+
+    monkeypatch.setattr(report, "RECORD_LINE_LIMIT", 1000)  # (/dev/zero: one endless line)
+    (tmp_path / "steps.jsonl").write_text("0" * 5000)
+    assert_one_line_error(*run(capsys, "report", str(tmp_path)), "line 1 is over 1,000 characters")
+
+
+def test_bench_notes_a_ring_only_where_no_cluster_of_its_table_uses_it(capsys):
+    ring = ["bench", "planner", "--zero-stage", "2", "--max-ring", "16", "--batches", "1", "--dist", "wikipedia",
+            "--max-seq-len", "8K", "--per-gpu", "2", "--time-limit", "0.05"]
+    _, _, err = run(capsys, *ring, "--gpus", "64,128")  # (gpt-7b's 64 heads: a ring reaches past 64 GPUs)
+    assert "--max-ring" not in err
+    _, _, err = run(capsys, *ring, "--gpus", "64")
+    assert "note: --max-ring 16 changes nothing here" in err

@@ -375,6 +375,10 @@ def test_cluster_yaml_num_nodes_3(tmp_path):
     (TINY_YAML + "head_time_share: .nan\n", "head_time_share"),
     (TINY_YAML + "activation_bytes: true\n", "activation_bytes must be 1, 2, 4 or 8, got True"),
     (TINY_YAML.replace("hidden_size: 64", "hidden_size: 63"), "hidden_size 63 must divide by num_attention_heads"),
+    (TINY_YAML.replace("a1: 1.0e-6", "a1: 0").replace("a2: 0.01", "a2: 0"), "a1 and a2 are both 0"),
+    (TINY_YAML.replace("a1: 1.0e-6", "a1: 1e307"), "a1 must be at most 1e"),
+    (TINY_YAML + "name: [1, 2]\n", "model name: must be a string"),
+    ("x: &a [1, 2]\n" + TINY_YAML.replace("num_layers: 2", "num_layers: *a"), r"\*a: aliases are not read here"),
 ])
 def test_bad_model_yaml(tmp_path, text, match):
     p = tmp_path / "bad.yaml"
@@ -403,6 +407,8 @@ def test_bad_model_yaml(tmp_path, text, match):
     (CLUSTER_YAML.replace("num_nodes: 2", "num_nodes: 1073741824"), "4,294,967,296 GPUs is over the 1,048,576"),
     (CLUSTER_YAML.replace("{2: 100.0, 4: 80.0, 8: 10.0}", "{2: 100.0, 2.5: 1.0}"), "integer degrees, got 2, 2.5"),
     (CLUSTER_YAML + "memory_gb: 80\n", "key 'memory_gb' given twice"),
+    (CLUSTER_YAML.replace("{2: 100.0, 4: 80.0, 8: 10.0}", "{2: 1e-300}"), r"a2a_bandwidth_gbps\[2\] must be at least"),
+    (CLUSTER_YAML + "a2a_latency_ms: {2: 1e300}\n", r"a2a_latency_ms\[2\] must be at most 1e\+09"),
 ])
 def test_bad_cluster_yaml(tmp_path, text, match):
     p = tmp_path / "bad.yaml"
