@@ -60,13 +60,20 @@ if [[ -n "$pp" ]] && ! [[ "$pp" =~ ^[1-9][0-9]*$ ]]; then
   exit 2
 fi
 
-mapfile -t file_args < <(args_from_file "$args_file")
+# (read apart: a process substitution's failure would not stop the script)
+file_text="$(args_from_file "$args_file")" || exit 2  # (it says which file)
+mapfile -t file_args < <(printf '%s' "$file_text" | grep -v '^$' || true)
 all_args=("${file_args[@]}" "$@")
 if [[ -n "$pp" ]]; then
   mapfile -t all_args < <(without_flexsp_flags "${all_args[@]}")
   all_args+=(--elastic-pp --pipeline-model-parallel-size "$pp")
 fi
-if ! has_flag --data-path "${all_args[@]}" && ! has_flag --mock-data "${all_args[@]}"; then
+given_data=0
+for flag in --data-path --data-args-path --train-data-path --valid-data-path --test-data-path \
+            --per-split-data-args-path --mock-data; do
+  has_flag "$flag" "${all_args[@]}" && given_data=1
+done
+if [[ $given_data -eq 0 ]]; then
   all_args+=(--mock-data)
 fi
 if { has_flag --flexsp "${all_args[@]}" || has_flag --elastic-pp "${all_args[@]}"; } &&

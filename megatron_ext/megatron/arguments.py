@@ -283,6 +283,17 @@ def _check_common(args, flag: str, tp: int, cp: int, dp: int) -> None:
                   f"--requeue, as scripts/slurm does)")
     if _get(args, "window_size", None) is not None:
         _conflict(f"{flag}: the Ulysses attention does not support sliding-window attention (--window-size)")
+    softmax = _get(args, "softmax_type", "vanilla")
+    if softmax not in (None, "vanilla"):
+        _conflict(f"{flag}: the Ulysses attention runs the standard softmax, not --softmax-type {softmax}")
+    clipped = [f for f, on in (("--qk-clip", _get(args, "qk_clip", False)),
+                               ("--log-max-attention-logit", _get(args, "log_max_attention_logit", False))) if on]
+    if clipped:
+        _conflict(f"{flag}: the Ulysses attention does not track attention logits; drop {' and '.join(clipped)}")
+    if _get(args, "mtp_num_layers", None):
+        # (Megatron's MTP shifts labels by the packed sequences' bounds over the whole buffer, not a
+        # rank's shard of it, and counts padding: its loss would depend on the plan)
+        _conflict(f"{flag} does not support multi-token prediction (--mtp-num-layers)")
     pos = _get(args, "position_embedding_type", "learned_absolute")
     if pos not in POSITION_EMBEDDINGS:
         _conflict(f"{flag} supports --position-embedding-type {', '.join(POSITION_EMBEDDINGS)}, not {pos!r}")

@@ -108,6 +108,17 @@ def split_ranges(num_docs: int, split: str | None) -> list[tuple[int, int]]:
 SPLITS = ("train", "valid", "test")
 
 
+def mock_document_count(split: str | None, global_batch: int) -> int:
+    """Mock documents enough for two global batches in every split ``--split`` gives a share
+    (Megatron's mock data makes as many samples as a run asks; "990,9,1" leaves 1% of the default
+    count to validation, under one batch of 512), up to 2^24."""
+    served = [b > a for a, b in split_ranges(2**24, split)]
+    n = MOCK_DOCUMENTS
+    while n < 2**24 and any(k and b - a < 2 * global_batch for k, (a, b) in zip(served, split_ranges(n, split))):
+        n *= 2
+    return n
+
+
 def data_blends(args) -> tuple[list[str] | None, list[list[str] | None] | None]:
     """Megatron's data arguments as value lists ``parse_blend`` reads: (the ``--data-path`` values,
     to be split by ``--split``; None) or (None, the train / valid / test values of
@@ -152,8 +163,8 @@ def planned_splits(args, tokenizer) -> list[tuple[object, list[int] | None, list
     from megatron_ext.data.datasets import InMemoryDocuments, blend_documents, open_blend
 
     if getattr(args, "mock_data", False):
-        mock = MockDocuments(MOCK_DOCUMENTS, tokenizer.vocab_size, tokenizer.eod, args.seed,
-                             max_len=4 * int(args.seq_length))
+        mock = MockDocuments(mock_document_count(args.split, int(args.global_batch_size)), tokenizer.vocab_size,
+                             tokenizer.eod, args.seed, max_len=4 * int(args.seq_length))
         return [(*split, "mock") for split in split_sources([(None, mock)], args.split)]
 
     def named(sources) -> str:

@@ -68,6 +68,8 @@ class _State:
     device: object = "cpu"
     loaders: tuple = ()
     last_step: Step | None = None  # the last training step (Megatron's FLOPs count reads its lengths)
+    counted_step: Step | None = None  # the last step whose FLOPs were counted
+    counted_flops: tuple = ()  # the counts of the steps since Megatron last logged
     trace: object = None  # --planner-trace's RunTrace (rank 0)
 
 
@@ -312,14 +314,29 @@ FORWARD_BACKWARD = {"--flexsp": flexsp_forward_backward, "--elastic-pp": elastic
 
 # ---- Megatron's FLOPs count ------------------------------------------------------------------------
 def step_floating_point_operations(count, args) -> float | None:
-    """Megatron's ``num_floating_point_operations`` (``count``) for the last training step, or None
-    before the first. ``count(args, batch_size)`` counts ``batch_size`` samples of ``--seq-length``
-    tokens; a planned step trains documents of their own lengths, and attention grows with each
-    document's square, so the step's count is ``count`` of one sample at each document's length,
-    summed (once per distinct length: a step may hold hundreds of documents)."""
-    if STATE.last_step is None:
+    """Megatron's ``num_floating_point_operations`` (``count``) in a planned run, or None before
+    its first step. Megatron calls it twice: once each iteration, for the FLOPs done so far (the
+    last step's count), and at each log for the throughput, which it divides by the mean
+    iteration time of the interval (the mean count of the interval's steps: steps differ by 2x
+    and more, and the last one alone is not the interval's)."""
+    step = STATE.last_step
+    if step is None:
         return None
-    lengths, repeats = np.unique(STATE.last_step.trained_lengths, return_counts=True)
+    if step is not STATE.counted_step:
+        STATE.counted_step = step
+        flops = _planned_step_flops(step, count, args)
+        STATE.counted_flops += (flops,)
+        return flops
+    window, STATE.counted_flops = STATE.counted_flops, ()
+    return sum(window) / len(window) if window else 0.0
+
+
+def _planned_step_flops(step: Step, count, args) -> float:
+    """``count(args, batch_size)`` counts ``batch_size`` samples of ``--seq-length`` tokens; a
+    planned step trains documents of their own lengths, and attention grows with each document's
+    square, so the step's count is ``count`` of one sample at each document's length, summed
+    (once per distinct length: a step may hold hundreds of documents)."""
+    lengths, repeats = np.unique(step.trained_lengths, return_counts=True)
     one = copy.copy(args)  # count may set fields of its args (num_query_groups); Megatron's stay as they are
     total = 0.0
     for length, n in zip(lengths.tolist(), repeats.tolist()):

@@ -70,7 +70,9 @@ shift 2
 extra=("$@")
 
 [[ -f "$model_args" ]] || model_args="$MEGATRON_EXT_DIR/$model_args"
-mapfile -t file_args < <(args_from_file "$model_args")
+# (read apart: a process substitution's failure would not stop the script)
+file_text="$(args_from_file "$model_args")" || exit 2  # (it says which file)
+mapfile -t file_args < <(printf '%s' "$file_text" | grep -v '^$' || true)
 args=("${file_args[@]}" "${extra[@]}")
 model_preset="$(basename "$model_args" .args)"
 
@@ -80,9 +82,14 @@ export PYTHONPATH="$MEGATRON_EXT_DIR${PYTHONPATH:+:$PYTHONPATH}"
 # The cluster: GPUs per node and nodes, from the preset or YAML (megatron_ext.spec).
 read -r cluster_nodes cluster_gpus < <(
   "$python" -c 'import sys
+from megatron_ext.errors import MegatronExtError
 from megatron_ext.spec import load_cluster
-c = load_cluster(sys.argv[1]); print(c.num_nodes, c.gpus_per_node)' "$cluster"
-) || { echo "$MODE.sbatch: cannot read cluster $cluster" >&2; exit 2; }
+try:
+    c = load_cluster(sys.argv[1])
+except MegatronExtError as e:
+    sys.exit(f"{sys.argv[2]}.sbatch: {e}")
+print(c.num_nodes, c.gpus_per_node)' "$cluster" "$MODE"
+) || exit 2
 gpus_per_node="${SLURM_GPUS_ON_NODE:-${GPUS_PER_NODE:-$cluster_gpus}}"
 nodes="${SLURM_NNODES:-$cluster_nodes}"
 if [[ "$nodes" != "$cluster_nodes" || "$gpus_per_node" != "$cluster_gpus" ]]; then

@@ -72,6 +72,10 @@ def megatron_like_parser(ours: bool = True) -> argparse.ArgumentParser:
         "--enable-cuda-graph": dict(action="store_true"),
         "--external-cuda-graph": dict(action="store_true"),
         "--inprocess-restart": dict(action="store_true"),
+        "--softmax-type": dict(default="vanilla"),
+        "--qk-clip": dict(action="store_true"),
+        "--log-max-attention-logit": dict(action="store_true"),
+        "--mtp-num-layers": dict(type=int, default=None),
         "--distributed-timeout-minutes": dict(type=int, default=10),
     }.items():
         p.add_argument(name, **kw)
@@ -156,6 +160,10 @@ def test_flexsp_adjusts_what_it_must_and_says_so():
     (["--cuda-graph-impl", "local"], 2, "CUDA graphs replay fixed shapes.*drop --cuda-graph-impl$"),
     (["--enable-cuda-graph", "--external-cuda-graph"], 2, "drop --enable-cuda-graph and --external-cuda-graph$"),
     (["--inprocess-restart"], 2, "--inprocess-restart rebuilds the process groups"),
+    # what the Ulysses attention does not compute (a NotImplementedError on every rank, or a wrong MTP loss)
+    (["--softmax-type", "learnable"], 2, "runs the standard softmax, not --softmax-type learnable"),
+    (["--qk-clip", "--log-max-attention-logit"], 2, "drop --qk-clip and --log-max-attention-logit$"),
+    (["--mtp-num-layers", "1"], 2, "does not support multi-token prediction"),
     # other ranks wait in an NCCL collective for each plan (the watchdog: --distributed-timeout-minutes)
     (["--planner-time-limit", "300"], 2, r"--planner-time-limit 300 s: .* \(10 min\); keep the wait under half"),
     (["--planner-time-limit", "30", "--distributed-timeout-minutes", "2"], 2, r"\(2 min\)"),

@@ -118,7 +118,7 @@ def test_planned_splits_of_every_data_argument(tmp_path):
     assert len(docs) == 110 and sizes == [100, 10] and weights == [0.25, 0.75]  # whole: no --split
     np.testing.assert_array_equal(docs.get(100), np.arange(1))
     assert len(per_split[1][0]) == 10 and per_split[1][3] == b and len(per_split[2][0]) == 0
-    mock = planned_splits(Namespace(mock_data=True, seed=3, seq_length=1024, split="90,10,0"), tok)
+    mock = planned_splits(Namespace(mock_data=True, seed=3, seq_length=1024, split="90,10,0", global_batch_size=8), tok)
     assert [x[3] for x in mock] == ["mock"] * 3 and len(mock[0][0]) + len(mock[1][0]) == 16384
 
 
@@ -134,6 +134,15 @@ def test_mock_documents_are_deterministic_and_long_tailed():
     assert not np.array_equal(MockDocuments(10, 100, 99, 6, 4096).lengths, MockDocuments(10, 100, 99, 5, 4096).lengths)
     with pytest.raises(IndexError):
         a.get(3, 0, int(a.lengths[3]) + 1)
+
+
+def test_mock_data_holds_two_batches_in_every_split_it_serves():
+    from megatron_ext.megatron.data import MOCK_DOCUMENTS, mock_document_count, split_ranges
+
+    assert mock_document_count(None, 512) == mock_document_count("100,0,0", 64) == MOCK_DOCUMENTS
+    n = mock_document_count("990,9,1", 512)  # (the default count left validation 147 documents)
+    assert [b - a >= 1024 for a, b in split_ranges(n, "990,9,1")] == [True, True, True]
+    assert mock_document_count("999999,1,0", 512) == 2**24  # (as far as it goes)
 
 
 def test_subset_documents():
@@ -435,9 +444,18 @@ def test_megatron_flops_count_the_documents_the_last_step_trained(fake_megatron_
     mstep.report_step(step, 1.0, [0.5, 0.5], args=Namespace(curr_iteration=0, log_interval=1, planner_log=None),
                       writer=None, printer=lambda line: None)
     planned = Namespace(flexsp=True, elastic_pp=False, seq_length=1024)
-    assert count(planned, 4) == sum(s * (100 + 3 * s) for s in (900, 300, 300))
+    first = sum(s * (100 + 3 * s) for s in (900, 300, 300))
+    assert count(planned, 4) == first
     assert planned.seq_length == 1024 and not hasattr(planned, "num_query_groups")  # Megatron's args stay
     assert count(static, 8) == 8 * 1024 * (100 + 3 * 1024)  # not planned: Megatron's own
+    # the next step, then Megatron's log: the throughput's count is the mean step of the interval
+    step = dataclasses.replace(step, lengths=np.array([2000, 10, 10, 10]))
+    mstep.report_step(step, 1.0, [0.5, 0.5], args=Namespace(curr_iteration=1, log_interval=2, planner_log=None),
+                      writer=None, printer=lambda line: None)
+    second = sum(s * (100 + 3 * s) for s in (2000, 10, 10))
+    assert count(planned, 4) == second  # the iteration's own count (Megatron's FLOPs so far)
+    assert count(planned, 4) == (first + second) / 2  # training_log's
+    assert count(planned, 4) == 0.0  # (no step since that log)
 
 
 # ---- the model swap, on one rank ----------------------------------------------------------------------

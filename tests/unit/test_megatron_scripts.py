@@ -188,6 +188,10 @@ def test_run_local_dry_run(tmp_path):
     assert f"--cost-model {ROOT}/configs/megatron/cost/tiny-cpu4.yaml" in cmd
     r = run(ROOT / "scripts/run_local.sh", "--dry-run", "--", "--data-path", "/data/x")
     assert "--mock-data" not in r.stdout and "--data-path /data/x" in r.stdout
+    r = run(ROOT / "scripts/run_local.sh", "--dry-run", "--", "--train-data-path", "/data/x")  # (any data option)
+    assert r.returncode == 0 and "--mock-data" not in r.stdout
+    r = run(ROOT / "scripts/run_local.sh", "--dry-run", "--args", str(tmp_path / "missing.args"))
+    assert r.returncode == 2 and r.stdout == "" and f"no argument file {tmp_path}/missing.args" in r.stderr
     r = run(ROOT / "scripts/run_local.sh", "--dry-run", "--nproc", "3")
     assert r.returncode == 2 and "no cost model for 3 ranks" in r.stderr
 
@@ -311,6 +315,11 @@ def test_sbatch_refuses_an_allocation_that_is_not_the_cluster():
            "--gpus-per-node=8" in r.stderr
     r = sbatch_dry_run("flexsp", "configs/megatron/gpt-7b.args")
     assert r.returncode == 2 and "MODEL_ARGS CLUSTER" in r.stderr
+    r = sbatch_dry_run("flexsp", "configs/megatron/gpt-7B.args", "h100-80g-8x4")  # (a misspelt file was ignored)
+    assert r.returncode == 2 and r.stdout == "" and "no argument file" in r.stderr and "gpt-7B.args" in r.stderr
+    r = sbatch_dry_run("flexsp", "configs/megatron/gpt-7b.args", "h100-80g")
+    assert r.returncode == 2 and r.stderr.startswith("flexsp.sbatch: unknown cluster preset 'h100-80g'")
+    assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1
 
 
 def test_sbatch_headers():
