@@ -134,6 +134,11 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
         STATE.trace = RunTrace(cost)
     splits = planned_splits(args, tokenizer)
     start = int(args.iteration)
+    consumed = int(getattr(args, "consumed_train_samples", 0) or 0)
+    if consumed != start * int(args.global_batch_size):  # (step k's batch is a function of the batch size)
+        raise DataError(f"{flag}: the checkpoint trained {consumed:,} samples in {start:,} iterations, not "
+                        f"--global-batch-size {args.global_batch_size} each: resume with the batch size it was "
+                        f"saved with (a planned run's step k draws batch k of that size)")
     starts = (start, valid_start_step(args), 0)  # test starts at its first batch, as in Megatron
     loaders = []
     for k, (docs, sizes, weights, _) in enumerate(splits):
