@@ -371,6 +371,8 @@ def _read_ref(kind: str, ref: str) -> dict:
         return data
     path = PRESET_DIR / kind / f"{ref}.yaml"
     fam = _FAMILY.match(ref)
+    if ref.endswith("xN") and path.exists():  # (its num_nodes would be taken without a word)
+        raise ConfigError(f"{ref} names a family of {kind}: give the node count, e.g. {ref[:-1]}4")
     if path.exists():
         data = read_yaml(path)
     elif fam and (PRESET_DIR / kind / f"{fam['base']}N.yaml").exists():
@@ -411,5 +413,8 @@ def cluster_from_mapping(data: dict) -> ClusterSpec:
             if len(ints) != len(keys) or any(i != k for i, k in zip(ints, keys) if not isinstance(k, str)):
                 raise ConfigError(f"cluster {data['name']!r}: {name} keys must be integer degrees, got "
                                   f"{', '.join(map(repr, keys))}")
+            if len(set(ints)) != len(ints):  # ("2" and 2: the later one would win without a word)
+                raise ConfigError(f"cluster {data['name']!r}: {name} gives a degree twice "
+                                  f"({', '.join(map(repr, keys))})")
             data[name] = dict(zip(ints, data[name].values()))
     return validate_cluster(_build(ClusterSpec, data, f"cluster {data.get('name')!r}"))

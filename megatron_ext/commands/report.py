@@ -248,7 +248,7 @@ def report_table(records: list[dict]) -> str:
             return f"replica {p // S} stage {p % S}" if replicas else f"stage {p}"
 
         lines.append(head + "stage operations, measured / predicted time: "
-                     + ", ".join(f"{row(p)} {x:.2f}x" for p, x in enumerate(pipe["stage_op_time_ratio"]) if x))
+                     + ", ".join(f"{row(p)} {x:.2f}x" for p, x in enumerate(pipe["stage_op_time_ratio"]) if x is not None))
         lines.append(head + "activation peak per stage, MB (measured / planned; room "
                      f"{pipe['activation_room_mb']:.1f}): "
                      + ", ".join((f"{row(p)} " if replicas else "") + f"{m:.1f} / {q:.1f}"
@@ -264,7 +264,7 @@ def advice(records: list[dict], f: dict) -> list[str]:
     """What to do about the cost model after a run (``f``: its ``fidelity``): nothing, re-profile
     it, or, for pipelines whose operations took their predicted time, the waits between stages."""
     lines: list[str] = []
-    ratios = [x for pipe in f["pipelines"] for x in pipe["stage_op_time_ratio"] if x]
+    ratios = [x for pipe in f["pipelines"] for x in pipe["stage_op_time_ratio"] if x is not None]
     if ratios and min(ratios) > 1 + DRIFT_THRESHOLD / 2:
         lines.append(f"every stage's operations ran {min(ratios):.2f}x or more their predicted time: profile this "
                      "model (`megatron-ext profile --model ...`), whose pipeline step measures the overhead per "

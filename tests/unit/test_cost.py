@@ -407,6 +407,7 @@ def test_bad_model_yaml(tmp_path, text, match):
     (CLUSTER_YAML.replace("num_nodes: 2", "num_nodes: 1073741824"), "4,294,967,296 GPUs is over the 1,048,576"),
     (CLUSTER_YAML.replace("{2: 100.0, 4: 80.0, 8: 10.0}", "{2: 100.0, 2.5: 1.0}"), "integer degrees, got 2, 2.5"),
     (CLUSTER_YAML + "memory_gb: 80\n", "key 'memory_gb' given twice"),
+    (CLUSTER_YAML.replace("{2: 100.0, 4: 80.0, 8: 10.0}", "{'2': 100.0, 2: 50.0}"), "gives a degree twice"),
     (CLUSTER_YAML.replace("{2: 100.0, 4: 80.0, 8: 10.0}", "{2: 1e-300}"), r"a2a_bandwidth_gbps\[2\] must be at least"),
     (CLUSTER_YAML + "a2a_latency_ms: {2: 1e300}\n", r"a2a_latency_ms\[2\] must be at most 1e\+09"),
 ])
@@ -524,3 +525,10 @@ def test_a_model_that_holds_no_token_is_refused_not_sampled_for_ever(tmp_path):
     for planner in ("flexsp", "elastic_pp", "auto"):
         with pytest.raises(InfeasibleError, match="holds no sequence at all"):
             max_seq_len(planner, cost)
+
+
+def test_a_family_of_clusters_needs_its_node_count():
+    with pytest.raises(ConfigError, match="h100-80g-8xN names a family of clusters: give the node count, e.g. "
+                                          "h100-80g-8x4"):
+        load_cluster("h100-80g-8xN")
+    assert load_cluster("h100-80g-8x2").num_nodes == 2
