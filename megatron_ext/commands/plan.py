@@ -19,7 +19,7 @@ from megatron_ext.commands.args import (add_batch_source_args, add_cost_args, ad
                                         pipeline_options_from_args)
 from megatron_ext.cost import CostModel
 from megatron_ext.data.batches import MAX_STEP, dataset_batches
-from megatron_ext.data.lengths import MAX_BATCH, read_lengths, sample_lengths
+from megatron_ext.data.lengths import MAX_BATCH, MAX_SEED, read_lengths, sample_lengths
 from megatron_ext.errors import ConfigError
 from megatron_ext.plan.validate import replica_groups
 from megatron_ext.planner import make_plan
@@ -101,6 +101,9 @@ def lengths_from_args(args, limit: int) -> np.ndarray:
                 raise ConfigError(f"{int(over.sum())} sequence(s) exceed --max-seq-len {args.max_seq_len} "
                                   f"(longest {int(lengths.max())}); use --drop-over-max to drop them")
         return lengths
+    if 0 <= args.seed <= MAX_SEED < args.seed + args.step:  # (step K draws from seed + K)
+        raise ConfigError(f"--seed {args.seed} + --step {args.step} passes the largest seed, 2^63 - 1: use a smaller "
+                          f"seed")
     return sample_lengths(args.dist, args.batch, args.seed + args.step, limit)
 
 

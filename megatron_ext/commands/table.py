@@ -16,7 +16,7 @@ import numpy as np
 
 from megatron_ext.cost import CostModel
 from megatron_ext.data.batches import dataset_batches
-from megatron_ext.data.lengths import sample_lengths
+from megatron_ext.data.lengths import MAX_SEED, sample_lengths
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.sim.simulator import simulate
 
@@ -85,6 +85,8 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
         if data is not None:
             batches, source = dataset_batches(data, batch, cap, seed, range(steps))
         else:
+            if seed + steps - 1 > MAX_SEED:  # (step s draws from seed + s)
+                raise ConfigError(f"--seed {seed} + {steps} steps passes the largest seed, 2^63 - 1: use a smaller seed")
             batches = [sample_lengths(dist, batch, seed + s, cap) for s in range(steps)]
             source = f"{dist}, batch {batch}, max length {cap:,}, {steps} step(s) from seed {seed}"
 

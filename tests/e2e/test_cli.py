@@ -751,3 +751,11 @@ def test_bench_notes_a_ring_only_where_no_cluster_of_its_table_uses_it(capsys):
     assert "--max-ring" not in err
     _, _, err = run(capsys, *ring, "--gpus", "64")
     assert "note: --max-ring 16 changes nothing here" in err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["plan", "--step", "1", "--batch", "4"], "--seed 9223372036854775807 + --step 1 passes the largest seed"),
+    (["simulate", "--steps", "2", "--batch", "4", "--planners", "flexsp"], "+ 2 steps passes the largest seed"),
+])
+def test_a_seed_valid_alone_but_not_for_its_steps_names_both(capsys, argv, match):
+    assert_one_line_error(*run(capsys, *argv, "--seed", str(2**63 - 1), *FAST), match)
