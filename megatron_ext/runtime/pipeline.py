@@ -73,11 +73,13 @@ from megatron_ext.plan.schema import StepPlan
 from megatron_ext.runtime.pipeline_model import unwrap_model
 
 
-def chunk_input(layout: ChunkLayout, batch: Sequence, sp_group, cache, pad_id: int = 0, device="cpu"):
+def chunk_input(layout: ChunkLayout, batch: Sequence, sp_group, cache, pad_id: int = 0, device="cpu",
+                read: bool = True):
     """This rank's shard of chunk ``layout`` as a ``runtime.forward.ModelInput`` (batch: int token
     arrays indexed by seq id). Labels follow the data layer's rule (``data.sharding.next_token_labels``:
     token t predicts token t + 1 of its sequence; a sequence's last token and the padding predict
-    nothing)."""
+    nothing). ``read=False`` (a middle stage, which takes neither tokens nor labels): padding and
+    no labels of the same shape, the batch not read."""
     import torch
 
     from megatron_ext.runtime.attention import UlyssesPackedSeqParams
@@ -88,6 +90,10 @@ def chunk_input(layout: ChunkLayout, batch: Sequence, sp_group, cache, pad_id: i
                                           keys=layout.seq_ids, continues=layout.continues, prefix_cache=cache)
     toks, labels = [], []
     for sid, a, n in zip(layout.seq_ids, layout.starts, layout.lengths):
+        if not read:
+            toks.append(np.full(n, pad_id, dtype=np.int64))
+            labels.append(np.full(n, IGNORE_INDEX, dtype=np.int64))
+            continue
         seq = np.asarray(batch[sid], dtype=np.int64)
         toks.append(seq[a:a + n])
         labels.append(next_token_labels(seq, a, n))
@@ -177,7 +183,8 @@ class _Stage:
 def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: int = 0, forward_only: bool = False,
                              schedules: Optional[list[PipelineSchedule]] = None, device=None,
                              finalize: bool = True, forward_step_func: Optional[Callable] = None,
-                             sp_groups=None) -> tuple[list[dict], PipelineStepStats]:
+                             sp_groups=None, lengths: Optional[Sequence[int]] = None
+                             ) -> tuple[list[dict], PipelineStepStats]:
     """Forward and backward of every chunk of an elastic_pp ``plan`` on this rank's stage (module
     doc). ``batch``: the step's token arrays indexed by seq id; ``model``: this stage's model (a
     megatron DDP-wrapped GPTModel from ``build_pipeline_model``, or a bare one). Returns megatron's
@@ -187,8 +194,9 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
     the iterator yields one ``runtime.forward.ModelInput`` (default: ``runtime.forward.forward_step``).
     ``schedules``: from ``build_schedules`` (e.g. built one step ahead). ``sp_groups``: an
     ``SPGroupPool.from_parallel_state()``, needed when the plan's SP degree is below a stage's
-    data-parallel size (replicas side by side; each rank runs its replica's pipelines). Every rank
-    must call it with the same plan."""
+    data-parallel size (replicas side by side; each rank runs its replica's pipelines). ``lengths``:
+    each sequence's tokens (default: read off ``batch``; a ``data.loader.BatchTokens`` would read
+    every sequence for it). Every rank must call it with the same plan."""
     import torch
     import torch.distributed as dist
     from megatron.core.pipeline_parallel.schedules import backward_step, deallocate_output_tensor, forward_step
@@ -205,7 +213,7 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
         raise ValueError("the elastic pipeline runtime needs calculate_per_token_loss=True (per-token loss "
                          "normalisation makes every chunking give the same loss)")
     st = _Stage(plan.pipelines[0].sp_degree if plan.pipelines else None, sp_groups)
-    lengths = [len(s) for s in batch]
+    lengths = [len(s) for s in batch] if lengths is None else [int(n) for n in lengths]
     block = unwrap_model(model).decoder
     if schedules is None:
         schedules = build_schedules(plan, lengths, st.P, st.sp, block.num_layers_per_pipeline_rank,
@@ -322,7 +330,8 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
                 t1, nvtx = clock.mark(), clock.range_start(label)  # Nsight: the op over its kernels
                 if kind == FWD:
                     layout = sched.chunks[c]
-                    inp = chunk_input(layout, batch, st.sp_group, cache, pad_id, device)
+                    inp = chunk_input(layout, batch, st.sp_group, cache, pad_id, device,
+                                      read=st.first or st.last)  # (the embedding, the loss)
                     x = received.pop(("act", c), None)
                     if x is not None and not forward_only:
                         x.requires_grad_(True)

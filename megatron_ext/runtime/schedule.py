@@ -103,7 +103,11 @@ def forward_backward_flexsp(step: Step, model, pool: SPGroupPool, pad_id: int, *
     (``seq_length``: unused without pipelining; shapes come from the plan). Returns megatron's
     per-micro-batch loss dicts and this rank's wall time per micro-batch."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
 
+    if not get_model_config(model).calculate_per_token_loss:  # (else each micro-batch's mean: plan-dependent)
+        raise ValueError("the FlexSP runtime needs calculate_per_token_loss=True (per-token loss normalisation "
+                         "makes every plan give the same loss)")
     device = rank_device() if device is None else device
     times = StepTimes(DeviceClock(device))
     inputs = list(micro_batch_inputs(step, pool, pad_id, device))

@@ -40,7 +40,8 @@ def forward_backward(step: Step, model, *, pool=None, pad_id: int = 0, forward_o
                                        forward_step_func=forward_step_func, **megatron_kwargs)
     if kind == "elastic_pp":
         return forward_backward_elastic(step.plan, step.batch, model, pad_id=pad_id, forward_only=forward_only,
-                                        device=device, forward_step_func=forward_step_func, sp_groups=pool)
+                                        device=device, forward_step_func=forward_step_func, sp_groups=pool,
+                                        lengths=step.lengths)
     raise InvalidPlanError(f"unknown plan kind {kind!r}")
 
 

@@ -674,3 +674,36 @@ def test_the_model_yaml_shape_and_recompute_are_built(one_rank):
     for plain, recomputed in zip(*grads):
         torch.testing.assert_close(recomputed, plain, rtol=0, atol=0)
     assert model_recompute(dataclasses.replace(spec, recompute="none")) == {}
+
+
+def test_an_elastic_step_reads_only_the_sequences_its_rank_runs(one_rank):
+    """The executor takes each sequence's length from the step, not from the batch: a rank reads
+    the tokens of its own chunks only (``data.loader.BatchTokens`` reads a sequence when asked)."""
+    import collections.abc
+
+    import torch
+
+    from megatron_ext.cost import CostModel
+    from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan
+    from megatron_ext.runtime.pipeline import forward_backward_elastic
+    from megatron_ext.runtime.pipeline_model import build_pipeline_model
+
+    class Counted(collections.abc.Sequence):
+        def __init__(self, seqs):
+            self.seqs, self.read = seqs, set()
+
+        def __len__(self):
+            return len(self.seqs)
+
+        def __getitem__(self, i):
+            self.read.add(i)
+            return self.seqs[i]
+
+    torch.manual_seed(0)
+    model, _ = build_pipeline_model(CostModel.from_presets("tiny", "cpu-4").model, 97, 64, "sdpa")
+    rng = np.random.default_rng(0)
+    batch = Counted([rng.integers(0, 97, n) for n in (20, 30, 40, 50)])
+    plan = StepPlan(kind="elastic_pp", num_gpus=1, planner="t",
+                    pipelines=[Pipeline(1, 1, [Chunk(0, [Piece(0, 0, 20)])], [["F0", "B0"]])])
+    forward_backward_elastic(plan, batch, model, lengths=[20, 30, 40, 50])
+    assert batch.read == {0}

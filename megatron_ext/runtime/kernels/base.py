@@ -153,9 +153,11 @@ class VarlenKernel(AttentionKernel):
 
     def _run(self, q, k, v, bounds, kv_bounds, causal, sliced, training, cache):
         cu = cache.get("cu") if cache is not None else None
-        if cu is None:
-            cu_q = torch.tensor(bounds, dtype=torch.int32, device=q.device)
-            cu = (cu_q, torch.tensor(kv_bounds, dtype=torch.int32, device=q.device) if sliced else cu_q)
+        if cu is None:  # (through pinned memory: a pageable copy would wait for every queued kernel)
+            from megatron_ext.runtime.device import host_to_device
+
+            cu_q = host_to_device(torch.tensor(bounds, dtype=torch.int32), q.device)
+            cu = (cu_q, host_to_device(torch.tensor(kv_bounds, dtype=torch.int32), q.device) if sliced else cu_q)
             if cache is not None:
                 cache["cu"] = cu
         max_q, max_kv = max(segment_sizes(bounds)), max(segment_sizes(kv_bounds))
