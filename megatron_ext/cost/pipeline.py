@@ -287,12 +287,14 @@ class PipelineCost:
 
 
 def default_layout(cost: CostModel) -> tuple[int, int]:
-    """(pp, sp) when none is given: Ulysses inside a node (up to the head limit), stages across;
-    on one node (where that would be a single stage), the fewest stages >= 2 that divide the
-    layers and leave an allowed SP degree."""
+    """(pp, sp) when none is given: Ulysses inside a node (up to the head limit), stages across
+    (as many as divide the layers: the rest of the GPUs run replicas of the pipeline); on one node
+    (where that would be a single stage), the fewest stages >= 2 that divide the layers and leave
+    an allowed SP degree."""
     sp = min(cost.cluster.gpus_per_node, cost.degrees[-1])
-    pp = cost.num_gpus // sp
-    if pp == 1:
+    across = cost.num_gpus // sp
+    pp = max(p for p in range(1, across + 1) if across % p == 0 and cost.model.num_layers % p == 0)
+    if across == 1:
         L, n = cost.model.num_layers, cost.num_gpus
         pp = next((p for p in range(2, n + 1) if L % p == 0 and n % p == 0 and n // p in cost.degrees), 1)
         sp = n // pp

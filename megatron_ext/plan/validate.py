@@ -56,6 +56,9 @@ def _check_ints(values, what: str) -> None:
 
 
 def _check_coverage(seen: list[int], num_seqs: int, dropped: list[int]) -> None:
+    negative = [i for i in seen + dropped if i < 0]
+    if negative:
+        _fail(f"sequence id {negative[0]} does not exist (ids count from 0)")
     counts = np.bincount(np.asarray(seen + dropped, dtype=np.int64), minlength=num_seqs) if (seen or dropped) \
         else np.zeros(num_seqs, dtype=np.int64)
     if len(counts) > num_seqs:

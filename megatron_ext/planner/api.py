@@ -198,7 +198,11 @@ def _compare(plan: StepPlan, planner: Planner, baselines, lengths: np.ndarray, i
         if b in (planner.name, ran) or b in plan.baselines:  # (auto reports the alternatives it compared itself)
             continue
         try:
-            other = get_planner(b).plan(lengths, cost, options, seq_ids=ids, **overrides)
+            base = get_planner(b)
+            memory = pipeline_options(options, overrides).memory_mb if pipelined and base.kind == "sp" else None
+            # (a FlexSP-kind baseline reads no PipelineOptions: the pipelines' budget is given it here)
+            other = base.plan(lengths, cost if memory is None else cost.with_memory(memory), options, seq_ids=ids,
+                              **overrides)
             step = (simulate(other, lengths, cost, b1_scale=b1_scale, events=False).step_time_s if pipelined
                     else other.estimated_step_time_s)
         except (MegatronExtError, ImportError) as e:  # a baseline that cannot run this batch

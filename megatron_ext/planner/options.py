@@ -3,6 +3,7 @@ read the fields they share with ``pp.pipeline.PipelineOptions`` from it)."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 
 
@@ -19,6 +20,15 @@ class PlannerOptions:
     sp: int | None = None  # pipeline planners: Ulysses degree inside a stage (default: GPUs / pp)
     recompute: str = "ilp"  # elastic_pp: per-chunk recompute "ilp" | "greedy", or "auto" (none if it fits, else full)
     flexsp: bool = True  # auto: FlexSP among the candidates whatever pp / sp pin (False: a run cut into stages)
+
+    def __post_init__(self):
+        from megatron_ext.errors import ConfigError
+
+        for name in ("num_buckets", "search_budget"):
+            if not (isinstance(getattr(self, name), numbers.Integral) and getattr(self, name) >= 1):
+                raise ConfigError(f"{name.replace('_', ' ')} must be a positive whole number, got {getattr(self, name)!r}")
+        if not (isinstance(self.extra_microbatches, numbers.Integral) and self.extra_microbatches >= 0):
+            raise ConfigError(f"extra microbatches must be a whole number, 0 or more, got {self.extra_microbatches!r}")
 
 
 def options_as(cls, options):

@@ -181,5 +181,7 @@ def test_layout_errors():
         PipelineCost(flat, 4, 8)
     assert PipelineCost(COST, 2, 8).replicas == 2 and PipelineCost(COST, 4, 8).replicas == 1
     assert default_layout(COST) == (4, 8)
-    assert default_layout(CostModel.from_presets("llama-30b", "a800-80g-8x4")) == (8, 4)
+    # 52 heads: SP 4, 8 stages across would not divide the 60 layers: 4 stages, 2 replicas
+    assert default_layout(CostModel.from_presets("llama-30b", "a800-80g-8x4")) == (4, 4)
+    assert default_layout(CostModel.from_presets("gpt-7b", "a100-40g-8x64")) == (32, 8)  # (32 layers)
     assert math.isclose(PipelineCost(COST, 4, 8, memory_mb=40_000).budget_mb, 40_000)

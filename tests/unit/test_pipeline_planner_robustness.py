@@ -240,3 +240,54 @@ def test_finest_slice():
     assert finest_slice(100, 128) == 128 and finest_slice(128 * MAX_SLICES, 128) == 128
     assert finest_slice(128 * MAX_SLICES + 1, 128) == 256
     assert finest_slice(650_000, 128) % 128 == 0 and 650_000 / finest_slice(650_000, 128) <= MAX_SLICES
+
+
+@pytest.mark.parametrize("field, value", [("min_slice_tokens", 0), ("pack_slices", ()), ("seq1f1b_slices", ()),
+                                          ("granularity", -128), ("pack_slices", (2, 0))])
+def test_pipeline_options_out_of_range_are_refused(field, value):
+    # (they ended in ZeroDivisionError, ValueError or "raise None" inside a planner)
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.planner.pp.pipeline import PipelineOptions
+
+    with pytest.raises(ConfigError, match=field.replace("_", " ")):
+        PipelineOptions(**{field: value})
+
+
+@pytest.mark.parametrize("field, value", [("num_buckets", 0), ("search_budget", 0), ("extra_microbatches", -1)])
+def test_planner_options_out_of_range_are_refused(field, value):
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.planner import PlannerOptions
+
+    with pytest.raises(ConfigError, match=field.replace("_", " ")):
+        PlannerOptions(**{field: value})
+
+
+def test_a_negative_sequence_id_is_an_invalid_plan():
+    from megatron_ext.cost import CostModel
+    from megatron_ext.errors import InvalidPlanError
+    from megatron_ext.plan import StepPlan
+    from megatron_ext.plan.validate import validate
+    from megatron_ext.planner import make_plan
+    from megatron_ext.planner.pp.pipeline import PipelineOptions
+
+    cost = CostModel.from_presets("tiny4", "cpu-4", 0)
+    lengths = np.array([100, 200, 300])
+    d = make_plan("elastic_pp", lengths, cost, PipelineOptions(time_limit=0.2)).to_dict()
+    d["pipelines"][0]["chunks"][0]["pieces"][0]["seq_id"] = -1
+    with pytest.raises(InvalidPlanError, match="sequence id -1 does not exist"):
+        validate(StepPlan.from_dict(d), lengths, cost)
+
+
+def test_flexsp_baselines_of_a_pipeline_plan_get_its_memory_budget():
+    from megatron_ext.cost import CostModel
+    from megatron_ext.planner import make_plan
+    from megatron_ext.planner.pp.pipeline import PipelineOptions
+
+    cost = CostModel.from_presets("gpt-7b", "a100-40g-8x1", 3)
+    lengths = np.random.default_rng(0).integers(1000, 12000, 64)
+    plan = make_plan("elastic_pp", lengths, cost, PipelineOptions(time_limit=0.3, memory_mb=20_000),
+                     baselines=("static_ulysses",))
+    # (under the whole 40 GB it runs, at 28.6 GB a GPU: a comparison of different budgets)
+    assert "error" in plan.baselines["static_ulysses"]
+    assert "error" not in make_plan("elastic_pp", lengths, cost, PipelineOptions(time_limit=0.3),
+                                    baselines=("static_ulysses",)).baselines["static_ulysses"]

@@ -11,6 +11,7 @@ pp/chunk_search.py), the pipeline baselines (batch 1F1B, Seq1F1B) in pp/pipeline
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from dataclasses import dataclass
 
@@ -58,6 +59,13 @@ class PipelineOptions:
                               ("order", ("best", "greedy", "1f1b")), ("baseline_recompute", ("auto", "none", "full"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"unknown {name.replace('_', ' ')} {getattr(self, name)!r}; use {', '.join(allowed)}")
+        for name in ("granularity", "min_slice_tokens", "max_pipelines", "search_targets"):
+            if not (isinstance(getattr(self, name), numbers.Integral) and getattr(self, name) >= 1):
+                raise ConfigError(f"{name.replace('_', ' ')} must be a positive whole number, got {getattr(self, name)!r}")
+        for name in ("seq1f1b_slices", "pack_slices"):
+            ks = getattr(self, name)
+            if not (ks and all(isinstance(k, numbers.Integral) and k >= 1 for k in ks)):
+                raise ConfigError(f"{name.replace('_', ' ')} must be one or more positive whole numbers, got {ks!r}")
 
 
 
