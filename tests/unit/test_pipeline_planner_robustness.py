@@ -291,3 +291,18 @@ def test_flexsp_baselines_of_a_pipeline_plan_get_its_memory_budget():
     assert "error" in plan.baselines["static_ulysses"]
     assert "error" not in make_plan("elastic_pp", lengths, cost, PipelineOptions(time_limit=0.3),
                                     baselines=("static_ulysses",)).baselines["static_ulysses"]
+
+
+def test_auto_runs_a_slow_layout_when_flexsp_cannot_hold_the_batch():
+    """A layout slow to build is left out only while something else can run: here FlexSP holds
+    no sequence of the batch (it refused the batch elastic_pp plans)."""
+    from megatron_ext.planner import make_plan
+    from megatron_ext.planner.api import max_seq_len
+    from megatron_ext.planner.pp.pipeline import PipelineOptions
+
+    cost = CostModel.from_presets("gpt-13b", "h100-80g-8x2", 3)
+    opts = PipelineOptions(time_limit=0.3, pp=4, sp=4)
+    longest = max_seq_len("auto", cost, opts)
+    assert longest > cost.max_seq_len  # (past FlexSP's largest group)
+    plan = make_plan("auto", np.array([longest, longest]), cost, opts)
+    assert plan.kind == "elastic_pp" and not plan.dropped_seq_ids
