@@ -285,6 +285,9 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
         ch = balanced_chunks(seq_ids, lengths, pc, targets[0], float(t), opts.granularity, opts.fit,
                              min_tail=opts.granularity,  # first each sequence at its own cap
                              max_slice_tokens=cap_of if t == slice_cap else lambda s, t=t: min(t, cap_of(s) or s))
+        if len(ch.chunks) > MAX_CHUNKS:  # (refused, and finer slices only make more: ~0.4 s a try past the limit)
+            errors.append(f"{where}: {len(ch.chunks)} chunks, more than the {MAX_CHUNKS} a pipeline may have")
+            break
         for order in orders:
             if best is None:
                 consider(ch.chunks, ch.slices, order)
