@@ -169,7 +169,8 @@ def add_pipeline_args(p) -> None:
                         "stage, a slice per SP group, chunk, recompute and p2p transfer, memory counters")
     g = p.add_argument_group(f"elastic pipelines ({', '.join(planner_names(*PIPELINE_KINDS))})")
     g.add_argument("--pp", type=positive_int,
-                   help="pipeline stages (default: one per node; on one node, the fewest that fit)")
+                   help="pipeline stages (default: one per node, as many as divide the layers, replicas for the rest; on one "
+                   "node, the fewest that fit)")
     g.add_argument("--sp", type=positive_int,
                    help="Ulysses degree inside a stage (default: GPUs / pp, up to the head limit); with pp x sp "
                         "below the GPU count, GPUs / (pp x sp) replicas of the pipeline run side by side, each "

@@ -16,7 +16,7 @@ class PlannerOptions:
     num_buckets: int = 16  # sequence-blaster buckets per micro-batch
     extra_microbatches: int = 4  # try M_min .. M_min + this many micro-batches
     search_budget: int = 48  # part solves the flexsp cut search may make: bounds work deterministically
-    pp: int | None = None  # pipeline planners: stages (default: one per node)
+    pp: int | None = None  # pipeline planners: stages (default: one per node that divides the layers)
     sp: int | None = None  # pipeline planners: Ulysses degree inside a stage (default: GPUs / pp)
     recompute: str = "ilp"  # elastic_pp: per-chunk recompute "ilp" | "greedy", or "auto" (none if it fits, else full)
     flexsp: bool = True  # auto: FlexSP among the candidates whatever pp / sp pin (False: a run cut into stages)

@@ -33,7 +33,7 @@ from megatron_ext.sim.simulator import simulate
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    pp: int | None = None  # stages (default: one per node)
+    pp: int | None = None  # stages (default: one per node that divides the layers, replicas for the rest)
     sp: int | None = None  # Ulysses degree inside a stage (default: the node size, up to the head limit)
     b1_scale: float = 1.0  # per-chunk fixed cost of a stage = b1_scale * b1 / pp (see cost/pipeline.py)
     memory_mb: float | None = None  # per-GPU budget (default: the cluster's usable memory)
