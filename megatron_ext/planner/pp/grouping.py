@@ -7,6 +7,8 @@ contiguous blocks. Pure Python + numpy.
 """
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 from megatron_ext.cost.pipeline import PipelineCost
@@ -103,12 +105,13 @@ def split_replicas(seq_ids, lengths, pc: PipelineCost, replicas: int) -> list[np
     if replicas <= 1:
         return [seq_ids]
     work = pc.prefix_ms(lengths[seq_ids])
-    load = np.zeros(replicas)
+    loads = [(0.0, r) for r in range(replicas)]  # a heap: the least loaded replica, the lowest index among ties
     owner = np.empty(len(seq_ids), dtype=np.int64)
-    for i in np.lexsort((seq_ids, -work)):
-        r = int(np.argmin(load))
+    w = work.tolist()
+    for i in np.lexsort((seq_ids, -work)).tolist():
+        load, r = heapq.heappop(loads)
         owner[i] = r
-        load[r] += work[i]
+        heapq.heappush(loads, (load + w[i], r))
     return [np.sort(seq_ids[owner == r]) for r in range(replicas)]
 
 
