@@ -60,9 +60,7 @@ if [[ -n "$pp" ]] && ! [[ "$pp" =~ ^[1-9][0-9]*$ ]]; then
   exit 2
 fi
 
-# (read apart: a process substitution's failure would not stop the script)
-file_text="$(args_from_file "$args_file")" || exit 2  # (it says which file)
-mapfile -t file_args < <(printf '%s' "$file_text" | grep -v '^$' || true)
+read_args_file file_args "$args_file" || exit 2
 all_args=("${file_args[@]}" "$@")
 if [[ -n "$pp" ]]; then
   mapfile -t all_args < <(without_flexsp_flags "${all_args[@]}")

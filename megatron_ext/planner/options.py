@@ -22,13 +22,18 @@ class PlannerOptions:
     flexsp: bool = True  # auto: FlexSP among the candidates whatever pp / sp pin (False: a run cut into stages)
 
     def __post_init__(self):
-        from megatron_ext.errors import ConfigError
+        check_whole_numbers(self, ("num_buckets", "search_budget"))
+        check_whole_numbers(self, ("extra_microbatches",), least=0)
 
-        for name in ("num_buckets", "search_budget"):
-            if not (isinstance(getattr(self, name), numbers.Integral) and getattr(self, name) >= 1):
-                raise ConfigError(f"{name.replace('_', ' ')} must be a positive whole number, got {getattr(self, name)!r}")
-        if not (isinstance(self.extra_microbatches, numbers.Integral) and self.extra_microbatches >= 0):
-            raise ConfigError(f"extra microbatches must be a whole number, 0 or more, got {self.extra_microbatches!r}")
+
+def check_whole_numbers(options, names, least: int = 1) -> None:
+    """Refuse option fields that are not whole numbers of at least ``least`` (ConfigError)."""
+    from megatron_ext.errors import ConfigError
+
+    for name in names:
+        value = getattr(options, name)
+        if not (isinstance(value, numbers.Integral) and value >= least):
+            raise ConfigError(f"{name.replace('_', ' ')} must be a whole number of at least {least}, got {value!r}")
 
 
 def options_as(cls, options):
@@ -46,4 +51,4 @@ def planner_options(options) -> PlannerOptions:
     return options_as(PlannerOptions, options)
 
 
-__all__ = ["PlannerOptions", "options_as", "planner_options"]
+__all__ = ["PlannerOptions", "check_whole_numbers", "options_as", "planner_options"]

@@ -53,7 +53,8 @@ def run_identity(args, cost) -> dict:
     """What a checkpoint shares with the runs that may resume it: the model's shapes, the ranks
     and pipeline stages its states are spread over (one RNG state per rank), the data stream
     (step k's batch is a function of the data, seed, batch size, cut length and the rule that
-    cuts, ``data.lengths.SAMPLE_RULE``) and the learning rate (the optimizer state carries it). Not the planner, the SP degrees or the attention
+    cuts, ``data.lengths.SAMPLE_RULE``) and the learning rate (the optimizer state carries it).
+    Not the planner, the SP degrees or the attention
     backend: they change how a step is computed, not what."""
     m = cost.model
     return {"model": f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "

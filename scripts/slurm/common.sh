@@ -16,6 +16,15 @@ args_from_file() {
   return 0
 }
 
+# read_args_file ARRAY FILE: args_from_file into ARRAY; status 1 (and its line) where FILE is not
+# there (read apart: a process substitution's failure would not stop the script).
+read_args_file() {
+  local -n into="$1"
+  local text
+  text="$(args_from_file "$2")" || return 1
+  mapfile -t into < <(printf '%s' "$text")
+}
+
 # has_flag FLAG ARGS...: whether FLAG (or FLAG=...) is among ARGS.
 has_flag() {
   local flag="$1" a

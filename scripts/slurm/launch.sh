@@ -70,9 +70,7 @@ shift 2
 extra=("$@")
 
 [[ -f "$model_args" ]] || model_args="$MEGATRON_EXT_DIR/$model_args"
-# (read apart: a process substitution's failure would not stop the script)
-file_text="$(args_from_file "$model_args")" || exit 2  # (it says which file)
-mapfile -t file_args < <(printf '%s' "$file_text" | grep -v '^$' || true)
+read_args_file file_args "$model_args" || exit 2
 args=("${file_args[@]}" "${extra[@]}")
 model_preset="$(basename "$model_args" .args)"
 

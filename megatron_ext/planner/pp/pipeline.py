@@ -23,7 +23,7 @@ from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError
 from megatron_ext.plan.program import list_schedule
 from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan
 from megatron_ext.plan.validate import checked_batch_lengths, validate
-from megatron_ext.planner.options import options_as
+from megatron_ext.planner.options import check_whole_numbers, options_as
 from megatron_ext.planner.pp.checkpointing import greedy_recompute, solve_recompute
 from megatron_ext.planner.pp.chunking import Pieces
 from megatron_ext.sim.engine import (ChunkTable, analyze_chunks, backward_order, checkpoint_memory, greedy_orders,
@@ -59,9 +59,7 @@ class PipelineOptions:
                               ("order", ("best", "greedy", "1f1b")), ("baseline_recompute", ("auto", "none", "full"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"unknown {name.replace('_', ' ')} {getattr(self, name)!r}; use {', '.join(allowed)}")
-        for name in ("granularity", "min_slice_tokens", "max_pipelines", "search_targets"):
-            if not (isinstance(getattr(self, name), numbers.Integral) and getattr(self, name) >= 1):
-                raise ConfigError(f"{name.replace('_', ' ')} must be a positive whole number, got {getattr(self, name)!r}")
+        check_whole_numbers(self, ("granularity", "min_slice_tokens", "max_pipelines", "search_targets"))
         for name in ("seq1f1b_slices", "pack_slices"):
             ks = getattr(self, name)
             if not (ks and all(isinstance(k, numbers.Integral) and k >= 1 for k in ks)):
