@@ -5,6 +5,7 @@ stage, always)."""
 from __future__ import annotations
 
 import json
+import time
 import tracemalloc
 
 import numpy as np
@@ -20,6 +21,7 @@ from megatron_ext.plan.schema import Chunk, Piece
 from megatron_ext.plan.validate import validate_pipelines
 from megatron_ext.planner.pp.chunking import balanced_chunks, capped_mesh, check_chunking
 from megatron_ext.planner.pp.grouping import GROUP_BLOCKS, _group_bounds, _group_estimates, group_sequences
+from megatron_ext.planner.pp.chunk_search import MAX_CHUNKS, plan_group
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
 from megatron_ext.planner.pp.pipeline import PipelineOptions, build_pipeline, pipeline_cost
 from megatron_ext.planner.pp.sequence_limits import MAX_SLICES, finest_slice, longest_sequence, sequence_peak_mb
@@ -213,6 +215,20 @@ def test_large_batch_plans_a_valid_step():
     assert 1 <= len(plan.pipelines) <= 3 and not plan.dropped_seq_ids
     assert {x.seq_id for p in plan.pipelines for c in p.chunks for x in c.pieces} == set(range(len(lengths)))
     assert all(1 <= len(p.chunks) <= 4096 for p in plan.pipelines)  # (which plan depends on the clock)
+
+
+def test_a_pipeline_out_of_time_with_nothing_feasible_falls_back_to_a_chunking_of_sane_size():
+    """A pipeline whose deadline passed before anything fitted (a grouping probed after a failed
+    one) goes straight to the last resort. Its first try is the fewest equal-time slices that let
+    the longest sequence fit: each sequence at its own slice cap makes ~5,000 chunks of these 51
+    long sequences, over MAX_CHUNKS, so elastic_pp refused this batch of 205 at 0.5 s."""
+    cost = CostModel.from_presets("llama-13b", "a800-80g-8x1", 2)
+    pc = pipeline_cost(cost, 4, 2, PipelineOptions())
+    lengths = np.random.default_rng(7).integers(1, longest_sequence(pc) + 1, 205)
+    ids = np.argsort(-lengths, kind="stable")[:51]
+    built = plan_group(ids, lengths, pc, PipelineOptions(), time.perf_counter() - 1)
+    assert built.table.n <= MAX_CHUNKS
+    assert sorted({p[0] for c in built.pieces for p in c}) == sorted(ids.tolist())
 
 
 # ---- C: recompute lists ----------------------------------------------------------------------
