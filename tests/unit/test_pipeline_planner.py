@@ -3,6 +3,7 @@ simulate_table."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import math
 import time
@@ -20,7 +21,8 @@ from megatron_ext.planner import PlannerOptions
 from megatron_ext.planner.packing import best_fit_bins
 from megatron_ext.planner.pp.chunk_search import plan_group
 from megatron_ext.planner.pp.chunking import check_chunking, split_pack
-from megatron_ext.planner.auto import forced_slices, layout_estimate, layout_name, pipeline_layouts, plan_auto
+from megatron_ext.planner.auto import (forced_slices, layout_estimate, layout_lower_bound, layout_name,
+                                      pipeline_layouts, plan_auto)
 from megatron_ext.planner.pp.sequence_limits import fit_cap
 from megatron_ext.planner.pp.grouping import group_sequences, split_replicas
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
@@ -431,6 +433,12 @@ def test_layouts_and_their_estimate():
     # three long sequences over two replicas: one replica runs two of them, whatever the average
     three = np.array([40000] * 3 + [1000] * 4)
     assert layout_estimate(three, pc2)[0] * 1e3 >= 2 * float(pc2.prefix_ms(40000)) > float(pc2.prefix_ms(three).sum()) / 2
+    # the lower bound auto prunes with never passes the estimate
+    mixes = (lengths, three, sample_lengths("github", 300, 3, 48 * 1024), np.array([30000] + [100] * 2000))
+    for (P, d), x in itertools.product(pipeline_layouts(COST), mixes):
+        pc = PipelineCost(COST, P, d)
+        est = layout_estimate(x, pc)
+        assert layout_lower_bound(x, pc) <= est[0] * (1 + 1e-12)
 
 
 def test_layout_estimate_charges_the_waves_of_sequences_a_stage_holds_one_at_a_time():

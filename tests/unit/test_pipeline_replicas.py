@@ -116,6 +116,13 @@ def test_split_replicas_is_a_partition_balanced_longest_first(lengths, replicas)
     loads = [float(work[p].sum()) for p in parts]
     # longest processing time first: no replica ends more than one sequence over the average
     assert max(loads) <= sum(loads) / replicas + float(work.max()) + 1e-6
+    # ... exactly: each sequence, longest first (ties by id), to the least loaded (ties: lowest index)
+    want, load = [[] for _ in range(replicas)], [0.0] * replicas
+    for i in sorted(ids.tolist(), key=lambda i: (-work[i], i)):
+        r = min(range(replicas), key=lambda r: (load[r], r))
+        want[r].append(i)
+        load[r] += float(work[i])
+    assert [p.tolist() for p in parts] == [sorted(w) for w in want]
 
 
 def test_one_of_pp_and_sp_gives_the_other_the_most_the_gpus_allow():

@@ -109,10 +109,11 @@ def split_replicas(seq_ids, lengths, pc: PipelineCost, replicas: int) -> list[np
     owner = np.empty(len(seq_ids), dtype=np.int64)
     w = work.tolist()
     for i in np.lexsort((seq_ids, -work)).tolist():
-        load, r = heapq.heappop(loads)
+        load, r = loads[0]
         owner[i] = r
-        heapq.heappush(loads, (load + w[i], r))
-    return [np.sort(seq_ids[owner == r]) for r in range(replicas)]
+        heapq.heapreplace(loads, (load + w[i], r))
+    by_owner = np.lexsort((seq_ids, owner))  # (not a mask per replica: 4,096 x 32,768 compares)
+    return np.split(seq_ids[by_owner], np.cumsum(np.bincount(owner, minlength=replicas))[:-1])
 
 
 __all__ = ["GROUP_BLOCKS", "group_sequences", "split_replicas"]
