@@ -40,6 +40,10 @@ from megatron_ext.planner.options import PlannerOptions
 # the GPU sets' degrees, and every pass: (micro-batch, set, offset of its GPUs in the set, degree, seq ids)
 Sets = tuple[list[int], list[tuple[int, int, int, int, list[int]]]]
 REL_TOL = 2e-3  # the bisection stops when the feasible T is within this of an infeasible one
+# The first feasible T is sought up from the lower bound at bound x (1 + GALLOP_STEP x 4^i): the
+# smallest is mostly within a few % of it (32,768 sequences on 4,096 GPUs: 3.9%), where doubling
+# the bound then bisecting took 6 layouts to come within 1% of it, and a short limit kept 20% over
+GALLOP_STEP = 0.01
 FLOOR_SHARE = 0.3  # of the time limit: no narrowest degree is raised after it (step 4 of the docstring)
 
 
@@ -168,10 +172,11 @@ def _bisect(batch: _Batch, deadline: float, floor: int = 0) -> tuple[float, _Lay
     at_least = batch.alone[:, floor:].min(axis=1)  # each sequence's fastest pass alone
     gpu_ms = np.where(batch.allowed, batch.time * batch.degrees[None, :], np.inf)[:, floor:]
     work = gpu_ms.min(axis=1).sum() / batch.n
-    lo = hi = max(float(at_least.max()), float(work))
+    bound = lo = hi = max(float(at_least.max()), float(work))
     best = batch.layout(hi, floor=floor)
+    step = GALLOP_STEP
     while best is None:  # (finite: at a T that holds every sequence, one set of the widest degree holds them all)
-        lo, hi = hi, hi * 2
+        lo, hi, step = hi, bound * (1 + step), step * 4
         best = batch.layout(hi, floor=floor)
     cut = False
     while hi > lo * (1 + REL_TOL):
