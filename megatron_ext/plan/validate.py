@@ -13,7 +13,7 @@ its plan.
 """
 from __future__ import annotations
 
-from numbers import Integral
+import itertools
 
 import numpy as np
 
@@ -51,7 +51,7 @@ def _fail(msg: str) -> None:
 
 def _check_ints(values, what: str) -> None:
     """Ids and ranks from JSON must be lists of integers (Python or numpy), not floats, bools or strings."""
-    if not isinstance(values, list) or not all(isinstance(v, Integral) and not isinstance(v, bool) for v in values):
+    if not isinstance(values, list) or not all(is_int(v) for v in values):
         _fail(f"{what} must be a list of integers, got {values!r:.60}")
 
 
@@ -74,7 +74,7 @@ def validate(plan: StepPlan, lengths, cost: CostModel) -> StepPlan:
     lengths = np.asarray(lengths)
     if plan.kind not in KINDS:
         _fail(f"unknown plan kind {plan.kind!r}")
-    if not isinstance(plan.num_gpus, Integral) or plan.num_gpus != cost.num_gpus:
+    if not is_int(plan.num_gpus) or plan.num_gpus != cost.num_gpus:
         _fail(f"plan is for {plan.num_gpus} GPUs, the cluster has {cost.num_gpus}")
     _check_ints(plan.dropped_seq_ids, "dropped_seq_ids")
     if any(not 0 <= i < len(lengths) for i in plan.dropped_seq_ids):
@@ -95,7 +95,9 @@ def _validate_flexsp(plan: StepPlan, lengths: np.ndarray, cost: CostModel) -> No
     n = cost.num_gpus
     if plan.barrier_free and cost.zero_stage == 3:
         _fail("a barrier-free plan needs ZeRO 0, 1 or 2: under ZeRO-3 every pass gathers parameters over every GPU")
-    seen: list[int] = []
+    def where_of(m: int, g) -> str:
+        return f"micro-batch {m}, group {g.ranks[:1]}..(degree {g.degree})"
+
     for m, mb in enumerate(plan.micro_batches):
         if not mb.groups:
             _fail(f"micro-batch {m} has no groups")
@@ -103,7 +105,7 @@ def _validate_flexsp(plan: StepPlan, lengths: np.ndarray, cost: CostModel) -> No
         for g in mb.groups:
             _check_ints(g.ranks, f"micro-batch {m}: group ranks")
             _check_ints(g.seq_ids, f"micro-batch {m}: group seq_ids")
-            where = f"micro-batch {m}, group {g.ranks[:1]}..(degree {g.degree})"
+            where = where_of(m, g)
             d = g.degree
             if not is_power_of_two(d) or d not in cost.degrees:
                 _fail(f"{where}: degree {d} is not allowed (powers of two up to {cost.degrees[-1]})")
@@ -118,12 +120,21 @@ def _validate_flexsp(plan: StepPlan, lengths: np.ndarray, cost: CostModel) -> No
             used[start:start + d] = True
             if not g.seq_ids:
                 _fail(f"{where}: has no sequences")
-            if any(not 0 <= i < len(lengths) for i in g.seq_ids):
-                _fail(f"{where}: sequence id out of range")
-            mem = cost.group_memory_mb(float(lengths[g.seq_ids].sum()), d)
-            if mem > cost.cluster.memory_mb * (1 + 1e-9):
-                _fail(f"{where}: needs {mem:.0f} MB per GPU, over the {cost.cluster.memory_mb:.0f} MB budget")
-            seen.extend(g.seq_ids)
+    # the groups' sequences and memory, all at once (one group at a time: 0.1 s for 19,000 groups)
+    groups = [(m, g) for m, mb in enumerate(plan.micro_batches) for g in mb.groups]
+    sizes = [len(g.seq_ids) for _, g in groups]
+    seen = list(itertools.chain.from_iterable(g.seq_ids for _, g in groups))
+    ids = np.array(seen, dtype=np.int64)
+    owner = np.repeat(np.arange(len(groups)), sizes)
+    out = np.flatnonzero((ids < 0) | (ids >= len(lengths)))
+    if out.size:
+        _fail(f"{where_of(*groups[owner[out[0]]])}: sequence id out of range")
+    tokens = np.bincount(owner, weights=lengths[ids].astype(np.float64), minlength=len(groups))
+    mem = cost.group_memory_mb(tokens, np.array([g.degree for _, g in groups], dtype=np.float64))
+    over = np.flatnonzero(mem > cost.cluster.memory_mb * (1 + 1e-9))
+    if over.size:
+        k = int(over[0])
+        _fail(f"{where_of(*groups[k])}: needs {mem[k]:.0f} MB per GPU, over the {cost.cluster.memory_mb:.0f} MB budget")
     _check_coverage(seen, len(lengths), plan.dropped_seq_ids)
 
 
@@ -217,17 +228,26 @@ def group_starts_ms(plan: StepPlan, lengths, cost: CostModel) -> tuple[list[list
     starts when the one before it has ended; without (``barrier_free``), a group starts when the
     last of its own ranks is free (a DAG: micro-batch order on each rank)."""
     lengths = np.asarray(lengths)
+    # every group's time (``CostModel.group_time_ms``) at once: its fixed cost and its sequences'
+    # times at its degree (19,000 groups of 32,768 sequences one by one: 0.16 s)
+    groups = [g for mb in plan.micro_batches for g in mb.groups]
+    sizes = [len(g.seq_ids) for g in groups]
+    ids = np.fromiter(itertools.chain.from_iterable(g.seq_ids for g in groups), dtype=np.int64, count=sum(sizes))
+    owner = np.repeat(np.arange(len(groups)), sizes)
+    degree = np.array([g.degree for g in groups], dtype=np.int64)
+    seq_ms = np.zeros(len(ids))
+    group_ms = np.zeros(len(groups))
+    for d in np.unique(degree).tolist():
+        on = degree[owner] == d
+        seq_ms[on] = cost.seq_time_ms(lengths[ids[on]], d)
+        group_ms[degree == d] = cost.group_fixed_ms(d)
+    group_ms = (group_ms + np.bincount(owner, weights=seq_ms, minlength=len(groups))).tolist()
     ready = np.zeros(cost.num_gpus)
     starts, times = [], []
-    per_seq: dict[int, np.ndarray] = {}  # every sequence's time at each degree used, priced once
-
-    def group_ms(g) -> float:  # (``CostModel.group_time_ms``, 10,000 groups of 32,768 sequences: 0.15 -> 0.05 s)
-        if g.degree not in per_seq:
-            per_seq[g.degree] = cost.seq_time_ms(lengths, g.degree)
-        return cost.group_fixed_ms(g.degree) + float(np.sum(per_seq[g.degree][g.seq_ids]))
-
+    first = 0
     for mb in plan.micro_batches:
-        ms = [group_ms(g) for g in mb.groups]
+        ms = group_ms[first:first + len(mb.groups)]
+        first += len(mb.groups)
         if plan.barrier_free:
             t0 = [float(ready[g.ranks].max()) for g in mb.groups]
             for g, t, d in zip(mb.groups, t0, ms):
