@@ -95,7 +95,7 @@ class GlobalBatches:
         if bounds[-1] != self.num_documents:
             raise DataError(f"the sources hold {bounds[-1]} documents, the dataset {self.num_documents}")
         owner = np.searchsorted(bounds, self.samples[:, 0], side="right") - 1
-        by_source = np.argsort(owner, kind="stable")
+        by_source = np.argsort(owner, kind="stable").astype(self.samples.dtype)
         self._source_samples = np.split(by_source, np.cumsum(np.bincount(owner, minlength=w.size))[:-1])
         for i, ids in enumerate(self._source_samples):
             need = math.ceil(w[i] * self.global_batch_size - 1e-9)
@@ -111,7 +111,12 @@ class GlobalBatches:
             for old in [e for e in recent if e < epoch - 1]:  # steps move forward: keep two epochs
                 del recent[old]
             seed = [self.seed, epoch] if source < 0 else [self.seed, source, epoch]
-            recent[epoch] = np.random.default_rng(seed).permutation(n) if self.shuffle else np.arange(n)
+            # in the samples' dtype (int32 where they fit: half the memory); shuffling an arange in
+            # place draws what Generator.permutation(n) draws
+            perm = np.arange(n, dtype=self.samples.dtype)
+            if self.shuffle:
+                np.random.default_rng(seed).shuffle(perm)
+            recent[epoch] = perm
         return recent[epoch]
 
     def _blend_counts(self, step: int) -> np.ndarray:
@@ -151,7 +156,7 @@ class GlobalBatches:
         return np.concatenate(parts)
 
     def batch_samples(self, step: int) -> np.ndarray:
-        return self.samples[self.batch_sample_ids(step)]
+        return self.samples[self.batch_sample_ids(step)].astype(np.int64)
 
     def batch_lengths(self, step: int) -> np.ndarray:
         s = self.batch_samples(step)

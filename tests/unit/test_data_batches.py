@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import megatron_ext.data.lengths as lengths_mod
 from megatron_ext.data.batches import GlobalBatches, make_samples
 from megatron_ext.data.datasets import ConcatDocuments, DataError, InMemoryDocuments, parse_blend
 
@@ -14,6 +15,24 @@ def test_make_samples_splits_long_documents():
     assert s.tolist() == [[0, 0, 4], [2, 0, 4], [2, 4, 8], [2, 8, 12], [3, 0, 4], [5, 0, 4], [5, 4, 6]]
     with pytest.raises(DataError):
         make_samples([3], 0)
+
+
+def test_samples_are_cut_block_by_block_in_the_smallest_dtype(monkeypatch):
+    """The samples every rank holds: int32 where every value fits, int64 past it; cut a block of
+    documents at a time, the same rows whatever the block; epochs are Generator.permutation's."""
+    docs = np.random.default_rng(1).integers(0, 40, 101)
+    want = [[d, a, min(a + 16, n)] for d, n in enumerate(docs.tolist()) for a in range(0, n, 16)
+            if min(a + 16, n) - a >= 2]
+    whole = make_samples(docs, 16)
+    assert whole.dtype == np.int32 and whole.tolist() == want
+    monkeypatch.setattr(lengths_mod, "CUT_BLOCK", 7)
+    assert make_samples(docs, 16).tolist() == want
+    huge = make_samples([3, 2**31 + 5], 2**31)
+    assert huge.dtype == np.int64 and huge.tolist() == [[0, 0, 3], [1, 0, 2**31], [1, 2**31, 2**31 + 5]]
+    gb = GlobalBatches(docs, 5, 16, seed=3)
+    epoch1 = np.random.default_rng([3, 1]).permutation(len(want))
+    assert gb.batch_sample_ids(gb.steps_per_epoch + 2).tolist() == epoch1[10:15].tolist()
+    assert gb.batch_samples(0).dtype == np.int64
 
 
 @settings(max_examples=40, deadline=None)
