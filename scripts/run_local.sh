@@ -18,7 +18,8 @@
 # or 4 ranks: with --flexsp the data-parallel size, with --elastic-pp the whole job).
 # The same script file as on GPUs; megatron_ext.megatron.launch applies the CPU patches (no
 # CUDA: gloo, local transformer, fusions off) and runs it under torchrun --standalone, after
-# checking the arguments once (launch --check-args: a conflict is one line, status 2).
+# checking the arguments once (launch --check-args: a conflict is one line, status 2). Ctrl-C
+# stops the ranks with SIGTERM (they save first under --exit-signal-handler), in one line.
 # Examples: MEGATRON_LM_DIR=~/Megatron-LM scripts/run_local.sh --nproc 4 -- --train-iters 20
 #           MEGATRON_LM_DIR=~/Megatron-LM scripts/run_local.sh --nproc 4 --pp 2 -- --seq-length 2048
 set -euo pipefail
@@ -93,7 +94,10 @@ for i in "${!all_args[@]}"; do
 done
 
 python="$(megatron_python)"
-cmd=(env OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$python" -m torch.distributed.run --standalone
+# torchrun in a session of its own (megatron_ext.runtime.supervisor): Ctrl-C reaches the ranks once,
+# as SIGTERM (Megatron's default --exit-signal: with --exit-signal-handler they save first), not as
+# a KeyboardInterrupt traceback from every rank; a rank that fails is named in one line.
+cmd=(env OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$python" -m megatron_ext.runtime.supervisor --standalone
      "--nproc-per-node=$nproc" -m megatron_ext.megatron.launch "${megatron:-\$MEGATRON_LM_DIR}/pretrain_gpt.py"
      "${all_args[@]}")
 

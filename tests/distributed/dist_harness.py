@@ -202,7 +202,7 @@ def launch(script: Path, nprocs: int, timeout: float = 240.0) -> dict[str, list[
     """Run the checks of ``script`` on ``nprocs`` ranks; returns {check name: [failure message per
     failing rank]} (empty list = passed everywhere). Checks a rank did not report fail, with the
     ranks' log tails."""
-    from megatron_ext.commands.launch import RUN_ID_ENV, kill_leftovers
+    from megatron_ext.runtime.supervisor import RUN_ID_ENV, kill_leftovers
 
     out = Path(tempfile.mkdtemp(prefix="mx-dist-"))
     init = f"file://{out / 'rendezvous'}"

@@ -233,6 +233,24 @@ def test_a_stop_signal_to_every_process_twice_still_saves(tmp_path):
     run.assert_nothing_left(tree, blow + ENDS_WITHIN_S)
 
 
+def test_a_terminals_ctrl_c_reaches_supervised_ranks_once_as_sigterm(tmp_path):
+    """``python -m megatron_ext.runtime.supervisor TORCHRUN_ARGS`` (how scripts/run_local.sh runs
+    Megatron-LM's ranks): Ctrl-C goes to the terminal's whole foreground process group, but the
+    ranks run in torchrun's own session: they get SIGTERM once, from it, and end without a
+    KeyboardInterrupt traceback each (plain torchrun printed one per rank, and its own)."""
+    rank = tmp_path / "rank.py"
+    rank.write_text("import os, time\nos.write(1, f\"ready {os.environ['RANK']}\\n\".encode())\ntime.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_ext.runtime.supervisor", "--standalone",
+                             "--nproc-per-node=2", str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # (its own group: the "terminal's" here)
+    ready = [proc.stdout.readline() for _ in range(2)]
+    assert sorted(ready) == ["ready 0\n", "ready 1\n"], ready
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=ENDS_WITHIN_S)
+    assert proc.returncode == 128 + signal.SIGINT
+    assert err.strip().splitlines() == ["megatron-ext: stopped by SIGINT"], err
+
+
 @pytest.mark.parametrize("command", [["train"], ["profile", "--out", "unused.yaml"]])
 def test_more_ranks_than_the_machine_runs_are_refused_before_launching(command, capsys):
     """1,024 CPU ranks: over 4 a core and over 512 MB each of free memory, on any machine."""

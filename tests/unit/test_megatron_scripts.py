@@ -182,7 +182,7 @@ def test_run_local_dry_run(tmp_path):
     assert r.returncode == 0, r.stderr
     check, cmd = r.stdout.strip().splitlines()
     assert check.endswith(f"apply_patches.sh --check {tmp_path}")
-    assert "-m torch.distributed.run --standalone --nproc-per-node=4 -m megatron_ext.megatron.launch" in cmd
+    assert "-m megatron_ext.runtime.supervisor --standalone --nproc-per-node=4 -m megatron_ext.megatron.launch" in cmd
     assert f"{tmp_path}/pretrain_gpt.py --num-layers 2" in cmd
     assert "--flexsp" in cmd and "--mock-data" in cmd and "--train-iters 3" in cmd
     assert f"--cost-model {ROOT}/configs/megatron/cost/tiny-cpu4.yaml" in cmd
