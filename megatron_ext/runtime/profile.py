@@ -253,13 +253,21 @@ def _a2a_sweep(pool, world: int, repeats: int, tick, setup: RankSetup) -> dict[i
             points.append((x.numel() * itemsize / MB,
                            _time(lambda: dist.all_to_all_single(y, x, group=group), repeats, setup)))
             tick(f"all-to-all, degree {d}, {mb:g} MB")
-        mbs = np.array([p[0] for p in points])
-        secs = np.array([p[1] for p in points])
-        slope, intercept = np.polyfit(mbs, secs, 1)
-        out[d] = {"latency_ms": max(float(intercept), 0.0) * 1e3,
-                  "bandwidth_gbps": float(1e-3 / max(slope, 1e-12))}  # s per MB -> MB per ms (spec.py, units)
+        out[d] = transfer_fit([p[0] for p in points], [p[1] for p in points])
         d *= 2
     return out
+
+
+def transfer_fit(sizes_mb, seconds) -> dict:
+    """Latency (ms) and bandwidth (MB per ms: spec.py, units) of transfers timed at ``sizes_mb``
+    (ascending): a line through the times; where noise swamps its slope (the time barely grows,
+    or falls, with the size), the largest transfer's own rate, latency included (a slope of ~0
+    gave 1e9 GB/s: the collective priced as free)."""
+    mbs, secs = np.asarray(sizes_mb, dtype=np.float64), np.asarray(seconds, dtype=np.float64)
+    slope, intercept = np.polyfit(mbs, secs, 1)
+    if slope <= 0.1 * secs[-1] / mbs[-1]:
+        slope, intercept = secs[-1] / mbs[-1], 0.0
+    return {"latency_ms": max(float(intercept), 0.0) * 1e3, "bandwidth_gbps": float(1e-3 / slope)}
 
 
 def _activation_bytes(model) -> int:
@@ -471,7 +479,8 @@ def measure(base: CostModel, lengths: list[int], repeats: int, setup: RankSetup,
     a1, a2, b1, a2a = fit["a1"], fit["a2"], fit["b1"], {**raw, **fit["a2a"]}
     # the output layer's share of the per-token work a2 (the last pipeline stage runs it alone),
     # timed at the longest length, where its fixed costs weigh least
-    head_share = float(min(0.95, max(0.0, np.median(head) / max(a2 * head_s, 1e-9))))
+    measured_share = float(max(0.0, np.median(head) / max(a2 * head_s, 1e-9)))
+    head_share = min(0.95, measured_share)
     p2p = _p2p_bandwidth(world, repeats, setup)
     handoff = [None] * world
     dist.all_gather_object(handoff, _handoff_latency_ms(world, setup))
@@ -482,9 +491,12 @@ def measure(base: CostModel, lengths: list[int], repeats: int, setup: RankSetup,
     fitted = CostModel(
         dataclasses.replace(spec, a1=a1, a2=a2, launch_ms=b1, act_mb_per_token=act_mb, head_time_share=head_share,
                             params_b=params_b),
+        # (the overheads are measured below against this model without any: a cluster file
+        # profiled before would otherwise have its old ones counted in the estimate they are fitted to)
         dataclasses.replace(base.cluster, p2p_bandwidth_gbps=p2p, p2p_latency_ms=handoff_ms,
                             a2a_bandwidth_gbps={d: v["bandwidth_gbps"] for d, v in a2a.items()},
-                            a2a_latency_ms={d: v["latency_ms"] for d, v in a2a.items()}),
+                            a2a_latency_ms={d: v["latency_ms"] for d, v in a2a.items()},
+                            micro_batch_overhead_ms=0.0, pipeline_op_overhead_ms=0.0),
         base.zero_stage)
     # the real steps run the model as built here, without a recompute policy of the model's
     # (the fitted a1 and a2 are those of passes without it, as the YAML's are): priced alike
@@ -496,4 +508,5 @@ def measure(base: CostModel, lengths: list[int], repeats: int, setup: RankSetup,
                                                          micro_batch_overhead_ms=mb_overhead), base.zero_stage)
     tick("a real pipeline step")
     return Profile(fitted, attention, list(lengths), measured, fit, raw, a2a, handoff_ms,
-                   {**flexsp_run, **pipeline_run})
+                   {"output_layer_ms": round(float(np.median(head)), 3), "output_layer_share": round(measured_share, 3),
+                    **flexsp_run, **pipeline_run})

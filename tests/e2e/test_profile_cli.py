@@ -2,6 +2,7 @@
 what cannot run here is refused in one line before any rank starts."""
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 import yaml
@@ -10,7 +11,7 @@ from megatron_ext.commands import cli, profile
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError
 from megatron_ext.runtime import kernels
-from megatron_ext.runtime.profile import fit_profile, nonnegative_fit
+from megatron_ext.runtime.profile import fit_profile, nonnegative_fit, transfer_fit
 from megatron_ext.spec import load_model
 
 import numpy as np
@@ -19,8 +20,14 @@ import pytest
 
 def test_profile_writes_a_usable_cost_model(tmp_path):
     out = tmp_path / "cost.yaml"
+    # a cluster file profiled before (its overheads absurd here): what it says of the overheads
+    # must not be counted in the estimates the new ones are fitted against
+    cluster = tmp_path / "cpu-4-profiled.yaml"
+    preset = yaml.safe_load((Path(profile.__file__).parents[1] / "presets/clusters/cpu-4.yaml").read_text())
+    cluster.write_text(yaml.safe_dump({**preset, "micro_batch_overhead_ms": 5000.0, "pipeline_op_overhead_ms": 5000.0}))
     done = subprocess.run([sys.executable, "-m", "megatron_ext.commands.cli", "profile", "--out", str(out),
-                           "--lengths", "64,128,256", "--repeats", "1"], capture_output=True, text=True, timeout=600)
+                           "--cluster", str(cluster), "--lengths", "64,128,256", "--repeats", "1"],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     cost = CostModel.from_yaml(out)
     assert cost.num_gpus == 4
@@ -35,6 +42,9 @@ def test_profile_writes_a_usable_cost_model(tmp_path):
     assert cost.cluster.pipeline_op_overhead_ms >= 0 and cost.cluster.micro_batch_overhead_ms >= 0
     assert 0 < cost.model.head_time_share <= 0.95
     doc = yaml.safe_load(out.read_text())
+    # the output layer's measured share of a2, capped at 0.95 (the summary says so where it binds)
+    assert doc["profile"]["output_layer_share"] > 0
+    assert cost.model.head_time_share == pytest.approx(min(0.95, doc["profile"]["output_layer_share"]), abs=1e-3)
     assert doc["dtype"] == "fp32" and doc["attention_backend"] == "sdpa" and doc["device"].startswith("CPU")
     assert doc["profile"]["host"] == "gloo"
     assert set(doc["profile"]["fwd_bwd_ms"]) == {1, 2, 4} and all(len(v) == 3 for v in doc["profile"]["fwd_bwd_ms"].values())
@@ -43,10 +53,19 @@ def test_profile_writes_a_usable_cost_model(tmp_path):
     assert doc["profile"]["pipeline_stages"] == 2 and doc["profile"]["pipeline_step_ms"] > 0
     # and a real FlexSP step against its plan's estimate
     assert doc["profile"]["flexsp_step_ms"] > 0 and doc["profile"]["flexsp_micro_batches"] >= 1
+    assert doc["profile"]["flexsp_estimated_ms"] < 5000 * doc["profile"]["flexsp_micro_batches"]
+    assert cost.cluster.micro_batch_overhead_ms < 5000 and cost.cluster.pipeline_op_overhead_ms < 5000
     plan = subprocess.run([sys.executable, "-m", "megatron_ext.commands.cli", "plan", "--cost-model", str(out),
                            "--dist", "lmsys", "--batch", "16", "--json", "--no-baselines"],
                           capture_output=True, text=True, timeout=120)
     assert plan.returncode == 0, plan.stderr
+
+
+def test_transfer_fit_is_a_line_or_the_largest_transfers_rate_where_noise_swamps_it():
+    line = transfer_fit([0.25, 1.0, 4.0], [0.001 + 0.002 * x for x in (0.25, 1.0, 4.0)])
+    assert line["latency_ms"] == pytest.approx(1.0) and line["bandwidth_gbps"] == pytest.approx(0.5)
+    flat = transfer_fit([0.25, 1.0, 4.0], [0.0100, 0.0101, 0.0099])  # (a fitted slope <= 0)
+    assert flat["latency_ms"] == 0 and flat["bandwidth_gbps"] == pytest.approx(4.0 / 0.0099 * 1e-3)
 
 
 def test_nonnegative_fit_recovers_coefficients_and_never_goes_negative():
