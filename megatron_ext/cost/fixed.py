@@ -13,7 +13,9 @@ its runtime (ZeRO-3 over all 64 GPUs) that is mostly parameter traffic. Here it 
 - under ZeRO 0/1/2, no pass gathers parameters: once per step, the gradient reduction (0:
   all-reduce = reduce-scatter + all-gather; 1/2: reduce-scatter, then the all-gather of the
   updated parameters of the distributed optimizer) overlaps the backward and the next forward
-  (--overlap-grad-reduce, --overlap-param-gather) except for one layer's worth each way.
+  (--overlap-grad-reduce, --overlap-param-gather) except for one layer's worth each way; under
+  ZeRO-3, pipeline replicas (each sharding a stage over its own SP ranks) all-reduce each GPU's
+  gradient shard with its peers in the other replicas the same way (hybrid sharding).
 
 A collective over a group of n GPUs on k nodes (g of them on each) moves, for a tensor of S bytes
 (ring algorithms, large messages): inside one node, S (n - 1) / n per GPU over NVLink
@@ -76,11 +78,14 @@ def pass_fixed_ms(model, cluster, zero_stage: int, layers: int, ranks: Sequence[
     return launch + (GATHERS_PER_PASS * layers + EXPOSED_REDUCES_PER_PASS) * one
 
 
-def step_sync_ms(model, cluster, zero_stage: int, ranks: Sequence[int]) -> float:
-    """What the once-per-step gradient sync (ZeRO 0/1/2) adds to a step beyond the passes: one
-    layer's reduction and one layer's parameter gather over the ``ranks`` that hold copies (or
-    shards) of the same parameters; 0 under ZeRO-3 (its reductions are per pass)."""
-    if zero_stage == 3 or len(ranks) <= 1:
+def step_sync_ms(model, cluster, ranks: Sequence[int]) -> float:
+    """What a once-per-step gradient sync adds to a step beyond the passes: one layer's reduction
+    and one layer's parameter gather (an all-reduce's two halves) over the ``ranks`` that hold
+    copies (or shards) of the same parameters ``model`` has. ZeRO 0/1/2: the model's (or a stage's)
+    parameters over its data-parallel GPUs. ZeRO-3 reduces per pass inside the group that shards
+    them; only replicas of that group (pipeline replicas, each sharding a stage over its own SP
+    ranks) still all-reduce each GPU's shard with its peers once a step."""
+    if len(ranks) <= 1:
         return 0.0
     return EXPOSED_STEP_COLLECTIVES * collective_ms(cluster, layer_param_bytes(model), ranks)
 

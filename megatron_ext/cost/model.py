@@ -202,7 +202,7 @@ class CostModel:
     @cached_property
     def step_sync_ms(self) -> float:
         """What a FlexSP step's gradient sync over all GPUs leaves exposed (ZeRO 0/1/2; 0 at 3)."""
-        return step_sync_ms(self.model, self.cluster, self.zero_stage, range(self.num_gpus))
+        return 0.0 if self.zero_stage == 3 else step_sync_ms(self.model, self.cluster, range(self.num_gpus))
 
     def comm_ms_per_token(self, degree: int) -> float:
         """All-to-all ms per token of a degree-d group: each GPU sends its 1/d of the tokens

@@ -152,12 +152,18 @@ class PipelineCost:
 
     @cached_property
     def step_sync_ms(self) -> float:
-        """What the once-per-step gradient sync (ZeRO 0/1/2) leaves exposed, the slowest stage's:
-        each stage's layers over the GPUs holding them (its sp ranks in every replica)."""
+        """What the once-per-step gradient sync leaves exposed, the slowest stage's (cost/fixed.py):
+        ZeRO 0/1/2, each stage's layers over the GPUs holding them (its sp ranks in every replica);
+        ZeRO-3 (a stage sharded over its own sp ranks, reduced per pass), each GPU's shard over its
+        peers in the other replicas (none without replicas)."""
         c = self.cost
         stage_model = dataclasses.replace(c.model, params_b=c.model.params_b / self.pp,
                                           num_layers=self.layers_per_stage, act_mb_per_token=c.act_mb_per_token)
-        return max(step_sync_ms(stage_model, c.cluster, c.zero_stage,
+        if c.zero_stage == 3:
+            shard = dataclasses.replace(stage_model, params_b=stage_model.params_b / self.sp)
+            return max(step_sync_ms(shard, c.cluster, [self.stage_ranks(p, rep)[0] for rep in range(self.replicas)])
+                       for p in range(self.pp))
+        return max(step_sync_ms(stage_model, c.cluster,
                                 [r for rep in range(self.replicas) for r in self.stage_ranks(p, rep)])
                    for p in range(self.pp))
 

@@ -110,7 +110,13 @@ def test_p2p_and_fixed_cost():
     one = 13e9 / 40 * 2 * 7 / 8 / 155e6 + 0.01
     assert pc.fixed_ms == pytest.approx(34.8 / 4 + 21 * one)
     assert PipelineCost(COST, 4, 8, b1_scale=0.5).fixed_ms == pytest.approx((34.8 / 4 + 21 * one) / 2)
-    assert pc.step_sync_ms == 0.0  # ZeRO-3: the reductions are per pass
+    assert pc.step_sync_ms == 0.0  # ZeRO-3, no replicas: the reductions are per pass
+    # ZeRO-3 with replicas (pp 2 x sp 8 twice, on two nodes each): a stage is sharded over its own
+    # 8 GPUs only, so each GPU's 1/8 shard is all-reduced with its peer in the other replica once a
+    # step, one layer of it exposed each way: 1/8 of a layer over 1/8 of a node's 46 GB/s
+    z3 = PipelineCost(COST, 2, 8)
+    assert z3.replicas == 2
+    assert z3.step_sync_ms == pytest.approx(2 * (13e9 / 40 * 2 / 8 / 2 / (46e6 / 8) + 0.03))
     # ZeRO-1: no pass gathers; once per step one layer's reduction and gather stay exposed, over
     # the stage's GPUs in every replica (two replicas of pp 2: two nodes, 1/2 over 46 GB/s each)
     z1 = CostModel.from_presets("llama-13b", "a800-80g-8x4", zero_stage=1)
