@@ -70,7 +70,9 @@ def _check_coverage(seen: list[int], num_seqs: int, dropped: list[int]) -> None:
 
 
 def validate(plan: StepPlan, lengths, cost: CostModel) -> StepPlan:
-    """Raise InvalidPlanError unless the plan is safe to run on this batch and cluster."""
+    """Raise InvalidPlanError unless the plan is well formed for this batch and cluster (the
+    module doc); whether a pipeline order deadlocks or passes the memory budget at some moment
+    is the simulator's to say (``sim.simulate``, which every planner runs on its plan)."""
     lengths = np.asarray(lengths)
     if plan.kind not in KINDS:
         _fail(f"unknown plan kind {plan.kind!r}")
