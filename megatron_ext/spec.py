@@ -32,6 +32,7 @@ PRESET_DIR = Path(os.environ.get("MEGATRON_EXT_CONFIGS", Path(__file__).resolve(
 # figures for ZeRO collectives (``intra_node_bandwidth_gbps``, ``inter_node_bandwidth_gbps``):
 # GB/s of 1e9 bytes, as NCCL bus bandwidths are quoted (cost/fixed.py).
 MB = 2**20
+GBPS_IN_MB_PER_MS = 1e6 / MB  # a link figure of 1 GB/s (1e9 bytes a second) in MB per ms
 MAX_GPUS = 2**20  # a cluster past this many GPUs is a typo (its batches would not fit in memory here)
 # a sequence longer than this is a typo (the longest documents are millions of tokens); with at most
 # 2^20 of them in a batch its tokens stay far inside int64 (9e18 + 9e18 wrapped to a negative sum)
@@ -164,14 +165,14 @@ class ClusterSpec:
         """Bus bandwidth of a collective inside a node, GB/s per GPU."""
         if self.intra_node_bandwidth_gbps is not None:
             return float(self.intra_node_bandwidth_gbps)
-        return self.a2a_bandwidth(min(self.gpus_per_node, self.num_gpus))
+        return self.a2a_bandwidth(min(self.gpus_per_node, self.num_gpus)) / GBPS_IN_MB_PER_MS  # (MB/ms -> GB/s)
 
     @property
     def inter_node_gbps(self) -> float:
         """Bandwidth a node's NICs give a collective spanning nodes, GB/s per node."""
         if self.inter_node_bandwidth_gbps is not None:
             return float(self.inter_node_bandwidth_gbps)
-        return self.a2a_bandwidth(self.num_gpus) * self.gpus_per_node
+        return self.a2a_bandwidth(self.num_gpus) * self.gpus_per_node / GBPS_IN_MB_PER_MS  # (MB/ms -> GB/s)
 
     @property
     def intra_node_latency(self) -> float:

@@ -24,8 +24,8 @@ from megatron_ext.cost.activations import act_mb_per_token, recompute_time_facto
 from megatron_ext.cost.bounds import barrier_free_bound_ms, cheapest_gpu_ms, lower_bound_ms, relaxed_bound_ms
 from megatron_ext.cost.fixed import pass_fixed_ms, step_sync_ms
 from megatron_ext.errors import ConfigError, InfeasibleError
-from megatron_ext.spec import (MB, ClusterSpec, ModelSpec, read_yaml, cluster_from_mapping, is_power_of_two,
-                               load_cluster, load_model, model_from_mapping)
+from megatron_ext.spec import (GBPS_IN_MB_PER_MS, MB, ClusterSpec, ModelSpec, read_yaml, cluster_from_mapping,
+                               is_power_of_two, load_cluster, load_model, model_from_mapping)
 
 # Fraction of the 16 bytes/param of mixed-precision Adam states (2 bf16 weights, 2 gradients, 12
 # fp32 master weights and moments) kept per GPU, by ZeRO stage: (sharded over the GPUs that hold
@@ -224,14 +224,15 @@ class CostModel:
 
     @cached_property
     def ring_bandwidth_gbps(self) -> float:
-        """GB/s each GPU of a ring gets to its neighbour: the measured p2p figure, else the
-        cross-node links shared by a node's GPUs (rings span nodes once the Ulysses part fills them)."""
+        """MB per ms each GPU of a ring gets to its neighbour (spec.py, units): the measured p2p
+        figure, else the link figures (GB/s, converted) of the cross-node links shared by a node's
+        GPUs (rings span nodes once the Ulysses part fills them)."""
         c = self.cluster
         if c.p2p_bandwidth_gbps:
             return float(c.p2p_bandwidth_gbps)
         if c.num_nodes == 1:
-            return c.intra_node_gbps
-        return c.inter_node_gbps / c.gpus_per_node
+            return c.intra_node_gbps * GBPS_IN_MB_PER_MS
+        return c.inter_node_gbps / c.gpus_per_node * GBPS_IN_MB_PER_MS
 
     def ring_ms(self, seq_len, degree: int):
         """What a degree-d group's ring leaves exposed per sequence (0 without a ring): K/V blocks

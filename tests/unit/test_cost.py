@@ -532,3 +532,16 @@ def test_a_family_of_clusters_needs_its_node_count():
                                           "h100-80g-8x4"):
         load_cluster("h100-80g-8xN")
     assert load_cluster("h100-80g-8x2").num_nodes == 2
+
+
+def test_link_figures_and_tables_convert_between_their_units():
+    """All-to-all and p2p tables are MB per ms; link figures GB/s of 1e9 bytes (spec.py, units).
+    A cluster without link figures or a p2p figure takes them from its all-to-all table, each in
+    its own unit: the ring's neighbour gets exactly the table's cross-node MB per ms, and a ZeRO
+    collective (cost/fixed.py: bytes over GB/s x 1e6) moves the table's MB per ms."""
+    cluster = ClusterSpec("plain", num_nodes=2, gpus_per_node=4, memory_gb=80,
+                          a2a_bandwidth_gbps={2: 40.0, 4: 30.0, 8: 10.0}, a2a_latency_ms={2: 0.0})
+    assert cluster.intra_node_gbps * 1e9 / 1e3 / 2**20 == pytest.approx(30.0)  # bytes a ms, in MB
+    assert cluster.inter_node_gbps / 4 * 1e9 / 1e3 / 2**20 == pytest.approx(10.0)
+    cost = CostModel(load_model("gpt-7b"), cluster, 1, max_ring=2)
+    assert cost.ring_bandwidth_gbps == pytest.approx(10.0)
