@@ -1,4 +1,4 @@
-"""The hooks the patched ``pretrain_gpt.py`` installs (``patches/``): one call, five wrappers.
+"""The hooks the patched ``pretrain_gpt.py`` installs (``patches/``): one call, six wrappers.
 
 ``wrap_pretrain_gpt(datasets_provider, model_builder, forward_step, extra_args_provider)`` returns
 the same four things, wrapped. Each wrapper decides at call time, from the parsed arguments:
@@ -17,7 +17,10 @@ script trains exactly like the unpatched one; with either it uses megatron_ext's
   TFLOP/s/GPU line, ``--log-throughput`` and the FLOPs in checkpoints and the progress log): it
   counts every sample as ``--seq-length`` tokens; a planned step's count is that of its documents
   at their own lengths (``step.step_floating_point_operations``). ``wrap_pretrain_gpt`` installs it
-  in Megatron's training module (which calls it by name) once.
+  in Megatron's training module (which calls it by name) once;
+* Megatron's check of a resumed checkpoint's arguments
+  (``megatron.training.checkpointing.check_checkpoint_args``): unchanged, and the arguments kept,
+  so that a planned run refuses to resume drawing other batches (``step.check_sample_cut``).
 """
 from __future__ import annotations
 
@@ -113,9 +116,33 @@ def _count_planned_flops() -> None:
         training.num_floating_point_operations = FloatingPointOperations(training.num_floating_point_operations)
 
 
+class CheckpointArgs:
+    """Megatron's check_checkpoint_args(checkpoint_args), which ``load_checkpoint`` calls with the
+    resumed run's arguments: they are kept (``step.STATE.checkpoint_args``) for the planned data
+    to check what it draws batches from against (``step.check_sample_cut``)."""
+
+    def __init__(self, stock):
+        self.stock = stock
+        functools.update_wrapper(self, stock)
+
+    def __call__(self, checkpoint_args):
+        from megatron_ext.megatron.step import STATE
+
+        STATE.checkpoint_args = checkpoint_args
+        return self.stock(checkpoint_args)
+
+
+def _keep_checkpoint_args() -> None:
+    from megatron.training import checkpointing
+
+    if not isinstance(checkpointing.check_checkpoint_args, CheckpointArgs):
+        checkpointing.check_checkpoint_args = CheckpointArgs(checkpointing.check_checkpoint_args)
+
+
 def wrap_pretrain_gpt(datasets_provider, model_builder, forward_step, extra_args_provider=None):
-    """(datasets_provider, model_builder, forward_step, extra_args_provider), wrapped, and Megatron's
-    FLOPs count (module doc)."""
+    """(datasets_provider, model_builder, forward_step, extra_args_provider), wrapped, Megatron's
+    FLOPs count and its check of a resumed checkpoint's arguments (module doc)."""
     _count_planned_flops()
+    _keep_checkpoint_args()
     return (DatasetsProvider(datasets_provider), ulysses_model_builder(model_builder), ForwardStep(forward_step),
             _extra_args_provider(extra_args_provider))

@@ -71,6 +71,7 @@ class _State:
     counted_step: Step | None = None  # the last step whose FLOPs were counted
     counted_flops: tuple = ()  # the counts of the steps since Megatron last logged
     trace: object = None  # --planner-trace's RunTrace (rank 0)
+    checkpoint_args: object = None  # the arguments of the run --load resumes (hooks.py keeps them)
 
 
 STATE = _State()
@@ -162,6 +163,7 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     STATE.loaders = tuple(loaders)
     atexit.register(_close_loaders)
     train = loaders[0]
+    check_sample_cut(args, train.max_seq_len, flag)
     if elastic:
         sp = train.options.sp
         replicas = 1 if sp is None else dp // sp
@@ -177,6 +179,23 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
                  f"split {[len(d) for d, *_ in splits]}; planner {train.planner} with {cost.model.name} on "
                  f"{cost.cluster.name}, {layout}, sequences up to {train.max_seq_len} tokens")
     return tuple(None if ld is None else iter(ld) for ld in loaders)
+
+
+def check_sample_cut(args, max_len: int, flag: str) -> None:
+    """Documents are cut into samples at the longest sequence the run plans (--seq-length, capped
+    by what the largest SP group holds, which the GPU count sets), and step k's batch is drawn
+    from those samples: a run resumed with another cut would draw other batches, repeating and
+    skipping documents. The cut goes into the checkpoint's arguments (``planned_max_seq_len``);
+    a resume that would cut otherwise is refused."""
+    saved = getattr(STATE.checkpoint_args, "planned_max_seq_len", None)
+    if saved is not None and int(saved) != max_len:
+        from megatron_ext.data.datasets import DataError
+
+        raise DataError(f"{flag}: the checkpoint's run cut documents into samples of at most {int(saved):,} tokens, "
+                        f"this one would cut them at {max_len:,} (--seq-length {args.seq_length}, capped by the "
+                        f"largest SP group this cluster holds), and so draw other batches: resume on the GPU count "
+                        f"it was saved with, or with --seq-length at most both runs' cap")
+    args.planned_max_seq_len = max_len
 
 
 def valid_start_step(args) -> int:

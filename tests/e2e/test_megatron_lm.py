@@ -12,6 +12,7 @@ directory, one copy patched with scripts/apply_patches.sh and one unpatched, and
   holds the blend's documents, the planner log has one record per step;
 - --elastic-pp with 2 pipeline stages of SP degree 2 (4 ranks, through run_local.sh --pp 2)
   trains on mock data with sequences cut into slices, and evaluates;
+- a --flexsp run resumed on another GPU count, where it would cut documents otherwise, is refused;
 - a --flexsp run resumed from its checkpoint (--load) reports the uninterrupted run's training
   and validation losses (validation goes on where it stopped);
 - the patched script with --flexsp, on a cost model that makes it mix SP degrees 1 and 2 in a
@@ -450,6 +451,24 @@ def test_flexsp_resumes_training_and_validation_where_they_stopped(checkouts, tm
     assert [v[:2] for v in validation["resumed"]] == [(4, False), (4, True)], validation
     for (_, _, loss), (_, _, expected) in zip(validation["resumed"], validation["whole"][1:]):
         assert loss == pytest.approx(expected, rel=1e-6), validation
+
+
+def test_flexsp_refuses_to_resume_cutting_documents_otherwise(checkouts, tmp_path):
+    """Documents are cut at the longest sequence the run plans: --seq-length 8192 capped at what
+    the largest SP group holds, on 2 ranks less than on 4. Resumed on 4 ranks, the run would cut
+    (and so draw) other batches: it is refused in one line, naming both cuts."""
+    _, patched = checkouts
+    save = tmp_path / "ckpt"
+    args = MODEL_ARGS + ["--seq-length", "8192", "--max-position-embeddings", "8192", "--global-batch-size", "8",
+                         "--mock-data", "--flexsp", "--split", "100,0,0", "--eval-iters", "0", "--train-iters", "2"]
+    # (stopped and saved after iteration 1, as a preempted run is)
+    _ok(run_pretrain(patched, args + ["--cost-model", COST_2, "--save", str(save), "--save-interval", "1000",
+                                      "--exit-interval", "1"]), 1)
+    resumed = run_pretrain(patched, args + ["--cost-model", COST_4, "--load", str(save)], nproc=4)
+    assert resumed["returncode"] != 0
+    said = re.search(r"megatron-ext: error: --flexsp: the checkpoint's run cut documents into samples of at most "
+                     r"([\d,]+) tokens, this one would cut them at ([\d,]+)", resumed["output"])
+    assert said and int(said[1].replace(",", "")) < int(said[2].replace(",", "")) <= 8192, resumed["output"][-3000:]
 
 
 def test_flexsp_auto_slices_what_no_group_holds(checkouts, tmp_path):
