@@ -9,6 +9,7 @@
 #
 # Steps, each timed, then one table (non-zero exit if any step failed):
 #   cuda       CUDA, the GPUs, torch / CUDA / NCCL versions
+#   cluster    a cluster YAML of this node's GPUs (their memory), for the profile below
 #   nccl       an all-reduce and a p2p ring over NCCL on every GPU (torchrun)
 #   profile    `megatron-ext profile --device cuda` (bf16, CUDA events), a cost YAML
 #   profile32  the same in fp32, the dtype `train` runs

@@ -7,5 +7,6 @@ sim, planner, data, runtime, megatron) import nothing from here (tests/unit/test
 - ``plan``, ``simulate`` (with ``table``: the comparison of every planner), ``bench``, ``report``:
   one module per command; ``plot``: the pictures of ``--plot``;
 - ``train`` and ``profile``: the launcher side of each and the module every rank runs under
-  torchrun (``launch``: torchrun, signals, the ranks' stderr).
+  torchrun (``launch``: the checks before any rank starts, then runtime/supervisor.py);
+  ``scale``: ``bench planner --gpus``, plan quality and latency across cluster sizes.
 """

@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate_command(sub)
     add_bench_command(sub)
     sub.add_parser("train", add_help=False,
-                   help="train a small GPT on CPU ranks with per-step plans (torchrun); --help for options")
+                   help="train a small GPT with per-step plans (CPU ranks, or a GPU a rank with CUDA; "
+                        "torchrun); --help for options")
     add_report_command(sub)
     sub.add_parser("profile", add_help=False,
                    help="measure the cost model's coefficients here and write a cost-model YAML; --help")

@@ -27,7 +27,7 @@
 - ``checkpoint``: ``train --save`` / ``--load`` (megatron-core distributed checkpoints).
 - ``train`` and ``profile``: the engines of ``megatron-ext train`` and ``profile`` (their commands,
   in ``commands/``, parse the options and start the ranks); ``torchrun``: torchrun as the launcher
-  runs it.
+  runs it; ``supervisor``: torchrun watched from outside its session (stop signals, stderr, leftovers).
 
 Submodules are imported on demand (``attention`` and ``rope`` import megatron-core; ``kernels``,
 ``comm`` and ``slices`` torch only).

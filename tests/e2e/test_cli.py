@@ -688,12 +688,13 @@ def test_compared_runs_note_an_unused_ring_once(capsys, monkeypatch):
     import subprocess as sp
 
     import megatron_ext.commands.launch as launch
+    import megatron_ext.runtime.supervisor as supervisor
 
     # each run's torchrun, replaced by a process that prints one step's record
     record = {"step_time_s": 1.0, "predicted_step_time_s": 1.0, "tokens": 8, "loss": 2.0, "grad_norm": 1.0,
               "planner": "flexsp"}
     started, popen = [], sp.Popen
-    monkeypatch.setattr(launch.subprocess, "Popen", lambda cmd, **kw: started.append(cmd) or popen(
+    monkeypatch.setattr(supervisor.subprocess, "Popen", lambda cmd, **kw: started.append(cmd) or popen(
         [sys.executable, "-c", f"print({json.dumps(record)!r})"], **kw))
     monkeypatch.setattr(launch, "_check_cpu_ranks_fit", lambda *a: None)
     code, out, err = run(capsys, "train", "--steps", "1", "--compare", "flexsp,static_ulysses", "--max-ring", "2")
@@ -705,9 +706,10 @@ def test_compared_runs_that_trained_nothing_are_refused(capsys, monkeypatch):
     import subprocess as sp
 
     import megatron_ext.commands.launch as launch
+    import megatron_ext.runtime.supervisor as supervisor
 
     popen = sp.Popen  # (a --load checkpoint already at --steps: the runs print no step)
-    monkeypatch.setattr(launch.subprocess, "Popen", lambda cmd, **kw: popen([sys.executable, "-c", ""], **kw))
+    monkeypatch.setattr(supervisor.subprocess, "Popen", lambda cmd, **kw: popen([sys.executable, "-c", ""], **kw))
     monkeypatch.setattr(launch, "_check_cpu_ranks_fit", lambda *a: None)
     code, out, err = run(capsys, "train", "--steps", "1", "--compare", "flexsp,static_ulysses")
     assert_one_line_error(code, out, err.split("\n", 1)[1], "the flexsp run trained no steps")
