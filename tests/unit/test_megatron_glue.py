@@ -377,8 +377,33 @@ def fake_megatron_args(monkeypatch):
         return batch_size * args.seq_length * (100.0 + 3.0 * args.seq_length)
 
     mod.training = types.SimpleNamespace(num_floating_point_operations=num_floating_point_operations)
+    mod.checkpointing = types.SimpleNamespace(check_checkpoint_args=lambda checkpoint_args: None)
     monkeypatch.setitem(sys.modules, "megatron.training", mod)
     return state
+
+
+def test_a_resume_that_would_cut_documents_otherwise_is_refused(fake_megatron_args, monkeypatch):
+    """Megatron's check of a resumed checkpoint's arguments keeps them; the planned data records
+    the length it cuts documents at in the run's arguments (saved with every checkpoint) and
+    refuses a resume that would cut at another (another GPU count under a capped --seq-length)."""
+    from megatron_ext.data.datasets import DataError
+    from megatron_ext.megatron import step as mstep
+    from megatron_ext.megatron.hooks import wrap_pretrain_gpt
+
+    checkpointing = sys.modules["megatron.training"].checkpointing
+    seen = []
+    monkeypatch.setattr(checkpointing, "check_checkpoint_args", seen.append)
+    monkeypatch.setattr(mstep.STATE, "checkpoint_args", None)
+    wrap_pretrain_gpt(lambda n: None, lambda *a, **k: None, lambda it, m: None)
+    args = Namespace(seq_length=8192)
+    mstep.check_sample_cut(args, 3810, "--flexsp")  # a fresh run: nothing to compare, the cut recorded
+    assert args.planned_max_seq_len == 3810
+    checkpointing.check_checkpoint_args(args)  # load_checkpoint's call on resuming
+    assert seen == [args] and mstep.STATE.checkpoint_args is args
+    mstep.check_sample_cut(Namespace(seq_length=8192), 3810, "--flexsp")  # the same cut: resumes
+    with pytest.raises(DataError, match="cut documents into samples of at most 3,810 tokens, this one would cut "
+                                        "them at 7,072"):
+        mstep.check_sample_cut(Namespace(seq_length=8192), 7072, "--flexsp")
 
 
 def test_hooks_call_megatrons_functions_without_flexsp(fake_megatron_args, monkeypatch):

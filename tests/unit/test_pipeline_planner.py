@@ -424,12 +424,13 @@ def test_layouts_and_their_estimate():
     # and the chunk count at that n (what building a candidate costs: chunks x stages)
     assert layout_estimate(lengths, pc)[1] == min(range(1, 158), key=lambda n: W + n * b + 3 * (W / n + b))
     assert est > W + 4 * b
-    # two replicas: the slower of the shares elastic_pp gives them
+    # two replicas: the slower of the shares elastic_pp gives them, and the step's sync between them
     pc2 = PipelineCost(COST, 2, 8)
     shares = [lengths[p] for p in split_replicas(np.arange(len(lengths)), lengths, pc2, 2)]
+    assert pc2.step_sync_ms > 0
     assert layout_estimate(lengths, pc2)[0] * 1e3 == pytest.approx(max(
         min(Wr + n * pc2.fixed_ms + (Wr / n + pc2.fixed_ms) for n in range(1, max(len(x), math.ceil(x.sum() / 1024)) + 1))
-        for x, Wr in ((x, float(pc2.prefix_ms(x).sum())) for x in shares)))
+        for x, Wr in ((x, float(pc2.prefix_ms(x).sum())) for x in shares)) + pc2.step_sync_ms)
     # three long sequences over two replicas: one replica runs two of them, whatever the average
     three = np.array([40000] * 3 + [1000] * 4)
     assert layout_estimate(three, pc2)[0] * 1e3 >= 2 * float(pc2.prefix_ms(40000)) > float(pc2.prefix_ms(three).sum()) / 2

@@ -219,9 +219,9 @@ def test_large_batch_plans_a_valid_step():
 
 def test_a_pipeline_out_of_time_with_nothing_feasible_falls_back_to_a_chunking_of_sane_size():
     """A pipeline whose deadline passed before anything fitted (a grouping probed after a failed
-    one) goes straight to the last resort. Its first try is the fewest equal-time slices that let
-    the longest sequence fit: each sequence at its own slice cap makes ~5,000 chunks of these 51
-    long sequences, over MAX_CHUNKS, so elastic_pp refused this batch of 205 at 0.5 s."""
+    one) goes straight to the last resort: each sequence at its own slice cap makes ~5,000 chunks
+    of these 51 long sequences, over MAX_CHUNKS, where elastic_pp refused this batch of 205 at
+    0.5 s; it then takes the fewest equal-time slices that let the longest sequence fit."""
     cost = CostModel.from_presets("llama-13b", "a800-80g-8x1", 2)
     pc = pipeline_cost(cost, 4, 2, PipelineOptions())
     lengths = np.random.default_rng(7).integers(1, longest_sequence(pc) + 1, 205)

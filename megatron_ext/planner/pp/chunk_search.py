@@ -136,9 +136,9 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
        with token-capped slices when memory needs them (``sequence_limits.fit_cap``; first, if no equal-time
        slicing of the longest sequence can fit, else if nothing else fitted).
     2. At the best target: the other ramps (and none), and the elastic 1F1B order.
-    3. Nothing fits yet: the fewest equal-time slices that let the longest sequence fit, under
-       the finest memory cap; then every sequence at its slice cap, then every slice and chunk at
-       half the longest sequence's cap, a quarter, ... down to its finest slicing.
+    3. Nothing fits yet: every sequence at its slice cap, then every slice and chunk at half the
+       longest sequence's cap, a quarter, ... down to its finest slicing; where that makes more
+       than ``MAX_CHUNKS``, the fewest equal-time slices that let the longest sequence fit.
 
     ``builds``: the candidates built so far, shared by the searches of one replica's pipelines."""
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
@@ -278,18 +278,10 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
             consider(top.pieces, top.slices, order, ((), ()))
             if best is not top:
                 best.ramp = top.ramp
-    # last resort, until something fits (in a hurry, the search built nothing): the fewest
-    # equal-time slices that let the longest sequence fit, under the finest memory cap (as many
-    # chunks as a regular candidate: each sequence at its own slice cap below may make thousands
-    # more, 9,650 for 205 lengths up to 105K); then every slice and chunk within the longest
-    # sequence's slice cap, then finer, down to the finest slicing
-    if best is None and not capped:
-        k = fewest_slices(longest, pc, opts.granularity, opts.min_slice_tokens) or 1
-        ch = balanced_chunks(seq_ids, lengths, pc, float(pc.prefix_ms(longest)) / k, min(finite, default=math.inf),
-                             opts.granularity, opts.fit, min_tail=opts.granularity)
-        for order in orders:
-            if best is None:
-                consider(ch.chunks, ch.slices, order)
+    # last resort, until something fits (in a hurry, the search built nothing): every slice and
+    # chunk within the longest sequence's slice cap, then finer, down to the finest slicing; where
+    # that makes more than MAX_CHUNKS (each sequence at its own slice cap: 9,650 for 205 lengths up
+    # to 105K), the fewest equal-time slices that let the longest sequence fit, chunks uncapped
     t = slice_cap or int(min(finite, default=longest)) // 2
     finest = finest_slice(longest, g)
     while best is None and t >= finest:
@@ -298,6 +290,13 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
                              max_slice_tokens=cap_of if t == slice_cap else lambda s, t=t: min(t, cap_of(s) or s))
         if len(ch.chunks) > MAX_CHUNKS:  # (refused, and finer slices only make more: ~0.4 s a try past the limit)
             errors.append(f"{where}: {len(ch.chunks)} chunks, more than the {MAX_CHUNKS} a pipeline may have")
+            if not capped:
+                k = fewest_slices(longest, pc, opts.granularity, opts.min_slice_tokens) or 1
+                ch = balanced_chunks(seq_ids, lengths, pc, float(pc.prefix_ms(longest)) / k, math.inf,
+                                     opts.granularity, opts.fit, min_tail=opts.granularity)
+                for order in orders:
+                    if best is None:
+                        consider(ch.chunks, ch.slices, order)
             break
         for order in orders:
             if best is None:
