@@ -94,13 +94,13 @@ class GlobalBatches:
         bounds = np.concatenate([[0], np.cumsum(source_sizes)])
         if bounds[-1] != self.num_documents:
             raise DataError(f"the sources hold {bounds[-1]} documents, the dataset {self.num_documents}")
-        owner = np.searchsorted(bounds, self.samples[:, 0], side="right") - 1
-        by_source = np.argsort(owner, kind="stable").astype(self.samples.dtype)
-        self._source_samples = np.split(by_source, np.cumsum(np.bincount(owner, minlength=w.size))[:-1])
-        for i, ids in enumerate(self._source_samples):
+        # the samples run in document order and each source is a range of documents: source i's
+        # samples are a range too, [sample_bounds[i], sample_bounds[i + 1]) (no per-sample owner)
+        self._sample_bounds = np.searchsorted(self.samples[:, 0], bounds).astype(np.int64)
+        for i, size in enumerate(np.diff(self._sample_bounds).tolist()):
             need = math.ceil(w[i] * self.global_batch_size - 1e-9)
-            if len(ids) < need:
-                raise TooFewSamples(f"source {i} of the blend has {plural(len(ids), 'sample')}, fewer than its share of one "
+            if size < need:
+                raise TooFewSamples(f"source {i} of the blend has {plural(size, 'sample')}, fewer than its share of one "
                                 f"global batch ({need} of {self.global_batch_size} at weight {w[i]:.3g})")
         self._weight_sums = np.concatenate([[0.0], np.cumsum(w)])
         return w
@@ -145,18 +145,19 @@ class GlobalBatches:
         b = self.global_batch_size
         if self.weights is None:
             epoch, k = divmod(step, self.steps_per_epoch)
-            return self._perm(-1, epoch, len(self.samples))[k * b:(k + 1) * b]
+            return self._perm(-1, epoch, len(self.samples))[k * b:(k + 1) * b].astype(np.int64)
         lo, hi = self._blend_counts(step), self._blend_counts(step + 1)
         parts = []
-        for i, ids in enumerate(self._source_samples):
+        for i, (first, end) in enumerate(zip(self._sample_bounds[:-1].tolist(), self._sample_bounds[1:].tolist())):
+            size = end - first
             pos = np.arange(lo[i], hi[i])
-            for epoch in np.unique(pos // len(ids)) if pos.size else ():
-                at = pos[pos // len(ids) == epoch] % len(ids)
-                parts.append(ids[self._perm(i, int(epoch), len(ids))[at]])
+            for epoch in np.unique(pos // size) if pos.size else ():
+                at = pos[pos // size == epoch] % size
+                parts.append(first + self._perm(i, int(epoch), size)[at].astype(np.int64))
         return np.concatenate(parts)
 
     def batch_samples(self, step: int) -> np.ndarray:
-        return self.samples[self.batch_sample_ids(step)].astype(np.int64)
+        return self.samples[self.batch_sample_ids(step)].astype(np.int64)  # (held as int32 where they fit)
 
     def batch_lengths(self, step: int) -> np.ndarray:
         s = self.batch_samples(step)

@@ -59,6 +59,7 @@ SAMPLE_RULE = "pieces of max_seq_len, under 2 tokens left out"
 
 
 CUT_BLOCK = 1 << 22  # documents cut at a time: the temporaries stay ~0.3 GB however large the corpus
+INT32_END = 2**31  # samples are held as int32 where every value they hold, or index them by, is below it
 
 
 def cut_documents(doc_lengths, max_seq_len: int) -> np.ndarray:
@@ -70,17 +71,23 @@ def cut_documents(doc_lengths, max_seq_len: int) -> np.ndarray:
     the whole corpus: 100M documents peaked at 9 GB)."""
     lengths = np.asarray(doc_lengths)
     n = int(lengths.size)
-    dtype = np.int32 if max(n, int(lengths.max(initial=0))) < 2**31 else np.int64
+
     def blocks():
         return (lengths[lo:lo + CUT_BLOCK].astype(np.int64) for lo in range(0, n, CUT_BLOCK))
 
     def pieces_of(block: np.ndarray) -> np.ndarray:
         return -(-block // max_seq_len)  # 0 for empty documents
 
-    def kept_of(block: np.ndarray, pieces: np.ndarray) -> int:  # pieces less last pieces under 2 tokens
-        return int(pieces.sum()) - int(np.count_nonzero((pieces > 0) & (block - (pieces - 1) * max_seq_len < 2)))
+    def kept_of(block: np.ndarray, pieces: np.ndarray) -> int:
+        """Samples kept: the full pieces (max_seq_len tokens each: none under 2), and each last
+        piece of 2 tokens or more."""
+        full = int(np.maximum(pieces - 1, 0).sum()) if max_seq_len >= 2 else 0
+        return full + int(np.count_nonzero((pieces > 0) & (block - (pieces - 1) * max_seq_len >= 2)))
 
-    out = np.empty((sum(kept_of(b, pieces_of(b)) for b in blocks()), 3), dtype=dtype)
+    kept = sum(kept_of(b, pieces_of(b)) for b in blocks())
+    # (the values: document ids, token offsets, and the sample ids that index these rows elsewhere)
+    dtype = np.int32 if max(n, kept, int(lengths.max(initial=0))) < INT32_END else np.int64
+    out = np.empty((kept, 3), dtype=dtype)
     at = 0
     for i, block in enumerate(blocks()):
         pieces = pieces_of(block)
@@ -93,6 +100,7 @@ def cut_documents(doc_lengths, max_seq_len: int) -> np.ndarray:
         out[at:at + k, 1] = start[keep]
         out[at:at + k, 2] = end[keep]
         at += k
+    assert at == kept  # (every row written: the count above is the one rule's)
     return out
 
 

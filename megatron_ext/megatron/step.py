@@ -191,10 +191,16 @@ def check_sample_cut(args, max_len: int, flag: str) -> None:
     if saved is not None and int(saved) != max_len:
         from megatron_ext.data.datasets import DataError
 
-        raise DataError(f"{flag}: the checkpoint's run cut documents into samples of at most {int(saved):,} tokens, "
-                        f"this one would cut them at {max_len:,} (--seq-length {args.seq_length}, capped by the "
-                        f"largest SP group this cluster holds), and so draw other batches: resume on the GPU count "
-                        f"it was saved with, or with --seq-length at most both runs' cap")
+        saved = int(saved)
+        if max_len == int(args.seq_length):  # (not capped here: --seq-length itself differs)
+            why = f"--seq-length {args.seq_length}"
+            fix = f"resume with --seq-length {saved}"
+        else:
+            why = f"--seq-length {args.seq_length} capped by what this cluster's largest SP group holds"
+            fix = (f"resume on the GPU count it was saved with" + (f", or with --seq-length {saved}"
+                                                                    if saved < max_len else ""))
+        raise DataError(f"{flag}: the checkpoint's run cut documents into samples of at most {saved:,} tokens, "
+                        f"this one would cut them at {max_len:,} ({why}), and so draw other batches: {fix}")
     args.planned_max_seq_len = max_len
 
 

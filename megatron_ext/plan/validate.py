@@ -126,8 +126,11 @@ def _validate_flexsp(plan: StepPlan, lengths: np.ndarray, cost: CostModel) -> No
     groups = [(m, g) for m, mb in enumerate(plan.micro_batches) for g in mb.groups]
     sizes = [len(g.seq_ids) for _, g in groups]
     seen = list(itertools.chain.from_iterable(g.seq_ids for _, g in groups))
-    ids = np.array(seen, dtype=np.int64)
     owner = np.repeat(np.arange(len(groups)), sizes)
+    try:
+        ids = np.array(seen, dtype=np.int64)
+    except OverflowError:  # (an id past int64, from JSON: out of range whatever the batch)
+        ids = np.array([i if -2**63 <= i < 2**63 else -1 for i in seen], dtype=np.int64)
     out = np.flatnonzero((ids < 0) | (ids >= len(lengths)))
     if out.size:
         _fail(f"{where_of(*groups[owner[out[0]]])}: sequence id out of range")

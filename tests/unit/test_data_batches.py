@@ -29,6 +29,13 @@ def test_samples_are_cut_block_by_block_in_the_smallest_dtype(monkeypatch):
     assert make_samples(docs, 16).tolist() == want
     huge = make_samples([3, 2**31 + 5], 2**31)
     assert huge.dtype == np.int64 and huge.tolist() == [[0, 0, 3], [1, 0, 2**31], [1, 2**31, 2**31 + 5]]
+    # the sample ids index the rows too: more samples than int32 holds is int64, whatever the documents
+    monkeypatch.setattr(lengths_mod, "INT32_END", 12)
+    assert make_samples([10, 10, 10], 2).dtype == np.int64 and make_samples([10, 10], 5).dtype == np.int32
+    monkeypatch.undo()
+    # pieces of 1 token predict nothing: none is kept (every counted row is written)
+    assert make_samples([5, 3], 1).shape == (0, 3) and make_samples([5, 3, 1, 0, 2], 2).tolist() == [
+        [0, 0, 2], [0, 2, 4], [1, 0, 2], [4, 0, 2]]
     gb = GlobalBatches(docs, 5, 16, seed=3)
     epoch1 = np.random.default_rng([3, 1]).permutation(len(want))
     assert gb.batch_sample_ids(gb.steps_per_epoch + 2).tolist() == epoch1[10:15].tolist()

@@ -402,8 +402,11 @@ def test_a_resume_that_would_cut_documents_otherwise_is_refused(fake_megatron_ar
     assert seen == [args] and mstep.STATE.checkpoint_args is args
     mstep.check_sample_cut(Namespace(seq_length=8192), 3810, "--flexsp")  # the same cut: resumes
     with pytest.raises(DataError, match="cut documents into samples of at most 3,810 tokens, this one would cut "
-                                        "them at 7,072"):
+                                        "them at 7,072 .*: resume on the GPU count it was saved with, or with "
+                                        "--seq-length 3810$"):
         mstep.check_sample_cut(Namespace(seq_length=8192), 7072, "--flexsp")
+    with pytest.raises(DataError, match=r"at 2,048 \(--seq-length 2048\), .*: resume with --seq-length 3810$"):
+        mstep.check_sample_cut(Namespace(seq_length=2048), 2048, "--flexsp")
 
 
 def test_hooks_call_megatrons_functions_without_flexsp(fake_megatron_args, monkeypatch):

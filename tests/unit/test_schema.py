@@ -171,6 +171,7 @@ def test_fill_estimates(tiny):
     (flexsp_plan([([0, 1], []), ([2], [0, 1, 3])], [([0, 1, 2, 3], [2])]), "no sequences"),
     (flexsp_plan([([0, 1], [0, 3, 4]), ([2], [1])], [([0, 1, 2, 3], [2])]), "out of range"),
     (flexsp_plan([([0, 1], [0, 3, -1]), ([2], [1])], [([0, 1, 2, 3], [2])]), "out of range"),
+    (flexsp_plan([([0, 1], [0, 3, 2**64]), ([2], [1])], [([0, 1, 2, 3], [2])]), "out of range"),  # (past int64)
     (flexsp_plan([([0, 1], [0, 3]), ([2], [1])], []), "no groups"),
     (flexsp_plan([([0, 1], [0, 3]), ([2], [1])], [([0, 1, 2, 3], [2])], dropped=[2]), "more than once"),
     (flexsp_plan([([0, 1], [0, 3]), ([2], [1])], [([0, 1, 2, 3], [2])], dropped=[4]), "out of range"),
