@@ -19,3 +19,7 @@ class InfeasibleError(MegatronExtError):
 
 class InvalidPlanError(MegatronExtError):
     """A StepPlan breaks an invariant (coverage, group alignment, memory)."""
+
+
+class DivergedError(MegatronExtError):
+    """A training step's loss or gradient norm is not finite: the run stops there, unsaved."""

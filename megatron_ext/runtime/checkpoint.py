@@ -31,7 +31,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from pathlib import Path
+
+import numpy as np
 
 from megatron_ext.data.lengths import SAMPLE_RULE
 from megatron_ext.errors import ConfigError
@@ -40,29 +43,68 @@ from megatron_ext.files import replacing
 TRACKER_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's name
 RUN_FILE = "megatron_ext.json"  # not metadata.json: dist_checkpointing writes that one
 FILES_KEY = "files"  # RUN_FILE's list of the checkpoint's files and their sizes (not a run setting)
+CRC_KEY = "crc32"  # ... and their CRC-32s (a shard damaged in place keeps its size)
 
 # what each run_identity key is called on the command line, for the refusal
-_OPTIONS = {"model": "--model", "ranks": "ranks (--cluster)", "pp": "--pp", "data": "--data",
+_OPTIONS = {"model": "--model", "ranks": "ranks (--cluster)", "pp": "--pp",
             "vocab_size": "--vocab-size", "seed": "--seed", "global_batch": "--global-batch",
             "max_seq_len": "--max-seq-len", "sample_rule": "documents cut into samples as", "lr": "--lr"}
+DATA_KEY = "documents"  # the data's fingerprint (``data_fingerprint``), checked by the ranks once they read it
 
 _stop_requested = False
 
 
-def run_identity(args, cost) -> dict:
+def run_identity(args, cost, documents) -> dict:
+    """``run_settings`` and the data's fingerprint (``DATA_KEY``): what a checkpoint is saved with."""
+    return {**run_settings(args, cost), DATA_KEY: data_fingerprint(documents)}
+
+
+def run_settings(args, cost) -> dict:
     """What a checkpoint shares with the runs that may resume it: the model's shapes, the ranks
     and pipeline stages its states are spread over (one RNG state per rank), the data stream
-    (step k's batch is a function of the data, seed, batch size, cut length and the rule that
-    cuts, ``data.lengths.SAMPLE_RULE``) and the learning rate (the optimizer state carries it).
-    Not the planner, the SP degrees or the attention
-    backend: they change how a step is computed, not what."""
+    (step k's batch is a function of the data, ``data_fingerprint``, checked by the ranks once they
+    read it, the seed, batch size, cut length and the rule that cuts, ``data.lengths.SAMPLE_RULE``) and the learning
+    rate (the optimizer state carries it). Not the planner, the SP degrees or the attention
+    backend: they change how a step is computed, not what; not the data's path (moved data resumes)."""
     m = cost.model
     return {"model": f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
                      f"({m.kv_heads} KV), FFN {m.ffn_hidden_size or 4 * m.hidden_size}"
                      + (" SwiGLU" if m.swiglu else ""),
-            "ranks": cost.num_gpus, "pp": args.pp, "data": args.data, "vocab_size": args.vocab_size,
-            "seed": args.seed, "global_batch": args.global_batch, "max_seq_len": args.max_seq_len,
-            "sample_rule": SAMPLE_RULE, "lr": args.lr}
+            "ranks": cost.num_gpus, "pp": args.pp, "vocab_size": args.vocab_size, "seed": args.seed, "global_batch": args.global_batch,
+            "max_seq_len": args.max_seq_len, "sample_rule": SAMPLE_RULE, "lr": args.lr}
+
+
+def data_fingerprint(documents) -> str:
+    """The data a run draws its batches from, by content: its documents' count, tokens and the
+    CRC-32 of their lengths (a re-tokenized or another corpus differs; the same files under
+    another path, or the default corpus named by its path, do not)."""
+    lengths = np.ascontiguousarray(np.asarray(documents.lengths, dtype=np.int64))
+    return f"{lengths.size} documents, {int(lengths.sum())} tokens, lengths CRC-32 {zlib.crc32(lengths):08x}"
+
+
+def check_resumed_data(root: str, documents) -> None:
+    """Refuse to resume a checkpoint on other data (the ranks, once they have read it; the launcher
+    compares the other settings, ``check_checkpoint_args``)."""
+    _, path = latest_checkpoint(root)
+    saved = json.loads((path / RUN_FILE).read_text()).get(DATA_KEY)
+    ours = data_fingerprint(documents)
+    if saved is not None and saved != ours:
+        raise ConfigError(f"--load {root}: its checkpoint was saved by a run on other data ({saved}), this run's "
+                          f"--data holds {ours}; resume on the data it was saved with")
+
+
+def resume_from(args) -> str | None:
+    """The directory a run resumes from: ``--load``, but for ``--save``'s own directory before it
+    holds anything (no tracker, no ``iter_`` folder): a job requeued with one command line
+    (``--load DIR --save DIR``) starts fresh the first time, as Megatron-LM does. Any other
+    ``--load`` must hold a checkpoint (a misspelt one is an error, not a fresh start)."""
+    if not args.load:
+        return None
+    root = Path(args.load)
+    holds_any = root.is_dir() and ((root / TRACKER_FILE).exists() or any(root.glob("iter_*")))
+    if args.save and root.resolve() == Path(args.save).resolve() and not holds_any:
+        return None
+    return args.load
 
 
 def latest_checkpoint(root: str) -> tuple[int, Path]:
@@ -72,7 +114,10 @@ def latest_checkpoint(root: str) -> tuple[int, Path]:
     if not Path(root).is_dir():
         raise ConfigError(f"--load {root}: no such directory")
     if not tracker.is_file():
-        raise ConfigError(f"--load {root} holds no checkpoint (no {TRACKER_FILE}; `train --save {root}` writes one)")
+        complete = sorted(p.name for p in Path(root).glob("iter_*") if (p / RUN_FILE).is_file())
+        hint = (f"; {complete[-1]} is complete: write its step count into {TRACKER_FILE} to resume from it"
+                if complete else f"; `train --save {root}` writes one")
+        raise ConfigError(f"--load {root} holds no checkpoint (no {TRACKER_FILE}{hint})")
     text = tracker.read_text(errors="replace").strip()
     if not (text.isascii() and text.isdigit()):
         raise ConfigError(f"--load {root}: {TRACKER_FILE} should hold a step count, not {text[:40]!r}")
@@ -98,7 +143,7 @@ def check_checkpoint_args(args, cost) -> None:
         raise ConfigError("--save-interval applies to --save")
     if args.save_interval is not None and args.save_interval < 1:
         raise ConfigError(f"--save-interval must be at least 1, got {args.save_interval}")
-    if not args.load:
+    if resume_from(args) is None:
         return
     if Path(args.load).is_dir():
         restore_replaced(args.load)
@@ -110,8 +155,8 @@ def check_checkpoint_args(args, cost) -> None:
                           f"checkpoint (point {TRACKER_FILE} at it)") from None
     if not isinstance(saved, dict):
         raise ConfigError(f"--load {args.load}: {path / RUN_FILE} is damaged (not a JSON object)")
-    _check_files(args.load, path, saved.get(FILES_KEY, {}))
-    ours = run_identity(args, cost)
+    _check_files(args.load, path, saved.get(FILES_KEY, {}), saved.get(CRC_KEY))
+    ours = run_settings(args, cost)
     for key, option in _OPTIONS.items():
         if saved.get(key) != ours[key]:
             raise ConfigError(f"--load {args.load}: its step-{step} checkpoint was saved by a run with {option} "
@@ -119,18 +164,33 @@ def check_checkpoint_args(args, cost) -> None:
                               f"settings")
 
 
-def _check_files(root: str, path: Path, files) -> None:
-    """Every file the save wrote is there at the size it wrote."""
+def file_crc32(path: Path) -> int:
+    """CRC-32 of a file's bytes (zlib's), read a MB at a time."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _check_files(root: str, path: Path, files, crcs) -> None:
+    """Every file the save wrote is there at the size and CRC-32 it wrote (a checkpoint saved
+    before CRCs were kept: its sizes)."""
     damaged = f"--load {root}: {path} is damaged"
     again = f"; resume from another checkpoint (point {TRACKER_FILE} at it)"
     if not (isinstance(files, dict) and all(type(size) is int for size in files.values())):
         raise ConfigError(f"{damaged} ({RUN_FILE}'s {FILES_KEY} is not a mapping of file names to sizes){again}")
+    if crcs is not None and not (isinstance(crcs, dict) and set(crcs) == set(files)
+                                 and all(type(c) is int for c in crcs.values())):
+        raise ConfigError(f"{damaged} ({RUN_FILE}'s {CRC_KEY} does not match its {FILES_KEY}){again}")
     for name, size in files.items():
         f = path / name
         if not f.is_file():
             raise ConfigError(f"{damaged}: {name} is missing{again}")
         if f.stat().st_size != size:
             raise ConfigError(f"{damaged}: {name} has {f.stat().st_size:,} bytes, {size:,} were saved{again}")
+        if crcs is not None and file_crc32(f) != crcs[name]:
+            raise ConfigError(f"{damaged}: {name} does not hold the bytes that were saved (its CRC-32 differs){again}")
 
 
 def _first_cause(error: BaseException) -> str:
@@ -143,6 +203,9 @@ def _first_cause(error: BaseException) -> str:
     while error.__cause__ is not None or error.__context__ is not None:
         error = error.__cause__ or error.__context__
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if lines and lines[0].startswith("Weights only load failed"):
+        # (torch's advice to load with weights_only=False: unsafe, and not this run's to take)
+        lines = [f"a file torch will not unpickle safely ({lines[-1][:200]})"]
     return f"{type(error).__name__}: {lines[0][:300]}" if lines else type(error).__name__
 
 
@@ -258,8 +321,10 @@ def save_checkpoint(root: str, steps_done: int, model, optimizer, identity: dict
     dist_checkpointing.save(_sharded_state_dict(model, optimizer, is_loading=False), str(writing), strategy)
     dist.barrier()  # every rank's files are written
     if dist.get_rank() == 0:
-        files = {str(f.relative_to(writing)): f.stat().st_size for f in sorted(writing.rglob("*")) if f.is_file()}
-        (writing / RUN_FILE).write_text(json.dumps({**identity, FILES_KEY: files}, indent=1) + "\n")
+        written = [f for f in sorted(writing.rglob("*")) if f.is_file()]
+        files = {str(f.relative_to(writing)): f.stat().st_size for f in written}
+        crcs = {str(f.relative_to(writing)): file_crc32(f) for f in written}
+        (writing / RUN_FILE).write_text(json.dumps({**identity, FILES_KEY: files, CRC_KEY: crcs}, indent=1) + "\n")
         replaced = path.with_name(f".{path.name}.replaced")
         if path.exists():  # an earlier save of this step: set aside until this one has its name
             shutil.rmtree(replaced, ignore_errors=True)

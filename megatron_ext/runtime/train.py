@@ -12,6 +12,7 @@ stage measured against the simulator, on rank 0), then saves a checkpoint where 
 """
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.data.datasets import DataError
 from megatron_ext.data.lengths import MAX_BATCH, check_seed
-from megatron_ext.errors import ConfigError
+from megatron_ext.errors import ConfigError, DivergedError
 from megatron_ext.planner import PlannerOptions
 from megatron_ext.planner.api import PIPELINE_KINDS, get_planner, max_seq_len, planner_names
 from megatron_ext.runtime.checkpoint import check_checkpoint_args
@@ -235,7 +236,7 @@ class Training:
 
         from megatron_ext.data.corpus import stdlib_corpus
         from megatron_ext.data.loader import PlanningDataLoader
-        from megatron_ext.runtime.checkpoint import load_checkpoint
+        from megatron_ext.runtime.checkpoint import check_resumed_data, load_checkpoint, resume_from
         from megatron_ext.runtime.compat import apply_cpu_compat
         from megatron_ext.runtime.groups import SPGroupPool
         from megatron_ext.runtime.pipeline_model import build_pipeline_model, stage_state_dict
@@ -259,7 +260,10 @@ class Training:
                                              **model_recompute(cost.model))
         self.model.module.load_state_dict(stage_state_dict(weights, self.model))
         self.optimizer = build_optimizer(self.model, args.lr)
-        self.done, self.resumed_from = (load_checkpoint(args.load, self.model, self.optimizer) if args.load
+        resume = resume_from(args)  # (None: no --load, or --save's own directory before its first save)
+        if resume is not None:
+            check_resumed_data(resume, data.documents)
+        self.done, self.resumed_from = (load_checkpoint(resume, self.model, self.optimizer) if resume is not None
                                         else (0, None))
         auto = args.planner == "auto"
         sp = stage_sp(args, cost)
@@ -326,10 +330,17 @@ class Training:
                 if not args.cost_model:  # the preset or YAML `report` tells to re-profile
                     rec["model"] = args.model
                 yield TrainedStep(step, rec, ranks)
+                if not (math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"])):
+                    # (every rank has the same two numbers: all stop; nothing of this step is saved,
+                    # so the last checkpoint stays the newest, as Megatron-LM's NaN check does)
+                    raise DivergedError(f"step {step.step}: loss {rec['loss']}, grad norm {rec['grad_norm']}; the run "
+                                        f"stops here, unsaved" + (f" (the newest checkpoint stays in {args.save})"
+                                                                  if args.save else ""))
                 done = step.step + 1
                 stop = stop_requested_anywhere(device)
                 if args.save and (stop or done == args.steps or args.save_interval and done % args.save_interval == 0):
-                    path = save_checkpoint(args.save, done, model, optimizer, run_identity(args, self.cost))
+                    path = save_checkpoint(args.save, done, model, optimizer,
+                                           run_identity(args, self.cost, self.data.documents))
                     if self.rank == 0:
                         print(f"saved step {done} to {path}", file=sys.stderr, flush=True)
                 if stop:

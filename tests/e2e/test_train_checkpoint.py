@@ -130,6 +130,63 @@ def test_a_checkpoint_missing_or_cutting_a_file_is_refused_before_launching(runs
         check_args(args, cost, 4)
 
 
+def test_a_checkpoint_damaged_in_place_is_refused_before_launching(runs, tmp_path):
+    """Bytes changed in a shard, its size kept (one byte changed: a loss off in its seventh digit;
+    more: NaN steps, saved as the newest checkpoint): its CRC-32 differs from the one saved."""
+    import shutil
+
+    from megatron_ext.cost import CostModel
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.commands.train import build_parser
+    from megatron_ext.runtime.train import check_args
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(runs["ckpt"], copy)
+    shard = sorted((copy / "iter_0000004").glob("*.distcp"))[-1]
+    args = build_parser().parse_args([*ARGS, *runs["layout"], "--load", str(copy)])
+    check_args(args, CostModel.from_presets("tiny", "cpu-4"), 4)  # (as saved: resumes)
+    with shard.open("r+b") as f:
+        f.seek(shard.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(ConfigError, match=rf"iter_0000004 is damaged: {shard.name} does not hold the bytes that were "
+                                          rf"saved \(its CRC-32 differs\); resume from another"):
+        check_args(args, CostModel.from_presets("tiny", "cpu-4"), 4)
+
+
+def test_a_checkpoint_resumes_on_its_data_wherever_it_lies_and_on_no_other(runs):
+    """The data is named by content (documents, tokens, the CRC-32 of their lengths), checked by
+    the ranks once they read it: the default corpus given by its path resumes; other data is
+    refused (its path text, compared before, let a replaced corpus through)."""
+    from megatron_ext.data.corpus import stdlib_corpus
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.runtime.checkpoint import check_resumed_data
+    from megatron_ext.runtime.train import open_training_data
+
+    docs = open_training_data([stdlib_corpus()], None).documents
+    check_resumed_data(str(runs["ckpt"]), docs)
+    other = type("Docs", (), {"lengths": docs.lengths[::-1].copy()})()  # (the same lengths in another order)
+    with pytest.raises(ConfigError, match=r"saved by a run on other data \(\d+ documents, \d+ tokens, lengths "
+                                          r"CRC-32 [0-9a-f]{8}\), this run's --data holds"):
+        check_resumed_data(str(runs["ckpt"]), other)
+
+
+def test_load_and_save_of_one_directory_start_fresh_before_its_first_save(tmp_path):
+    """A job requeued with one command line (--load DIR --save DIR) starts fresh while DIR holds
+    nothing yet, as Megatron-LM does; a --load of another, empty directory is still refused."""
+    from argparse import Namespace
+
+    from megatron_ext.runtime.checkpoint import resume_from
+
+    assert resume_from(Namespace(load=str(tmp_path / "new"), save=str(tmp_path / "new"))) is None
+    assert resume_from(Namespace(load=str(tmp_path), save=str(tmp_path) + "/.")) is None
+    assert resume_from(Namespace(load=str(tmp_path), save=None)) == str(tmp_path)
+    (tmp_path / "iter_0000002").mkdir()  # (something saved, or half-saved: not a fresh start)
+    assert resume_from(Namespace(load=str(tmp_path), save=str(tmp_path))) == str(tmp_path)
+    assert resume_from(Namespace(load=None, save=str(tmp_path))) is None
+
+
 def test_a_resave_killed_between_its_renames_loses_neither_copy(runs, tmp_path):
     """A save of step 4 again, killed after it set the first save aside and before it named its
     own: the tracker names a missing folder; the check before launching puts the first one back,
@@ -161,6 +218,8 @@ def test_a_checkpoint_the_ranks_cannot_read_is_a_one_line_error(runs, tmp_path):
     data = bytearray(metadata.read_bytes())
     data[8:40] = b"x" * 32  # the size the checkpoint lists, but not a pickle
     metadata.write_bytes(bytes(data))
+    run_file = copy / "iter_0000004" / "megatron_ext.json"  # (a checkpoint of before CRCs: sizes only)
+    run_file.write_text(json.dumps({k: v for k, v in json.loads(run_file.read_text()).items() if k != "crc32"}))
     done = subprocess.run([*CLI, *ARGS, "--steps", "5", "--load", str(copy)], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 2 and done.stdout == "", done.stderr[-3000:]
@@ -202,3 +261,15 @@ def test_a_missing_checkpoint_is_a_one_line_error(tmp_path):
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == f"megatron-ext: error: --load {tmp_path} holds no checkpoint (no " \
                           f"latest_checkpointed_iteration.txt; `train --save {tmp_path}` writes one)\n"
+
+
+def test_a_step_whose_loss_is_not_finite_stops_the_run_unsaved(tmp_path):
+    """A learning rate of 1e30 makes step 1's loss NaN: the run stops there in one line (status 2),
+    and the checkpoint of step 0 stays the newest (a NaN one would be resumed as if good)."""
+    done = subprocess.run([*CLI, *ARGS, "--steps", "4", "--lr", "1e30", "--save", str(tmp_path), "--save-interval",
+                           "1"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1] == (f"megatron-ext: error: step 1: loss nan, grad norm nan; the run stops here, "
+                                            f"unsaved (the newest checkpoint stays in {tmp_path})"), done.stderr[-3000:]
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert not (tmp_path / "iter_0000002").exists()
