@@ -5,9 +5,9 @@ A save directory is laid out as Megatron-LM lays out its ``torch_dist`` checkpoi
 checkpoint, ``DIR/iter_0000004/`` holds that checkpoint: ``dist_checkpointing`` files of every
 stage's model and optimizer (Adam moments and step count) and every rank's RNG states (Python,
 numpy, torch CPU and CUDA, megatron's tracker), plus ``megatron_ext.json``, the settings of the
-run that wrote it (``run_identity``), which a resuming run must share, and the size of every file
-the checkpoint holds, which a resuming run checks before it launches (a lost or cut-short shard
-is one line, not a traceback on every rank).
+run that wrote it (``run_identity``), which a resuming run must share, and the size and CRC-32 of
+every file the checkpoint holds, which a resuming run checks before it launches (a lost, cut-short
+or changed shard is one line, not a traceback on every rank or NaN steps).
 
 A save is written to a hidden folder beside its ``iter_`` folder and renamed to it once whole, so
 the tracker never names a folder that is being written (a save of a step already saved sets that
@@ -63,15 +63,17 @@ def run_settings(args, cost) -> dict:
     """What a checkpoint shares with the runs that may resume it: the model's shapes, the ranks
     and pipeline stages its states are spread over (one RNG state per rank), the data stream
     (step k's batch is a function of the data, ``data_fingerprint``, checked by the ranks once they
-    read it, the seed, batch size, cut length and the rule that cuts, ``data.lengths.SAMPLE_RULE``) and the learning
-    rate (the optimizer state carries it). Not the planner, the SP degrees or the attention
-    backend: they change how a step is computed, not what; not the data's path (moved data resumes)."""
+    read it, the seed, batch size, cut length and the rule that cuts, ``data.lengths.SAMPLE_RULE``)
+    and the learning rate (the optimizer state carries it). Not the planner, the SP degrees or the
+    attention backend: they change how a step is computed, not what; not the data's path (moved
+    data resumes)."""
     m = cost.model
     return {"model": f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
                      f"({m.kv_heads} KV), FFN {m.ffn_hidden_size or 4 * m.hidden_size}"
                      + (" SwiGLU" if m.swiglu else ""),
-            "ranks": cost.num_gpus, "pp": args.pp, "vocab_size": args.vocab_size, "seed": args.seed, "global_batch": args.global_batch,
-            "max_seq_len": args.max_seq_len, "sample_rule": SAMPLE_RULE, "lr": args.lr}
+            "ranks": cost.num_gpus, "pp": args.pp, "vocab_size": args.vocab_size, "seed": args.seed,
+            "global_batch": args.global_batch, "max_seq_len": args.max_seq_len, "sample_rule": SAMPLE_RULE,
+            "lr": args.lr}
 
 
 def data_fingerprint(documents) -> str:
