@@ -63,7 +63,7 @@ tensor parallelism, fewer --global-batch-size sequences than data-parallel ranks
 --rampup-batch-size, --dataloader-type other than external, no data or two sources of it
 (--data-path, --data-args-path, per-split paths, --mock-data), per-split paths without a train
 split or with --split, legacy models, multi-latent attention, MoE, sliding-window attention,
-position embeddings other than rope / learned_absolute / none, FSDP (Megatron-FSDP, torch FSDP2:
+--fp8-format / --fp4-format, position embeddings other than rope / learned_absolute / none, FSDP (Megatron-FSDP, torch FSDP2:
 their per-pass collectives over the data-parallel group need every rank in step, which pipeline
 replicas are not, and the runtime is untested under them), --num-distributed-optimizer-instances
 above 1, --iterations-to-skip, --full-validation, --multiple-validation-sets, a --cost-model
@@ -290,6 +290,13 @@ def _check_common(args, flag: str, tp: int, cp: int, dp: int) -> None:
                                ("--log-max-attention-logit", _get(args, "log_max_attention_logit", False))) if on]
     if clipped:
         _conflict(f"{flag}: the Ulysses attention does not track attention logits; drop {' and '.join(clipped)}")
+    low = [f"{f} {v}" for f, v in (("--fp8-format", _get(args, "fp8", None)), ("--fp4-format", _get(args, "fp4", None)))
+           if v]
+    if low:
+        # (Transformer Engine's FP8/FP4 GEMMs need the token count of every matrix a multiple of 8-32;
+        # a planned shard holds ceil(T / d) tokens, and an idle pass one)
+        _conflict(f"{flag}: FP8 and FP4 matrix multiplies need token counts in multiples of 8 to 32, and planned "
+                  f"shards hold any number of tokens; drop {' and '.join(low)}")
     if _get(args, "mtp_num_layers", None):
         # (Megatron's MTP shifts labels by the packed sequences' bounds over the whole buffer, not a
         # rank's shard of it, and counts padding: its loss would depend on the plan)

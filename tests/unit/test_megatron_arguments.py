@@ -76,6 +76,8 @@ def megatron_like_parser(ours: bool = True) -> argparse.ArgumentParser:
         "--qk-clip": dict(action="store_true"),
         "--log-max-attention-logit": dict(action="store_true"),
         "--mtp-num-layers": dict(type=int, default=None),
+        "--fp8-format": dict(dest="fp8", default=None),  # (megatron-core's TransformerConfig field names)
+        "--fp4-format": dict(dest="fp4", default=None),
         "--distributed-timeout-minutes": dict(type=int, default=10),
     }.items():
         p.add_argument(name, **kw)
@@ -164,6 +166,9 @@ def test_flexsp_adjusts_what_it_must_and_says_so():
     (["--softmax-type", "learnable"], 2, "runs the standard softmax, not --softmax-type learnable"),
     (["--qk-clip", "--log-max-attention-logit"], 2, "drop --qk-clip and --log-max-attention-logit$"),
     (["--mtp-num-layers", "1"], 2, "does not support multi-token prediction"),
+    (["--fp8-format", "hybrid"], 2, "FP8 and FP4 matrix multiplies need token counts in multiples of 8 to 32.*"
+                                    "drop --fp8-format hybrid$"),
+    (["--fp4-format", "e2m1"], 2, "drop --fp4-format e2m1$"),
     # other ranks wait in an NCCL collective for each plan (the watchdog: --distributed-timeout-minutes)
     (["--planner-time-limit", "300"], 2, r"--planner-time-limit 300 s: .* \(10 min\); keep the wait under half"),
     (["--planner-time-limit", "30", "--distributed-timeout-minutes", "2"], 2, r"\(2 min\)"),
