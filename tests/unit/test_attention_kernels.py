@@ -182,7 +182,7 @@ def test_masked_attention_keeps_no_mask_for_the_backward():
     allowed[150:, :150] = False  # two packed sequences
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-        out = masked_sdpa(q, k, v, lambda: allowed, 0.3, 0.0)
+        out = masked_sdpa(q, k, v, (0, 150, 300), True, 0.3, 0.0)
     assert max(saved) < 300 * 300  # activations linear in the tokens: no [S, S] mask kept
     ref = _dense(q, k, v, allowed, 0.3)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
@@ -190,6 +190,24 @@ def test_masked_attention_keeps_no_mask_for_the_backward():
     want = torch.autograd.grad(ref.sum(), (q, k, v))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_masked_attention_elsewhere_shares_one_bias_over_the_layers():
+    """Off the CPU flash path (here: float16, or dropout), SDPA gets the mask as an additive bias
+    in the queries' dtype, built once per micro-batch and shared by every layer's call (a bool
+    mask is converted anew at each call, and CUDA's memory-efficient kernel keeps each copy)."""
+    from megatron_ext.runtime.kernels.sdpa import _block_causal_bias
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 300, 8, generator=g, dtype=torch.float32)
+    k, v = (torch.randn(1, 2, 300, 8, generator=g, dtype=torch.float32) for _ in range(2))
+    allowed = torch.ones(300, 300, dtype=torch.bool).tril()
+    allowed[150:, :150] = False
+    out = masked_sdpa(q.half(), k.half(), v.half(), (0, 150, 300), True, 0.3, 0.0)
+    torch.testing.assert_close(out.float(), _dense(q, k, v, allowed, 0.3), rtol=2e-2, atol=2e-2)
+    bias = _block_causal_bias((0, 150, 300), True, q.device, torch.float16)
+    assert bias.dtype == torch.float16 and bias is _block_causal_bias((0, 150, 300), True, q.device, torch.float16)
+    assert torch.equal(bias == 0, allowed)
 
 
 # ---- backends: stand-ins for flash-attn and Transformer Engine on CPU tensors -----------------------

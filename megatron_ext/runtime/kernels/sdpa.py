@@ -224,13 +224,24 @@ def _additive(mask: Tensor, dtype) -> Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-def masked_sdpa(qb: Tensor, kb: Tensor, vb: Tensor, make_mask, scale: float, dropout_p: float) -> Tensor:
-    """Attention of ``qb`` [1, hq, S, d] over ``kb``/``vb`` [1, hk, S_k, d] where ``make_mask()``
-    (bool [S, S_k], True = may attend) allows; GQA when hk < hq. On CPU without dropout the mask
-    is not kept for the backward (``_MaskedFlashCPU``)."""
+@functools.lru_cache(maxsize=8)
+def _block_causal_bias(bounds: tuple[int, ...], causal: bool, device, dtype) -> Tensor:
+    """``_block_causal_mask`` as SDPA's additive bias in the queries' dtype, built once for every
+    layer of a micro-batch: a bool mask is converted to a new float one at every call, and the
+    memory-efficient CUDA kernel keeps each layer's for the backward (S^2 a layer)."""
+    return _additive(_block_causal_mask(bounds, causal, device), dtype)
+
+
+def masked_sdpa(qb: Tensor, kb: Tensor, vb: Tensor, bounds: tuple[int, ...], causal: bool, scale: float,
+                dropout_p: float) -> Tensor:
+    """Attention of ``qb`` [1, hq, S, d] over ``kb``/``vb`` [1, hk, S, d] within the segments of
+    ``bounds`` (causal within each if ``causal``); GQA when hk < hq. On CPU without dropout the mask
+    is not kept for the backward (``_MaskedFlashCPU``); elsewhere every layer shares one bias."""
     if qb.device.type == "cpu" and dropout_p == 0.0 and qb.dtype in _CPU_FLASH_DTYPES:
-        return _MaskedFlashCPU.apply(qb, kb, vb, make_mask, scale)
-    return gqa_sdpa(qb, kb, vb, attn_mask=make_mask(), dropout_p=dropout_p, scale=scale)
+        return _MaskedFlashCPU.apply(qb, kb, vb, functools.partial(_block_causal_mask, bounds, causal, qb.device),
+                                     scale)
+    return gqa_sdpa(qb, kb, vb, attn_mask=_block_causal_bias(bounds, causal, qb.device, qb.dtype),
+                    dropout_p=dropout_p, scale=scale)
 
 
 def sdpa_packed(q: Tensor, k: Tensor, v: Tensor, bounds: Sequence[int], causal: bool, scale: float,
@@ -241,8 +252,7 @@ def sdpa_packed(q: Tensor, k: Tensor, v: Tensor, bounds: Sequence[int], causal: 
     if len(bounds) == 2:
         o = gqa_sdpa(qb, kb, vb, dropout_p=dropout_p, is_causal=causal, scale=scale)
     elif dense_mask_fits(S, S, q.device):
-        o = masked_sdpa(qb, kb, vb, functools.partial(_block_causal_mask, tuple(bounds), causal, q.device), scale,
-                        dropout_p)
+        o = masked_sdpa(qb, kb, vb, tuple(bounds), causal, scale, dropout_p)
     else:
         # split, not one slice per segment: a slice's backward writes a zero gradient the size of
         # the whole buffer, n segments cost n x S (on an H200, 25% of a 16-sequence micro-batch)
