@@ -190,9 +190,9 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     1 - ``AUTO_FLEXSP_SHARE`` of the limit (each may use all of it that is left, half when the
     next is tied with it). A layout whose estimate (``layout_estimate``), less 5%, is no faster
     than BatchAda's step (an upper bound of FlexSP's) or the best step so far is skipped (reported
-    with its estimate; before estimating, with its lower bound, ``layout_lower_bound``), and so is one left when their time has run out (less of it than the least
-    a layout planned ran past its limit, a quarter of the least one took, or its chunks x stages' build
-    time, ``AUTO_CHUNK_STAGE_S``);
+    with its estimate; before estimating, with its lower bound, ``layout_lower_bound``), and so is
+    one left when their time has run out (less of it than the least a layout planned ran past its
+    limit, a quarter of the least one took, or its chunks x stages' build time, ``AUTO_CHUNK_STAGE_S``);
     one that cannot build a candidate in the whole limit is not started while FlexSP or another
     layout can run. FlexSP goes last, in all the time left but ``AUTO_RESERVE`` of the
     limit (for its plan's check), unless its lower bound (``CostModel.lower_bound_ms``) is no faster

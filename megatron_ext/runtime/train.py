@@ -295,6 +295,7 @@ class Training:
         from megatron_ext.runtime.step import forward_backward
 
         args, model, optimizer, device, clock = self.args, self.model, self.optimizer, self.device, self.clock
+        identity = None  # what the checkpoints are saved with (``run_identity``), at the first save
         with self.loader:
             for step in self.loader:
                 dist.barrier()
@@ -339,8 +340,9 @@ class Training:
                 done = step.step + 1
                 stop = stop_requested_anywhere(device)
                 if args.save and (stop or done == args.steps or args.save_interval and done % args.save_interval == 0):
-                    path = save_checkpoint(args.save, done, model, optimizer,
-                                           run_identity(args, self.cost, self.data.documents))
+                    if identity is None:  # (once a run: the data's fingerprint reads every length)
+                        identity = run_identity(args, self.cost, self.data.documents)
+                    path = save_checkpoint(args.save, done, model, optimizer, identity)
                     if self.rank == 0:
                         print(f"saved step {done} to {path}", file=sys.stderr, flush=True)
                 if stop:
