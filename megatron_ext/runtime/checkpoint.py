@@ -138,9 +138,10 @@ def restore_replaced(root: str) -> None:
             kept.rename(name)
 
 
-def check_checkpoint_args(args, cost) -> None:
+def check_checkpoint_args(args, cost, read_files: bool = True) -> None:
     """Refuse ``--save-interval`` below 1 or without ``--save``, and a ``--load`` directory that
-    holds no checkpoint, or one of a run this one cannot continue (``run_identity``)."""
+    holds no checkpoint, a damaged one (``read_files``: its files' CRC-32s too, not only their
+    sizes) or one of a run this one cannot continue (``run_identity``)."""
     if args.save_interval is not None and not args.save:
         raise ConfigError("--save-interval applies to --save")
     if args.save_interval is not None and args.save_interval < 1:
@@ -157,7 +158,7 @@ def check_checkpoint_args(args, cost) -> None:
                           f"checkpoint (point {TRACKER_FILE} at it)") from None
     if not isinstance(saved, dict):
         raise ConfigError(f"--load {args.load}: {path / RUN_FILE} is damaged (not a JSON object)")
-    _check_files(args.load, path, saved.get(FILES_KEY, {}), saved.get(CRC_KEY))
+    _check_files(args.load, path, saved.get(FILES_KEY, {}), saved.get(CRC_KEY) if read_files else None)
     ours = run_settings(args, cost)
     for key, option in _OPTIONS.items():
         if saved.get(key) != ours[key]:

@@ -158,10 +158,12 @@ def train_cost_model(args) -> CostModel:
     return cost
 
 
-def check_args(args, cost: CostModel, world: int) -> bool:
-    """Refuse what cannot run, before anything starts (the launcher calls it too). Returns
-    whether the planner plans pipelines (``auto`` included: its steps are FlexSP or pipelines of
-    the run's stages, whichever is faster, as the model's stages are fixed for the run)."""
+def check_args(args, cost: CostModel, world: int, read_checkpoint: bool = True) -> bool:
+    """Refuse what cannot run, before anything starts (the launcher calls it, then every rank,
+    which passes ``read_checkpoint`` False: the launcher has read every byte of a --load
+    checkpoint). Returns whether the planner plans pipelines (``auto`` included: its steps are
+    FlexSP or pipelines of the run's stages, whichever is faster, as the model's stages are fixed
+    for the run)."""
     if cost.num_gpus != world:
         raise ConfigError(f"cluster {cost.cluster.name} has {cost.num_gpus} GPUs but {world} ranks were launched")
     if not (np.isfinite(args.lr) and args.lr >= 0):
@@ -207,7 +209,7 @@ def check_args(args, cost: CostModel, world: int) -> bool:
     check_seed(args.seed, ConfigError)
     if args.data is None and args.vocab_size is not None:
         raise ConfigError("--vocab-size applies to --data; the default corpus has its tokenizer")
-    check_checkpoint_args(args, cost)
+    check_checkpoint_args(args, cost, read_checkpoint)
     if args.trace and not args.trace.lower().endswith(".json"):
         raise ConfigError(f"--trace {args.trace}: the file name must end in .json (Chrome trace-event JSON)")
     return pipelined
@@ -243,7 +245,7 @@ class Training:
 
         self.args, self.rank, self.world = args, rank, world
         self.cost = cost = train_cost_model(args)
-        self.pipelined = pipelined = check_args(args, cost, world)
+        self.pipelined = pipelined = check_args(args, cost, world, read_checkpoint=False)
         apply_cpu_compat()
         self.device = rank_device()
         self.clock = DeviceClock(self.device)

@@ -153,6 +153,8 @@ def test_a_checkpoint_damaged_in_place_is_refused_before_launching(runs, tmp_pat
     with pytest.raises(ConfigError, match=rf"iter_0000004 is damaged: {shard.name} does not hold the bytes that were "
                                           rf"saved \(its CRC-32 differs\); resume from another"):
         check_args(args, CostModel.from_presets("tiny", "cpu-4"), 4)
+    # the ranks, started after the launcher's check, read no checkpoint bytes again (sizes only)
+    check_args(args, CostModel.from_presets("tiny", "cpu-4"), 4, read_checkpoint=False)
 
 
 def test_a_checkpoint_resumes_on_its_data_wherever_it_lies_and_on_no_other(runs):
