@@ -120,6 +120,9 @@ class ClusterSpec:
     gpus_per_node: int
     memory_gb: float  # usable per GPU
     a2a_bandwidth_gbps: dict[int, float] = field(default_factory=dict)
+    # MB per ms one GPU gets sending to another while every pair of GPUs sends at once (what
+    # `profile` measures on rank pairs): pipeline handoffs and rings use it where given, else the
+    # links below (NVLink inside a node, the node's NICs shared by its GPUs between nodes)
     p2p_bandwidth_gbps: float | None = None
     # ms per all_to_all call by degree, on top of bytes / bandwidth (what `profile` measures; the
     # published GPU tables have none, and their large messages make it negligible)

@@ -18,8 +18,11 @@ Each forward and backward also pays the cluster's ``pipeline_op_overhead_ms`` (m
 `profile` from a real pipeline step; what the runtime adds per operation beyond the passes).
 The 1/3 : 2/3 split of forward and backward is the usual FLOP ratio (the backward computes the
 gradients of both the input and the weights); recomputing ``r`` layers costs ``r / L_s`` of the
-forward. p2p between stages: ``tokens * hidden * e bytes`` over ``p2p_bandwidth_gbps`` (e: the
-model's activation_bytes), plus the cluster's ``p2p_latency_ms`` per handoff.
+forward. p2p between stages: ``tokens * hidden * e bytes`` (e: the model's activation_bytes),
+split over the stage's sp ranks, each to its peer on the next stage, over the link between them
+(``PipelineCost._handoff``: a measured pair rate, or NVLink inside a node and the node's NICs
+between nodes), plus a latency per handoff. Ranks are laid out as Megatron's (pipeline
+outermost): a stage's GPUs are consecutive, sp ranks per replica.
 
 ``b1_scale`` (default 1): a what-if multiplier of the fixed cost a chunk pays on one stage.
 That cost is derived (cost/fixed.py), not a share of FlexSP's b1: the launch constant's share of
@@ -62,7 +65,7 @@ from megatron_ext.cost.activations import head_bytes_per_token
 from megatron_ext.cost.fixed import pass_fixed_ms, step_sync_ms
 from megatron_ext.cost.model import CostModel, model_states_mb
 from megatron_ext.errors import ConfigError, InfeasibleError
-from megatron_ext.spec import MB
+from megatron_ext.spec import GBPS_IN_MB_PER_MS, MB
 
 FWD_FRACTION = 1.0 / 3.0  # forward share of a fwd+bwd pass (and so the cost of a recomputation)
 
@@ -132,9 +135,16 @@ class PipelineCost:
         """All-to-all ms per token for the stage's layers (fwd+bwd)."""
         return self.cost.comm_ms_per_token(self.sp) * self.stage_share
 
+    @property
+    def stage_width(self) -> int:
+        """GPUs holding one stage: its sp ranks in every replica."""
+        return self.sp * self.replicas
+
     def stage_ranks(self, stage: int = 0, replica: int = 0) -> range:
-        """The GPUs of one stage of one replica (replica-major, stages in order, sp ranks each)."""
-        first = (replica * self.pp + stage) * self.sp
+        """The GPUs of one stage of one replica, in Megatron's rank order (pipeline outermost: a
+        stage's ``stage_width`` ranks are consecutive, each replica's sp of them in turn; rank r of
+        a stage hands its activations to rank r + stage_width)."""
+        first = stage * self.stage_width + replica * self.sp
         return range(first, first + self.sp)
 
     @cached_property
@@ -197,17 +207,42 @@ class PipelineCost:
         return per_layer * np.asarray(layers, dtype=np.float64)
 
     @cached_property
-    def p2p_bandwidth_gbps(self) -> float:
+    def _handoff(self) -> tuple[float, float]:
+        """(ms per MB of a chunk's activations, ms per handoff) from one stage to the next, the mean
+        over the pipeline's P - 1 handoffs (a chunk's fill or drain crosses each once). Each of the
+        stage's sp ranks sends its 1 / sp of the chunk to its peer on the next stage. With the
+        cluster's ``p2p_bandwidth_gbps`` (a pair's rate with every pair sending, as `profile`
+        measures it): that rate, and ``p2p_latency_ms``. Else from the links (cost/fixed.py's):
+        a peer in the same node over NVLink (``intra_node_gbps`` per GPU); in another node, over
+        the node's NICs (``inter_node_gbps``), shared by the node's GPUs that send across at
+        once (every GPU of the node when a stage fills nodes; a stage's ranks when nodes hold
+        several stages, and then only every few handoffs cross)."""
         c = self.cost.cluster
         if c.p2p_bandwidth_gbps:
-            return float(c.p2p_bandwidth_gbps)
-        return c.a2a_bandwidth(c.num_gpus)  # no figure: the slowest (cross-node) link of the table
+            return 1.0 / (self.sp * c.p2p_bandwidth_gbps), c.p2p_latency_ms
+        if self.pp < 2:
+            return 0.0, 0.0
+        w, gpn = self.stage_width, c.gpus_per_node
+        intra = 1.0 / (self.sp * c.intra_node_gbps * GBPS_IN_MB_PER_MS)
+        per_mb, per_handoff = [], []
+        for p in range(1, self.pp):  # the handoff from stage p - 1 to stage p
+            senders = np.arange((p - 1) * w, p * w)
+            across = senders // gpn != (senders + w) // gpn
+            if not across.any():
+                per_mb.append(intra)
+                per_handoff.append(c.intra_node_latency)
+                continue
+            sharing = int(np.bincount(senders[across] // gpn).max())  # a node's GPUs sending across at once
+            per_mb.append(max(intra, sharing / (self.sp * c.inter_node_gbps * GBPS_IN_MB_PER_MS)))
+            per_handoff.append(c.inter_node_latency)
+        return float(np.mean(per_mb)), float(np.mean(per_handoff)) + c.p2p_latency_ms
 
     def p2p_ms(self, tokens):
-        """Sending a chunk's activations (or their gradients) to the next (previous) stage."""
+        """Sending a chunk's activations (or their gradients) to the next (previous) stage
+        (``_handoff``)."""
         m = self.cost.model
-        return (np.asarray(tokens, dtype=np.float64) * m.hidden_size * m.activation_bytes / MB / self.p2p_bandwidth_gbps
-                + self.cost.cluster.p2p_latency_ms)
+        per_mb, latency = self._handoff
+        return np.asarray(tokens, dtype=np.float64) * m.hidden_size * m.activation_bytes / MB * per_mb + latency
 
     # ---- time along a sequence (for balanced slicing) -----------------------------------
     @cached_property

@@ -23,7 +23,7 @@ def test_presets_load():
         assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.vocab_size) == (layers, hidden, heads, 32000)
         assert m.max_sp_degree == max_sp
     c = load_cluster("a800-80g-8x4")
-    assert c.num_gpus == 32 and c.memory_gb == 72 and c.p2p_bandwidth_gbps > 0
+    assert c.num_gpus == 32 and c.memory_gb == 72 and c.p2p_bandwidth_gbps is None  # (handoffs: the links)
     assert c.a2a_bandwidth(8) > 9 * c.a2a_bandwidth(16)  # NVLink inside a node, IB across
 
 
@@ -92,8 +92,21 @@ def test_output_layer_runs_on_the_last_stage():
 
 def test_p2p_and_fixed_cost():
     pc = PipelineCost(COST, 4, 8)
-    # 1M tokens x 5120 x 2 bytes = 10000 MB over 40 GB/s (MB / (GB/s) = ms with GB = 1024 MB)
-    assert float(pc.p2p_ms(2**20)) == pytest.approx(2**20 * 5120 * 2 / 2**20 / 40.0)
+    # 1M tokens x 5120 x 2 bytes = 10,000 MB, each stage a node: every handoff crosses nodes, the
+    # node's 8 GPUs sending 1/8 each over its NICs (46 GB/s of 1e9 bytes), plus the link latency
+    mb_per_ms = 46 * 1e6 / 2**20
+    assert float(pc.p2p_ms(2**20)) == pytest.approx(10240 / mb_per_ms + 0.03)
+    # two stages per node (SP 4, 32 GPUs, 8 stages): 3 of the 7 handoffs cross nodes (each with a
+    # stage's 4 GPUs sending at once), 4 stay on NVLink (155 GB/s a GPU, 1/4 each)
+    half = PipelineCost(COST, 8, 4)
+    nvlink = 10240 / 4 / (155 * 1e6 / 2**20)
+    assert float(half.p2p_ms(2**20)) == pytest.approx((3 * 10240 / mb_per_ms + 4 * nvlink) / 7 + (3 * 0.03 + 4 * 0.01) / 7)
+    # two replicas of SP 4 per stage share their node's NICs: twice the time of one of SP 8
+    shared = PipelineCost(COST, 4, 4)
+    assert float(shared.p2p_ms(2**20)) == pytest.approx(2 * 10240 / mb_per_ms + 0.03)
+    # a measured pair rate (`profile`): each of the SP ranks sends its share at that rate
+    pair = PipelineCost(CostModel(COST.model, dataclasses.replace(COST.cluster, p2p_bandwidth_gbps=10.0)), 4, 8)
+    assert float(pair.p2p_ms(2**20)) == pytest.approx(10240 / 8 / 10.0)
     # a handoff latency (what `profile` measures in place) is paid once per transfer
     slow = PipelineCost(CostModel(COST.model, dataclasses.replace(COST.cluster, p2p_latency_ms=3.0)), 4, 8)
     assert float(slow.p2p_ms(1000)) == pytest.approx(float(pc.p2p_ms(1000)) + 3.0)
@@ -123,6 +136,10 @@ def test_p2p_and_fixed_cost():
     assert PipelineCost(z1, 4, 8).fixed_ms == pytest.approx(34.8 / 4)
     assert PipelineCost(z1, 4, 8).step_sync_ms == pytest.approx(2 * one)
     assert PipelineCost(z1, 2, 8).step_sync_ms == pytest.approx(2 * (13e9 / 40 * 2 / 2 / 46e6 + 0.03))
+    # ranks in Megatron's order (pipeline outermost): the two replicas of pp 4 x sp 4 hold each
+    # stage on one node's 8 consecutive GPUs, the GPUs pp 4 x sp 8 holds it on: the same sync
+    assert PipelineCost(z1, 4, 4).stage_ranks(1, 1) == range(12, 16)
+    assert PipelineCost(z1, 4, 4).step_sync_ms == pytest.approx(PipelineCost(z1, 4, 8).step_sync_ms)
     # and the distributed optimizer shards over them all: 16 GPUs hold the stages of pp 2
     assert PipelineCost(z1, 2, 8).model_states_mb == pytest.approx(13.0 / 2 * 16 * 1024 * (6 / 8 / 16 + 2 / 8))
 
@@ -153,7 +170,8 @@ def test_memory_terms():
     fp32 = PipelineCost(CostModel(dataclasses.replace(m, activation_bytes=4), COST.cluster), 4, 8)
     assert fp32.input_layer_mb == pytest.approx(2 * pc.input_layer_mb)
     assert fp32.kv_layer_mb == pytest.approx(2 * pc.kv_layer_mb)
-    assert float(fp32.p2p_ms(1000)) == pytest.approx(2 * float(pc.p2p_ms(1000)))
+    latency = float(pc.p2p_ms(0))
+    assert float(fp32.p2p_ms(1000)) - latency == pytest.approx(2 * (float(pc.p2p_ms(1000)) - latency))
 
 
 def test_all_to_all_latency_is_paid_per_call():
