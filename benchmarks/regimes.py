@@ -135,8 +135,11 @@ def markdown(rows: list[dict]) -> str:
 
 
 def _kind(chose: str) -> str:
-    """auto's choice as a kind of layout: FlexSP, one-stage replicas, or a pipeline (pp > 1)."""
-    return "FlexSP" if chose == "flexsp" else "replicas" if chose.startswith("elastic_pp pp1 ") else "pipeline"
+    """auto's choice as a kind of layout: FlexSP (with or without barriers: ``timelines``), one-stage
+    replicas, or a pipeline (pp > 1)."""
+    if chose in ("flexsp", "timelines"):
+        return "FlexSP"
+    return "replicas" if chose.startswith("elastic_pp pp1 ") else "pipeline"
 
 
 def summary(rows: list[dict]) -> str:
