@@ -206,7 +206,7 @@ def _build(cls, data: dict, what: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{what}: expected a mapping of fields, got {type(data).__name__}")
     names = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(names))
+    unknown = sorted(str(k) for k in data if k not in names)  # (a key may be a number: `1: 2`)
     _check(not unknown, what, f"unknown field(s) {', '.join(unknown)}; known: {', '.join(names)}")
     missing = sorted(n for n, f in names.items() if n not in data and f.default is dataclasses.MISSING
                      and f.default_factory is dataclasses.MISSING)
@@ -233,9 +233,10 @@ class _YamlLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
-            if isinstance(key, (str, int, float, bool)) and key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", key_node.start_mark)
-            seen.add(key)
+            if isinstance(key, (str, int, float, bool)):  # (an unhashable key: PyYAML's own error)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", key_node.start_mark)
+                seen.add(key)
         return super().construct_mapping(node, deep)
 
 

@@ -177,8 +177,8 @@ def run_pp_plan(args, cost, lengths) -> int:
     if plan.pipelines and plan.solve_time_s > PAST_LIMIT * opts.time_limit:  # (a run's loader falls back then)
         print(f"note: planned in {plan.solve_time_s:.2g} s, past --time-limit {opts.time_limit:g}: a pipeline search "
               f"is not cut short before its first candidate, and one of {sum(len(p.chunks) for p in plan.pipelines):,} "
-              f"chunks (the longest sequence {int(lengths.max()):,} tokens) takes that long here; raise "
-              f"--time-limit or lower --max-seq-len", file=sys.stderr)
+              f"chunks ({plural(len(lengths), 'sequence')}, the longest {int(lengths.max()):,} tokens) takes that long "
+              f"here; raise --time-limit, or plan fewer or shorter sequences", file=sys.stderr)
     if getattr(args, "json", False):
         print(plan.to_json(indent=1))
     else:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch.distributed as dist
 import yaml
 
-from megatron_ext.commands.args import ArgumentParser, check_output_file, positive_int
+from megatron_ext.commands.args import ArgumentParser, check_output_file, path_arg, positive_int
 from megatron_ext.commands.launch import LAUNCHER_HELP, torchrun
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import MegatronExtError
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="megatron-ext profile", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="model preset or YAML (its shape is what gets measured)")
     p.add_argument("--cluster", default="cpu-4", help="cluster preset or YAML (its GPU count is the rank count)")
-    p.add_argument("--out", required=True, metavar="PATH", help="cost-model YAML to write")
+    p.add_argument("--out", required=True, type=path_arg, metavar="PATH", help="cost-model YAML to write")
     p.add_argument("--lengths", type=_length_list, default="128,256,512,1024,2048,3072",
                    help="comma-separated sequence lengths of the compute sweep")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed runs per point (the median is kept)")
@@ -71,12 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+MAX_PROFILE_LENGTH = 2**20  # tokens of one measured pass (a longer one holds no GPU's activations)
+
+
 def _length_list(text: str) -> list[int]:
     try:
-        return [positive_int(x.strip()) for x in text.split(",")]
+        lengths = [positive_int(x.strip()) for x in text.split(",")]
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive lengths, e.g. 128,512,2048, "
-                                         f"got {text!r}") from None
+        lengths = []
+    if not lengths or max(lengths) > MAX_PROFILE_LENGTH:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive lengths of at most {MAX_PROFILE_LENGTH:,}, "
+                                         f"e.g. 128,512,2048, got {text!r}")
+    return lengths
 
 
 def check_args(args, local_ranks: int) -> tuple[str, str]:

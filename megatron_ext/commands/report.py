@@ -216,7 +216,8 @@ def _stage_fidelity(layout: str, stages: list[dict]) -> dict:
     predicted = [sum(q for r in stages for _, _, q in r["ops_per_stage"][p] if q is not None) for p in range(P)]
     return {
         "layout": layout, "steps": len(stages), "stages": stages[0].get("stages", P),  # below P: replicas' stages
-        "stage_op_time_ratio": [m / q if q > 0 else None for m, q in zip(measured, predicted)],
+        # (None where nothing was predicted: a denormal prediction made the ratio inf, which --json wrote)
+        "stage_op_time_ratio": [m / q if q >= 1e-9 else None for m, q in zip(measured, predicted)],
         "activation_peak_mb_per_stage": np.max([r["activation_peak_mb_per_stage"] for r in stages], axis=0).tolist(),
         "planned_activation_mb_per_stage": np.max([r["planned_activation_mb_per_stage"] for r in stages],
                                                   axis=0).tolist(),

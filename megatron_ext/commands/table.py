@@ -49,8 +49,9 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
     planner) is the one the speedups are relative to. ``options`` is a PipelineOptions for the
     pipeline planners (b1_scale, memory_mb, ...); ``max_seq_len`` (default: the longest every
     planner can run) caps the sampled lengths and sets the baselines' pack size (Megatron packs to
-    the context length). A bad setup (unknown planner, a layout that cannot run) raises before
-    any planning; a step a planner cannot run is a row with its error."""
+    the context length). A bad setup (an unknown planner, no planner able to run) raises before
+    any planning; a planner that cannot run on it (its layout, FlexSP's model states) and a step
+    a planner cannot run are rows with their error."""
     from megatron_ext.planner.api import PIPELINE_KINDS, PLANNERS, planner_names, max_seq_len as planner_max_seq_len
     from megatron_ext.planner.pp.pipeline import PipelineOptions, pipeline_cost, resolve_layout
 
@@ -71,17 +72,25 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
         raise ConfigError(f"the main planner {main!r} is not among the planners ({', '.join(planners)})")
     pp, sp = pp if pp is not None else opts.pp, sp if sp is not None else opts.sp
     opts = dataclasses.replace(opts, pp=pp, sp=sp)
-    pipelined = [x for x in planners if x in planner_names(*PIPELINE_KINDS)]
-    if any(x != "auto" or pp is not None or sp is not None for x in pipelined):
-        pipeline_cost(cost, pp, sp, opts)  # raises if the layout cannot run
-    if any(x in planner_names("sp") for x in planners):
-        cost.tokens_per_gpu  # raises if the model states leave FlexSP no room
+    # a planner that cannot run on this setup (its layout, or FlexSP's groups with no room beside
+    # the model states) is a row saying why, beside the others; with none left the setup is refused
+    unable: dict[str, str] = {}
+    for x in planners:
+        try:
+            if x in planner_names(*PIPELINE_KINDS) and (x != "auto" or pp is not None or sp is not None):
+                pipeline_cost(cost, pp, sp, opts)
+            if x in planner_names("sp"):
+                cost.tokens_per_gpu
+        except MegatronExtError as e:
+            unable[x] = str(e)
+    if len(unable) == len(planners):
+        raise ConfigError(unable[planners[0]])
     pp, sp = resolve_layout(cost, pp, sp)
     if lengths is not None:
         batches = [np.asarray(lengths, dtype=np.int64)]
         source = f"{len(batches[0])} given lengths"
     else:
-        cap = max_seq_len or min(planner_max_seq_len(x, cost, opts) for x in planners)
+        cap = max_seq_len or min(planner_max_seq_len(x, cost, opts) for x in planners if x not in unable)
         if data is not None:
             batches, source = dataset_batches(data, batch, cap, seed, range(steps))
         else:
@@ -96,6 +105,9 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
     for step, lens in enumerate(batches):
         for name in planners:
             row = {"step": step, "planner": name, "tokens": int(lens.sum())}
+            if name in unable:
+                rows.append({**row, "error": unable[name]})
+                continue
             try:
                 t = time.perf_counter()
                 plan = _plan(name, lens, cost, pp, sp, opts, time_limit)

@@ -74,7 +74,8 @@ class CostModel:
         writes besides: ``device``, ``dtype`` and ``attention_backend`` (what it measured on) and
         the ``profile`` section (measurements and fit residuals); those are for people, not read here."""
         data = read_yaml(Path(path))
-        unknown = set(data) - {"model", "cluster", "zero_stage", "device", "dtype", "attention_backend", "profile"}
+        unknown = {str(k) for k in data} - {"model", "cluster", "zero_stage", "device", "dtype", "attention_backend",
+                                            "profile"}
         if unknown or "model" not in data or "cluster" not in data:
             raise ConfigError(f"{path}: a cost model needs 'model' and 'cluster' (and optionally 'zero_stage')"
                               + (f"; unknown: {', '.join(sorted(unknown))}" if unknown else ""))

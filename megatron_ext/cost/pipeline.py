@@ -70,6 +70,10 @@ from megatron_ext.spec import GBPS_IN_MB_PER_MS, MB
 FWD_FRACTION = 1.0 / 3.0  # forward share of a fwd+bwd pass (and so the cost of a recomputation)
 
 
+# a what-if multiple of the derived fixed cost past which step times lose their precision
+MAX_B1_SCALE = 1e3
+
+
 @dataclass(frozen=True)
 class PipelineCost:
     """Time and memory of chunks on the stages of a ``pp``-stage pipeline of SP degree ``sp``."""
@@ -96,8 +100,14 @@ class PipelineCost:
         if c.num_gpus % (self.pp * self.sp):
             raise ConfigError(f"pp {self.pp} x sp {self.sp} = {self.pp * self.sp} GPUs does not divide the "
                               f"{c.num_gpus} GPUs of {c.name} (a layout runs as GPUs / (pp x sp) replicas side by side)")
-        if not (isinstance(self.b1_scale, (int, float)) and math.isfinite(self.b1_scale) and self.b1_scale >= 0):
-            raise ConfigError(f"b1_scale must be a non-negative number, got {self.b1_scale!r}")
+        if not (isinstance(self.b1_scale, (int, float)) and 0 <= self.b1_scale <= MAX_B1_SCALE):
+            raise ConfigError(f"b1_scale (--b1-scale) must be from 0 to {MAX_B1_SCALE:g}, got {self.b1_scale!r}")
+        head = head_bytes_per_token(m) / MB
+        if self.cost.act_mb_per_token <= head:  # (the layers would keep nothing: no chunk size is better)
+            raise ConfigError(f"model {m.name}: act_mb_per_token {self.cost.act_mb_per_token:g} MB is no more than what "
+                              f"its output layer alone keeps per token ({head:.4g} MB: fp32 logits of "
+                              f"{m.vocab_size:,} words and two inputs of {m.hidden_size:,}); it counts every layer's "
+                              f"activations and the output layer's (leave it out to derive it from the shape)")
         if self.memory_mb is not None and not (isinstance(self.memory_mb, (int, float))
                                                and math.isfinite(self.memory_mb) and self.memory_mb > 0):
             raise ConfigError(f"memory budget must be a positive number of MB, got {self.memory_mb!r}")
@@ -342,4 +352,4 @@ def default_layout(cost: CostModel) -> tuple[int, int]:
     return pp, sp
 
 
-__all__ = ["FWD_FRACTION", "PipelineCost", "default_layout"]
+__all__ = ["FWD_FRACTION", "MAX_B1_SCALE", "PipelineCost", "default_layout"]

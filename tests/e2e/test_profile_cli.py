@@ -159,6 +159,16 @@ def _args(*argv):
     return profile.build_parser().parse_args(["--out", "c.yaml", *argv])
 
 
+def test_lengths_and_out_are_checked_when_parsed(capsys):
+    """A length past any pass (each rank overflowed packing it, after the launch) and an empty
+    --out (taken as the current folder) are refused by the parser."""
+    for argv, msg in ((["--out", "c.yaml", "--lengths", "128,99999999999999999999"], "of at most 1,048,576"),
+                      (["--out", ""], "expected a path, got ''")):
+        with pytest.raises(SystemExit):
+            profile.build_parser().parse_args(argv)
+        assert msg in capsys.readouterr().err
+
+
 def test_device_and_dtype_resolution_on_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert profile.check_args(_args(), 4) == ("cpu", "fp32")

@@ -379,6 +379,8 @@ def test_cluster_yaml_num_nodes_3(tmp_path):
     (TINY_YAML.replace("a1: 1.0e-6", "a1: 1e307"), "a1 must be at most 1e"),
     (TINY_YAML + "name: [1, 2]\n", "model name: must be a string"),
     ("x: &a [1, 2]\n" + TINY_YAML.replace("num_layers: 2", "num_layers: *a"), r"\*a: aliases are not read here"),
+    (TINY_YAML + "1: 2\nfoo: 3\n", "unknown field\\(s\\) 1, foo; known: name"),  # (a number as a key: a TypeError)
+    (TINY_YAML + "? [1]\n: 2\n", "not valid YAML"),  # (an unhashable key: a TypeError)
 ])
 def test_bad_model_yaml(tmp_path, text, match):
     p = tmp_path / "bad.yaml"

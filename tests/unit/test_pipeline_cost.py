@@ -197,6 +197,12 @@ def test_layout_errors():
         PipelineCost(COST, 4, 8, memory_mb=1024)
     with pytest.raises(ConfigError, match="b1_scale"):
         PipelineCost(COST, 4, 8, b1_scale=-1)
+    with pytest.raises(ConfigError, match=r"b1_scale \(--b1-scale\) must be from 0 to 1000, got 1e\+300"):
+        PipelineCost(COST, 4, 8, b1_scale=1e300)  # (inf x 0 recomputed layers: NaN times, a "cycle" refused)
+    # activations per token no more than the output layer keeps: no layer would keep any (a zero division)
+    thin = dataclasses.replace(COST, model=dataclasses.replace(COST.model, act_mb_per_token=0.1))
+    with pytest.raises(ConfigError, match="act_mb_per_token 0.1 MB is no more than what its output layer alone keeps"):
+        PipelineCost(thin, 4, 8)
     with pytest.raises(ConfigError, match="20 GPUs does not divide the 32 GPUs"):
         PipelineCost(COST, 5, 4)
     # a launch-bound profile fitted both to 0 (an H100, tiny at up to 4,096 tokens): chunk counts were NaN

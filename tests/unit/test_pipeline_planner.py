@@ -248,10 +248,16 @@ def test_simulate_table_small():
     for kw, msg in ((dict(planners=("flexsp", "nope")), "unknown planner.*'nope'"),
                     (dict(planners=("flexsp",), main="elastic_pp"), "main planner 'elastic_pp' is not among"),
                     (dict(planners=("elastic_pp",), pp=3), "pipeline degree 3 does not divide"),
-                    (dict(planners=("elastic_pp",), b1_scale=-1.0), "b1_scale must be a non-negative"),
+                    (dict(planners=("elastic_pp",), b1_scale=-1.0), r"b1_scale \(--b1-scale\) must be from 0"),
                     (dict(planners=("flexsp",), cost=small.with_memory(100)), "exceed the 100 MB")):
         with pytest.raises(MegatronExtError, match=msg):
             simulate_table(**{"cost": small, "lengths": [3000, 200], **kw})
+    # ... but a planner that cannot run where others can is a row saying why (ZeRO-1 on 40 GB: no
+    # room for FlexSP's model states of llama-13b, the pipelines' stages hold theirs)
+    z1 = CostModel.from_presets("llama-13b", "a100-40g-8x4", zero_stage=1)
+    out = simulate_table(z1, lengths=[8192, 4096, 2048], planners=("flexsp", "batch_1f1b"), time_limit=0.2)
+    rows = {r["planner"]: r for r in out["rows"]}
+    assert "model states of llama-13b" in rows["flexsp"]["error"] and rows["batch_1f1b"]["step_time_s"] > 0
 
 
 

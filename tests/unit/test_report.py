@@ -127,6 +127,10 @@ def test_pipeline_runs_report_stage_times_and_memory(tmp_path, capsys):
     assert main(["report", str(_write(tmp_path, recs))]) == 0
     out = capsys.readouterr().out
     assert "stage 0 1.50x, stage 1 1.00x" in out and "OVER the budget at (step, stage) [(2, 1)]" in out
+    # a stage predicted at a denormal time has no ratio (it was inf, and --json wrote Infinity)
+    tiny = [[["F0", 0.3, 5e-324], ["B0", 0.6, 0.0]], [["F0", 0.2, 0.2], ["B0", 0.4, 0.4]]]
+    assert fidelity([_pp_rec(0, [1.0, 1.0], tiny), _pp_rec(1, [1.0, 1.0], tiny)])["pipelines"][0][
+        "stage_op_time_ratio"] == [None, 1.0]
 
 
 def test_pipeline_replicas_are_named_by_replica_and_stage(tmp_path, capsys):
