@@ -64,6 +64,24 @@ def blocked_in_children(*signals: int):
         signal.pthread_sigmask(signal.SIG_SETMASK, saved)
 
 
+@contextlib.contextmanager
+def main_module_hidden():
+    """Processes spawned in the block do not import this process's ``__main__`` module again
+    (multiprocessing's spawn imports it, as ``__mp_main__``, by its module name or file, to find
+    what it defines: a target defined in a proper module needs none of it, and a training
+    script's imports are torch and megatron)."""
+    main = sys.modules["__main__"]
+    saved = {k: getattr(main, k) for k in ("__spec__", "__file__") if hasattr(main, k)}
+    main.__spec__ = None
+    if "__file__" in saved:
+        del main.__file__
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(main, k, v)
+
+
 def exit_quietly_on_stop_signals() -> None:
     """A stop signal (``STOP_SIGNALS``) ends this process as ``SystemExit(128 + signal)``: its
     ``finally`` blocks and context managers run, and nothing is printed (Python's KeyboardInterrupt

@@ -25,6 +25,7 @@ torch.distributed is imported only by those functions, when called.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -45,13 +46,13 @@ from megatron_ext.data.sharding import (IGNORE_INDEX, RankShard, ShardTokens, gr
                                         padded_buffer_length, rank_part, shard_bounds, shard_tokens)
 from megatron_ext import errors
 from megatron_ext.errors import InvalidPlanError, MegatronExtError
-from megatron_ext.lifetime import blocked_in_children
+from megatron_ext.lifetime import blocked_in_children, main_module_hidden
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner import PLANNERS, PlannerOptions, make_plan
 from megatron_ext.planner.api import planner_names
 
 __all__ = ["PlanningDataLoader", "Step", "PlanMismatchError", "plan_digest", "check_plan_agreement",
-           "broadcast_plan", "fallback_plan", "rank_part", "group_shards", "RankShard",
+           "broadcast_plan", "fallback_plan", "FALLBACK_LIMIT_S", "rank_part", "group_shards", "RankShard",
            "shard_tokens", "ShardTokens", "padded_buffer_length", "shard_bounds", "num_loss_tokens",
            "IGNORE_INDEX"]
 
@@ -136,19 +137,23 @@ def broadcast_plan(plan: StepPlan | None, src: int = 0, group=None, source: str 
     return StepPlan.from_json(text), source
 
 
+FALLBACK_LIMIT_S = 0.2  # a last resort's planning time (the step waits for it)
+
+
 def fallback_plan(lengths, cost: CostModel, options: PlannerOptions, fallback: str = "batchada",
-                  reason: str = "", last_resort: str | None = None) -> StepPlan:
-    """A quick valid plan: ``fallback`` (then static Ulysses if that fails, then ``last_resort``,
-    a pipeline planner for a runtime that runs both kinds: it slices what no SP group holds),
-    marked as a fallback in ``solver_status``."""
+                  reason: str = "", last_resorts: tuple[str, ...] = ()) -> StepPlan:
+    """A quick valid plan: ``fallback`` (then static Ulysses if that fails, then the
+    ``last_resorts`` in turn, pipeline planners for a runtime that runs them: they slice what no
+    SP group holds, and elastic_pp what no batch of whole sequences fits, in at most
+    ``FALLBACK_LIMIT_S``), marked as a fallback in ``solver_status``."""
     # A pipeline runtime needs a pipeline plan: FlexSP-kind stand-ins only for FlexSP-kind fallbacks.
     flexsp_kind = fallback in planner_names("sp")
     names = [fallback] + ([n for n in ("batchada", "static_ulysses") if n != fallback] if flexsp_kind else [])
-    names += [last_resort] if last_resort else []
+    hurried = dataclasses.replace(options, time_limit=min(options.time_limit, FALLBACK_LIMIT_S))
     last: Exception | None = None
-    for name in names:
+    for name in names + [n for n in last_resorts if n not in names]:
         try:
-            plan = make_plan(name, lengths, cost, options)
+            plan = make_plan(name, lengths, cost, options if name in names else hurried)
         except MegatronExtError as e:
             last = e
             continue
@@ -301,8 +306,12 @@ class PlanningDataLoader(GlobalBatches):
         # The worker, and the resource tracker multiprocessing starts for the queue's semaphores, never
         # get Slurm's SIGUSR1 (every process of the job step does) or SIGHUP: the tracker, killed,
         # would be replaced by one that knows none of the semaphores (a traceback for each).
-        with blocked_in_children(signal.SIGUSR1, signal.SIGHUP):
+        # It imports nothing of the training script (``main_module_hidden``): it stays torch-free.
+        with blocked_in_children(signal.SIGUSR1, signal.SIGHUP), main_module_hidden():
             self._tasks, (self._results, sending) = ctx.Queue(), ctx.Pipe(duplex=False)
+            # a task still queued when the worker stops is dropped: its feeder thread, blocked on a
+            # full pipe (a task of a global batch of ~8,000 sequences or more), would hold the exit
+            self._tasks.cancel_join_thread()
             self._floor = ctx.Value("q", 0)
             self._proc = ctx.Process(target=worker_main, name="megatron-ext-planner", daemon=True,
                                      args=(self.planner, self.cost, self.options, self.baselines, self._tasks,
@@ -416,9 +425,12 @@ class PlanningDataLoader(GlobalBatches):
         short = ("late" if "deadline" in reason else "planner error" if "failed:" in reason
                  else "planner unavailable")
         try:
+            # a runtime that runs pipelines (auto's, on one stage too) gets the pipeline planners
+            # that slice last: batch 1F1B's whole sequences may not fit where its planner's slices do
             flexsp_kind = self.fallback in planner_names("sp")
+            last_resorts = (("seq1f1b", "elastic_pp") if self.planner == "auto" else ()) if flexsp_kind else ("elastic_pp",)
             plan = fallback_plan(lengths, self.cost, self.options, self.fallback, reason=short,
-                                 last_resort="seq1f1b" if self.planner == "auto" and flexsp_kind else None)
+                                 last_resorts=last_resorts)
         except MegatronExtError as e:  # name both failures: the planner's is usually the one to fix
             if self.fallback == self.planner:
                 raise

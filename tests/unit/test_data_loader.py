@@ -132,12 +132,34 @@ def test_fallback_of_auto_slices_what_no_group_holds():
     lengths = np.array([cost.max_seq_len + 500, 300, 40])
     with pytest.raises(MegatronExtError):
         fallback_plan(lengths, cost, options)
-    plan = fallback_plan(lengths, cost, options, reason="late", last_resort="seq1f1b")
+    plan = fallback_plan(lengths, cost, options, reason="late", last_resorts=("seq1f1b",))
     assert plan.planner == "seq1f1b" and plan.kind == "elastic_pp" and plan.solver_status.startswith("fallback (late)")
     assert {p.stages for p in plan.pipelines} == {1}
     assert len({(x.start, x.end) for p in plan.pipelines for c in p.chunks for x in c.pieces if x.seq_id == 0}) > 1
-    plan = fallback_plan(lengths[1:], cost, options, last_resort="seq1f1b")  # the usual fallback first
+    plan = fallback_plan(lengths[1:], cost, options, last_resorts=("seq1f1b",))  # the usual fallback first
     assert plan.planner == "batchada"
+
+
+def test_a_pipeline_run_falls_back_to_slices_where_whole_sequences_do_not_fit():
+    """batch 1F1B (a pipeline run's fallback) holds whole sequences only: where the run's longest
+    do not fit it, the last resort is elastic_pp in a hurry, which slices them (a late plan ended
+    such runs)."""
+    from megatron_ext.cost import CostModel
+    from megatron_ext.data.loader import FALLBACK_LIMIT_S, fallback_plan
+    from megatron_ext.errors import InfeasibleError
+
+    cost = CostModel.from_presets("tiny", "cpu-4", zero_stage=0)
+    options = PlannerOptions(time_limit=1.0, pp=2, sp=2, flexsp=False)
+    lengths = np.array([6144, 3000, 800, 500, 200, 100, 4000, 6144])
+    with pytest.raises(InfeasibleError, match="batch 1F1B pipeline: stage 1 needs"):
+        fallback_plan(lengths, cost, options, "batch_1f1b")
+    docs = InMemoryDocuments([np.arange(n) % 256 for n in lengths])
+    with PlanningDataLoader(docs, cost, len(lengths), planner="elastic_pp", options=options, fallback="batch_1f1b",
+                            num_steps=1, max_seq_len=6144, deadline_s=0.05, plan_delay_s=5.0) as dl:
+        step = next(iter(dl))
+    assert step.plan_source == "fallback" and step.plan.planner == "elastic_pp"
+    assert step.plan.solver_status.startswith("fallback (late)") and step.plan.solve_time_s < 5 * FALLBACK_LIMIT_S
+    validate(step.plan, step.lengths, cost)
 
 
 def test_dead_worker_falls_back(caplog):
@@ -182,6 +204,35 @@ def test_a_worker_that_never_starts_costs_its_start_up_wait_once(tmp_path, monke
                  worker_imports=("slow_planner_import",)) as dl:
         waits = [s.plan_wait_s for s in dl]
     assert 1.0 <= waits[0] < 5 and all(w < 0.6 for w in waits[1:]), waits
+
+
+SPAWNING_SCRIPT = """
+import sys
+if __name__ == "__mp_main__":  # the planner process importing the script that started it
+    open(sys.argv[1], "w").write("re-imported")
+if __name__ == "__main__":
+    import numpy as np
+    from megatron_ext.cost import CostModel
+    from megatron_ext.data.datasets import InMemoryDocuments
+    from megatron_ext.data.loader import PlanningDataLoader
+
+    docs = InMemoryDocuments([np.arange(5) for _ in range(40_000)])
+    loader = PlanningDataLoader(docs, CostModel.from_presets("tiny", "cpu-4"), 20_000, planner="static_ulysses",
+                                fallback="static_ulysses", num_steps=3, deadline_s=0.1, plan_delay_s=30.0)
+    assert next(iter(loader)).plan_source == "fallback"
+    loader.close()
+"""
+
+
+def test_the_planner_process_neither_imports_the_script_nor_holds_its_exit(tmp_path):
+    """The planner process is spawned: it imported the training script again (as __mp_main__: torch
+    and megatron with it, 238 MB and a second to start), and a task left in its queue when it was
+    stopped (the next step's, a global batch of 20,000 sequences: over a pipe's buffer) held the
+    script's exit for ever."""
+    script, marker = tmp_path / "train_script.py", tmp_path / "marker"
+    script.write_text(SPAWNING_SCRIPT)
+    subprocess.run([sys.executable, str(script), str(marker)], check=True, timeout=120)
+    assert not marker.exists()
 
 
 def test_worker_side_imports_no_torch():
