@@ -27,19 +27,22 @@ from megatron_ext.errors import ConfigError, InfeasibleError
 from megatron_ext.spec import (GBPS_IN_MB_PER_MS, MB, ClusterSpec, ModelSpec, read_yaml, cluster_from_mapping,
                                is_power_of_two, load_cluster, load_model, model_from_mapping)
 
-# Fraction of the 16 bytes/param of mixed-precision Adam states (2 bf16 weights, 2 gradients, 12
-# fp32 master weights and moments) kept per GPU, by ZeRO stage: (sharded over the GPUs that hold
-# the same parameters, replicated on each). ZeRO-1 shards the 12 optimizer bytes, ZeRO-2 the
-# gradients too, ZeRO-3 everything. (Megatron's distributed optimizer keeps fp32 gradient buffers
-# in bf16 runs, 2 bytes more per parameter than this accounting, which follows the FlexSP paper.)
-_ZERO_SHARDED = {0: (0.0, 1.0), 1: (6 / 8, 2 / 8), 2: (7 / 8, 1 / 8), 3: (1.0, 0.0)}
+# Bytes a parameter of mixed-precision Adam: bf16 weights (2), gradients (``grad_bytes``: 2 in
+# bf16, as the FlexSP paper counts them; 4 where gradients accumulate in fp32, Megatron's default
+# with --bf16) and fp32 master weights and two moments (12). By ZeRO stage, what is sharded over
+# the GPUs that hold the same parameters (the rest is replicated on each): ZeRO-1 the optimizer's
+# 12 bytes, ZeRO-2 the gradients too, ZeRO-3 everything.
+WEIGHT_BYTES, OPTIMIZER_BYTES = 2, 12
+ZERO_STAGES = (0, 1, 2, 3)
 
 
-def model_states_mb(params_b: float, zero_stage: int, shards: int) -> float:
+def model_states_mb(params_b: float, zero_stage: int, shards: int, grad_bytes: int = 2) -> float:
     """MB per GPU of ``params_b`` billion parameters' model states under ``zero_stage``, the
-    sharded part split over ``shards`` GPUs (the paper's 16 x 1024 MB a billion: spec.py, units)."""
-    sharded, replicated = _ZERO_SHARDED[zero_stage]
-    return params_b * 16 * 1024 * (sharded / shards + replicated)
+    sharded part split over ``shards`` GPUs (a billion parameters' byte taken as 1024 MB, the
+    paper's: spec.py, units)."""
+    total = WEIGHT_BYTES + grad_bytes + OPTIMIZER_BYTES
+    sharded = (0, OPTIMIZER_BYTES, OPTIMIZER_BYTES + grad_bytes, total)[zero_stage]
+    return params_b * 1024 * (sharded / shards + total - sharded)
 
 
 @dataclass(frozen=True)
@@ -50,11 +53,14 @@ class CostModel:
     # widest ring (context-parallel) degree a group may add beyond the heads' Ulysses limit
     # (``--max-ring``); 1: Ulysses only
     max_ring: int = 1
+    grad_bytes: int = 2  # bytes a gradient (``model_states_mb``)
 
     def __post_init__(self):
         z = self.zero_stage
-        if not isinstance(z, int) or isinstance(z, bool) or z not in _ZERO_SHARDED:
+        if not isinstance(z, int) or isinstance(z, bool) or z not in ZERO_STAGES:
             raise ConfigError(f"zero_stage must be one of 0, 1, 2, 3, got {self.zero_stage!r}")
+        if self.grad_bytes not in (2, 4):
+            raise ConfigError(f"grad_bytes must be 2 (bf16 gradients) or 4 (fp32), got {self.grad_bytes!r}")
         r = self.max_ring
         if not isinstance(r, int) or isinstance(r, bool) or not is_power_of_two(r):
             raise ConfigError(f"the ring degree limit must be a power of two (1: no ring), got {r!r}")
@@ -109,8 +115,9 @@ class CostModel:
 
     @cached_property
     def model_states_mb(self) -> float:
-        """params * 16 bytes, the ZeRO-sharded part spread over all GPUs (MB per GPU)."""
-        return model_states_mb(self.model.params_b, self.zero_stage, self.num_gpus)
+        """params * 16 bytes (18 with fp32 gradients), the ZeRO-sharded part spread over all GPUs
+        (MB per GPU)."""
+        return model_states_mb(self.model.params_b, self.zero_stage, self.num_gpus, self.grad_bytes)
 
     @cached_property
     def act_mb_per_token(self) -> float:

@@ -284,7 +284,7 @@ class PipelineCost:
     @cached_property
     def model_states_mb(self) -> float:
         over = self.sp if self.cost.zero_stage == 3 else self.sp * self.replicas
-        return model_states_mb(self.cost.model.params_b / self.pp, self.cost.zero_stage, over)
+        return model_states_mb(self.cost.model.params_b / self.pp, self.cost.zero_stage, over, self.cost.grad_bytes)
 
     @cached_property
     def activation_room_mb(self) -> float:

@@ -266,6 +266,26 @@ def _check_common(args, flag: str, tp: int, cp: int, dp: int) -> None:
                   f"whose memory budget would then count on memory the run does not have; use 1")
     if _get(args, "iterations_to_skip", None):
         _conflict(f"{flag}: --iterations-to-skip reads Megatron batches to skip them; not supported")
+    if _get(args, "phase_transition_iterations", None):
+        # (Megatron restarts each phase's data at its own first sample; a planned run's step k draws batch k)
+        _conflict(f"{flag}: --phase-transition-iterations restarts the data at every phase, which planned steps "
+                  f"do not follow (step k draws global batch k of the run's data); run the phases as separate "
+                  f"runs, each with its data")
+    loaded = [f for f, on in (("--use-checkpoint-args", _get(args, "use_checkpoint_args", False)),
+                              ("--yaml-cfg", _get(args, "yaml_cfg", None))) if on]
+    if loaded:
+        # (arguments read later than these checks, which they would not pass through: MoE, another
+        # position embedding, other parallel sizes)
+        _conflict(f"{flag}: {' and '.join(loaded)} sets arguments after megatron_ext has checked them; give them "
+                  f"on the command line")
+    if _get(args, "ddp_average_in_collective", False):
+        _conflict(f"{flag} needs --calculate-per-token-loss (the loss is normalized over the global batch's "
+                  f"tokens, whatever the plan), which Megatron runs without --ddp-average-in-collective; drop it")
+    if _get(args, "check_for_spiky_loss", False):
+        # (Megatron compares each micro-batch's summed loss with the last ones; a planned micro-batch
+        # or chunk holds anything from one token to a whole long document)
+        _conflict(f"{flag}: --check-for-spiky-loss compares micro-batch loss sums, which vary with the planned "
+                  f"token counts (one token to a whole document) and would flag spikes that are not; drop it")
     for name in ("full_validation", "multiple_validation_sets"):
         if _get(args, name, False):
             _conflict(f"{flag}: --{name.replace('_', '-')} needs Megatron's GPT datasets; a planned run validates "
@@ -565,6 +585,11 @@ def _check_elastic(args, world: int, tp: int, pp: int, dp: int, head_limit: int)
                  "account_for_loss_in_pipeline_split"):
         if _get(args, name, None):
             _conflict(f"--elastic-pp plans stages of equal layer counts; drop --{name.replace('_', '-')}")
+    if _get(args, "defer_embedding_wgrad_compute", False):
+        # (Megatron's own schedules finish the deferred output-layer weight gradients before
+        # finalizing the gradients; the elastic schedule does not defer them)
+        _conflict("--elastic-pp computes the output layer's weight gradients in each chunk's backward; drop "
+                  "--defer-embedding-wgrad-compute")
     layers = _get(args, "num_layers", None)
     if layers and layers % pp:
         _conflict(f"--elastic-pp: --pipeline-model-parallel-size {pp} does not divide the {layers} layers "

@@ -85,12 +85,24 @@ def megatron_zero_stage(args) -> tuple[int, str]:
     return 0, "without --use-distributed-optimizer every rank holds all model states"
 
 
+def megatron_grad_bytes(args) -> int:
+    """Bytes a gradient takes in Megatron's gradient buffers: 4 where they accumulate in fp32
+    (with --bf16 unless --grad-reduce-in-bf16 or --main-grads-dtype bf16, as Megatron's argument
+    check sets them; with --accumulate-allreduce-grads-in-fp32), else 2."""
+    if getattr(args, "bf16", False):
+        bf16_grads = getattr(args, "grad_reduce_in_bf16", False) or "bf" in str(getattr(args, "main_grads_dtype", ""))
+        return 2 if bf16_grads else 4
+    return 4 if getattr(args, "accumulate_allreduce_grads_in_fp32", False) else 2
+
+
 def megatron_cost_model(args) -> CostModel:
     """The planner's cost model of a --flexsp / --elastic-pp run: ``args.cost_model`` at the ZeRO
-    stage of Megatron's arguments (``megatron_zero_stage``); one stating another stage is refused."""
+    stage of Megatron's arguments (``megatron_zero_stage``; one stating another stage is refused),
+    with the gradients' bytes of its buffers (``megatron_grad_bytes``)."""
     ref = args.cost_model
     stage, why = megatron_zero_stage(args)
-    cost = load_cost_model(ref, stage).with_max_ring(getattr(args, "flexsp_max_ring", None) or 1)
+    cost = dataclasses.replace(load_cost_model(ref, stage).with_max_ring(getattr(args, "flexsp_max_ring", None) or 1),
+                               grad_bytes=megatron_grad_bytes(args))
     if cost.zero_stage != stage:
         stated = f"zero_stage: {cost.zero_stage}" if _looks_like_file(ref) else f"ZeRO stage {cost.zero_stage}"
         run = dataclasses.replace(cost, zero_stage=stage)
@@ -115,4 +127,5 @@ def cap_cost_model(cost: CostModel, max_degree: int | None) -> CostModel:
     """``cost`` with its Ulysses degrees capped at ``max_degree`` (unchanged if the cap does not bind)."""
     if max_degree is None or max_degree >= min(cost.num_gpus, cost.model.max_sp_degree):
         return cost
-    return CappedCostModel(cost.model, cost.cluster, cost.zero_stage, cost.max_ring, max_degree=int(max_degree))
+    return CappedCostModel(cost.model, cost.cluster, cost.zero_stage, cost.max_ring, cost.grad_bytes,
+                           max_degree=int(max_degree))

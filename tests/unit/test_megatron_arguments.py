@@ -79,6 +79,12 @@ def megatron_like_parser(ours: bool = True) -> argparse.ArgumentParser:
         "--fp8-format": dict(dest="fp8", default=None),  # (megatron-core's TransformerConfig field names)
         "--fp4-format": dict(dest="fp4", default=None),
         "--distributed-timeout-minutes": dict(type=int, default=10),
+        "--phase-transition-iterations": dict(default=None),
+        "--use-checkpoint-args": dict(action="store_true"),
+        "--yaml-cfg": dict(default=None),
+        "--ddp-average-in-collective": dict(action="store_true"),
+        "--check-for-spiky-loss": dict(action="store_true"),
+        "--defer-embedding-wgrad-compute": dict(action="store_true"),
     }.items():
         p.add_argument(name, **kw)
     return add_arguments(p) if ours else p
@@ -169,6 +175,11 @@ def test_flexsp_adjusts_what_it_must_and_says_so():
     (["--fp8-format", "hybrid"], 2, "FP8 and FP4 matrix multiplies need token counts in multiples of 8 to 32.*"
                                     "drop --fp8-format hybrid$"),
     (["--fp4-format", "e2m1"], 2, "drop --fp4-format e2m1$"),
+    # what a planned run would follow wrongly or not at all (data, arguments, loss checks)
+    (["--phase-transition-iterations", "10"], 2, "--phase-transition-iterations restarts the data at every phase"),
+    (["--use-checkpoint-args"], 2, "--use-checkpoint-args sets arguments after megatron_ext has checked them"),
+    (["--ddp-average-in-collective"], 2, "which Megatron runs without --ddp-average-in-collective; drop it$"),
+    (["--check-for-spiky-loss"], 2, "--check-for-spiky-loss compares micro-batch loss sums"),
     # other ranks wait in an NCCL collective for each plan (the watchdog: --distributed-timeout-minutes)
     (["--planner-time-limit", "300"], 2, r"--planner-time-limit 300 s: .* \(10 min\); keep the wait under half"),
     (["--planner-time-limit", "30", "--distributed-timeout-minutes", "2"], 2, r"\(2 min\)"),
@@ -315,6 +326,25 @@ def test_zero_stage_follows_megatron_arguments():
     assert megatron_cost_model(presets).zero_stage == 1
 
 
+def test_bf16_gradients_accumulate_in_fp32_and_the_budget_counts_them():
+    """Megatron's --bf16 keeps fp32 gradient buffers (unless --grad-reduce-in-bf16 or
+    --main-grads-dtype bf16): 18 bytes a parameter under DDP, 6 + 12 / dp with the distributed
+    optimizer, where the paper's accounting counts 16 and 4 + 12 / dp (gpt-7b on 32 H100s planned
+    ~15 GB a GPU the run did not have)."""
+    from megatron_ext.megatron.cost import megatron_grad_bytes
+
+    def args(*flags):
+        return argparse.Namespace(cost_model="gpt-7b:h100-80g-8x4", **{f: True for f in flags})
+
+    assert [megatron_grad_bytes(args(*f)) for f in ((), ("bf16",), ("bf16", "grad_reduce_in_bf16"),
+                                                     ("accumulate_allreduce_grads_in_fp32",))] == [2, 4, 2, 4]
+    assert megatron_grad_bytes(argparse.Namespace(bf16=True, main_grads_dtype="torch.bfloat16")) == 2
+    gb = 7.85 * 1024  # MB a byte of gpt-7b's parameters
+    ddp, dist_opt = megatron_cost_model(args("bf16")), megatron_cost_model(args("bf16", "use_distributed_optimizer"))
+    assert ddp.model_states_mb == pytest.approx(18 * gb) and dist_opt.model_states_mb == pytest.approx((6 + 12 / 32) * gb)
+    assert megatron_cost_model(args()).model_states_mb == pytest.approx(16 * gb)  # (the paper's, as before)
+
+
 def test_validation_budgets_the_stage_of_megatron_arguments():
     """LLaMA-7B's model states fill an 80 GB GPU without the distributed optimizer (ZeRO-0), not
     with it (ZeRO-1 over 32 ranks): the validation sees the stage the run has."""
@@ -418,6 +448,7 @@ def test_elastic_pp_validates_and_adjusts():
     (["--flexsp-max-sp-size", "2"], 4, "--flexsp-max-sp-size belongs to --flexsp"),
     (["--flexsp-planner", "batchada"], 4, "elastic_pp planner"),
     (["--micro-batch-size", "2"], 4, "needs --micro-batch-size 1"),
+    (["--defer-embedding-wgrad-compute"], 4, "drop --defer-embedding-wgrad-compute$"),
 ])
 def test_elastic_pp_conflicts_are_explained(extra, world, match):
     with pytest.raises(ArgumentConflict, match=match):
