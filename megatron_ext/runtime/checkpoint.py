@@ -54,9 +54,9 @@ DATA_KEY = "documents"  # the data's fingerprint (``data_fingerprint``), checked
 _stop_requested = False
 
 
-def run_identity(args, cost, documents) -> dict:
+def run_identity(args, cost, data) -> dict:
     """``run_settings`` and the data's fingerprint (``DATA_KEY``): what a checkpoint is saved with."""
-    return {**run_settings(args, cost), DATA_KEY: data_fingerprint(documents)}
+    return {**run_settings(args, cost), DATA_KEY: data_fingerprint(data)}
 
 
 def run_settings(args, cost) -> dict:
@@ -76,20 +76,27 @@ def run_settings(args, cost) -> dict:
             "lr": args.lr}
 
 
-def data_fingerprint(documents) -> str:
-    """The data a run draws its batches from, by content: its documents' count, tokens and the
-    CRC-32 of their lengths (a re-tokenized or another corpus differs; the same files under
-    another path, or the default corpus named by its path, do not)."""
-    lengths = np.ascontiguousarray(np.asarray(documents.lengths, dtype=np.int64))
-    return f"{lengths.size} documents, {int(lengths.sum())} tokens, lengths CRC-32 {zlib.crc32(lengths):08x}"
+def data_fingerprint(data) -> str:
+    """The data a run draws its batches from (``runtime.train.TrainingData``), by content: its
+    documents' count, tokens and the CRC-32 of their lengths (a re-tokenized or another corpus
+    differs; the same files under another path, or the default corpus named by its path, do not)
+    and, for a weighted blend, its sources' sizes and weights (they decide which documents each
+    batch draws)."""
+    lengths = np.ascontiguousarray(np.asarray(data.documents.lengths, dtype=np.int64))
+    text = f"{lengths.size} documents, {int(lengths.sum())} tokens, lengths CRC-32 {zlib.crc32(lengths):08x}"
+    if data.weights is not None:
+        total = float(sum(data.weights))
+        text += (f", a blend of {' + '.join(map(str, data.source_sizes))} documents at weights "
+                 f"{' : '.join(f'{w / total:.6g}' for w in data.weights)}")
+    return text
 
 
-def check_resumed_data(root: str, documents) -> None:
+def check_resumed_data(root: str, data) -> None:
     """Refuse to resume a checkpoint on other data (the ranks, once they have read it; the launcher
     compares the other settings, ``check_checkpoint_args``)."""
     _, path = latest_checkpoint(root)
     saved = json.loads((path / RUN_FILE).read_text()).get(DATA_KEY)
-    ours = data_fingerprint(documents)
+    ours = data_fingerprint(data)
     if saved is not None and saved != ours:
         raise ConfigError(f"--load {root}: its checkpoint was saved by a run on other data ({saved}), this run's "
                           f"--data holds {ours}; resume on the data it was saved with")

@@ -264,7 +264,7 @@ class Training:
         self.optimizer = build_optimizer(self.model, args.lr)
         resume = resume_from(args)  # (None: no --load, or --save's own directory before its first save)
         if resume is not None:
-            check_resumed_data(resume, data.documents)
+            check_resumed_data(resume, data)
         self.done, self.resumed_from = (load_checkpoint(resume, self.model, self.optimizer) if resume is not None
                                         else (0, None))
         auto = args.planner == "auto"
@@ -343,7 +343,7 @@ class Training:
                 stop = stop_requested_anywhere(device)
                 if args.save and (stop or done == args.steps or args.save_interval and done % args.save_interval == 0):
                     if identity is None:  # (once a run: the data's fingerprint reads every length)
-                        identity = run_identity(args, self.cost, self.data.documents)
+                        identity = run_identity(args, self.cost, self.data)
                     path = save_checkpoint(args.save, done, model, optimizer, identity)
                     if self.rank == 0:
                         print(f"saved step {done} to {path}", file=sys.stderr, flush=True)

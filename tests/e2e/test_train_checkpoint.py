@@ -166,12 +166,20 @@ def test_a_checkpoint_resumes_on_its_data_wherever_it_lies_and_on_no_other(runs)
     from megatron_ext.runtime.checkpoint import check_resumed_data
     from megatron_ext.runtime.train import open_training_data
 
-    docs = open_training_data([stdlib_corpus()], None).documents
-    check_resumed_data(str(runs["ckpt"]), docs)
-    other = type("Docs", (), {"lengths": docs.lengths[::-1].copy()})()  # (the same lengths in another order)
+    import dataclasses
+
+    data = open_training_data([stdlib_corpus()], None)
+    check_resumed_data(str(runs["ckpt"]), data)
+    docs = type("Docs", (), {"lengths": data.documents.lengths[::-1].copy()})()  # (the same lengths in another order)
     with pytest.raises(ConfigError, match=r"saved by a run on other data \(\d+ documents, \d+ tokens, lengths "
                                           r"CRC-32 [0-9a-f]{8}\), this run's --data holds"):
-        check_resumed_data(str(runs["ckpt"]), other)
+        check_resumed_data(str(runs["ckpt"]), dataclasses.replace(data, documents=docs))
+    # the same documents blended at other weights draw other batches (a blend's weights were not compared)
+    n = len(data.documents.lengths)
+    blend = dataclasses.replace(data, source_sizes=[n // 2, n - n // 2], weights=[0.3, 0.7])
+    with pytest.raises(ConfigError, match=rf"this run's --data holds .*, a blend of {n // 2} \+ {n - n // 2} "
+                                          rf"documents at weights 0.3 : 0.7; resume on the data"):
+        check_resumed_data(str(runs["ckpt"]), blend)
 
 
 def test_load_and_save_of_one_directory_start_fresh_before_its_first_save(tmp_path):
