@@ -426,9 +426,11 @@ class PlanningDataLoader(GlobalBatches):
                  else "planner unavailable")
         try:
             # a runtime that runs pipelines (auto's, on one stage too) gets the pipeline planners
-            # that slice last: batch 1F1B's whole sequences may not fit where its planner's slices do
+            # that slice last: batch 1F1B's whole sequences may not fit where its planner's slices
+            # do (a run of the fallback planner itself keeps to it: its refusal stands)
             flexsp_kind = self.fallback in planner_names("sp")
-            last_resorts = (("seq1f1b", "elastic_pp") if self.planner == "auto" else ()) if flexsp_kind else ("elastic_pp",)
+            last_resorts = (() if self.planner == self.fallback else ("elastic_pp",) if not flexsp_kind
+                            else ("seq1f1b", "elastic_pp") if self.planner == "auto" else ())
             plan = fallback_plan(lengths, self.cost, self.options, self.fallback, reason=short,
                                  last_resorts=last_resorts)
         except MegatronExtError as e:  # name both failures: the planner's is usually the one to fix

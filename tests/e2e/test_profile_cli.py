@@ -212,7 +212,8 @@ def test_outputs_that_cannot_be_written_are_refused_before_launching(tmp_path, c
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--lengths", "128,x"], "expected comma-separated positive lengths, e.g. 128,512,2048, got '128,x'"),
+    (["--lengths", "128,x"], "expected comma-separated positive lengths of at most 1,048,576, e.g. 128,512,2048, "
+                            "got '128,x'"),
     (["--lengths", "0,-5"], "expected comma-separated positive lengths"),
     (["--repeats", "0"], "expected a positive integer, got '0'"),
 ])

@@ -568,6 +568,8 @@ def test_one_gpu_cluster_needs_no_link_table(tmp_path):
 
     (tmp_path / "one.yaml").write_text("num_nodes: 1\ngpus_per_node: 1\nmemory_gb: 80\n")
     cost = CostModel.from_presets(SMALL_MODEL, str(tmp_path / "one.yaml"))
+    # (activations per token over what its output layer keeps, as a pipeline stage needs)
+    cost = dataclasses.replace(cost, model=dataclasses.replace(cost.model, act_mb_per_token=0.5))
     assert cost.cluster.intra_node_gbps == cost.cluster.inter_node_gbps == float("inf")
     for name in planner_names():
         zero = 2 if PLANNERS[name].barrier_free else cost.zero_stage  # (barrier-free: ZeRO 0/1/2 only)
