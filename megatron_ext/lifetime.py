@@ -72,12 +72,14 @@ def main_module_hidden():
     script's imports are torch and megatron)."""
     main = sys.modules["__main__"]
     saved = {k: getattr(main, k) for k in ("__spec__", "__file__") if hasattr(main, k)}
-    main.__spec__ = None
     if "__file__" in saved:
         del main.__file__
+    main.__spec__ = None  # (spawn reads it: it must be there)
     try:
         yield
     finally:
+        if "__spec__" not in saved:
+            del main.__spec__
         for k, v in saved.items():
             setattr(main, k, v)
 
