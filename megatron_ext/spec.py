@@ -27,7 +27,7 @@ PRESET_DIR = Path(os.environ.get("MEGATRON_EXT_CONFIGS", Path(__file__).resolve(
 # Units. Memory and message sizes: MB of 2**20 bytes (a cluster's memory_gb: GB of 1024 MB).
 # Model states follow the FlexSP paper's accounting, params_b x 16 x 1024 MB (a billion
 # parameters' 16 bytes taken as 16 GB), on which its published memory figures and worked example
-# rest. All-to-all and p2p tables (``a2a_bandwidth_gbps``, ``p2p_bandwidth_gbps``): MB per ms, as
+# rest (a cost model's ``state_bytes`` may count other than 16 bytes a parameter). All-to-all and p2p tables (``a2a_bandwidth_gbps``, ``p2p_bandwidth_gbps``): MB per ms, as
 # the paper's code divides MB by them ("GB/s": 1000 MB a second) and ``profile`` fits them. Link
 # figures for ZeRO collectives (``intra_node_bandwidth_gbps``, ``inter_node_bandwidth_gbps``):
 # GB/s of 1e9 bytes, as NCCL bus bandwidths are quoted (cost/fixed.py).
@@ -120,9 +120,9 @@ class ClusterSpec:
     gpus_per_node: int
     memory_gb: float  # usable per GPU
     a2a_bandwidth_gbps: dict[int, float] = field(default_factory=dict)
-    # MB per ms one GPU gets sending to another while every pair of GPUs sends at once (what
-    # `profile` measures on rank pairs): pipeline handoffs and rings use it where given, else the
-    # links below (NVLink inside a node, the node's NICs shared by its GPUs between nodes)
+    # MB per ms one GPU gets sending to another GPU of its node while every pair sends at once
+    # (what `profile` measures on rank pairs): pipeline handoffs and rings inside a node use it
+    # where given, else NVLink; across nodes, the links below (``pair_mb_per_ms``)
     p2p_bandwidth_gbps: float | None = None
     # ms per all_to_all call by degree, on top of bytes / bandwidth (what `profile` measures; the
     # published GPU tables have none, and their large messages make it negligible)
@@ -190,6 +190,17 @@ class ClusterSpec:
         if self.inter_node_latency_ms is not None:
             return float(self.inter_node_latency_ms)
         return self.a2a_latency(max(2, self.num_gpus))
+
+    def pair_mb_per_ms(self, across_nodes: bool, sharing: int = 1) -> float:
+        """MB per ms one GPU gets sending to another while every GPU of its node sends too
+        (pipeline handoffs, rings): inside a node, the measured ``p2p_bandwidth_gbps`` (`profile`
+        times pairs of one node) or else NVLink (``intra_node_gbps``); across nodes, the node's
+        NICs (``inter_node_gbps``) shared by the ``sharing`` GPUs of the node sending across."""
+        if not across_nodes:
+            if self.p2p_bandwidth_gbps:
+                return float(self.p2p_bandwidth_gbps)
+            return self.intra_node_gbps * GBPS_IN_MB_PER_MS
+        return self.inter_node_gbps / sharing * GBPS_IN_MB_PER_MS
 
     def a2a_latency(self, degree: int) -> float:
         """ms per all_to_all call of a degree-d group (the widest tabulated degree's beyond the table)."""

@@ -27,21 +27,22 @@ from megatron_ext.errors import ConfigError, InfeasibleError
 from megatron_ext.spec import (GBPS_IN_MB_PER_MS, MB, ClusterSpec, ModelSpec, read_yaml, cluster_from_mapping,
                                is_power_of_two, load_cluster, load_model, model_from_mapping)
 
-# Bytes a parameter of mixed-precision Adam: bf16 weights (2), gradients (``grad_bytes``: 2 in
-# bf16, as the FlexSP paper counts them; 4 where gradients accumulate in fp32, Megatron's default
-# with --bf16) and fp32 master weights and two moments (12). By ZeRO stage, what is sharded over
-# the GPUs that hold the same parameters (the rest is replicated on each): ZeRO-1 the optimizer's
-# 12 bytes, ZeRO-2 the gradients too, ZeRO-3 everything.
-WEIGHT_BYTES, OPTIMIZER_BYTES = 2, 12
+# Bytes a parameter of the model states, (weights, gradients, optimizer): mixed-precision Adam,
+# bf16 weights and gradients, fp32 master weights and two moments, as the FlexSP paper counts them
+# (16); Megatron's --bf16 accumulates gradients in fp32 (18); an fp32 run keeps no master copy (4,
+# 4, 8). By ZeRO stage, what is sharded over the GPUs that hold the same parameters (the rest is
+# replicated on each): ZeRO-1 the optimizer's bytes, ZeRO-2 the gradients too, ZeRO-3 everything.
+MIXED_PRECISION_ADAM = (2, 2, 12)
 ZERO_STAGES = (0, 1, 2, 3)
 
 
-def model_states_mb(params_b: float, zero_stage: int, shards: int, grad_bytes: int = 2) -> float:
+def model_states_mb(params_b: float, zero_stage: int, shards: int, state_bytes=MIXED_PRECISION_ADAM) -> float:
     """MB per GPU of ``params_b`` billion parameters' model states under ``zero_stage``, the
     sharded part split over ``shards`` GPUs (a billion parameters' byte taken as 1024 MB, the
     paper's: spec.py, units)."""
-    total = WEIGHT_BYTES + grad_bytes + OPTIMIZER_BYTES
-    sharded = (0, OPTIMIZER_BYTES, OPTIMIZER_BYTES + grad_bytes, total)[zero_stage]
+    weights, grads, optimizer = state_bytes
+    total = weights + grads + optimizer
+    sharded = (0, optimizer, optimizer + grads, total)[zero_stage]
     return params_b * 1024 * (sharded / shards + total - sharded)
 
 
@@ -53,14 +54,16 @@ class CostModel:
     # widest ring (context-parallel) degree a group may add beyond the heads' Ulysses limit
     # (``--max-ring``); 1: Ulysses only
     max_ring: int = 1
-    grad_bytes: int = 2  # bytes a gradient (``model_states_mb``)
+    state_bytes: tuple[int, int, int] = MIXED_PRECISION_ADAM  # (weights, gradients, optimizer) a parameter
 
     def __post_init__(self):
         z = self.zero_stage
         if not isinstance(z, int) or isinstance(z, bool) or z not in ZERO_STAGES:
             raise ConfigError(f"zero_stage must be one of 0, 1, 2, 3, got {self.zero_stage!r}")
-        if self.grad_bytes not in (2, 4):
-            raise ConfigError(f"grad_bytes must be 2 (bf16 gradients) or 4 (fp32), got {self.grad_bytes!r}")
+        b = self.state_bytes
+        if not (isinstance(b, tuple) and len(b) == 3 and all(isinstance(x, int) and x > 0 for x in b)):
+            raise ConfigError(f"state_bytes must be the bytes a parameter of weights, gradients and optimizer "
+                              f"states, e.g. {MIXED_PRECISION_ADAM}, got {b!r}")
         r = self.max_ring
         if not isinstance(r, int) or isinstance(r, bool) or not is_power_of_two(r):
             raise ConfigError(f"the ring degree limit must be a power of two (1: no ring), got {r!r}")
@@ -115,9 +118,8 @@ class CostModel:
 
     @cached_property
     def model_states_mb(self) -> float:
-        """params * 16 bytes (18 with fp32 gradients), the ZeRO-sharded part spread over all GPUs
-        (MB per GPU)."""
-        return model_states_mb(self.model.params_b, self.zero_stage, self.num_gpus, self.grad_bytes)
+        """params * ``state_bytes`` (16 bytes), the ZeRO-sharded part spread over all GPUs (MB per GPU)."""
+        return model_states_mb(self.model.params_b, self.zero_stage, self.num_gpus, self.state_bytes)
 
     @cached_property
     def act_mb_per_token(self) -> float:
@@ -230,18 +232,6 @@ class CostModel:
         a2a = 8 * layers * self.cluster.a2a_latency(u) if u > 1 else 0.0
         return a2a + 3 * (r - 1) * layers * self.cluster.p2p_latency_ms
 
-    @cached_property
-    def ring_bandwidth_gbps(self) -> float:
-        """MB per ms each GPU of a ring gets to its neighbour (spec.py, units): the measured p2p
-        figure, else the link figures (GB/s, converted) of the cross-node links shared by a node's
-        GPUs (rings span nodes once the Ulysses part fills them)."""
-        c = self.cluster
-        if c.p2p_bandwidth_gbps:
-            return float(c.p2p_bandwidth_gbps)
-        if c.num_nodes == 1:
-            return c.intra_node_gbps * GBPS_IN_MB_PER_MS
-        return c.inter_node_gbps / c.gpus_per_node * GBPS_IN_MB_PER_MS
-
     def ring_ms(self, seq_len, degree: int):
         """What a degree-d group's ring leaves exposed per sequence (0 without a ring): K/V blocks
         pass r - 1 times around the ring forward, K/V and their gradients r - 1 times each backward
@@ -253,7 +243,12 @@ class CostModel:
             return np.zeros_like(s)
         m = self.model
         kv_mb_per_token = 2 * m.kv_heads * (m.hidden_size // m.num_attention_heads) * m.activation_bytes / MB / u
-        p2p = 3 * (r - 1) * m.num_layers * (s / r) * kv_mb_per_token / self.ring_bandwidth_gbps
+        # a group is an aligned block of ranks, its ring u GPUs apart: the ring crosses nodes once the
+        # group spans several, each crossing hop carrying a Ulysses part's sends over the node's NICs
+        # (a whole node's where the part fills it); the slowest hop sets each ring step
+        gpn = self.cluster.gpus_per_node
+        rate = self.cluster.pair_mb_per_ms(degree > gpn, min(u, gpn))
+        p2p = 3 * (r - 1) * m.num_layers * (s / r) * kv_mb_per_token / rate
         return np.maximum(0.0, p2p - self.a1 * s * s / degree)
 
     @property

@@ -220,32 +220,24 @@ class PipelineCost:
     def _handoff(self) -> tuple[float, float]:
         """(ms per MB of a chunk's activations, ms per handoff) from one stage to the next, the mean
         over the pipeline's P - 1 handoffs (a chunk's fill or drain crosses each once). Each of the
-        stage's sp ranks sends its 1 / sp of the chunk to its peer on the next stage. With the
-        cluster's ``p2p_bandwidth_gbps`` (a pair's rate with every pair sending, as `profile`
-        measures it): that rate, and ``p2p_latency_ms``. Else from the links (cost/fixed.py's):
-        a peer in the same node over NVLink (``intra_node_gbps`` per GPU); in another node, over
-        the node's NICs (``inter_node_gbps``), shared by the node's GPUs that send across at
-        once (every GPU of the node when a stage fills nodes; a stage's ranks when nodes hold
-        several stages, and then only every few handoffs cross)."""
+        stage's sp ranks sends its 1 / sp of the chunk to its peer on the next stage, at the rate
+        ``ClusterSpec.pair_mb_per_ms`` gives: inside a node, the measured pair rate or NVLink;
+        across nodes, the node's NICs shared by the node's GPUs that send across at once (every GPU
+        of the node when a stage fills nodes; a stage's ranks when nodes hold several stages, and
+        then only every few handoffs cross). A handoff's latency: the links' call latency, or where
+        the cluster's p2p was measured, ``p2p_latency_ms`` (`profile` times a handoff in place)."""
         c = self.cost.cluster
-        if c.p2p_bandwidth_gbps:
-            return 1.0 / (self.sp * c.p2p_bandwidth_gbps), c.p2p_latency_ms
         if self.pp < 2:
             return 0.0, 0.0
         w, gpn = self.stage_width, c.gpus_per_node
-        intra = 1.0 / (self.sp * c.intra_node_gbps * GBPS_IN_MB_PER_MS)
         per_mb, per_handoff = [], []
         for p in range(1, self.pp):  # the handoff from stage p - 1 to stage p
             senders = np.arange((p - 1) * w, p * w)
             across = senders // gpn != (senders + w) // gpn
-            if not across.any():
-                per_mb.append(intra)
-                per_handoff.append(c.intra_node_latency)
-                continue
-            sharing = int(np.bincount(senders[across] // gpn).max())  # a node's GPUs sending across at once
-            per_mb.append(max(intra, sharing / (self.sp * c.inter_node_gbps * GBPS_IN_MB_PER_MS)))
-            per_handoff.append(c.inter_node_latency)
-        return float(np.mean(per_mb)), float(np.mean(per_handoff)) + c.p2p_latency_ms
+            sharing = int(np.bincount(senders[across] // gpn).max()) if across.any() else 1
+            per_mb.append(1.0 / (self.sp * c.pair_mb_per_ms(bool(across.any()), sharing)))
+            per_handoff.append(c.inter_node_latency if across.any() else c.intra_node_latency)
+        return float(np.mean(per_mb)), c.p2p_latency_ms + (0.0 if c.p2p_bandwidth_gbps else float(np.mean(per_handoff)))
 
     def p2p_ms(self, tokens):
         """Sending a chunk's activations (or their gradients) to the next (previous) stage
@@ -284,7 +276,7 @@ class PipelineCost:
     @cached_property
     def model_states_mb(self) -> float:
         over = self.sp if self.cost.zero_stage == 3 else self.sp * self.replicas
-        return model_states_mb(self.cost.model.params_b / self.pp, self.cost.zero_stage, over, self.cost.grad_bytes)
+        return model_states_mb(self.cost.model.params_b / self.pp, self.cost.zero_stage, over, self.cost.state_bytes)
 
     @cached_property
     def activation_room_mb(self) -> float:

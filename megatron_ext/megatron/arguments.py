@@ -585,6 +585,10 @@ def _check_elastic(args, world: int, tp: int, pp: int, dp: int, head_limit: int)
                  "account_for_loss_in_pipeline_split"):
         if _get(args, name, None):
             _conflict(f"--elastic-pp plans stages of equal layer counts; drop --{name.replace('_', '-')}")
+    if _get(args, "use_tp_pp_dp_mapping", False):
+        # (the cost model's stages hold consecutive ranks, as in Megatron's default order, tp-cp-ep-dp-pp)
+        _conflict("--elastic-pp places a stage on consecutive ranks (Megatron's default rank order) and prices "
+                  "its handoffs and Ulysses groups so; drop --use-tp-pp-dp-mapping")
     if _get(args, "defer_embedding_wgrad_compute", False):
         # (Megatron's own schedules finish the deferred output-layer weight gradients before
         # finalizing the gradients; the elastic schedule does not defer them)

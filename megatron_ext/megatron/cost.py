@@ -11,8 +11,9 @@ model, so this module must import in a process that has neither.
 * ``MODEL:CLUSTER[:ZERO]``, a model and a cluster preset (or YAML paths; ``megatron_ext.spec``)
   and optionally the ZeRO stage, e.g. ``gpt-7b:a100-40g-8x8:1``.
 
-The ZeRO stage (how much of the 16 bytes a parameter of model states each GPU holds, the rest of
-its memory being the planner's room for activations) is the one Megatron's own arguments build
+The bytes a parameter of model states (``megatron_state_bytes``: 16, 18 with ``--bf16``'s fp32
+gradient buffers) and the ZeRO stage (how much of them each GPU holds, the rest of its memory
+being the planner's room for activations) are the ones Megatron's own arguments build
 (``megatron_zero_stage``): 1 with ``--use-distributed-optimizer`` (fp32 master weights and Adam
 states sharded over the data-parallel ranks), else 0 (DDP: every rank holds all of them).
 Megatron-FSDP and torch FSDP2 are refused (``arguments.py`` says why). A ``--cost-model`` that
@@ -85,24 +86,28 @@ def megatron_zero_stage(args) -> tuple[int, str]:
     return 0, "without --use-distributed-optimizer every rank holds all model states"
 
 
-def megatron_grad_bytes(args) -> int:
-    """Bytes a gradient takes in Megatron's gradient buffers: 4 where they accumulate in fp32
-    (with --bf16 unless --grad-reduce-in-bf16 or --main-grads-dtype bf16, as Megatron's argument
-    check sets them; with --accumulate-allreduce-grads-in-fp32), else 2."""
+def megatron_state_bytes(args) -> tuple[int, int, int]:
+    """Bytes a parameter of the model states Megatron's arguments build, (weights, gradients,
+    optimizer): with --bf16, fp32 gradient buffers unless --grad-reduce-in-bf16 or
+    --main-grads-dtype bf16 (as Megatron's argument check sets them); with --fp16, fp32 ones only
+    under --accumulate-allreduce-grads-in-fp32; both with fp32 master weights and Adam moments. An
+    fp32 run keeps 4-byte weights and gradients and no master copy."""
     if getattr(args, "bf16", False):
         bf16_grads = getattr(args, "grad_reduce_in_bf16", False) or "bf" in str(getattr(args, "main_grads_dtype", ""))
-        return 2 if bf16_grads else 4
-    return 4 if getattr(args, "accumulate_allreduce_grads_in_fp32", False) else 2
+        return 2, 2 if bf16_grads else 4, 12
+    if getattr(args, "fp16", False):
+        return 2, 4 if getattr(args, "accumulate_allreduce_grads_in_fp32", False) else 2, 12
+    return 4, 4, 8
 
 
 def megatron_cost_model(args) -> CostModel:
     """The planner's cost model of a --flexsp / --elastic-pp run: ``args.cost_model`` at the ZeRO
     stage of Megatron's arguments (``megatron_zero_stage``; one stating another stage is refused),
-    with the gradients' bytes of its buffers (``megatron_grad_bytes``)."""
+    with the bytes a parameter of its model states (``megatron_state_bytes``)."""
     ref = args.cost_model
     stage, why = megatron_zero_stage(args)
     cost = dataclasses.replace(load_cost_model(ref, stage).with_max_ring(getattr(args, "flexsp_max_ring", None) or 1),
-                               grad_bytes=megatron_grad_bytes(args))
+                               state_bytes=megatron_state_bytes(args))
     if cost.zero_stage != stage:
         stated = f"zero_stage: {cost.zero_stage}" if _looks_like_file(ref) else f"ZeRO stage {cost.zero_stage}"
         run = dataclasses.replace(cost, zero_stage=stage)
@@ -127,5 +132,4 @@ def cap_cost_model(cost: CostModel, max_degree: int | None) -> CostModel:
     """``cost`` with its Ulysses degrees capped at ``max_degree`` (unchanged if the cap does not bind)."""
     if max_degree is None or max_degree >= min(cost.num_gpus, cost.model.max_sp_degree):
         return cost
-    return CappedCostModel(cost.model, cost.cluster, cost.zero_stage, cost.max_ring, cost.grad_bytes,
-                           max_degree=int(max_degree))
+    return CappedCostModel(**{f.name: getattr(cost, f.name) for f in dataclasses.fields(cost)}, max_degree=int(max_degree))

@@ -50,13 +50,15 @@ _OPTIONS = {"model": "--model", "ranks": "ranks (--cluster)", "pp": "--pp",
             "vocab_size": "--vocab-size", "seed": "--seed", "global_batch": "--global-batch",
             "max_seq_len": "--max-seq-len", "sample_rule": "documents cut into samples as", "lr": "--lr"}
 DATA_KEY = "documents"  # the data's fingerprint (``data_fingerprint``), checked by the ranks once they read it
+BLEND_KEY = "blend"  # ... and its weighted blend (``blend_fingerprint``; absent from checkpoints saved before it)
 
 _stop_requested = False
 
 
 def run_identity(args, cost, data) -> dict:
-    """``run_settings`` and the data's fingerprint (``DATA_KEY``): what a checkpoint is saved with."""
-    return {**run_settings(args, cost), DATA_KEY: data_fingerprint(data)}
+    """``run_settings`` and the data's fingerprints (``DATA_KEY``, ``BLEND_KEY``): what a checkpoint
+    is saved with."""
+    return {**run_settings(args, cost), DATA_KEY: data_fingerprint(data), BLEND_KEY: blend_fingerprint(data)}
 
 
 def run_settings(args, cost) -> dict:
@@ -77,29 +79,33 @@ def run_settings(args, cost) -> dict:
 
 
 def data_fingerprint(data) -> str:
-    """The data a run draws its batches from (``runtime.train.TrainingData``), by content: its
-    documents' count, tokens and the CRC-32 of their lengths (a re-tokenized or another corpus
-    differs; the same files under another path, or the default corpus named by its path, do not)
-    and, for a weighted blend, its sources' sizes and weights (they decide which documents each
-    batch draws)."""
+    """The documents a run draws its batches from (``runtime.train.TrainingData``), by content:
+    their count, tokens and the CRC-32 of their lengths (a re-tokenized or another corpus differs;
+    the same files under another path, or the default corpus named by its path, do not)."""
     lengths = np.ascontiguousarray(np.asarray(data.documents.lengths, dtype=np.int64))
-    text = f"{lengths.size} documents, {int(lengths.sum())} tokens, lengths CRC-32 {zlib.crc32(lengths):08x}"
-    if data.weights is not None:
-        total = float(sum(data.weights))
-        text += (f", a blend of {' + '.join(map(str, data.source_sizes))} documents at weights "
-                 f"{' : '.join(f'{w / total:.6g}' for w in data.weights)}")
-    return text
+    return f"{lengths.size} documents, {int(lengths.sum())} tokens, lengths CRC-32 {zlib.crc32(lengths):08x}"
+
+
+def blend_fingerprint(data) -> str:
+    """How a weighted blend draws from its sources (which documents each batch holds): their
+    sizes and weights; "unweighted" for one source or a plain concatenation."""
+    if data.weights is None:
+        return "unweighted"
+    total = float(sum(data.weights))
+    return (f"{' + '.join(map(str, data.source_sizes))} documents at weights "
+            f"{' : '.join(f'{w / total:.6g}' for w in data.weights)}")
 
 
 def check_resumed_data(root: str, data) -> None:
-    """Refuse to resume a checkpoint on other data (the ranks, once they have read it; the launcher
-    compares the other settings, ``check_checkpoint_args``)."""
+    """Refuse to resume a checkpoint on other data or another blend of it (the ranks, once they have
+    read it; the launcher compares the other settings, ``check_checkpoint_args``)."""
     _, path = latest_checkpoint(root)
-    saved = json.loads((path / RUN_FILE).read_text()).get(DATA_KEY)
-    ours = data_fingerprint(data)
-    if saved is not None and saved != ours:
-        raise ConfigError(f"--load {root}: its checkpoint was saved by a run on other data ({saved}), this run's "
-                          f"--data holds {ours}; resume on the data it was saved with")
+    saved = json.loads((path / RUN_FILE).read_text())
+    for key, ours, what in ((DATA_KEY, data_fingerprint(data), "other data"),
+                            (BLEND_KEY, blend_fingerprint(data), "another blend of its data")):
+        if saved.get(key) is not None and saved[key] != ours:
+            raise ConfigError(f"--load {root}: its checkpoint was saved by a run on {what} ({saved[key]}), this "
+                              f"run's --data holds {ours}; resume on the data it was saved with")
 
 
 def resume_from(args) -> str | None:

@@ -174,12 +174,20 @@ def test_a_checkpoint_resumes_on_its_data_wherever_it_lies_and_on_no_other(runs)
     with pytest.raises(ConfigError, match=r"saved by a run on other data \(\d+ documents, \d+ tokens, lengths "
                                           r"CRC-32 [0-9a-f]{8}\), this run's --data holds"):
         check_resumed_data(str(runs["ckpt"]), dataclasses.replace(data, documents=docs))
-    # the same documents blended at other weights draw other batches (a blend's weights were not compared)
+    # the same documents blended at weights draw other batches (a blend's weights were not compared)
     n = len(data.documents.lengths)
     blend = dataclasses.replace(data, source_sizes=[n // 2, n - n // 2], weights=[0.3, 0.7])
-    with pytest.raises(ConfigError, match=rf"this run's --data holds .*, a blend of {n // 2} \+ {n - n // 2} "
-                                          rf"documents at weights 0.3 : 0.7; resume on the data"):
+    with pytest.raises(ConfigError, match=rf"saved by a run on another blend of its data \(unweighted\), this "
+                                          rf"run's --data holds {n // 2} \+ {n - n // 2} documents at weights 0.3 : 0.7"):
         check_resumed_data(str(runs["ckpt"]), blend)
+    # a checkpoint saved before blends were compared resumes on any blend of its documents
+    import shutil
+
+    old = runs["ckpt"].parent / f"{runs['ckpt'].name}-before-blends"
+    shutil.copytree(runs["ckpt"], old, dirs_exist_ok=True)
+    run_file = old / "iter_0000004" / "megatron_ext.json"
+    run_file.write_text(json.dumps({k: v for k, v in json.loads(run_file.read_text()).items() if k != "blend"}))
+    check_resumed_data(str(old), blend)
 
 
 def test_load_and_save_of_one_directory_start_fresh_before_its_first_save(tmp_path):

@@ -546,4 +546,17 @@ def test_link_figures_and_tables_convert_between_their_units():
     assert cluster.intra_node_gbps * 1e9 / 1e3 / 2**20 == pytest.approx(30.0)  # bytes a ms, in MB
     assert cluster.inter_node_gbps / 4 * 1e9 / 1e3 / 2**20 == pytest.approx(10.0)
     cost = CostModel(load_model("gpt-7b"), cluster, 1, max_ring=2)
-    assert cost.ring_bandwidth_gbps == pytest.approx(10.0)
+    assert cluster.pair_mb_per_ms(True, 4) == pytest.approx(10.0)  # (a node's 4 GPUs sending across)
+
+
+def test_a_ring_inside_a_node_runs_on_nvlink_and_across_nodes_on_the_shared_nics():
+    """llama-30b's 52 heads cap Ulysses at 4: a group of 8 is 4 x a ring of 2 inside one node
+    (NVLink, 155 GB/s a GPU on A800), one of 16 spans two nodes, each crossing hop carrying a
+    Ulysses part's 4 GPUs over the node's 46 GB/s (every ring GPU was priced at the node's NICs)."""
+    cost = CostModel.from_presets("llama-30b", "a800-80g-8x4", 3).with_max_ring(4)
+    m, s = cost.model, 256
+    kv = 2 * m.kv_heads * (m.hidden_size // m.num_attention_heads) * m.activation_bytes / 2**20 / 4
+    for degree, mb_per_ms in ((8, 155e6 / 2**20), (16, 46e6 / 2**20 / 4)):
+        r = degree // 4
+        exposed = 3 * (r - 1) * m.num_layers * (s / r) * kv / mb_per_ms - cost.a1 * s * s / degree
+        assert float(cost.ring_ms(s, degree)) == pytest.approx(max(0.0, exposed)) and exposed > 0

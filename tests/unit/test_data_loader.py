@@ -140,7 +140,7 @@ def test_fallback_of_auto_slices_what_no_group_holds():
     assert plan.planner == "batchada"
 
 
-def test_a_pipeline_run_falls_back_to_slices_where_whole_sequences_do_not_fit():
+def test_a_pipeline_run_falls_back_to_slices_where_whole_sequences_do_not_fit(monkeypatch):
     """batch 1F1B (a pipeline run's fallback) holds whole sequences only: where the run's longest
     do not fit it, the last resort is elastic_pp in a hurry, which slices them (a late plan ended
     such runs)."""
@@ -158,8 +158,22 @@ def test_a_pipeline_run_falls_back_to_slices_where_whole_sequences_do_not_fit():
                             num_steps=1, max_seq_len=6144, deadline_s=0.05, plan_delay_s=5.0) as dl:
         step = next(iter(dl))
     assert step.plan_source == "fallback" and step.plan.planner == "elastic_pp"
-    assert step.plan.solver_status.startswith("fallback (late)") and step.plan.solve_time_s < 5 * FALLBACK_LIMIT_S
+    assert step.plan.solver_status.startswith("fallback (late)")
     validate(step.plan, step.lengths, cost)
+    # in a hurry: the last resort plans at FALLBACK_LIMIT_S, not the run's limit
+    from megatron_ext.data import loader as loader_module
+
+    limits = []
+    real = loader_module.make_plan
+    monkeypatch.setattr(loader_module, "make_plan", lambda name, *a, **k: limits.append((name, a[2].time_limit))
+                        or real(name, *a, **k))
+    fallback_plan(lengths, cost, options, "batch_1f1b", last_resorts=("elastic_pp",))
+    assert limits == [("batch_1f1b", 1.0), ("elastic_pp", FALLBACK_LIMIT_S)]
+    # a run of the fallback planner itself keeps to it: its refusal ends the step
+    with PlanningDataLoader(docs, cost, len(lengths), planner="batch_1f1b", options=options, fallback="batch_1f1b",
+                            num_steps=1, max_seq_len=6144, deadline_s=0.05, plan_delay_s=5.0) as dl:
+        with pytest.raises(InfeasibleError, match="batch 1F1B pipeline: stage 1 needs"):
+            next(iter(dl))
 
 
 def test_dead_worker_falls_back(caplog):
@@ -233,6 +247,21 @@ def test_the_planner_process_neither_imports_the_script_nor_holds_its_exit(tmp_p
     script.write_text(SPAWNING_SCRIPT)
     subprocess.run([sys.executable, str(script), str(marker)], check=True, timeout=120)
     assert not marker.exists()
+
+
+def test_a_planner_defined_in_the_script_is_refused_for_the_planner_process(monkeypatch):
+    """The planner process does not import the script that starts it: a planner registered there
+    would be unknown to it (every step fell back, with a warning a step)."""
+    import dataclasses
+
+    from megatron_ext.planner import api
+
+    mine = dataclasses.replace(api.PLANNERS["batchada"], name="mine")
+    mine = dataclasses.replace(mine, fn=type(mine.fn)(mine.fn.__code__, {**mine.fn.__globals__, "__name__": "__main__"}))
+    monkeypatch.setitem(api.PLANNERS, "mine", mine)
+    with pytest.raises(DataError, match="planner 'mine' is defined in the script being run.*worker_imports"):
+        _loader(planner="mine", background=True)
+    assert _loader(planner="mine").planner == "mine"  # (inline: planned where it is defined)
 
 
 def test_worker_side_imports_no_torch():

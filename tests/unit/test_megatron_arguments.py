@@ -85,6 +85,10 @@ def megatron_like_parser(ours: bool = True) -> argparse.ArgumentParser:
         "--ddp-average-in-collective": dict(action="store_true"),
         "--check-for-spiky-loss": dict(action="store_true"),
         "--defer-embedding-wgrad-compute": dict(action="store_true"),
+        "--use-tp-pp-dp-mapping": dict(action="store_true"),
+        "--bf16": dict(action="store_true"),
+        "--fp16": dict(action="store_true"),
+        "--grad-reduce-in-bf16": dict(action="store_true"),
     }.items():
         p.add_argument(name, **kw)
     return add_arguments(p) if ours else p
@@ -326,23 +330,31 @@ def test_zero_stage_follows_megatron_arguments():
     assert megatron_cost_model(presets).zero_stage == 1
 
 
-def test_bf16_gradients_accumulate_in_fp32_and_the_budget_counts_them():
+def test_the_budget_counts_the_model_states_megatron_keeps():
     """Megatron's --bf16 keeps fp32 gradient buffers (unless --grad-reduce-in-bf16 or
     --main-grads-dtype bf16): 18 bytes a parameter under DDP, 6 + 12 / dp with the distributed
     optimizer, where the paper's accounting counts 16 and 4 + 12 / dp (gpt-7b on 32 H100s planned
-    ~15 GB a GPU the run did not have)."""
-    from megatron_ext.megatron.cost import megatron_grad_bytes
+    ~15 GB a GPU the run did not have); an fp32 run keeps no master copy: 16, and 8 + 8 / dp. The
+    capped cost model of a run and its pipeline stages count the same."""
+    from megatron_ext.cost.pipeline import PipelineCost
+    from megatron_ext.megatron.cost import megatron_state_bytes
 
     def args(*flags):
         return argparse.Namespace(cost_model="gpt-7b:h100-80g-8x4", **{f: True for f in flags})
 
-    assert [megatron_grad_bytes(args(*f)) for f in ((), ("bf16",), ("bf16", "grad_reduce_in_bf16"),
-                                                     ("accumulate_allreduce_grads_in_fp32",))] == [2, 4, 2, 4]
-    assert megatron_grad_bytes(argparse.Namespace(bf16=True, main_grads_dtype="torch.bfloat16")) == 2
+    assert [megatron_state_bytes(args(*f)) for f in (("bf16",), ("bf16", "grad_reduce_in_bf16"), ("fp16",),
+                                                     ("fp16", "accumulate_allreduce_grads_in_fp32"), ())] == [
+        (2, 4, 12), (2, 2, 12), (2, 2, 12), (2, 4, 12), (4, 4, 8)]
+    assert megatron_state_bytes(argparse.Namespace(bf16=True, main_grads_dtype="torch.bfloat16")) == (2, 2, 12)
     gb = 7.85 * 1024  # MB a byte of gpt-7b's parameters
     ddp, dist_opt = megatron_cost_model(args("bf16")), megatron_cost_model(args("bf16", "use_distributed_optimizer"))
     assert ddp.model_states_mb == pytest.approx(18 * gb) and dist_opt.model_states_mb == pytest.approx((6 + 12 / 32) * gb)
-    assert megatron_cost_model(args()).model_states_mb == pytest.approx(16 * gb)  # (the paper's, as before)
+    assert megatron_cost_model(args("bf16", "grad_reduce_in_bf16")).model_states_mb == pytest.approx(16 * gb)
+    fp32 = megatron_cost_model(args("use_distributed_optimizer"))
+    assert fp32.model_states_mb == pytest.approx((8 + 8 / 32) * gb)
+    assert cap_cost_model(dist_opt, 4).model_states_mb == pytest.approx(dist_opt.model_states_mb)
+    # two stages x SP 8 x 2 replicas: a stage's half of the parameters, sharded over its 16 GPUs
+    assert PipelineCost(dist_opt, 2, 8).model_states_mb == pytest.approx((6 + 12 / 16) * gb / 2)
 
 
 def test_validation_budgets_the_stage_of_megatron_arguments():
@@ -449,6 +461,7 @@ def test_elastic_pp_validates_and_adjusts():
     (["--flexsp-planner", "batchada"], 4, "elastic_pp planner"),
     (["--micro-batch-size", "2"], 4, "needs --micro-batch-size 1"),
     (["--defer-embedding-wgrad-compute"], 4, "drop --defer-embedding-wgrad-compute$"),
+    (["--use-tp-pp-dp-mapping"], 4, "drop --use-tp-pp-dp-mapping$"),
 ])
 def test_elastic_pp_conflicts_are_explained(extra, world, match):
     with pytest.raises(ArgumentConflict, match=match):

@@ -105,8 +105,14 @@ def test_p2p_and_fixed_cost():
     shared = PipelineCost(COST, 4, 4)
     assert float(shared.p2p_ms(2**20)) == pytest.approx(2 * 10240 / mb_per_ms + 0.03)
     # a measured pair rate (`profile`): each of the SP ranks sends its share at that rate
-    pair = PipelineCost(CostModel(COST.model, dataclasses.replace(COST.cluster, p2p_bandwidth_gbps=10.0)), 4, 8)
-    assert float(pair.p2p_ms(2**20)) == pytest.approx(10240 / 8 / 10.0)
+    # a measured pair rate (`profile`, pairs of one node) prices the handoffs inside a node, each of
+    # the SP ranks sending its share at that rate; across nodes the NICs still do
+    measured = dataclasses.replace(COST.cluster, p2p_bandwidth_gbps=10.0)
+    one_node = PipelineCost(CostModel(COST.model, dataclasses.replace(measured, num_nodes=1)), 4, 2)
+    assert float(one_node.p2p_ms(2**20)) == pytest.approx(10240 / 2 / 10.0)
+    assert float(PipelineCost(CostModel(COST.model, measured), 4, 8).p2p_ms(2**20)) == pytest.approx(10240 / mb_per_ms)
+    # a stage of two nodes (2 stages x SP 8 x 2 replicas): 16 GPUs send, 8 through each node's NICs
+    assert float(PipelineCost(COST, 2, 8).p2p_ms(2**20)) == pytest.approx(10240 / mb_per_ms + 0.03)
     # a handoff latency (what `profile` measures in place) is paid once per transfer
     slow = PipelineCost(CostModel(COST.model, dataclasses.replace(COST.cluster, p2p_latency_ms=3.0)), 4, 8)
     assert float(slow.p2p_ms(1000)) == pytest.approx(float(pc.p2p_ms(1000)) + 3.0)
