@@ -93,6 +93,9 @@ class PipelineCost:
             raise ConfigError(f"pipeline degree {self.pp} does not divide the {m.num_layers} layers of {m.name}; "
                               f"on {c.name} ({c.num_gpus} GPUs) choose one of {', '.join(map(str, fits))}")
         self.cost.check_degree(self.sp)
+        if self.cost.ring_degree(self.sp) > 1:  # (a stage's SP group is Ulysses only, over its heads)
+            raise ConfigError(f"SP degree {self.sp} of a pipeline stage is past {m.name}'s Ulysses limit "
+                              f"({self.cost.ulysses_degree(self.sp)}: its heads); a stage runs Ulysses only, no ring")
         if not (m.a1 > 0 or m.a2 > 0):  # (a model to be profiled may say so; a pipeline cannot be cut by it)
             raise ConfigError(f"model {m.name}: a1 and a2 are both 0, so a pass takes as long for any number of "
                               f"tokens and no chunking is better than another; measure them with `megatron-ext "

@@ -115,7 +115,7 @@ def _validate_flexsp(plan: StepPlan, lengths: np.ndarray, cost: CostModel) -> No
                 _fail(f"{where}: ring degree {g.ring!r}, but a degree-{d} group is Ulysses "
                       f"{cost.ulysses_degree(d)} x ring {cost.ring_degree(d)} (Ulysses up to the head limit)")
             start = g.ranks[0]
-            if g.ranks != list(range(start, start + d)) or start % d or start + d > n:
+            if g.ranks != list(range(start, start + d)) or start % d or start < 0 or start + d > n:
                 _fail(f"{where}: ranks must be an aligned block [k*{d}, (k+1)*{d}) within {n} GPUs")
             if used[start:start + d].any():
                 _fail(f"{where}: overlaps another group")
@@ -169,8 +169,8 @@ def _validate_pieces(plan: StepPlan, lengths: np.ndarray) -> None:
 def replica_groups(plan: StepPlan, num_gpus: int) -> list[list[int]]:
     """The plan's pipelines by data-parallel replica (``Pipeline.replica``), in plan order; a
     replica may run none. A layout of ``stages x sp_degree`` GPUs runs ``num_gpus / (stages x
-    sp_degree)`` replicas side by side; pipelines of different layouts (one after another on
-    every GPU) are allowed only without replicas."""
+    sp_degree)`` replicas side by side; a plan has one layout (a run's stages are fixed, and its
+    runtime builds one layout's SP groups a step)."""
     layouts = {}
     for i, p in enumerate(plan.pipelines):
         if not (is_int(p.stages) and is_int(p.sp_degree)) or p.stages < 1 or p.sp_degree < 1:
@@ -181,11 +181,10 @@ def replica_groups(plan: StepPlan, num_gpus: int) -> list[list[int]]:
             raise InvalidPlanError(f"pipeline {i}: {p.stages} stages x SP {p.sp_degree} = {p.stages * p.sp_degree} "
                                    f"GPUs does not divide the cluster's {num_gpus}")
         layouts.setdefault((p.stages, p.sp_degree), i)
-    R = {num_gpus // (a * b) for a, b in layouts}
-    if len(layouts) > 1 and R != {1}:
-        raise InvalidPlanError("pipelines of different layouts run one after another on every GPU: each needs "
-                               f"stages x SP = {num_gpus} GPUs, got " + ", ".join(f"{a} x {b}" for a, b in layouts))
-    R = R.pop() if R else 1
+    if len(layouts) > 1:
+        raise InvalidPlanError("a plan's pipelines share one layout (stages x SP), got different layouts: "
+                               + ", ".join(f"{a} x {b}" for a, b in layouts))
+    R = num_gpus // (plan.pipelines[0].stages * plan.pipelines[0].sp_degree) if layouts else 1
     for i, p in enumerate(plan.pipelines):
         if p.replica >= R:
             raise InvalidPlanError(f"pipeline {i}: replica {p.replica}, but {p.stages} stages x SP {p.sp_degree} on "
@@ -214,9 +213,9 @@ def validate_pipelines(plan: StepPlan, lengths, cost: CostModel) -> StepPlan:
         where = f"pipeline {i}"
         if L % p.stages:
             raise InvalidPlanError(f"{where}: {p.stages} stages do not divide the {L} layers of {cost.model.name}")
-        if p.sp_degree not in cost.degrees:
-            raise InvalidPlanError(f"{where}: SP degree {p.sp_degree} is not allowed (allowed: "
-                                   f"{', '.join(map(str, cost.degrees))})")
+        if p.sp_degree not in cost.degrees or cost.ring_degree(p.sp_degree) > 1:  # (a stage's group is Ulysses only)
+            raise InvalidPlanError(f"{where}: SP degree {p.sp_degree} is not allowed (a stage runs Ulysses only: "
+                                   f"{', '.join(str(d) for d in cost.degrees if cost.ring_degree(d) == 1)})")
         if not p.chunks:
             raise InvalidPlanError(f"{where}: has no chunks")
         ids = list(chunk_layouts(p, lengths, L // p.stages, where))

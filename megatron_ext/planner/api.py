@@ -120,9 +120,9 @@ def max_seq_len(name: str, cost: CostModel, options=None) -> int:
             limits.append(longest_sequence(pipeline_cost(cost, pp, sp, opts), opts.granularity))
         except MegatronExtError as e:
             err = e
-    if kind == "auto" and (opts.pp is None or opts.pp == 1):
+    if kind == "auto" and (opts.pp is None or opts.pp == 1) and opts.flexsp:
         try:
-            limits.append(cost.max_seq_len)
+            limits.append((cost if opts.memory_mb is None else cost.with_memory(opts.memory_mb)).max_seq_len)
         except MegatronExtError as e:
             err = err or e
     if not limits:
@@ -173,11 +173,14 @@ def _kept(planner: Planner, lengths: np.ndarray, cost: CostModel, options, overr
         if too_long.all():
             raise LengthsError(f"every sequence is over the {limit}-token limit: nothing left to plan")
         return np.flatnonzero(~too_long)
-    limit = given if given is not None else max_seq_len(planner.name, cost, pipeline_options(options, overrides))
+    limit = given
+    if given is None or drop:  # (dropping: what the planner can run caps the limit given)
+        own = max_seq_len(planner.name, cost, pipeline_options(options, overrides))
+        limit = own if given is None else min(given, own)
     over = lengths > limit
     if not over.any():
         return np.arange(len(lengths))
-    what = "the maximum length" if given is not None else f"the longest {planner.name} can run,"
+    what = "the maximum length" if limit == given else f"the longest {planner.name} can run,"
     if not drop:
         raise LengthsError(f"{int(over.sum())} sequence(s) exceed {what} {limit} tokens "
                            f"(longest {int(lengths.max())}); use --drop-over-max to drop them")

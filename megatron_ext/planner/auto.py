@@ -64,10 +64,9 @@ def pipeline_layouts(cost: CostModel, pp: int | None = None, sp: int | None = No
         if n % P or L % P or (pp is not None and P != pp):
             continue
         for d in cost.degrees:
-            # a stage's SP group is Ulysses only (no ring inside pipeline stages)
-            if (n // P) % d or (sp is not None and d != sp) or cost.ring_degree(d) > 1:
+            if (n // P) % d or (sp is not None and d != sp):
                 continue
-            try:
+            try:  # (refused: a ring degree, as a stage's SP group is Ulysses only; model states over the memory)
                 PipelineCost(cost, P, d, memory_mb=memory_mb)
             except MegatronExtError:
                 continue

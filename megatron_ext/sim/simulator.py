@@ -160,9 +160,8 @@ def _simulate_pipelines(plan, cost, b1_scale, memory_mb, want_events) -> SimResu
     P = plan.pipelines[0].stages
     runs = [_simulate_replica(plan, idx, cost, b1_scale, memory_mb, want_events, r * P)
             for r, idx in enumerate(replicas)]
-    # once per step, what the gradient sync (ZeRO 0/1/2) leaves exposed: the slowest layout's
-    t_end = max(run.end_ms for run in runs) + max(
-        _stage_cost(plan, i, cost, b1_scale, memory_mb).step_sync_ms for i in range(len(plan.pipelines)))
+    # once per step, what the gradient sync leaves exposed (the plan's one layout)
+    t_end = max(run.end_ms for run in runs) + _stage_cost(plan, 0, cost, b1_scale, memory_mb).step_sync_ms
     step = t_end / 1e3
     mem_pts = [[(float(t), float(v)) for t, v in pts + [(step, pts[-1][1])]] for run in runs for pts in run.memory]
     denom = n_gpus * t_end
@@ -191,114 +190,88 @@ def _simulate_replica(plan, pipes: list[int], cost, b1_scale, memory_mb, want_ev
         pc = _stage_cost(plan, 0, cost, b1_scale, memory_mb)
         return _ReplicaRun(0.0, 0.0, 0.0, [0.0] * P, [pc.model_states_mb] * P, [], [],
                            [[(0.0, pc.model_states_mb)] for _ in range(P)] if want_events else [], 0, pc.budget_mb)
-    budget = None
     evs: list[Event] = []
-    busy_gpu = 0.0
-    rec_gpu = 0.0
-    t0 = 0.0
-    stage_busy: list[float] = []
-    stage_peak: list[float] = []
     warm: list[list[int]] = []
-    mem_pts: list[list[tuple[float, float]]] = []
     tokens = 0
-    # segments: runs of consecutive pipelines with the same layout flow without a barrier
-    segments: list[list[int]] = []
+    # the replica's pipelines flow one after another without a barrier (one layout a plan:
+    # validate.replica_groups)
+    P, sp = plan.pipelines[pipes[0]].stages, plan.pipelines[pipes[0]].sp_degree
+    pc = _stage_cost(plan, pipes[0], cost, b1_scale, memory_mb)
+    room = pc.activation_room_mb
+    L_s = pc.layers_per_stage
+    ops_all: list[list[tuple[int, int]]] = [[] for _ in range(P)]
+    fwd_l, bwd_l, rec_l, p2p_l, fp, bp, labels = [], [], [], [], [], [], []
+    peak = np.zeros(P)
+    levels: list[list[np.ndarray]] = [[] for _ in range(P)]  # before, during, after per op (with events)
+    off = 0
     for i in pipes:
         pipe = plan.pipelines[i]
-        key = (pipe.stages, pipe.sp_degree)
-        if segments and (plan.pipelines[segments[-1][0]].stages, plan.pipelines[segments[-1][0]].sp_degree) == key:
-            segments[-1].append(i)
-        else:
-            segments.append([i])
-    for seg in segments:
-        first = plan.pipelines[seg[0]]
-        P, sp = first.stages, first.sp_degree
-        pc = _stage_cost(plan, seg[0], cost, b1_scale, memory_mb)
-        budget = pc.budget_mb
-        room = pc.activation_room_mb
-        L_s = pc.layers_per_stage
-        ops_all: list[list[tuple[int, int]]] = [[] for _ in range(P)]
-        fwd_l, bwd_l, rec_l, p2p_l, fp, bp, labels = [], [], [], [], [], [], []
-        peak = np.zeros(P)
-        levels: list[list[np.ndarray]] = [[] for _ in range(P)]  # before, during, after per op (with events)
-        off = 0
-        for i in seg:
-            pipe = plan.pipelines[i]
-            where = f"pipeline {i}"
-            table = analyze_chunks(pipe.chunks, pc, where)
-            ops = parse_order(pipe.order_per_stage, table, P, where)
-            rec = _recompute_matrix(pipe.chunks, P, L_s, where)
-            _, save = pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, False)
-            for p in range(P):
-                full, _ = pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, p == P - 1)
-                # (one linear pass: a stage peaks during an operation, after a forward or while a
-                # backward runs, as the recompute ILP's checkpoints have it)
-                lv = memory_levels(ops[p], table, full, save, rec[p], pc)
-                mem = lv[1]
-                j = int(np.argmax(mem)) if len(mem) else 0
-                if len(mem) and mem[j] > room * (1 + 1e-9) + 1e-6:
-                    kind, k = ops[p][j]
-                    raise InvalidPlanError(
-                        f"{where}, stage {p}: {'after' if kind == FWD else 'during'} {op_name(kind, table.ids[k])} "
-                        f"needs {mem[j] + pc.model_states_mb:.0f} MB per GPU ({pc.model_states_mb:.0f} MB model "
-                        f"states + {mem[j]:.0f} MB activations), over the {budget:.0f} MB budget")
-                peak[p] = max(peak[p], (mem.max() if len(mem) else 0.0) + pc.model_states_mb)
-                if want_events:
-                    levels[p].append(np.stack(lv, axis=1))
-            fwd, bwd, rc, p2p = op_times(table, pc, rec)
-            fwd_l.append(np.broadcast_to(fwd, (P, table.n)))
-            bwd_l.append(bwd)
-            rec_l.append(rc)
-            p2p_l.append(p2p)
-            fp += [[j + off for j in x] for x in table.fwd_pred]
-            bp += [[j + off for j in x] for x in table.bwd_pred]
-            labels += [f"p{i}:{cid}" for cid in table.ids]
-            for p in range(P):
-                ops_all[p] += [(kind, k + off) for kind, k in ops[p]]
-            warm.append(warmup_counts(ops))
-            tokens += int(table.tokens.sum())
-            off += table.n
-        fwd = np.concatenate(fwd_l, axis=1)
-        bwd = np.concatenate(bwd_l, axis=1)
-        rc = np.concatenate(rec_l, axis=1)
-        p2p = np.concatenate(p2p_l)
+        where = f"pipeline {i}"
+        table = analyze_chunks(pipe.chunks, pc, where)
+        ops = parse_order(pipe.order_per_stage, table, P, where)
+        rec = _recompute_matrix(pipe.chunks, P, L_s, where)
+        _, save = pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, False)
+        for p in range(P):
+            full, _ = pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, p == P - 1)
+            # (one linear pass: a stage peaks during an operation, after a forward or while a
+            # backward runs, as the recompute ILP's checkpoints have it)
+            lv = memory_levels(ops[p], table, full, save, rec[p], pc)
+            mem = lv[1]
+            j = int(np.argmax(mem)) if len(mem) else 0
+            if len(mem) and mem[j] > room * (1 + 1e-9) + 1e-6:
+                kind, k = ops[p][j]
+                raise InvalidPlanError(
+                    f"{where}, stage {p}: {'after' if kind == FWD else 'during'} {op_name(kind, table.ids[k])} "
+                    f"needs {mem[j] + pc.model_states_mb:.0f} MB per GPU ({pc.model_states_mb:.0f} MB model "
+                    f"states + {mem[j]:.0f} MB activations), over the {pc.budget_mb:.0f} MB budget")
+            peak[p] = max(peak[p], (mem.max() if len(mem) else 0.0) + pc.model_states_mb)
+            if want_events:
+                levels[p].append(np.stack(lv, axis=1))
+        fwd, bwd, rc, p2p = op_times(table, pc, rec)
+        fwd_l.append(np.broadcast_to(fwd, (P, table.n)))
+        bwd_l.append(bwd)
+        rec_l.append(rc)
+        p2p_l.append(p2p)
+        fp += [[j + off for j in x] for x in table.fwd_pred]
+        bp += [[j + off for j in x] for x in table.bwd_pred]
+        labels += [f"p{i}:{cid}" for cid in table.ids]
+        for p in range(P):
+            ops_all[p] += [(kind, k + off) for kind, k in ops[p]]
+        warm.append(warmup_counts(ops))
+        tokens += int(table.tokens.sum())
+        off += table.n
+    fwd = np.concatenate(fwd_l, axis=1)
+    bwd = np.concatenate(bwd_l, axis=1)
+    rc = np.concatenate(rec_l, axis=1)
+    p2p = np.concatenate(p2p_l)
 
-        def name(kind, k, labels=labels, single=len(seg) == 1):
-            pi, cid = labels[k].split(":")
-            return op_name(kind, cid) + ("" if single else f" of pipeline {pi[1:]}")
+    def name(kind, k, labels=labels, single=len(pipes) == 1):
+        pi, cid = labels[k].split(":")
+        return op_name(kind, cid) + ("" if single else f" of pipeline {pi[1:]}")
 
-        where_seg = f"pipeline {seg[0]}" if len(seg) == 1 else f"pipelines {seg[0]}..{seg[-1]}"
-
-        begin, end = list_schedule(ops_all, fwd, bwd, p2p, fp, bp, np.full(P, t0), name, where_seg)
-        seg_end = float(np.nanmax(end))
-        b = fwd.sum(axis=1) + bwd.sum(axis=1)
-        busy_gpu += float(b.sum()) * sp
-        rec_gpu += float(rc.sum()) * sp
-        stage_busy = [x + y for x, y in zip(stage_busy, (b / 1e3).tolist())] if len(stage_busy) == P \
-            else (b / 1e3).tolist()
-        stage_peak = [max(x, y) for x, y in zip(stage_peak, peak.tolist())] if len(stage_peak) == P \
-            else peak.tolist()
-        if want_events:
-            for p in range(P):
-                for kind, k in ops_all[p]:
-                    s, e = begin[kind, p, k], end[kind, p, k]
-                    if kind == BWD and rc[p, k] > 0:
-                        evs.append(Event(row0 + p, "R", labels[k], s / 1e3, (s + rc[p, k]) / 1e3))
-                        s += rc[p, k]
-                    evs.append(Event(row0 + p, "FB"[kind], labels[k], s / 1e3, e / 1e3))
-                    if kind == FWD and p < P - 1:
-                        evs.append(Event(row0 + p, "P2P", labels[k], e / 1e3, (e + p2p[k]) / 1e3))
-                    if kind == BWD and p > 0:
-                        evs.append(Event(row0 + p, "P2P", labels[k], e / 1e3, (e + p2p[k]) / 1e3))
-                if len(mem_pts) < P:
-                    mem_pts = [[(0.0, pc.model_states_mb)] for _ in range(P)]
-                lv = np.concatenate(levels[p]) + pc.model_states_mb
-                pts = mem_pts[p]
-                for j, (kind, k) in enumerate(ops_all[p]):
-                    s, e = begin[kind, p, k] / 1e3, end[kind, p, k] / 1e3
-                    if kind == FWD:  # activations build up over the forward
-                        pts += [(s, lv[j, 0]), (e, lv[j, 2])]
-                    else:  # re-materialized for the backward, freed at its end
-                        pts += [(s, lv[j, 0]), (s, lv[j, 1]), (e, lv[j, 1]), (e, lv[j, 2])]
-        t0 = seg_end
-    return _ReplicaRun(t0, busy_gpu, rec_gpu, stage_busy, stage_peak, warm, evs, mem_pts, tokens, budget)
+    where = f"pipeline {pipes[0]}" if len(pipes) == 1 else f"pipelines {pipes[0]}..{pipes[-1]}"
+    begin, end = list_schedule(ops_all, fwd, bwd, p2p, fp, bp, np.zeros(P), name, where)
+    b = fwd.sum(axis=1) + bwd.sum(axis=1)
+    mem_pts: list[list[tuple[float, float]]] = [[(0.0, pc.model_states_mb)] for _ in range(P)] if want_events else []
+    if want_events:
+        for p in range(P):
+            for kind, k in ops_all[p]:
+                s, e = begin[kind, p, k], end[kind, p, k]
+                if kind == BWD and rc[p, k] > 0:
+                    evs.append(Event(row0 + p, "R", labels[k], s / 1e3, (s + rc[p, k]) / 1e3))
+                    s += rc[p, k]
+                evs.append(Event(row0 + p, "FB"[kind], labels[k], s / 1e3, e / 1e3))
+                if kind == FWD and p < P - 1:
+                    evs.append(Event(row0 + p, "P2P", labels[k], e / 1e3, (e + p2p[k]) / 1e3))
+                if kind == BWD and p > 0:
+                    evs.append(Event(row0 + p, "P2P", labels[k], e / 1e3, (e + p2p[k]) / 1e3))
+            lv = np.concatenate(levels[p]) + pc.model_states_mb
+            pts = mem_pts[p]
+            for j, (kind, k) in enumerate(ops_all[p]):
+                s, e = begin[kind, p, k] / 1e3, end[kind, p, k] / 1e3
+                if kind == FWD:  # activations build up over the forward
+                    pts += [(s, lv[j, 0]), (e, lv[j, 2])]
+                else:  # re-materialized for the backward, freed at its end
+                    pts += [(s, lv[j, 0]), (s, lv[j, 1]), (e, lv[j, 1]), (e, lv[j, 2])]
+    return _ReplicaRun(float(np.nanmax(end)), float(b.sum()) * sp, float(rc.sum()) * sp, (b / 1e3).tolist(),
+                       peak.tolist(), warm, evs, mem_pts, tokens, pc.budget_mb)

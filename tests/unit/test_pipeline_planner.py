@@ -616,3 +616,23 @@ def test_auto_counts_the_slices_memory_forces_before_starting_a_layout():
     assert forced_slices(lengths, PipelineCost(cost, 8, 4)) == 0  # room for every sequence whole
     plan = plan_auto(lengths, cost, time_limit=0.5)
     assert "to build one candidate" in plan.baselines["elastic_pp pp2 x sp4 x dp4"]["skipped"]
+
+
+def test_drop_over_max_drops_what_the_pipeline_cannot_run_under_a_given_maximum():
+    """A --max-seq-len over what the layout holds: with --drop-over-max, the sequences past what it
+    holds are dropped (the given maximum alone was the limit, and the plan refused them); and
+    auto's limit follows the memory budget given (its FlexSP part's at the cluster's memory)."""
+    from megatron_ext.planner.api import make_plan, max_seq_len
+    from megatron_ext.planner.pp.pipeline import PipelineOptions
+
+    tiny = CostModel.from_presets("tiny", "cpu-4")
+    own = max_seq_len("elastic_pp", tiny, PipelineOptions())
+    lengths = np.array([own + 100, 3000, 500])
+    plan = make_plan("elastic_pp", lengths, tiny, PlannerOptions(max_seq_len=own + 1000, drop_over_max=True))
+    assert plan.dropped_seq_ids == [0]
+    with pytest.raises(LengthsError, match="exceed the maximum length"):
+        make_plan("elastic_pp", lengths, tiny, PlannerOptions(max_seq_len=own + 50))
+    tight = max_seq_len("auto", tiny, PipelineOptions(memory_mb=22))
+    assert tight < max_seq_len("auto", tiny, PipelineOptions())
+    plan = make_plan("auto", [tight + 1, 500, 300], tiny, PlannerOptions(drop_over_max=True), memory_mb=22.0)
+    assert plan.dropped_seq_ids == [0]

@@ -322,3 +322,31 @@ def test_auto_runs_a_slow_layout_when_flexsp_cannot_hold_the_batch():
     assert longest > cost.max_seq_len  # (past FlexSP's largest group)
     plan = make_plan("auto", np.array([longest, longest]), cost, opts)
     assert plan.kind == "elastic_pp" and not plan.dropped_seq_ids
+
+
+def test_a_hurried_pipeline_of_short_sequences_plans_them_whole():
+    """Past its deadline with nothing built, a pipeline's last resort sliced from the longest
+    sequence's half down to the finest slice: a group of sequences under 256 tokens had nothing to
+    try, and the step was refused (the longest in a pipeline of its own, the rest short)."""
+    cost = CostModel.from_presets("tiny", "cpu-4", 3)
+    lengths = np.array([7266, 129, 67, 6])
+    plan = plan_elastic_pp(lengths, cost, options=PipelineOptions(time_limit=1e-3))
+    validate(plan, lengths, cost)
+    assert len(plan.pipelines) == 2 and sum(len(p.chunks) for p in plan.pipelines) > 1
+
+
+def test_a_stage_runs_ulysses_only():
+    """A ring degree (past the heads' Ulysses limit) is not a stage's SP degree: the runtime's
+    Ulysses attention would fail mid-step; the cost model and the validator refuse it."""
+    from megatron_ext.errors import ConfigError, InvalidPlanError
+
+    cost = CostModel.from_presets("llama-13b", "a800-80g-8x4", 3)  # 40 heads: Ulysses up to 8
+    with pytest.raises(ConfigError, match="SP degree 16 of a pipeline stage is past llama-13b's Ulysses limit"):
+        pipeline_cost(cost.with_max_ring(2), 2, 16, PipelineOptions())
+    lengths = np.array([9000, 3000])
+    plan = plan_elastic_pp(lengths, cost, 4, 8)
+    for p in plan.pipelines:
+        p.sp_degree = 16  # (2 x 16 GPUs would hold 2 x 8's chunks)
+        p.stages = 2
+    with pytest.raises(InvalidPlanError, match="SP degree 16 is not allowed \\(a stage runs Ulysses only"):
+        validate_pipelines(plan, lengths, cost.with_max_ring(2))

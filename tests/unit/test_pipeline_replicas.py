@@ -92,6 +92,11 @@ def test_replica_rules_are_checked():
     bad.pipelines[1].stages = 4  # a second layout beside a replicated one
     with pytest.raises(InvalidPlanError, match="different layouts"):
         replica_groups(bad, COST.num_gpus)
+    # ... and without replicas (8 x 4 then 4 x 8 on 32 GPUs: the simulator kept the last's stage
+    # statistics only, and no runtime runs two layouts a step)
+    bad.pipelines[0].stages, bad.pipelines[0].sp_degree, bad.pipelines[1].sp_degree = 8, 4, 8
+    with pytest.raises(InvalidPlanError, match="share one layout .*got different layouts: 8 x 4, 4 x 8"):
+        replica_groups(bad, COST.num_gpus)
 
 
 def test_json_keeps_the_replica_and_old_plans_load_as_replica_zero():

@@ -167,6 +167,8 @@ def test_fill_estimates(tiny):
     (flexsp_plan([([1, 0], [0, 3]), ([2], [1])], [([0, 1, 2, 3], [2])]), "aligned"),
     (flexsp_plan([([0, 1, 2], [0, 1, 3])], [([0, 1, 2, 3], [2])]), "degree 3 is not allowed"),
     (flexsp_plan([([4], [0, 1, 3])], [([0, 1, 2, 3], [2])]), "aligned"),
+    # (rank -1 beside a group on rank 3: an empty slice of the ranks in use saw no overlap)
+    (flexsp_plan([([-1], [0]), ([0], [1]), ([1], [2]), ([2], [3])]), "aligned"),
     (flexsp_plan([([], [0, 1, 3])], [([0, 1, 2, 3], [2])]), "degree 0"),
     (flexsp_plan([([0, 1], []), ([2], [0, 1, 3])], [([0, 1, 2, 3], [2])]), "no sequences"),
     (flexsp_plan([([0, 1], [0, 3, 4]), ([2], [1])], [([0, 1, 2, 3], [2])]), "out of range"),

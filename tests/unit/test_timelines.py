@@ -128,3 +128,17 @@ def test_the_first_feasible_target_is_sought_close_above_the_bound():
     hurried, layout, hurry_cut = _bisect(batch, time.perf_counter() - 1)  # no bisection at all
     assert not cut and hurry_cut and layout is not None
     assert full <= hurried <= 1.05 * full
+
+
+def test_a_clock_cut_of_the_narrowest_degree_search_is_said(monkeypatch):
+    """Raising the narrowest degree stops on the clock too: the status says time_limit then (it
+    said timelines, and the plan moved with the machine's speed)."""
+    from megatron_ext.planner.sp import timelines
+
+    cost = CostModel.from_presets("gpt-7b", "a100-40g-8x8", 2)
+    lengths = sample_lengths("wikipedia", 80, 0, 32768)  # (few sequences a GPU: raising it is tried)
+    assert make_plan("timelines", lengths, cost, PlannerOptions(time_limit=5.0)).solver_status == "timelines"
+    monkeypatch.setattr(timelines, "FLOOR_SHARE", 0.0)
+    plan = make_plan("timelines", lengths, cost, PlannerOptions(time_limit=5.0))
+    assert plan.solver_status == "time_limit"
+    validate(plan, lengths, cost)

@@ -278,10 +278,17 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
             consider(top.pieces, top.slices, order, ((), ()))
             if best is not top:
                 best.ramp = top.ramp
-    # last resort, until something fits (in a hurry, the search built nothing): every slice and
+    # last resort, until something fits (in a hurry, the search built nothing): whole sequences where
+    # the longest fits whole (a group of short ones has no slicing to try), then every slice and
     # chunk within the longest sequence's slice cap, then finer, down to the finest slicing; where
     # that makes more than MAX_CHUNKS (each sequence at its own slice cap: 9,650 for 205 lengths up
     # to 105K), the fewest equal-time slices that let the longest sequence fit, chunks uncapped
+    if best is None and slice_cap is None:  # the longest fits whole: whole sequences first, chunks of its time
+        ch = balanced_chunks(seq_ids, lengths, pc, float(pc.prefix_ms(longest)), math.inf, opts.granularity, opts.fit,
+                             min_tail=opts.granularity)
+        for order in orders:
+            if best is None:
+                consider(ch.chunks, ch.slices, order)
     t = slice_cap or int(min(finite, default=longest)) // 2
     finest = finest_slice(longest, g)
     while best is None and t >= finest:

@@ -207,7 +207,10 @@ def plan_timelines(lengths: np.ndarray, cost: CostModel, options: PlannerOptions
     # Few sequences a GPU: the narrowest degrees leave most GPUs with one short pass each, and each
     # pass pays the fixed cost; wider groups packing several sequences can end sooner. Raise the
     # narrowest degree while that helps (and the limit allows)
-    while floor + 1 < len(batch.degrees) and time.perf_counter() < start + FLOOR_SHARE * options.time_limit:
+    while floor + 1 < len(batch.degrees):
+        if time.perf_counter() >= start + FLOOR_SHARE * options.time_limit:
+            cut = True  # (the clock, not the search, ended it: said in the status)
+            break
         T_up, wider, cut_up = _bisect(batch, start + 2 * FLOOR_SHARE * options.time_limit, floor + 1)
         if wider.end_ms() >= best.end_ms():
             break
