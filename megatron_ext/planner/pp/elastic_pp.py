@@ -44,8 +44,9 @@ first ``REBALANCE_AFTER``): the groupings' probes come first, then their full se
 of it, then the ILP in what is left (if none, the search's greedy recompute stands, noted in the
 status). Past its deadline a search keeps its best candidate and starts no chunking whose build
 would end past it; a pipeline with nothing feasible yet at its deadline goes straight to the
-safest chunkings (the capped slices, then finer; past MAX_CHUNKS, the longest sequence's fewest
-fitting slices) and keeps trying until something fits.
+safest chunkings (whole sequences where the longest fits whole; the capped slices, then finer;
+past MAX_CHUNKS, the longest sequence's fewest fitting slices) and keeps trying until something
+fits.
 
 Steps 2-3 (one pipeline's search) are in planner/pp/chunk_search.py; building and scoring a pipeline
 and what the other pipeline planners share, in planner/pp/pipeline.py.
