@@ -27,7 +27,8 @@ PRESET_DIR = Path(os.environ.get("MEGATRON_EXT_CONFIGS", Path(__file__).resolve(
 # Units. Memory and message sizes: MB of 2**20 bytes (a cluster's memory_gb: GB of 1024 MB).
 # Model states follow the FlexSP paper's accounting, params_b x 16 x 1024 MB (a billion
 # parameters' 16 bytes taken as 16 GB), on which its published memory figures and worked example
-# rest (a cost model's ``state_bytes`` may count other than 16 bytes a parameter). All-to-all and p2p tables (``a2a_bandwidth_gbps``, ``p2p_bandwidth_gbps``): MB per ms, as
+# rest (a cost model's ``state_bytes`` may count other than 16 bytes a parameter). All-to-all and
+# p2p tables (``a2a_bandwidth_gbps``, ``p2p_bandwidth_gbps``): MB per ms, as
 # the paper's code divides MB by them ("GB/s": 1000 MB a second) and ``profile`` fits them. Link
 # figures for ZeRO collectives (``intra_node_bandwidth_gbps``, ``inter_node_bandwidth_gbps``):
 # GB/s of 1e9 bytes, as NCCL bus bandwidths are quoted (cost/fixed.py).
@@ -195,12 +196,12 @@ class ClusterSpec:
         """MB per ms one GPU gets sending to another while every GPU of its node sends too
         (pipeline handoffs, rings): inside a node, the measured ``p2p_bandwidth_gbps`` (`profile`
         times pairs of one node) or else NVLink (``intra_node_gbps``); across nodes, the node's
-        NICs (``inter_node_gbps``) shared by the ``sharing`` GPUs of the node sending across."""
+        NICs (``inter_node_gbps``) shared by the ``sharing`` GPUs of the node sending across, at
+        most the rate inside a node."""
+        inside = float(self.p2p_bandwidth_gbps) if self.p2p_bandwidth_gbps else self.intra_node_gbps * GBPS_IN_MB_PER_MS
         if not across_nodes:
-            if self.p2p_bandwidth_gbps:
-                return float(self.p2p_bandwidth_gbps)
-            return self.intra_node_gbps * GBPS_IN_MB_PER_MS
-        return self.inter_node_gbps / sharing * GBPS_IN_MB_PER_MS
+            return inside
+        return min(inside, self.inter_node_gbps / sharing * GBPS_IN_MB_PER_MS)  # (no faster than inside a node)
 
     def a2a_latency(self, degree: int) -> float:
         """ms per all_to_all call of a degree-d group (the widest tabulated degree's beyond the table)."""

@@ -100,7 +100,8 @@ def add_planner_args(p: argparse.ArgumentParser, kinds: tuple[str, ...] = (), dr
     g.add_argument("--static-degree", type=int, help="degree of static_ulysses (default: the largest allowed)")
     if drop_over_max:
         g.add_argument("--drop-over-max", action="store_true",
-                       help="drop (and report) sequences no group can hold instead of failing")
+                       help="drop (and report) sequences over --max-seq-len or what the planner can run (no "
+                            "group holds them, no stage at its finest slicing) instead of failing")
 
 
 NOTED: set[str] = set()  # notes said by this command (train --compare checks each run's options twice)

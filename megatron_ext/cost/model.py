@@ -24,7 +24,7 @@ from megatron_ext.cost.activations import act_mb_per_token, recompute_time_facto
 from megatron_ext.cost.bounds import barrier_free_bound_ms, cheapest_gpu_ms, lower_bound_ms, relaxed_bound_ms
 from megatron_ext.cost.fixed import pass_fixed_ms, step_sync_ms
 from megatron_ext.errors import ConfigError, InfeasibleError
-from megatron_ext.spec import (GBPS_IN_MB_PER_MS, MB, ClusterSpec, ModelSpec, read_yaml, cluster_from_mapping,
+from megatron_ext.spec import (MB, ClusterSpec, ModelSpec, read_yaml, cluster_from_mapping,
                                is_power_of_two, load_cluster, load_model, model_from_mapping)
 
 # Bytes a parameter of the model states, (weights, gradients, optimizer): mixed-precision Adam,
@@ -154,6 +154,11 @@ class CostModel:
         the ring limit (``max_ring``)."""
         top = min(self.num_gpus, self.model.max_sp_degree * self.max_ring)
         return tuple(2**i for i in range(int(math.log2(top)) + 1))
+
+    @property
+    def stage_degrees(self) -> tuple[int, ...]:
+        """Degrees a pipeline stage's SP group may have: Ulysses only, no ring."""
+        return tuple(d for d in self.degrees if self.ring_degree(d) == 1)
 
     def ulysses_degree(self, degree: int) -> int:
         """The Ulysses part of a degree-d group: all of it up to the head limit."""

@@ -20,7 +20,7 @@ The 1/3 : 2/3 split of forward and backward is the usual FLOP ratio (the backwar
 gradients of both the input and the weights); recomputing ``r`` layers costs ``r / L_s`` of the
 forward. p2p between stages: ``tokens * hidden * e bytes`` (e: the model's activation_bytes),
 split over the stage's sp ranks, each to its peer on the next stage, over the link between them
-(``PipelineCost._handoff``: a measured pair rate, or NVLink inside a node and the node's NICs
+(``PipelineCost._handoff``: NVLink or a measured pair rate inside a node, the node's NICs
 between nodes), plus a latency per handoff. Ranks are laid out as Megatron's (pipeline
 outermost): a stage's GPUs are consecutive, sp ranks per replica.
 
@@ -65,7 +65,7 @@ from megatron_ext.cost.activations import head_bytes_per_token
 from megatron_ext.cost.fixed import pass_fixed_ms, step_sync_ms
 from megatron_ext.cost.model import CostModel, model_states_mb
 from megatron_ext.errors import ConfigError, InfeasibleError
-from megatron_ext.spec import GBPS_IN_MB_PER_MS, MB
+from megatron_ext.spec import MB
 
 FWD_FRACTION = 1.0 / 3.0  # forward share of a fwd+bwd pass (and so the cost of a recomputation)
 
@@ -93,7 +93,7 @@ class PipelineCost:
             raise ConfigError(f"pipeline degree {self.pp} does not divide the {m.num_layers} layers of {m.name}; "
                               f"on {c.name} ({c.num_gpus} GPUs) choose one of {', '.join(map(str, fits))}")
         self.cost.check_degree(self.sp)
-        if self.cost.ring_degree(self.sp) > 1:  # (a stage's SP group is Ulysses only, over its heads)
+        if self.sp not in self.cost.stage_degrees:  # (a stage's SP group is Ulysses only, over its heads)
             raise ConfigError(f"SP degree {self.sp} of a pipeline stage is past {m.name}'s Ulysses limit "
                               f"({self.cost.ulysses_degree(self.sp)}: its heads); a stage runs Ulysses only, no ring")
         if not (m.a1 > 0 or m.a2 > 0):  # (a model to be profiled may say so; a pipeline cannot be cut by it)
@@ -107,8 +107,8 @@ class PipelineCost:
             raise ConfigError(f"b1_scale (--b1-scale) must be from 0 to {MAX_B1_SCALE:g}, got {self.b1_scale!r}")
         head = head_bytes_per_token(m) / MB
         if self.cost.act_mb_per_token <= head:  # (the layers would keep nothing: no chunk size is better)
-            raise ConfigError(f"model {m.name}: act_mb_per_token {self.cost.act_mb_per_token:g} MB is no more than what "
-                              f"its output layer alone keeps per token ({head:.4g} MB: fp32 logits of "
+            raise ConfigError(f"model {m.name}: act_mb_per_token {self.cost.act_mb_per_token:g} MB is no more than "
+                              f"what its output layer alone keeps per token ({head:.4g} MB: fp32 logits of "
                               f"{m.vocab_size:,} words and two inputs of {m.hidden_size:,}); it counts every layer's "
                               f"activations and the output layer's (leave it out to derive it from the shape)")
         if self.memory_mb is not None and not (isinstance(self.memory_mb, (int, float))
@@ -337,12 +337,12 @@ def default_layout(cost: CostModel) -> tuple[int, int]:
     (as many as divide the layers: the rest of the GPUs run replicas of the pipeline); on one node
     (where that would be a single stage), the fewest stages >= 2 that divide the layers and leave
     an allowed SP degree."""
-    sp = min(cost.cluster.gpus_per_node, cost.degrees[-1])
+    sp = min(cost.cluster.gpus_per_node, cost.stage_degrees[-1])
     across = cost.num_gpus // sp
     pp = max(p for p in range(1, across + 1) if across % p == 0 and cost.model.num_layers % p == 0)
     if across == 1:
         L, n = cost.model.num_layers, cost.num_gpus
-        pp = next((p for p in range(2, n + 1) if L % p == 0 and n % p == 0 and n // p in cost.degrees), 1)
+        pp = next((p for p in range(2, n + 1) if L % p == 0 and n % p == 0 and n // p in cost.stage_degrees), 1)
         sp = n // pp
     return pp, sp
 

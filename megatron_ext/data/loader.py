@@ -257,7 +257,7 @@ class PlanningDataLoader(GlobalBatches):
         if fallback not in known:
             raise DataError(f"unknown fallback planner {fallback!r}; choose one of {', '.join(known)}")
         here = [n for n in (planner, *baselines) if n in PLANNERS and PLANNERS[n].fn.__module__ == "__main__"]
-        if background and here:  # (the planner process does not import the script: ``main_module_hidden``)
+        if background and here and not worker_imports:  # (the planner process does not import the script)
             raise DataError(f"planner {here[0]!r} is defined in the script being run, which the planner process "
                             f"does not import; define it in a module and name that module in worker_imports")
         if sync not in (None, "check", "broadcast"):

@@ -132,4 +132,5 @@ def cap_cost_model(cost: CostModel, max_degree: int | None) -> CostModel:
     """``cost`` with its Ulysses degrees capped at ``max_degree`` (unchanged if the cap does not bind)."""
     if max_degree is None or max_degree >= min(cost.num_gpus, cost.model.max_sp_degree):
         return cost
-    return CappedCostModel(**{f.name: getattr(cost, f.name) for f in dataclasses.fields(cost)}, max_degree=int(max_degree))
+    fields = {f.name: getattr(cost, f.name) for f in dataclasses.fields(cost) if f.name != "max_degree"}
+    return CappedCostModel(**fields, max_degree=int(max_degree))

@@ -208,16 +208,20 @@ def make_loader(documents, cost, args, *, num_steps: int | None, start_step: int
 
     limit = float(args.planner_time_limit)
     if getattr(args, "elastic_pp", False):
-        # A pipeline cuts a long sequence into slices: only --seq-length bounds it. Without
+        # A pipeline cuts a long sequence into slices: --seq-length bounds it, and what the finest
+        # slicing of a stage holds (documents are cut at the lower, not dropped). Without
         # --adaptive-recompute a step recomputes nothing if it fits, else every layer ("auto").
-        max_len = int(args.seq_length)
+        from megatron_ext.planner.api import max_seq_len
+
         pp = int(args.pipeline_model_parallel_size)
         auto = args.elastic_pp_sp == "auto"  # per step, the SP degree (and replicas) the simulator finds fastest
-        options = PlannerOptions(time_limit=limit, drop_over_max=True, max_seq_len=max_len, pp=pp,
+        options = PlannerOptions(time_limit=limit, drop_over_max=True, pp=pp,
                                  sp=None if auto else int(args.elastic_pp_sp),
                                  recompute="ilp" if args.adaptive_recompute else "auto",
                                  flexsp=pp == 1)  # (a model cut into stages cannot run FlexSP's passes)
         planner, fallback = ("auto" if auto else "elastic_pp"), "batch_1f1b"
+        max_len = min(int(args.seq_length), max_seq_len(planner, cost, options))
+        options = dataclasses.replace(options, max_seq_len=max_len)
     elif args.flexsp_planner == "auto":
         # FlexSP or one-stage pipeline replicas (which slice what no group holds), per step
         from megatron_ext.planner.api import max_seq_len

@@ -213,9 +213,9 @@ def validate_pipelines(plan: StepPlan, lengths, cost: CostModel) -> StepPlan:
         where = f"pipeline {i}"
         if L % p.stages:
             raise InvalidPlanError(f"{where}: {p.stages} stages do not divide the {L} layers of {cost.model.name}")
-        if p.sp_degree not in cost.degrees or cost.ring_degree(p.sp_degree) > 1:  # (a stage's group is Ulysses only)
+        if p.sp_degree not in cost.stage_degrees:
             raise InvalidPlanError(f"{where}: SP degree {p.sp_degree} is not allowed (a stage runs Ulysses only: "
-                                   f"{', '.join(str(d) for d in cost.degrees if cost.ring_degree(d) == 1)})")
+                                   f"{', '.join(map(str, cost.stage_degrees))})")
         if not p.chunks:
             raise InvalidPlanError(f"{where}: has no chunks")
         ids = list(chunk_layouts(p, lengths, L // p.stages, where))

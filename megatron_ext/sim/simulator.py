@@ -1,9 +1,9 @@
 """Discrete-event simulation of a StepPlan: timeline, step time, bubble ratio, peak memory.
 
-- ``elastic_pp`` plans: each data-parallel replica (``Pipeline.replica``, on its own GPUs) runs
-  its pipelines one after another (a pipeline of the same layout as the previous one starts on
-  each stage as soon as that stage is done with the previous one; a change of layout waits for
-  every stage); the step ends with the slowest replica. Every stage runs its operations in
+- ``elastic_pp`` plans (one layout, ``validate.replica_groups``): each data-parallel replica
+  (``Pipeline.replica``, on its own GPUs) runs its pipelines one after another (a pipeline starts
+  on each stage as soon as that stage is done with the previous one); the step ends with the
+  slowest replica. Every stage runs its operations in
   the plan's order; each operation starts when its stage is free and its dependencies (previous
   stage + p2p, earlier/later slices of the same sequence) are done. Recompute runs at the start
   of a backward. Memory is tracked per stage along its order (sim/engine.py).
@@ -170,7 +170,7 @@ def _simulate_pipelines(plan, cost, b1_scale, memory_mb, want_events) -> SimResu
     return SimResult("elastic_pp", plan.planner, step, max(0.0, 1 - busy_gpu / denom) if denom > 0 else 0.0,
                      rec_gpu / denom if denom > 0 else 0.0, [x for run in runs for x in run.stage_peak],
                      [x for run in runs for x in run.stage_busy], sum(run.tokens for run in runs), n_gpus,
-                     runs[0].budget or cost.cluster.memory_mb, [w for run in runs for w in run.warm],
+                     runs[0].budget, [w for run in runs for w in run.warm],
                      [e for run in runs for e in run.events], mem_pts)
 
 

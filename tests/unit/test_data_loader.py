@@ -257,11 +257,15 @@ def test_a_planner_defined_in_the_script_is_refused_for_the_planner_process(monk
     from megatron_ext.planner import api
 
     mine = dataclasses.replace(api.PLANNERS["batchada"], name="mine")
-    mine = dataclasses.replace(mine, fn=type(mine.fn)(mine.fn.__code__, {**mine.fn.__globals__, "__name__": "__main__"}))
+    in_main = type(mine.fn)(mine.fn.__code__, {**mine.fn.__globals__, "__name__": "__main__"})  # (as if defined there)
+    mine = dataclasses.replace(mine, fn=in_main)
     monkeypatch.setitem(api.PLANNERS, "mine", mine)
     with pytest.raises(DataError, match="planner 'mine' is defined in the script being run.*worker_imports"):
         _loader(planner="mine", background=True)
     assert _loader(planner="mine").planner == "mine"  # (inline: planned where it is defined)
+    # a module the worker imports may register it there (a script run as `python -m pkg.script`)
+    with _loader(planner="mine", background=True, worker_imports=("json",)) as dl:
+        assert dl.planner == "mine"
 
 
 def test_worker_side_imports_no_torch():

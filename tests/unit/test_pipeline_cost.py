@@ -100,7 +100,8 @@ def test_p2p_and_fixed_cost():
     # stage's 4 GPUs sending at once), 4 stay on NVLink (155 GB/s a GPU, 1/4 each)
     half = PipelineCost(COST, 8, 4)
     nvlink = 10240 / 4 / (155 * 1e6 / 2**20)
-    assert float(half.p2p_ms(2**20)) == pytest.approx((3 * 10240 / mb_per_ms + 4 * nvlink) / 7 + (3 * 0.03 + 4 * 0.01) / 7)
+    latency = (3 * 0.03 + 4 * 0.01) / 7
+    assert float(half.p2p_ms(2**20)) == pytest.approx((3 * 10240 / mb_per_ms + 4 * nvlink) / 7 + latency)
     # two replicas of SP 4 per stage share their node's NICs: twice the time of one of SP 8
     shared = PipelineCost(COST, 4, 4)
     assert float(shared.p2p_ms(2**20)) == pytest.approx(2 * 10240 / mb_per_ms + 0.03)

@@ -210,8 +210,8 @@ def resolve_layout(cost: CostModel, pp, sp) -> tuple[int, int]:
             raise ConfigError(f"pipeline degree {pp} does not divide the {n} GPUs of {cost.cluster.name}; choose one "
                               f"of {', '.join(map(str, fits))}")
         sp = n // pp
-        if sp not in cost.degrees:  # more GPUs per stage than Ulysses can use: the largest degree, and replicas
-            sp = max(d for d in cost.degrees if sp % d == 0)
+        if sp not in cost.stage_degrees:  # more GPUs per stage than Ulysses can use: the largest degree, and replicas
+            sp = max(d for d in cost.stage_degrees if sp % d == 0)
     return pp, sp
 
 

@@ -194,7 +194,7 @@ def _bisect(batch: _Batch, deadline: float, floor: int = 0) -> tuple[float, _Lay
 
 def plan_timelines(lengths: np.ndarray, cost: CostModel, options: PlannerOptions) -> tuple[Sets, str]:
     """The GPU sets of a barrier-free plan, each with its passes (module docstring), and a status:
-    "timelines", or "time_limit" where the limit cut the bisection short."""
+    "timelines", or "time_limit" where the limit cut the bisection or the narrowest degree's search short."""
     if cost.zero_stage == 3:
         raise ConfigError("timelines runs each GPU set's passes without a barrier between micro-batches, which needs "
                           "ZeRO 0, 1 or 2 (under ZeRO-3 every pass gathers parameters over every GPU); "
