@@ -148,7 +148,6 @@ class _ReplicaRun:
     events: list[Event]
     memory: list[list[tuple[float, float]]]
     tokens: int
-    budget: float
 
 
 def _simulate_pipelines(plan, cost, b1_scale, memory_mb, want_events) -> SimResult:
@@ -157,11 +156,14 @@ def _simulate_pipelines(plan, cost, b1_scale, memory_mb, want_events) -> SimResu
     check_one_pipeline_per_sequence(plan.pipelines)
     n_gpus = cost.num_gpus
     replicas = replica_groups(plan, n_gpus)
-    P = plan.pipelines[0].stages
-    runs = [_simulate_replica(plan, idx, cost, b1_scale, memory_mb, want_events, r * P)
-            for r, idx in enumerate(replicas)]
-    # once per step, what the gradient sync leaves exposed (the plan's one layout)
-    t_end = max(run.end_ms for run in runs) + _stage_cost(plan, 0, cost, b1_scale, memory_mb).step_sync_ms
+    first = plan.pipelines[0]  # (the plan's one layout)
+    try:
+        pc = PipelineCost(cost, first.stages, first.sp_degree, b1_scale, memory_mb)
+    except MegatronExtError as e:  # ConfigError / InfeasibleError: a plan the cluster cannot run
+        raise InvalidPlanError(f"pipeline 0: {e}") from None
+    runs = [_simulate_replica(plan, idx, pc, want_events, r * pc.pp) for r, idx in enumerate(replicas)]
+    # once per step, what the gradient sync leaves exposed
+    t_end = max(run.end_ms for run in runs) + pc.step_sync_ms
     step = t_end / 1e3
     mem_pts = [[(float(t), float(v)) for t, v in pts + [(step, pts[-1][1])]] for run in runs for pts in run.memory]
     denom = n_gpus * t_end
@@ -170,33 +172,21 @@ def _simulate_pipelines(plan, cost, b1_scale, memory_mb, want_events) -> SimResu
     return SimResult("elastic_pp", plan.planner, step, max(0.0, 1 - busy_gpu / denom) if denom > 0 else 0.0,
                      rec_gpu / denom if denom > 0 else 0.0, [x for run in runs for x in run.stage_peak],
                      [x for run in runs for x in run.stage_busy], sum(run.tokens for run in runs), n_gpus,
-                     runs[0].budget, [w for run in runs for w in run.warm],
+                     pc.budget_mb, [w for run in runs for w in run.warm],
                      [e for run in runs for e in run.events], mem_pts)
 
 
-def _stage_cost(plan, i: int, cost, b1_scale, memory_mb) -> PipelineCost:
-    p = plan.pipelines[i]
-    try:
-        return PipelineCost(cost, p.stages, p.sp_degree, b1_scale, memory_mb)
-    except MegatronExtError as e:  # ConfigError / InfeasibleError: a plan the cluster cannot run
-        raise InvalidPlanError(f"pipeline {i}: {e}") from None
-
-
-def _simulate_replica(plan, pipes: list[int], cost, b1_scale, memory_mb, want_events, row0: int) -> _ReplicaRun:
-    """One replica's pipelines, one after another on its GPUs; events on rows ``row0 + stage``.
-    A replica with no pipeline idles: its stages hold their model states."""
+def _simulate_replica(plan, pipes: list[int], pc: PipelineCost, want_events, row0: int) -> _ReplicaRun:
+    """One replica's pipelines (of the plan's one layout, ``pc``: validate.replica_groups), one
+    after another on its GPUs without a barrier; events on rows ``row0 + stage``. A replica with
+    no pipeline idles: its stages hold their model states."""
+    P, sp = pc.pp, pc.sp
     if not pipes:
-        P = plan.pipelines[0].stages
-        pc = _stage_cost(plan, 0, cost, b1_scale, memory_mb)
         return _ReplicaRun(0.0, 0.0, 0.0, [0.0] * P, [pc.model_states_mb] * P, [], [],
-                           [[(0.0, pc.model_states_mb)] for _ in range(P)] if want_events else [], 0, pc.budget_mb)
+                           [[(0.0, pc.model_states_mb)] for _ in range(P)] if want_events else [], 0)
     evs: list[Event] = []
     warm: list[list[int]] = []
     tokens = 0
-    # the replica's pipelines flow one after another without a barrier (one layout a plan:
-    # validate.replica_groups)
-    P, sp = plan.pipelines[pipes[0]].stages, plan.pipelines[pipes[0]].sp_degree
-    pc = _stage_cost(plan, pipes[0], cost, b1_scale, memory_mb)
     room = pc.activation_room_mb
     L_s = pc.layers_per_stage
     ops_all: list[list[tuple[int, int]]] = [[] for _ in range(P)]
@@ -274,4 +264,4 @@ def _simulate_replica(plan, pipes: list[int], cost, b1_scale, memory_mb, want_ev
                 else:  # re-materialized for the backward, freed at its end
                     pts += [(s, lv[j, 0]), (s, lv[j, 1]), (e, lv[j, 1]), (e, lv[j, 2])]
     return _ReplicaRun(float(np.nanmax(end)), float(b.sum()) * sp, float(rc.sum()) * sp, (b / 1e3).tolist(),
-                       peak.tolist(), warm, evs, mem_pts, tokens, pc.budget_mb)
+                       peak.tolist(), warm, evs, mem_pts, tokens)
