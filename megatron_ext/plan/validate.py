@@ -88,8 +88,9 @@ def validate(plan: StepPlan, lengths, cost: CostModel) -> StepPlan:
     if plan.kind == "flexsp":
         _validate_flexsp(plan, lengths, cost)
     else:
-        _validate_pieces(plan, lengths)
-        validate_pipelines(plan, lengths, cost)
+        validate_pipelines(plan, lengths, cost)  # (each sequence's pieces tile it, in one pipeline)
+        _check_coverage(list({x.seq_id for p in plan.pipelines for c in p.chunks for x in c.pieces}), len(lengths),
+                        plan.dropped_seq_ids)
     return plan
 
 
@@ -145,25 +146,6 @@ def _members(groups) -> tuple[list[int], np.ndarray]:
     """The groups' sequence ids one after another, and the index of the group each belongs to."""
     seen = list(itertools.chain.from_iterable(g.seq_ids for g in groups))
     return seen, np.repeat(np.arange(len(groups)), [len(g.seq_ids) for g in groups])
-
-
-def _validate_pieces(plan: StepPlan, lengths: np.ndarray) -> None:
-    """Every token of every kept sequence lies in exactly one piece."""
-    spans: dict[int, list[tuple[int, int]]] = {}
-    for p in plan.pipelines:
-        for c in p.chunks:
-            for x in c.pieces:
-                _check_ints([x.seq_id, x.start, x.end], f"chunk {c.id}: piece seq_id, start and end")
-                spans.setdefault(x.seq_id, []).append((x.start, x.end))
-    _check_coverage(list(spans), len(lengths), plan.dropped_seq_ids)
-    for sid, s in spans.items():
-        pos = 0
-        for start, end in sorted(s):
-            if start != pos or end <= start:
-                _fail(f"sequence {sid}: pieces do not tile [0, {lengths[sid]}) (gap or overlap at {pos})")
-            pos = end
-        if pos != lengths[sid]:
-            _fail(f"sequence {sid}: pieces end at {pos}, the sequence has {lengths[sid]} tokens")
 
 
 def replica_groups(plan: StepPlan, num_gpus: int) -> list[list[int]]:

@@ -28,6 +28,7 @@ AUTO_FLEXSP_SHARE = 0.45  # of the time limit, kept for FlexSP (planned after th
 AUTO_PRUNE_MARGIN = 0.95
 AUTO_FLEXSP_FLOOR = 0.15  # FlexSP's share instead where its lower bound loses to the likeliest layout's estimate
 AUTO_RESERVE = 0.03  # of the time limit, left for FlexSP's plan check and the choice, after its solve
+AUTO_FLEXSP_MIN_X = 2.0  # FlexSP's time is at least this x what BatchAda's plan took (``plan_auto``)
 AUTO_TIMELINES_SHARE = 0.2  # of the time limit, at most, for timelines (ZeRO 0/1/2; it takes far less)
 AUTO_TIE = 0.05  # a layout followed by one whose order key is this close shares the time left with it
 # Seconds one chunk on one stage costs to build, check and simulate once, where memory binds (on a
@@ -237,11 +238,13 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     # that bound and the best layout planned so far, in at most 1 - AUTO_FLEXSP_SHARE of the limit;
     # FlexSP then gets all the time left, so its MILP never has less than its share (most steps, far
     # more: the layouts are usually pruned).
-    ub = math.inf
+    ub, ub_s = math.inf, 0.0
     flex_cost = cost if opts.memory_mb is None else cost.with_memory(opts.memory_mb)  # one budget for all
     if with_flexsp:
         try:
+            t0 = time.perf_counter()
             ub = plan_sp("batchada", batchada, lengths, flex_cost, PlannerOptions(), seq_ids=ids).estimated_step_time_s
+            ub_s = time.perf_counter() - t0
         except MegatronExtError:
             pass
     # (no BatchAda plan: no FlexSP plan either, so its share goes to the layouts)
@@ -287,7 +290,16 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         layouts = quick
     layouts.sort(key=lambda x: (x[0], x[2]))  # (order key, name)
     share = AUTO_FLEXSP_SHARE if not layouts or flex_lb < layouts[0][1] else AUTO_FLEXSP_FLOOR
-    layouts_end = start + budget * (1 - share if math.isfinite(ub) else 1)
+
+    def layouts_end_at(share: float) -> float:
+        # FlexSP's share, or at least AUTO_FLEXSP_MIN_X x what BatchAda took: FlexSP packs, times and
+        # checks its plan as BatchAda does, then solves (32,768 sequences on 4,096 GPUs: BatchAda
+        # 0.11 s, FlexSP 0.2 s at a 0.13 s limit); without FlexSP, the reserve for the choice
+        if not math.isfinite(ub):
+            return start + budget * (1 - AUTO_RESERVE)
+        return start + min(budget * (1 - share), budget * (1 - AUTO_RESERVE) - AUTO_FLEXSP_MIN_X * ub_s)
+
+    layouts_end = layouts_end_at(share)
     took: list[float] = []  # seconds each layout planned took
     overran: list[float] = []  # ... and ran past its limit
     for i, (_, est, name, P, d, chunk_stages) in enumerate(layouts):
@@ -297,7 +309,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
             # bound beats every plan now (by the margin a layout's estimate must), gets its whole
             # share back
             share = AUTO_FLEXSP_SHARE
-            layouts_end = start + budget * (1 - share)
+            layouts_end = layouts_end_at(share)
         left = layouts_end - time.perf_counter()
         if AUTO_PRUNE_MARGIN * est >= bound:
             alts[name] = {"skipped": f"estimated {est:.2f} s (one 1F1B pipeline of equal chunks), "
@@ -362,7 +374,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     return plan
 
 
-__all__ = ["AUTO_DEPTH_PENALTY", "AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_SHARE", "AUTO_PRESSURE_PENALTY", "AUTO_PRUNE_MARGIN",
+__all__ = ["AUTO_DEPTH_PENALTY", "AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_MIN_X", "AUTO_FLEXSP_SHARE", "AUTO_PRESSURE_PENALTY", "AUTO_PRUNE_MARGIN",
            "AUTO_RESERVE", "AUTO_CHUNK_STAGE_S", "AUTO_TIE", "AUTO_TIMELINES_SHARE", "forced_slices", "layout_estimate",
            "layout_lower_bound", "layout_name", "layout_order_key", "layout_pressure", "pipeline_estimate",
            "pipeline_layouts", "plan_auto", "plan_units"]

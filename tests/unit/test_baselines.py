@@ -259,3 +259,23 @@ def test_groups_past_the_head_limit_get_their_ring(planner):
     groups = [g for mb in plan.micro_batches for g in mb.groups]
     assert all(g.ring == g.degree for g in groups) and max(g.degree for g in groups) == 4
     validate(plan, lengths, cost)
+
+
+def test_plan_sp_keeps_time_for_checking_the_plan():
+    """The planning function gets the limit less what placing, timing and checking its groups will
+    take (``CHECK_S_PER_SEQ`` a sequence), never under half of it."""
+    from megatron_ext.planner.options import PlannerOptions
+    from megatron_ext.planner.sp.step import CHECK_S_PER_SEQ, plan_sp
+
+    cost = CostModel.from_presets("gpt-7b", "a100-40g-8x4", 3)
+    given_limits = []
+
+    def one_group_each(lengths, cost, options):
+        given_limits.append(options.time_limit)
+        return [[(8, [i]) for i in range(4 * k, 4 * k + 4)] for k in range(len(lengths) // 4)], "ok"
+
+    lengths = np.full(4000, 1000)
+    plan = plan_sp("test", one_group_each, lengths, cost, PlannerOptions(time_limit=1.0))
+    assert len(plan.micro_batches) == 1000
+    plan_sp("test", one_group_each, lengths, cost, PlannerOptions(time_limit=0.01))
+    assert given_limits == [pytest.approx(1.0 - 4000 * CHECK_S_PER_SEQ), 0.005]

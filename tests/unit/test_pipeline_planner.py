@@ -636,3 +636,34 @@ def test_drop_over_max_drops_what_the_pipeline_cannot_run_under_a_given_maximum(
     assert tight < max_seq_len("auto", tiny, PipelineOptions())
     plan = make_plan("auto", [tight + 1, 500, 300], tiny, PlannerOptions(drop_over_max=True), memory_mb=22.0)
     assert plan.dropped_seq_ids == [0]
+
+
+def test_auto_keeps_flexsp_what_its_packing_and_checks_take(monkeypatch):
+    """FlexSP packs, times and checks its plan as BatchAda does before it solves: the layouts end
+    AUTO_FLEXSP_MIN_X x BatchAda's time before the limit's reserve, whatever FlexSP's share;
+    with no FlexSP to plan, they end at the reserve."""
+    import megatron_ext.planner.auto as auto_mod
+
+    cost = CostModel.from_presets("llama-13b", "a800-80g-8x4", 1)
+    lengths = sample_lengths("github", 64, 0, 32 * 1024)
+    real_plan_sp, limits = auto_mod.plan_sp, []
+
+    def slow_batchada(name, *a, **k):
+        if name == "batchada":
+            time.sleep(0.25)  # (as 32,768 sequences on 4,096 GPUs take)
+        return real_plan_sp(name, *a, **k)
+
+    def recorded(lengths, cost, P, d, opts, **k):
+        limits.append((time.perf_counter(), opts.time_limit))
+        return plan_elastic_pp(lengths, cost, P, d, opts, **k)
+
+    monkeypatch.setattr(auto_mod, "plan_sp", slow_batchada)
+    monkeypatch.setattr(auto_mod, "plan_elastic_pp", recorded)
+    start = time.perf_counter()
+    plan_auto(lengths, cost, time_limit=1.0, flexsp=True)
+    latest_end = start + 1.0 * (1 - auto_mod.AUTO_RESERVE) - auto_mod.AUTO_FLEXSP_MIN_X * 0.25
+    assert limits and all(t + limit <= latest_end + 1e-3 for t, limit in limits)
+    limits.clear()
+    start = time.perf_counter()
+    plan_auto(lengths, cost, time_limit=1.0, flexsp=False)  # (BatchAda is not planned)
+    assert limits and all(t + limit <= start + 1.0 * (1 - auto_mod.AUTO_RESERVE) + 1e-3 for t, limit in limits)

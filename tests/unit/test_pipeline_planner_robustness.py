@@ -290,7 +290,7 @@ def test_a_negative_sequence_id_is_an_invalid_plan():
     lengths = np.array([100, 200, 300])
     d = make_plan("elastic_pp", lengths, cost, PipelineOptions(time_limit=0.2)).to_dict()
     d["pipelines"][0]["chunks"][0]["pieces"][0]["seq_id"] = -1
-    with pytest.raises(InvalidPlanError, match="sequence id -1 does not exist"):
+    with pytest.raises(InvalidPlanError, match=r"piece -1\[0:\d+\] is outside its sequence"):
         validate(StepPlan.from_dict(d), lengths, cost)
 
 
