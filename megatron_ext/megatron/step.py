@@ -111,6 +111,7 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     from megatron_ext.data.batches import TooFewSamples
     from megatron_ext.data.datasets import DataError
     from megatron_ext.megatron.data import make_loader, planned_splits
+    from megatron_ext.runtime.attention import add_sp_dropout_rng
     from megatron_ext.runtime.groups import SPGroupPool
 
     args = _args()
@@ -123,6 +124,9 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     tokenizer = get_tokenizer()
     STATE.pad_id = _pad_id(tokenizer)
     STATE.device = rank_device()
+    # each SP rank draws its own attention-dropout masks, from the step the run starts at (after
+    # Megatron's seeding and checkpoint load: runtime/attention.py)
+    add_sp_dropout_rng(args.seed, int(args.iteration))
 
     tp = args.tensor_model_parallel_size
     kv = args.num_query_groups if args.group_query_attention else None

@@ -72,9 +72,17 @@ Without ``UlyssesPackedSeqParams`` the module still works: with megatron's own `
 PackedSeqParams (``cu_seqlens_q``) it attends within each packed sequence locally, and with no
 packed params it is plain causal (or ``attention_mask``-masked) attention per batch row, like
 megatron's DotProductAttention.
+
+Attention dropout: the ranks of an SP group hold other heads of the same tokens, so each must draw
+its own masks (one process draws every head's from one stream; megatron forks a state per
+tensor-parallel rank for the same reason). Groups of degree > 1 draw inside the RNG tracker's
+``SP_DROPOUT_RNG`` state, seeded per global rank by ``add_sp_dropout_rng(seed, step)`` after megatron's
+``model_parallel_cuda_manual_seed`` and any checkpoint load; megatron's activation checkpointing
+saves and restores the tracker's states, so a recomputed layer draws the same masks.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -87,6 +95,7 @@ from torch import Tensor
 
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -100,6 +109,27 @@ from megatron_ext.runtime.kernels import LayerKernels
 from megatron_ext.runtime.kernels.sdpa import gqa_sdpa
 from megatron_ext.runtime.ring import ring_attention
 from megatron_ext.runtime.slices import slice_prefixes
+
+
+SP_DROPOUT_RNG = "megatron-ext-sp-dropout-rng"  # the RNG tracker's state attention dropout draws from
+SP_DROPOUT_SEED_OFFSET = 1 << 40  # (clear of megatron's own states: seed + 2718 + tp, seed + 1024 + 100 ep + ...)
+
+
+def add_sp_dropout_rng(seed: int, step: int = 0) -> None:
+    """(Re)seed this rank's attention-dropout stream (``SP_DROPOUT_RNG``) from ``seed``, the global
+    rank and the ``step`` the run starts at. Call after megatron's ``model_parallel_cuda_manual_seed``
+    (which resets the tracker) and after loading a checkpoint: Megatron-LM saves one RNG state per
+    data-parallel group (unless --data-parallel-random-init), so a restored stream could be one
+    rank's on all of them. After a resume the masks differ from an uninterrupted run's; their
+    statistics do not."""
+    tracker = get_cuda_rng_tracker()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    states = tracker.get_states()
+    states.pop(SP_DROPOUT_RNG, None)
+    tracker.set_states(states)
+    own = int(seed) + SP_DROPOUT_SEED_OFFSET + rank + world * int(step)
+    tracker.seeds_.discard(own)  # (the tracker refuses a seed it has seen: a second call at the same step)
+    tracker.add(SP_DROPOUT_RNG, own)
 
 
 # ---- the packed layout of one micro-batch ------------------------------------------------------
@@ -359,17 +389,30 @@ class UlyssesAttention(MegatronModule):
         if d > 1:
             q, k, v = self._exchange_qkv(q, k, v, params.sp_group, d)
         q, k, v = q[:, 0], k[:, 0], v[:, 0]
-        if params.ring_degree > 1:  # this rank's ring block, over the blocks passed around the ring
-            out = ring_attention(q, k, v, params, causal, self.softmax_scale,
-                                 self.dropout_p if self.training else 0.0)
-        else:
-            # pieces of split sequences: prefix K/V from earlier chunks (runtime/slices.py)
-            prefixes = slice_prefixes(params, self.layer_number, k, v) if params.sliced else None
-            out = self._packed(q, k, v, params.segment_bounds(), causal, params._cache, prefixes)
+        with self._dropout_rng(d):
+            if params.ring_degree > 1:  # this rank's ring block, over the blocks passed around the ring
+                out = ring_attention(q, k, v, params, causal, self.softmax_scale,
+                                     self.dropout_p if self.training else 0.0)
+            else:
+                # pieces of split sequences: prefix K/V from earlier chunks (runtime/slices.py)
+                prefixes = slice_prefixes(params, self.layer_number, k, v) if params.sliced else None
+                out = self._packed(q, k, v, params.segment_bounds(), causal, params._cache, prefixes)
         out = out.unsqueeze(1)  # [S, 1, hq/d, dh]
         if d > 1:
             out = all_to_all(out, params.sp_group, scatter_dim=0, gather_dim=2)
         return out.reshape(s_local, 1, -1)
+
+    def _dropout_rng(self, d: int):
+        """Where a group of degree ``d`` draws its dropout masks (module doc): this rank's own
+        stream past degree 1, else the default generator."""
+        if d == 1 or not self.training or self.dropout_p == 0.0:
+            return contextlib.nullcontext()
+        tracker = get_cuda_rng_tracker()
+        if SP_DROPOUT_RNG not in tracker.get_states():
+            raise RuntimeError(f"attention dropout {self.dropout_p} over an SP group of {d} ranks needs each rank's "
+                               f"own stream: call megatron_ext.runtime.attention.add_sp_dropout_rng(seed) after "
+                               f"model_parallel_cuda_manual_seed (or set attention_dropout 0)")
+        return tracker.fork(SP_DROPOUT_RNG)
 
     @staticmethod
     def _exchange_qkv(q, k, v, group, d):

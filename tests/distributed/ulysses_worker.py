@@ -257,6 +257,59 @@ def ulysses_rejects_heads_not_divisible_by_degree():
         attn(q[:1], k[:1], k[:1], None, attn_mask_type=AttnMaskType.causal, packed_seq_params=params)
 
 
+def _dropout_masks(group, S=8, H=4, D=8):
+    """Which keys each query of each head keeps under attention dropout 0.5 ([S, H, S], the whole
+    group's heads): with q = k = 0 and v one-hot per key, a head's output is its mask."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_ext.runtime.attention import UlyssesAttention, UlyssesPackedSeqParams
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=H * D, num_attention_heads=H, attention_dropout=0.5,
+                            hidden_dropout=0.0)
+    attn = UlyssesAttention(cfg, 1, AttnMaskType.causal, "self", backend="sdpa").train()
+    params = UlyssesPackedSeqParams.build([S], group)
+    dev = rank_device()
+    zeros = torch.zeros(S, 1, H, D, device=dev)
+    v = torch.eye(S, D, device=dev)[:, None, None, :].expand(S, 1, H, D).contiguous()
+    torch.manual_seed(1234)  # (the default generator alike on every rank, as runs seed it)
+    states = get_cuda_rng_tracker().get_states()
+    out = attn(params.shard(zeros), params.shard(zeros), params.shard(v), None, attn_mask_type=AttnMaskType.causal,
+               packed_seq_params=params)
+    get_cuda_rng_tracker().set_states(states)  # as activation checkpointing restores them
+    torch.manual_seed(1234)
+    again = attn(params.shard(zeros), params.shard(zeros), params.shard(v), None, attn_mask_type=AttnMaskType.causal,
+                 packed_seq_params=params)
+    assert torch.equal(out, again), "a recomputed forward drew other dropout masks"
+    out = out.reshape(-1, H, D)
+    if group is not None:
+        parts = [torch.empty_like(out) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, out, group=group)
+        out = torch.cat(parts)
+    return out != 0
+
+
+@check
+def ulysses_ranks_draw_their_own_dropout_masks():
+    """The ranks of an SP group hold other heads of the same tokens: their masks differ, as one
+    process's heads' do; and without the stream an SP group refuses to draw from the default one."""
+    import pytest
+
+    from megatron_ext.runtime.attention import add_sp_dropout_rng
+
+    group = ST["pool"].get((0, 1) if ST["rank"] < 2 else (2, 3))
+    with pytest.raises(RuntimeError, match="add_sp_dropout_rng"):
+        _dropout_masks(group)
+    add_sp_dropout_rng(1234)
+    add_sp_dropout_rng(1234)  # (again at the same step: a re-seed, not an error)
+    one = _dropout_masks(None)
+    assert not any(torch.equal(one[:, h], one[:, h + 2]) for h in range(2))
+    two = _dropout_masks(group)  # heads 0, 1 on the group's first rank, 2, 3 on its second
+    assert not any(torch.equal(two[:, h], two[:, h + 2]) for h in range(2))
+    assert 0.3 < float(two[torch.ones(8, 8, dtype=torch.bool).tril()[:, None, :].expand(8, 4, 8)].float().mean()) < 0.7
+
+
 @check
 def all_to_all_exchanges_sequence_and_heads():
     from megatron_ext.runtime.comm import all_to_all

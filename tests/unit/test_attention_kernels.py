@@ -212,13 +212,13 @@ def test_masked_attention_elsewhere_shares_one_bias_over_the_layers():
 
 # ---- backends: stand-ins for flash-attn and Transformer Engine on CPU tensors -----------------------
 
-def _fake_flash():
+def _fake_flash(version="2.5.8"):
     def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False):
         assert cu_q.dtype == cu_k.dtype == torch.int32 and dropout_p == 0.0
         assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and max_k == int((cu_k[1:] - cu_k[:-1]).max())
         return _varlen(q, k, v, cu_q, cu_k, softmax_scale, "bottom_right" if causal else "none")  # flash-attn >= 2.1
 
-    return types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func)
+    return types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func, __version__=version)
 
 
 def _fake_te(mask_types=("padding", "padding_causal", "padding_causal_bottom_right"), no_kernel=False):
@@ -351,6 +351,17 @@ def test_auto_with_te_and_without_flash_picks_what_runs(monkeypatch):
     assert (module._resolve_backend(q), module._resolve_backend(q, sliced=True)) == ("sdpa", "sdpa")
     with pytest.raises(RuntimeError, match="'te' needs CUDA tensors"):
         _module("te")._resolve_backend(q)
+
+
+def test_a_flash_attn_before_2_1_runs_whole_sequences_only(monkeypatch):
+    """Before 2.1 flash-attn aligns ``causal=True`` top-left: a slice would miss part of its prefix."""
+    module, q = _module(), torch.zeros(8, 4, 8)
+    _install(monkeypatch, flash=_fake_flash("2.0.9"))
+    assert (module._resolve_backend(q), module._resolve_backend(q, sliced=True)) == ("flash", "sdpa")
+    with pytest.raises(RuntimeError, match="'flash' cannot attend from a slice.*flash-attn 2.0.9"):
+        _module("flash")._resolve_backend(q, sliced=True)
+    _install(monkeypatch, flash=_fake_flash("2.1.0"))
+    assert module._resolve_backend(q, sliced=True) == "flash"
 
 
 def test_a_named_te_backend_reports_why_te_has_no_kernel(monkeypatch):
