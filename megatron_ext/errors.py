@@ -23,3 +23,7 @@ class InvalidPlanError(MegatronExtError):
 
 class DivergedError(MegatronExtError):
     """A training step's loss or gradient norm is not finite: the run stops there, unsaved."""
+
+
+class SaveError(MegatronExtError):
+    """A checkpoint could not be written (a full disk, a read-only folder): the newest one stays."""

@@ -56,8 +56,15 @@ def blocked_in_children(*signals: int):
     """Processes started in the block never receive ``signals`` (they start with them blocked, as
     a mask survives exec and Python leaves it; a handler would not: it is reset to the default,
     which for SIGUSR1 and SIGHUP ends the process). This thread gets any of them that arrived
-    meanwhile when the block ends."""
+    meanwhile when the block ends. For multiprocessing's processes: its resource tracker, started
+    here if it is not running, is one of them."""
+    from multiprocessing import resource_tracker
+
     saved = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    # (starting the tracker, multiprocessing unblocks SIGINT and SIGTERM after it: they would reach
+    # the processes started next)
+    resource_tracker.ensure_running()
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
         yield
     finally:

@@ -203,12 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     exit_quietly_on_stop_signals()
     die_with_parent(signal.SIGKILL)
     args = build_parser().parse_args(argv)
-    if args.save:
-        from megatron_ext.runtime.checkpoint import save_and_stop_on_signals
-        save_and_stop_on_signals()
     # megatron-core says, once per rank and module, that CPU runs use its plain-torch fallbacks.
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
     warnings.filterwarnings("ignore", message=r"full scope is deprecated")
+    if args.save:
+        from megatron_ext.runtime.checkpoint import save_and_stop_on_signals
+        save_and_stop_on_signals()
     try:
         init_rank_process_group(args.device)
     except MegatronExtError as e:

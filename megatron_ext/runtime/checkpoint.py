@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_ext.data.lengths import SAMPLE_RULE
-from megatron_ext.errors import ConfigError
+from megatron_ext.errors import ConfigError, SaveError
 from megatron_ext.files import replacing
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's name
@@ -115,24 +115,42 @@ def resume_from(args) -> str | None:
     ``--load`` must hold a checkpoint (a misspelt one is an error, not a fresh start)."""
     if not args.load:
         return None
-    root = Path(args.load)
-    holds_any = root.is_dir() and ((root / TRACKER_FILE).exists() or any(root.glob("iter_*")))
-    if args.save and root.resolve() == Path(args.save).resolve() and not holds_any:
+    if args.save and Path(args.load).resolve() == Path(args.save).resolve() and not _holds_any(args.load):
         return None
     return args.load
 
 
+def _holds_any(root: str) -> bool:
+    """Whether ``root`` holds a checkpoint or the start of one (a tracker or an ``iter_`` folder)."""
+    return Path(root).is_dir() and ((Path(root) / TRACKER_FILE).exists() or any(Path(root).glob("iter_*")))
+
+
+def check_save_dir(args) -> None:
+    """Refuse a ``--save`` directory that holds a checkpoint this run does not resume: its saves
+    would take the tracker from it (a later ``--load`` would find that run's progress gone)."""
+    if not args.save or not _holds_any(args.save):
+        return
+    resumed = resume_from(args)
+    if resumed is None or Path(resumed).resolve() != Path(args.save).resolve():
+        raise ConfigError(f"--save {args.save} holds a checkpoint this run does not resume: its saves would "
+                          f"replace it; add --load {args.save} to go on from it, or save to another directory")
+
+
 def latest_checkpoint(root: str) -> tuple[int, Path]:
-    """The steps done by the newest checkpoint in ``root`` and its directory (one-line errors for
-    a directory that holds none)."""
+    """The steps done by the newest checkpoint in ``root`` and its directory: the tracker's, or
+    without one the newest complete ``iter_`` folder's (one-line errors for a directory that holds
+    none)."""
     tracker = Path(root) / TRACKER_FILE
     if not Path(root).is_dir():
         raise ConfigError(f"--load {root}: no such directory")
     if not tracker.is_file():
-        complete = sorted(p.name for p in Path(root).glob("iter_*") if (p / RUN_FILE).is_file())
-        hint = (f"; {complete[-1]} is complete: write its step count into {TRACKER_FILE} to resume from it"
-                if complete else f"; `train --save {root}` writes one")
-        raise ConfigError(f"--load {root} holds no checkpoint (no {TRACKER_FILE}{hint})")
+        # a run killed between its first save's rename and its tracker, or folders copied without
+        # the tracker: the newest complete one (its run file is written last, before the rename)
+        complete = sorted((int(p.name[5:]), p) for p in Path(root).glob("iter_*")
+                          if p.name[5:].isdigit() and (p / RUN_FILE).is_file())
+        if complete:
+            return complete[-1]
+        raise ConfigError(f"--load {root} holds no checkpoint (no {TRACKER_FILE}; `train --save {root}` writes one)")
     text = tracker.read_text(errors="replace").strip()
     if not (text.isascii() and text.isdigit()):
         raise ConfigError(f"--load {root}: {TRACKER_FILE} should hold a step count, not {text[:40]!r}")
@@ -159,6 +177,7 @@ def check_checkpoint_args(args, cost, read_files: bool = True) -> None:
         raise ConfigError("--save-interval applies to --save")
     if args.save_interval is not None and args.save_interval < 1:
         raise ConfigError(f"--save-interval must be at least 1, got {args.save_interval}")
+    check_save_dir(args)
     if resume_from(args) is None:
         return
     if Path(args.load).is_dir():
@@ -248,10 +267,13 @@ def save_and_stop_on_signals() -> None:
     on by torchrun; Slurm's before the time limit) lets the running step finish, saves it and ends
     the run, as Megatron's exit-signal handler does. Later ones are the same stop reaching this
     rank again (Slurm signals every process of the job step, torchrun passes its own on) and are
-    ignored: torchrun kills a rank whose step and save outlast its 30 s. Main thread only."""
+    ignored: torchrun kills a rank whose step and save outlast its 30 s. Main thread only; also
+    starts megatron's checkpoint-writer queue out of the signals' reach (below)."""
     import signal
 
-    from megatron_ext.lifetime import STOP_SIGNALS, ignore
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_ext.lifetime import STOP_SIGNALS, blocked_in_children, ignore, main_module_hidden
 
     def first(signum, frame):
         request_stop()
@@ -260,6 +282,12 @@ def save_and_stop_on_signals() -> None:
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, first)
+    # megatron-core's checkpoint writer keeps its results queue in a Manager process it starts at the
+    # first save, in this rank's process group: the stop signal (torchrun's to the group, Slurm's to
+    # every process) would end it, and the save on that stop fail (BrokenPipeError). Started now,
+    # it never gets them (``kill_leftovers`` ends it if this rank is killed outright).
+    with blocked_in_children(*STOP_SIGNALS), main_module_hidden():
+        filesystem_async._get_write_results_queue()
 
 
 def stop_requested_anywhere(device) -> bool:
@@ -322,35 +350,48 @@ def save_checkpoint(root: str, steps_done: int, model, optimizer, identity: dict
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(root) / f"iter_{steps_done:07d}"
     writing = path.with_name(f".{path.name}.saving")
-    if dist.get_rank() == 0:
-        restore_replaced(root)
-        for left in Path(root).glob(".iter_*.*"):  # what a run killed while saving left, of any step
-            shutil.rmtree(left, ignore_errors=True)
-        writing.mkdir(parents=True)
-    dist.barrier()
-    # each stage's data-parallel ranks hold the same states: they share the writing
-    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(),
-                                                parallel_state.get_data_parallel_group())
-    dist_checkpointing.save(_sharded_state_dict(model, optimizer, is_loading=False), str(writing), strategy)
-    dist.barrier()  # every rank's files are written
-    if dist.get_rank() == 0:
-        written = [f for f in sorted(writing.rglob("*")) if f.is_file()]
-        files = {str(f.relative_to(writing)): f.stat().st_size for f in written}
-        crcs = {str(f.relative_to(writing)): file_crc32(f) for f in written}
-        (writing / RUN_FILE).write_text(json.dumps({**identity, FILES_KEY: files, CRC_KEY: crcs}, indent=1) + "\n")
-        replaced = path.with_name(f".{path.name}.replaced")
-        if path.exists():  # an earlier save of this step: set aside until this one has its name
-            shutil.rmtree(replaced, ignore_errors=True)
-            path.rename(replaced)
-        writing.rename(path)
-        with replacing(Path(root) / TRACKER_FILE) as tmp:
-            tmp.write_text(f"{steps_done}\n")
-        shutil.rmtree(replaced, ignore_errors=True)  # (a shared file system may hold on to some of it)
+    try:
+        if dist.get_rank() == 0:
+            restore_replaced(root)
+            for left in Path(root).glob(".iter_*.*"):  # what a run killed while saving left, of any step
+                shutil.rmtree(left, ignore_errors=True)
+            writing.mkdir(parents=True)
+        dist.barrier()
+        # each stage's data-parallel ranks hold the same states: they share the writing
+        strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(),
+                                                    parallel_state.get_data_parallel_group())
+        dist_checkpointing.save(_sharded_state_dict(model, optimizer, is_loading=False), str(writing), strategy)
+        dist.barrier()  # every rank's files are written
+        if dist.get_rank() == 0:
+            _finish_save(root, path, writing, steps_done, identity)
+    except (OSError, CheckpointException) as e:  # (a full disk, a folder made read-only: one line, not tracebacks)
+        try:
+            newest = f"the newest checkpoint stays {latest_checkpoint(root)[1]}"
+        except ConfigError:
+            newest = "no checkpoint was saved before it"
+        raise SaveError(f"cannot save step {steps_done} to {root}: {_first_cause(e)}; {newest}") from e
     dist.barrier()
     return path
+
+
+def _finish_save(root: str, path: Path, writing: Path, steps_done: int, identity: dict) -> None:
+    """Rank 0: the run file (the files' sizes and CRC-32s), the folder's final name, the tracker."""
+    written = [f for f in sorted(writing.rglob("*")) if f.is_file()]
+    files = {str(f.relative_to(writing)): f.stat().st_size for f in written}
+    crcs = {str(f.relative_to(writing)): file_crc32(f) for f in written}
+    (writing / RUN_FILE).write_text(json.dumps({**identity, FILES_KEY: files, CRC_KEY: crcs}, indent=1) + "\n")
+    replaced = path.with_name(f".{path.name}.replaced")
+    if path.exists():  # an earlier save of this step: set aside until this one has its name
+        shutil.rmtree(replaced, ignore_errors=True)
+        path.rename(replaced)
+    writing.rename(path)
+    with replacing(Path(root) / TRACKER_FILE) as tmp:
+        tmp.write_text(f"{steps_done}\n")
+    shutil.rmtree(replaced, ignore_errors=True)  # (a shared file system may hold on to some of it)
 
 
 def load_checkpoint(root: str, model, optimizer) -> tuple[int, Path]:

@@ -211,10 +211,13 @@ def test_sigterm_stops_the_run_quietly(tmp_path, save):
 def test_a_stop_signal_to_every_process_twice_still_saves(tmp_path):
     """Slurm's ``--signal=USR1`` (without ``B:``) reaches every process of the job step at once,
     and here a SIGTERM follows to torchrun: every process takes the first stop it gets, and the
-    later ones are the same stop (torchrun took each as a new one and killed the ranks mid-save)."""
+    later ones are the same stop (torchrun took each as a new one and killed the ranks mid-save).
+    After a save on the interval: megatron-core's checkpoint writer had started its queue's
+    Manager process at that save, the signal ended it, and the save on the stop failed unsaid."""
     ckpt = tmp_path / "ckpt"
-    run = Run(tmp_path, 50, "--save", str(ckpt), "--save-interval", "1000")
+    run = Run(tmp_path, 50, "--save", str(ckpt), "--save-interval", "2")
     tree = run.tree()
+    assert run.saved.wait(FIRST_STEP_S), "\n".join(run.err[-30:])
     blow = time.monotonic()
     for p in tree.values():
         try:

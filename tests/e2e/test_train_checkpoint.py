@@ -225,6 +225,68 @@ def test_a_resave_killed_between_its_renames_loses_neither_copy(runs, tmp_path):
     assert not (copy / ".iter_0000004.replaced").exists()
 
 
+def test_a_first_save_killed_before_its_tracker_resumes_from_the_newest_whole_folder(runs, tmp_path):
+    """Killed between a first save's rename and its tracker (or folders copied without it): the
+    newest complete folder is the checkpoint, not "holds no checkpoint" until someone writes one."""
+    import shutil
+
+    from megatron_ext.cost import CostModel
+    from megatron_ext.commands.train import build_parser
+    from megatron_ext.runtime.checkpoint import latest_checkpoint
+    from megatron_ext.runtime.train import check_args
+
+    copy = tmp_path / "ckpt"
+    for name in ("iter_0000001", "iter_0000002"):
+        shutil.copytree(runs["ckpt"] / name, copy / name)
+    shutil.copytree(runs["ckpt"] / "iter_0000004", copy / "iter_0000004")
+    (copy / "iter_0000004" / "megatron_ext.json").unlink()  # (never whole: its run file is written last)
+    assert latest_checkpoint(str(copy)) == (2, copy / "iter_0000002")
+    check_args(build_parser().parse_args([*ARGS, *runs["layout"], "--load", str(copy), "--save", str(copy)]),
+               CostModel.from_presets("tiny", "cpu-4"), 4)
+
+
+def test_a_save_directory_of_a_checkpoint_not_resumed_is_refused(runs, tmp_path):
+    """Its saves would take the tracker from that checkpoint: a later --load would find it gone."""
+    import shutil
+
+    from megatron_ext.cost import CostModel
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.commands.train import build_parser
+    from megatron_ext.runtime.train import check_args
+
+    cost, ckpt, other = CostModel.from_presets("tiny", "cpu-4"), runs["ckpt"], tmp_path / "other"
+    shutil.copytree(ckpt / "iter_0000001", other / "iter_0000001")  # (a complete folder, no tracker)
+    for save, load in ((ckpt, None), (other, ckpt)):
+        argv = [*ARGS, *runs["layout"], "--save", str(save)] + (["--load", str(load)] if load else [])
+        with pytest.raises(ConfigError, match=f"--save {save} holds a checkpoint this run does not resume"):
+            check_args(build_parser().parse_args(argv), cost, 4)
+    for save in (ckpt, tmp_path / "new"):  # resuming it, or saving to a folder of none
+        check_args(build_parser().parse_args([*ARGS, *runs["layout"], "--load", str(ckpt), "--save", str(save)]),
+                   cost, 4)
+
+
+def test_a_save_that_fails_is_one_line_naming_the_newest_checkpoint(runs, tmp_path):
+    """A save that cannot be written (here: files capped at 256 KB, the ranks' shards are ~0.5 MB;
+    a full disk alike) ends the run with one line, status 2, and the checkpoint before it stays
+    the newest. (It printed a traceback from every rank and blamed a rank.)"""
+    import resource
+    import shutil
+
+    def capped_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(runs["ckpt"], copy)
+    done = subprocess.run([*CLI, *ARGS, *runs["layout"], "--steps", "5", "--load", str(copy), "--save", str(copy)],
+                          capture_output=True, text=True, timeout=300, preexec_fn=capped_files)
+    assert done.returncode == 2, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("megatron-ext:")]
+    assert len(said) == 1 and said[0].startswith(f"megatron-ext: error: cannot save step 5 to {copy}: "), \
+        done.stderr[-3000:]
+    assert said[0].endswith(f"; the newest checkpoint stays {copy / 'iter_0000004'}"), said
+    assert "Traceback" not in done.stderr and (copy / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+
+
 def test_a_checkpoint_the_ranks_cannot_read_is_a_one_line_error(runs, tmp_path):
     import shutil
 
