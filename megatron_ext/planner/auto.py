@@ -294,9 +294,9 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     def layouts_end_at(share: float) -> float:
         # FlexSP's share, or at least AUTO_FLEXSP_MIN_X x what BatchAda took: FlexSP packs, times and
         # checks its plan as BatchAda does, then solves (32,768 sequences on 4,096 GPUs: BatchAda
-        # 0.11 s, FlexSP 0.2 s at a 0.13 s limit); without FlexSP, the reserve for the choice
+        # 0.11 s, FlexSP 0.2 s at a 0.13 s limit); without FlexSP, all of it
         if not math.isfinite(ub):
-            return start + budget * (1 - AUTO_RESERVE)
+            return start + budget
         return start + min(budget * (1 - share), budget * (1 - AUTO_RESERVE) - AUTO_FLEXSP_MIN_X * ub_s)
 
     layouts_end = layouts_end_at(share)
@@ -374,7 +374,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     return plan
 
 
-__all__ = ["AUTO_DEPTH_PENALTY", "AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_MIN_X", "AUTO_FLEXSP_SHARE", "AUTO_PRESSURE_PENALTY", "AUTO_PRUNE_MARGIN",
-           "AUTO_RESERVE", "AUTO_CHUNK_STAGE_S", "AUTO_TIE", "AUTO_TIMELINES_SHARE", "forced_slices", "layout_estimate",
+__all__ = ["AUTO_DEPTH_PENALTY", "AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_MIN_X", "AUTO_FLEXSP_SHARE", "AUTO_PRESSURE_PENALTY",
+           "AUTO_PRUNE_MARGIN", "AUTO_RESERVE", "AUTO_CHUNK_STAGE_S", "AUTO_TIE", "AUTO_TIMELINES_SHARE", "forced_slices", "layout_estimate",
            "layout_lower_bound", "layout_name", "layout_order_key", "layout_pressure", "pipeline_estimate",
            "pipeline_layouts", "plan_auto", "plan_units"]

@@ -16,7 +16,8 @@ def _flash_varlen():
 
 
 def _flash_version() -> tuple[int, ...]:
-    return tuple(int(x) for x in re.findall(r"\d+", str(getattr(optional_module("flash_attn"), "__version__", "0")))[:2])
+    text = str(getattr(optional_module("flash_attn"), "__version__", "0"))
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:2])
 
 
 class FlashKernel(VarlenKernel):
