@@ -31,7 +31,7 @@ from megatron_ext.files import replacing
 from megatron_ext.lifetime import die_with_parent, exit_quietly_on_stop_signals, say_rank_error
 from megatron_ext.planner.api import planners_help
 from megatron_ext.runtime.backends import ATTENTION_BACKENDS
-from megatron_ext.runtime.checkpoint import TRACKER_FILE
+from megatron_ext.runtime.checkpoint import holds_checkpoint
 from megatron_ext.runtime.device import DEVICE_CHOICES, choose_device
 from megatron_ext.runtime.kernels import check_backend
 from megatron_ext.runtime.train import check_args, open_training_data, stage_sp, train_cost_model
@@ -159,7 +159,7 @@ def _own_outputs(given, planner: str) -> list[str]:
     shared ones, which they override; --load DIR too where DIR holds no checkpoint of its own but
     the compared runs' (each resumes what it saved; else every planner starts from DIR's)."""
     out = []
-    load = given.load is not None and not (Path(given.load) / TRACKER_FILE).is_file()
+    load = given.load is not None and not holds_checkpoint(given.load)
     for option, folder in (("--run-dir", given.run_dir), ("--save", given.save), ("--load", load and given.load)):
         if folder:
             out += [option, str(Path(folder) / planner)]

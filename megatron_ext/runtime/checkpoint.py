@@ -125,6 +125,16 @@ def _holds_any(root: str) -> bool:
     return Path(root).is_dir() and ((Path(root) / TRACKER_FILE).exists() or any(Path(root).glob("iter_*")))
 
 
+def holds_checkpoint(root: str) -> bool:
+    """Whether ``root`` holds a checkpoint ``latest_checkpoint`` finds (a tracker, or a complete
+    ``iter_`` folder)."""
+    try:
+        latest_checkpoint(root)
+    except ConfigError:
+        return (Path(root) / TRACKER_FILE).is_file()  # (one naming a missing or damaged folder: refused later)
+    return True
+
+
 def check_save_dir(args) -> None:
     """Refuse a ``--save`` directory that holds a checkpoint this run does not resume: its saves
     would take the tracker from it (a later ``--load`` would find that run's progress gone)."""
@@ -132,8 +142,9 @@ def check_save_dir(args) -> None:
         return
     resumed = resume_from(args)
     if resumed is None or Path(resumed).resolve() != Path(args.save).resolve():
-        raise ConfigError(f"--save {args.save} holds a checkpoint this run does not resume: its saves would "
-                          f"replace it; add --load {args.save} to go on from it, or save to another directory")
+        raise ConfigError(f"--save {args.save} holds a checkpoint this run does not resume (it resumes "
+                          f"{'nothing' if resumed is None else resumed}): its saves would replace it; resume "
+                          f"it (--load {args.save}) or save to another directory")
 
 
 def latest_checkpoint(root: str) -> tuple[int, Path]:
@@ -342,6 +353,12 @@ def _sharded_state_dict(model, optimizer, is_loading: bool) -> dict:
                                        replica_id=0)}
 
 
+# how torch.save reports a write that failed (megatron-core's common.pt, rank 0's first write): a
+# RuntimeError, not the OSError (a full disk: "basic_ios::clear: iostream error" or "[enforce fail
+# at inline_container.cc] ... unexpected pos")
+TORCH_WRITE_FAILURES = ("PytorchStreamWriter", "inline_container", "iostream error", "file write failed")
+
+
 def save_checkpoint(root: str, steps_done: int, model, optimizer, identity: dict) -> Path:
     """Save the run after ``steps_done`` steps to ``root``/iter_NNNNNNN (collective), then point
     the tracker at it: a run killed while saving leaves the previous checkpoint the latest, and an
@@ -368,14 +385,25 @@ def save_checkpoint(root: str, steps_done: int, model, optimizer, identity: dict
         dist.barrier()  # every rank's files are written
         if dist.get_rank() == 0:
             _finish_save(root, path, writing, steps_done, identity)
-    except (OSError, CheckpointException) as e:  # (a full disk, a folder made read-only: one line, not tracebacks)
-        try:
-            newest = f"the newest checkpoint stays {latest_checkpoint(root)[1]}"
-        except ConfigError:
-            newest = "no checkpoint was saved before it"
-        raise SaveError(f"cannot save step {steps_done} to {root}: {_first_cause(e)}; {newest}") from e
+    except (OSError, CheckpointException, RuntimeError) as e:  # (a full disk, a read-only folder: one line)
+        failed = save_failure(e, root, steps_done)
+        if failed is None:
+            raise  # (a broken collective: a rank died, which the launcher reports)
+        raise failed from e
     dist.barrier()
     return path
+
+
+def save_failure(error: BaseException, root: str, steps_done: int) -> SaveError | None:
+    """The one-line error of a save that could not be written, or None for an error that is not
+    about writing (a RuntimeError other than torch's writer's: a broken collective)."""
+    if isinstance(error, RuntimeError) and not any(w in str(error) for w in TORCH_WRITE_FAILURES):
+        return None
+    try:
+        newest = f"the newest checkpoint stays {latest_checkpoint(root)[1]}"
+    except ConfigError:
+        newest = "no checkpoint was saved before it"
+    return SaveError(f"cannot save step {steps_done} to {root}: {_first_cause(error)}; {newest}")
 
 
 def _finish_save(root: str, path: Path, writing: Path, steps_done: int, identity: dict) -> None:

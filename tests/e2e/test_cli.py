@@ -294,9 +294,14 @@ def test_compared_runs_write_their_own_outputs(tmp_path):
     args = build_parser().parse_args([*base, *own])
     assert (args.run_dir, args.save, args.load, args.trace) == ("rd/flexsp", "ck/flexsp", "ck/flexsp",
                                                                 "out/t.flexsp.JSON")
-    # a checkpoint in DIR itself: every planner starts from it
-    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2\n")
+    # a checkpoint in DIR itself: every planner starts from it, with a tracker or (a first save killed
+    # before its tracker) a complete iter_N folder alone
+    (tmp_path / "iter_0000002").mkdir()
     given = build_parser().parse_known_args(["--load", str(tmp_path)], argparse.Namespace(planner=None))[0]
+    assert _own_outputs(given, "flexsp") == ["--load", str(tmp_path / "flexsp")]  # (a half-saved folder)
+    (tmp_path / "iter_0000002" / "megatron_ext.json").write_text("{}")
+    assert _own_outputs(given, "flexsp") == []
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2\n")
     assert _own_outputs(given, "flexsp") == []
 
 

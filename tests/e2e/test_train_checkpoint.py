@@ -287,6 +287,19 @@ def test_a_save_that_fails_is_one_line_naming_the_newest_checkpoint(runs, tmp_pa
     assert "Traceback" not in done.stderr and (copy / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
 
 
+def test_a_write_torch_fails_is_a_save_failure_and_a_broken_collective_is_not(runs):
+    """torch.save reports a full disk as a RuntimeError (megatron-core's common.pt, rank 0's first
+    write); gloo a dead peer as a RuntimeError too, which the launcher reports by rank."""
+    from megatron_ext.runtime.checkpoint import save_failure
+
+    full = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    failed = save_failure(full, str(runs["ckpt"]), 5)
+    assert str(failed) == (f"cannot save step 5 to {runs['ckpt']}: RuntimeError: [enforce fail at inline_container.cc:672]"
+                           f" . unexpected pos 704 vs 598; the newest checkpoint stays {runs['ckpt'] / 'iter_0000004'}")
+    assert save_failure(RuntimeError("Connection closed by peer [127.0.0.1]:1234"), str(runs["ckpt"]), 5) is None
+    assert "no checkpoint was saved before it" in str(save_failure(OSError(28, "No space left on device"), "/nonexistent", 1))
+
+
 def test_a_checkpoint_the_ranks_cannot_read_is_a_one_line_error(runs, tmp_path):
     import shutil
 
