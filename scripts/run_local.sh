@@ -15,7 +15,8 @@
 #
 # Without --data-path PREFIX (a Megatron indexed dataset) among the arguments, --mock-data is added;
 # with --flexsp or --elastic-pp and no --cost-model, configs/megatron/cost/tiny-cpu<N>.yaml (N = 2
-# or 4 ranks: with --flexsp the data-parallel size, with --elastic-pp the whole job).
+# or 4 ranks: with --flexsp the data-parallel size, ranks / tensor-parallel size, with --elastic-pp
+# the whole job).
 # The same script file as on GPUs; megatron_ext.megatron.launch applies the CPU patches (no
 # CUDA: gloo, local transformer, fusions off) and runs it under torchrun --standalone, after
 # checking the arguments once (launch --check-args: a conflict is one line, status 2). Ctrl-C
@@ -37,6 +38,8 @@ megatron="${MEGATRON_LM_DIR:-}"
 args_file="$MEGATRON_EXT_DIR/configs/megatron/tiny-cpu.args"
 while [[ $# -gt 0 ]]; do
   case "$1" in
+    --nproc|--pp|--megatron|--args)
+      [[ $# -ge 2 ]] || { echo "run_local.sh: $1 needs a value" >&2; exit 2; } ;;&
     --dry-run) dry_run=1; shift ;;
     --nproc) nproc="$2"; shift 2 ;;
     --nproc=*) nproc="${1#*=}"; shift ;;
@@ -77,19 +80,27 @@ if [[ $given_data -eq 0 ]]; then
 fi
 if { has_flag --flexsp "${all_args[@]}" || has_flag --elastic-pp "${all_args[@]}"; } &&
    ! has_flag --cost-model "${all_args[@]}"; then
-  cost="configs/megatron/cost/tiny-cpu$nproc.yaml"
+  spans="$nproc"
+  tp="$(flag_value --tensor-model-parallel-size 1 "${all_args[@]}")"
+  if has_flag --flexsp "${all_args[@]}" && [[ "$tp" =~ ^[1-9][0-9]*$ ]]; then  # (its groups: data-parallel ranks)
+    spans=$((nproc / tp))
+  fi
+  cost="configs/megatron/cost/tiny-cpu$spans.yaml"
   if [[ ! -f "$MEGATRON_EXT_DIR/$cost" ]]; then
-    echo "run_local.sh: no cost model for $nproc ranks ($cost); pass --cost-model PATH|MODEL:CLUSTER" >&2
+    echo "run_local.sh: no cost model for $spans ranks ($cost); pass --cost-model PATH|MODEL:CLUSTER" >&2
     exit 2
   fi
   all_args+=(--cost-model "$cost")
 fi
-# Relative --cost-model / --data-path / --planner-log paths are taken from megatron_ext's root, so
-# the run does not depend on the current directory.
+# --cost-model / --data-path paths under configs/ are taken from megatron_ext's root, so the run
+# does not depend on the current directory.
 for i in "${!all_args[@]}"; do
   prev="${all_args[$((i > 0 ? i - 1 : 0))]}"
-  if [[ $i -gt 0 && ( "$prev" == --cost-model || "$prev" == --data-path ) && "${all_args[$i]}" == configs/* ]]; then
-    all_args[$i]="$MEGATRON_EXT_DIR/${all_args[$i]}"
+  a="${all_args[$i]}"
+  if [[ $i -gt 0 && ( "$prev" == --cost-model || "$prev" == --data-path ) && "$a" == configs/* ]]; then
+    all_args[$i]="$MEGATRON_EXT_DIR/$a"
+  elif [[ "$a" == --cost-model=configs/* || "$a" == --data-path=configs/* ]]; then
+    all_args[$i]="${a%%=*}=$MEGATRON_EXT_DIR/${a#*=}"
   fi
 done
 

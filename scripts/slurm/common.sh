@@ -48,15 +48,15 @@ flag_value() {
 }
 
 # without_flexsp_flags ARGS...: ARGS, one per line, without the FlexSP-only flags an argument file
-# may carry (--flexsp, and --flexsp-planner, --flexsp-static-degree, --flexsp-max-sp-size with their
-# values): what --elastic-pp runs keep.
+# may carry (--flexsp, and --flexsp-planner, --flexsp-static-degree, --flexsp-max-sp-size,
+# --flexsp-max-ring with their values): what --elastic-pp runs keep.
 without_flexsp_flags() {
   local a skip=0
   for a in "$@"; do
     if [[ $skip -eq 1 ]]; then skip=0; continue; fi
     case "$a" in
-      --flexsp|--flexsp-planner=*|--flexsp-static-degree=*|--flexsp-max-sp-size=*) ;;
-      --flexsp-planner|--flexsp-static-degree|--flexsp-max-sp-size) skip=1 ;;
+      --flexsp|--flexsp-planner=*|--flexsp-static-degree=*|--flexsp-max-sp-size=*|--flexsp-max-ring=*) ;;
+      --flexsp-planner|--flexsp-static-degree|--flexsp-max-sp-size|--flexsp-max-ring) skip=1 ;;
       *) printf '%s\n' "$a" ;;
     esac
   done
@@ -86,7 +86,7 @@ megatron_python() {
 check_megatron_dir() {
   local dir="$1"
   if [[ -z "$dir" ]]; then
-    echo "set MEGATRON_LM_DIR (or pass --megatron DIR): a Megatron-LM checkout at tag core_v0.16.1" >&2
+    echo "set MEGATRON_LM_DIR (run_local.sh: or --megatron DIR): a Megatron-LM checkout at tag core_v0.16.1" >&2
     return 2
   fi
   if [[ ! -f "$dir/pretrain_gpt.py" ]]; then

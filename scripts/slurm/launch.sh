@@ -21,16 +21,20 @@
 # checkout: scripts/apply_patches.sh). Added unless given: --cost-model MODEL:CLUSTER:ZERO (ZERO
 # 1 with --use-distributed-optimizer, else 0), --distributed-backend nccl, and the mode's flag.
 #
-# Time limits and requeueing: --save and --load default to checkpoints/JOB_NAME in the submit
-# directory (--load to --save's directory when only that is given; --save-interval 1000 unless
-# given), and --exit-signal-handler --exit-signal SIGUSR1 are added. Slurm sends the batch script
+# Time limits and requeueing: --save and --load default to checkpoints/JOB_NAME-JOB_ID in the
+# job's directory (a requeued job keeps its id; another job resumes only from a --load it is given;
+# --load to --save's directory when only that is given; --save-interval 1000 unless given), and
+# --exit-signal-handler --exit-signal SIGUSR1 are added (SIGUSR2 may replace it; torchrun handles
+# SIGTERM and SIGINT itself, stopping the ranks before they save). Slurm sends the batch script
 # SIGUSR1 300 s before the time limit (#SBATCH --signal=B:USR1@300; sbatch --signal=B:USR1@SECONDS
 # for another lead time); it passes Megatron's exit signal to the ranks, which finish the
 # iteration, save a checkpoint and exit, and then requeues the job (#SBATCH --requeue), which
 # resumes from --load. torchrun ignores that signal. Megatron also saves after the last iteration.
 #
-# Everything runs in the submit directory: #SBATCH --output, checkpoints, and relative paths in
-# the arguments resolve there. Environment: MEGATRON_LM_DIR (required), MEGATRON_EXT_DIR (default:
+# Everything runs in the job's directory (the submit directory, or sbatch --chdir's): #SBATCH
+# --output, checkpoints, and relative paths in the arguments resolve there. srun passes on
+# --cpus-per-task (SLURM_CPUS_PER_TASK: since Slurm 22.05 srun does not inherit it from sbatch).
+# Environment: MEGATRON_LM_DIR (required), MEGATRON_EXT_DIR (default:
 # the submit directory, which must then be megatron_ext's checkout), PYTHON, MASTER_PORT (default
 # 29500), NCCL_* to override the defaults below, GPUS_PER_NODE (where Slurm's SLURM_GPUS_ON_NODE
 # is not set; default: from CLUSTER), CONTAINER_IMAGE, CONTAINER_MOUNTS (more SRC:DST mounts,
@@ -75,9 +79,15 @@ args=("${file_args[@]}" "${extra[@]}")
 model_preset="$(basename "$model_args" .args)"
 
 python="$(megatron_python)"
-# megatron_ext is imported from its checkout wherever the processes run (here: the submit directory).
+# megatron_ext is imported from its checkout wherever the processes run (here: the job's directory).
 export PYTHONPATH="$MEGATRON_EXT_DIR${PYTHONPATH:+:$PYTHONPATH}"
-# The cluster: GPUs per node and nodes, from the preset or YAML (megatron_ext.spec).
+# The cluster: GPUs per node and nodes, from the preset or YAML (megatron_ext.spec); in a container
+# the batch host may lack the Python environment: a preset's name says them (...-GxN), the ranks
+# check the rest.
+if [[ -n "$image" && "$cluster" =~ -([0-9]+)x([0-9]+)$ ]]; then
+  cluster_gpus="${BASH_REMATCH[1]}"
+  cluster_nodes="${BASH_REMATCH[2]}"
+else
 read -r cluster_nodes cluster_gpus < <(
   "$python" -c 'import sys
 from megatron_ext.errors import MegatronExtError
@@ -88,6 +98,7 @@ except MegatronExtError as e:
     sys.exit(f"{sys.argv[2]}.sbatch: {e}")
 print(c.num_nodes, c.gpus_per_node)' "$cluster" "$MODE"
 ) || exit 2
+fi
 gpus_per_node="${SLURM_GPUS_ON_NODE:-${GPUS_PER_NODE:-$cluster_gpus}}"
 nodes="${SLURM_NNODES:-$cluster_nodes}"
 if [[ "$nodes" != "$cluster_nodes" || "$gpus_per_node" != "$cluster_gpus" ]]; then
@@ -118,15 +129,20 @@ if ! has_flag --cost-model "${args[@]}"; then
 fi
 has_flag --distributed-backend "${args[@]}" || args+=(--distributed-backend nccl)
 
-# Checkpoints in the submit directory, and the signal on which the ranks save one and exit.
-submit_dir="${SLURM_SUBMIT_DIR:-$PWD}"
-job_name="${SLURM_JOB_NAME:-megatron-ext-${MODE//_/-}}"
+# Checkpoints in the job's directory, and the signal on which the ranks save one and exit.
+submit_dir="$PWD"
+job_name="${SLURM_JOB_NAME:-megatron-ext-${MODE//_/-}}${SLURM_JOB_ID:+-$SLURM_JOB_ID}"
 save="$(flag_value --save "$submit_dir/checkpoints/$job_name" "${args[@]}")"
 has_flag --save "${args[@]}" || args+=(--save "$save")
 has_flag --load "${args[@]}" || args+=(--load "$save")
 has_flag --save-interval "${args[@]}" || args+=(--save-interval 1000)  # Megatron requires one with --save
 has_flag --exit-signal-handler "${args[@]}" || args+=(--exit-signal-handler)
 exit_signal="$(flag_value --exit-signal SIGUSR1 "${args[@]}")"
+if [[ "$exit_signal" != SIGUSR1 && "$exit_signal" != SIGUSR2 ]]; then
+  echo "$MODE.sbatch: --exit-signal $exit_signal: use SIGUSR1 or SIGUSR2 (torchrun handles $exit_signal itself and" \
+       "would stop the ranks before they save)" >&2
+  exit 2
+fi
 has_flag --exit-signal "${args[@]}" || args+=(--exit-signal "$exit_signal")
 
 # Rendezvous on the first node of the allocation.
@@ -165,7 +181,9 @@ fi
 # Slurm signals every process of the job step: torchrun must outlive the exit signal (by default
 # it would die of SIGUSR1, or stop the ranks on SIGTERM before they save), so it starts with the
 # signal ignored; the ranks inherit that until Megatron's handler takes the signal.
-cmd=(srun --nodes="$nodes" --ntasks-per-node=1 --kill-on-bad-exit=1 "${container[@]}"
+cpus=()
+[[ -n "${SLURM_CPUS_PER_TASK:-}" ]] && cpus=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+cmd=(srun --nodes="$nodes" --ntasks-per-node=1 "${cpus[@]}" --kill-on-bad-exit=1 "${container[@]}"
      bash -c 'trap "" "$0" && exec "$@"' "$exit_signal"
      "$rank_python" -m torch.distributed.run
      --nnodes="$nodes" --nproc-per-node="$gpus_per_node"

@@ -194,14 +194,23 @@ def test_run_local_dry_run(tmp_path):
     assert r.returncode == 2 and r.stdout == "" and f"no argument file {tmp_path}/missing.args" in r.stderr
     r = run(ROOT / "scripts/run_local.sh", "--dry-run", "--nproc", "3")
     assert r.returncode == 2 and "no cost model for 3 ranks" in r.stderr
+    # FlexSP's groups span the data-parallel ranks: 4 ranks of tensor-parallel size 2 are 2 of them
+    r = run(ROOT / "scripts/run_local.sh", "--dry-run", "--nproc", "4", "--", "--tensor-model-parallel-size", "2")
+    assert r.returncode == 0 and f"--cost-model {ROOT}/configs/megatron/cost/tiny-cpu2.yaml" in r.stdout
+    r = run(ROOT / "scripts/run_local.sh", "--dry-run", "--", "--cost-model=configs/megatron/cost/tiny-cpu2.yaml")
+    assert f"--cost-model={ROOT}/configs/megatron/cost/tiny-cpu2.yaml" in r.stdout  # (from any directory)
+    for flag in ("--nproc", "--args", "--pp", "--megatron"):
+        r = run(ROOT / "scripts/run_local.sh", "--dry-run", flag)
+        assert r.returncode == 2 and r.stderr == f"run_local.sh: {flag} needs a value\n", r.stderr
 
 
 def test_run_local_dry_run_with_elastic_pipelines(tmp_path):
     r = run(ROOT / "scripts/run_local.sh", "--dry-run", "--nproc", "4", "--pp", "2", "--megatron", tmp_path, "--",
-            "--flexsp-planner", "batchada", "--train-iters", "3")
+            "--flexsp-planner", "batchada", "--flexsp-max-ring", "2", "--train-iters", "3")
     assert r.returncode == 0, r.stderr
     cmd = r.stdout.strip().splitlines()[-1].split()
     assert "--flexsp" not in cmd and "--flexsp-planner" not in cmd and "batchada" not in cmd
+    assert "--flexsp-max-ring" not in cmd
     assert cmd[-6:-2] == ["--elastic-pp", "--pipeline-model-parallel-size", "2", "--mock-data"]
     assert cmd[-2:] == ["--cost-model", f"{ROOT}/configs/megatron/cost/tiny-cpu4.yaml"]
     r = run(ROOT / "scripts/run_local.sh", "--dry-run", "--pp", "two")
@@ -248,8 +257,9 @@ def test_flexsp_sbatch_dry_run():
 def test_sbatch_saves_before_the_time_limit_and_resumes(tmp_path):
     """The ranks get Megatron's exit signal (torchrun starts with it ignored), checkpoints go to
     the submit directory and are loaded back from there, unless the arguments say otherwise."""
-    env = {"SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_NAME": "run7", "MEGATRON_LM_DIR": "/opt/Megatron-LM"}
-    r = sbatch_dry_run("flexsp", "configs/megatron/gpt-7b.args", "h100-80g-8x4", env=env)
+    env = {"SLURM_SUBMIT_DIR": "/elsewhere", "SLURM_JOB_NAME": "run7", "MEGATRON_LM_DIR": "/opt/Megatron-LM",
+           "MEGATRON_EXT_DIR": str(ROOT)}
+    r = sbatch_dry_run("flexsp", "configs/megatron/gpt-7b.args", "h100-80g-8x4", env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     cmd = shlex.split(srun_line(r.stdout))
     ckpt = str(tmp_path / "checkpoints/run7")
@@ -262,26 +272,39 @@ def test_sbatch_saves_before_the_time_limit_and_resumes(tmp_path):
     assert "\ncd " not in r.stdout  # it runs where it was submitted, not in megatron_ext's checkout
 
     r = sbatch_dry_run("flexsp", "configs/megatron/gpt-7b.args", "h100-80g-8x4", "--", "--save", "ckpt",
-                       "--save-interval", "50", "--exit-signal", "SIGTERM", env=env)
+                       "--save-interval", "50", "--exit-signal", "SIGUSR2", env=env, cwd=tmp_path)
     cmd = shlex.split(srun_line(r.stdout))
     assert cmd.count("--save") == 1 and cmd[cmd.index("--load") + 1] == "ckpt"
     assert cmd.count("--save-interval") == 1 and cmd.count("--exit-signal") == 1
-    assert cmd[cmd.index("bash") + 3] == "SIGTERM"
+    assert cmd[cmd.index("bash") + 3] == "SIGUSR2"
+    # torchrun handles SIGTERM and SIGINT itself: it would stop the ranks before they save
+    r = sbatch_dry_run("flexsp", "configs/megatron/gpt-7b.args", "h100-80g-8x4", "--", "--exit-signal", "SIGTERM",
+                       env=env, cwd=tmp_path)
+    assert r.returncode == 2 and r.stdout == "" and "--exit-signal SIGTERM: use SIGUSR1 or SIGUSR2" in r.stderr
+    # a job's checkpoints are its own (a requeued job keeps its id), and srun gets sbatch's CPUs a task
+    r = sbatch_dry_run("flexsp", "configs/megatron/gpt-7b.args", "h100-80g-8x4",
+                       env={**env, "SLURM_JOB_ID": "812", "SLURM_CPUS_PER_TASK": "64"}, cwd=tmp_path)
+    cmd = shlex.split(srun_line(r.stdout))
+    assert cmd[cmd.index("--save") + 1] == str(tmp_path / "checkpoints/run7-812")
+    assert cmd[:4] == ["srun", "--nodes=4", "--ntasks-per-node=1", "--cpus-per-task=64"]
 
 
-def test_sbatch_container_image():
-    env = {"SLURM_SUBMIT_DIR": "/runs/a", "MEGATRON_LM_DIR": "/opt/Megatron-LM"}
+def test_sbatch_container_image(tmp_path):
+    """The job's directory (sbatch --chdir's, not SLURM_SUBMIT_DIR) is mounted and worked in; the
+    batch host needs no Python environment for a cluster preset (its name says its shape)."""
+    env = {"SLURM_SUBMIT_DIR": "/runs/a", "MEGATRON_LM_DIR": "/opt/Megatron-LM", "MEGATRON_EXT_DIR": str(ROOT),
+           "PYTHON": "false"}
     r = sbatch_dry_run("flexsp", "--container-image", "nvcr.io/nvidia/pytorch:25.01-py3",
-                       "configs/megatron/gpt-7b.args", "h100-80g-8x4", env=env)
+                       "configs/megatron/gpt-7b.args", "h100-80g-8x4", env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     cmd = shlex.split(srun_line(r.stdout))
     at = cmd.index("--kill-on-bad-exit=1") + 1
     assert cmd[at:at + 4] == ["--container-image=nvcr.io/nvidia/pytorch:25.01-py3",
-                              f"--container-mounts=/runs/a:/runs/a,{ROOT}:{ROOT},/opt/Megatron-LM:/opt/Megatron-LM",
-                              "--container-workdir=/runs/a", "bash"]
+                              f"--container-mounts={tmp_path}:{tmp_path},{ROOT}:{ROOT},/opt/Megatron-LM:/opt/Megatron-LM",
+                              f"--container-workdir={tmp_path}", "bash"]
     assert cmd[cmd.index("torch.distributed.run") - 2] == "python3"  # the image's interpreter
     r = sbatch_dry_run("elastic_pp", "configs/megatron/llama-7b.args", "a800-80g-8x4",
-                       env={**env, "CONTAINER_IMAGE": "img.sqsh", "CONTAINER_MOUNTS": "/data:/data"})
+                       env={**env, "CONTAINER_IMAGE": "img.sqsh", "CONTAINER_MOUNTS": "/data:/data"}, cwd=tmp_path)
     cmd = shlex.split(srun_line(r.stdout))
     assert "--container-image=img.sqsh" in cmd
     assert any(a.startswith("--container-mounts=") and a.endswith(",/data:/data") for a in cmd)
@@ -364,9 +387,10 @@ def test_sbatch_passes_the_signal_on_and_requeues(tmp_path, stopped):
     env = {**os.environ, **dict.fromkeys(SLURM_ENV, ""), "PATH": f"{fake}:{os.environ['PATH']}",
            "FAKE_LOG": str(log), "MEGATRON_LM_DIR": str(mlm), "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node1",
            "SLURM_SUBMIT_DIR": str(tmp_path), "FAKE_SRUN_STATUS": "3", "FAKE_SRUN_TICKS": "100" if stopped else "1",
+           "MEGATRON_EXT_DIR": str(ROOT),
            "CHECK_ARGS": "0"}  # (the stand-in checkout has no Megatron-LM to check the arguments with)
     proc = subprocess.Popen(["bash", str(ROOT / "scripts/slurm/flexsp.sbatch"), "configs/megatron/gpt-7b.args",
-                             "h100-80g-8x4"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             "h100-80g-8x4"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     if stopped:
         deadline = time.monotonic() + 60
@@ -379,7 +403,7 @@ def test_sbatch_passes_the_signal_on_and_requeues(tmp_path, stopped):
     if stopped:
         assert proc.returncode == 0, err
         assert lines[1:] == ["scancel --signal=SIGUSR1 42", "ranks saved", "scontrol requeue 42"]
-        assert f"saved a checkpoint in {tmp_path}/checkpoints/megatron-ext-flexsp before the time limit" in out
+        assert f"saved a checkpoint in {tmp_path}/checkpoints/megatron-ext-flexsp-42 before the time limit" in out
     else:
         assert proc.returncode == 3 and len(lines) == 1 and lines[0].startswith("srun ")
 
