@@ -35,7 +35,8 @@ the arguments first, once, before torchrun starts any rank (``scripts/run_local.
     python -m megatron_ext.megatron.launch --check-args WORLD_SIZE MEGATRON_LM/pretrain_gpt.py ARGS
 
 parses ARGS with the script's own parser as its rank 0 of WORLD_SIZE ranks would, megatron_ext's
-validation included, and starts nothing: status 0, or 2 with the error as the last line.
+validation and Megatron's ``validate_args`` included, and starts nothing: status 0, or 2 with the
+error as the last line.
 
 On a CUDA machine the launcher applies no patch: it only runs the script. In both cases the script
 runs as ``__main__`` with a module spec named ``__main__``, so that processes started with the
@@ -302,10 +303,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check_arguments(script: str, world_size: int) -> int:
-    """``--check-args WORLD_SIZE``: parse the script's arguments as its rank 0 of ``world_size``
-    ranks does, megatron_ext's validation included (a conflict: one line on stderr, status 2), and
-    start nothing: Megatron's ``pretrain`` is replaced by its argument parsing alone. Launchers run
-    this before torchrun, which would report a rank's exit in its own words after ours."""
+    """``--check-args WORLD_SIZE``: parse and validate the script's arguments as its rank 0 of
+    ``world_size`` ranks does, megatron_ext's validation and then Megatron's own ``validate_args``
+    (a conflict: one line on stderr, status 2), and start nothing: Megatron's ``pretrain`` is
+    replaced by them alone. Launchers run this before torchrun, which would report a rank's exit in
+    its own words after ours (and after a queue's wait, for a job)."""
     import io
     import warnings
 
@@ -313,14 +315,22 @@ def check_arguments(script: str, world_size: int) -> int:
     warnings.simplefilter("ignore")  # the ranks show Megatron's import warnings
     _stub_batch_invariant_kernels()
     training = importlib.import_module("megatron.training")
-    from megatron.training.arguments import parse_args
+    from megatron.training.arguments import parse_args, validate_args
 
-    def parse_only(*args, extra_args_provider=None, **kwargs):
-        parse_args(extra_args_provider)
+    def parse_only(*args, extra_args_provider=None, args_defaults=None, **kwargs):
+        validate_args(parse_args(extra_args_provider), args_defaults or {})
 
     training.pretrain = parse_only
-    with contextlib.redirect_stdout(io.StringIO()):  # the ranks print the notes of what was adjusted
-        run_as_main(script)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # the ranks print the notes of what was adjusted
+            run_as_main(script)
+    except AssertionError as e:  # (how Megatron's validate_args refuses: a message, or the assert itself)
+        import traceback
+
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        said = str(e).strip() or f"{where.line} ({os.path.basename(where.filename)}:{where.lineno})"
+        print(f"megatron-ext: error: Megatron refuses the arguments: {said}", file=sys.stderr)
+        return 2
     return 0
 
 
