@@ -131,8 +131,8 @@ def write_indexed_dataset(prefix: str | Path, docs: Iterable[np.ndarray], dtype=
         builder = idx_mod.IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
         for k, d in enumerate(docs):
             arr = np.asarray(d)
-            if arr.ndim != 1:
-                raise DataError(f"document {k} is not a 1-D token array (shape {arr.shape})")
+            if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+                raise DataError(f"document {k} is not a 1-D integer token array (shape {arr.shape}, {arr.dtype})")
             if arr.size and (arr.min() < info.min or arr.max() > info.max):
                 raise DataError(f"document {k}: token ids outside the range of {np.dtype(dtype).name}")
             builder.add_document(arr.astype(dtype, copy=False), [int(arr.size)])

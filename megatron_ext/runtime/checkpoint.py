@@ -51,14 +51,16 @@ _OPTIONS = {"model": "--model", "ranks": "ranks (--cluster)", "pp": "--pp",
             "max_seq_len": "--max-seq-len", "sample_rule": "documents cut into samples as", "lr": "--lr"}
 DATA_KEY = "documents"  # the data's fingerprint (``data_fingerprint``), checked by the ranks once they read it
 BLEND_KEY = "blend"  # ... and its weighted blend (``blend_fingerprint``; absent from checkpoints saved before it)
+TOKENS_KEY = "tokens"  # ... and its tokens, sampled (``tokens_fingerprint``; absent from checkpoints saved before it)
 
 _stop_requested = False
 
 
 def run_identity(args, cost, data) -> dict:
-    """``run_settings`` and the data's fingerprints (``DATA_KEY``, ``BLEND_KEY``): what a checkpoint
-    is saved with."""
-    return {**run_settings(args, cost), DATA_KEY: data_fingerprint(data), BLEND_KEY: blend_fingerprint(data)}
+    """``run_settings`` and the data's fingerprints (``DATA_KEY``, ``BLEND_KEY``, ``TOKENS_KEY``): what
+    a checkpoint is saved with."""
+    return {**run_settings(args, cost), DATA_KEY: data_fingerprint(data), BLEND_KEY: blend_fingerprint(data),
+            TOKENS_KEY: tokens_fingerprint(data)}
 
 
 def run_settings(args, cost) -> dict:
@@ -80,10 +82,22 @@ def run_settings(args, cost) -> dict:
 
 def data_fingerprint(data) -> str:
     """The documents a run draws its batches from (``runtime.train.TrainingData``), by content:
-    their count, tokens and the CRC-32 of their lengths (a re-tokenized or another corpus differs;
-    the same files under another path, or the default corpus named by its path, do not)."""
+    their count, tokens and the CRC-32 of their lengths (a corpus of other lengths differs; the
+    same files under another path, or the default corpus named by its path, do not; the same
+    lengths tokenized otherwise: ``tokens_fingerprint``)."""
     lengths = np.ascontiguousarray(np.asarray(data.documents.lengths, dtype=np.int64))
     return f"{lengths.size} documents, {int(lengths.sum())} tokens, lengths CRC-32 {zlib.crc32(lengths):08x}"
+
+
+def tokens_fingerprint(data, samples: int = 64) -> str:
+    """The documents' tokens, sampled: the CRC-32 of ``samples`` documents spread evenly over them
+    (the lengths alone do not tell a corpus from the same one tokenized otherwise), read in a few
+    milliseconds whatever the corpus's size."""
+    docs = data.documents
+    crc = 0
+    for i in np.unique(np.linspace(0, len(docs) - 1, min(samples, len(docs))).astype(np.int64)).tolist():
+        crc = zlib.crc32(np.ascontiguousarray(docs.get(i), dtype=np.int64), crc)
+    return f"tokens of {min(samples, len(docs))} documents, CRC-32 {crc:08x}"
 
 
 def blend_fingerprint(data) -> str:
@@ -91,9 +105,10 @@ def blend_fingerprint(data) -> str:
     sizes and weights; "unweighted" for one source or a plain concatenation."""
     if data.weights is None:
         return "unweighted"
-    total = float(sum(data.weights))
+    w = np.asarray(data.weights, dtype=np.float64)
+    w = w / w.max()  # (first: a sum of huge weights would overflow, as GlobalBatches normalizes them)
     return (f"{' + '.join(map(str, data.source_sizes))} documents at weights "
-            f"{' : '.join(f'{w / total:.6g}' for w in data.weights)}")
+            f"{' : '.join(f'{x:.6g}' for x in w / w.sum())}")
 
 
 def check_resumed_data(root: str, data) -> None:
@@ -101,9 +116,13 @@ def check_resumed_data(root: str, data) -> None:
     read it; the launcher compares the other settings, ``check_checkpoint_args``)."""
     _, path = latest_checkpoint(root)
     saved = json.loads((path / RUN_FILE).read_text())
-    for key, ours, what in ((DATA_KEY, data_fingerprint(data), "other data"),
-                            (BLEND_KEY, blend_fingerprint(data), "another blend of its data")):
-        if saved.get(key) is not None and saved[key] != ours:
+    for key, fingerprint, what in ((DATA_KEY, data_fingerprint, "other data"),
+                                   (BLEND_KEY, blend_fingerprint, "another blend of its data"),
+                                   (TOKENS_KEY, tokens_fingerprint, "other tokens in documents of the same lengths")):
+        if saved.get(key) is None:  # (a checkpoint saved before it was compared)
+            continue
+        ours = fingerprint(data)
+        if saved[key] != ours:
             raise ConfigError(f"--load {root}: its checkpoint was saved by a run on {what} ({saved[key]}), this "
                               f"run's --data holds {ours}; resume on the data it was saved with")
 

@@ -188,6 +188,25 @@ def test_a_checkpoint_resumes_on_its_data_wherever_it_lies_and_on_no_other(runs)
     run_file = old / "iter_0000004" / "megatron_ext.json"
     run_file.write_text(json.dumps({k: v for k, v in json.loads(run_file.read_text()).items() if k != "blend"}))
     check_resumed_data(str(old), blend)
+    # the same lengths, tokenized otherwise (every token id moved by one)
+    original = data.documents
+    moved = type("Moved", (), {"lengths": original.lengths, "__len__": lambda self: len(original),
+                               "get": lambda self, i: (original.get(i) + 1) % 128})()
+    with pytest.raises(ConfigError, match=r"saved by a run on other tokens in documents of the same lengths "
+                                          r"\(tokens of 64 documents, CRC-32 [0-9a-f]{8}\)"):
+        check_resumed_data(str(runs["ckpt"]), dataclasses.replace(data, documents=moved))
+
+
+def test_blend_fingerprints_of_huge_weights_differ():
+    """Weights are normalized by the largest first: their sum overflowed to inf, and every blend of
+    huge weights read "0 : 0" (two that draw other batches resumed one another)."""
+    import types
+
+    from megatron_ext.runtime.checkpoint import blend_fingerprint
+
+    a, b = (blend_fingerprint(types.SimpleNamespace(weights=w, source_sizes=[5, 5]))
+            for w in ([1.5e308, 1e308], [1.7e308, 2e307]))
+    assert a == "5 + 5 documents at weights 0.6 : 0.4" and b != a
 
 
 def test_load_and_save_of_one_directory_start_fresh_before_its_first_save(tmp_path):

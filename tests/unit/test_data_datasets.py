@@ -63,6 +63,9 @@ def test_indexed_errors(tmp_path):
         ds.get(0, 3, 5)
     with pytest.raises(DataError, match="outside the range"):
         write_indexed_dataset(tmp_path / "bad", [np.array([70000])])
+    for floats in ([1.7, 2.2, 3.9], [np.nan, 5.0]):  # (written as [1, 2, 3] and [0, 5] before)
+        with pytest.raises(DataError, match="document 0 is not a 1-D integer token array"):
+            write_indexed_dataset(tmp_path / "floats", [np.array(floats)])
     (tmp_path / "junk.bin").write_bytes(b"x" * 10)
     (tmp_path / "junk.idx").write_bytes(b"not an index")
     with pytest.raises(DataError, match="not a readable"):
