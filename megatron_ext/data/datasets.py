@@ -167,7 +167,8 @@ class IndexedDocuments(HeldLengths):
         try:
             self._ds = idx_mod.IndexedDataset(self.prefix)
         except Exception as e:  # a foreign file: whatever megatron-core trips over, it is unreadable
-            raise DataError(f"{self.prefix}: not a readable Megatron indexed dataset ({e or type(e).__name__})") from None
+            said = str(e).strip() or f"{type(e).__name__} in megatron-core's reader"
+            raise DataError(f"{self.prefix}: not a readable Megatron indexed dataset ({said})") from None
         seq_lengths = np.asarray(self._ds.sequence_lengths, dtype=np.int64)
         doc_idx = np.asarray(self._ds.document_indices, dtype=np.int64)
         if (seq_lengths < 0).any() or doc_idx.size < 1 or (np.diff(doc_idx) < 0).any() or \
@@ -287,6 +288,9 @@ def parse_blend(values: Sequence[str]) -> list[tuple[float | None, str]]:
         prefixes, weights = values, None
     if weights is None and len(values) > 1 and _is_number(values[0]):
         raise DataError(f"a blend is weight-prefix pairs, got an odd count: {' '.join(values)}")
+    if weights is None and any(_is_number(v) for v in values[::2]):  # (a blend, one of whose weights is not one)
+        bad = next(v for v in values[::2] if not _is_number(v))
+        raise DataError(f"a blend is weight-prefix pairs (W1 PREFIX1 W2 PREFIX2 ...): {bad!r} is not a weight")
     if weights is not None and not (all(np.isfinite(w) and w >= 0 for w in weights) and any(w > 0 for w in weights)):
         raise DataError(f"blend weights must be non-negative numbers, not all zero: {' '.join(values)}")
     out = []

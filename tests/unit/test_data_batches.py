@@ -122,7 +122,9 @@ def test_parse_blend():
     assert parse_blend(["a.bin", "b.idx"]) == [(None, "a"), (None, "b")]
     assert parse_blend(["0.3", "a", "0.7", "b"]) == [(0.3, "a"), (0.7, "b")]
     for bad, match in ((["1", "a", "2"], "odd count"), ([], "no dataset"), (["1", "2"], "the number '2'"),
-                       (["inf", "a", "1", "b"], "non-negative")):
+                       (["inf", "a", "1", "b"], "non-negative"),
+                       (["x", "a", "1", "b"], "'x' is not a weight"),  # (it blamed the number '1')
+                       (["a", "1"], "the number '1'")):
         with pytest.raises(DataError, match=match):
             parse_blend(bad)
 
