@@ -82,7 +82,7 @@ if { has_flag --flexsp "${all_args[@]}" || has_flag --elastic-pp "${all_args[@]}
    ! has_flag --cost-model "${all_args[@]}"; then
   spans="$nproc"
   tp="$(flag_value --tensor-model-parallel-size 1 "${all_args[@]}")"
-  if has_flag --flexsp "${all_args[@]}" && [[ "$tp" =~ ^[1-9][0-9]*$ ]]; then  # (its groups: data-parallel ranks)
+  if has_flag --flexsp "${all_args[@]}" && [[ "$tp" =~ ^[1-9][0-9]*$ ]] && ((nproc % tp == 0)); then  # (its groups: DP ranks)
     spans=$((nproc / tp))
   fi
   cost="configs/megatron/cost/tiny-cpu$spans.yaml"

@@ -286,11 +286,12 @@ def parse_blend(values: Sequence[str]) -> list[tuple[float | None, str]]:
         prefixes, weights = _megatron_datasets("utils").get_blend_from_list(values)
     except AssertionError:
         prefixes, weights = values, None
-    if weights is None and len(values) > 1 and _is_number(values[0]):
-        raise DataError(f"a blend is weight-prefix pairs, got an odd count: {' '.join(values)}")
-    if weights is None and any(_is_number(v) for v in values[::2]):  # (a blend, one of whose weights is not one)
+    if weights is None and len(values) % 2 == 0 and any(_is_number(v) for v in values[::2]):
+        # (pairs, one of whose weights is not a number)
         bad = next(v for v in values[::2] if not _is_number(v))
         raise DataError(f"a blend is weight-prefix pairs (W1 PREFIX1 W2 PREFIX2 ...): {bad!r} is not a weight")
+    if weights is None and len(values) > 1 and _is_number(values[0]):
+        raise DataError(f"a blend is weight-prefix pairs, got an odd count: {' '.join(values)}")
     if weights is not None and not (all(np.isfinite(w) and w >= 0 for w in weights) and any(w > 0 for w in weights)):
         raise DataError(f"blend weights must be non-negative numbers, not all zero: {' '.join(values)}")
     out = []

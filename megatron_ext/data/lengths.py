@@ -153,9 +153,9 @@ def read_lengths(path: str | Path) -> np.ndarray:
     except TooBigError as e:
         raise LengthsError(f"lengths file {path} is too big to be one: {e}") from None
     values = []
-    # (a BOM: some editors' UTF-8; lines end at \n only: splitlines would cut one at a form feed or
-    # \x85 into two lengths)
-    for no, line in enumerate(text.removeprefix("\ufeff").split("\n"), 1):
+    # (a BOM: some editors' UTF-8; lines end at \r\n, \r or \n: splitlines would also cut one at a
+    # form feed or \x85, into two lengths)
+    for no, line in enumerate(re.split(r"\r\n|\r|\n", text.removeprefix("\ufeff")), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue

@@ -280,21 +280,20 @@ def main(argv: list[str] | None = None) -> int:
     cpu = not torch.cuda.is_available()
     added = cpu_flags_to_add(args) if cpu else []
     sys.argv = [script] + args + added
-    if world_to_check is not None:
-        return check_arguments(script, world_to_check)
+    if world_to_check is not None:  # (the ranks show Megatron's import warnings)
+        import warnings
+
+        warnings.simplefilter("ignore")
+    if cpu:
+        # Megatron asserts this for TP / CP on GPUs older than Blackwell (arch 0 here); no effect on CPU.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        prepare_cpu()
+    if world_to_check is not None:  # (after the CPU patches: Megatron's validate_args asks the device too)
+        return check_arguments(script, world_to_check, cpu)
     if added and env_rank() == 0:
         print(f"megatron_ext.megatron.launch: added for CPU ranks: {' '.join(added)}", flush=True)
     try:
-        if cpu:
-            # Megatron asserts this for TP / CP on GPUs older than Blackwell (arch 0 here); no effect on CPU.
-            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-            prepare_cpu()
-            from megatron_ext.runtime.compat import _CpuDeviceMode
-
-            with _CpuDeviceMode():
-                run_as_main(script)
-        else:
-            run_as_main(script)
+        run_on_device(script, cpu)
     except MegatronExtError as e:  # bad data, a batch no plan holds: every rank raises it, rank 0 says it
         return say_rank_error(e, env_rank())
     if cpu:
@@ -302,36 +301,54 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def check_arguments(script: str, world_size: int) -> int:
+def run_on_device(script: str, cpu: bool) -> None:
+    """Run the script as ``__main__``; on CPU under the compat layer's device mode."""
+    if not cpu:
+        run_as_main(script)
+        return
+    from megatron_ext.runtime.compat import _CpuDeviceMode
+
+    with _CpuDeviceMode():
+        run_as_main(script)
+
+
+def check_arguments(script: str, world_size: int, cpu: bool) -> int:
     """``--check-args WORLD_SIZE``: parse and validate the script's arguments as its rank 0 of
     ``world_size`` ranks does, megatron_ext's validation and then Megatron's own ``validate_args``
     (a conflict: one line on stderr, status 2), and start nothing: Megatron's ``pretrain`` is
     replaced by them alone. Launchers run this before torchrun, which would report a rank's exit in
     its own words after ours (and after a queue's wait, for a job)."""
     import io
-    import warnings
 
     os.environ.update(RANK="0", WORLD_SIZE=str(world_size))
-    warnings.simplefilter("ignore")  # the ranks show Megatron's import warnings
     _stub_batch_invariant_kernels()
     training = importlib.import_module("megatron.training")
     from megatron.training.arguments import parse_args, validate_args
 
     def parse_only(*args, extra_args_provider=None, args_defaults=None, **kwargs):
-        validate_args(parse_args(extra_args_provider), args_defaults or {})
+        parsed = parse_args(extra_args_provider)
+        try:
+            validate_args(parsed, args_defaults or {})
+        except (AssertionError, ValueError, RuntimeError) as e:  # (how validate_args refuses)
+            raise _MegatronRefusal(e) from e
 
     training.pretrain = parse_only
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # the ranks print the notes of what was adjusted
-            run_as_main(script)
-    except AssertionError as e:  # (how Megatron's validate_args refuses: a message, or the assert itself)
+            run_on_device(script, cpu)
+    except _MegatronRefusal as refusal:  # a message, or the assert itself
         import traceback
 
+        e = refusal.__cause__
         where = traceback.extract_tb(e.__traceback__)[-1]
         said = str(e).strip() or f"{where.line} ({os.path.basename(where.filename)}:{where.lineno})"
         print(f"megatron-ext: error: Megatron refuses the arguments: {said}", file=sys.stderr)
         return 2
     return 0
+
+
+class _MegatronRefusal(Exception):
+    """Megatron's ``validate_args`` refused the arguments (its error is the cause)."""
 
 
 def _destroy_process_group() -> None:

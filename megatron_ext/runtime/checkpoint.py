@@ -30,6 +30,7 @@ saving and loading are collective over every rank.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import zlib
 from pathlib import Path
@@ -105,10 +106,13 @@ def blend_fingerprint(data) -> str:
     sizes and weights; "unweighted" for one source or a plain concatenation."""
     if data.weights is None:
         return "unweighted"
-    w = np.asarray(data.weights, dtype=np.float64)
-    w = w / w.max()  # (first: a sum of huge weights would overflow, as GlobalBatches normalizes them)
+    weights = [float(w) for w in data.weights]
+    total = sum(weights)
+    if not math.isfinite(total):  # (huge weights: their sum overflows; by the largest first, as GlobalBatches does)
+        weights = [w / max(weights) for w in weights]
+        total = sum(weights)
     return (f"{' + '.join(map(str, data.source_sizes))} documents at weights "
-            f"{' : '.join(f'{x:.6g}' for x in w / w.sum())}")
+            f"{' : '.join(f'{w / total:.6g}' for w in weights)}")
 
 
 def check_resumed_data(root: str, data) -> None:

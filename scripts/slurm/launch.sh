@@ -22,8 +22,9 @@
 # 1 with --use-distributed-optimizer, else 0), --distributed-backend nccl, and the mode's flag.
 #
 # Time limits and requeueing: --save and --load default to checkpoints/JOB_NAME-JOB_ID in the
-# job's directory (a requeued job keeps its id; another job resumes only from a --load it is given;
-# --load to --save's directory when only that is given; --save-interval 1000 unless given), and
+# job's directory (a requeued job keeps its id; another job resumes only from a --load it is given,
+# and once requeued from its own --save where that holds a checkpoint; --load to --save's
+# directory when only that is given; --save-interval 1000 unless given), and
 # --exit-signal-handler --exit-signal SIGUSR1 are added (SIGUSR2 may replace it; torchrun handles
 # SIGTERM and SIGINT itself, stopping the ranks before they save). Slurm sends the batch script
 # SIGUSR1 300 s before the time limit (#SBATCH --signal=B:USR1@300; sbatch --signal=B:USR1@SECONDS
@@ -134,7 +135,11 @@ submit_dir="$PWD"
 job_name="${SLURM_JOB_NAME:-megatron-ext-${MODE//_/-}}${SLURM_JOB_ID:+-$SLURM_JOB_ID}"
 save="$(flag_value --save "$submit_dir/checkpoints/$job_name" "${args[@]}")"
 has_flag --save "${args[@]}" || args+=(--save "$save")
-has_flag --load "${args[@]}" || args+=(--load "$save")
+if ! has_flag --load "${args[@]}"; then
+  args+=(--load "$save")
+elif [[ "${SLURM_RESTART_COUNT:-0}" -gt 0 && -f "$save/latest_checkpointed_iteration.txt" ]]; then
+  args+=(--load "$save")  # requeued: go on from this job's own saves, not from the --load it began with
+fi
 has_flag --save-interval "${args[@]}" || args+=(--save-interval 1000)  # Megatron requires one with --save
 has_flag --exit-signal-handler "${args[@]}" || args+=(--exit-signal-handler)
 exit_signal="$(flag_value --exit-signal SIGUSR1 "${args[@]}")"

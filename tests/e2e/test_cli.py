@@ -163,6 +163,7 @@ def test_max_seq_len_with_lengths_file(capsys, tmp_path):
     ("+300\n", "expected one integer per line, got '+300'"),
     ("100\n0\n", "must be positive, got 0"),
     ("100\x0c200\n300\n", ":1: expected one integer per line"),  # (a form feed split one line into two lengths)
+    ("100\r200\rx\r", ":3: expected one integer per line, got 'x'"),  # (\r alone ends lines too)
     ("-5\n", "must be positive, got -5"),
     ("100\n99999999999999999999\n", ":2: a sequence length must be at most 1,099,511,627,776 tokens"),
     ("9" * 5000 + "\n", ":1: a sequence length must be at most 1,099,511,627,776 tokens"),  # (past int()'s digits)

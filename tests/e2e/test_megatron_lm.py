@@ -617,6 +617,25 @@ def test_run_local_ends_with_our_one_line_error(checkouts, extra, line):
     assert proc.stdout == ""  # no rank started
 
 
+def test_check_args_validates_as_the_ranks_do(checkouts):
+    """--check-args runs Megatron's validate_args under the CPU ranks' patches (tensor parallelism
+    asks the device's architecture: it was refused as "Torch not compiled with CUDA"), and any of
+    its refusals, not only asserts, is one line with status 2."""
+    _, patched = checkouts
+
+    def check(world: int, *extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "megatron_ext.megatron.launch", "--check-args", str(world),
+                               str(patched / "pretrain_gpt.py"), *MODEL_ARGS, "--seq-length", "64",
+                               "--max-position-embeddings", "64", "--global-batch-size", "4", "--train-iters", "1",
+                               "--mock-data", "--flexsp", *extra], capture_output=True, text=True, timeout=300)
+
+    ok = check(4, "--tensor-model-parallel-size", "2", "--cost-model", COST_2)
+    assert ok.returncode == 0 and ok.stderr == "", ok.stderr[-3000:]
+    refused = check(2, "--cost-model", COST_2, "--non-persistent-ckpt-type", "local")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr[-3000:]
+    assert refused.stderr.startswith("megatron-ext: error: Megatron refuses the arguments: nvidia_resiliency_ext")
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--context-parallel-size", "2"], "replaces context parallelism"),
     (["--global-batch-size", "3"], "--global-batch-size 3 is not a multiple of the data-parallel size 2"),

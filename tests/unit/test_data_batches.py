@@ -124,6 +124,7 @@ def test_parse_blend():
     for bad, match in ((["1", "a", "2"], "odd count"), ([], "no dataset"), (["1", "2"], "the number '2'"),
                        (["inf", "a", "1", "b"], "non-negative"),
                        (["x", "a", "1", "b"], "'x' is not a weight"),  # (it blamed the number '1')
+                       (["1", "a", "x", "b"], "'x' is not a weight"), (["a", "b", "2024"], "the number '2024'"),
                        (["a", "1"], "the number '1'")):
         with pytest.raises(DataError, match=match):
             parse_blend(bad)

@@ -224,6 +224,7 @@ def test_run_local_refuses_an_unpatched_checkout(tmp_path):
 
 # What the sbatch scripts read from the environment, blank (unset for them) unless a test sets it.
 SLURM_ENV = ("SLURM_NNODES", "SLURM_GPUS_ON_NODE", "SLURM_SUBMIT_DIR", "SLURM_JOB_NAME", "SLURM_JOB_ID",
+             "SLURM_RESTART_COUNT", "SLURM_CPUS_PER_TASK",
              "SLURM_JOB_NODELIST", "GPUS_PER_NODE", "CONTAINER_IMAGE", "CONTAINER_MOUNTS", "MEGATRON_EXT_DIR")
 
 
@@ -287,6 +288,19 @@ def test_sbatch_saves_before_the_time_limit_and_resumes(tmp_path):
     cmd = shlex.split(srun_line(r.stdout))
     assert cmd[cmd.index("--save") + 1] == str(tmp_path / "checkpoints/run7-812")
     assert cmd[:4] == ["srun", "--nodes=4", "--ntasks-per-node=1", "--cpus-per-task=64"]
+    # a job begun from another's --load goes on, once requeued, from its own saves
+    own = tmp_path / "checkpoints/run7-812"
+    for restarts, saved, load in (("0", True, "old"), ("1", False, "old"), ("1", True, str(own))):
+        if saved:
+            own.mkdir(parents=True, exist_ok=True)
+            (own / "latest_checkpointed_iteration.txt").write_text("100\n")
+        r = sbatch_dry_run("flexsp", "configs/megatron/gpt-7b.args", "h100-80g-8x4", "--", "--load", "old",
+                           env={**env, "SLURM_JOB_ID": "812", "SLURM_RESTART_COUNT": restarts}, cwd=tmp_path)
+        cmd = shlex.split(srun_line(r.stdout))
+        assert cmd.count("--load") == (2 if restarts == "1" and saved else 1)
+        assert cmd[len(cmd) - cmd[::-1].index("--load")] == load, (restarts, saved)  # (the last one counts)
+        if (own / "latest_checkpointed_iteration.txt").exists():
+            (own / "latest_checkpointed_iteration.txt").unlink()
 
 
 def test_sbatch_container_image(tmp_path):
