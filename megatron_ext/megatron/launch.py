@@ -55,6 +55,7 @@ import subprocess
 import sys
 import sysconfig
 import types
+import warnings
 
 from megatron_ext.errors import MegatronExtError
 from megatron_ext.lifetime import die_with_parent, say_rank_error
@@ -265,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             print("megatron-ext: error: usage: --check-args WORLD_SIZE SCRIPT [ARGS...]", file=sys.stderr)
             return 2
         world_to_check, argv = int(argv[1]), argv[2:]
+        warnings.simplefilter("ignore")  # (the ranks show Megatron's import warnings)
     script = os.path.abspath(argv[0])
     if not os.path.isfile(script):
         print(f"megatron-ext: error: no such script: {argv[0]}", file=sys.stderr)
@@ -280,10 +282,6 @@ def main(argv: list[str] | None = None) -> int:
     cpu = not torch.cuda.is_available()
     added = cpu_flags_to_add(args) if cpu else []
     sys.argv = [script] + args + added
-    if world_to_check is not None:  # (the ranks show Megatron's import warnings)
-        import warnings
-
-        warnings.simplefilter("ignore")
     if cpu:
         # Megatron asserts this for TP / CP on GPUs older than Blackwell (arch 0 here); no effect on CPU.
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
