@@ -95,10 +95,11 @@ def tokens_fingerprint(data, samples: int = 64) -> str:
     (the lengths alone do not tell a corpus from the same one tokenized otherwise), read in a few
     milliseconds whatever the corpus's size."""
     docs = data.documents
+    n = min(samples, len(docs))
     crc = 0
-    for i in np.unique(np.linspace(0, len(docs) - 1, min(samples, len(docs))).astype(np.int64)).tolist():
+    for i in np.unique(np.linspace(0, len(docs) - 1, n).astype(np.int64)).tolist():
         crc = zlib.crc32(np.ascontiguousarray(docs.get(i), dtype=np.int64), crc)
-    return f"tokens of {min(samples, len(docs))} documents, CRC-32 {crc:08x}"
+    return f"tokens of {n} documents, CRC-32 {crc:08x}"
 
 
 def blend_fingerprint(data) -> str:
@@ -109,7 +110,8 @@ def blend_fingerprint(data) -> str:
     weights = [float(w) for w in data.weights]
     total = sum(weights)
     if not math.isfinite(total):  # (huge weights: their sum overflows; by the largest first, as GlobalBatches does)
-        weights = [w / max(weights) for w in weights]
+        top = max(weights)
+        weights = [w / top for w in weights]
         total = sum(weights)
     return (f"{' + '.join(map(str, data.source_sizes))} documents at weights "
             f"{' : '.join(f'{w / total:.6g}' for w in weights)}")
