@@ -13,9 +13,9 @@
 #   nccl       an all-reduce and a p2p ring over NCCL on every GPU (torchrun)
 #   profile    `megatron-ext profile --device cuda` (bf16, CUDA events), a cost YAML
 #   profile32  the same in fp32, the dtype `train` runs
-#   flexsp     `megatron-ext train --device cuda` for 3 steps of FlexSP plans (N ranks; one GPU: world 1),
+#   flexsp     `megatron-ext train --device cuda` for 6 steps of FlexSP plans (N ranks; one GPU: world 1),
 #              predicted with the fp32 cost YAML
-#   elastic    3 steps of an elastic pipeline (2 stages on 2+ GPUs, else one stage)
+#   elastic    6 steps of an elastic pipeline (2 stages on 2+ GPUs, else one stage)
 #   backends   every installed attention backend (flash-attn, Transformer Engine) against SDPA at bf16,
 #              and the ring's fused-kernel backward on a heads-first output
 # Logs and the YAMLs go to a new directory, named at the end. Without a CUDA GPU: one line, exit 2.
@@ -85,8 +85,8 @@ step profile32 "${CLI[@]}" profile --device cuda --dtype fp32 --cluster "$OUT/cl
   --lengths 2048,8192,32768 --repeats 2 --out "$OUT/cost-fp32.yaml"
 COST=(--cluster "$OUT/cluster.yaml")
 [[ -f "$OUT/cost-fp32.yaml" ]] && COST=(--cost-model "$OUT/cost-fp32.yaml")
-step flexsp "${CLI[@]}" train --device cuda "${COST[@]}" --steps 3 --planner flexsp
-step elastic "${CLI[@]}" train --device cuda "${COST[@]}" --steps 3 --pp "$PP" --planner elastic_pp
+step flexsp "${CLI[@]}" train --device cuda "${COST[@]}" --steps 6 --planner flexsp
+step elastic "${CLI[@]}" train --device cuda "${COST[@]}" --steps 6 --pp "$PP" --planner elastic_pp
 step backends "$PY" scripts/gpu_smoke.py backends
 
 echo

@@ -182,10 +182,8 @@ def _summary(found: Profile, setup: RankSetup) -> str:
     return (f"a1 {model.a1:.3e}  a2 {model.a2:.4f}  launch (b1) {model.launch_ms:.2f} ms  (median fit error "
             f"{round(found.fit['rel_error'], 4):.1%})\n"
             f"activation {model.act_mb_per_token:.4f} MB/token, {model.params_b * 1e3:.3f} M parameters, output layer "
-            f"{model.head_time_share:.0%} of the per-token work"
-            + (f" (measured {found.runs['output_layer_share']:.0%} of the fit's a2, capped: the fit splits a1 and a2 "
-               f"poorly at these lengths; profile longer --lengths)" if model.head_time_share
-               < found.runs["output_layer_share"] else "") + "\n"
+            f"{model.head_share:.0%} of the per-token work"
+            + _head_share_note(model.head_time_share, found.runs["output_layer_share"]) + "\n"
             + "".join(f"all-to-all degree {d}: {v['bandwidth_gbps']:.3f} GB/s, latency {v['latency_ms']:.2f} ms per call "
                       f"in place (raw: {raw[d]['bandwidth_gbps']:.3f} GB/s, {raw[d]['latency_ms']:.2f} ms)\n"
                       for d, v in found.a2a.items())
@@ -194,6 +192,15 @@ def _summary(found: Profile, setup: RankSetup) -> str:
             + f"FlexSP: {cluster.micro_batch_overhead_ms:.2f} ms per micro-batch beyond the model\n"
             f"pipeline: {cluster.pipeline_op_overhead_ms:.2f} ms per stage operation beyond the model\n"
             f"on {setup.device_name}, {setup.dtype_name}, {found.attention} attention, ZeRO-{found.cost.zero_stage}")
+
+
+def _head_share_note(used, measured) -> str:
+    if measured is None:
+        return " (from its FLOPs: the fit's a2 is 0, launches hide the per-token work; profile longer --lengths)"
+    if used < measured:
+        return (f" (measured {measured:.0%} of the fit's a2, capped: the fit splits a1 and a2 poorly at these "
+                f"lengths; profile longer --lengths)")
+    return ""
 
 
 def _fields(spec) -> dict:

@@ -366,7 +366,7 @@ def _micro_batch_overhead_ms(cost: CostModel, pool, max_len: int, repeats: int,
 
 def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int, setup: RankSetup) -> tuple[float, dict]:
     """ms a pipeline stage's operation takes beyond the cost model, in place: a real elastic
-    pipeline step (as many stages as the layers and ranks allow, SP = ranks / stages) on a
+    pipeline step (as many stages as the layers and ranks allow, one at least, SP = ranks / stages) on a
     long-tailed batch, timed, against the simulated step of the same plan with ``cost``; the
     per-operation overhead that makes them agree (bisection on the simulator). Leaves megatron's
     parallel state at that many stages."""
@@ -377,9 +377,8 @@ def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int, setup:
     from megatron_ext.sim import simulate
 
     world, spec = dist.get_world_size(), cost.model
-    stages = max((p for p in range(2, world + 1) if world % p == 0 and spec.num_layers % p == 0), default=1)
-    if stages == 1:
-        return 0.0, {}
+    # one stage where no more divide: its chunks are operations too
+    stages = max((p for p in range(1, world + 1) if world % p == 0 and spec.num_layers % p == 0))
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, stages)
     model = _build_model(spec, max_len, setup)
@@ -478,9 +477,10 @@ def measure(base: CostModel, lengths: list[int], repeats: int, setup: RankSetup,
     # traffic of the stage the cost model is used at
     a1, a2, b1, a2a = fit["a1"], fit["a2"], fit["b1"], {**raw, **fit["a2a"]}
     # the output layer's share of the per-token work a2 (the last pipeline stage runs it alone),
-    # timed at the longest length, where its fixed costs weigh least
-    measured_share = float(max(0.0, np.median(head) / max(a2 * head_s, 1e-9)))
-    head_share = min(0.95, measured_share)
+    # timed at the longest length, where its fixed costs weigh least; a fit with no per-token work
+    # (a2 = 0: launches hide it) has nothing to share, and the FLOPs' share stands
+    measured_share = float(max(0.0, np.median(head) / (a2 * head_s))) if a2 > 0 else None
+    head_share = None if measured_share is None else min(0.95, measured_share)
     p2p = _p2p_bandwidth(world, repeats, setup)
     handoff = [None] * world
     dist.all_gather_object(handoff, _handoff_latency_ms(world, setup))
@@ -508,5 +508,5 @@ def measure(base: CostModel, lengths: list[int], repeats: int, setup: RankSetup,
                                                          micro_batch_overhead_ms=mb_overhead), base.zero_stage)
     tick("a real pipeline step")
     return Profile(fitted, attention, list(lengths), measured, fit, raw, a2a, handoff_ms,
-                   {"output_layer_ms": round(float(np.median(head)), 3), "output_layer_share": round(measured_share, 3),
+                   {"output_layer_ms": round(float(np.median(head)), 3), "output_layer_share": None if measured_share is None else round(measured_share, 3),
                     **flexsp_run, **pipeline_run})
