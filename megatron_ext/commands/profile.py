@@ -15,7 +15,6 @@ import argparse
 import dataclasses
 import os
 import sys
-import warnings
 from pathlib import Path
 
 import torch.distributed as dist
@@ -27,10 +26,9 @@ from megatron_ext.cost import CostModel
 from megatron_ext.errors import MegatronExtError
 from megatron_ext.files import replacing
 
-# megatron-core says on import, once per module, that CPU runs use its plain-torch fallbacks (the
-# launcher imports this module too, and its errors are one line)
-warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
-warnings.filterwarnings("ignore", message=r"full scope is deprecated")
+from megatron_ext.runtime.compat import quiet_fallback_warnings
+
+quiet_fallback_warnings()  # (the launcher imports this module too)
 
 from megatron_ext.runtime.kernels import check_backend  # noqa: E402
 from megatron_ext.runtime.backends import ATTENTION_BACKENDS  # noqa: E402

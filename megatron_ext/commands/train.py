@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +31,7 @@ from megatron_ext.lifetime import die_with_parent, exit_quietly_on_stop_signals,
 from megatron_ext.planner.api import planners_help
 from megatron_ext.runtime.backends import ATTENTION_BACKENDS
 from megatron_ext.runtime.checkpoint import holds_checkpoint
+from megatron_ext.runtime.compat import quiet_fallback_warnings
 from megatron_ext.runtime.device import DEVICE_CHOICES, choose_device
 from megatron_ext.runtime.kernels import check_backend
 from megatron_ext.runtime.train import check_args, open_training_data, stage_sp, train_cost_model
@@ -203,9 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     exit_quietly_on_stop_signals()
     die_with_parent(signal.SIGKILL)
     args = build_parser().parse_args(argv)
-    # megatron-core says, once per rank and module, that CPU runs use its plain-torch fallbacks.
-    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
-    warnings.filterwarnings("ignore", message=r"full scope is deprecated")
+    quiet_fallback_warnings()
     if args.save:
         from megatron_ext.runtime.checkpoint import save_and_stop_on_signals
         save_and_stop_on_signals()

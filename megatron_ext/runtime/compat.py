@@ -42,6 +42,7 @@ import contextlib
 import functools
 import importlib
 import sys
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -95,6 +96,14 @@ class _CpuDeviceMode(TorchFunctionMode):
             args = (args[0], rank_device(), *args[2:])
         return func(*args, **kwargs)
 
+
+
+def quiet_fallback_warnings() -> None:
+    """Silence what megatron-core says on import, once per module: that it runs its plain-torch
+    fallbacks where Transformer Engine and Apex are absent (every CPU run), and that the "full"
+    recompute scope is deprecated. Nothing for a user to do, and a launcher's errors stay one line."""
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
+    warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 
 def _on_cpu(fn):
     """Wrap ``fn`` so that it runs under _CpuDeviceMode."""

@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import platform
 import statistics
-import warnings
 
 import numpy as np
 import torch
@@ -40,11 +39,9 @@ import torch.distributed as dist
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError
 from megatron_ext.spec import MB
+from megatron_ext.runtime.compat import quiet_fallback_warnings
 
-# megatron-core says on import, once per module, that CPU runs use its plain-torch fallbacks (the
-# launcher imports this module too, through commands/profile.py, and its errors are one line)
-warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
-warnings.filterwarnings("ignore", message=r"full scope is deprecated")
+quiet_fallback_warnings()  # (the launcher imports this module too, through commands/profile.py)
 
 from megatron_ext.runtime.attention import UlyssesAttention, UlyssesPackedSeqParams  # noqa: E402
 from megatron_ext.runtime.pipeline_model import unwrap_model  # noqa: E402
