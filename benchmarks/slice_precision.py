@@ -71,9 +71,16 @@ def main(argv=None) -> None:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--slices", default="1,2,4,8,16")
     args = ap.parse_args(argv)
-    counts = [int(x) for x in args.slices.split(",")]
-    if args.heads % args.kv_heads or min(counts) < 1 or max(counts) > args.tokens:
-        ap.error("--heads must be a multiple of --kv-heads, and every slice count in 1..--tokens")
+    try:
+        counts = [int(x) for x in args.slices.split(",")]
+    except ValueError:
+        ap.error(f"--slices takes whole numbers separated by commas, got {args.slices!r}")
+    if min(args.tokens, args.heads, args.kv_heads) < 1 or args.heads % args.kv_heads:
+        ap.error("--tokens, --heads and --kv-heads must be positive, --heads a multiple of --kv-heads")
+    if min(counts) < 1 or max(counts) > args.tokens:
+        ap.error(f"every slice count must be in 1..{args.tokens} (--tokens)")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: no CUDA GPU here")
     t0 = time.perf_counter()
     errors = relative_errors(args.tokens, args.heads, args.kv_heads, counts, args.device)
     print(f"{args.tokens:,} tokens, {args.heads} heads / {args.kv_heads} KV heads of {HEAD_DIM}, on {args.device}: "

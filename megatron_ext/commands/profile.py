@@ -33,7 +33,7 @@ quiet_fallback_warnings()  # (the launcher imports this module too)
 from megatron_ext.runtime.kernels import check_backend  # noqa: E402
 from megatron_ext.runtime.backends import ATTENTION_BACKENDS  # noqa: E402
 from megatron_ext.runtime.device import DEVICE_CHOICES, choose_device, init_rank_process_group, rank_device  # noqa: E402
-from megatron_ext.runtime.profile import DTYPES, Profile, RankSetup, measure, measurements  # noqa: E402
+from megatron_ext.runtime.profile import DTYPES, HEAD_SHARE_CAP, Profile, RankSetup, measure, measurements  # noqa: E402
 from megatron_ext.runtime.timing import DeviceClock  # noqa: E402
 
 RANKS = "megatron_ext.commands.profile"  # what torchrun runs on every rank: this module
@@ -181,7 +181,7 @@ def _summary(found: Profile, setup: RankSetup) -> str:
             f"{round(found.fit['rel_error'], 4):.1%})\n"
             f"activation {model.act_mb_per_token:.4f} MB/token, {model.params_b * 1e3:.3f} M parameters, output layer "
             f"{model.head_share:.0%} of the per-token work"
-            + _head_share_note(model.head_time_share, found.runs["output_layer_share"]) + "\n"
+            + _head_share_note(found.runs["output_layer_share"]) + "\n"
             + "".join(f"all-to-all degree {d}: {v['bandwidth_gbps']:.3f} GB/s, latency {v['latency_ms']:.2f} ms per call "
                       f"in place (raw: {raw[d]['bandwidth_gbps']:.3f} GB/s, {raw[d]['latency_ms']:.2f} ms)\n"
                       for d, v in found.a2a.items())
@@ -192,12 +192,16 @@ def _summary(found: Profile, setup: RankSetup) -> str:
             f"on {setup.device_name}, {setup.dtype_name}, {found.attention} attention, ZeRO-{found.cost.zero_stage}")
 
 
-def _head_share_note(used, measured) -> str:
+def _head_share_note(measured) -> str:
+    """Why the output layer's share is what the summary says: ``measured`` its time over the fit's
+    a2 (None where a2 is 0), the model keeping it up to HEAD_SHARE_CAP and the FLOPs' share past 1."""
     if measured is None:
         return " (from its FLOPs: the fit's a2 is 0, launches hide the per-token work; profile longer --lengths)"
-    if used < measured:
-        return (f" (measured {measured:.0%} of the fit's a2, capped: the fit splits a1 and a2 poorly at these "
-                f"lengths; profile longer --lengths)")
+    if measured > 1:
+        return (f" (from its FLOPs: it measured {measured:.0%} of the fit's a2, which splits a1 and a2 poorly at "
+                f"these lengths; profile longer --lengths)")
+    if measured > HEAD_SHARE_CAP:
+        return f" (measured {measured:.0%} of the fit's a2, capped: the layers do some per-token work too)"
     return ""
 
 

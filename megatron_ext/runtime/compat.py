@@ -1,6 +1,7 @@
 """Run megatron-core 0.16.1 on CPU ranks (gloo) when CUDA is absent.
 
-``apply_cpu_compat()`` is the only entry point. It does nothing when ``torch.cuda.is_available()``
+``apply_cpu_compat()`` is the entry point (``quiet_fallback_warnings()`` silences what megatron-core
+says of its fallbacks on import). It does nothing when ``torch.cuda.is_available()``
 (GPU runs use megatron-core untouched) and is idempotent. On a machine without CUDA every patched
 call would otherwise raise ("Torch not compiled with CUDA enabled", "pin_memory requires an
 accelerator"), so each patch only turns a call that cannot work into its CPU meaning; no code path
@@ -97,13 +98,13 @@ class _CpuDeviceMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-
 def quiet_fallback_warnings() -> None:
     """Silence what megatron-core says on import, once per module: that it runs its plain-torch
     fallbacks where Transformer Engine and Apex are absent (every CPU run), and that the "full"
     recompute scope is deprecated. Nothing for a user to do, and a launcher's errors stay one line."""
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine)( and Apex)? (is|are) not installed")
     warnings.filterwarnings("ignore", message=r"full scope is deprecated")
+
 
 def _on_cpu(fn):
     """Wrap ``fn`` so that it runs under _CpuDeviceMode."""

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.cost import CostModel
-from megatron_ext.errors import ConfigError
+from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.spec import MB
 from megatron_ext.runtime.compat import quiet_fallback_warnings
 
@@ -48,6 +48,7 @@ from megatron_ext.runtime.pipeline_model import unwrap_model  # noqa: E402
 from megatron_ext.runtime.timing import DeviceClock  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+HEAD_SHARE_CAP = 0.95  # the output layer's measured share of a2, at most (the layers do some per-token work)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,18 +322,25 @@ def _handoff_latency_ms(world: int, setup: RankSetup, hops: int = 20) -> float:
     return max(0.0, (min(out) - alone) * 1e3)
 
 
-def _planned_step(planner: str, cost: CostModel, n: int, max_len: int, options=None):
+def _planned_step(cost: CostModel, n: int, max_len: int, *candidates) -> "Step":
     """A training-sized long-tailed batch of ``n`` random-token sequences and its plan, made on
-    rank 0 and broadcast: the same ``Step`` on every rank."""
+    rank 0 by the first of ``candidates`` ((planner, options) pairs) that can plan it, and
+    broadcast: the same ``Step`` on every rank (or the same error)."""
     from megatron_ext.data.lengths import sample_lengths
     from megatron_ext.data.loader import Step, broadcast_plan
-    from megatron_ext.planner import PlannerOptions, make_plan
+    from megatron_ext.planner import make_plan
 
     lengths = sample_lengths("github", n, 0, max_len)
     rng = np.random.default_rng(0)
     batch = [rng.integers(0, cost.model.vocab_size, int(x)) for x in lengths]
-    plan = make_plan(planner, lengths, cost, options or PlannerOptions()) if dist.get_rank() == 0 else None
-    plan, _ = broadcast_plan(plan)
+    plan = error = None
+    for planner, options in candidates if dist.get_rank() == 0 else ():
+        try:
+            plan, error = make_plan(planner, lengths, cost, options), None
+            break
+        except MegatronExtError as e:
+            error = e
+    plan, _ = broadcast_plan(plan, error=error)
     return Step(0, plan, batch, lengths, np.zeros((len(lengths), 3), dtype=np.int64), "", "profile", 0.0)
 
 
@@ -346,7 +354,7 @@ def _micro_batch_overhead_ms(cost: CostModel, pool, max_len: int, repeats: int,
     from megatron_ext.runtime.step import forward_backward
 
     model = _build_model(cost.model, max_len, setup)
-    step = _planned_step("flexsp", cost, 16, max_len)  # several micro-batches
+    step = _planned_step(cost, 16, max_len, ("flexsp", None))  # several micro-batches
     plan = step.plan
 
     def run():
@@ -369,7 +377,7 @@ def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int, setup:
     parallel state at that many stages."""
     from megatron.core import parallel_state
 
-    from megatron_ext.planner import PlannerOptions
+    from megatron_ext.planner.pp.pipeline import PipelineOptions
     from megatron_ext.runtime.step import forward_backward
     from megatron_ext.sim import simulate
 
@@ -379,8 +387,11 @@ def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int, setup:
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, stages)
     model = _build_model(spec, max_len, setup)
-    planned = _planned_step("elastic_pp", cost, 24, max_len,  # a dozen chunks or more
-                            PlannerOptions(pp=stages, sp=world // stages, time_limit=5.0))
+    # a dozen chunks or more; on one stage, where elastic_pp runs the batch in a chunk or two, batch
+    # 1F1B's packs of the longest sequence (elastic_pp where they do not fit: it slices)
+    options = PipelineOptions(pp=stages, sp=world // stages, time_limit=5.0, pack_tokens=max_len)
+    planned = _planned_step(cost, 24, max_len, *([("batch_1f1b", options)] if stages == 1 else []),
+                            ("elastic_pp", options))
 
     def step():
         model.zero_grad_buffer()
@@ -475,9 +486,10 @@ def measure(base: CostModel, lengths: list[int], repeats: int, setup: RankSetup,
     a1, a2, b1, a2a = fit["a1"], fit["a2"], fit["b1"], {**raw, **fit["a2a"]}
     # the output layer's share of the per-token work a2 (the last pipeline stage runs it alone),
     # timed at the longest length, where its fixed costs weigh least; a fit with no per-token work
-    # (a2 = 0: launches hide it) has nothing to share, and the FLOPs' share stands
+    # (a2 = 0: launches hide it), or less than the output layer alone takes, says nothing of it,
+    # and the FLOPs' share stands
     measured_share = float(max(0.0, np.median(head) / (a2 * head_s))) if a2 > 0 else None
-    head_share = None if measured_share is None else min(0.95, measured_share)
+    head_share = min(HEAD_SHARE_CAP, measured_share) if measured_share is not None and measured_share <= 1 else None
     p2p = _p2p_bandwidth(world, repeats, setup)
     handoff = [None] * world
     dist.all_gather_object(handoff, _handoff_latency_ms(world, setup))

@@ -406,9 +406,10 @@ def test_gqa_keeps_kv_unexpanded_only_where_torch_runs_flash(capability, head, d
 
 
 def test_bf16_slices_lose_little_precision_against_the_uncut_sequence():
-    # earlier slices' dK/dV sum their later slices' gradients in bf16 (one rounding each): that must
-    # stay within bf16's own error of the uncut pass (an H100 at 65,536 tokens, 16 slices: dK 5.4e-3
-    # against 4.7e-3 uncut; docs/gpu.md)
+    # earlier slices' dK/dV sum their later slices' gradients in bf16 (one rounding each): within
+    # bf16's own error of the uncut pass (an H100 at 65,536 tokens, 16 slices: dK 5.4e-3 against
+    # 4.7e-3 uncut; docs/gpu.md). What this catches: a prefix gradient lost or counted twice, or
+    # summed coarser than bf16 (on CPU the sliced errors even come out a little under the uncut one)
     import importlib.util
     from pathlib import Path
     path = Path(__file__).parents[2] / "benchmarks" / "slice_precision.py"
