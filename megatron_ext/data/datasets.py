@@ -108,6 +108,7 @@ def _megatron_datasets(module: str):
 _IDX_MAGIC = b"MMIDIDX\x00\x00"  # first bytes of a Megatron .idx file
 _IDX_HEAD = len(_IDX_MAGIC) + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence and document counts
 _TOKEN_DTYPE_CODES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 8: "uint16"}  # megatron-core's DType
+TOKEN_SCAN_BLOCK = 1 << 24  # tokens a vocabulary check reads at once (16M: 32-128 MB)
 
 
 def indexed_dataset_exists(prefix: str | Path) -> bool:
@@ -231,7 +232,11 @@ class IndexedDocuments(HeldLengths):
         if self._tokens == 0:
             return 0, -1
         tokens = np.memmap(self.prefix + ".bin", dtype=self.dtype, mode="r", shape=(self._tokens,))
-        return int(tokens.min()), int(tokens.max())
+        lo, hi = np.iinfo(self.dtype).max, np.iinfo(self.dtype).min
+        for a in range(0, self._tokens, TOKEN_SCAN_BLOCK):  # (one pass: each block read once, for both)
+            block = tokens[a:a + TOKEN_SCAN_BLOCK]
+            lo, hi = min(lo, int(block.min())), max(hi, int(block.max()))
+        return int(lo), int(hi)
 
     @property
     def num_sequences(self) -> int:

@@ -96,11 +96,11 @@ class TrainingData:
     pad: int
 
 
-def open_training_data(values: list[str], vocab_size: int | None) -> TrainingData:
+def open_training_data(values: list[str], vocab_size: int | None, check_tokens: bool = True) -> TrainingData:
     """``--data`` (``open_blend``: a prefix or a blend) and its vocabulary: ``--vocab-size``, every
-    token id of every source checked to be in it (padding then uses id 0: padded positions carry no
-    loss, so any id does), or else the tokenizer every source's corpus manifest names (they must
-    agree)."""
+    token id of every source checked to be in it (unless ``check_tokens`` is False: the ranks, whose
+    launcher checked them; padding then uses id 0: padded positions carry no loss, so any id does),
+    or else the tokenizer every source's corpus manifest names (they must agree)."""
     from megatron_ext.data.corpus import corpus_tokenizer
     from megatron_ext.data.datasets import blend_documents, open_blend
 
@@ -110,7 +110,7 @@ def open_training_data(values: list[str], vocab_size: int | None) -> TrainingDat
     docs, sizes, weights = blend_documents(sources)
     prefixes = [d.prefix for _, d in sources]
     if vocab_size is not None:
-        for _, d in sources:
+        for _, d in sources if check_tokens else ():
             lo, hi = d.token_range()
             if lo < 0 or hi >= vocab_size:
                 raise DataError(f"{d.prefix} holds token id {lo if lo < 0 else hi}, outside the vocabulary "
@@ -255,7 +255,9 @@ class Training:
             box = [stdlib_corpus() if rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
             values = [box[0]]
-        self.data = data = open_training_data(values, args.vocab_size)
+        # (every token id of --data was checked against --vocab-size before the ranks started: a pass
+        # over every .bin, not repeated by each rank)
+        self.data = data = open_training_data(values, args.vocab_size, check_tokens=False)
         weights = initial_weights(cost.model, data.vocab_size, args.max_seq_len, args.attention_backend, args.seed)
         parallel_state.initialize_model_parallel(1, args.pp)
         self.model, _ = build_pipeline_model(cost.model, data.vocab_size, args.max_seq_len, args.attention_backend,

@@ -36,6 +36,17 @@ def test_indexed_round_trip(tmp_path):
     np.testing.assert_array_equal(again.get(3), docs[3])
 
 
+def test_token_range_reads_the_bin_in_blocks(tmp_path, monkeypatch):
+    import megatron_ext.data.datasets as D
+    docs = _random_docs(1)
+    flat = np.concatenate(docs)
+    flat[7], flat[-3] = 0, 60000  # the smallest early, the largest late: in different blocks
+    cuts = np.cumsum([d.size for d in docs])[:-1]
+    ds = IndexedDocuments(write_indexed_dataset(tmp_path / "ds", np.split(flat, cuts)))
+    monkeypatch.setattr(D, "TOKEN_SCAN_BLOCK", 1000)  # several blocks, the last a partial one
+    assert ds.token_range() == (0, 60000)
+
+
 def test_indexed_multi_sequence_documents(tmp_path):
     """A sentence-split Megatron dataset: documents made of several index sequences."""
     mod = _megatron_datasets("indexed_dataset")
