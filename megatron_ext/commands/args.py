@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import tempfile
@@ -75,16 +76,20 @@ def positive_int(text: str) -> int:
     return value
 
 
+DEFAULT_MODEL, DEFAULT_CLUSTER = "gpt-7b", "a100-40g-8x8"
+
+
 def add_cost_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and cluster")
-    g.add_argument("--model", default="gpt-7b", help="model preset or YAML path (default: gpt-7b)")
-    g.add_argument("--cluster", default="a100-40g-8x8", help="cluster preset or YAML path (default: a100-40g-8x8)")
-    g.add_argument("--cost-model", metavar="PATH", help="cost-model YAML (overrides --model/--cluster)")
-    g.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3],
+    g.add_argument("--model", help=f"model preset or YAML path (default: {DEFAULT_MODEL})")
+    g.add_argument("--cluster", help=f"cluster preset or YAML path (default: {DEFAULT_CLUSTER})")
+    g.add_argument("--cost-model", metavar="PATH", help="cost-model YAML (the model and the cluster: not with "
+                                                        "--model / --cluster)")
+    g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3],
                    help="ZeRO stage of the model states (16 bytes a parameter), a what-if: 0 every GPU holds them all "
                         "(DDP), 1 optimizer states and master weights sharded over the GPUs (Megatron's "
-                        "--use-distributed-optimizer), 2 gradients too, 3 parameters too (FSDP; default, the FlexSP "
-                        "paper's setting); not read with --cost-model (the file's zero_stage, else 3)")
+                        "--use-distributed-optimizer), 2 gradients too, 3 parameters too (FSDP; the FlexSP paper's "
+                        "setting); default 3, or with --cost-model the file's zero_stage")
     g.add_argument("--max-ring", type=positive_int, default=1, metavar="R",
                    help="groups may reach past the heads' Ulysses limit with a ring (context parallel) of up to R "
                         "Ulysses subgroups, K/V passed around it (a power of two; default 1: Ulysses only)")
@@ -122,8 +127,17 @@ def note_unused_ring(cost: CostModel, largest: int | None = None) -> None:
 def cost_from_args(args, largest: int | None = None) -> CostModel:
     """The cost model of the options; ``largest``: the most GPUs the command plans for (bench's
     --gpus and scale row), for ``note_unused_ring``."""
-    cost = (CostModel.from_yaml(args.cost_model) if args.cost_model
-            else CostModel.from_presets(args.model, args.cluster, args.zero_stage))
+    if args.cost_model:
+        given = [name for name, v in (("--model", args.model), ("--cluster", args.cluster)) if v is not None]
+        if given:
+            raise ConfigError(f"{' and '.join(given)} with --cost-model: the cost model holds its model and cluster; "
+                              f"give one or the other")
+        cost = CostModel.from_yaml(args.cost_model)
+        if args.zero_stage is not None:  # (a what-if on a measured model: its fixed costs follow the stage)
+            cost = dataclasses.replace(cost, zero_stage=args.zero_stage)
+    else:
+        cost = CostModel.from_presets(args.model or DEFAULT_MODEL, args.cluster or DEFAULT_CLUSTER,
+                                      3 if args.zero_stage is None else args.zero_stage)
     cost = cost.with_max_ring(getattr(args, "max_ring", 1))
     note_unused_ring(cost, largest)
     memory = getattr(args, "memory_mb", None)  # plan / simulate: one budget for every planner

@@ -80,6 +80,9 @@ def _length_list(text: str) -> list[int]:
     if not lengths or max(lengths) > MAX_PROFILE_LENGTH:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive lengths of at most {MAX_PROFILE_LENGTH:,}, "
                                          f"e.g. 128,512,2048, got {text!r}")
+    if len(set(lengths)) < 3:  # (a pass is a1 s^2 + a2 s + b1: three unknowns)
+        raise argparse.ArgumentTypeError(f"expected three different lengths or more (the fit has three unknowns), "
+                                         f"e.g. 128,512,2048, got {text!r}")
     return lengths
 
 

@@ -25,6 +25,7 @@ from megatron_ext.spec import is_int, is_number
 from megatron_ext.text import plural
 
 DRIFT_THRESHOLD = 0.15  # median absolute error above which the model is called off
+DRIFT_MIN_STEPS = 9  # steps (after the first) for the drift: three a third
 
 
 def add_report_command(sub) -> None:
@@ -168,7 +169,8 @@ def fidelity(records: list[dict]) -> dict:
     timed = [r for r in body if len(r.get("micro_batch_times_s", [])) == len(r.get("predicted_micro_batch_times_s", []))]
     mb_err = _errors([t for r in timed for t in r.get("micro_batch_times_s", [])],
                      [t for r in timed for t in r.get("predicted_micro_batch_times_s", [])])
-    thirds = np.array_split(np.abs(step_err), 3) if len(step_err) >= 3 else [np.abs(step_err)] * 3
+    # drift from thirds of DRIFT_MIN_STEPS / 3 steps or more (a third of one step is one step's noise)
+    thirds = np.array_split(np.abs(step_err), 3) if len(step_err) >= DRIFT_MIN_STEPS else None
     out = {
         "steps": len(body),
         "step_median_abs_error": float(np.median(np.abs(step_err))),
@@ -176,9 +178,10 @@ def fidelity(records: list[dict]) -> dict:
         "step_bias": float(np.median(step_err)),  # < 0: the model predicts too little time
         "micro_batch_median_abs_error": float(np.median(np.abs(mb_err))) if mb_err.size else None,
         "micro_batch_p90_abs_error": float(np.percentile(np.abs(mb_err), 90)) if mb_err.size else None,
-        "drift": float(np.median(thirds[-1]) - np.median(thirds[0])),
+        "drift": None if thirds is None else float(np.median(thirds[-1]) - np.median(thirds[0])),
     }
-    out["recalibrate"] = out["step_median_abs_error"] > DRIFT_THRESHOLD or out["drift"] > DRIFT_THRESHOLD / 2
+    out["recalibrate"] = (out["step_median_abs_error"] > DRIFT_THRESHOLD
+                          or (out["drift"] is not None and out["drift"] > DRIFT_THRESHOLD / 2))
     out["layouts"] = layout_counts(body)
     stages = [r for r in body if "ops_per_stage" in r]  # a run of auto may hold pipelines of several layouts
     out["pipelines"] = [_stage_fidelity(name, [r for r in stages if step_layout(r) == name])
@@ -238,7 +241,8 @@ def report_table(records: list[dict]) -> str:
     if f["micro_batch_median_abs_error"] is not None:
         lines.append(f"micro-batch time error: median {f['micro_batch_median_abs_error']:.1%}, "
                      f"p90 {f['micro_batch_p90_abs_error']:.1%}")
-    lines.append(f"drift (last third - first third of the run): {f['drift']:+.1%}")
+    lines.append(f"drift (last third - first third of the run): {f['drift']:+.1%}" if f["drift"] is not None else
+                 f"drift: not measured (under {DRIFT_MIN_STEPS} steps after the first)")
     for pipe in f["pipelines"]:
         S = pipe["stages"]
         replicas = S != len(pipe["stage_op_time_ratio"])  # then each row is one replica's stage

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 
 import numpy as np
 
@@ -109,15 +108,13 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
                 rows.append({**row, "error": unable[name]})
                 continue
             try:
-                t = time.perf_counter()
                 plan = _plan(name, lens, cost, pp, sp, opts, time_limit)
-                solve = time.perf_counter() - t
                 res = simulate(plan, lens, cost, b1_scale=opts.b1_scale, memory_mb=opts.memory_mb, events=False)
                 if keep_plans and step == 0:
                     plans[name] = (plan, lens)
                 row.update(step_time_s=res.step_time_s, tokens_per_s=res.tokens_per_s, bubble_ratio=res.bubble_ratio,
                            recompute_ratio=res.recompute_ratio, peak_memory_gb=res.max_peak_memory_mb / 1024,
-                           solve_time_s=solve, status=plan.solver_status)
+                           solve_time_s=plan.solve_time_s, status=plan.solver_status)
             except MegatronExtError as e:
                 row.update(error=str(e))
             rows.append(row)
@@ -162,7 +159,8 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
              f"speedup_of_{main}": (sum(floors[st] for st in main_steps) / total(main, main_steps)
                                     if main_steps else None),
              "ceiling": {x["planner"]: x["ceiling"] for x in summary if "ceiling" in x}}
-    config = {"model": cost.model.name, "cluster": cost.cluster.name, "num_gpus": cost.num_gpus, "pp": pp, "sp": sp,
+    config = {"model": cost.model.name, "cluster": cost.cluster.name, "num_gpus": cost.num_gpus,
+              "zero_stage": cost.zero_stage, "pp": pp, "sp": sp,
               "source": source, "b1_scale": opts.b1_scale, "memory_mb": opts.memory_mb or cost.cluster.memory_mb,
               "time_limit": time_limit, "main": main, "steps": len(batches)}
     choices: dict[str, int] = {}
@@ -182,7 +180,7 @@ def format_table(summary: list[dict], floor: dict, config: dict, main: str) -> s
     reps = config["num_gpus"] // (config["pp"] * config["sp"])
     head = (f"{config['model']} on {config['cluster']} ({config['num_gpus']} GPUs; pipelines: pp {config['pp']} x "
             f"sp {config['sp']}{f' x {reps} replicas' if reps > 1 else ''}); {config['source']}; b1_scale {config['b1_scale']:g}; "
-            f"memory {config['memory_mb'] / div:.{prec}f} {unit} per GPU")
+            f"memory {config['memory_mb'] / div:.{prec}f} {unit} per GPU, ZeRO-{config['zero_stage']}")
     w = max(16, 2 + max(len(s["planner"]) for s in summary))  # (megatron_balanced_cp: 20)
     v = max(22, 2 + len(main + " speedup"))
     cols = (f"{'planner':<{w}}{'step s':>9}{'tokens/s':>11}{'bubble':>8}{'recomp':>8}{'peak ' + unit:>9}"

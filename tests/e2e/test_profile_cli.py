@@ -190,6 +190,8 @@ def test_lengths_and_out_are_checked_when_parsed(capsys):
     """A length past any pass (each rank overflowed packing it, after the launch) and an empty
     --out (taken as the current folder) are refused by the parser."""
     for argv, msg in ((["--out", "c.yaml", "--lengths", "128,99999999999999999999"], "of at most 1,048,576"),
+                      (["--out", "c.yaml", "--lengths", "1024"], "three different lengths or more"),
+                      (["--out", "c.yaml", "--lengths", "512,1024,1024"], "three different lengths or more"),
                       (["--out", ""], "expected a path, got ''")):
         with pytest.raises(SystemExit):
             profile.build_parser().parse_args(argv)

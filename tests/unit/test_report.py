@@ -28,6 +28,19 @@ def test_fidelity_by_hand(tmp_path):
     assert not f["recalibrate"]
 
 
+def test_drift_needs_three_steps_a_third(tmp_path, capsys):
+    # 3 steps after the first, the last 17% off and the others 8%: each third is one step's noise
+    short = [_rec(0, 9.0, 1.0), _rec(1, 1.0, 1.08), _rec(2, 1.0, 1.08), _rec(3, 1.0, 1.17)]
+    f = fidelity(short)
+    assert f["drift"] is None and not f["recalibrate"]
+    assert main(["report", str(_write(tmp_path, short))]) == 0
+    assert "drift: not measured (under 9 steps after the first)" in capsys.readouterr().out
+    # 9 steps: a real drift, 8% to 17%, is said
+    long = [_rec(0, 9.0, 1.0)] + [_rec(k, 1.0, 1.08) for k in range(1, 7)] + [_rec(k, 1.0, 1.17) for k in range(7, 10)]
+    f = fidelity(long)
+    assert f["drift"] == pytest.approx(0.09) and f["recalibrate"]
+
+
 def test_recalibration_is_suggested_when_the_model_is_off(tmp_path, capsys):
     recs = [{**_rec(k, 1.0, 0.5), "model": "tiny4"} for k in range(5)]
     assert fidelity(recs)["recalibrate"]
