@@ -63,17 +63,18 @@ def cmd_bench(args) -> int:
         raise ConfigError(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply with --gpus (a table "
                           f"across cluster sizes: --per-gpu sequences per GPU, no baselines, no scale row)")
     gpus = parse_gpu_counts(args.gpus) if args.gpus is not None else None
+    dists = list(dict.fromkeys(args.dist.split(",")))  # (each once, in order)
     cost = cost_from_args(args, max(gpus) if gpus else None if args.no_scale else SCALE_GPUS)
     if args.static_degree is not None:  # (else refused as "a 16-sequence batch" cannot run it)
         cost.check_degree(args.static_degree)
     if args.gpus is not None:
-        result = bench_scale(cost, gpus=gpus, dists=args.dist.split(","),
+        result = bench_scale(cost, gpus=gpus, dists=dists,
                              batches=args.batches, per_gpu=8 if args.per_gpu is None else args.per_gpu, max_seq_len=args.max_seq_len,
                              options=options_from_args(args),
                              planners=tuple(dict.fromkeys((args.planner, "timelines"))))
         print(json.dumps(result, indent=1) if args.json else result["table"])
         return 0
-    result = bench_planner(cost, dists=args.dist.split(","), batches=args.batches,
+    result = bench_planner(cost, dists=dists, batches=args.batches,
                            batch=512 if args.batch is None else args.batch,
                            max_seq_len=args.max_seq_len, options=options_from_args(args), planner=args.planner,
                            scale=not args.no_scale)

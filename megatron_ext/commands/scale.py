@@ -34,7 +34,7 @@ LIMIT_SLACK = 1.05  # a plan "held" its time limit when it took at most 5% more
 
 def parse_gpu_counts(text: str) -> list[int]:
     try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
+        counts = list(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))  # (each once, in order)
     except ValueError:
         raise ConfigError(f"--gpus takes comma-separated GPU counts, got {text!r}") from None
     if not counts or min(counts) < 1 or max(counts) > MAX_GPUS:

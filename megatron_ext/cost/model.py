@@ -94,11 +94,16 @@ class CostModel:
                 raise ConfigError(f"{path}: '{what}' must be a preset name, a file path or a mapping of fields")
         model, cluster = (str(Path(path).parent / v) if isinstance(v, str) and (Path(path).parent / v).is_file()
                           and not Path(v).is_absolute() else v for v in (model, cluster))
-        if isinstance(model, dict):
-            model = model_from_mapping({"name": Path(path).stem, **model})
-        if isinstance(cluster, dict):
-            cluster = cluster_from_mapping({"name": Path(path).stem, **cluster})
-        return cls.from_presets(model, cluster, data.get("zero_stage", zero_stage))
+        try:
+            if isinstance(model, dict):
+                model = model_from_mapping({"name": Path(path).stem, **model})
+            if isinstance(cluster, dict):
+                cluster = cluster_from_mapping({"name": Path(path).stem, **cluster})
+            return cls.from_presets(model, cluster, data.get("zero_stage", zero_stage))
+        except ConfigError as e:  # (its zero_stage, or an inline model or cluster: say which file)
+            if str(path) in str(e):
+                raise
+            raise ConfigError(f"{path}: {e}") from None
 
     def without_recompute(self) -> "CostModel":
         """The same model without its own recompute policy (a runtime that runs none of it)."""

@@ -503,12 +503,14 @@ def test_from_yaml_takes_what_profile_measured_on_as_metadata(tmp_path):
      "a2a_bandwidth_gbps: {2: 100}}\n", "power of two"),
     ("model: {num_layers: 2}\ncluster: cpu-4\n", "missing field"),
     ("model: gpt-7b\ncluster: cpu-4\n: :\n  - [\n", "not valid YAML"),
+    ("model: gpt-7b\ncluster: cpu-4\nzero_stage: 5\n", "bad.yaml: zero_stage must be one of 0, 1, 2, 3, got 5"),
 ])
 def test_from_yaml_errors(tmp_path, text, match):
     p = tmp_path / "bad.yaml"
     p.write_text(text)
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ConfigError, match=match) as e:
         CostModel.from_yaml(p)
+    assert str(p) in str(e.value)  # every error names the file
 
 
 def test_spec_dataclasses_are_frozen():
