@@ -333,6 +333,8 @@ def validate_model(m: ModelSpec) -> ModelSpec:
     if m.recompute_layers is not None:
         _check(is_int(m.recompute_layers) and 0 <= m.recompute_layers <= m.num_layers, what,
                f"recompute_layers must be an integer in 0..{m.num_layers}, got {m.recompute_layers!r}")
+        _check(m.recompute == "full", what, f"recompute_layers ({m.recompute_layers}) applies with recompute: full, "
+               f"not {m.recompute!r}")
     _check(isinstance(m.dropout, bool), what, f"dropout must be true or false, got {m.dropout!r}")
     _check(m.num_attention_heads % m.kv_heads == 0, what, "num_attention_heads must divide by num_query_groups")
     _check(m.hidden_size % m.num_attention_heads == 0, what,

@@ -77,6 +77,7 @@ def positive_int(text: str) -> int:
 
 
 DEFAULT_MODEL, DEFAULT_CLUSTER = "gpt-7b", "a100-40g-8x8"
+MAX_BATCHES = 10_000  # batches one command plans (simulate --steps, bench --batches): past this, a typo
 
 
 def add_cost_args(p: argparse.ArgumentParser) -> None:

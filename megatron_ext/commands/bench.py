@@ -15,7 +15,8 @@ import statistics
 
 import numpy as np
 
-from megatron_ext.commands.args import add_cost_args, add_planner_args, cost_from_args, options_from_args, parse_tokens
+from megatron_ext.commands.args import (MAX_BATCHES, add_cost_args, add_planner_args, cost_from_args, options_from_args,
+                                        parse_tokens)
 from megatron_ext.commands.scale import bench_scale, parse_gpu_counts, scaled_cost
 from megatron_ext.cost import CostModel
 from megatron_ext.data.lengths import sample_lengths
@@ -49,8 +50,8 @@ def add_bench_command(sub) -> None:
 
 
 def cmd_bench(args) -> int:
-    if args.batches < 1:
-        raise ConfigError(f"--batches must be at least 1, got {args.batches}")
+    if not 1 <= args.batches <= MAX_BATCHES:
+        raise ConfigError(f"--batches must be from 1 to {MAX_BATCHES:,}, got {args.batches}")
     if args.planner not in planner_names("sp"):  # (the bounds, baselines and shares are of micro-batch plans)
         raise ConfigError(f"bench planner measures FlexSP-kind planners ({', '.join(planner_names('sp'))}), not "
                           f"{args.planner}; compare pipeline planners and auto with `megatron-ext simulate`")

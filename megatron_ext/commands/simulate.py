@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from megatron_ext.commands.args import (add_batch_source_args, add_cost_args, add_pipeline_args, check_args,
+from megatron_ext.commands.args import (MAX_BATCHES, add_batch_source_args, add_cost_args, add_pipeline_args, check_args,
                                         cost_from_args, parse_tokens, pipeline_options_from_args)
 from megatron_ext.commands.plan import trace_if_asked
 from megatron_ext.commands.table import DEFAULT_PLANNERS, simulate_table
@@ -38,8 +38,9 @@ def add_simulate_command(sub) -> None:
 
 
 def cmd_simulate(args) -> int:
-    if args.batch < 1 or args.steps < 1:
-        raise ConfigError(f"--batch and --steps must be at least 1, got {args.batch} and {args.steps}")
+    if args.batch < 1 or not 1 <= args.steps <= MAX_BATCHES:
+        raise ConfigError(f"--batch must be at least 1 and --steps from 1 to {MAX_BATCHES:,}, got {args.batch} "
+                          f"and {args.steps}")
     if args.drop_over_max and not args.lengths:
         raise ConfigError("--drop-over-max applies to --lengths: --dist samples and --data cuts its documents "
                           "within --max-seq-len")

@@ -389,9 +389,9 @@ def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int, setup:
     model = _build_model(spec, max_len, setup)
     # a dozen chunks or more; on one stage, where elastic_pp runs the batch in a chunk or two, batch
     # 1F1B's packs of the longest sequence (elastic_pp where they do not fit: it slices)
-    options = PipelineOptions(pp=stages, sp=world // stages, time_limit=5.0, pack_tokens=max_len)
-    planned = _planned_step(cost, 24, max_len, *([("batch_1f1b", options)] if stages == 1 else []),
-                            ("elastic_pp", options))
+    options = PipelineOptions(pp=stages, sp=world // stages, time_limit=5.0)
+    packs = [("batch_1f1b", dataclasses.replace(options, pack_tokens=max_len))] if stages == 1 else []
+    planned = _planned_step(cost, 24, max_len, *packs, ("elastic_pp", options))
 
     def step():
         model.zero_grad_buffer()

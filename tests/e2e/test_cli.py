@@ -435,7 +435,8 @@ SMALL = ["--model", "llama-7b", "--cluster", "a800-80g-8x1"]  # one node of 8 GP
     (["simulate", "--planners", "flexsp", "--main", "elastic_pp"], "main planner 'elastic_pp' is not among"),
     (["simulate", "--planners", "elastic_pp", "--pp", "3"], "pipeline degree 3 does not divide"),
     (["simulate", "--planners", "flexsp", "--sp", "2"], "--sp applies only to pipeline planners"),
-    (["simulate", "--steps", "0"], "--batch and --steps must be at least 1"),
+    (["simulate", "--steps", "0"], "--steps from 1 to 10,000, got 8 and 0"),
+    (["simulate", "--steps", "1000000000"], "--steps from 1 to 10,000"),  # (ran with no end)
     (["simulate", "--batch", "99999999999"], "--batch must be from 1 to 1,048,576 sequences"),
     (["simulate", "--drop-over-max"], "--drop-over-max applies to --lengths"),
     (["plan", "--planner", "auto", "--sp", "3"], "SP degree 3 is not allowed"),  # not FlexSP alone, silently
@@ -554,7 +555,8 @@ def test_bad_model_yaml(capsys, tmp_path):
 
 
 def test_bench_bad_counts(capsys):
-    for argv, says in ((["--batches", "0"], "--batches must be at least 1"),
+    for argv, says in ((["--batches", "0"], "--batches must be from 1 to 10,000, got 0"),
+                       (["--batches", "99999999999"], "--batches must be from 1 to 10,000"),  # (ran with no end)
                        (["--batch", "0"], "--batch must be from 1 to 1,048,576 sequences, got 0"),
                        (["--per-gpu", "0"], "--per-gpu applies with --gpus"),  # (was accepted, unused)
                        (["--planner", "auto"], "measures FlexSP-kind planners"),  # (was a KeyError)

@@ -359,6 +359,7 @@ def test_cluster_yaml_num_nodes_3(tmp_path):
     (TINY_YAML + "b1: 5.0\n", "b1 is no longer a model field"),
     (TINY_YAML + "recompute: some\n", "recompute must be 'none' or 'full'"),
     (TINY_YAML + "recompute_layers: 3\n", "recompute_layers must be an integer in 0..2"),
+    (TINY_YAML + "recompute_layers: 1\n", "recompute_layers \\(1\\) applies with recompute: full, not 'none'"),
     (TINY_YAML.replace("num_layers: 2", "num_layers: two"), "num_layers"),
     (TINY_YAML.replace("a2: 0.01", "a2: -0.01"), "a2"),
     (TINY_YAML.replace("act_mb_per_token: 0.01", "act_mb_per_token: 0"), "act_mb_per_token"),
