@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -63,6 +64,10 @@ def load_run(run: str | Path) -> list[dict]:
     ``steps.jsonl`` or a Megatron-LM ``--planner-log``."""
     path = Path(run)
     if path.is_dir():
+        runs = sorted(p.parent.name for p in path.glob("*/steps.jsonl"))
+        if runs and not (path / "steps.jsonl").exists():  # (train --compare: a folder a planner)
+            raise ConfigError(f"{path} holds the runs of `train --compare`: report one of them, "
+                              + ", ".join(str(path / r) for r in runs))
         path = path / "steps.jsonl"
     try:
         lines = _record_lines(path)
@@ -79,6 +84,10 @@ def load_run(run: str | Path) -> list[dict]:
             if line.strip():
                 records.append(json.loads(line))
         except json.JSONDecodeError as e:
+            if n == len(lines) and not line.endswith("\n"):  # (a run killed while writing it)
+                print(f"note: {path}: its last line is cut off (a run stopped while writing it): left out",
+                      file=sys.stderr)
+                continue
             raise ConfigError(f"{path}: line {n} is not a JSON record ({e.msg}, column {e.colno})") from None
         except ValueError:  # (what else json's int() refuses: over 4,300 digits)
             raise ConfigError(f"{path}: line {n} holds a number of over 4,300 digits") from None

@@ -99,8 +99,9 @@ def _check_tokenizer_args(tokenizer: str, vocab_size: int) -> None:
     if tokenizer not in TOKENIZERS:
         raise DataError(f"unknown corpus tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
     if tokenizer == "bpe" and (not isinstance(vocab_size, (int, np.integer)) or isinstance(vocab_size, bool)
-                               or vocab_size < BPETokenizer.MIN_VOCAB):
-        raise DataError(f"BPE vocab_size must be an integer of at least {BPETokenizer.MIN_VOCAB}, got {vocab_size!r}")
+                               or not BPETokenizer.MIN_VOCAB <= vocab_size <= BPETokenizer.MAX_VOCAB):
+        raise DataError(f"BPE vocab_size must be an integer from {BPETokenizer.MIN_VOCAB} to "
+                        f"{BPETokenizer.MAX_VOCAB:,}, got {vocab_size!r}")
 
 
 def _tokenizer_tag(tokenizer: str, vocab_size: int) -> str:
@@ -286,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         why = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror else e
         print(f"{ap.prog}: error: {why}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # (the cache keeps only whole files: a rerun builds what is missing)
+        print(f"{ap.prog}: interrupted", file=sys.stderr)
+        return 130
     seconds = time.perf_counter() - start
     extra = {"tokenizer": _tokenizer_tag(args.tokenizer, tok.vocab_size), "vocab_size": tok.vocab_size,
              "eod": tok.eod, "pad": tok.pad, "seconds": round(seconds, 2)}

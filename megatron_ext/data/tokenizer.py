@@ -142,6 +142,7 @@ class BPETokenizer:
     PAD_TOKEN = "<pad>"
     SPECIAL_TOKENS = (EOD_TOKEN, PAD_TOKEN)
     MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # the byte alphabet and the special tokens, no merges
+    MAX_VOCAB = 1 << 20  # past this the trainer asks for memory by the vocabulary (10^10: 567 GB, then aborts)
     ENCODE_BATCH = 64  # texts per encode_batch call in encode_many (bounds the memory of the encodings)
 
     def __init__(self, tokenizer):
@@ -180,9 +181,9 @@ class BPETokenizer:
         from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
         if not isinstance(vocab_size, (int, np.integer)) or isinstance(vocab_size, bool) \
-                or vocab_size < cls.MIN_VOCAB:
-            raise ValueError(f"BPE vocab_size must be an integer of at least {cls.MIN_VOCAB} "
-                             f"(256 bytes + {len(cls.SPECIAL_TOKENS)} special tokens), got {vocab_size!r}")
+                or not cls.MIN_VOCAB <= vocab_size <= cls.MAX_VOCAB:
+            raise ValueError(f"BPE vocab_size must be an integer from {cls.MIN_VOCAB} (256 bytes + "
+                             f"{len(cls.SPECIAL_TOKENS)} special tokens) to {cls.MAX_VOCAB:,}, got {vocab_size!r}")
         tok = HFTokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()

@@ -145,7 +145,7 @@ def test_corpus_tokenizer_errors(tmp_path):
         corpus_tokenizer(prefix)
     with pytest.raises(DataError, match="unknown corpus tokenizer"):
         stdlib_corpus(tmp_path, max_files=3, tokenizer="gpt2")
-    with pytest.raises(DataError, match="at least 258"):
+    with pytest.raises(DataError, match="from 258 to 1,048,576, got 100"):
         stdlib_corpus(tmp_path, max_files=3, vocab_size=100)
 
 
@@ -196,7 +196,8 @@ def test_length_distribution_is_long_tailed(tmp_path):
 
 @pytest.mark.parametrize("argv, says", [
     (["--max-files", "0"], "max_files must be at least 1, got 0"),
-    (["--vocab-size", "5"], "BPE vocab_size must be an integer of at least 258, got 5"),
+    (["--vocab-size", "5"], "BPE vocab_size must be an integer from 258 to 1,048,576, got 5"),
+    (["--vocab-size", "10000000000"], "BPE vocab_size must be an integer from 258 to 1,048,576, got 10000000000"),
 ])
 def test_the_corpus_command_says_bad_input_in_one_line(tmp_path, capsys, argv, says):
     from megatron_ext.data.corpus import main

@@ -62,6 +62,24 @@ def test_train_ends_with_the_same_advice_when_the_model_is_off():
     assert _summary("flexsp", fits).endswith("cost-model error 5% (median)")
 
 
+def test_a_cut_off_last_line_and_a_compare_folder(tmp_path, capsys):
+    # a run killed while writing its last record: the others are reported, with a note
+    recs = [_rec(k, 1.0, 1.1) for k in range(3)]
+    (tmp_path / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"step": 3, "step_ti')
+    assert len(load_run(tmp_path)) == 3
+    assert "its last line is cut off" in capsys.readouterr().err
+    # ... but a bad line that ends is still one
+    (tmp_path / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"step": 3, "step_ti\n')
+    with pytest.raises(ConfigError, match="line 4 is not a JSON record"):
+        load_run(tmp_path)
+    # train --compare's folder: a folder a planner
+    for planner in ("flexsp", "static_ulysses"):
+        (tmp_path / "cmp" / planner).mkdir(parents=True)
+        _write(tmp_path / "cmp" / planner, recs)
+    with pytest.raises(ConfigError, match="holds the runs of `train --compare`: report one of them, .*cmp/flexsp, "):
+        load_run(tmp_path / "cmp")
+
+
 def test_missing_or_malformed_run(tmp_path, capsys):
     with pytest.raises(ConfigError, match="no run records"):
         load_run(tmp_path)
