@@ -164,6 +164,12 @@ def stdlib_corpus(cache_dir: str | Path | None = None, max_files: int | None = N
     tok_path = Path(prefix + TOKENIZER_SUFFIX)
     if (not rebuild and indexed_dataset_exists(prefix) and manifest.exists()
             and (tokenizer == "byte" or tok_path.exists())):
+        try:  # (a cut .bin, a garbled index, manifest or tokenizer: say the way out)
+            IndexedDocuments(prefix)
+            corpus_tokenizer(prefix)
+        except DataError as e:
+            raise DataError(f"{e}; the corpus cache is damaged: `python -m megatron_ext.data.corpus --rebuild` "
+                            f"makes it anew") from None
         return prefix
     logger.info("building the stdlib corpus from %d files under %s into %s", len(files), root, prefix)
     start = time.perf_counter()

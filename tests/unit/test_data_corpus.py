@@ -124,6 +124,16 @@ def test_interrupted_build_reuses_the_tokenizer_and_rebuild_retrains(tmp_path):
     assert open(prefix + ".bin", "rb").read() == data
 
 
+def test_a_damaged_cache_says_rebuild(tmp_path):
+    prefix = stdlib_corpus(tmp_path, max_files=6, tokenizer="byte")
+    data = open(prefix + ".bin", "rb").read()
+    open(prefix + ".bin", "wb").write(data[:-7])  # cut short, as a full disk leaves it
+    with pytest.raises(DataError, match="the corpus cache is damaged: `python -m megatron_ext.data.corpus --rebuild`"):
+        stdlib_corpus(tmp_path, max_files=6, tokenizer="byte")
+    assert stdlib_corpus(tmp_path, max_files=6, tokenizer="byte", rebuild=True) == prefix  # the way out works
+    assert open(prefix + ".bin", "rb").read() == data
+
+
 def test_corpus_tokenizer_errors(tmp_path):
     prefix = stdlib_corpus(tmp_path, max_files=10, vocab_size=300)
     with pytest.raises(DataError, match="no readable manifest"):
