@@ -64,10 +64,10 @@ def load_run(run: str | Path) -> list[dict]:
     ``steps.jsonl`` or a Megatron-LM ``--planner-log``."""
     path = Path(run)
     if path.is_dir():
-        runs = sorted(p.parent.name for p in path.glob("*/steps.jsonl"))
-        if runs and not (path / "steps.jsonl").exists():  # (train --compare: a folder a planner)
+        runs = [] if (path / "steps.jsonl").exists() else sorted(p.parent for p in path.glob("*/steps.jsonl"))
+        if runs:  # (train --compare: a folder a planner)
             raise ConfigError(f"{path} holds the runs of `train --compare`: report one of them, "
-                              + ", ".join(str(path / r) for r in runs))
+                              + ", ".join(map(str, runs)))
         path = path / "steps.jsonl"
     try:
         lines = _record_lines(path)

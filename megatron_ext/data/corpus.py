@@ -98,10 +98,11 @@ def _tokenizers_version() -> str:
 def _check_tokenizer_args(tokenizer: str, vocab_size: int) -> None:
     if tokenizer not in TOKENIZERS:
         raise DataError(f"unknown corpus tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
-    if tokenizer == "bpe" and (not isinstance(vocab_size, (int, np.integer)) or isinstance(vocab_size, bool)
-                               or not BPETokenizer.MIN_VOCAB <= vocab_size <= BPETokenizer.MAX_VOCAB):
-        raise DataError(f"BPE vocab_size must be an integer from {BPETokenizer.MIN_VOCAB} to "
-                        f"{BPETokenizer.MAX_VOCAB:,}, got {vocab_size!r}")
+    if tokenizer == "bpe":
+        try:
+            BPETokenizer.check_vocab_size(vocab_size)
+        except ValueError as e:
+            raise DataError(str(e)) from None
 
 
 def _tokenizer_tag(tokenizer: str, vocab_size: int) -> str:

@@ -161,6 +161,15 @@ class BPETokenizer:
 
     # ---- building, saving, loading ----------------------------------------------------------
     @classmethod
+    def check_vocab_size(cls, vocab_size) -> None:
+        """ValueError unless ``vocab_size`` is an integer in [MIN_VOCAB, MAX_VOCAB] (the byte alphabet
+        and the special tokens at least)."""
+        if not isinstance(vocab_size, (int, np.integer)) or isinstance(vocab_size, bool) \
+                or not cls.MIN_VOCAB <= vocab_size <= cls.MAX_VOCAB:
+            raise ValueError(f"BPE vocab_size must be an integer from {cls.MIN_VOCAB} to {cls.MAX_VOCAB:,}, "
+                             f"got {vocab_size!r}")
+
+    @classmethod
     def train(cls, files: Iterable[str | Path], vocab_size: int = 2048) -> "BPETokenizer":
         """Train on the UTF-8 text files, in the order given (undecodable bytes become U+FFFD)."""
         texts = []
@@ -180,10 +189,7 @@ class BPETokenizer:
         ranked by pair count, ties by token ids, and counts do not depend on threads or order."""
         from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
-        if not isinstance(vocab_size, (int, np.integer)) or isinstance(vocab_size, bool) \
-                or not cls.MIN_VOCAB <= vocab_size <= cls.MAX_VOCAB:
-            raise ValueError(f"BPE vocab_size must be an integer from {cls.MIN_VOCAB} (256 bytes + "
-                             f"{len(cls.SPECIAL_TOKENS)} special tokens) to {cls.MAX_VOCAB:,}, got {vocab_size!r}")
+        cls.check_vocab_size(vocab_size)
         tok = HFTokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
