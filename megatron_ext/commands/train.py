@@ -263,7 +263,7 @@ def _train(args, rank: int, world: int) -> int:
             rec, step = trained.record, trained.step
             if trace is not None:
                 trace.add_step(step.step, step.plan, step.lengths, rec["step_time_s"],
-                               micro_batch_s=rec["micro_batch_times_s"],
+                               rank_micro_batch_s=trained.rank_micro_batch_s,
                                ops_per_row=ops_per_row(trained.ranks) if trained.ranks is not None else None)
             records.append(rec)
             if rank == 0:

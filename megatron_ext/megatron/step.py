@@ -400,11 +400,11 @@ def _pipelines(plan, lengths) -> list[dict]:
     return out
 
 
-def step_record(step: Step, iteration: int, measured_s: float, measured_parts_s: list[float]) -> dict:
+def step_record(step: Step, iteration: int, measured_s: float, rank_parts_s: list[list[float]]) -> dict:
     """One step's record, of the schema ``megatron-ext train`` writes too (``runtime/records.py``),
-    with what only a Megatron-LM run knows. ``measured_parts_s``: the time of each micro-batch
-    (FlexSP) or each stage's busy time, forward and backward ops without waits (elastic pipelines;
-    the slowest replica's: ``measured_stage_busy_s``)."""
+    with what only a Megatron-LM run knows. ``rank_parts_s``: every rank's time in each micro-batch
+    (FlexSP: ``sim.trace.group_spans``) or in its own stage, forward and backward ops without waits,
+    zeros elsewhere (elastic pipelines; per stage, the slowest replica's: ``measured_stage_busy_s``)."""
     plan = step.plan
     predicted = float(plan.estimated_step_time_s)
     kept = step.trained_lengths
@@ -412,14 +412,14 @@ def step_record(step: Step, iteration: int, measured_s: float, measured_parts_s:
     rec = {
         "iteration": iteration,
         **records.step_record(plan, step.lengths, step=step.step, tokens=int(kept.sum()), step_time_s=measured_s,
-                              micro_batch_times_s=[] if piped else measured_parts_s, plan_source=step.plan_source),
+                              rank_micro_batch_s=None if piped else rank_parts_s, plan_source=step.plan_source),
         "solver_status": plan.solver_status, "solve_time_s": plan.solve_time_s,
         "plan_wait_s": step.plan_wait_s, "sequences": len(kept), "dropped_seq_ids": list(plan.dropped_seq_ids),
         "cost_model_error": (predicted - measured_s) / measured_s if measured_s > 0 else None,
         "digest": step.digest,
     }
     if piped:
-        rec.update(pipelines=_pipelines(plan, step.lengths), measured_stage_busy_s=measured_parts_s)
+        rec.update(pipelines=_pipelines(plan, step.lengths), measured_stage_busy_s=[max(t) for t in zip(*rank_parts_s)])
     else:
         rec.update(groups_by_degree=_degrees(plan))
     return rec
@@ -447,11 +447,12 @@ def summary_line(rec: dict) -> str:
 
 def report_step(step: Step, elapsed_s: float, parts_s: list[float], *, args=None, writer="megatron",
                 wandb=None, printer=None, ops_per_row=None) -> dict:
-    """Reduce this step's times over the ranks (slowest rank: a micro-batch lasts as long as its
-    slowest group, a stage as its slowest rank) and log them next to the plan's predictions (see
-    the module doc). ``parts_s``: this rank's time per micro-batch (FlexSP), or its busy time in
-    its own stage's slot and zeros elsewhere (elastic pipelines). Collective: every rank calls it
-    once per training step. ``args``, ``writer`` (a TensorBoard SummaryWriter or None) and
+    """Gather this step's times from every rank (the step lasts as long as its slowest rank, a
+    micro-batch as its slowest group, ``sim.trace.measured_micro_batch_s``, a stage as its slowest
+    rank) and log them next to the plan's predictions (see the module doc). ``parts_s``: this
+    rank's time per micro-batch (FlexSP), or its busy time in its own stage's slot and zeros
+    elsewhere (elastic pipelines). Collective: every rank calls it once per training step (one
+    process alone: its times stand for every rank's). ``args``, ``writer`` (a TensorBoard SummaryWriter or None) and
     ``printer`` default to Megatron's (get_args, get_tensorboard_writer, print_rank_last); with
     Megatron's writer comes its W&B writer (``--wandb-project``: the same scalars, on the rank that
     has one), else ``wandb`` (an object with W&B's ``log(dict, step)``, or None). With
@@ -460,10 +461,15 @@ def report_step(step: Step, elapsed_s: float, parts_s: list[float], *, args=None
     args = _args() if args is None else args
     t = torch.tensor([elapsed_s] + list(parts_s), dtype=torch.float64, device=rank_device())
     if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, t)
+        ranks = torch.stack(gathered).tolist()
+    else:
+        ranks = [t.tolist()] * step.plan.num_gpus
     iteration = int(getattr(args, "curr_iteration", step.step)) + 1
-    times = t.tolist()
-    rec = step_record(step, iteration, times[0], times[1:])
+    elapsed_s = max(r[0] for r in ranks)
+    rank_parts_s = [r[1:] for r in ranks]
+    rec = step_record(step, iteration, elapsed_s, rank_parts_s)
     flag = mode_flag(args)  # the run's, not the step's kind: --flexsp-planner auto runs pipeline steps too
     rec["mode"] = flag[2:] if flag else "elastic-pp" if rec["kind"] == "elastic_pp" else "flexsp"
     STATE.last_step = step
@@ -486,7 +492,7 @@ def report_step(step: Step, elapsed_s: float, parts_s: list[float], *, args=None
     if STATE.trace is not None:
         from megatron_ext.sim.trace import trace_document, write_trace
 
-        STATE.trace.add_step(iteration, step.plan, step.lengths, times[0], micro_batch_s=times[1:],
+        STATE.trace.add_step(iteration, step.plan, step.lengths, elapsed_s, rank_micro_batch_s=rank_parts_s,
                              ops_per_row=ops_per_row)
         write_trace(args.planner_trace, trace_document(STATE.trace.events))
     path = getattr(args, "planner_log", None)

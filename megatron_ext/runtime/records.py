@@ -12,8 +12,9 @@ the same records) and Megatron-LM's ``pretrain_gpt.py --flexsp`` / ``--elastic-p
 - ``degrees``: the SP degrees the step used, largest first;
 - ``planner``, ``kind`` (``flexsp`` or ``elastic_pp``: auto runs either), ``plan_source`` (where the
   plan came from: the planner, or a fallback when it was late);
-- ``micro_batch_times_s`` / ``predicted_micro_batch_times_s``: each micro-batch measured (slowest
-  rank) and predicted (FlexSP plans; empty for pipelines);
+- ``micro_batch_times_s`` / ``predicted_micro_batch_times_s``: each micro-batch measured (its
+  slowest group's span, ``sim.trace.measured_micro_batch_s``) and predicted (FlexSP plans; empty
+  for pipelines);
 - pipeline plans only: ``stages`` (of each pipeline) and ``replicas`` (pipelines side by side).
 
 Each writer adds what only it knows. ``train``: ``loss``, ``grad_norm``, ``model`` (the preset or
@@ -28,12 +29,14 @@ YAML, without --cost-model) and, for pipeline steps, each stage measured against
 from __future__ import annotations
 
 from megatron_ext.plan.validate import replica_groups
+from megatron_ext.sim.trace import measured_micro_batch_s
 
 
-def step_record(plan, lengths, *, step: int, tokens: int, step_time_s: float, micro_batch_times_s,
+def step_record(plan, lengths, *, step: int, tokens: int, step_time_s: float, rank_micro_batch_s,
                 plan_source: str) -> dict:
     """The keys every step record holds (the module doc) for a step of ``plan`` over a batch of
-    ``lengths``, measured ``step_time_s`` and, for a FlexSP plan, ``micro_batch_times_s``."""
+    ``lengths``, measured ``step_time_s`` and, for a FlexSP plan, every rank's seconds in each
+    micro-batch (``rank_micro_batch_s``, see ``sim.trace.group_spans``; None for pipelines)."""
     degrees = sorted({g.degree for mb in plan.micro_batches for g in mb.groups} | {p.sp_degree for p in plan.pipelines},
                      reverse=True)
     rec = {
@@ -41,7 +44,8 @@ def step_record(plan, lengths, *, step: int, tokens: int, step_time_s: float, mi
         "step_time_s": float(step_time_s), "predicted_step_time_s": float(plan.estimated_step_time_s),
         "micro_batches": len(plan.micro_batches) or sum(len(p.chunks) for p in plan.pipelines),
         "degrees": degrees, "planner": plan.planner, "kind": plan.kind, "plan_source": plan_source,
-        "micro_batch_times_s": [float(t) for t in micro_batch_times_s],
+        "micro_batch_times_s": (measured_micro_batch_s(plan, rank_micro_batch_s) if rank_micro_batch_s is not None
+                                else []),
         "predicted_micro_batch_times_s": [mb.estimated_time_s for mb in plan.micro_batches],
     }
     if plan.kind == "elastic_pp" and plan.pipelines:

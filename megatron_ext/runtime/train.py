@@ -218,13 +218,15 @@ def check_args(args, cost: CostModel, world: int, read_checkpoint: bool = True) 
 @dataclass
 class TrainedStep:
     """One trained step: the planned ``step`` (``data.loader.Step``), its ``record`` (every rank's;
-    the stage report of a pipeline step only on rank 0) and, for a pipeline step, ``ranks``: every
+    the stage report of a pipeline step only on rank 0), for a pipeline step ``ranks``: every
     rank's (simulator row, measured stage stats), gathered on rank 0 (None elsewhere, and for FlexSP
-    steps)."""
+    steps), and for a FlexSP step ``rank_micro_batch_s``: every rank's seconds in each micro-batch
+    (``sim.trace.group_spans``)."""
 
     step: object
     record: dict
     ranks: list | None
+    rank_micro_batch_s: list | None = None
 
 
 class Training:
@@ -309,7 +311,6 @@ class Training:
                 piped = step.plan.kind == "elastic_pp"  # (auto: per step)
                 losses, times = forward_backward(step, model, pool=self.pool, pad_id=self.data.pad)
                 if piped:
-                    mb_times = torch.zeros(0, dtype=torch.float64, device=device)
                     # the simulator's row of this rank's stage: replica x stages + stage
                     mine = (times.replica * args.pp + parallel_state.get_pipeline_model_parallel_rank(), times)
                 else:
@@ -320,10 +321,14 @@ class Training:
                 # Only ranks holding loss (every FlexSP rank, a pipeline's last stage) report non-zero sums.
                 total = torch.stack([d["lm loss"] for d in losses]).sum(0) if losses else torch.zeros(2, device=device)
                 dist.all_reduce(total)
-                dist.all_reduce(mb_times, op=dist.ReduceOp.MAX)  # a micro-batch lasts as long as its slowest rank
+                rank_mb = None  # FlexSP: every rank's micro-batch times, each group's span read from them
+                if not piped:
+                    gathered = [torch.empty_like(mb_times) for _ in range(self.world)]
+                    dist.all_gather(gathered, mb_times)
+                    rank_mb = torch.stack(gathered).tolist()
                 rec = {"step": step.step, "loss": float(total[0] / total[1]), "grad_norm": float(grad_norm),
                        **step_record(step.plan, step.lengths, step=step.step, tokens=int(total[1]),
-                                     step_time_s=step_time, micro_batch_times_s=mb_times.tolist(),
+                                     step_time_s=step_time, rank_micro_batch_s=rank_mb,
                                      plan_source=step.plan_source)}
                 ranks = None
                 if piped:  # every stage's operations, to the rank that reports
@@ -334,7 +339,7 @@ class Training:
                         rec.update(_stage_report(ranks, step, self.cost))
                 if not args.cost_model:  # the preset or YAML `report` tells to re-profile
                     rec["model"] = args.model
-                yield TrainedStep(step, rec, ranks)
+                yield TrainedStep(step, rec, ranks, rank_mb)
                 if not (math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"])):
                     # (every rank has the same two numbers: all stop; nothing of this step is saved,
                     # so the last checkpoint stays the newest, as Megatron-LM's NaN check does)

@@ -98,20 +98,42 @@ def plan_trace_events(plan: StepPlan, lengths, cost: CostModel, *, pid: int = 1,
     return events
 
 
-def measured_flexsp_events(plan: StepPlan, lengths, cost: CostModel, micro_batch_s: list[float], *, pid: int,
+def group_spans(plan: StepPlan, rank_micro_batch_s) -> list[list[tuple[float, dict[int, float]]]]:
+    """Each FlexSP micro-batch's groups as they ran, from every rank's micro-batch times
+    (``rank_micro_batch_s[r][m]``: rank r's seconds in micro-batch m, each starting where the last
+    ended, from the step's start): per micro-batch, per group, (its start, each of its ranks' end).
+    Nothing synchronises ranks between micro-batches, so a rank idle or done early in one starts the
+    next early and waits in its group's first all-to-all: the group works from the latest of its
+    ranks' starts."""
+    spans = []
+    for m, mb in enumerate(plan.micro_batches):
+        row = []
+        for g in mb.groups:
+            starts = {r: float(sum(rank_micro_batch_s[r][:m])) for r in g.ranks}
+            row.append((max(starts.values()), {r: starts[r] + float(rank_micro_batch_s[r][m]) for r in g.ranks}))
+        spans.append(row)
+    return spans
+
+
+def measured_micro_batch_s(plan: StepPlan, rank_micro_batch_s) -> list[float]:
+    """Each FlexSP micro-batch's time as measured, comparable with its estimate: its slowest
+    group's, from the group's start to its last rank's end (``group_spans``)."""
+    return [max((max(ends.values()) - start for start, ends in row), default=0.0)
+            for row in group_spans(plan, rank_micro_batch_s)]
+
+
+def measured_flexsp_events(plan: StepPlan, lengths, cost: CostModel, rank_micro_batch_s, *, pid: int,
                            offset_s: float = 0.0) -> list[dict]:
-    """A FlexSP step as it ran: micro-batch m lasted ``micro_batch_s[m]`` (its slowest rank), one
-    after another; a slice for each of its groups on each of the group's GPUs."""
+    """A FlexSP step as it ran (``rank_micro_batch_s``: see ``group_spans``): a slice for each
+    group on each of its GPUs, from the group's start to that GPU's end."""
     lengths = np.asarray(lengths, dtype=np.int64)
     events = process_events(pid, f"measured: {plan.planner} ({plan.kind})", row_names(plan, cost))
     what = _what_runs(plan, lengths)
-    t = offset_s
-    for m, (mb, took) in enumerate(zip(plan.micro_batches, micro_batch_s)):
-        for g in mb.groups:
-            for r in g.ranks:
+    for m, row in enumerate(group_spans(plan, rank_micro_batch_s)):
+        for start, ends in row:
+            for r, end in ends.items():
                 name, args = what(f"mb{m}:", r)
-                events.append(slice_event(pid, r, name, "MB", t, t + took, args))
-        t += took
+                events.append(slice_event(pid, r, name, "MB", offset_s + start, offset_s + end, args))
     return events
 
 
@@ -151,23 +173,23 @@ def ops_per_row(stage_stats: list) -> list[list[tuple[str, float, float]]]:
 class RunTrace:
     """A run's steps one after another (``train --trace``): process 1 the planned timeline of each
     step, process 2 the measured one, each step starting at the same time in both (the later of
-    the two ends starts the next; a FlexSP step's measured micro-batches, each its slowest rank's
-    time, may add up past the step's), with an instant event naming it."""
+    the two ends starts the next), with an instant event naming it."""
 
     def __init__(self, cost: CostModel):
         self.cost = cost
         self.events: list[dict] = []
         self.now_s = 0.0
 
-    def add_step(self, step: int, plan: StepPlan, lengths, measured_s: float, *, micro_batch_s=None,
+    def add_step(self, step: int, plan: StepPlan, lengths, measured_s: float, *, rank_micro_batch_s=None,
                  ops_per_row=None) -> None:
-        """``micro_batch_s`` (FlexSP) or ``ops_per_row`` (pipelines): what the step measured."""
+        """``rank_micro_batch_s`` (FlexSP: ``group_spans``) or ``ops_per_row`` (pipelines): what
+        the step measured."""
         events = [{"ph": "i", "s": "g", "pid": 1, "tid": 0, "name": f"step {step}", "ts": _us(self.now_s)}]
         events += plan_trace_events(plan, lengths, self.cost, pid=1, offset_s=self.now_s)
         if plan.kind == "elastic_pp":
             events += measured_pipeline_events(plan, lengths, self.cost, ops_per_row, pid=2, offset_s=self.now_s)
         else:
-            events += measured_flexsp_events(plan, lengths, self.cost, micro_batch_s, pid=2, offset_s=self.now_s)
+            events += measured_flexsp_events(plan, lengths, self.cost, rank_micro_batch_s, pid=2, offset_s=self.now_s)
         drawn_s = max((e["ts"] + e["dur"] for e in events if e["ph"] == "X"), default=0.0) / 1e6 - self.now_s
         self.events += events
         self.now_s += max(measured_s, drawn_s)

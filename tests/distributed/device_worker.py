@@ -80,12 +80,12 @@ def host_split_follows_moves_and_results():
 def megatron_step_report_passes_and_takes_the_slowest_rank():
     from megatron_ext.megatron.step import report_step
 
-    before = CHECKED["all_reduce"]
+    before = CHECKED["all_gather"]
     r = dist.get_rank()
     lines: list[str] = []
     args = types.SimpleNamespace(curr_iteration=0, log_interval=1, flexsp=True)
     rec = report_step(_step(), 1.0 + r, [0.5 + r, 0.25], args=args, writer=None, printer=lines.append)
-    assert CHECKED["all_reduce"] == before + 1
+    assert CHECKED["all_gather"] == before + 1
     assert rec["step_time_s"] == 2.0, rec["step_time_s"]
     assert lines and "flexsp" in lines[0]
 
@@ -99,7 +99,7 @@ def megatron_step_report_of_a_host_tensor_is_refused():
     saved = step_module.rank_device
     step_module.rank_device = lambda: torch.device("cpu")  # the host, as on a GPU machine
     try:
-        with pytest.raises(DeviceDisciplineError, match="all_reduce on group WORLD: a host tensor"):
+        with pytest.raises(DeviceDisciplineError, match="all_gather on group WORLD: a host tensor"):
             step_module.report_step(_step(), 1.0, [0.5, 0.25], writer=None, printer=lambda line: None,
                                     args=types.SimpleNamespace(curr_iteration=0, log_interval=1, flexsp=True))
     finally:

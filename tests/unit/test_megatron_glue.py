@@ -272,9 +272,10 @@ def test_planner_log_records_have_trains_schema():
 
     step = _step()
     n = len(step.plan.micro_batches)
-    rec = step_record(step, 8, 1.5, [1.5 / n] * n)
+    ranks = [[1.5 / n] * n] * step.plan.num_gpus
+    rec = step_record(step, 8, 1.5, ranks)
     common = records.step_record(step.plan, step.lengths, step=step.step, tokens=int(step.trained_lengths.sum()),
-                                 step_time_s=1.5, micro_batch_times_s=[1.5 / n] * n, plan_source=step.plan_source)
+                                 step_time_s=1.5, rank_micro_batch_s=ranks, plan_source=step.plan_source)
     assert {k: rec[k] for k in common} == common
     assert "measured_step_s" not in rec and "predicted_step_s" not in rec
 

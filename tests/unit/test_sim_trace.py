@@ -79,3 +79,24 @@ def test_plan_cli_writes_a_trace_and_refuses_other_names(tmp_path):
     assert "ui.perfetto.dev" in done.stderr and json.loads(out.read_text())["traceEvents"]
     bad = subprocess.run([*cli, "--trace", str(tmp_path / "plan.png")], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "must end in .json" in bad.stderr
+
+
+def test_measured_flexsp_step_draws_each_group_from_its_last_rank_s_start():
+    """Ranks are not synchronised between micro-batches: ranks 0-1, done early in micro-batch 0,
+    start micro-batch 1 at 1 s and wait in its all-to-all for ranks 2-3 (3 s): each rank's own
+    interval says 4 s, the group worked 2 s, and the trace draws it from 3 s to 5 s on every GPU."""
+    from megatron_ext.plan.schema import MicroBatchPlan, SPGroup, StepPlan
+    from megatron_ext.sim.trace import group_spans, measured_flexsp_events, measured_micro_batch_s
+
+    cost = CostModel.from_presets("gpt-7b", "a100-40g-8x1")
+    plan = StepPlan(kind="flexsp", num_gpus=8, planner="flexsp", micro_batches=[
+        MicroBatchPlan([SPGroup(ranks=[0, 1], seq_ids=[0]), SPGroup(ranks=[2, 3], seq_ids=[1])]),
+        MicroBatchPlan([SPGroup(ranks=[0, 1, 2, 3], seq_ids=[2])])])
+    rank_s = [[1.0, 4.0]] * 2 + [[3.0, 2.0]] * 2 + [[0.5, 0.5]] * 4  # (ranks 4-7 idle)
+    assert group_spans(plan, rank_s)[1] == [(3.0, {0: 5.0, 1: 5.0, 2: 5.0, 3: 5.0})]
+    assert measured_micro_batch_s(plan, rank_s) == [3.0, 2.0]
+    events = [e for e in measured_flexsp_events(plan, [100, 200, 300], cost, rank_s, pid=2, offset_s=10.0)
+              if e["ph"] == "X"]
+    assert sorted((e["tid"], e["ts"], e["dur"]) for e in events) == [
+        (0, 10e6, 1e6), (0, 13e6, 2e6), (1, 10e6, 1e6), (1, 13e6, 2e6),
+        (2, 10e6, 3e6), (2, 13e6, 2e6), (3, 10e6, 3e6), (3, 13e6, 2e6)]
