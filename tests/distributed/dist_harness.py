@@ -31,6 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 
 CHECKS: list = []
+LOGS_KEPT = "(logs kept in "
 
 
 def check(fn):
@@ -233,7 +234,7 @@ def launch(script: Path, nprocs: int, timeout: float = 240.0) -> dict[str, list[
         if k < nprocs:
             results[name].append(f"reported by only {k} of {nprocs} ranks")
     if problems or any(results.values()):
-        results["__launch__"] = problems + [f"(logs kept in {out})"]
+        results["__launch__"] = problems + [f"{LOGS_KEPT}{out})"]
     else:
         shutil.rmtree(out, ignore_errors=True)
     return results
@@ -251,7 +252,8 @@ def checks_as_tests(script: Path, nprocs: int):
         results, test_checks, test_every_check_reported = checks_as_tests(WORKER, nprocs=4)
 
     ``results`` is a module fixture making the one launch; ``test_checks`` reports each check as
-    its own test; ``test_every_check_reported`` fails if a check never reported."""
+    its own test; ``test_every_check_reported`` fails if a check never reported, or if the launch
+    went wrong (a rank that did not finish, the launcher's failure)."""
     import pytest
 
     names = check_names(script)
@@ -266,6 +268,10 @@ def checks_as_tests(script: Path, nprocs: int):
 
     def test_every_check_reported(results):
         assert set(names) <= set(results), sorted(set(names) - set(results))
+        # a launch that went wrong around checks that passed (a rank hung in an unmatched
+        # collective and was killed, the launcher's own exit) fails too
+        problems = [p for p in results.get("__launch__", []) if not p.startswith(LOGS_KEPT)]
+        assert not problems, "\n".join(problems)
 
     return results, test_checks, test_every_check_reported
 
