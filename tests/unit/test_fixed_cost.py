@@ -64,9 +64,13 @@ def test_dist_cuts_documents_as_training_does():
     dist = DISTRIBUTIONS["github"]
     docs = dist.documents(4096, np.random.default_rng(3))
     assert docs.max() > 256 * 1024  # a long tail worth cutting
-    # the one rule: training's make_samples is cut_documents
-    assert np.array_equal(make_samples(docs, 98304), cut_documents(docs, 98304))
+    # training's samples, by hand: pieces of 10, a last piece or document of one token left out
+    assert make_samples([5, 1, 23, 11], 10).tolist() == [[0, 0, 5], [2, 0, 10], [2, 10, 20], [2, 20, 23], [3, 0, 10]]
     a = sample_lengths("github", 4096, 3, 96 * 1024)
+    # --dist's batch: the first 4,096 pieces of documents drawn from the seed, each cut as above
+    cap, drawn = 96 * 1024, dist.documents(2 * 4096 + 16, np.random.default_rng(3))
+    pieces = [p for d in drawn.tolist() for p in [cap] * (d // cap) + ([d % cap] if d % cap >= 2 else [])]
+    assert a.tolist() == pieces[:4096] and a.max() == cap
     b = sample_lengths("github", 4096, 3, 256 * 1024)
     assert a.max() <= 96 * 1024 and b.max() <= 256 * 1024
     assert b.max() > 96 * 1024  # the larger cap keeps long documents whole
