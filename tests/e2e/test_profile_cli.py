@@ -53,6 +53,15 @@ def test_profile_writes_a_usable_cost_model(tmp_path):
     assert doc["profile"]["host"] == "gloo"
     assert set(doc["profile"]["fwd_bwd_ms"]) == {1, 2, 4} and all(len(v) == 3 for v in doc["profile"]["fwd_bwd_ms"].values())
     assert all(len(v) == 3 for v in doc["profile"]["fit_residual_ms"].values())
+    # the written model is the fit: each pass it measured, less the fit's residual, is what it prices
+    # (but where a degree's all-to-all cost did not grow with the tokens: its raw bandwidth stands)
+    raw = doc["profile"]["raw_a2a"]
+    for d, measured_ms in doc["profile"]["fwd_bwd_ms"].items():
+        if d > 1 and cost.cluster.a2a_bandwidth_gbps[d] == pytest.approx(raw[d]["bandwidth_gbps"], rel=1e-3):
+            continue
+        for s, y, r in zip(doc["profile"]["lengths"], measured_ms, doc["profile"]["fit_residual_ms"][d]):
+            priced = cost.pass_fixed_ms + cost.a2a_latency_ms(d) + float(cost.seq_time_ms(s, d))
+            assert priced == pytest.approx(y - r, abs=5e-3), (d, s)
     # a real 2-stage pipeline step of the 2-layer model was timed against the simulator
     assert doc["profile"]["pipeline_stages"] == 2 and doc["profile"]["pipeline_step_ms"] > 0
     # and a real FlexSP step against its plan's estimate
