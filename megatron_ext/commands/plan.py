@@ -35,8 +35,8 @@ def add_plan_command(sub) -> None:
     p = sub.add_parser("plan", help="plan one step from lengths and print the StepPlan")
     add_batch_source_args(p, default_dist="wikipedia")
     p.add_argument("--step", type=int, default=0, metavar="K",
-                   help="with --dist or --data: plan step K of `simulate` (seed + K) or of a training run on --data "
-                        "(default 0)")
+                   help="with --dist: the batch of seed + K (simulate's step K with the same --dist, --seed and "
+                        "--max-seq-len); with --data: step K of a training run on it (default 0)")
     p.add_argument("--max-seq-len", type=parse_tokens, metavar="L",
                    help="longest sequence, e.g. 384K (default: the longest the planner can run on the cluster; "
                         "with --data, needed: the length training cuts documents at)")
@@ -66,33 +66,34 @@ def cmd_plan(args) -> int:
     cost = cost_from_args(args)
     if args.static_degree is not None:
         cost.check_degree(args.static_degree)
-    limit = args.max_seq_len or max_seq_len(args.planner, cost, pipeline_options_from_args(args) if pipelines else None)
-    lengths = lengths_from_args(args, limit)
+    options = pipeline_options_from_args(args) if pipelines else options_from_args(args)  # (refused before drawing)
+    limit = args.max_seq_len or max_seq_len(args.planner, cost, options if pipelines else None)
+    lengths, drawn = lengths_from_args(args, limit)
     if pipelines:
-        return run_pp_plan(args, cost, lengths)
-    options = options_from_args(args)
+        return run_pp_plan(args, cost, lengths, drawn)
     if args.planner == "flexsp":
         _note_if_too_big(lengths[lengths <= cost.max_seq_len], cost, options.time_limit)
     plan = make_plan(args.planner, lengths, cost, options, baselines=() if args.no_baselines else BASELINES)
-    print(plan.to_json(indent=1) if args.json else _plan_table(plan, lengths, cost, args.max_seq_len))
-    plot_if_asked(args, plan, lengths, cost)
-    trace_if_asked(args, plan, lengths, cost)
+    notes = [drawn, plot_if_asked(args, plan, lengths, cost), trace_if_asked(args, plan, lengths, cost)]
+    static = args.static_degree if args.planner == "static_ulysses" else None
+    print(plan.to_json(indent=1) if args.json else _plan_table(plan, lengths, cost, args.max_seq_len, static))
+    print_notes(notes)
     return 0
 
 
-def lengths_from_args(args, limit: int) -> np.ndarray:
+def lengths_from_args(args, limit: int) -> tuple[np.ndarray, str | None]:
     """The batch of ``--lengths FILE`` (refused if over ``--max-seq-len`` without ``--drop-over-max``;
     the planners drop or refuse what they cannot run), step ``--step`` of ``--data`` (documents
-    cut into pieces of at most ``--max-seq-len``, as training cuts them; its source on stderr), or sampled
-    from ``--dist`` up to ``limit`` with the seed ``simulate`` gives that step."""
+    cut into pieces of at most ``--max-seq-len``, as training cuts them), or sampled from
+    ``--dist`` up to ``limit`` with the seed ``simulate`` gives that step; and a note of where a
+    drawn batch came from (None for a file's)."""
     if not 0 <= args.step <= MAX_STEP:
         raise ConfigError(f"--step must be a step number, from 0 to {MAX_STEP:,}, got {args.step:,}")
     if args.data:
         if not 1 <= args.batch <= MAX_BATCH:
             raise ConfigError(f"--batch must be from 1 to {MAX_BATCH:,} sequences, got {args.batch:,}")
         batches, source = dataset_batches(args.data, args.batch, limit, args.seed, range(args.step, args.step + 1))
-        print(f"batch: {source}", file=sys.stderr)
-        return batches[0]
+        return batches[0], f"batch: {source}"
     if args.lengths:
         lengths = read_lengths(args.lengths)
         if args.max_seq_len:
@@ -100,11 +101,13 @@ def lengths_from_args(args, limit: int) -> np.ndarray:
             if over.any() and not args.drop_over_max:
                 raise ConfigError(f"{int(over.sum())} sequence(s) exceed --max-seq-len {args.max_seq_len} "
                                   f"(longest {int(lengths.max())}); use --drop-over-max to drop them")
-        return lengths
+        return lengths, None
     if 0 <= args.seed <= MAX_SEED < args.seed + args.step:  # (step K draws from seed + K)
         raise ConfigError(f"--seed {args.seed} + --step {args.step} passes the largest seed, 2^63 - 1: use a smaller "
                           f"seed")
-    return sample_lengths(args.dist, args.batch, args.seed + args.step, limit)
+    lengths = sample_lengths(args.dist, args.batch, args.seed + args.step, limit)
+    return lengths, (f"batch: {plural(len(lengths), 'sequence')} of --dist {args.dist}, seed {args.seed + args.step}, "
+                     f"documents cut at {limit:,} tokens")
 
 
 def _note_if_too_big(lengths: np.ndarray, cost: CostModel, time_limit: float) -> None:
@@ -118,10 +121,18 @@ def _note_if_too_big(lengths: np.ndarray, cost: CostModel, time_limit: float) ->
               f"its time limit cannot cut short); --time-limit {time_limit:g} is too short", file=sys.stderr)
 
 
-def _plan_table(plan, lengths, cost, max_seq_len: int | None = None) -> str:
-    lines = [f"{plan.planner} plan for {plural(len(lengths), 'sequence')} "
-             f"({int(lengths.sum()):,} tokens) "
-             f"of {cost.model.name} on {cost.cluster.name} ({cost.num_gpus} GPUs)", ""]
+def _head(plan, lengths, cost) -> str:
+    """What was planned: the sequences kept (those dropped said apart), the model and cluster."""
+    dropped = np.asarray(plan.dropped_seq_ids, dtype=np.int64)
+    kept = len(lengths) - len(dropped)
+    return (f"{plan.planner} plan for {plural(kept, 'sequence')} ({int(lengths.sum() - lengths[dropped].sum()):,} "
+            f"tokens{f'; {len(dropped):,} dropped' if len(dropped) else ''}) of {cost.model.name} on "
+            f"{cost.cluster.name} ({cost.num_gpus} GPUs)")
+
+
+def _plan_table(plan, lengths, cost, max_seq_len: int | None = None, static_degree: int | None = None) -> str:
+    """``static_degree``: static_ulysses's (what a group of it holds caps the length)."""
+    lines = [_head(plan, lengths, cost), ""]
     if plan.barrier_free:  # no micro-batch barrier: row k is each GPU set's k-th pass, its slowest timed
         lines.append(f"{'pass':>4} {'time s':>7}  groups (degree x count: sequences, tokens), each from when its "
                      f"GPUs are free")
@@ -147,7 +158,8 @@ def _plan_table(plan, lengths, cost, max_seq_len: int | None = None) -> str:
         lines.append(f"any-degree bound {rb:.3f} s ({plan.estimated_step_time_s / rb:.3f}x): any number of GPUs per "
                      f"sequence, no head limit")
     if plan.dropped_seq_ids:
-        limit = min(cost.max_seq_len, max_seq_len or cost.max_seq_len)
+        cap = cost.token_capacity(static_degree) if static_degree is not None else cost.max_seq_len
+        limit = min(cap, max_seq_len or cap)
         lines.append(f"dropped {len(plan.dropped_seq_ids)} sequence(s) over the {limit}-token limit: "
                      f"ids {plan.dropped_seq_ids[:10]}{' ...' if len(plan.dropped_seq_ids) > 10 else ''}")
     if plan.baselines:
@@ -159,10 +171,10 @@ def _plan_table(plan, lengths, cost, max_seq_len: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def run_pp_plan(args, cost, lengths) -> int:
+def run_pp_plan(args, cost, lengths, drawn: str | None = None) -> int:
     """``plan`` with a pipeline planner (elastic_pp, seq1f1b, batch_1f1b, auto): plans, times the
     baselines, prints the summary (or the StepPlan JSON with ``--json``), and draws the plan with
-    ``--plot FILE.png``."""
+    ``--plot FILE.png``; ``drawn``: the note of where the batch came from."""
     from megatron_ext.planner.api import PP_BASELINES
     from megatron_ext.planner.options import PlannerOptions
     from megatron_ext.sim import simulate
@@ -179,18 +191,17 @@ def run_pp_plan(args, cost, lengths) -> int:
               f"is not cut short before its first candidate, and one of {sum(len(p.chunks) for p in plan.pipelines):,} "
               f"chunks ({plural(len(lengths), 'sequence')}, the longest {int(lengths.max()):,} tokens) takes that long "
               f"here; raise --time-limit, or plan fewer or shorter sequences", file=sys.stderr)
+    notes = [drawn, plot_if_asked(args, plan, lengths, cost), trace_if_asked(args, plan, lengths, cost)]
     if getattr(args, "json", False):
         print(plan.to_json(indent=1))
     else:
         res = simulate(plan, lengths, cost, b1_scale=opts.b1_scale, events=False)
-        print(f"{plan.planner} plan for {plural(len(lengths), 'sequence')} ({int(lengths.sum()):,} tokens) of "
-              f"{cost.model.name} on {cost.cluster.name} ({cost.num_gpus} GPUs)\n")
+        print(_head(plan, lengths, cost) + "\n")
         print(describe_plan(plan, lengths, res))
         if plan.pipelines:
             print("\n" + pipeline_tables(plan, lengths, cost, opts.b1_scale,
                                           max_chunks=getattr(args, "chunks", SHOWN_CHUNKS)))
-    plot_if_asked(args, plan, lengths, cost)
-    trace_if_asked(args, plan, lengths, cost)
+    print_notes(notes)
     return 0
 
 
@@ -334,11 +345,20 @@ def describe_plan(plan, lengths, result=None) -> str:
     return "\n".join(lines)
 
 
-def plot_if_asked(args, plan, lengths, cost) -> None:
-    """``--plot FILE``: draw ``plan`` (any kind) to FILE; a note on stderr says where."""
+def print_notes(notes) -> None:
+    """The notes of the files written (``plot_if_asked``, ``trace_if_asked``: None where none was),
+    on stderr. The files are written before stdout's output, so that a reader that closes it early
+    (``| head``) does not lose them."""
+    for note in notes:
+        if note:
+            print(note, file=sys.stderr)
+
+
+def plot_if_asked(args, plan, lengths, cost) -> str | None:
+    """``--plot FILE``: draw ``plan`` (any kind) to FILE; returns the note saying where."""
     path = getattr(args, "plot", None)
     if not path:
-        return
+        return None
     from megatron_ext.commands.plot import plot_plan
 
     opts = pipeline_options_from_args(args)
@@ -346,15 +366,15 @@ def plot_if_asked(args, plan, lengths, cost) -> None:
         plot_plan(plan, lengths, cost, path, b1_scale=opts.b1_scale)
     except OSError as e:
         raise ConfigError(f"cannot write the plot to {path}: {e.strerror or e}") from None
-    print(f"plot written to {path}", file=sys.stderr)
+    return f"plot written to {path}"
 
 
-def trace_if_asked(args, plan, lengths, cost) -> None:
-    """``--trace FILE``: ``plan``'s simulated timeline as a Chrome trace in FILE; a note on stderr
-    says where."""
+def trace_if_asked(args, plan, lengths, cost) -> str | None:
+    """``--trace FILE``: ``plan``'s simulated timeline as a Chrome trace in FILE; returns the note
+    saying where."""
     path = getattr(args, "trace", None)
     if not path:
-        return
+        return None
     from megatron_ext.sim.trace import plan_trace_events, trace_document, write_trace
 
     events = plan_trace_events(plan, lengths, cost, b1_scale=pipeline_options_from_args(args).b1_scale)
@@ -362,4 +382,4 @@ def trace_if_asked(args, plan, lengths, cost) -> None:
         write_trace(path, trace_document(events, model=cost.model.name, cluster=cost.cluster.name))
     except OSError as e:
         raise ConfigError(f"cannot write the trace to {path}: {e.strerror or e}") from None
-    print(f"trace of {plan.planner}'s plan written to {path} (open it in ui.perfetto.dev)", file=sys.stderr)
+    return f"trace of {plan.planner}'s plan written to {path} (open it in ui.perfetto.dev)"

@@ -9,7 +9,7 @@ import numpy as np
 
 from megatron_ext.commands.args import (MAX_BATCHES, add_batch_source_args, add_cost_args, add_pipeline_args, check_args,
                                         cost_from_args, parse_tokens, pipeline_options_from_args)
-from megatron_ext.commands.plan import trace_if_asked
+from megatron_ext.commands.plan import print_notes, trace_if_asked
 from megatron_ext.commands.table import DEFAULT_PLANNERS, simulate_table
 from megatron_ext.data.lengths import read_lengths
 from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError
@@ -57,18 +57,21 @@ def cmd_simulate(args) -> int:
                          seed=args.seed,
                          max_seq_len=args.max_seq_len, planners=planners, main=args.main, options=opts,
                          time_limit=opts.time_limit, keep_plans=bool(args.plot or args.trace))
-    print(json.dumps({k: out[k] for k in ("config", "summary", "floor", "rows")}, indent=1) if args.json else out["table"])
+    text = json.dumps({k: out[k] for k in ("config", "summary", "floor", "rows")}, indent=1) if args.json else out["table"]
     if all("error" in s for s in out["summary"]):  # (the table says why, planner by planner)
+        print(text)
         raise InfeasibleError(f"no planner could plan any step: {', '.join(s['planner'] for s in out['summary'])} "
                               f"infeasible")
+    notes = []  # (the files first: a reader that closes stdout early, `| head`, must not lose them)
     if args.plot or args.trace:
         main = out["config"]["main"]
         first = out["plans"].get(main)
         if first is None:
+            print(text)
             raise ConfigError(f"{'--plot' if args.plot else '--trace'}: {main} could not plan the first step, "
                               f"nothing to draw")
         plan, lens = first
-        trace_if_asked(args, plan, lens, cost)
+        notes.append(trace_if_asked(args, plan, lens, cost))
     if args.plot:
         from megatron_ext.commands.plot import plot_comparison
 
@@ -77,7 +80,9 @@ def cmd_simulate(args) -> int:
                             b1_scale=opts.b1_scale)
         except OSError as e:
             raise ConfigError(f"cannot write the plot to {args.plot}: {e.strerror or e}") from None
-        print(f"plot of {main}'s first step written to {args.plot}", file=sys.stderr)
+        notes.append(f"plot of {main}'s first step written to {args.plot}")
+    print(text)
+    print_notes(notes)
     return 0
 
 

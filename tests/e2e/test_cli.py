@@ -218,8 +218,9 @@ def test_plan_notes_a_time_limit_below_its_first_plan(capsys):
     code, out, err = run(capsys, "plan", "--dist", "wikipedia", "--batch", "512", "--time-limit", "1e-4",
                          "--no-baselines")
     assert code == 0 and "estimated step time" in out
-    assert err.startswith("note: planning 512 sequences takes about ") and err.count("\n") == 1
-    assert err.rstrip().endswith("--time-limit 0.0001 is too short")
+    note, drawn = err.splitlines()  # (what was drawn: simulate's step with the same --max-seq-len)
+    assert drawn == "batch: 512 sequences of --dist wikipedia, seed 0, documents cut at 382,157 tokens"
+    assert note.startswith("note: planning 512 sequences takes about ") and note.endswith("--time-limit 0.0001 is too short")
 
 
 def test_plan_notes_a_pipeline_plan_past_its_time_limit(capsys, tmp_path):
@@ -326,7 +327,7 @@ def test_plan_and_simulate_draw_the_batches_train_draws(capsys, corpus):
     docs = IndexedDocuments(corpus)
     loader = PlanningDataLoader(docs, C7B, 16, seed=3, max_seq_len=8192, background=False)
     args = build_parser().parse_args(["plan", "--data", corpus, "--batch", "16", "--seed", "3", "--step", "4"])
-    got = lengths_from_args(args, 8192)
+    got, _ = lengths_from_args(args, 8192)
     np.testing.assert_array_equal(got, loader.batch_lengths(4))
     # The 20,000-token document is cut into pieces as train cuts it, never dropped.
     all_ids = np.concatenate([loader.batch_sample_ids(k) for k in range(loader.steps_per_epoch)])
@@ -360,15 +361,14 @@ def test_plan_and_simulate_a_weighted_blend(capsys, corpus, tmp_path):
     write_indexed_dataset(other, [rng.integers(0, 1000, n).astype(np.uint16) for n in rng.integers(10, 400, 30)])
     blend = ["0.25", corpus, "0.75", other + ".bin"]
     args = build_parser().parse_args(["plan", "--data", *blend, "--batch", "16", "--seed", "2", "--step", "5"])
-    got = lengths_from_args(args, 8192)
+    got, drawn = lengths_from_args(args, 8192)
     a, b = IndexedDocuments(corpus), IndexedDocuments(other)
     ref = GlobalBatches(np.concatenate([a.lengths, b.lengths]), 16, 8192, 2, source_sizes=[62, 30],
                         weights=[0.25, 0.75])
     ids = ref.batch_sample_ids(5)
     np.testing.assert_array_equal(got, ref.batch_lengths(5))
     assert np.count_nonzero(ref.samples[ids, 0] >= 62) == 12  # three quarters of every batch
-    assert f"{corpus} (62 documents, 25% of each batch) + {other} (30 documents, 75% of each batch)" in \
-        capsys.readouterr().err
+    assert f"{corpus} (62 documents, 25% of each batch) + {other} (30 documents, 75% of each batch)" in drawn
 
     code, out, err = run(capsys, "simulate", "--data", *blend, "--batch", "16", "--steps", "2", "--seed", "2",
                          "--max-seq-len", "8K", "--planners", "flexsp", "--model", "gpt-7b",
@@ -770,3 +770,22 @@ def test_bench_notes_a_ring_only_where_no_cluster_of_its_table_uses_it(capsys):
 ])
 def test_a_seed_valid_alone_but_not_for_its_steps_names_both(capsys, argv, match):
     assert_one_line_error(*run(capsys, *argv, "--seed", str(2**63 - 1), *FAST), match)
+
+
+def test_plan_writes_its_files_before_a_reader_closes_stdout(tmp_path):
+    """`plan ... | head -c 100`: the plot and trace are written before the plan goes to stdout, so
+    a reader that stops early loses neither (the broken pipe is not an error)."""
+    import fcntl
+    import os
+
+    plot, trace = tmp_path / "p.png", tmp_path / "t.json"
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, getattr(fcntl, "F_SETPIPE_SZ", 1031), 4096)  # (the plan's JSON cannot fit in the pipe)
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_ext.commands.cli", "plan", "--dist", "wikipedia",
+                             "--batch", "256", "--json", "--no-baselines", "--plot", str(plot), "--trace", str(trace),
+                             *FAST], stdout=write_end, stderr=subprocess.PIPE)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as reader:
+        assert reader.read(100)  # (then closed, as head does)
+    assert proc.wait(timeout=120) == 0, proc.stderr.read().decode()[-2000:]
+    assert plot.stat().st_size > 0 and json.loads(trace.read_text())["traceEvents"]
