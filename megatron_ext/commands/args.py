@@ -199,8 +199,9 @@ def add_pipeline_args(p) -> None:
                    help="elastic_pp's activation recompute: per (stage, chunk) by the HiGHS ILP (default), by the "
                         "greedy, none (chunks small enough to fit) or every layer")
     g.add_argument("--recompute-ties", choices=("best", "tied", "untied"),
-                   help="the ILP's variables: tied along the schedule's diagonals (InfiniPipe), one per stage and "
-                        "chunk, or both and the faster simulated plan (default: best)")
+                   help="the recompute's variables (the ILP's, the greedy's): tied along the schedule's diagonals "
+                        "(InfiniPipe), one per stage and chunk, or both and the faster simulated plan (default: best; "
+                        "the greedy alone: tied)")
 
 
 def check_args(args, planners: tuple[str, ...]) -> None:
@@ -229,6 +230,9 @@ def check_args(args, planners: tuple[str, ...]) -> None:
         if given and not any(p in users or p not in PLANNERS for p in planners):
             raise ConfigError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to {what} "
                               f"({', '.join(users)}), not to {', '.join(planners)}")
+    if getattr(args, "recompute_ties", None) is not None and getattr(args, "recompute", None) in ("none", "full"):
+        raise ConfigError(f"--recompute-ties applies to what the ILP or the greedy recomputes, not to --recompute "
+                          f"{args.recompute}")
     if getattr(args, "max_ring", 1) > 1 and all(p in PLANNERS and PLANNERS[p].kind == "pp" for p in planners):
         raise ConfigError(f"--max-ring applies only to planners of SP groups over all GPUs "
                           f"({', '.join(planner_names('sp', 'auto'))}), not to {', '.join(planners)}: "

@@ -23,7 +23,7 @@ from megatron_ext.data.lengths import MAX_BATCH, MAX_SEED, read_lengths, sample_
 from megatron_ext.errors import ConfigError
 from megatron_ext.plan.validate import replica_groups
 from megatron_ext.planner import make_plan
-from megatron_ext.planner.api import PIPELINE_KINDS, get_planner, max_seq_len
+from megatron_ext.planner.api import PIPELINE_KINDS, get_planner, max_seq_len, planner_names
 from megatron_ext.planner.api import BASELINES
 from megatron_ext.text import plural
 
@@ -42,7 +42,7 @@ def add_plan_command(sub) -> None:
                         "with --data, needed: the length training cuts documents at)")
     p.add_argument("--json", action="store_true", help="print the StepPlan JSON")
     p.add_argument("--no-baselines", action="store_true", help="skip timing the baselines")
-    p.add_argument("--chunks", type=_chunk_count, default=SHOWN_CHUNKS, metavar="N",
+    p.add_argument("--chunks", type=_chunk_count, metavar="N",
                    help=f"pipeline plans: chunks listed per pipeline, its first and last ones (default {SHOWN_CHUNKS}; "
                         f"all: every one; --json: the whole plan)")
     add_cost_args(p)
@@ -51,18 +51,26 @@ def add_plan_command(sub) -> None:
     p.set_defaults(func=cmd_plan)
 
 
-def _chunk_count(text: str) -> int | None:
+def _chunk_count(text: str) -> int | str:
     if text.strip().lower() == "all":
-        return None
+        return "all"
     try:
         return positive_int(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected a positive number of chunks or 'all', got {text!r}") from None
 
 
+def _shown_chunks(given: int | str | None) -> int | None:
+    """``--chunks``: how many chunks a pipeline lists (None: all)."""
+    return None if given == "all" else given or SHOWN_CHUNKS
+
+
 def cmd_plan(args) -> int:
     pipelines = get_planner(args.planner).kind in PIPELINE_KINDS
     check_args(args, (args.planner,))
+    if args.chunks is not None and not pipelines:
+        raise ConfigError(f"--chunks applies only to pipeline plans ({', '.join(planner_names(*PIPELINE_KINDS))}), "
+                          f"not to {args.planner}")
     cost = cost_from_args(args)
     if args.static_degree is not None:
         cost.check_degree(args.static_degree)
@@ -200,7 +208,7 @@ def run_pp_plan(args, cost, lengths, drawn: str | None = None) -> int:
         print(describe_plan(plan, lengths, res))
         if plan.pipelines:
             print("\n" + pipeline_tables(plan, lengths, cost, opts.b1_scale,
-                                          max_chunks=getattr(args, "chunks", SHOWN_CHUNKS)))
+                                          max_chunks=_shown_chunks(getattr(args, "chunks", None))))
     print_notes(notes)
     return 0
 

@@ -47,7 +47,10 @@ PACKED_COLOR = "#9e9e9e"
 DEGREE_COLORS = {1: "#f0e442", 2: "#56b4e9", 4: "#e69f00", 8: "#cc79a7", 16: "#009e73", 32: "#d55e00",
                  64: "#0072b2", 128: "#000000"}
 # length histogram of a pipeline: whole sequences grey (as their chunks), cut ones by slices (up to 2, 4, ...)
-SLICE_COLORS = {2: "#fd8d3c", 4: "#e6550d", 8: "#a63603", 16: "#7f2704"}
+# slices of a cut sequence, by powers of two (up to 2, 4, 8, ...): oranges, then purples, blues, greens,
+# each its own colour (the last one for any more)
+SLICE_COLORS = ["#fd8d3c", "#e6550d", "#a63603", "#7f2704", "#4d1802", "#6a51a3", "#54278f", "#3f007d", "#08519c",
+                "#08306b", "#006d2c", "#00441b"]
 DROPPED = 1 << 30  # histogram key of dropped sequences: sorts last, drawn on top
 DROPPED_COLOR = "#9467bd"
 RECOMPUTE_HATCH = "////"  # unlike the sequences' hatches
@@ -326,7 +329,8 @@ def _slices_hist(plan: StepPlan, lengths: np.ndarray) -> LengthHist:
     slices = np.bincount([x.seq_id for x in pieces], minlength=len(lengths))
     keys = [1 << max(0, int(k) - 1).bit_length() for k in slices]  # 1 -> 1 (whole), 2 -> 2, 3..4 -> 4, 5..8 -> 8
     choices = {k: ("whole" if k == 1 else "cut in 2" if k == 2 else f"cut in {k // 2 + 1}-{k}",
-                   PACKED_COLOR if k == 1 else SLICE_COLORS.get(k, "#4d1802")) for k in set(keys)}
+                   PACKED_COLOR if k == 1 else SLICE_COLORS[min(k.bit_length() - 2, len(SLICE_COLORS) - 1)])
+               for k in set(keys)}
     chunk_tokens = [sum(x.end - x.start for x in c.pieces) for p in plan.pipelines for c in p.chunks]
     marks = [(max(chunk_tokens), f"largest chunk {_tokens(max(chunk_tokens))}")] if chunk_tokens else []
     cut = [x.end - x.start for x in pieces if slices[x.seq_id] > 1]

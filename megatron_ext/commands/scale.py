@@ -23,7 +23,7 @@ import numpy as np
 
 from megatron_ext.cost import CostModel
 from megatron_ext.data.lengths import MAX_BATCH, sample_lengths
-from megatron_ext.errors import ConfigError
+from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.planner import PlannerOptions, make_plan
 from megatron_ext.plan import group_starts_ms
 from megatron_ext.planner.api import PLANNERS
@@ -43,13 +43,16 @@ def parse_gpu_counts(text: str) -> list[int]:
 
 
 def scaled_cost(cost: CostModel, gpus: int) -> CostModel:
-    """The same model on ``gpus`` GPUs of the cost model's cluster kind (whole nodes)."""
+    """The same model on ``gpus`` GPUs of the cost model's cluster kind (whole nodes), its model
+    states checked against the memory (ZeRO shards them over the GPUs)."""
     per_node = cost.cluster.gpus_per_node
     if gpus % per_node:
         raise ConfigError(f"{gpus} GPUs is not a whole number of {cost.cluster.name}'s {per_node}-GPU nodes")
     cluster = validate_cluster(dataclasses.replace(cost.cluster, num_nodes=gpus // per_node,
                                                    name=f"{cost.cluster.name} x {gpus} GPUs"))
-    return dataclasses.replace(cost, cluster=cluster)
+    scaled = dataclasses.replace(cost, cluster=cluster)
+    _ = scaled.tokens_per_gpu  # (raises where the model states leave no activation room)
+    return scaled
 
 
 def step_shares(plan, lengths: np.ndarray, cost: CostModel) -> tuple[float, float]:
@@ -76,9 +79,15 @@ def bench_scale(cost: CostModel, gpus: list[int], dists: list[str], batches: int
         raise ConfigError(f"{', '.join(left_out)} runs passes without barriers, which ZeRO-3 cannot (every pass "
                           f"gathers the parameters over every GPU): use --zero-stage 0, 1 or 2")
     options = dataclasses.replace(options, drop_over_max=True)
+    scaled = {}  # (every count refused or accepted before any is planned)
+    for n in gpus:
+        try:
+            scaled[n] = scaled_cost(cost, n)
+        except MegatronExtError as e:
+            raise ConfigError(f"--gpus {n}: {e}") from None
     rows = []
     for n in gpus:
-        big = scaled_cost(cost, n)
+        big = scaled[n]
         for dist in dists:
             for seed in range(batches):
                 lengths = sample_lengths(dist, per_gpu * n, seed, max_seq_len)
@@ -87,13 +96,14 @@ def bench_scale(cost: CostModel, gpus: list[int], dists: list[str], batches: int
     head = (f"{', '.join(planners)} on {cost.model.name} / {cost.cluster.name} scaled, ZeRO-{cost.zero_stage}"
             + (f", ring up to {cost.max_ring}" if cost.max_ring > 1 else "")
             + f", {per_gpu} sequences per GPU, max length {max_seq_len:,}, time limit {options.time_limit:g} s")
-    cols = (f"{'GPUs':>5}{'seqs':>7} {'dist':<12}{'seed':>4} {'planner':<10}{'drop':>5}{'mbs':>4}{'plan s':>8}"
+    w = max(len("planner"), *map(len, planners)) + 1
+    cols = (f"{'GPUs':>8}{'seqs':>10} {'dist':<12}{'seed':>4} {'planner':<{w}}{'drop':>5}{'mbs':>4}{'plan s':>8}"
             f"{'held':>5}{'step s':>8}{'mb-bd':>8}{'x':>7}{'any-deg':>8}{'x':>7}{'no-bar':>8}{'x':>7}{'idle':>6}"
             f"{'path':>6}")
     lines = [head, "", cols]
     for r in rows:
-        lines.append(f"{r['num_gpus']:>5}{r['seqs']:>7} {r['dist']:<12}{r['seed']:>4} {r['planner']:<10}"
-                     f"{r['dropped']:>5}{r['micro_batches']:>4}{r['solve_time_s']:>8.2f}"
+        lines.append(f"{r['num_gpus']:>8,}{r['seqs']:>10,} {r['dist']:<12}{r['seed']:>4} {r['planner']:<{w}}"
+                     f"{r['dropped']:>5}{r['micro_batches']:>4}{r['solve_time_s']:>8.3f}"
                      f"{'yes' if r['held_time_limit'] else 'NO':>5}{r['step_time_s']:>8.2f}"
                      f"{r['lower_bound_s']:>8.2f}{r['ratio_to_bound']:>7.3f}"
                      f"{r['relaxed_bound_s']:>8.2f}{r['ratio_to_relaxed_bound']:>7.3f}"
@@ -110,8 +120,8 @@ def bench_scale(cost: CostModel, gpus: list[int], dists: list[str], batches: int
                  **{f"median_{k}": statistics.median(r[k] for r in mine)
                     for k in ("ratio_to_bound", "ratio_to_relaxed_bound", "ratio_to_barrier_free_bound")}}
             summary.append(s)
-            lines.append(f"{n:>5} GPUs, {planner:<10}: time limit held by {s['held']}/{s['plans']} plans (max "
-                         f"{s['max_solve_time_s']:.2f} s); step median {s['median_step_time_s']:.2f} s, / bound "
+            lines.append(f"{n:>7,} GPUs, {planner:<{w - 1}}: time limit held by {s['held']}/{s['plans']} plans (max "
+                         f"{s['max_solve_time_s']:.3f} s); step median {s['median_step_time_s']:.2f} s, / bound "
                          f"{s['median_ratio_to_bound']:.3f}, / any-degree bound "
                          f"{s['median_ratio_to_relaxed_bound']:.3f}, / barrier-free bound "
                          f"{s['median_ratio_to_barrier_free_bound']:.3f}")

@@ -443,6 +443,9 @@ SMALL = ["--model", "llama-7b", "--cluster", "a800-80g-8x1"]  # one node of 8 GP
     (["plan", "--planner", "auto", "--static-degree", "16"], "SP degree 16 is not allowed"),
     # a pipeline stage's SP group is Ulysses only: the ring reached the FlexSP baseline alone
     (["plan", "--planner", "elastic_pp", "--max-ring", "2"], "--max-ring applies only to planners of SP groups"),
+    (["plan", "--planner", "elastic_pp", "--recompute", "full", "--recompute-ties", "untied"],
+     "--recompute-ties applies to what the ILP or the greedy recomputes, not to --recompute full"),
+    (["plan", "--chunks", "5"], "--chunks applies only to pipeline plans"),
     (["simulate", "--planners", "seq1f1b,batch_1f1b", "--max-ring", "2"], "not to seq1f1b, batch_1f1b"),
 ])
 def test_pipeline_and_simulate_config_errors(capsys, argv, match):
@@ -595,7 +598,9 @@ def test_bench_across_cluster_sizes(capsys):
     code, out, _ = run(capsys, "bench", "planner", "--gpus", "4", "--per-gpu", "2", "--dist", "wikipedia",
                        "--batches", "1", "--model", "tiny", "--cluster", "cpu-4", "--max-seq-len", "8K", *FAST)
     assert code == 0 and "any-deg" in out and "time limit held by" in out
-    for gpus, match in (("6", "whole number"), ("4,x", "comma-separated"), ("24", "num_nodes=6 is not a power of two"),
+    # (every count checked before any is planned: the last one's error, nothing planned first)
+    for gpus, match in (("4,8,6", "--gpus 6: 6 GPUs is not a whole number"), ("4,x", "comma-separated"),
+                        ("4,24", "--gpus 24: cluster 'cpu-4 x 24 GPUs': the GPU count must be a power of two"),
                         ("99999999999999999992", "GPU counts from 1 to 1,048,576")):
         assert_one_line_error(*run(capsys, "bench", "planner", "--gpus", gpus, "--model", "tiny", "--cluster", "cpu-4",
                                    *FAST), match)
