@@ -43,16 +43,13 @@ def parse_gpu_counts(text: str) -> list[int]:
 
 
 def scaled_cost(cost: CostModel, gpus: int) -> CostModel:
-    """The same model on ``gpus`` GPUs of the cost model's cluster kind (whole nodes), its model
-    states checked against the memory (ZeRO shards them over the GPUs)."""
+    """The same model on ``gpus`` GPUs of the cost model's cluster kind (whole nodes)."""
     per_node = cost.cluster.gpus_per_node
     if gpus % per_node:
         raise ConfigError(f"{gpus} GPUs is not a whole number of {cost.cluster.name}'s {per_node}-GPU nodes")
     cluster = validate_cluster(dataclasses.replace(cost.cluster, num_nodes=gpus // per_node,
                                                    name=f"{cost.cluster.name} x {gpus} GPUs"))
-    scaled = dataclasses.replace(cost, cluster=cluster)
-    _ = scaled.tokens_per_gpu  # (raises where the model states leave no activation room)
-    return scaled
+    return dataclasses.replace(cost, cluster=cluster)
 
 
 def step_shares(plan, lengths: np.ndarray, cost: CostModel) -> tuple[float, float]:
@@ -83,6 +80,7 @@ def bench_scale(cost: CostModel, gpus: list[int], dists: list[str], batches: int
     for n in gpus:
         try:
             scaled[n] = scaled_cost(cost, n)
+            _ = scaled[n].tokens_per_gpu  # (raises where the model states leave FlexSP no activation room)
         except MegatronExtError as e:
             raise ConfigError(f"--gpus {n}: {e}") from None
     rows = []
