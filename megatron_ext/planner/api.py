@@ -160,8 +160,9 @@ def _kept(planner: Planner, lengths: np.ndarray, cost: CostModel, options, overr
     limit; a batch with longer ones is refused otherwise."""
     drop = getattr(options, "drop_over_max", False)
     given = getattr(options, "max_seq_len", None)
-    if planner.kind == "sp":  # (what a group can hold caps the limit given: static_ulysses's, at its degree)
-        static = getattr(options, "static_degree", None) if planner.name == "static_ulysses" else None
+    if planner.kind == "sp":  # (what a group can hold caps the limit given; dropping, static_ulysses's at its
+        # degree: else its own error says which degree the longest needs)
+        static = getattr(options, "static_degree", None) if planner.name == "static_ulysses" and drop else None
         if static is not None:
             cost.check_degree(static)
         cap = cost.max_seq_len if static is None else cost.token_capacity(static)
