@@ -1,10 +1,12 @@
 """The FlexSP cost model (PAPERS.md section 1): time and memory of Ulysses SP groups.
 
 A group of degree d running sequences S costs, in milliseconds,
-    b1 + r sum_s (a1 s^2 + a2 s) / d + [d > 1] (sum_s (8 L h s e / 2^20 / d) / bw[d] + 8 L lat[d])
-(4 all-to-alls per layer, forward and backward, of e-byte activations (the model's
-activation_bytes, 2 for bf16); MB over GB/s is ms; lat[d]: the cluster's per-call latency;
-r: the model's recompute policy, cost/activations.py). b1, the fixed cost of a pass, is derived
+    b1 + r sum_s (a1 s^2 + a2 s) / d + [d > 1] (sum_s (V s / d) / bw[d] + (8 L + 4 n) lat[d])
+(4 all-to-alls per layer forward (Q, K, V, the output) and 4 backward (their gradients), of
+e-byte activations (the model's activation_bytes, 2 for bf16): V = (2 L + n) (2 h + 2 k) e / 2^20
+MB a token, k the K/V width (KV heads x head dim: h without GQA), n the layers the model's
+recompute runs forward again (``a2a_mb_per_token``); MB over GB/s is ms; lat[d]: the cluster's
+per-call latency; r: the recompute's compute, cost/activations.py). b1, the fixed cost of a pass, is derived
 (cost/fixed.py): the launch constant, plus under ZeRO-3 the parameter gathers of the whole model
 over all GPUs. Its memory per GPU is sum_s s / d * act_mb_per_token + model states. A micro-batch
 costs the max over its groups, a step the sum over its micro-batches plus, under ZeRO 0/1/2, what
@@ -34,6 +36,15 @@ from megatron_ext.spec import (MB, ClusterSpec, ModelSpec, read_yaml, cluster_fr
 # replicated on each): ZeRO-1 the optimizer's bytes, ZeRO-2 the gradients too, ZeRO-3 everything.
 MIXED_PRECISION_ADAM = (2, 2, 12)
 ZERO_STAGES = (0, 1, 2, 3)
+
+
+def a2a_mb_per_token(model: ModelSpec, layers: int | None = None, recomputed: int = 0) -> float:
+    """MB a token sends through the Ulysses all-to-alls of ``layers`` layers (default: all), fwd
+    and bwd: Q, K, V and the attention's output forward (2 h + 2 k values, k the K/V width), their
+    gradients backward, and the forward's again for each of ``recomputed`` layers."""
+    layers = model.num_layers if layers is None else layers
+    kv = model.kv_heads * (model.hidden_size // model.num_attention_heads)
+    return (2 * layers + recomputed) * (2 * model.hidden_size + 2 * kv) * model.activation_bytes / MB
 
 
 def model_states_mb(params_b: float, zero_stage: int, shards: int, state_bytes=MIXED_PRECISION_ADAM) -> float:
@@ -230,16 +241,18 @@ class CostModel:
         u = self.ulysses_degree(degree)
         if u == 1:
             return 0.0
-        m = self.model
-        mb_per_token = 8 * m.num_layers * m.hidden_size * m.activation_bytes / MB
-        return mb_per_token / degree / self.cluster.a2a_bandwidth(u)
+        mb = a2a_mb_per_token(self.model, recomputed=self.model.recomputed_layers)
+        return mb / degree / self.cluster.a2a_bandwidth(u)
 
     def a2a_latency_ms(self, degree: int, layers: int | None = None) -> float:
-        """Latency of the 8 all-to-all calls per layer (forward and backward) of a degree-d group
-        over ``layers`` layers (default: all), plus its ring's p2p calls."""
+        """Latency of the 8 all-to-all calls per layer (forward and backward; 4 more per layer the
+        model's recompute runs again) of a degree-d group over ``layers`` layers (default: all),
+        plus its ring's p2p calls."""
         u, r = self.ulysses_degree(degree), self.ring_degree(degree)
-        layers = self.model.num_layers if layers is None else layers
-        a2a = 8 * layers * self.cluster.a2a_latency(u) if u > 1 else 0.0
+        m = self.model
+        layers = m.num_layers if layers is None else layers
+        calls = (8 + 4 * m.recomputed_layers / m.num_layers) * layers
+        a2a = calls * self.cluster.a2a_latency(u) if u > 1 else 0.0
         return a2a + 3 * (r - 1) * layers * self.cluster.p2p_latency_ms
 
     def ring_ms(self, seq_len, degree: int):

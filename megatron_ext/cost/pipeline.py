@@ -117,7 +117,7 @@ class PipelineCost:
         if self.activation_room_mb <= 0:
             raise InfeasibleError(
                 f"the memory budget of {self.budget_mb:.0f} MB per GPU is below the model states of a stage "
-                f"({self.model_states_mb:.0f} MB: {m.params_b / self.pp:.2f}B parameters of {m.name} at ZeRO-"
+                f"({self.model_states_mb:.0f} MB: {self.stage_params_b:.2f}B parameters of {m.name} at ZeRO-"
                 f"{self.cost.zero_stage} over {self.sp} GPUs); use more stages, a larger SP degree or more memory")
 
     # ---- shape --------------------------------------------------------------------------
@@ -277,9 +277,22 @@ class PipelineCost:
         return float(self.memory_mb) if self.memory_mb is not None else self.cost.cluster.memory_mb
 
     @cached_property
+    def stage_params_b(self) -> float:
+        """Billions of parameters of the fullest stage: its share of the layers', and a vocabulary
+        table (V x h) that the first stage (the embedding) and the last (the output layer, or its
+        copy of tied embeddings) hold besides; the layers' taken as the rest of ``params_b`` less
+        one table (tied; with untied ones, a table's share too many: on the safe side). One stage:
+        the whole model."""
+        m = self.cost.model
+        if self.pp == 1:
+            return m.params_b
+        vocab = m.vocab_size * m.hidden_size / 1e9
+        return max(0.0, m.params_b - vocab) / self.pp + vocab
+
+    @cached_property
     def model_states_mb(self) -> float:
         over = self.sp if self.cost.zero_stage == 3 else self.sp * self.replicas
-        return model_states_mb(self.cost.model.params_b / self.pp, self.cost.zero_stage, over, self.cost.state_bytes)
+        return model_states_mb(self.stage_params_b, self.cost.zero_stage, over, self.cost.state_bytes)
 
     @cached_property
     def activation_room_mb(self) -> float:

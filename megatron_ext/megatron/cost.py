@@ -100,14 +100,34 @@ def megatron_state_bytes(args) -> tuple[int, int, int]:
     return 4, 4, 8
 
 
+def megatron_recompute(args) -> tuple[str, int | None]:
+    """The recompute policy the run's model runs, as a cost model states one (``ModelSpec``'s
+    ``recompute``, ``recompute_layers``): none where the planner decides it per chunk (--elastic-pp,
+    --flexsp-planner auto: Megatron's full recompute is refused there); else Megatron's: full with
+    --recompute-method block, its --recompute-num-layers layers; uniform, every layer (each keeps at
+    most its input); selective (the attention core alone) counts as none, its small saving left out
+    (memory over-, never under-estimated)."""
+    if getattr(args, "elastic_pp", False) or getattr(args, "flexsp_planner", None) == "auto":
+        return "none", None
+    if getattr(args, "recompute_granularity", None) != "full":
+        return "none", None
+    if getattr(args, "recompute_method", None) == "block":
+        return "full", min(int(args.recompute_num_layers), int(args.num_layers))
+    return "full", None
+
+
 def megatron_cost_model(args) -> CostModel:
     """The planner's cost model of a --flexsp / --elastic-pp run: ``args.cost_model`` at the ZeRO
     stage of Megatron's arguments (``megatron_zero_stage``; one stating another stage is refused),
-    with the bytes a parameter of its model states (``megatron_state_bytes``)."""
+    with the bytes a parameter of its model states (``megatron_state_bytes``) and the recompute
+    policy the run's model runs (``megatron_recompute``: a preset's own, which its published memory
+    figure implies, is not what this run keeps)."""
     ref = args.cost_model
     stage, why = megatron_zero_stage(args)
     cost = dataclasses.replace(load_cost_model(ref, stage).with_max_ring(getattr(args, "flexsp_max_ring", None) or 1),
                                state_bytes=megatron_state_bytes(args))
+    recompute, layers = megatron_recompute(args)
+    cost = dataclasses.replace(cost, model=dataclasses.replace(cost.model, recompute=recompute, recompute_layers=layers))
     if cost.zero_stage != stage:
         stated = f"zero_stage: {cost.zero_stage}" if _looks_like_file(ref) else f"ZeRO stage {cost.zero_stage}"
         run = dataclasses.replace(cost, zero_stage=stage)

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.cost import CostModel
+from megatron_ext.cost.model import a2a_mb_per_token
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.spec import MB
 from megatron_ext.runtime.compat import quiet_fallback_warnings
@@ -220,7 +221,7 @@ def fit_profile(model_spec, lengths, fwd_bwd_ms: dict[int, list[float]], raw: di
         raise ConfigError(f"the passes took {at} ms at {', '.join(f'{int(x):,}' for x in s)} tokens: no time "
                           f"grows with the length, the fixed cost of a pass hides the work; profile longer "
                           f"--lengths (up to the longest sequence the model will train) or a larger model")
-    per_token_mb = 8 * model_spec.num_layers * model_spec.hidden_size * model_spec.activation_bytes / MB
+    per_token_mb = a2a_mb_per_token(model_spec)  # (the passes timed recompute nothing)
     out = {"a1": float(coef[0]), "a2": float(coef[1]), "b1": float(coef[2]), "a2a": {}, "residual_ms": {}}
     n = len(s)
     for i, d in enumerate(sorted(fwd_bwd_ms)):

@@ -114,6 +114,22 @@ def test_comm_per_token(c7b):
         assert c7b.comm_ms_per_token(d) == pytest.approx(2.0 / d / bw, rel=1e-12)
 
 
+def test_all_to_all_volume_by_hand():
+    """Per token and layer: Q, K, V and the attention's output forward (2 h + 2 k values, k the
+    K/V width), their gradients backward; a recomputed layer sends its forward's again."""
+    from megatron_ext.cost.model import a2a_mb_per_token
+
+    gqa = dataclasses.replace(load_model("llama-13b"), num_query_groups=8)  # 40 heads of 128, 8 KV heads
+    per_layer = 2 * (2 * 5120 + 2 * 8 * 128) * 2 / 2**20  # fwd + bwd, bf16
+    assert a2a_mb_per_token(gqa) == pytest.approx(40 * per_layer)
+    assert a2a_mb_per_token(gqa, layers=10) == pytest.approx(10 * per_layer)
+    assert a2a_mb_per_token(load_model("gpt-7b")) == pytest.approx(8 * 32 * 4096 * 2 / 2**20)  # (MHA: 8 L h e)
+    # llama-13b recomputes 18 of its 40 layers: 18 more forward all-to-alls' worth
+    c13 = CostModel.from_presets("llama-13b", "a800-80g-8x4")
+    mha = 2 * (4 * 5120) * 2 / 2**20
+    assert c13.comm_ms_per_token(8) == pytest.approx((40 * mha + 18 * mha / 2) / 8 / c13.cluster.a2a_bandwidth(8))
+
+
 def test_group_time_degree_1_has_no_comm(c7b):
     lengths = [1000, 3000]
     expected = B1 + 5.128e-6 * (1000**2 + 3000**2) + 0.18396 * 4000  # = 1423.49

@@ -330,6 +330,27 @@ def test_zero_stage_follows_megatron_arguments():
     assert megatron_cost_model(presets).zero_stage == 1
 
 
+def test_the_cost_model_recomputes_what_the_run_recomputes():
+    """A preset's recompute (llama-13b: 18 of 40 layers, which its published memory figure implies)
+    is not what a Megatron-LM run keeps: the run's arguments decide, and where the planner decides
+    per chunk (--elastic-pp, --flexsp-planner auto: Megatron's full recompute refused), none."""
+    from megatron_ext.megatron.cost import megatron_recompute
+
+    def args(**kw):
+        return argparse.Namespace(cost_model="llama-13b:a800-80g-8x4", num_layers=40, **kw)
+
+    full = dict(recompute_granularity="full", recompute_num_layers=10)
+    assert megatron_recompute(args()) == ("none", None)
+    assert megatron_recompute(args(recompute_granularity="selective")) == ("none", None)
+    assert megatron_recompute(args(**full, recompute_method="block")) == ("full", 10)
+    assert megatron_recompute(args(**full, recompute_method="uniform")) == ("full", None)
+    assert megatron_recompute(args(**full, recompute_method="block", flexsp_planner="auto")) == ("none", None)
+    assert megatron_recompute(args(elastic_pp=True)) == ("none", None)
+    assert load_cost_model("llama-13b:a800-80g-8x4", 0).model.recomputed_layers == 18
+    assert megatron_cost_model(args()).model.recomputed_layers == 0
+    assert megatron_cost_model(args(**full, recompute_method="block")).model.recomputed_layers == 10
+
+
 def test_the_budget_counts_the_model_states_megatron_keeps():
     """Megatron's --bf16 keeps fp32 gradient buffers (unless --grad-reduce-in-bf16 or
     --main-grads-dtype bf16): 18 bytes a parameter under DDP, 6 + 12 / dp with the distributed
@@ -354,8 +375,11 @@ def test_the_budget_counts_the_model_states_megatron_keeps():
     fp32 = megatron_cost_model(args("use_distributed_optimizer"))
     assert fp32.model_states_mb == pytest.approx((8 + 8 / 32) * gb)
     assert cap_cost_model(dist_opt, 4).model_states_mb == pytest.approx(dist_opt.model_states_mb)
-    # two stages x SP 8 x 2 replicas: a stage's half of the parameters, sharded over its 16 GPUs
-    assert PipelineCost(dist_opt, 2, 8).model_states_mb == pytest.approx((6 + 12 / 16) * gb / 2)
+    # two stages x SP 8 x 2 replicas: an end stage's half of the layers' parameters and its vocabulary
+    # table (50,257 x 4,096), sharded over its 16 GPUs
+    vocab = 50257 * 4096 / 1e9
+    stage = ((7.85 - vocab) / 2 + vocab) * 1024
+    assert PipelineCost(dist_opt, 2, 8).model_states_mb == pytest.approx((6 + 12 / 16) * stage)
 
 
 def test_validation_budgets_the_stage_of_megatron_arguments():

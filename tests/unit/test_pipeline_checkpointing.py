@@ -90,9 +90,9 @@ def test_greedy_and_ilp_refuse_the_impossible():
 
 
 def _solver_inputs():
-    """Five whole sequences on 4 stages, 16 GB per GPU: (checkpoints, save, recompute ms, room)."""
+    """Five whole sequences on 4 stages, 18 GB per GPU: (checkpoints, save, recompute ms, room)."""
     lengths = np.array([50000, 40000, 8000, 8000, 8000])
-    pc = PipelineCost(COST, 4, 8, memory_mb=16 * 1024)
+    pc = PipelineCost(COST, 4, 8, memory_mb=18 * 1024)
     built = build_pipeline([[(i, 0, int(s))] for i, s in enumerate(lengths)], pc, "full")
     cps, save = _checkpoints(built.table, built.ops, pc)
     return cps, save, pc.recompute_ms(built.table.work, built.table.tokens, 1), np.full(4, pc.activation_room_mb)

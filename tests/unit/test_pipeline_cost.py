@@ -14,6 +14,7 @@ from megatron_ext.errors import ConfigError, InfeasibleError
 from megatron_ext.spec import load_cluster, load_model
 
 COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
+VOCAB_B = 32000 * 5120 / 1e9  # llama-13b's vocabulary table, billions of parameters
 
 
 def test_presets_load():
@@ -147,15 +148,19 @@ def test_p2p_and_fixed_cost():
     # stage on one node's 8 consecutive GPUs, the GPUs pp 4 x sp 8 holds it on: the same sync
     assert PipelineCost(z1, 4, 4).stage_ranks(1, 1) == range(12, 16)
     assert PipelineCost(z1, 4, 4).step_sync_ms == pytest.approx(PipelineCost(z1, 4, 8).step_sync_ms)
-    # and the distributed optimizer shards over them all: 16 GPUs hold the stages of pp 2
-    assert PipelineCost(z1, 2, 8).model_states_mb == pytest.approx(13.0 / 2 * 16 * 1024 * (6 / 8 / 16 + 2 / 8))
+    # and the distributed optimizer shards over them all: 16 GPUs hold the stages of pp 2 (an end
+    # stage's half of the layers and its vocabulary table, 32,000 x 5,120: VOCAB_B)
+    stage = (13.0 - VOCAB_B) / 2 + VOCAB_B
+    assert PipelineCost(z1, 2, 8).model_states_mb == pytest.approx(stage * 16 * 1024 * (6 / 8 / 16 + 2 / 8))
 
 
 def test_memory_terms():
     pc = PipelineCost(COST, 4, 8)
     m = COST.model
-    # ZeRO-3 over the 8 ranks of a stage: a quarter of the parameters, 16 bytes each, / 8
-    assert pc.model_states_mb == pytest.approx(13.0 / 4 * 16 * 1024 / 8)
+    # ZeRO-3 over the 8 ranks of a stage: a quarter of the layers' parameters and, on the first and
+    # the last stage, a vocabulary table (the embedding, the output layer), 16 bytes each, / 8
+    assert pc.model_states_mb == pytest.approx(((13.0 - VOCAB_B) / 4 + VOCAB_B) * 16 * 1024 / 8)
+    assert PipelineCost(COST, 1, 8).model_states_mb == pytest.approx(13.0 * 16 * 1024 / 8)  # (one stage: all)
     # the whole-model figure includes the last stage's fp32 logits: the layers share the rest
     head = 32000 * 4 + 2 * 5120 * 2  # fp32 logits, the inputs of the final norm and output layer
     assert pc.act_layer_mb == pytest.approx((COST.act_mb_per_token - head / 2**20) / 40 / 8)
@@ -184,13 +189,16 @@ def test_memory_terms():
 def test_all_to_all_latency_is_paid_per_call():
     lat = dataclasses.replace(COST.cluster, a2a_latency_ms={2: 0.5, 8: 0.25})
     cost = CostModel(COST.model, lat)
-    # 4 all-to-alls per layer each way; degree 4 takes degree 2's figure, degree 1 pays none
-    assert cost.group_fixed_ms(8) == pytest.approx(cost.micro_batch_fixed_ms + 8 * 40 * 0.25)
-    assert cost.group_fixed_ms(4) == pytest.approx(cost.micro_batch_fixed_ms + 8 * 40 * 0.5)
+    # 4 all-to-alls per layer each way, and the forward's 4 again in each of the 18 layers the model
+    # recomputes; degree 4 takes degree 2's figure, degree 1 pays none
+    assert cost.group_fixed_ms(8) == pytest.approx(cost.micro_batch_fixed_ms + (8 * 40 + 4 * 18) * 0.25)
+    assert cost.group_fixed_ms(4) == pytest.approx(cost.micro_batch_fixed_ms + (8 * 40 + 4 * 18) * 0.5)
     assert cost.group_fixed_ms(1) == cost.micro_batch_fixed_ms
-    assert cost.group_time_ms([1000], 8) == pytest.approx(COST.group_time_ms([1000], 8) + 80.0)
+    assert cost.group_time_ms([1000], 8) == pytest.approx(COST.group_time_ms([1000], 8) + (8 * 40 + 4 * 18) * 0.25)
     # a stage of 10 layers pays its own layers' calls on every chunk
-    assert PipelineCost(cost, 4, 8).fixed_ms == pytest.approx(PipelineCost(COST, 4, 8).fixed_ms + 8 * 10 * 0.25)
+    # (a stage's 10 layers: their share of the recomputed layers' calls too)
+    assert PipelineCost(cost, 4, 8).fixed_ms == pytest.approx(PipelineCost(COST, 4, 8).fixed_ms
+                                                              + (8 + 4 * 18 / 40) * 10 * 0.25)
 
 
 def test_layout_errors():

@@ -602,16 +602,16 @@ def test_make_plan_auto_and_the_cli_summary(capsys):
 
 
 def test_auto_counts_the_slices_memory_forces_before_starting_a_layout():
-    # gpt-13b on 32 A800s at ZeRO-1, 96K: 2 stages x SP 4 (4 replicas) hold a 96K sequence only
-    # cut into 128-token slices (768 of them); the 1F1B estimate sees a few hundred chunks, a
-    # candidate has thousands (seconds to build), so the layout is not started
+    # gpt-13b on 32 A800s at ZeRO-1: 2 stages x SP 4 (4 replicas) hold a 96,768-token sequence
+    # (the longest they hold) only cut into 128-token slices (756 of them); the 1F1B estimate sees a
+    # few hundred chunks, a candidate has thousands (seconds to build), so the layout is not started
     cost = CostModel.from_presets("gpt-13b", "a800-80g-8x4", 1)
     pc = PipelineCost(cost, 2, 4)
-    lengths = np.array([98304] * 6 + [30000, 8000] + [2000] * 40)
-    caps = {s: fit_cap(s, pc, 128) for s in (98304, 30000, 8000, 2000)}
-    assert caps[98304] == 128 and caps[2000] is None
+    lengths = np.array([96768] * 6 + [30000, 8000] + [2000] * 40)
+    caps = {s: fit_cap(s, pc, 128) for s in (96768, 30000, 8000, 2000)}
+    assert caps[96768] == 128 and caps[2000] is None
     want = sum(math.ceil(s / caps[s]) for s in lengths.tolist() if caps[s] is not None)
-    assert forced_slices(lengths, pc) == want >= 6 * 768
+    assert forced_slices(lengths, pc) == want >= 6 * 756
     assert layout_estimate(lengths, pc)[1] * pc.replicas < want / 10
     assert forced_slices(lengths, PipelineCost(cost, 8, 4)) == 0  # room for every sequence whole
     plan = plan_auto(lengths, cost, time_limit=0.5)

@@ -328,8 +328,11 @@ def test_a_hurried_pipeline_of_short_sequences_plans_them_whole():
     """Past its deadline with nothing built, a pipeline's last resort sliced from the longest
     sequence's half down to the finest slice: a group of sequences under 256 tokens had nothing to
     try, and the step was refused (the longest in a pipeline of its own, the rest short)."""
+    from megatron_ext.cost.pipeline import PipelineCost
+    from megatron_ext.planner.pp.sequence_limits import longest_sequence
+
     cost = CostModel.from_presets("tiny", "cpu-4", 3)
-    lengths = np.array([7266, 129, 67, 6])
+    lengths = np.array([longest_sequence(PipelineCost(cost, 2, 2)), 129, 67, 6])  # (the longest the layout holds)
     plan = plan_elastic_pp(lengths, cost, options=PipelineOptions(time_limit=1e-3))
     validate(plan, lengths, cost)
     assert len(plan.pipelines) == 2 and sum(len(p.chunks) for p in plan.pipelines) > 1
