@@ -123,7 +123,8 @@ def test_nonnegative_fit_recovers_coefficients_and_never_goes_negative():
 def test_fit_profile_recovers_compute_bandwidth_and_latency():
     spec = load_model("tiny")
     lengths = [128, 512, 1024, 2048]
-    per_token_mb = 8 * spec.num_layers * spec.hidden_size * spec.activation_bytes / 2**20
+    kv = 4 * spec.hidden_size // 8  # (4 of 8 heads' K/V: Q, K, V, the output and their gradients)
+    per_token_mb = 2 * spec.num_layers * (2 * spec.hidden_size + 2 * kv) * spec.activation_bytes / 2**20
     s = np.array(lengths, dtype=float)
 
     def passes(d, bw=None, lat=0.0):
