@@ -30,7 +30,7 @@ A FlexSP micro-batch runs the whole model over all GPUs; a pipeline chunk runs i
 layers, sharded over the stage's own group (its SP ranks, inside one node). Calibration
 (tests/unit/test_fixed_cost.py): the a100-40g-8x8 preset's published link figures reproduce the
 FlexSP paper's fitted b1 for gpt-7b, 13b and 30b at ZeRO-3 within 6% with one launch constant per
-layer (1.2 ms, fwd+bwd) fitted over the three.
+layer (0.87 ms, fwd+bwd) fitted over the three.
 """
 from __future__ import annotations
 
