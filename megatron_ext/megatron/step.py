@@ -71,6 +71,7 @@ class _State:
     counted_step: Step | None = None  # the last step whose FLOPs were counted
     counted_flops: tuple = ()  # the counts of the steps since Megatron last logged
     trace: object = None  # --planner-trace's RunTrace (rank 0)
+    cost: object = None  # the planner's cost model (the pipeline runtime orders its messages by its times)
     checkpoint_args: object = None  # the arguments of the run --load resumes (hooks.py keeps them)
 
 
@@ -133,7 +134,7 @@ def planned_datasets_provider(train_val_test_num_samples=None, vp_stage=None):
     cap = head_degree_limit(args.num_attention_heads, kv, tp)
     if not elastic:
         cap = min(cap, args.flexsp_max_sp_size or STATE.pool.size)
-    cost = cap_cost_model(megatron_cost_model(args), cap)
+    cost = STATE.cost = cap_cost_model(megatron_cost_model(args), cap)
     if getattr(args, "planner_trace", None) and dist.get_rank() == 0 and STATE.trace is None:
         from megatron_ext.sim.trace import RunTrace
         STATE.trace = RunTrace(cost)
@@ -325,7 +326,7 @@ def _run_elastic(step: Step, model, forward_only: bool, flag: str):
     clock = DeviceClock(STATE.device)
     start = clock.mark()
     losses, stats = forward_backward(step, chunk, pool=STATE.pool, pad_id=STATE.pad_id, forward_only=forward_only,
-                                     device=STATE.device, forward_step_func=_forward_step)
+                                     device=STATE.device, forward_step_func=_forward_step, cost=STATE.cost)
     end = clock.mark()
     if not forward_only:
         stages = parallel_state.get_pipeline_model_parallel_world_size()

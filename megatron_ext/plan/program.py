@@ -470,16 +470,18 @@ def build_schedule(pipeline: Pipeline, lengths: Sequence[int], *, stages: Option
 
 
 def build_schedules(plan: StepPlan, lengths: Sequence[int], stages: int, sp_degree: int,
-                    layers_per_stage: Optional[int] = None, op_time=default_op_time,
+                    layers_per_stage: Optional[int] = None, op_time_of: Optional[Callable] = None,
                     forward_only: bool = False) -> list[PipelineSchedule]:
     """``build_schedule`` for every pipeline of an elastic_pp plan, every replica's (a sequence in
-    two pipelines is refused too)."""
+    two pipelines is refused too). ``op_time_of(pipeline)``: that pipeline's ``op_time`` (default:
+    ``default_op_time``; the runtime's, ``sim.simulated_op_times``)."""
     if plan.kind != "elastic_pp":
         raise InvalidPlanError(f"the pipeline runtime runs elastic_pp plans, not {plan.kind!r} plans")
     if not plan.pipelines:
         raise InvalidPlanError("an elastic_pp plan needs at least one pipeline")
     out = [build_schedule(pipe, lengths, stages=stages, sp_degree=sp_degree, layers_per_stage=layers_per_stage,
-                          op_time=op_time, forward_only=forward_only, where=f"pipeline {i}")
+                          op_time=op_time_of(pipe) if op_time_of is not None else default_op_time,
+                          forward_only=forward_only, where=f"pipeline {i}")
            for i, pipe in enumerate(plan.pipelines)]
     check_one_pipeline_per_sequence(plan.pipelines)
     return out

@@ -71,6 +71,7 @@ from megatron_ext.errors import InvalidPlanError
 from megatron_ext.plan.program import BWD, FWD, ChunkLayout, PipelineSchedule, build_schedules, op_name
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.runtime.pipeline_model import unwrap_model
+from megatron_ext.sim import simulated_op_times
 
 
 def chunk_input(layout: ChunkLayout, batch: Sequence, sp_group, cache, pad_id: int = 0, device="cpu",
@@ -183,7 +184,7 @@ class _Stage:
 def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: int = 0, forward_only: bool = False,
                              schedules: Optional[list[PipelineSchedule]] = None, device=None,
                              finalize: bool = True, forward_step_func: Optional[Callable] = None,
-                             sp_groups=None, lengths: Optional[Sequence[int]] = None
+                             sp_groups=None, lengths: Optional[Sequence[int]] = None, cost=None
                              ) -> tuple[list[dict], PipelineStepStats]:
     """Forward and backward of every chunk of an elastic_pp ``plan`` on this rank's stage (module
     doc). ``batch``: the step's token arrays indexed by seq id; ``model``: this stage's model (a
@@ -196,7 +197,9 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
     ``SPGroupPool.from_parallel_state()``, needed when the plan's SP degree is below a stage's
     data-parallel size (replicas side by side; each rank runs its replica's pipelines). ``lengths``:
     each sequence's tokens (default: read off ``batch``; a ``data.loader.BatchTokens`` would read
-    every sequence for it). Every rank must call it with the same plan."""
+    every sequence for it). ``cost``: the run's cost model, whose times order the messages as the
+    simulator runs the step (``sim.simulated_op_times``; without it, ``default_op_time``'s). Every
+    rank must call it with the same plan and cost model."""
     import torch
     import torch.distributed as dist
     from megatron.core.pipeline_parallel.schedules import backward_step, deallocate_output_tensor, forward_step
@@ -217,6 +220,7 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
     block = unwrap_model(model).decoder
     if schedules is None:
         schedules = build_schedules(plan, lengths, st.P, st.sp, block.num_layers_per_pipeline_rank,
+                                    op_time_of=simulated_op_times(cost) if cost is not None else None,
                                     forward_only=forward_only)
     # this rank's replica's pipelines (by their index in the plan); a replica may have none and
     # then only takes part in the gradient reduction

@@ -396,7 +396,7 @@ def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int, setup:
 
     def step():
         model.zero_grad_buffer()
-        forward_backward(planned, model, device=setup.device)
+        forward_backward(planned, model, device=setup.device, cost=cost)  # (messages in the simulator's order)
 
     measured = _time(step, repeats, setup) * 1e3
 

@@ -23,14 +23,15 @@ from megatron_ext.runtime.schedule import forward_backward_flexsp
 
 
 def forward_backward(step: Step, model, *, pool=None, pad_id: int = 0, forward_only: bool = False, device=None,
-                     forward_step_func: Optional[Callable] = None, **megatron_kwargs):
+                     forward_step_func: Optional[Callable] = None, cost=None, **megatron_kwargs):
     """Forward and backward of every micro-batch (FlexSP) or chunk (elastic pipelines) of
     ``step`` on this rank, by the kind of ``step.plan``. ``model``: this rank's (stage's) model,
     megatron-DDP wrapped; ``pool``: the ``SPGroupPool`` (FlexSP: every aligned group; pipelines:
     the replicas' SP groups, needed when the plan's SP degree is below a stage's data-parallel
     size); ``forward_step_func``: see the module doc (default ``runtime.forward.forward_step``);
-    ``megatron_kwargs``: passed on to megatron's forward_backward_func (FlexSP only; e.g.
-    ``seq_length``). Returns (megatron's loss dicts, this rank's timings: ``StepTimes`` for
+    ``cost``: the run's cost model (pipelines: their messages ordered by its times,
+    ``sim.simulated_op_times``); ``megatron_kwargs``: passed on to megatron's forward_backward_func
+    (FlexSP only; e.g. ``seq_length``). Returns (megatron's loss dicts, this rank's timings: ``StepTimes`` for
     FlexSP, ``PipelineStepStats`` for pipelines)."""
     kind = step.plan.kind
     if kind == "flexsp":
@@ -41,7 +42,7 @@ def forward_backward(step: Step, model, *, pool=None, pad_id: int = 0, forward_o
     if kind == "elastic_pp":
         return forward_backward_elastic(step.plan, step.batch, model, pad_id=pad_id, forward_only=forward_only,
                                         device=device, forward_step_func=forward_step_func, sp_groups=pool,
-                                        lengths=step.lengths)
+                                        lengths=step.lengths, cost=cost)
     raise InvalidPlanError(f"unknown plan kind {kind!r}")
 
 

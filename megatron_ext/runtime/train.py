@@ -309,7 +309,7 @@ class Training:
                 model.zero_grad_buffer()
                 optimizer.zero_grad()
                 piped = step.plan.kind == "elastic_pp"  # (auto: per step)
-                losses, times = forward_backward(step, model, pool=self.pool, pad_id=self.data.pad)
+                losses, times = forward_backward(step, model, pool=self.pool, pad_id=self.data.pad, cost=self.cost)
                 if piped:
                     # the simulator's row of this rank's stage: replica x stages + stage
                     mine = (times.replica * args.pp + parallel_state.get_pipeline_model_parallel_rank(), times)

@@ -322,9 +322,10 @@ def _plan(pipelines):
     return StepPlan(kind="elastic_pp", num_gpus=dist.get_world_size(), planner="test", pipelines=pipelines)
 
 
-def run_pipeline_plan(plan, lengths, seed, what="", tied=False, sp_groups=None):
+def run_pipeline_plan(plan, lengths, seed, what="", tied=False, sp_groups=None, cost=None):
     """One step of ``plan`` through forward_backward_elastic vs the uncut reference (with
-    replicas, the loss and token count summed over them, and the gradients reduced over them)."""
+    replicas, the loss and token count summed over them, and the gradients reduced over them);
+    ``cost``: the runtime's messages in the order of the simulator's times on it."""
     from megatron.core import parallel_state
 
     from megatron_ext.runtime.pipeline import forward_backward_elastic
@@ -333,7 +334,7 @@ def run_pipeline_plan(plan, lengths, seed, what="", tied=False, sp_groups=None):
     batch = _batch(lengths, seed)
     ref_loss, ref_grads, n_tokens = _reference(ref, batch)
     model.zero_grad_buffer()
-    losses, stats = forward_backward_elastic(plan, batch, model, sp_groups=sp_groups)
+    losses, stats = forward_backward_elastic(plan, batch, model, sp_groups=sp_groups, cost=cost)
     total = torch.stack([d["lm loss"] for d in losses]).sum(0) if losses else torch.zeros(2)
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
     fails = Failures()
@@ -563,7 +564,9 @@ def pipeline_pp2_planner_plans_match_reference():
         plan = _planner_plan(lengths, 2, 2, mem)
         seen |= _kinds(plan, lengths)
         rec += sum(sum(c.recompute_layers_per_stage) for p in plan.pipelines for c in p.chunks)
-        run_pipeline_plan(plan, lengths, seed=70, what=f"planner plan at {mem} MB: {plan.solver_status}")
+        # (its messages posted in the order of the simulator's times on the planner's own cost model)
+        run_pipeline_plan(plan, lengths, seed=70, what=f"planner plan at {mem} MB: {plan.solver_status}",
+                          cost=_cost(mem))
     assert rec > 0, "expected a plan with recompute"
     assert "split" in seen, f"chunk kinds covered: {seen}"  # (the planner's choice; hand-made plans cover all)
 

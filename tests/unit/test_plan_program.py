@@ -87,3 +87,64 @@ def test_forward_backward_dispatches_on_the_plan_kind():
         forward_backward(step("bogus"), model=None)
     with pytest.raises(ValueError, match="SP group pool"):
         forward_backward(step("flexsp"), model=None)
+
+
+def _replayed_ms(schedule, pipe, pc) -> float:
+    """The programs run with the simulator's op and transfer times, as gloo runs them: a step
+    posts its messages, waits for each of its receives (the sender's post, then the transfer),
+    then runs its op; a send never blocks."""
+    import numpy as np
+
+    from megatron_ext.plan.program import FWD
+    from megatron_ext.sim.engine import analyze_chunks, op_times
+
+    table = analyze_chunks(pipe.chunks, pc)
+    index = table.index()
+    rec = np.array([[c.recompute_layers_per_stage[p] if c.recompute_layers_per_stage else 0 for c in pipe.chunks]
+                    for p in range(pc.pp)])
+    fwd, bwd, _, p2p = op_times(table, pc, rec)
+    fwd = np.broadcast_to(fwd, bwd.shape)
+    programs, posted, free, at = schedule.programs, {}, [0.0] * pc.pp, [0] * pc.pp
+    while any(a < len(prog) for a, prog in zip(at, programs)):
+        moved = False
+        for p, prog in enumerate(programs):
+            while at[p] < len(prog):
+                st = prog[at[p]]
+                for m, role in st.comm:
+                    posted.setdefault((m.index, role), free[p])
+                recvs = [m for m, role in st.comm if role == "recv"]
+                if any((m.index, "send") not in posted for m in recvs):
+                    break
+                t = max([free[p]] + [max(posted[(m.index, "send")], posted[(m.index, "recv")]) + p2p[index[m.chunk]]
+                                     for m in recvs])
+                if st.op is not None:
+                    kind, c = st.op
+                    t += (fwd if kind == FWD else bwd)[p, index[c]]
+                free[p], at[p], moved = t, at[p] + 1, True
+        assert moved, "the programs deadlocked"
+    return max(free) + pc.step_sync_ms
+
+
+def test_simulated_op_times_run_the_programs_as_the_simulator_times_the_step():
+    """The runtime's programs place their messages by op times: with ``default_op_time``'s
+    (relative, no fixed costs) a stage's step waits on receives its next op does not need, and
+    the step, replayed with the simulator's own times, ran 20% past the simulated one; built on
+    the simulator's times (``sim.simulated_op_times``, what the runtime passes) it matches."""
+    import numpy as np
+
+    from megatron_ext.cost import CostModel
+    from megatron_ext.cost.pipeline import PipelineCost
+    from megatron_ext.data.lengths import sample_lengths
+    from megatron_ext.plan.program import build_schedules
+    from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
+    from megatron_ext.sim import simulate, simulated_op_times
+
+    cost = CostModel.from_presets("llama-7b", "h100-80g-8x4", 1)
+    lengths = np.minimum(sample_lengths("github", 256, 0), 131072)
+    plan = plan_elastic_pp(lengths, cost, 4, 8, time_limit=0.5)
+    pipe, pc = plan.pipelines[0], PipelineCost(cost, 4, 8)
+    simulated = simulate(plan, lengths, cost, events=False).step_time_s * 1e3
+    ours, = build_schedules(plan, lengths, 4, 8, pc.layers_per_stage, op_time_of=simulated_op_times(cost))
+    relative, = build_schedules(plan, lengths, 4, 8, pc.layers_per_stage)
+    assert len(plan.pipelines) == 1 and _replayed_ms(ours, pipe, pc) == pytest.approx(simulated, rel=0.01)
+    assert _replayed_ms(relative, pipe, pc) > 1.05 * simulated
