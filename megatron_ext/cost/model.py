@@ -2,11 +2,12 @@
 
 A group of degree d running sequences S costs, in milliseconds,
     b1 + r sum_s (a1 s^2 + a2 s) / d + [d > 1] (sum_s (V s / d) / bw[d] + (8 L + 4 n) lat[d])
-(4 all-to-alls per layer forward (Q, K, V, the output) and 4 backward (their gradients), of
+(the all-to-alls carry Q, K, V and the attention's output forward and their gradients backward,
 e-byte activations (the model's activation_bytes, 2 for bf16): V = (2 L + n) (2 h + 2 k) e / 2^20
 MB a token, k the K/V width (KV heads x head dim: h without GQA), n the layers the model's
 recompute runs forward again (``a2a_mb_per_token``); MB over GB/s is ms; lat[d]: the cluster's
-per-call latency; r: the recompute's compute, cost/activations.py). b1, the fixed cost of a pass, is derived
+latency, counted 8 a layer, the forward's half again per recomputed layer (as `profile` fits
+it); r: the recompute's compute, cost/activations.py). b1, the fixed cost of a pass, is derived
 (cost/fixed.py): the launch constant, plus under ZeRO-3 the parameter gathers of the whole model
 over all GPUs. Its memory per GPU is sum_s s / d * act_mb_per_token + model states. A micro-batch
 costs the max over its groups, a step the sum over its micro-batches plus, under ZeRO 0/1/2, what
@@ -38,13 +39,12 @@ MIXED_PRECISION_ADAM = (2, 2, 12)
 ZERO_STAGES = (0, 1, 2, 3)
 
 
-def a2a_mb_per_token(model: ModelSpec, layers: int | None = None, recomputed: int = 0) -> float:
-    """MB a token sends through the Ulysses all-to-alls of ``layers`` layers (default: all), fwd
-    and bwd: Q, K, V and the attention's output forward (2 h + 2 k values, k the K/V width), their
-    gradients backward, and the forward's again for each of ``recomputed`` layers."""
-    layers = model.num_layers if layers is None else layers
+def a2a_mb_per_token(model: ModelSpec, recomputed: int = 0) -> float:
+    """MB a token sends through the model's Ulysses all-to-alls, fwd and bwd: Q, K, V and the
+    attention's output forward (2 h + 2 k values a layer, k the K/V width), their gradients
+    backward, and the forward's again for each of ``recomputed`` layers."""
     kv = model.kv_heads * (model.hidden_size // model.num_attention_heads)
-    return (2 * layers + recomputed) * (2 * model.hidden_size + 2 * kv) * model.activation_bytes / MB
+    return (2 * model.num_layers + recomputed) * (2 * model.hidden_size + 2 * kv) * model.activation_bytes / MB
 
 
 def model_states_mb(params_b: float, zero_stage: int, shards: int, state_bytes=MIXED_PRECISION_ADAM) -> float:
@@ -116,9 +116,11 @@ class CostModel:
                 raise
             raise ConfigError(f"{path}: {e}") from None
 
-    def without_recompute(self) -> "CostModel":
-        """The same model without its own recompute policy (a runtime that runs none of it)."""
-        return dataclasses.replace(self, model=dataclasses.replace(self.model, recompute="none", recompute_layers=None))
+    def with_recompute(self, recompute: str = "none", layers: int | None = None) -> "CostModel":
+        """The same model with the recompute policy its runtime runs (``ModelSpec.recompute``,
+        ``recompute_layers``; default none: a runtime that runs none of the model's own)."""
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, recompute=recompute,
+                                                                   recompute_layers=layers))
 
     def with_memory(self, memory_mb: float) -> "CostModel":
         """The same model on GPUs with ``memory_mb`` usable each (``--memory-mb``: every planner,
@@ -245,9 +247,9 @@ class CostModel:
         return mb / degree / self.cluster.a2a_bandwidth(u)
 
     def a2a_latency_ms(self, degree: int, layers: int | None = None) -> float:
-        """Latency of the 8 all-to-all calls per layer (forward and backward; 4 more per layer the
-        model's recompute runs again) of a degree-d group over ``layers`` layers (default: all),
-        plus its ring's p2p calls."""
+        """Latency of a degree-d group's all-to-alls over ``layers`` layers (default: all), 8 a
+        layer (forward and backward; the forward's 4 again per layer the model's recompute runs
+        again), plus its ring's p2p calls."""
         u, r = self.ulysses_degree(degree), self.ring_degree(degree)
         m = self.model
         layers = m.num_layers if layers is None else layers

@@ -33,7 +33,8 @@ stage's parameters over the GPUs holding them (its SP ranks in every replica) le
 (``step_sync_ms``, the slowest stage's).
 
 Memory per GPU of a stage, MB:
-- model states of the stage's layers (params_b / pp), ZeRO-sharded at the CostModel's ZeRO
+- model states of the fullest stage (``stage_params_b``: its layers' share of params_b and, on
+  the first and last stage, a vocabulary table), ZeRO-sharded at the CostModel's ZeRO
   stage: ZeRO-3 over the stage's sp ranks (not over the replicas: a stage gathers its
   parameters every pass, inside its node, which is what the per-chunk fixed cost assumes);
   ZeRO 1/2 over every GPU holding the stage (sp ranks x replicas: the distributed optimizer's
@@ -180,6 +181,8 @@ class PipelineCost:
         ZeRO-3 (a stage sharded over its own sp ranks, reduced per pass), each GPU's shard over its
         peers in the other replicas (none without replicas)."""
         c = self.cost
+        # (the layers' even share: what a sync leaves exposed is about one layer's, and a stage's
+        # vocabulary table is reduced with the rest, hidden behind its backward)
         stage_model = dataclasses.replace(c.model, params_b=c.model.params_b / self.pp,
                                           num_layers=self.layers_per_stage, act_mb_per_token=c.act_mb_per_token)
         if c.zero_stage == 3:

@@ -126,8 +126,7 @@ def megatron_cost_model(args) -> CostModel:
     stage, why = megatron_zero_stage(args)
     cost = dataclasses.replace(load_cost_model(ref, stage).with_max_ring(getattr(args, "flexsp_max_ring", None) or 1),
                                state_bytes=megatron_state_bytes(args))
-    recompute, layers = megatron_recompute(args)
-    cost = dataclasses.replace(cost, model=dataclasses.replace(cost.model, recompute=recompute, recompute_layers=layers))
+    cost = cost.with_recompute(*megatron_recompute(args))
     if cost.zero_stage != stage:
         stated = f"zero_stage: {cost.zero_stage}" if _looks_like_file(ref) else f"ZeRO stage {cost.zero_stage}"
         run = dataclasses.replace(cost, zero_stage=stage)

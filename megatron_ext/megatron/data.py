@@ -232,7 +232,10 @@ def make_loader(documents, cost, args, *, num_steps: int | None, start_step: int
         options = dataclasses.replace(options, max_seq_len=max_len)
         planner, fallback = "auto", "batchada"
     else:
-        max_len = min(int(args.seq_length), cost.max_seq_len)
+        # (static_ulysses at its degree: what its groups hold, so documents are cut there, not dropped)
+        static = args.flexsp_static_degree if args.flexsp_planner == "static_ulysses" else None
+        held = cost.max_seq_len if static is None else cost.token_capacity(static)
+        max_len = min(int(args.seq_length), held)
         options = PlannerOptions(time_limit=limit, static_degree=args.flexsp_static_degree, drop_over_max=True,
                                  max_seq_len=max_len)
         planner, fallback = args.flexsp_planner, "batchada"

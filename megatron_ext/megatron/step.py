@@ -462,8 +462,13 @@ def report_step(step: Step, elapsed_s: float, parts_s: list[float], *, args=None
     args = _args() if args is None else args
     t = torch.tensor([elapsed_s] + list(parts_s), dtype=torch.float64, device=rank_device())
     if dist.is_initialized():
-        gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, t)
+        from megatron.core import parallel_state
+
+        # a FlexSP plan's ranks are the data-parallel ranks, in that group's order (tensor-parallel
+        # partners run one plan rank); a pipeline plan's rows are the world's (stages x replicas)
+        group = None if step.plan.kind == "elastic_pp" else parallel_state.get_data_parallel_group()
+        gathered = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, t, group=group)
         ranks = torch.stack(gathered).tolist()
     else:
         ranks = [t.tolist()] * step.plan.num_gpus

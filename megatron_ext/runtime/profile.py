@@ -510,7 +510,7 @@ def measure(base: CostModel, lengths: list[int], repeats: int, setup: RankSetup,
         base.zero_stage)
     # the real steps run the model as built here, without a recompute policy of the model's
     # (the fitted a1 and a2 are those of passes without it, as the YAML's are): priced alike
-    plain = fitted.without_recompute()
+    plain = fitted.with_recompute()
     mb_overhead, flexsp_run = _micro_batch_overhead_ms(plain, pool, max(lengths), repeats, setup)
     tick("a real FlexSP step")
     op_overhead, pipeline_run = _pipeline_op_overhead_ms(plain, max(lengths), repeats, setup)

@@ -154,7 +154,7 @@ def train_cost_model(args) -> CostModel:
             raise ConfigError(f"--cost-model {args.cost_model} was measured in {measured_in}, but train runs fp32: "
                               f"measure it with `megatron-ext profile --dtype fp32`")
     if cost.model.recomputed_layers and get_planner(args.planner).kind in PIPELINE_KINDS:
-        cost = cost.without_recompute()
+        cost = cost.with_recompute()
     return cost
 
 

@@ -122,7 +122,7 @@ def test_all_to_all_volume_by_hand():
     gqa = dataclasses.replace(load_model("llama-13b"), num_query_groups=8)  # 40 heads of 128, 8 KV heads
     per_layer = 2 * (2 * 5120 + 2 * 8 * 128) * 2 / 2**20  # fwd + bwd, bf16
     assert a2a_mb_per_token(gqa) == pytest.approx(40 * per_layer)
-    assert a2a_mb_per_token(gqa, layers=10) == pytest.approx(10 * per_layer)
+    assert a2a_mb_per_token(gqa, recomputed=10) == pytest.approx(45 * per_layer)
     assert a2a_mb_per_token(load_model("gpt-7b")) == pytest.approx(8 * 32 * 4096 * 2 / 2**20)  # (MHA: 8 L h e)
     # llama-13b recomputes 18 of its 40 layers: 18 more forward all-to-alls' worth
     c13 = CostModel.from_presets("llama-13b", "a800-80g-8x4")

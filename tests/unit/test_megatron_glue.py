@@ -180,6 +180,23 @@ def test_elastic_loader_plans_stages_of_the_given_sp(sp, replicas):
         assert all(replica_groups(plan, cost.num_gpus)), planner
 
 
+def test_static_ulysses_loader_cuts_documents_at_what_its_degree_holds():
+    """--flexsp-planner static_ulysses --flexsp-static-degree D: documents are cut at what a
+    degree-D group holds (the loader drops what no plan runs: a longer piece would be dropped
+    on every step, its tokens never trained)."""
+    from megatron_ext.megatron.cost import load_cost_model
+    from megatron_ext.megatron.data import make_loader
+
+    cost = load_cost_model(str(ROOT / "configs/megatron/cost/tiny-cpu2.yaml"))
+    args = Namespace(elastic_pp=False, flexsp_planner="static_ulysses", flexsp_static_degree=1, seq_length=65536,
+                     planner_time_limit=0.5, adaptive_recompute=False, global_batch_size=4, plan_ahead=0)
+    loader = make_loader(MockDocuments(64, 100, 99, 3, 65536), cost, args, num_steps=1, start_step=0, seed=3)
+    assert loader.max_seq_len == cost.token_capacity(1) < cost.max_seq_len
+    args.flexsp_planner = "flexsp"  # (the degree is static_ulysses's: FlexSP's groups hold more)
+    assert make_loader(MockDocuments(64, 100, 99, 3, 65536), cost, args, num_steps=1, start_step=0,
+                       seed=3).max_seq_len == cost.max_seq_len
+
+
 def test_flexsp_auto_loader_plans_one_stage_and_logs_under_flexsp(tmp_path):
     """--flexsp-planner auto: the loader plans with auto on one stage (FlexSP or one-stage
     pipeline replicas), over FlexSP's length limit up to what the pipelines slice; a pipeline
