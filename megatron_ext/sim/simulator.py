@@ -27,7 +27,8 @@ import numpy as np
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import InvalidPlanError, MegatronExtError
-from megatron_ext.plan.program import BWD, FWD, check_one_pipeline_per_sequence, list_schedule, op_name, parse_order
+from megatron_ext.plan.program import (BWD, FWD, check_one_pipeline_per_sequence, chunk_layouts, list_schedule, op_name,
+                                       parse_order)
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.plan.validate import group_starts_ms, replica_groups
 from megatron_ext.sim.engine import analyze_chunks, memory_levels, op_times, warmup_counts
@@ -85,7 +86,7 @@ def simulate(plan: StepPlan, lengths, cost: CostModel, *, b1_scale: float = 1.0,
         return _simulate_flexsp(plan, lengths, cost, memory_mb, events)
     if plan.kind != "elastic_pp":
         raise InvalidPlanError(f"cannot simulate a plan of kind {plan.kind!r}")
-    return _simulate_pipelines(plan, cost, b1_scale, memory_mb, events)
+    return _simulate_pipelines(plan, lengths, cost, b1_scale, memory_mb, events)
 
 
 def _simulate_flexsp(plan, lengths, cost, memory_mb, want_events) -> SimResult:
@@ -166,7 +167,7 @@ class _ReplicaRun:
     tokens: int
 
 
-def _simulate_pipelines(plan, cost, b1_scale, memory_mb, want_events) -> SimResult:
+def _simulate_pipelines(plan, lengths, cost, b1_scale, memory_mb, want_events) -> SimResult:
     if not plan.pipelines:
         raise InvalidPlanError("an elastic_pp plan needs at least one pipeline")
     check_one_pipeline_per_sequence(plan.pipelines)
@@ -177,6 +178,8 @@ def _simulate_pipelines(plan, cost, b1_scale, memory_mb, want_events) -> SimResu
         pc = PipelineCost(cost, first.stages, first.sp_degree, b1_scale, memory_mb)
     except MegatronExtError as e:  # ConfigError / InfeasibleError: a plan the cluster cannot run
         raise InvalidPlanError(f"pipeline 0: {e}") from None
+    for i, pipe in enumerate(plan.pipelines):  # (pieces that leave a gap or overlap are refused, not timed)
+        chunk_layouts(pipe, lengths, pc.layers_per_stage, f"pipeline {i}")
     runs = [_simulate_replica(plan, idx, pc, want_events, r * pc.pp) for r, idx in enumerate(replicas)]
     # once per step, what the gradient sync leaves exposed
     t_end = max(run.end_ms for run in runs) + pc.step_sync_ms

@@ -120,6 +120,17 @@ def test_cross_stage_deadlock_is_refused():
         simulate(plan, np.array([1000, 1000]), cost)
 
 
+def test_pieces_that_do_not_tile_their_sequence_are_refused():
+    """simulate times no plan whose pieces leave a gap in a sequence or overlap (as validate)."""
+    order = [["F0", "F1", "B1", "B0"]] * 2
+    for pieces, match in (([[Piece(0, 0, 600)], [Piece(0, 650, 1000)]], "sequence 0"),
+                          ([[Piece(0, 0, 600)], [Piece(0, 500, 1000)]], "sequence 0"),
+                          ([[Piece(0, 0, 600)], [Piece(0, 600, 900)]], "end at 900, it has 1000 tokens")):
+        cost, plan = _two_chunk_plan(order, pieces)
+        with pytest.raises(InvalidPlanError, match=match):
+            simulate(plan, np.array([1000]), cost)
+
+
 def test_slice_order_deadlock_is_refused():
     # chunk 1 holds the second slice of sequence 0: its forward cannot run before chunk 0's
     pieces = [[Piece(0, 0, 600)], [Piece(0, 600, 1000)]]
