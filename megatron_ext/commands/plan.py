@@ -23,7 +23,7 @@ from megatron_ext.data.lengths import MAX_BATCH, MAX_SEED, read_lengths, sample_
 from megatron_ext.errors import ConfigError
 from megatron_ext.plan.validate import replica_groups
 from megatron_ext.planner import make_plan
-from megatron_ext.planner.api import PIPELINE_KINDS, get_planner, max_seq_len, planner_names
+from megatron_ext.planner.api import PIPELINE_KINDS, get_planner, group_limit, max_seq_len, planner_names
 from megatron_ext.planner.api import BASELINES
 from megatron_ext.text import plural
 
@@ -83,8 +83,9 @@ def cmd_plan(args) -> int:
         _note_if_too_big(lengths[lengths <= cost.max_seq_len], cost, options.time_limit)
     plan = make_plan(args.planner, lengths, cost, options, baselines=() if args.no_baselines else BASELINES)
     notes = [drawn, plot_if_asked(args, plan, lengths, cost), trace_if_asked(args, plan, lengths, cost)]
-    static = args.static_degree if args.planner == "static_ulysses" else None
-    print(plan.to_json(indent=1) if args.json else _plan_table(plan, lengths, cost, args.max_seq_len, static))
+    held = group_limit(args.planner, cost, args.static_degree)  # (what it dropped past)
+    print(plan.to_json(indent=1) if args.json else
+          _plan_table(plan, lengths, cost, min(held, args.max_seq_len or held)))
     print_notes(notes)
     return 0
 
@@ -138,8 +139,8 @@ def _head(plan, lengths, cost) -> str:
             f"{cost.cluster.name} ({cost.num_gpus} GPUs)")
 
 
-def _plan_table(plan, lengths, cost, max_seq_len: int | None = None, static_degree: int | None = None) -> str:
-    """``static_degree``: static_ulysses's (what a group of it holds caps the length)."""
+def _plan_table(plan, lengths, cost, limit: int) -> str:
+    """``limit``: the length past which the planner dropped sequences."""
     lines = [_head(plan, lengths, cost), ""]
     if plan.barrier_free:  # no micro-batch barrier: row k is each GPU set's k-th pass, its slowest timed
         lines.append(f"{'pass':>4} {'time s':>7}  groups (degree x count: sequences, tokens), each from when its "
@@ -166,8 +167,6 @@ def _plan_table(plan, lengths, cost, max_seq_len: int | None = None, static_degr
         lines.append(f"any-degree bound {rb:.3f} s ({plan.estimated_step_time_s / rb:.3f}x): any number of GPUs per "
                      f"sequence, no head limit")
     if plan.dropped_seq_ids:
-        cap = cost.token_capacity(static_degree) if static_degree is not None else cost.max_seq_len
-        limit = min(cap, max_seq_len or cap)
         lines.append(f"dropped {len(plan.dropped_seq_ids)} sequence(s) over the {limit}-token limit: "
                      f"ids {plan.dropped_seq_ids[:10]}{' ...' if len(plan.dropped_seq_ids) > 10 else ''}")
     if plan.baselines:

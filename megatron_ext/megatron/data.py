@@ -232,10 +232,10 @@ def make_loader(documents, cost, args, *, num_steps: int | None, start_step: int
         options = dataclasses.replace(options, max_seq_len=max_len)
         planner, fallback = "auto", "batchada"
     else:
-        # (static_ulysses at its degree: what its groups hold, so documents are cut there, not dropped)
-        static = args.flexsp_static_degree if args.flexsp_planner == "static_ulysses" else None
-        held = cost.max_seq_len if static is None else cost.token_capacity(static)
-        max_len = min(int(args.seq_length), held)
+        # (static_ulysses: what its degree's groups hold, so documents are cut there, not dropped)
+        from megatron_ext.planner.api import group_limit
+
+        max_len = min(int(args.seq_length), group_limit(args.flexsp_planner, cost, args.flexsp_static_degree))
         options = PlannerOptions(time_limit=limit, static_degree=args.flexsp_static_degree, drop_over_max=True,
                                  max_seq_len=max_len)
         planner, fallback = args.flexsp_planner, "batchada"

@@ -132,6 +132,15 @@ def max_seq_len(name: str, cost: CostModel, options=None) -> int:
     return _some_tokens(max(limits), name, cost)
 
 
+def group_limit(name: str, cost: CostModel, static_degree: int | None = None) -> int:
+    """The longest sequence one group of a FlexSP-kind planner holds: static_ulysses's at its
+    degree (``static_degree``, where given), any other's at the largest."""
+    if name == "static_ulysses" and static_degree is not None:
+        cost.check_degree(static_degree)
+        return cost.token_capacity(static_degree)
+    return cost.max_seq_len
+
+
 def _some_tokens(limit: int, name: str, cost: CostModel) -> int:
     if limit < 1:  # (a batch drawn up to 0 tokens would never fill)
         raise InfeasibleError(f"{name}: {cost.model.name} on {cost.cluster.name} holds no sequence at all: one "
@@ -162,10 +171,7 @@ def _kept(planner: Planner, lengths: np.ndarray, cost: CostModel, options, overr
     given = getattr(options, "max_seq_len", None)
     if planner.kind == "sp":  # (what a group can hold caps the limit given; dropping, static_ulysses's at its
         # degree: else its own error says which degree the longest needs)
-        static = getattr(options, "static_degree", None) if planner.name == "static_ulysses" and drop else None
-        if static is not None:
-            cost.check_degree(static)
-        cap = cost.max_seq_len if static is None else cost.token_capacity(static)
+        cap = group_limit(planner.name, cost, getattr(options, "static_degree", None)) if drop else cost.max_seq_len
         limit = cap if given is None else min(given, cap)
         too_long = lengths > limit
         if too_long.any() and not drop:
@@ -236,4 +242,4 @@ def _baseline_error(name: str, err: Exception, lengths: np.ndarray, cost: CostMo
 
 
 __all__ = ["BASELINES", "KINDS", "PIPELINE_KINDS", "PLANNERS", "PP_BASELINES", "Planner",
-           "get_planner", "make_plan", "max_seq_len", "planner_names", "planners_help"]
+           "get_planner", "group_limit", "make_plan", "max_seq_len", "planner_names", "planners_help"]

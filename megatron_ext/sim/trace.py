@@ -105,12 +105,13 @@ def group_spans(plan: StepPlan, rank_micro_batch_s) -> list[list[tuple[float, di
     Nothing synchronises ranks between micro-batches, so a rank idle or done early in one starts the
     next early and waits in its group's first all-to-all: the group works from the latest of its
     ranks' starts."""
+    took = np.asarray(rank_micro_batch_s, dtype=np.float64)
+    ends = np.cumsum(took, axis=1)  # (each rank's micro-batches one after another)
     spans = []
     for m, mb in enumerate(plan.micro_batches):
         row = []
         for g in mb.groups:
-            starts = {r: float(sum(rank_micro_batch_s[r][:m])) for r in g.ranks}
-            row.append((max(starts.values()), {r: starts[r] + float(rank_micro_batch_s[r][m]) for r in g.ranks}))
+            row.append((max(float(ends[r, m] - took[r, m]) for r in g.ranks), {r: float(ends[r, m]) for r in g.ranks}))
         spans.append(row)
     return spans
 
