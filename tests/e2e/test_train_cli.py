@@ -101,8 +101,6 @@ def test_trace_holds_every_step_planned_and_measured(runs, run):
             took = [max(end - ts for (m, ts), ends in spans.items() if m == i for end in ends)
                     for i in range(rec["micro_batches"])]
             assert took == pytest.approx([t * 1e6 for t in rec["micro_batch_times_s"]], rel=1e-6, abs=1e-2)
-            # (ranks leave the step's barrier a moment apart: each times from its own first micro-batch)
-            assert max(end for ends in spans.values() for end in ends) - starts[k] <= rec["step_time_s"] * 1.05e6
 
 
 def test_auto_runs_each_step_as_the_kind_it_planned(runs):
