@@ -303,10 +303,8 @@ class CostModel:
         """The batch's compute spread perfectly over every GPU, and nothing else: no all-to-all, no
         per-pass fixed cost, no idle time, memory ignored. No plan of any kind (FlexSP, pipelines,
         any layout) takes less on this cost model, so ``t / floor`` bounds any planner's speedup
-        over a plan that takes ``t``; nothing recomputed either (the model's recompute policy is
-        the FlexSP kind's; a pipeline may run none)."""
-        s = np.asarray(lengths, dtype=np.float64)
-        return float(np.sum(self.model.a1 * s * s + self.model.a2 * s)) / self.num_gpus
+        over a plan that takes ``t``."""
+        return float(np.sum(self.seq_time_ms(lengths, 1))) / self.num_gpus
 
     def min_microbatches(self, lengths) -> int:
         total = float(np.sum(lengths))

@@ -2,8 +2,8 @@
 
 A pipeline has ``pp`` stages of ``L_s = L / pp`` layers each; every stage is one Ulysses group of
 ``sp`` GPUs; the cluster runs GPUs / (pp x sp) replicas of it side by side (``replicas``). The
-whole-model FlexSP coefficients (a1, a2: fwd+bwd, ms) are spread evenly over the layers, so a
-stage does ``L_s / L`` of them. For one chunk on one stage (milliseconds):
+whole-model FlexSP coefficients (a1, a2: fwd+bwd, ms, with the model's recompute:
+CostModel.a1/a2) are spread evenly over the layers, so a stage does ``L_s / L`` of them. For one chunk on one stage (milliseconds):
 
     work    = sum over pieces of  a1 ((C + s)^2 - C^2) + a2 s       (C: prefix already processed)
     compute = (L_s / L * attention + share_p * a2 tokens) / sp      (attention = work - a2 tokens)
@@ -11,9 +11,7 @@ stage does ``L_s / L`` of them. For one chunk on one stage (milliseconds):
     fixed   = b1_scale * pass_fixed(stage) + 8 L_s lat[sp]        (cost/fixed.py; 2 beta(d_s) 2 L / d_p)
     stage   = compute + a2a + fixed;  forward = stage / 3,  backward = 2 stage / 3
 
-A pipeline recomputes per chunk (the planner's choice, ``recompute_ms``), so it runs none of the
-model's own recompute policy (``ModelSpec.recompute``: the FlexSP kind's): ``cost`` is the model
-without it. The output layer's matmuls (ModelSpec.head_share of the per-token work, h x vocab) run on
+The output layer's matmuls (ModelSpec.head_share of the per-token work, h x vocab) run on
 the last stage only: share_p = (1 - head) / pp, plus head on the last stage. The planner's own
 searches use the average stage (share 1 / pp); the simulator times every stage with its own.
 Each forward and backward also pays the cluster's ``pipeline_op_overhead_ms`` (measured by
@@ -88,8 +86,6 @@ class PipelineCost:
     memory_mb: float | None = None  # usable per GPU; default: the cluster's
 
     def __post_init__(self):
-        if self.cost.model.recomputed_layers:  # (a pipeline runs each chunk's own recompute, none of the model's)
-            object.__setattr__(self, "cost", self.cost.with_recompute())
         m, c = self.cost.model, self.cost.cluster
         if not isinstance(self.pp, int) or isinstance(self.pp, bool) or self.pp < 1:
             raise ConfigError(f"pipeline degree must be a positive integer, got {self.pp!r}")

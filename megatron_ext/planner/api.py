@@ -105,8 +105,8 @@ def get_planner(name: str, kinds: tuple[str, ...] = KINDS) -> Planner:
 
 def max_seq_len(name: str, cost: CostModel, options=None) -> int:
     """The longest sequence planner ``name`` can run: FlexSP-kind planners, the longest an SP group
-    can hold; pipeline planners, the longest their layout holds alone, whole or at the finest
-    slicing (``pp.sequence_limits.longest_sequence``); ``auto``, the longest either kind can run on any
+    can hold; pipeline planners, the longest their layout holds alone at the finest slicing
+    (``pp.sequence_limits.longest_sequence``); ``auto``, the longest either kind can run on any
     layout."""
     kind = PLANNERS[name].kind if name in PLANNERS else "sp"
     if kind == "sp":

@@ -95,7 +95,7 @@ def pipeline_estimate(lengths: np.ndarray, pc: PipelineCost, min_slice_tokens: i
     """Milliseconds of one 1F1B pipeline of n equal chunks running ``lengths``, at the best n:
     ``W + n b + (P - 1)(W / n + b)`` (W: work per stage, b: fixed cost per chunk), with at least
     the chunks memory needs: stage 0 holds P chunks in flight, either whole (no recompute) or, with
-    every layer recomputed (W grows by a forward), their inputs and K/V and one layer re-materialized; at most
+    every layer recomputed (W grows by a forward), one whole and the others' inputs and K/V; at most
     a chunk per sequence or per ``min_slice_tokens`` (sequences are cut into slices: a few
     sequences on many stages still fill the pipeline). Ramps, list scheduling and partial
     recompute beat it by up to ~7%. Returns (ms, n)."""
@@ -103,11 +103,10 @@ def pipeline_estimate(lengths: np.ndarray, pc: PipelineCost, min_slice_tokens: i
     tokens = float(lengths.sum())
     P, b, L_s, room = pc.pp, pc.fixed_ms, pc.layers_per_stage, pc.activation_room_mb
     whole, kept = pc.act_layer_mb * L_s, (pc.input_layer_mb + pc.kv_layer_mb) * L_s
-    working = pc.act_layer_mb - pc.input_layer_mb
     most = max(2, len(lengths), math.ceil(tokens / min_slice_tokens))
     n = np.arange(1, most + 1, dtype=np.float64)
     best, chunks = math.inf, int(n[-1])
-    for work, chunk_mb in ((W, P * whole), (W * (1 + FWD_FRACTION), P * kept + working)):
+    for work, chunk_mb in ((W, P * whole), (W * (1 + FWD_FRACTION), (P - 1) * kept + whole)):
         fits = n * room >= tokens * chunk_mb  # n chunks of tokens / n each
         if fits.any():
             t = np.where(fits, work + n * b + (P - 1) * (work / n + b), math.inf)
@@ -150,7 +149,7 @@ def forced_slices(lengths: np.ndarray, pc: PipelineCost, granularity: int = 128)
     lengths = np.asarray(lengths)
     whole = pc.act_layer_mb * pc.layers_per_stage + float(pc.head_mb)  # (``sequence_peak_mb`` unsliced)
     over, count = np.unique(lengths[lengths * whole > pc.activation_room_mb], return_counts=True)
-    return sum(-(-int(s) // (fit_cap(int(s), pc, granularity) or int(s))) * int(c) for s, c in zip(over, count))
+    return sum(-(-int(s) // fit_cap(int(s), pc, granularity)) * int(c) for s, c in zip(over, count))
 
 
 def layout_pressure(lengths: np.ndarray, pc: PipelineCost) -> float:

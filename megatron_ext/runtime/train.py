@@ -190,7 +190,7 @@ def check_args(args, cost: CostModel, world: int, read_checkpoint: bool = True) 
         if args.max_seq_len > limit:
             what = f"SP {sp}" if sp is not None else "any SP degree"
             raise ConfigError(f"--max-seq-len {args.max_seq_len} is over the {limit} tokens a {args.pp}-stage pipeline "
-                              f"of {what} holds alone, every layer recomputed; lower it, or use a larger --sp or more "
+                              f"of {what} holds even at the finest slicing; lower it, or use a larger --sp or more "
                               f"--pp")
     if not pipelined and args.max_seq_len > cost.max_seq_len:
         raise ConfigError(f"--max-seq-len {args.max_seq_len} is over the {cost.max_seq_len} tokens the largest SP group "

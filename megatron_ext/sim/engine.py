@@ -14,10 +14,8 @@ The operations, the order parser and the list scheduler are plan/program.py's (`
 
 Each stage executes its operations one after another in the given order, so its memory is a
 function of the order alone (not of the times): after a forward, the chunk's retained memory is
-added; during a backward, a chunk that recomputes layers has one of them re-materialized at a time
-(Megatron's full recompute runs each layer under its own checkpoint: the layer's activations
-beyond its input, the working set of ``cost/activations.py``) and, for split sequences, the
-prefix dK/dV buffer is live. The list scheduler starts every operation
+added; during a backward, the chunk's full activations are back (recomputed layers re-run) and,
+for split sequences, the prefix dK/dV buffer is live. The list scheduler starts every operation
 as soon as its stage is free and its dependencies are done; if no stage can start its next
 operation while some remain, the order deadlocks.
 """
@@ -155,18 +153,15 @@ class _SliceBuffers:
                 self.held += b - a
 
 
-def memory_checkpoints(ops: list[tuple[int, int]], table: ChunkTable, full: np.ndarray, save: np.ndarray,
+def memory_checkpoints(ops: list[tuple[int, int]], table: ChunkTable, full: np.ndarray,
                        pc: PipelineCost, room: float | None = None) -> list[Checkpoint]:
     """The moments that can peak on one stage: after each forward and during each backward;
     with ``room``, only those over it with nothing recomputed (recompute only lowers memory, so
-    the others hold whatever it is; their lists of chunks are what costs). During a backward the
-    chunk's own recompute counts too, with one layer's working set (``save``) always added: a
-    linear bound, exact where the chunk recomputes and one layer over where it does not (what
-    ``memory_levels`` counts there)."""
+    the others hold whatever it is; their lists of chunks are what costs)."""
     live: dict[int, None] = {}  # ordered set of chunks between forward and backward
     live_sum = 0.0
     per_token = float(pc.dkv_mb(1))
-    full, save = full.tolist(), save.tolist()
+    full = full.tolist()
     held = _SliceBuffers(table)
     limit = -math.inf if room is None else room
     out = []
@@ -178,11 +173,11 @@ def memory_checkpoints(ops: list[tuple[int, int]], table: ChunkTable, full: np.n
             if const > limit:
                 out.append(Checkpoint(FWD, k, const, list(live)))
         else:
-            const = live_sum + save[k] + per_token * held.tokens(during=k)
+            const = live_sum + per_token * held.tokens(during=k)
             if k not in live:  # backward before forward: the scheduler reports the deadlock
                 const += full[k]
             if const > limit:
-                out.append(Checkpoint(BWD, k, const, list(live)))
+                out.append(Checkpoint(BWD, k, const, [j for j in live if j != k]))
             if k in live:
                 del live[k]
                 live_sum -= full[k]
@@ -194,14 +189,12 @@ def memory_levels(ops: list[tuple[int, int]], table: ChunkTable, full: np.ndarra
                   recompute: np.ndarray, pc: PipelineCost) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Memory of one stage (MB per GPU, no model states) around each operation of its order:
     (before, during, after). A forward builds up its chunk's retained activations (full minus
-    what recomputed layers drop); during a backward the chunk holds those and, where it
-    recomputes layers, one of them re-materialized (``save``: a layer's activations beyond its
-    input), and a split sequence's prefix dK/dV buffer is live; after it, the chunk is freed but
-    for the cached K/V of a slice whose sequence's first slice has not run backward yet. The
-    peaks agree with ``checkpoint_memory`` (after each forward, during each backward of a chunk
-    that recomputes; one layer's working set under it where one does not)."""
+    what recomputed layers drop); during a backward the chunk's activations are all back and a
+    split sequence's prefix dK/dV buffer is live; after it, the chunk is freed but for the cached
+    K/V of a slice whose sequence's first slice has not run backward yet. The peaks agree
+    with ``checkpoint_memory`` (after each forward, during each backward)."""
     kept = (full - save * recompute).tolist()
-    working = np.where(recompute > 0, save, 0.0).tolist()
+    full_l = full.tolist()
     per_token = float(pc.dkv_mb(1))
     live: dict[int, None] = {}
     live_sum = 0.0
@@ -215,11 +208,11 @@ def memory_levels(ops: list[tuple[int, int]], table: ChunkTable, full: np.ndarra
             live_sum += kept[k]
             during[pos] = after[pos] = live_sum + per_token * buffers.tokens()
             continue
-        own = working[k] if k in live else full[k]  # (not run forward: the scheduler reports the deadlock)
-        during[pos] = live_sum + own + per_token * buffers.tokens(during=k)
+        held = kept[k] if k in live else 0.0
+        during[pos] = live_sum - held + full_l[k] + per_token * buffers.tokens(during=k)
         if k in live:
             del live[k]
-            live_sum -= kept[k]
+            live_sum -= held
         buffers.backward_done(k)
         after[pos] = live_sum + per_token * buffers.tokens()
     return before, during, after

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from megatron_ext.cost import CostModel
-from megatron_ext.cost.activations import layer_bytes_per_token
 from megatron_ext.cost.pipeline import FWD_FRACTION, PipelineCost, default_layout
 from megatron_ext.errors import ConfigError, InfeasibleError
 from megatron_ext.spec import load_cluster, load_model
@@ -30,17 +29,14 @@ def test_presets_load():
 
 
 def test_stages_add_up_to_the_flexsp_group_time():
-    """One whole sequence through all pp stages does the work FlexSP charges a degree-sp group
-    running none of the model's recompute (a pipeline recomputes per chunk, by its plan); only the
-    fixed costs differ: a stage gathers its own layers inside its node (cost/fixed.py), a FlexSP
-    micro-batch the whole model over every GPU."""
-    plain = COST.with_recompute()
-    assert COST.model.recomputed_layers == 18 and PipelineCost(COST, 4, 8).cost == plain
+    """One whole sequence through all pp stages does the work FlexSP charges a degree-sp group;
+    only the fixed costs differ: a stage gathers its own layers inside its node (cost/fixed.py),
+    a FlexSP micro-batch the whole model over every GPU."""
     for pp, sp in ((4, 8), (8, 4), (2, 8)):
         pc = PipelineCost(COST, pp, sp)
         for s in (1, 1000, 50_000):
             stages = pp * (float(pc.stage_ms(pc.piece_work(s), s)) - pc.fixed_ms)
-            assert stages == pytest.approx(plain.group_time_ms([s], sp) - plain.group_fixed_ms(sp), rel=1e-12)
+            assert stages == pytest.approx(COST.group_time_ms([s], sp) - COST.group_fixed_ms(sp), rel=1e-12)
         assert pp * pc.pass_fixed_ms < COST.pass_fixed_ms / 2  # NVLink, not the nodes' NICs
     # one stage over the whole cluster's GPUs is a FlexSP micro-batch: the same fixed cost
     node = CostModel.from_presets("llama-13b", "a800-80g-8x1")
@@ -54,10 +50,9 @@ def test_prefix_attention_and_slices():
     cuts = [0, 7000, 12000, 20000]
     parts = sum(float(pc.piece_work(b - a, a)) for a, b in zip(cuts, cuts[1:]))
     assert parts == pytest.approx(float(pc.piece_work(20000)), rel=1e-12)
-    # (the model recomputes 18 of its 40 layers under FlexSP: a third of their pass once more,
-    # cost/activations.py; a pipeline none of them)
+    # (the model recomputes 18 of its 40 layers: a third of their pass once more, cost/activations.py)
     assert COST.a1 == pytest.approx(m.a1 * (1 + 18 / 40 / 3)) and COST.a2 == pytest.approx(m.a2 * (1 + 18 / 40 / 3))
-    assert float(pc.piece_work(100, 1000)) == pytest.approx(m.a1 * (1100**2 - 1000**2) + m.a2 * 100)
+    assert float(pc.piece_work(100, 1000)) == pytest.approx(COST.a1 * (1100**2 - 1000**2) + COST.a2 * 100)
     # prefix_tokens inverts prefix_ms
     for x in (1, 10, 4096, 98304):
         assert float(pc.prefix_tokens(pc.prefix_ms(x))) == pytest.approx(x, rel=1e-9)
@@ -174,11 +169,9 @@ def test_memory_terms():
     # the last stage, a vocabulary table (the embedding, the output layer), 16 bytes each, / 8
     assert pc.model_states_mb == pytest.approx(((13.0 - VOCAB_B) / 4 + VOCAB_B) * 16 * 1024 / 8)
     assert PipelineCost(COST, 1, 8).model_states_mb == pytest.approx(13.0 * 16 * 1024 / 8)  # (one stage: all)
-    # the whole-model figure (nothing recomputed: a pipeline runs none of the model's 18 layers)
-    # includes the last stage's fp32 logits: the layers share the rest
+    # the whole-model figure includes the last stage's fp32 logits: the layers share the rest
     head = 32000 * 4 + 2 * 5120 * 2  # fp32 logits, the inputs of the final norm and output layer
-    assert pc.act_layer_mb == pytest.approx((COST.with_recompute().act_mb_per_token - head / 2**20) / 40 / 8)
-    assert pc.act_layer_mb == pytest.approx(layer_bytes_per_token(m) / 2**20 / 8)
+    assert pc.act_layer_mb == pytest.approx((COST.act_mb_per_token - head / 2**20) / 40 / 8)
     assert pc.input_layer_mb == pytest.approx(5120 * 2 / 2**20 / 8)
     assert pc.kv_layer_mb == pytest.approx(2 * 40 * 128 * 2 / 2**20 / 8)
     assert pc.head_mb == pytest.approx(head / 2**20 / 8)
@@ -210,9 +203,10 @@ def test_all_to_all_latency_is_paid_per_call():
     assert cost.group_fixed_ms(4) == pytest.approx(cost.micro_batch_fixed_ms + (8 * 40 + 4 * 18) * 0.5)
     assert cost.group_fixed_ms(1) == cost.micro_batch_fixed_ms
     assert cost.group_time_ms([1000], 8) == pytest.approx(COST.group_time_ms([1000], 8) + (8 * 40 + 4 * 18) * 0.25)
-    # a stage of 10 layers pays its own layers' calls on every chunk (none for the model's
-    # recompute: a pipeline recomputes by its plan)
-    assert PipelineCost(cost, 4, 8).fixed_ms == pytest.approx(PipelineCost(COST, 4, 8).fixed_ms + 8 * 10 * 0.25)
+    # a stage of 10 layers pays its own layers' calls on every chunk
+    # (a stage's 10 layers: their share of the recomputed layers' calls too)
+    assert PipelineCost(cost, 4, 8).fixed_ms == pytest.approx(PipelineCost(COST, 4, 8).fixed_ms
+                                                              + (8 + 4 * 18 / 40) * 10 * 0.25)
 
 
 def test_layout_errors():

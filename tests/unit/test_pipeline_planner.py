@@ -200,7 +200,7 @@ def test_bad_input_errors():
         plan_elastic_pp(lengths, COST, 5, 4)
     with pytest.raises(InfeasibleError, match="below the model states"):
         plan_elastic_pp(lengths, COST, 4, 8, memory_mb=4096)
-    with pytest.raises(InfeasibleError, match="sequence 1 of 2000000 tokens does not fit a stage (whole|even cut into)"):
+    with pytest.raises(InfeasibleError, match="sequence 1 of 2000000 tokens does not fit a stage even cut into"):
         plan_elastic_pp(np.array([1000, 2_000_000]), COST, 4, 8)
     with pytest.raises(LengthsError):
         plan_elastic_pp(np.array([0, 5]), COST, 4, 8)
@@ -379,10 +379,10 @@ def test_recompute_ties_best_keeps_the_faster_of_tied_and_untied():
     ``ties="best"`` (the default) solves both on the chosen chunking and keeps the faster
     simulated plan, so it is never slower than tied (the same search) and sometimes faster."""
     gains = []
-    cost = CostModel.from_presets("gpt-7b", "a100-40g-8x4")  # memory-bound at 40 GB: recompute decides
+    cost = CostModel.from_presets("gpt-13b", "a800-80g-8x4")  # memory-bound at 28 GB: recompute decides
     for dist in ("commoncrawl", "github"):
         lengths = sample_lengths(dist, 256, 0, 48 * 1024)
-        t = {ties: plan_elastic_pp(lengths, cost, 4, 8, ties=ties, time_limit=4.0)
+        t = {ties: plan_elastic_pp(lengths, cost, 4, 8, memory_mb=28000, ties=ties, time_limit=4.0)
              for ties in ("tied", "untied", "best")}
         assert "(tied)" in t["tied"].solver_status and "(untied)" in t["untied"].solver_status
         assert t["best"].estimated_step_time_s <= t["tied"].estimated_step_time_s + 1e-9
@@ -602,21 +602,16 @@ def test_make_plan_auto_and_the_cli_summary(capsys):
 
 
 def test_auto_counts_the_slices_memory_forces_before_starting_a_layout():
-    # gpt-13b with 8 K/V heads on 32 A800s at 40 GB, ZeRO-1: 2 stages x SP 4 (4 replicas) hold the
-    # longest sequence they can (43,093 tokens) only cut into 256-token slices (169 of them: whole,
-    # its every layer recomputed, one re-materialized at a time, it is over the room); the 1F1B
-    # estimate sees a few hundred chunks, a candidate has thousands (seconds to build), so the
-    # layout is not started
-    mha = CostModel.from_presets("gpt-13b", "a800-80g-8x4", 1)
-    cost = dataclasses.replace(mha, model=dataclasses.replace(mha.model, num_query_groups=8)).with_memory(40 * 1024)
+    # gpt-13b on 32 A800s at ZeRO-1: 2 stages x SP 4 (4 replicas) hold a 96,768-token sequence
+    # (the longest they hold) only cut into 128-token slices (756 of them); the 1F1B estimate sees a
+    # few hundred chunks, a candidate has thousands (seconds to build), so the layout is not started
+    cost = CostModel.from_presets("gpt-13b", "a800-80g-8x4", 1)
     pc = PipelineCost(cost, 2, 4)
-    top = longest_sequence(pc)
-    lengths = np.array([top] * 24 + [20000, 8000] + [2000] * 40)
-    caps = {s: fit_cap(s, pc, 128) for s in (top, 20000, 8000, 2000)}
-    assert caps[top] == 256 and caps[2000] is None and top == 43093
-    # (20,000 and 8,000 tokens are over the room whole with nothing recomputed: one chunk each)
-    want = 24 * 169 + 2
-    assert forced_slices(lengths, pc) == want
+    lengths = np.array([96768] * 6 + [30000, 8000] + [2000] * 40)
+    caps = {s: fit_cap(s, pc, 128) for s in (96768, 30000, 8000, 2000)}
+    assert caps[96768] == 128 and caps[2000] is None
+    want = sum(math.ceil(s / caps[s]) for s in lengths.tolist() if caps[s] is not None)
+    assert forced_slices(lengths, pc) == want >= 6 * 756
     assert layout_estimate(lengths, pc)[1] * pc.replicas < want / 10
     assert forced_slices(lengths, PipelineCost(cost, 8, 4)) == 0  # room for every sequence whole
     plan = plan_auto(lengths, cost, time_limit=0.5)

@@ -287,7 +287,7 @@ def test_greedy_order_fills_the_warm_up_wait_and_holds_back_for_memory():
 def test_cached_kv_of_a_slice_lives_until_its_sequence_s_first_slice_runs_backward():
     """The prefix cache frees a sequence's K/V with its first slice's backward: after the middle
     slice's backward its K/V (100 tokens) is still held, next to the dK/dV of its prefix."""
-    from megatron_ext.sim.engine import checkpoint_memory, memory_checkpoints, memory_levels
+    from megatron_ext.sim.engine import memory_checkpoints, memory_levels
 
     pc = PipelineCost(COST, 4, 8)
     table = analyze_chunks([Chunk(i, [Piece(0, 100 * i, 100 * i + 100)]) for i in range(3)], pc)
@@ -301,13 +301,5 @@ def test_cached_kv_of_a_slice_lives_until_its_sequence_s_first_slice_runs_backwa
     assert after[4] == pytest.approx(full[0] + 100 * tok + 100 * tok)  # dK/dV of [0, 100), slice 1's cache
     assert after[5] == pytest.approx(0.0)
     # the checkpoints (what the recompute ILP constrains) agree with the levels at their moments
-    # where the chunks recompute; where one does not, its backward counts one layer's working set
-    # more (the ILP's linear bound)
-    cps = memory_checkpoints(ops, table, full, save, pc)
-    rec = np.array([1, pc.layers_per_stage, 2])
-    _, during_rec, _ = memory_levels(ops, table, full, save, rec, pc)
-    assert checkpoint_memory(cps, save, rec).tolist() == pytest.approx(during_rec.tolist())
-    bwd = [k for kind, k in ops if kind == BWD]
-    assert checkpoint_memory(cps, save, zero)[3:].tolist() == pytest.approx((during[3:] + save[bwd]).tolist())
-    # re-materialized one layer at a time: a recomputing chunk's backward holds what it kept and a layer
-    assert during_rec[3] == pytest.approx(during[3] - (save * rec).sum() + save[2])
+    cps = memory_checkpoints(ops, table, full, pc)
+    assert [cp.const for cp in cps if cp.kind == BWD] == pytest.approx(during[3:].tolist())

@@ -52,7 +52,10 @@ class _Rows:
         return np.repeat(np.arange(len(self.need)), np.diff(self.indptr))
 
 
-def _rows(cps: list[list[Checkpoint]], save: np.ndarray, room: np.ndarray, var: np.ndarray) -> _Rows:
+def _rows(cps: list[list[Checkpoint]], save: np.ndarray, room: np.ndarray, var: np.ndarray, layers: int,
+          where: str, name) -> _Rows:
+    """The moments over their room; raises InfeasibleError at the first that stays over with
+    every layer of its chunks recomputed (before the greedy or the ILP spends anything on it)."""
     stage, over, need, parts = [], [], [], []
     for p, st in enumerate(cps):
         for cp in st:
@@ -71,7 +74,13 @@ def _rows(cps: list[list[Checkpoint]], save: np.ndarray, room: np.ndarray, var: 
     indptr = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
     stage_a = np.asarray(stage, dtype=np.int64)
     col = var[np.repeat(stage_a, counts), chunk] if len(chunk) else chunk
-    return _Rows(stage_a, over, np.asarray(need, dtype=np.float64), indptr, chunk, col, save[chunk])
+    rows = _Rows(stage_a, over, np.asarray(need, dtype=np.float64), indptr, chunk, col, save[chunk])
+    most = np.bincount(rows.row_of, weights=rows.val, minlength=len(rows.need)) * layers
+    short = np.flatnonzero(most < rows.need - 1e-6)
+    if len(short):
+        r = int(short[0])
+        raise _infeasible(int(rows.stage[r]), rows.cps[r], rows.need[r] - most[r], where, name)
+    return rows
 
 
 def _infeasible(p: int, cp: Checkpoint, need: float, where: str, name) -> InfeasibleError:
@@ -119,7 +128,7 @@ def greedy_recompute(cps: list[list[Checkpoint]], save: np.ndarray, rc: np.ndarr
     """Raise recompute where memory is over, moment by moment, most MB saved per ms first. [P, n] ints."""
     var = _var_map(len(cps), len(save), bpos, tied)
     nvar = int(var.max()) + 1 if var.size else 0
-    return _greedy(_rows(cps, save, room, var), save, rc, layers, nvar, where, name)[var]
+    return _greedy(_rows(cps, save, room, var, layers, where, name), save, rc, layers, nvar, where, name)[var]
 
 
 def solve_recompute(cps: list[list[Checkpoint]], save: np.ndarray, rc: np.ndarray, layers: int,
@@ -130,14 +139,9 @@ def solve_recompute(cps: list[list[Checkpoint]], save: np.ndarray, rc: np.ndarra
     started = time.perf_counter()
     P, n = len(cps), len(save)
     var = _var_map(P, n, bpos, tied)
-    rows = _rows(cps, save, room, var)
+    rows = _rows(cps, save, room, var, layers, where, name)
     if not len(rows.need):
         return np.zeros((P, n), dtype=np.int64), "no recompute needed"
-    most = np.bincount(rows.row_of, weights=rows.val, minlength=len(rows.need)) * layers
-    short = np.flatnonzero(most < rows.need - 1e-6)
-    if len(short):
-        r = int(short[0])
-        raise _infeasible(int(rows.stage[r]), rows.cps[r], rows.need[r] - most[r], where, name)
     nvar = int(var.max()) + 1
     cost = np.zeros(nvar)
     np.add.at(cost, var.ravel(), np.broadcast_to(rc, (P, n)).ravel())

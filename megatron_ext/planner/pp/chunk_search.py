@@ -71,7 +71,7 @@ def _targets(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, capped: 
 def _token_caps(seq_ids, lengths, pc: PipelineCost) -> list[float]:
     """Token caps of a batched/hybrid chunk to try: none; the cap that lets stage 0 hold the
     longest sequence plus P - 1 full chunks without recompute; the same with every layer
-    recomputed (input and K/V kept, one layer of the longest re-materialized); their geometric mean."""
+    recomputed (input and K/V kept, one chunk re-materialized); their geometric mean."""
     P, L_s = pc.pp, pc.layers_per_stage
     act_tok = pc.act_layer_mb * L_s
     kept_tok = (pc.input_layer_mb + pc.kv_layer_mb) * L_s
@@ -81,8 +81,7 @@ def _token_caps(seq_ids, lengths, pc: PipelineCost) -> list[float]:
     caps = [math.inf]
     if P > 1:
         no_rec = (room / act_tok - s_max) / (P - 1)
-        working = pc.act_layer_mb - pc.input_layer_mb
-        full = (room - s_max * (kept_tok + working) - float(pc.dkv_mb(s_max))) / ((P - 1) * kept_tok)
+        full = (room - s_max * kept_tok - float(pc.dkv_mb(s_max))) / ((P - 1) * kept_tok + act_tok)
         good = [c for c in (no_rec, full) if 0 < c < total]
         caps += sorted(set(good), reverse=True)
         if len(good) == 2 and min(good) > 0:

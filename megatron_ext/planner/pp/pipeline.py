@@ -94,7 +94,7 @@ def _checkpoints(table: ChunkTable, ops, pc: PipelineCost):
     P = pc.pp
     full_mid, save = pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, False)
     full_last, _ = pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, True)
-    cps = [memory_checkpoints(ops[p], table, full_last if p == P - 1 else full_mid, save, pc, pc.activation_room_mb)
+    cps = [memory_checkpoints(ops[p], table, full_last if p == P - 1 else full_mid, pc, pc.activation_room_mb)
            for p in range(P)]
     return cps, save
 

@@ -3,8 +3,8 @@
 A sequence cut into slices runs with all its slices in flight on every stage; its peak is on
 the last stage, which also keeps every slice's logits (``sequence_peak_mb``, exactly what the
 simulator counts for the sequence alone with every layer recomputed). From it: the finest
-slicing the planner tries (``finest_slice``), the least a sequence alone needs, whole or at that
-slicing (``alone_peak_mb``), the longest sequence a layout can run (``longest_sequence``), the check with an error that says what to change
+slicing the planner tries (``finest_slice``), the longest sequence a layout can run
+(``longest_sequence``), the check with an error that says what to change
 (``check_sequences``), the largest slice that lets a sequence fit (``fit_cap``) and the
 fewest equal-time slices that do (``fewest_slices``). Pure Python + numpy.
 """
@@ -22,25 +22,22 @@ def sequence_peak_mb(pc: PipelineCost, bounds) -> float:
     stage, the last (which also keeps the output layer's logits), cut at ``bounds``
     (0 = b_0 < b_1 < ... < b_K = s) with every layer recomputed, as sim/engine counts it: all K
     slices are in flight on every stage; during the backward of slice j (start a_j, t_j tokens,
-    end b_j) the stage holds the inputs and cached K/V of slices 1..j, one layer of slice j
-    re-materialized (its activations and the K/V of [0, b_j) it saved), the dK/dV of its prefix
-    and the cached K/V of the slices already run backward; the logits of slices 1..j. Over the
-    stage's L layers (one layer for the working set):
-    L (a_j + t_j)(input + kv) + t_j (act - input) + b_j kv [a_j > 0] + L a_K kv (+ b_j head) for
-    j < K, and L a_K (input + 2 kv) + L (s - a_K) input + (s - a_K)(act - input) + s kv (+ s head)
-    for the last slice. A lower bound of what any plan cutting the sequence there needs (its
-    other chunks only add)."""
+    end b_j) the stage holds the inputs and cached K/V of slices 1..j-1, slice j re-materialized
+    with the K/V of [0, b_j) it saved, the dK/dV of its prefix and the cached K/V of the slices
+    already run backward; the logits of slices 1..j. Per layer:
+    a_j (input + 2 kv) + t_j (act + 2 kv) + a_K kv (+ b_j head) for j < K (a_j > 0), and
+    a_K (input + 2 kv) + t_K act + s kv (+ s head) for the last slice. A lower bound of what any
+    plan cutting the sequence there needs (its other chunks only add)."""
     b = np.asarray(bounds, dtype=np.float64)
     L = pc.layers_per_stage
-    inp, kv, act, head = pc.input_layer_mb, pc.kv_layer_mb, pc.act_layer_mb, float(pc.head_mb)
+    inp, kv, act, head = pc.input_layer_mb * L, pc.kv_layer_mb * L, pc.act_layer_mb * L, float(pc.head_mb)
     s = b[-1]
     if len(b) <= 2:
-        return float(s * (L * inp + act - inp + head))
+        return float(s * (act + head))
     a, t, e = b[:-2], np.diff(b)[:-1], b[1:-1]
     a_last = b[-2]
-    during = (L * e * (inp + kv) + t * (act - inp) + np.where(a > 0, e, 0.0) * kv + L * a_last * kv + e * head)
-    last = (L * a_last * (inp + 2 * kv) + L * (s - a_last) * inp + (s - a_last) * (act - inp) + s * kv
-            + s * head)
+    during = a * (inp + kv) + t * (act + kv) + np.where(a > 0, e, 0.0) * kv + a_last * kv + e * head
+    last = a_last * (inp + 2 * kv) + (s - a_last) * act + s * kv + s * head
     return float(max(during.max(), last))
 
 
@@ -59,24 +56,14 @@ def even_bounds(seq_len: int, slice_tokens: int) -> np.ndarray:
     return np.append(np.arange(0, seq_len, max(1, int(slice_tokens))), seq_len)
 
 
-def alone_peak_mb(pc: PipelineCost, seq_len: int, granularity: int) -> tuple[float, int]:
-    """(MB, tokens a slice): the least ``sequence_peak_mb`` of a sequence alone, every layer
-    recomputed, whole or at the finest slicing the search tries (``finest_slice``). Slices cut
-    the re-materialized layer but keep every slice's K/V for the next ones: with as many K/V heads
-    as query heads, a whole sequence needs less."""
-    t = finest_slice(seq_len, granularity)
-    whole, sliced = sequence_peak_mb(pc, [0, seq_len]), sequence_peak_mb(pc, even_bounds(seq_len, t))
-    return (whole, seq_len) if whole <= sliced else (sliced, t)
-
-
 def longest_sequence(pc: PipelineCost, granularity: int = 128) -> int:
-    """The longest sequence elastic_pp can run on this layout: alone, whole or at the finest
-    slicing it tries, every layer recomputed, within a stage's activation room
-    (``alone_peak_mb``); 0 if none."""
+    """The longest sequence elastic_pp can run on this layout: alone, at the finest slicing it
+    tries (``finest_slice``), every layer recomputed, within a stage's activation room
+    (``sequence_peak_mb``); 0 if none."""
     room = pc.activation_room_mb
 
     def fits(s: int) -> bool:
-        return alone_peak_mb(pc, s, granularity)[0] <= room
+        return sequence_peak_mb(pc, even_bounds(s, finest_slice(s, granularity))) <= room
 
     if not fits(1):
         return 0
@@ -107,18 +94,18 @@ def what_to_change(pc: PipelineCost, granularity: int) -> str:
 
 
 def check_sequences(seq_ids: np.ndarray, lengths: np.ndarray, pc: PipelineCost, granularity: int) -> None:
-    """Refuse a batch whose longest sequences cannot run even alone, whole or at the finest
-    slicing the search reaches, every layer recomputed (``alone_peak_mb``)."""
+    """Refuse a batch whose longest sequences cannot run even alone at the finest slicing the
+    search reaches (``finest_slice``, every layer recomputed)."""
     room = pc.activation_room_mb
     for sid in seq_ids[np.argsort(-lengths[seq_ids], kind="stable")][:8].tolist():
         s = int(lengths[sid])
-        need, t = alone_peak_mb(pc, s, granularity)
+        t = finest_slice(s, granularity)
+        need = sequence_peak_mb(pc, even_bounds(s, t))
         if need > room:
             where = "its last stage (which also keeps the output layer's logits)" if pc.pp > 1 else "its stage"
-            cut = "whole" if t == s else f"even cut into {t}-token slices"
             raise InfeasibleError(
-                f"sequence {sid} of {s} tokens does not fit a stage {cut} with every layer recomputed (its "
-                f"least need): it needs {_mb(need)} MB per GPU on {where}, a stage has {_mb(room)} MB of "
+                f"sequence {sid} of {s} tokens does not fit a stage even cut into {t}-token slices with every "
+                f"layer recomputed: it needs {_mb(need)} MB per GPU on {where}, a stage has {_mb(room)} MB of "
                 f"activation room ({_mb(pc.budget_mb)} MB budget - {_mb(pc.model_states_mb)} MB model states); "
                 + what_to_change(pc, granularity))
 
@@ -148,5 +135,5 @@ def fewest_slices(seq_len: int, pc: PipelineCost, granularity: int, min_slice_to
                 None)
 
 
-__all__ = ["MAX_SLICES", "alone_peak_mb", "check_sequences", "even_bounds", "fewest_slices", "finest_slice", "fit_cap",
+__all__ = ["MAX_SLICES", "check_sequences", "even_bounds", "fewest_slices", "finest_slice", "fit_cap",
            "longest_sequence", "sequence_peak_mb", "what_to_change"]
