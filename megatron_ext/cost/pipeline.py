@@ -201,14 +201,18 @@ class PipelineCost:
         h = self.cost.model.head_share
         return (1.0 - h) * self.stage_share + (h if head and stage == self.pp - 1 else 0.0)
 
-    def stage_ms(self, work, tokens, stage: int | None = None, head: bool = True):
-        """Fwd+bwd ms of a chunk on one stage (None: the average stage), from its whole-model work
-        and token count."""
-        tokens = np.asarray(tokens, dtype=np.float64)
-        linear = self.cost.a2 * tokens
+    def compute_ms(self, work, tokens, stage: int | None = None, head: bool = True):
+        """Fwd+bwd compute ms of a chunk on one stage (None: the average stage), from its
+        whole-model work and token count: no all-to-all, no fixed cost."""
+        linear = self.cost.a2 * np.asarray(tokens, dtype=np.float64)
         attention = np.asarray(work, dtype=np.float64) - linear
-        return ((attention * self.stage_share + linear * self.linear_share(stage, head)) / self.sp
-                + tokens * self.comm_ms_per_token + self.fixed_ms)
+        return (attention * self.stage_share + linear * self.linear_share(stage, head)) / self.sp
+
+    def stage_ms(self, work, tokens, stage: int | None = None, head: bool = True):
+        """Fwd+bwd ms of a chunk on one stage (None: the average stage): its compute, all-to-alls
+        and fixed cost."""
+        tokens = np.asarray(tokens, dtype=np.float64)
+        return self.compute_ms(work, tokens, stage, head) + tokens * self.comm_ms_per_token + self.fixed_ms
 
     def fwd_ms(self, work, tokens, stage: int | None = None):
         return FWD_FRACTION * self.stage_ms(work, tokens, stage) + self.cost.cluster.pipeline_op_overhead_ms
@@ -221,11 +225,11 @@ class PipelineCost:
         layer is never recomputed): a layer's forward compute and launches (a third of its pass's)
         and its forward all-to-alls (half of its pass's, calls too: the backward's carry the
         gradients); no parameter gather (under ZeRO-3 the backward's, just before, serves it)."""
-        tokens = np.asarray(tokens, dtype=np.float64)
-        compute = self.stage_ms(work, tokens, head=False) - tokens * self.comm_ms_per_token - self.fixed_ms
-        a2a = tokens * self.comm_ms_per_token + self.cost.a2a_latency_ms(self.sp, self.layers_per_stage)
+        a2a = np.asarray(tokens, dtype=np.float64) * self.comm_ms_per_token + self.cost.a2a_latency_ms(
+            self.sp, self.layers_per_stage)
         launch = self.b1_scale * self.cost.model.launch_ms * self.stage_share
-        per_layer = (FWD_FRACTION * (compute + launch) + 0.5 * a2a) / self.layers_per_stage
+        per_layer = (FWD_FRACTION * (self.compute_ms(work, tokens, head=False) + launch) + 0.5 * a2a) \
+            / self.layers_per_stage
         return per_layer * np.asarray(layers, dtype=np.float64)
 
     @cached_property
