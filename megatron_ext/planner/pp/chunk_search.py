@@ -119,7 +119,7 @@ def _ramp_note(front, back) -> str:
 
 def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadline: float | None = None,
                where: str = "pipeline", probe: bool = False, whole_packs: bool = False,
-               builds: BuildCache | None = None) -> BuiltPipeline:
+               builds: BuildCache | None = None, give_up: float | None = None) -> BuiltPipeline:
     """Search one pipeline's chunking and order; the fastest simulated candidate (greedy recompute)
     wins. Past ``deadline`` the search keeps the best candidate found so far (with none yet, it
     goes straight to step 3). ``probe``: step 1 at the ``PROBE_TARGETS`` likeliest targets only
@@ -140,7 +140,9 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
        longest sequence's cap, a quarter, ... down to its finest slicing; where that makes more
        than ``MAX_CHUNKS``, the fewest equal-time slices that let the longest sequence fit.
 
-    ``builds``: the candidates built so far, shared by the searches of one replica's pipelines."""
+    ``builds``: the candidates built so far, shared by the searches of one replica's pipelines.
+    ``give_up``: where another plan stands, the time past which a search that has found nothing
+    feasible raises InfeasibleError rather than build on (its candidate would end past it)."""
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
     builds = BuildCache() if builds is None else builds
     best: BuiltPipeline | None = None
@@ -172,16 +174,19 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
         if b is None:
             # would end past the deadline: building grows about linearly with the chunks (12 to
             # 2,300 chunks: 0.15-0.6 ms each), priced from the largest candidate built so far
-            if best is not None and deadline is not None and time.perf_counter() + priced[1] * max(
-                    1.0, len(pieces) / priced[0]) > deadline:
+            ends = time.perf_counter() + priced[1] * max(1.0, len(pieces) / priced[0])
+            if best is not None and deadline is not None and ends > deadline:
                 return None
+            if best is None and give_up is not None and ends > give_up:
+                raise InfeasibleError(f"{where}: nothing fitted before the time ran out (another plan stands)")
+            t0 = time.perf_counter()
             try:
                 b = build_pipeline(pieces, pc, search_recompute, opts.ties != "untied", where=where, order=order)
             except InfeasibleError as e:
                 b = str(e)
             builds.keep(key, b, pc.pp)
-            if not isinstance(b, str) and len(pieces) >= priced[0]:
-                priced[:] = [len(pieces), b.build_s]
+            if len(pieces) >= priced[0]:  # (a build found infeasible took its time too)
+                priced[:] = [len(pieces), time.perf_counter() - t0]
         if isinstance(b, str):
             errors.append(b)
             return None

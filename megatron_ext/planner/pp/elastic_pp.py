@@ -46,7 +46,9 @@ status). Past its deadline a search keeps its best candidate and starts no chunk
 would end past it; a pipeline with nothing feasible yet at its deadline goes straight to the
 safest chunkings (whole sequences where the longest fits whole; the capped slices, then finer;
 past MAX_CHUNKS, the longest sequence's fewest fitting slices) and keeps trying until something
-fits.
+fits, unless another grouping already has a plan: then it drops its grouping rather than start a
+build that would end past the budget less what checking that plan takes (a build's time, feasible
+or not, priced from the largest built so far).
 
 Steps 2-3 (one pipeline's search) are in planner/pp/chunk_search.py; building and scoring a pipeline
 and what the other pipeline planners share, in planner/pp/pipeline.py.
@@ -75,14 +77,16 @@ def _chunking_note(b: BuiltPipeline) -> str:
 
 
 def _plan_structure(groups: list[np.ndarray], lengths, pc: PipelineCost, opts: PipelineOptions, start: float,
-                    end: float, probe: bool, builds: BuildCache) -> list[BuiltPipeline]:
+                    end: float, probe: bool, builds: BuildCache, give_up: float | None = None) -> list[BuiltPipeline]:
     """The pipelines of one grouping, searched one after another, each until its share of
     ``start``..``end`` by its place (``probe``: each its first candidates only; ``builds``: the
-    candidates built so far)."""
+    candidates built so far; ``give_up``: where another grouping's plan stands, past it a pipeline
+    with nothing feasible yet drops the grouping, ``plan_group``)."""
     # (one pipeline's probe tries whole packs too: batch 1F1B's chunking, which wins where memory
     # binds, and which a short search of the groupings would otherwise never weigh)
     return [plan_group(g, lengths, pc, opts, start + (end - start) * (i + 1) / len(groups), f"pipeline {i}",
-                       probe, whole_packs=len(groups) == 1, builds=builds) for i, g in enumerate(groups)]
+                       probe, whole_packs=len(groups) == 1, builds=builds, give_up=give_up)
+            for i, g in enumerate(groups)]
 
 
 def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOptions, start: float,
@@ -97,10 +101,19 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
     structures = [[ids]]
     probes: list[tuple[float, list[BuiltPipeline], int]] = []  # (makespan, pipelines, index in structures)
 
+    def give_up() -> float | None:
+        # once a grouping has a plan, the others' searches may not hunt for a feasible chunking past
+        # the end of the budget less what checking that plan will take (about what building its
+        # pipelines took): a late probe's hunt ran elastic_pp 0.2 s past a 1 s limit
+        if not probes:
+            return None
+        return start + budget - max(sum(b.build_s for b in built) for _, built, _ in probes)
+
     def probe_structure(i: int) -> None:
         nonlocal err
         try:
-            built = _plan_structure(structures[i], lengths, pc, opts, start, start + 0.3 * budget, True, builds)
+            built = _plan_structure(structures[i], lengths, pc, opts, start, start + 0.3 * budget, True, builds,
+                                    give_up())
             probes.append((sum(b.makespan_ms for b in built), built, i))
         except InfeasibleError as e:
             err = err or e
@@ -134,7 +147,8 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
         if now > start + until * budget:
             break
         try:
-            built = _plan_structure(structures[i], lengths, pc, opts, now, start + until * budget, False, builds)
+            built = _plan_structure(structures[i], lengths, pc, opts, now, start + until * budget, False, builds,
+                                    give_up())
             candidates.append((sum(b.makespan_ms for b in built), built))
         except InfeasibleError:
             pass
