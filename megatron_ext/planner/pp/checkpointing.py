@@ -89,9 +89,10 @@ def _infeasible(p: int, cp: Checkpoint, need: float, where: str, name) -> Infeas
                            f"even with every layer of every in-flight chunk recomputed")
 
 
-def _greedy(rows: _Rows, save: np.ndarray, rc: np.ndarray, layers: int, nvar: int, where: str, name) -> np.ndarray:
+def _greedy(rows: _Rows, save: np.ndarray, rc: np.ndarray, layers: int, nvar: int) -> np.ndarray:
     """Row by row, raise the variables of the chunks that save the most MB per recompute ms
-    until the row holds. Returns x [nvar]."""
+    until the row holds (every row can: ``_rows`` refused any that every layer recomputed
+    cannot). Returns x [nvar]."""
     x = np.zeros(nvar, dtype=np.int64)
     n = len(save)
     rank = np.empty(n, dtype=np.int64)
@@ -117,8 +118,6 @@ def _greedy(rows: _Rows, save: np.ndarray, rc: np.ndarray, layers: int, nvar: in
             need = rows.need[r] - reduced[r]
             if need <= 1e-9:
                 break
-        if need > 1e-6:
-            raise _infeasible(int(rows.stage[r]), rows.cps[r], need, where, name)
     return x
 
 
@@ -128,7 +127,7 @@ def greedy_recompute(cps: list[list[Checkpoint]], save: np.ndarray, rc: np.ndarr
     """Raise recompute where memory is over, moment by moment, most MB saved per ms first. [P, n] ints."""
     var = _var_map(len(cps), len(save), bpos, tied)
     nvar = int(var.max()) + 1 if var.size else 0
-    return _greedy(_rows(cps, save, room, var, layers, where, name), save, rc, layers, nvar, where, name)[var]
+    return _greedy(_rows(cps, save, room, var, layers, where, name), save, rc, layers, nvar)[var]
 
 
 def solve_recompute(cps: list[list[Checkpoint]], save: np.ndarray, rc: np.ndarray, layers: int,
@@ -145,7 +144,7 @@ def solve_recompute(cps: list[list[Checkpoint]], save: np.ndarray, rc: np.ndarra
     nvar = int(var.max()) + 1
     cost = np.zeros(nvar)
     np.add.at(cost, var.ravel(), np.broadcast_to(rc, (P, n)).ravel())
-    x0 = _greedy(rows, save, rc, layers, nvar, where, name)
+    x0 = _greedy(rows, save, rc, layers, nvar)
     greedy = x0[var]
     left = time_limit - (time.perf_counter() - started)  # the limit covers building the model too
     if left <= 0.01:
