@@ -390,8 +390,8 @@ def _pipeline_op_overhead_ms(cost: CostModel, max_len: int, repeats: int, setup:
     model = _build_model(spec, max_len, setup)
     # on one stage, where elastic_pp runs the batch in a chunk or two, batch 1F1B's packs of the
     # longest sequence (its default; elastic_pp where they do not fit: it slices): a dozen at the
-    # default lengths, four at 32K (packs of max_len made two, whose overhead was the compute
-    # fit's error at 32K: 7.4 ms an operation on an H100, 1.5 ms in `train`'s 7K-token chunks)
+    # default lengths, four at 32K (packs of max_len made two on an H100, and the compute fit's
+    # shortfall at 32K was written as the overhead: 7.4 ms an operation against 3.9 now)
     options = PipelineOptions(pp=stages, sp=world // stages, time_limit=5.0)
     packs = [("batch_1f1b", options)] if stages == 1 else []
     planned = _planned_step(cost, 24, max_len, *packs, ("elastic_pp", options))
