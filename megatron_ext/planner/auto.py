@@ -27,7 +27,7 @@ AUTO_FLEXSP_SHARE = 0.45  # of the time limit, kept for FlexSP (planned after th
 # out at 0.97-1.41x their estimate (llama-13b on 32 A800s, ZeRO 1 and 3, 512 sequences of up to 48K / 96K)
 AUTO_PRUNE_MARGIN = 0.95
 AUTO_FLEXSP_FLOOR = 0.15  # FlexSP's share instead where its lower bound loses to the likeliest layout's estimate
-AUTO_RESERVE = 0.03  # of the time limit, left for FlexSP's plan check and the choice, after its solve
+AUTO_RESERVE = 0.03  # of the time limit, left for the last planner's plan check and the choice
 AUTO_FLEXSP_MIN_X = 2.0  # FlexSP's time is at least this x what BatchAda's plan took (``plan_auto``)
 AUTO_TIMELINES_SHARE = 0.2  # of the time limit, at most, for timelines (ZeRO 0/1/2; it takes far less)
 AUTO_TIE = 0.05  # a layout followed by one whose order key is this close shares the time left with it
@@ -300,6 +300,9 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         return start + min(budget * (1 - share), budget * (1 - AUTO_RESERVE) - AUTO_FLEXSP_MIN_X * ub_s)
 
     layouts_end = layouts_end_at(share)
+    # without FlexSP after them, the last layout's check and the choice take the reserve: kept from
+    # what a layout may plan in, not from the time the ties and skips weigh
+    tail = 0.0 if math.isfinite(ub) else budget * AUTO_RESERVE
     took: list[float] = []  # seconds each layout planned took
     overran: list[float] = []  # ... and ran past its limit
     for i, (_, est, name, P, d, chunk_stages) in enumerate(layouts):
@@ -321,8 +324,9 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         # candidate, however long, is always built: at least its chunks x stages x
         # AUTO_CHUNK_STAGE_S, and often far more (the search's finest slicings may have 10x the
         # estimate's chunks): a quarter of what the quickest layout took is the floor (half of it
-        # skipped, by a few ms, layouts that won: 9 map cells over 2% behind against 7)
-        if plans and left <= max(0.02, min(overran, default=0.0), min(took, default=0.0) / 4,
+        # skipped, by a few ms, layouts that won: 9 map cells over 2% behind against 7), and so is
+        # 0.05 s, the least time a layout is given
+        if plans and left - tail <= max(0.05, min(overran, default=0.0), min(took, default=0.0) / 4,
                                 chunk_stages * AUTO_CHUNK_STAGE_S):
             alts[name] = {"skipped": f"time limit reached (estimated {est:.2f} s)"}
             continue
@@ -333,7 +337,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         rival = next((x for x in layouts[i + 1:] if AUTO_PRUNE_MARGIN * x[1] < bound
                       and x[5] * AUTO_CHUNK_STAGE_S < left / 2), None)
         tied = rival is not None and max(rival[0], layouts[i][0]) <= (1 + AUTO_TIE) * min(rival[0], layouts[i][0])
-        limit = max(0.05, left / 2 if tied else left)
+        limit = max(0.05, min(left / 2 if tied else left, left - tail))
         t0 = time.perf_counter()
         try:
             sub = plan_elastic_pp(lengths, cost, P, d, dataclasses.replace(opts, time_limit=limit), seq_ids=ids)

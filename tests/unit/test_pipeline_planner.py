@@ -563,6 +563,27 @@ def test_auto_does_not_start_a_layout_it_cannot_build_within_the_limit():
     assert "elastic_pp pp32 x sp1" not in plan.solver_status.split(";")[0].split("(")[0]
 
 
+def test_auto_keeps_the_reserve_where_no_flexsp_follows_the_layouts(monkeypatch):
+    # without FlexSP after them, each layout's deadline leaves AUTO_RESERVE of the limit for the
+    # last one's check and the choice (it ran 1-5% past the limit without it)
+    import megatron_ext.planner.auto as auto
+
+    deadlines, plan_pipelines = [], auto.plan_elastic_pp
+
+    def recorded(lengths, cost, P, d, opts, seq_ids=None):
+        deadlines.append(time.perf_counter() + opts.time_limit)
+        return plan_pipelines(lengths, cost, P, d, opts, seq_ids=seq_ids)
+
+    monkeypatch.setattr(auto, "plan_elastic_pp", recorded)
+    lengths = sample_lengths("github", 256, 0, 48 * 1024)
+    cost = CostModel.from_presets("llama-13b", "a800-80g-8x4", 1)  # (several layouts planned)
+    start = time.perf_counter()
+    plan = plan_auto(lengths, cost, flexsp=False, time_limit=0.6)
+    assert len(deadlines) >= 2 and "flexsp" not in plan.baselines
+    # (the time a layout may plan in is taken just before it starts: a millisecond's slack)
+    assert max(deadlines) <= start + 0.6 * (1 - auto.AUTO_RESERVE) + 1e-3
+
+
 def test_auto_holds_every_candidate_to_one_memory_budget():
     """``memory_mb`` binds FlexSP too: at 40 GB an 85K-token sequence fits no SP-8 group, so FlexSP
     (and its BatchAda bound) cannot run and a pipeline, which slices it, is chosen; layouts whose
