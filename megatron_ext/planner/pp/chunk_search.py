@@ -177,7 +177,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
         b = builds.get(key)
         if b is None:
             # would end past the deadline: building grows about linearly with the chunks (12 to
-            # 2,300 chunks: 0.15-0.6 ms each), priced from the largest candidate built so far
+            # 2,300 chunks: 0.15-0.6 ms each), priced from the largest candidate built so far (PRICED_CHUNKS)
             ends = time.perf_counter() + priced[1] * max(1.0, len(pieces) / priced[0])
             if best is not None and deadline is not None and ends > deadline:
                 return None

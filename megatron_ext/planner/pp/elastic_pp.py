@@ -48,7 +48,7 @@ safest chunkings (whole sequences where the longest fits whole; the capped slice
 past MAX_CHUNKS, the longest sequence's fewest fitting slices) and keeps trying until something
 fits, unless another grouping already has a plan: then it drops its grouping rather than start a
 build that would end past the budget less what checking that plan takes (a build's time, feasible
-or not, priced from the largest built so far).
+or not, priced from the largest built so far of ``PRICED_CHUNKS`` chunks or more).
 
 Steps 2-3 (one pipeline's search) are in planner/pp/chunk_search.py; building and scoring a pipeline
 and what the other pipeline planners share, in planner/pp/pipeline.py.
