@@ -160,7 +160,8 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     search_recompute = "greedy" if opts.recompute in ("ilp", "greedy") else opts.recompute
 
     probed = False  # a probe's targets are done: it stops at what it has
-    priced = [1, 0.0]  # (chunks, seconds) of the largest candidate built (of PRICED_CHUNKS or more): what builds cost, scaled
+    # (chunks, seconds) of the largest candidate built of PRICED_CHUNKS or more: what builds cost, scaled
+    priced = [1, 0.0]
 
     def late() -> bool:
         return best is not None and (probed or (deadline is not None and time.perf_counter() > deadline))
