@@ -191,12 +191,13 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     next is tied with it). A layout whose estimate (``layout_estimate``), less 5%, is no faster
     than BatchAda's step (an upper bound of FlexSP's) or the best step so far is skipped (reported
     with its estimate; before estimating, with its lower bound, ``layout_lower_bound``), and so is
-    one left when their time has run out (less of it than the least a layout planned ran past its
-    limit, a quarter of the least one took, or its chunks x stages' build time, ``AUTO_CHUNK_STAGE_S``);
-    one that cannot build a candidate in the whole limit is not started while FlexSP or another
-    layout can run. FlexSP goes last, in all the time left but ``AUTO_RESERVE`` of the
-    limit (for its plan's check), unless its lower bound (``CostModel.lower_bound_ms``) is no faster
-    than a layout's plan; where that bound is no faster than the likeliest layout's estimate,
+    one left when their time has run out (less of it than 0.05 s, the least a layout planned ran
+    past its limit, a quarter of the least one took, or its chunks x stages' build time,
+    ``AUTO_CHUNK_STAGE_S``); one that cannot build a candidate in the whole limit is not started
+    while FlexSP or another layout can run. FlexSP goes last, in all the time left but
+    ``AUTO_RESERVE`` of the limit (for its plan's check; without FlexSP the layouts leave it, for
+    the last one's), unless its lower bound (``CostModel.lower_bound_ms``) is no faster than a
+    layout's plan; where that bound is no faster than the likeliest layout's estimate,
     FlexSP's share is ``AUTO_FLEXSP_FLOOR`` (the layouts get the rest), until that bound beats
     every plan so far by ``AUTO_PRUNE_MARGIN``. A layout's chunks are at least the slices memory
     forces on its sequences (``forced_slices``)."""
