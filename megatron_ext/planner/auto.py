@@ -116,13 +116,17 @@ def pipeline_estimate(lengths: np.ndarray, pc: PipelineCost, min_slice_tokens: i
         t = W + n * b + (P - 1) * (W / n + b)
         best, chunks = float(t.min()), int(n[t.argmin()])
     # waves: a sequence two of which a stage cannot hold in flight (activations and K/V, nothing
-    # recomputed, over half the room; the last stage's logits too) runs through the stages alone,
-    # its k slices one after another with their own fill and drain: (P - 1) slices' time idle on
-    # each stage, plus k fixed costs, at the k that minimizes the two (at most min_slice_tokens a slice)
+    # recomputed, over half the room; the last stage's logits too) runs through the stages with
+    # its k slices one after another, each wave with its own fill and drain: (P - 1) slices' time
+    # idle on each stage, plus k fixed costs, at the k that minimizes the two (at most
+    # min_slice_tokens a slice). The idle time grows from none at half the room (the other half
+    # runs other sequences' chunks beside it) to all of it at the whole room: a cliff at half
+    # ranked gpt-7b's 4 x 8 at 48K (its 48K sequences just over half: planned in 0.2 s, 4 slices
+    # each, 29.9 s) 14% behind 8 x 4 (32.1 s)
     held = (pc.act_layer_mb + pc.kv_layer_mb) * L_s + pc.head_mb
     wave = lengths[lengths * held > room / 2] if P > 1 else lengths[:0]
     if wave.size:
-        t = pc.prefix_ms(wave)
+        t = pc.prefix_ms(wave) * np.minimum(1.0, 2 * wave * held / room - 1)
         k = np.clip(np.sqrt((P - 1) * t / max(b, 1e-9)), 1, np.maximum(1, wave / min_slice_tokens))
         waves = float(((P - 1) * t / k + k * b).sum())
         if W + waves > best:
@@ -164,12 +168,23 @@ def layout_pressure(lengths: np.ndarray, pc: PipelineCost) -> float:
     return float(np.max(lengths)) * whole * min(pc.pp, 2) / pc.activation_room_mb
 
 
+def head_excess_s(lengths: np.ndarray, pc: PipelineCost) -> float:
+    """Seconds the last stage works beyond the average stage's (the output layer and loss run
+    there alone) on a replica's share of the batch: it paces the pipeline, which the estimate's
+    average stage does not see (gpt-7b on 8 x 4: 31.7 s on the last stage, 28.5 s on the others)."""
+    tokens = float(np.sum(lengths)) / pc.replicas
+    return pc.cost.a2 * tokens * (pc.linear_share(pc.pp - 1) - pc.stage_share) / pc.sp / 1e3
+
+
 def layout_order_key(lengths: np.ndarray, pc: PipelineCost, estimate_s: float) -> float:
-    """What the layouts are tried in, likeliest first: the estimate, raised by up to
-    ``AUTO_PRESSURE_PENALTY`` as the longest sequence's pressure goes from 0.7 of the room to 1.7x,
-    and by ``AUTO_DEPTH_PENALTY`` per doubling of the stages past 8."""
+    """What the layouts are tried in, likeliest first: the estimate plus the last stage's excess
+    (``head_excess_s``), raised by up to ``AUTO_PRESSURE_PENALTY`` as the longest sequence's
+    pressure goes from 0.7 of the room to 1.7x, and by ``AUTO_DEPTH_PENALTY`` per doubling of the
+    stages past 8. (The excess orders the layouts and prunes none: raised estimates lost
+    layouts that won to FlexSP's and timelines' plans.)"""
     lift = min(1.0, max(0.0, layout_pressure(lengths, pc) - 0.7))
-    return estimate_s * (1 + AUTO_PRESSURE_PENALTY * lift) * (1 + AUTO_DEPTH_PENALTY * max(0.0, math.log2(pc.pp / 8)))
+    return (estimate_s + head_excess_s(lengths, pc)) * (1 + AUTO_PRESSURE_PENALTY * lift) * \
+        (1 + AUTO_DEPTH_PENALTY * max(0.0, math.log2(pc.pp / 8)))
 
 
 def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = None,
@@ -379,7 +394,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     return plan
 
 
-__all__ = ["AUTO_DEPTH_PENALTY", "AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_MIN_X", "AUTO_FLEXSP_SHARE", "AUTO_PRESSURE_PENALTY",
-           "AUTO_PRUNE_MARGIN", "AUTO_RESERVE", "AUTO_CHUNK_STAGE_S", "AUTO_TIE", "AUTO_TIMELINES_SHARE", "forced_slices", "layout_estimate",
-           "layout_lower_bound", "layout_name", "layout_order_key", "layout_pressure", "pipeline_estimate",
-           "pipeline_layouts", "plan_auto", "plan_units"]
+__all__ = ["AUTO_CHUNK_STAGE_S", "AUTO_DEPTH_PENALTY", "AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_MIN_X", "AUTO_FLEXSP_SHARE",
+           "AUTO_PRESSURE_PENALTY", "AUTO_PRUNE_MARGIN", "AUTO_RESERVE", "AUTO_TIE", "AUTO_TIMELINES_SHARE", "forced_slices",
+           "head_excess_s", "layout_estimate", "layout_lower_bound", "layout_name", "layout_order_key", "layout_pressure",
+           "pipeline_estimate", "pipeline_layouts", "plan_auto", "plan_units"]

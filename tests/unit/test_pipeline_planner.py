@@ -21,8 +21,8 @@ from megatron_ext.planner import PlannerOptions
 from megatron_ext.planner.packing import best_fit_bins
 from megatron_ext.planner.pp.chunk_search import plan_group
 from megatron_ext.planner.pp.chunking import check_chunking, split_pack
-from megatron_ext.planner.auto import (forced_slices, layout_estimate, layout_lower_bound, layout_name,
-                                      pipeline_layouts, plan_auto)
+from megatron_ext.planner.auto import (forced_slices, head_excess_s, layout_estimate, layout_lower_bound, layout_name,
+                                      layout_order_key, pipeline_layouts, plan_auto)
 from megatron_ext.planner.pp.sequence_limits import fit_cap, longest_sequence
 from megatron_ext.planner.pp.grouping import group_sequences, split_replicas
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
@@ -474,16 +474,51 @@ def test_layouts_and_their_estimate():
 
 
 def test_layout_estimate_charges_the_waves_of_sequences_a_stage_holds_one_at_a_time():
-    # gpt-7b on 40 GB at ZeRO-3, 32 stages of SP 1: a 48K sequence's activations and logits take
-    # over half a stage's room, so each runs through the stages alone, with its own fill and
-    # drain: beyond its work, at least 2 sqrt((P - 1) t b) (the best k of (P - 1) t / k + k b)
+    # a sequence two of which a stage cannot hold in flight runs through the stages in waves of
+    # its slices, each with its own fill and drain: beyond its work, 2 sqrt((P - 1) t b) at the
+    # best slice count k of (P - 1) t / k + k b, t its time scaled from none at half the room
+    # (other chunks fill the other half) to all of it at the whole room
+    def held_share(pc, s):  # of the room, a sequence's activations, K/V and logits, whole
+        return s * ((pc.act_layer_mb + pc.kv_layer_mb) * pc.layers_per_stage + pc.head_mb) / pc.activation_room_mb
+
+    # gpt-7b on 40 GB at ZeRO-3, 32 stages of SP 1: a 48K sequence's layers and logits
     cost = CostModel.from_presets("gpt-7b", "a100-40g-8x4", 3)
     pc = PipelineCost(cost, 32, 1)
     short = np.full(30, 2048)
     with_long = np.concatenate([np.full(3, 49152), short])
+    g = min(1.0, 2 * held_share(pc, 49152) - 1)
     t, b = float(pc.prefix_ms(49152)), pc.fixed_ms
     extra = (layout_estimate(with_long, pc)[0] - layout_estimate(short, pc)[0]) * 1e3
-    assert extra >= 3 * (t + 2 * math.sqrt(31 * t * b))
+    assert g > 0.1 and extra >= 3 * (t + 2 * math.sqrt(31 * t * g * b))
+    # gpt-7b on 40 GB at ZeRO-1, 4 stages of SP 8: no cliff at half the room; at 0.95 of it, the waves
+    pc = PipelineCost(CostModel.from_presets("gpt-7b", "a100-40g-8x4", 1), 4, 8)
+    half = 0.5 / held_share(pc, 1)
+    per_work = [layout_estimate(x, pc)[0] * 1e3 / float(pc.prefix_ms(x).sum())
+                for x in (np.full(10, int(0.99 * half)), np.full(10, int(1.01 * half)))]
+    assert per_work[1] == pytest.approx(per_work[0], rel=0.01)
+    s = int(1.9 * half)
+    g, t, W = min(1.0, 2 * held_share(pc, s) - 1), float(pc.prefix_ms(s)), 10 * float(pc.prefix_ms(s))
+    assert layout_estimate(np.full(10, s), pc)[0] * 1e3 == pytest.approx(W + 10 * 2 * math.sqrt(3 * t * g * pc.fixed_ms),
+                                                                         rel=1e-3)
+
+
+def test_layout_order_key_charges_the_last_stage_its_output_layer():
+    cost = CostModel.from_presets("gpt-7b", "a100-40g-8x4", 1)
+    lengths = sample_lengths("commoncrawl", 512, 0, 48 * 1024)
+    for P, d in ((8, 4), (4, 8), (2, 8)):
+        pc = PipelineCost(cost, P, d)
+        # what the simulator's last stage runs beyond the average stage, each sequence a chunk
+        share = lengths[split_replicas(np.arange(len(lengths)), lengths, pc, pc.replicas)[0]] if pc.replicas > 1 \
+            else lengths
+        work = cost.a1 * share.astype(float) ** 2 + cost.a2 * share
+        last = pc.stage_ms(work, share, P - 1) - pc.stage_ms(work, share)
+        assert head_excess_s(lengths, pc) * 1e3 == pytest.approx(float(last.sum()), rel=0.1 if pc.replicas > 1 else 1e-9)
+    assert head_excess_s(lengths, PipelineCost(COST, 1, 8)) == 0.0
+    # 8 x 4's last stage runs the output layer over 4 GPUs, 4 x 8's over 8: 4 x 8 (planned at
+    # 29.9 s) goes before 8 x 4 (32.1 s), which the estimates alone tie
+    keys = {(P, d): layout_order_key(lengths, PipelineCost(cost, P, d), layout_estimate(lengths, PipelineCost(cost, P, d))[0])
+            for P, d in ((8, 4), (4, 8))}
+    assert keys[(4, 8)] < keys[(8, 4)]
 
 
 def _auto_checks(plan, lengths, cost=COST, **sim):
