@@ -644,6 +644,29 @@ def test_auto_keeps_the_reserve_where_no_flexsp_follows_the_layouts(monkeypatch)
     assert max(deadlines) <= start + 1.0 * (1 - auto.AUTO_RESERVE) + 0.01
 
 
+def test_auto_keeps_flexsp_its_share_where_its_bound_beats_the_likeliest_layouts_order_key(monkeypatch):
+    # gpt-13b on 128 A100-40GB at ZeRO-3, 192K: FlexSP's lower bound falls between the likeliest
+    # layout's estimate and its order key (the layout planned 38.1 s, FlexSP 33.7 s in its share):
+    # the layouts end at 1 - AUTO_FLEXSP_SHARE of the limit, not 1 - AUTO_FLEXSP_FLOOR
+    import megatron_ext.planner.auto as auto
+
+    cost = CostModel.from_presets("gpt-13b", "a100-40g-8x16", 3)
+    lengths = sample_lengths("github", 512, 0, 192 * 1024)
+    pc = PipelineCost(cost, 8, 8)
+    est = layout_estimate(lengths, pc)[0]
+    assert est < cost.lower_bound_ms(lengths) / 1e3 < layout_order_key(lengths, pc, est)
+    deadlines, plan_pipelines = [], auto.plan_elastic_pp
+
+    def recorded(lengths, cost, P, d, opts, seq_ids=None):
+        deadlines.append(time.perf_counter() + opts.time_limit)
+        return plan_pipelines(lengths, cost, P, d, opts, seq_ids=seq_ids)
+
+    monkeypatch.setattr(auto, "plan_elastic_pp", recorded)
+    start = time.perf_counter()
+    plan_auto(lengths, cost, time_limit=1.0)
+    assert deadlines and max(deadlines) <= start + 1.0 * (1 - auto.AUTO_FLEXSP_SHARE) + 0.01
+
+
 def test_auto_holds_every_candidate_to_one_memory_budget():
     """``memory_mb`` binds FlexSP too: at 40 GB an 85K-token sequence fits no SP-8 group, so FlexSP
     (and its BatchAda bound) cannot run and a pipeline, which slices it, is chosen; layouts whose
