@@ -201,9 +201,9 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     ``solver_status`` names the choice; ``baselines`` holds every alternative's simulated time
     (``"flexsp"``, ``"elastic_pp pp4 x sp8"``, ``"elastic_pp pp2 x sp8 x dp2"`` with replicas,
     ...). Time: the layouts go first, most promising first (``layout_order_key``: the estimate,
-    raised where the longest sequence presses on memory and for deep pipelines), in at most
-    1 - ``AUTO_FLEXSP_SHARE`` of the limit (each may use all of it that is left, half when the
-    next is tied with it). A layout whose estimate (``layout_estimate``), less 5%, is no faster
+    plus the last stage's output layer, raised where the longest sequence presses on memory and
+    for deep pipelines), in at most 1 - ``AUTO_FLEXSP_SHARE`` of the limit (each may use all of
+    it that is left, half when the next is tied with it). A layout whose estimate (``layout_estimate``), less 5%, is no faster
     than BatchAda's step (an upper bound of FlexSP's) or the best step so far is skipped (reported
     with its estimate; before estimating, with its lower bound, ``layout_lower_bound``), and so is
     one left when their time has run out (less of it than 0.05 s, the least a layout planned ran
