@@ -10,7 +10,8 @@ backward order: the chunks on one diagonal of the 1F1B schedule (the same backwa
 by one per stage) recompute the same number of layers, so a recomputation delays every stage
 alike and adds no bubble. ``n + P - 1`` integer variables. Untied form: one variable per (stage,
 chunk). Solved with HiGHS (time-limited, 2% gap); if HiGHS has no incumbent in time, a greedy
-(most memory saved per recompute ms first, respecting the tying) answers instead.
+(most memory saved per recompute ms first over every moment a variable is in, respecting the
+tying, then trimmed) answers instead; the pipeline search ranks its candidates by the greedy's.
 """
 from __future__ import annotations
 
@@ -89,14 +90,18 @@ def _infeasible(p: int, cp: Checkpoint, need: float, where: str, name) -> Infeas
                            f"even with every layer of every in-flight chunk recomputed")
 
 
-def _greedy(rows: _Rows, save: np.ndarray, rc: np.ndarray, layers: int, nvar: int) -> np.ndarray:
-    """Row by row, raise the variables of the chunks that save the most MB per recompute ms
-    until the row holds (every row can: ``_rows`` refused any that every layer recomputed
-    cannot). Returns x [nvar]."""
+def _greedy(rows: _Rows, cost: np.ndarray, layers: int) -> np.ndarray:
+    """Row by row, raise the variables that save the most MB per recompute ms, over every moment
+    they are in (one layer of variable j saves its chunks' MB at each of its rows, and costs
+    ``cost[j]``), until the row holds (every row can: ``_rows`` refused any that every layer
+    recomputed cannot); then lower each, the least saving per ms first, as far as every row it is
+    in still holds: rows raised early hold more than they need once later rows raised the chunks
+    they share. Returns x [len(cost)]. (gpt-13b on 8 stages x SP 16 at 192K, packs cut in 8:
+    36 s of recompute over the stages, the ILP's 31 s; 51 s ranking chunks by their own MB per
+    ms, untrimmed, which put a chunking whose ILP plan is 3% slower ahead of it.)"""
+    nvar = len(cost)
     x = np.zeros(nvar, dtype=np.int64)
-    n = len(save)
-    rank = np.empty(n, dtype=np.int64)
-    rank[np.lexsort((np.arange(n), -save / np.maximum(rc, 1e-12)))] = np.arange(n)
+    per_ms = np.bincount(rows.col, weights=rows.val, minlength=nvar) / np.maximum(cost, 1e-12)
     by_col = np.argsort(rows.col, kind="stable")  # CSC view: a variable's entries over the rows
     col_ptr = np.searchsorted(rows.col[by_col], np.arange(nvar + 1))
     row_of = rows.row_of
@@ -106,7 +111,7 @@ def _greedy(rows: _Rows, save: np.ndarray, rc: np.ndarray, layers: int, nvar: in
         if need <= 1e-9:
             continue
         a, b = rows.indptr[r], rows.indptr[r + 1]
-        for e in a + np.argsort(rank[rows.chunk[a:b]], kind="stable"):
+        for e in a + np.argsort(-per_ms[rows.col[a:b]], kind="stable"):
             j = rows.col[e]
             free = layers - x[j]
             if free <= 0:
@@ -118,7 +123,22 @@ def _greedy(rows: _Rows, save: np.ndarray, rc: np.ndarray, layers: int, nvar: in
             need = rows.need[r] - reduced[r]
             if need <= 1e-9:
                 break
+    slack = reduced - rows.need
+    raised = np.flatnonzero(x)
+    for j in raised[np.argsort(per_ms[raised], kind="stable")]:
+        es = by_col[col_ptr[j]:col_ptr[j + 1]]
+        down = min(int(x[j]), int(np.floor(np.min((slack[row_of[es]] + 1e-9) / rows.val[es]))))
+        if down > 0:
+            x[j] -= down
+            slack[row_of[es]] -= rows.val[es] * down
     return x
+
+
+def _costs(var: np.ndarray, rc: np.ndarray) -> np.ndarray:
+    """Recompute ms of one layer of each variable: its chunks' (tied: a diagonal's) summed."""
+    cost = np.zeros(int(var.max()) + 1 if var.size else 0)
+    np.add.at(cost, var.ravel(), np.broadcast_to(rc, var.shape).ravel())
+    return cost
 
 
 def greedy_recompute(cps: list[list[Checkpoint]], save: np.ndarray, rc: np.ndarray, layers: int,
@@ -126,8 +146,7 @@ def greedy_recompute(cps: list[list[Checkpoint]], save: np.ndarray, rc: np.ndarr
                      name=None) -> np.ndarray:
     """Raise recompute where memory is over, moment by moment, most MB saved per ms first. [P, n] ints."""
     var = _var_map(len(cps), len(save), bpos, tied)
-    nvar = int(var.max()) + 1 if var.size else 0
-    return _greedy(_rows(cps, save, room, var, layers, where, name), save, rc, layers, nvar)[var]
+    return _greedy(_rows(cps, save, room, var, layers, where, name), _costs(var, rc), layers)[var]
 
 
 def solve_recompute(cps: list[list[Checkpoint]], save: np.ndarray, rc: np.ndarray, layers: int,
@@ -141,10 +160,9 @@ def solve_recompute(cps: list[list[Checkpoint]], save: np.ndarray, rc: np.ndarra
     rows = _rows(cps, save, room, var, layers, where, name)
     if not len(rows.need):
         return np.zeros((P, n), dtype=np.int64), "no recompute needed"
-    nvar = int(var.max()) + 1
-    cost = np.zeros(nvar)
-    np.add.at(cost, var.ravel(), np.broadcast_to(rc, (P, n)).ravel())
-    x0 = _greedy(rows, save, rc, layers, nvar)
+    cost = _costs(var, rc)
+    nvar = len(cost)
+    x0 = _greedy(rows, cost, layers)
     greedy = x0[var]
     left = time_limit - (time.perf_counter() - started)  # the limit covers building the model too
     if left <= 0.01:
