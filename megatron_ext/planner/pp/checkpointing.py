@@ -144,7 +144,8 @@ def _costs(var: np.ndarray, rc: np.ndarray) -> np.ndarray:
 def greedy_recompute(cps: list[list[Checkpoint]], save: np.ndarray, rc: np.ndarray, layers: int,
                      room: np.ndarray, bpos: np.ndarray, tied: bool = True, where: str = "pipeline",
                      name=None) -> np.ndarray:
-    """Raise recompute where memory is over, moment by moment, most MB saved per ms first. [P, n] ints."""
+    """Raise recompute where memory is over, moment by moment, most MB saved per ms first, then
+    lower what the later moments made unneeded (``_greedy``). [P, n] ints."""
     var = _var_map(len(cps), len(save), bpos, tied)
     return _greedy(_rows(cps, save, room, var, layers, where, name), _costs(var, rc), layers)[var]
 
