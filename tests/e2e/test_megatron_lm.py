@@ -31,6 +31,7 @@ directory, one copy patched with scripts/apply_patches.sh and one unpatched, and
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import os
 import re
@@ -49,6 +50,15 @@ COST_4 = str(ROOT / "configs/megatron/cost/tiny-cpu4.yaml")
 
 pytestmark = pytest.mark.skipif(not MEGATRON_LM_DIR,
                                 reason="set MEGATRON_LM_DIR to a Megatron-LM checkout at tag core_v0.16.1")
+# what megatron/training imports beyond megatron-core (setup.py's megatron-lm extra)
+MISSING = [m for m in ("six", "regex", "pydantic", "pybind11") if importlib.util.find_spec(m) is None]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def megatron_lm_requirements():
+    if MISSING:  # (one line each, not a rank's traceback from deep inside the launch)
+        pytest.fail(f"Megatron-LM's training needs {', '.join(MISSING)}: pip install -e '.[megatron-lm]'",
+                    pytrace=False)
 
 VOCAB = 2047  # NullTokenizer: ids 0..2046, <eod> = 2047
 # The tiny model of megatron_ext/presets/models/tiny.yaml, fp32, no dropout (dropout masks depend
