@@ -203,8 +203,9 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     ...). Time: the layouts go first, most promising first (``layout_order_key``: the estimate,
     plus the last stage's output layer, raised where the longest sequence presses on memory and
     for deep pipelines), in at most 1 - ``AUTO_FLEXSP_SHARE`` of the limit (each may use all of
-    it that is left, half when the next is tied with it). A layout whose estimate (``layout_estimate``), less 5%, is no faster
-    than BatchAda's step (an upper bound of FlexSP's) or the best step so far is skipped (reported
+    it that is left, half when the next is tied with it). A layout whose estimate
+    (``layout_estimate``), less 5%, is no faster than BatchAda's step (an upper bound of FlexSP's)
+    or the best step so far is skipped (reported
     with its estimate; before estimating, with its lower bound, ``layout_lower_bound``), and so is
     one left when their time has run out (less of it than 0.05 s, the least a layout planned ran
     past its limit, a quarter of the least one took, or its chunks x stages' build time,

@@ -516,9 +516,11 @@ def test_layout_order_key_charges_the_last_stage_its_output_layer():
     assert head_excess_s(lengths, PipelineCost(COST, 1, 8)) == 0.0
     # 8 x 4's last stage runs the output layer over 4 GPUs, 4 x 8's over 8: 4 x 8 (planned at
     # 29.9 s) goes before 8 x 4 (32.1 s), which the estimates alone tie
-    keys = {(P, d): layout_order_key(lengths, PipelineCost(cost, P, d), layout_estimate(lengths, PipelineCost(cost, P, d))[0])
-            for P, d in ((8, 4), (4, 8))}
-    assert keys[(4, 8)] < keys[(8, 4)]
+    def key(P, d):
+        pc = PipelineCost(cost, P, d)
+        return layout_order_key(lengths, pc, layout_estimate(lengths, pc)[0])
+
+    assert key(4, 8) < key(8, 4)
 
 
 def _auto_checks(plan, lengths, cost=COST, **sim):
@@ -623,28 +625,36 @@ def test_auto_does_not_start_a_layout_it_cannot_build_within_the_limit():
     assert "elastic_pp pp32 x sp1" not in plan.solver_status.split(";")[0].split("(")[0]
 
 
-def test_auto_keeps_the_reserve_where_no_flexsp_follows_the_layouts(monkeypatch):
+@pytest.fixture
+def layout_deadlines(monkeypatch):
+    """When each layout auto plans must end (perf_counter seconds: its start + its time limit)."""
+    import megatron_ext.planner.auto as auto
+
+    deadlines = []
+
+    def recorded(lengths, cost, P, d, opts, **k):
+        deadlines.append(time.perf_counter() + opts.time_limit)
+        return plan_elastic_pp(lengths, cost, P, d, opts, **k)
+
+    monkeypatch.setattr(auto, "plan_elastic_pp", recorded)
+    return deadlines
+
+
+def test_auto_keeps_the_reserve_where_no_flexsp_follows_the_layouts(layout_deadlines):
     # without FlexSP after them, each layout's deadline leaves AUTO_RESERVE of the limit for the
     # last one's check and the choice (it ran 1-5% past the limit without it)
     import megatron_ext.planner.auto as auto
 
-    deadlines, plan_pipelines = [], auto.plan_elastic_pp
-
-    def recorded(lengths, cost, P, d, opts, seq_ids=None):
-        deadlines.append(time.perf_counter() + opts.time_limit)
-        return plan_pipelines(lengths, cost, P, d, opts, seq_ids=seq_ids)
-
-    monkeypatch.setattr(auto, "plan_elastic_pp", recorded)
     lengths = sample_lengths("github", 256, 0, 48 * 1024)
     cost = CostModel.from_presets("llama-13b", "a800-80g-8x4", 1)  # (several layouts planned)
     start = time.perf_counter()
     plan = plan_auto(lengths, cost, flexsp=False, time_limit=1.0)
-    assert deadlines and "flexsp" not in plan.baselines
+    assert layout_deadlines and "flexsp" not in plan.baselines
     # (the time a layout may plan in is taken just before it starts: 10 ms' slack, a third of the reserve)
-    assert max(deadlines) <= start + 1.0 * (1 - auto.AUTO_RESERVE) + 0.01
+    assert max(layout_deadlines) <= start + 1.0 * (1 - auto.AUTO_RESERVE) + 0.01
 
 
-def test_auto_keeps_flexsp_its_share_where_its_bound_beats_the_likeliest_layouts_order_key(monkeypatch):
+def test_auto_keeps_flexsp_its_share_where_its_bound_beats_the_likeliest_layouts_order_key(layout_deadlines):
     # gpt-13b on 128 A100-40GB at ZeRO-3, 192K: FlexSP's lower bound falls between the likeliest
     # layout's estimate and its order key (the layout planned 38.1 s, FlexSP 33.7 s in its share):
     # the layouts end at 1 - AUTO_FLEXSP_SHARE of the limit, not 1 - AUTO_FLEXSP_FLOOR
@@ -655,16 +665,9 @@ def test_auto_keeps_flexsp_its_share_where_its_bound_beats_the_likeliest_layouts
     pc = PipelineCost(cost, 8, 8)
     est = layout_estimate(lengths, pc)[0]
     assert est < cost.lower_bound_ms(lengths) / 1e3 < layout_order_key(lengths, pc, est)
-    deadlines, plan_pipelines = [], auto.plan_elastic_pp
-
-    def recorded(lengths, cost, P, d, opts, seq_ids=None):
-        deadlines.append(time.perf_counter() + opts.time_limit)
-        return plan_pipelines(lengths, cost, P, d, opts, seq_ids=seq_ids)
-
-    monkeypatch.setattr(auto, "plan_elastic_pp", recorded)
     start = time.perf_counter()
     plan_auto(lengths, cost, time_limit=1.0)
-    assert deadlines and max(deadlines) <= start + 1.0 * (1 - auto.AUTO_FLEXSP_SHARE) + 0.01
+    assert layout_deadlines and max(layout_deadlines) <= start + 1.0 * (1 - auto.AUTO_FLEXSP_SHARE) + 0.01
 
 
 def test_auto_holds_every_candidate_to_one_memory_budget():
@@ -742,7 +745,7 @@ def test_drop_over_max_drops_what_the_pipeline_cannot_run_under_a_given_maximum(
     assert plan.dropped_seq_ids == [0]
 
 
-def test_auto_keeps_flexsp_what_its_packing_and_checks_take(monkeypatch):
+def test_auto_keeps_flexsp_what_its_packing_and_checks_take(monkeypatch, layout_deadlines):
     """FlexSP packs, times and checks its plan as BatchAda does before it solves: the layouts end
     AUTO_FLEXSP_MIN_X x BatchAda's time before the limit's reserve, whatever FlexSP's share;
     with no FlexSP to plan, at the limit."""
@@ -750,24 +753,19 @@ def test_auto_keeps_flexsp_what_its_packing_and_checks_take(monkeypatch):
 
     cost = CostModel.from_presets("llama-13b", "a800-80g-8x4", 1)
     lengths = sample_lengths("github", 64, 0, 32 * 1024)
-    real_plan_sp, limits = auto_mod.plan_sp, []
+    real_plan_sp = auto_mod.plan_sp
 
     def slow_batchada(name, *a, **k):
         if name == "batchada":
             time.sleep(0.25)  # (as 32,768 sequences on 4,096 GPUs take)
         return real_plan_sp(name, *a, **k)
 
-    def recorded(lengths, cost, P, d, opts, **k):
-        limits.append((time.perf_counter(), opts.time_limit))
-        return plan_elastic_pp(lengths, cost, P, d, opts, **k)
-
     monkeypatch.setattr(auto_mod, "plan_sp", slow_batchada)
-    monkeypatch.setattr(auto_mod, "plan_elastic_pp", recorded)
     start = time.perf_counter()
     plan_auto(lengths, cost, time_limit=1.0, flexsp=True)
     latest_end = start + 1.0 * (1 - auto_mod.AUTO_RESERVE) - auto_mod.AUTO_FLEXSP_MIN_X * 0.25
-    assert limits and all(t + limit <= latest_end + 1e-3 for t, limit in limits)
-    limits.clear()
+    assert layout_deadlines and max(layout_deadlines) <= latest_end + 1e-3
+    layout_deadlines.clear()
     start = time.perf_counter()
     plan_auto(lengths, cost, time_limit=1.0, flexsp=False)  # (BatchAda is not planned)
-    assert limits and all(t + limit <= start + 1.0 + 1e-3 for t, limit in limits)
+    assert layout_deadlines and max(layout_deadlines) <= start + 1.0 + 1e-3
