@@ -8,6 +8,7 @@ that watches the parent's pid. Imports nothing of torch: the planner process use
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import os
@@ -100,6 +101,19 @@ def exit_quietly_on_stop_signals() -> None:
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, stop)
+
+
+def exit_process(code: int):
+    """End this process with ``code`` as the interpreter would (non-daemon threads joined, exit
+    handlers run, output flushed) but without the teardown of every module and object after:
+    torch's and megatron-core's took each of a 4-rank CPU run's ranks 1.3-3 s after its work was
+    done, 3 s of a 23 s ``train`` launch on 2 cores. For ``__main__`` blocks only."""
+    threading._shutdown()  # (what the interpreter does first at exit)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # (a reader gone, a stream closed)
+            stream.flush()
+    os._exit(code)
 
 
 def exit_text(code: int) -> str:

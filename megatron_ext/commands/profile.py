@@ -25,6 +25,7 @@ from megatron_ext.commands.launch import LAUNCHER_HELP, torchrun
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import MegatronExtError
 from megatron_ext.files import replacing
+from megatron_ext.lifetime import exit_process
 
 from megatron_ext.runtime.compat import quiet_fallback_warnings
 
@@ -221,4 +222,4 @@ def _fields(spec) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -27,7 +27,7 @@ from megatron_ext.cost import CostModel
 from megatron_ext.data.batches import GlobalBatches
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.files import replacing
-from megatron_ext.lifetime import die_with_parent, exit_quietly_on_stop_signals, say_rank_error
+from megatron_ext.lifetime import die_with_parent, exit_process, exit_quietly_on_stop_signals, say_rank_error
 from megatron_ext.planner.api import planners_help
 from megatron_ext.runtime.backends import ATTENTION_BACKENDS
 from megatron_ext.runtime.checkpoint import holds_checkpoint
@@ -359,4 +359,4 @@ def _summary(planner: str, records: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

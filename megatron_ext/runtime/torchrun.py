@@ -21,7 +21,7 @@ import os
 import signal
 import sys
 
-from megatron_ext.lifetime import STOP_SIGNALS, die_with_parent, exit_text, ignore
+from megatron_ext.lifetime import STOP_SIGNALS, die_with_parent, exit_process, exit_text, ignore
 
 _HANDLED = (*STOP_SIGNALS, signal.SIGQUIT)  # torchrun's own are SIGTERM, SIGINT, SIGHUP and SIGQUIT
 _received: list[int] = []
@@ -78,4 +78,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -283,6 +283,19 @@ def test_exit_text_names_the_signal():
     assert exit_text(1) == "failed (exit status 1)"
 
 
+def test_exit_process_ends_as_the_interpreter_would_without_its_teardown():
+    # a rank's __main__ ends so: its threads finish, its exit handlers run, its output (a pipe's
+    # buffer, here) is all written, and the status is the one given
+    script = ("import atexit, sys, threading, time\n"
+              "from megatron_ext.lifetime import exit_process\n"
+              "atexit.register(lambda: print('handler'))\n"
+              "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()\n"
+              "print('main')\n"
+              "exit_process(3)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "main\nthread\nhandler\n", "")
+
+
 def test_a_rank_other_than_0_leaves_rank_0_to_say_a_shared_error(monkeypatch, capsys):
     # every rank raises the same bad-input error together; torchrun stops the rest at the first
     # exit, so a rank 1 that exited first took rank 0 down before it printed (the run said only

@@ -173,7 +173,7 @@ def _check_stage_records(r: dict) -> None:
         assert all(measured > 0 and predicted > 0 for _, measured, predicted in ops)
 
 
-LONG = ["train", "--steps", "2", "--global-batch", "8", "--max-seq-len", "6144", "--seed", "3", "--pp", "2", "--json"]
+LONG = ["train", "--steps", "2", "--global-batch", "4", "--max-seq-len", "6144", "--seed", "3", "--pp", "2", "--json"]
 
 
 def test_a_sequence_too_long_for_unsliced_pipelines_trains_when_sliced():
