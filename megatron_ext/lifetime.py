@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+from typing import NoReturn
 
 # What stops a run: a kill, Ctrl-C, a closed terminal, Slurm's warning before the time limit
 # (``--signal=USR1@SECONDS``, sent to every process of the job step unless ``B:`` is given).
@@ -103,7 +104,7 @@ def exit_quietly_on_stop_signals() -> None:
         signal.signal(sig, stop)
 
 
-def exit_process(code: int):
+def exit_process(code: int) -> NoReturn:
     """End this process with ``code`` as the interpreter would (non-daemon threads joined, exit
     handlers run, output flushed) but without the teardown of every module and object after:
     torch's and megatron-core's took each of a 4-rank CPU run's ranks 1.3-3 s after its work was
