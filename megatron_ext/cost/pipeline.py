@@ -46,7 +46,10 @@ Memory per GPU of a stage, MB:
 - pieces of split sequences: the prefix cache keeps a copy of the K/V of every piece but the
   last (``2 * kv_heads * head_dim * e`` bytes per token and layer), which later slices attend
   to, so it stays, checkpointed or not, until the sequence's first slice has run backward; a
-  slice [C, C + s) saves the K/V it concatenates (C + s tokens) for its attention's backward;
+  slice [C, C + s) attends to the K/V it concatenates (C + s tokens), which autograd keeps as
+  the cached parts, not as a copy (runtime/saved.py): the concatenation lives inside one
+  layer's attention, forward and backward, a transient like that attention's workspace or the
+  MLP's intermediate, left to the headroom between a card and its usable memory;
 - recomputing a layer of a chunk keeps only its input (``hidden * e`` bytes per token) and the
   cached K/V;
 - while a split sequence runs backward, the gradient of its prefix K/V (same size as the K/V of
@@ -336,21 +339,18 @@ class PipelineCost:
         logits and the inputs of the final norm and of the output layer."""
         return head_bytes_per_token(self.cost.model) / MB / self.sp
 
-    def chunk_memory(self, tokens, cached_tokens, prefix_tokens, last_stage: bool):
+    def chunk_memory(self, tokens, cached_tokens, last_stage: bool):
         """(I, F): memory a chunk holds between its forward and backward with no recompute, and
         what each recomputed layer saves of it. Beyond the layers' activations: the prefix cache's
         copy of the K/V of pieces whose sequence continues in a later chunk (``cached_tokens``;
         kept under recompute too, and after the chunk's backward until the sequence's first
-        slice's: sim/engine.py), and the K/V a
-        slice with a prefix concatenates (prefix, then its own) and saves for its attention's
-        backward (``prefix_tokens``; dropped by recompute)."""
+        slice's: sim/engine.py). A slice's prefix K/V is that cache's, not a copy (module doc)."""
         tokens = np.asarray(tokens, dtype=np.float64)
         cached_tokens = np.asarray(cached_tokens, dtype=np.float64)
-        prefix_tokens = np.asarray(prefix_tokens, dtype=np.float64)
         L_s = self.layers_per_stage
-        full = (tokens * self.act_layer_mb + (cached_tokens + prefix_tokens) * self.kv_layer_mb) * L_s \
+        full = (tokens * self.act_layer_mb + cached_tokens * self.kv_layer_mb) * L_s \
             + (tokens * self.head_mb if last_stage else 0.0)
-        save = np.maximum(0.0, tokens * (self.act_layer_mb - self.input_layer_mb) + prefix_tokens * self.kv_layer_mb)
+        save = np.maximum(0.0, tokens * (self.act_layer_mb - self.input_layer_mb))
         return full, save
 
     def dkv_mb(self, tokens):

@@ -108,6 +108,7 @@ from megatron_ext.runtime.device import host_to_device
 from megatron_ext.runtime.kernels import LayerKernels
 from megatron_ext.runtime.kernels.sdpa import gqa_sdpa
 from megatron_ext.runtime.ring import ring_attention
+from megatron_ext.runtime.saved import parts_kept
 from megatron_ext.runtime.slices import slice_prefixes
 
 
@@ -394,9 +395,11 @@ class UlyssesAttention(MegatronModule):
                 out = ring_attention(q, k, v, params, causal, self.softmax_scale,
                                      self.dropout_p if self.training else 0.0)
             else:
-                # pieces of split sequences: prefix K/V from earlier chunks (runtime/slices.py)
-                prefixes = slice_prefixes(params, self.layer_number, k, v) if params.sliced else None
-                out = self._packed(q, k, v, params.segment_bounds(), causal, params._cache, prefixes)
+                # pieces of split sequences: prefix K/V from earlier chunks (runtime/slices.py), kept
+                # for the backward as the cache's tensors, not as the joined copy (runtime/saved.py)
+                with parts_kept() if params.sliced else contextlib.nullcontext():
+                    prefixes = slice_prefixes(params, self.layer_number, k, v) if params.sliced else None
+                    out = self._packed(q, k, v, params.segment_bounds(), causal, params._cache, prefixes)
         out = out.unsqueeze(1)  # [S, 1, hq/d, dh]
         if d > 1:
             out = all_to_all(out, params.sp_group, scatter_dim=0, gather_dim=2)

@@ -71,6 +71,7 @@ from megatron_ext.errors import InvalidPlanError
 from megatron_ext.plan.program import BWD, FWD, ChunkLayout, PipelineSchedule, build_schedules, op_name
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.runtime.pipeline_model import unwrap_model
+from megatron_ext.runtime.saved import counted
 from megatron_ext.sim import simulated_op_times
 
 
@@ -344,12 +345,10 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
                     chunk_saved: dict[int, int] = {}
 
                     def count_saved(t, chunk_saved=chunk_saved):
-                        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in param_ptrs:
+                        if t.untyped_storage().data_ptr() not in param_ptrs:
                             chunk_saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-                        return t
 
-                    with grad_ctx, recompute_layers(model, n_rec), \
-                            torch.autograd.graph.saved_tensors_hooks(count_saved, lambda t: t):
+                    with grad_ctx, recompute_layers(model, n_rec), counted(count_saved):
                         out, num_tokens = forward_step(step_func, iter([inp]), model, n_chunks, x, store,
                                                        config, 1, is_first_microbatch=first_forward,
                                                        is_last_stage=st.last)

@@ -11,9 +11,11 @@ A long sequence cut into slices ``[0, a_1), [a_1, a_2), ...`` (pieces of chunks,
 * Backward of slice i produces the gradient of the prefix K/V. It is accumulated per (layer,
   sequence, earlier slice) and held until the backward of that earlier slice, which adds it to
   its own dK/dV (a gradient hook on the slice's K/V). Slices therefore run backward last first.
-* No autograd graph spans two slices: the prefix enters attention as a fresh leaf made from the
-  detached cache, whose gradient hook deposits into the accumulator. A layer's entry of a sequence
-  is freed when the sequence's first slice finishes that layer's backward.
+* No autograd graph spans two slices: each cached slice of the prefix enters attention as a
+  fresh leaf sharing the cache's storage, whose gradient hook deposits into that slice's
+  accumulator; the leaves are joined by ``saved.concatenate``, which autograd keeps as the leaves
+  (no copy of the prefix per slice in flight). A layer's entry of a sequence is freed when the
+  sequence's first slice finishes that layer's backward.
 
 With Ulysses SP inside the stage, the cache holds what attention sees after the all-to-all: all
 tokens of the slice, this rank's heads (``kv_heads / d``): prefix attention needs no extra
@@ -34,6 +36,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from megatron_ext.runtime.saved import concatenate
+
 
 @dataclass
 class _Entry:
@@ -45,7 +49,7 @@ class _Entry:
     dk: dict = field(default_factory=dict)  # slice start -> accumulated gradient of its K
     dv: dict = field(default_factory=dict)
     prefixed: set = field(default_factory=set)  # starts (> 0) of slices that ran forward with a prefix
-    delivered_k: set = field(default_factory=set)  # ... whose backward delivered their prefix dK
+    delivered_k: set = field(default_factory=set)  # (consumer, slice start): a backward delivered that dK
     delivered_v: set = field(default_factory=set)
     injected: set = field(default_factory=set)  # (start, "k" | "v") already added to a slice's dK/dV
 
@@ -92,8 +96,9 @@ class PrefixKVCache:
         e.end[start] = start + k.shape[0]
 
     def prefix(self, layer: int, key, start: int) -> tuple[Tensor, Tensor]:
-        """K/V of positions ``[0, start)`` as new leaves. When autograd records, their gradients go
-        to the accumulators of the slices they came from (see ``_deposit``)."""
+        """K/V of positions ``[0, start)``: the cached slices as new leaves (the cache's storage),
+        joined. When autograd records, each leaf's gradient goes to the accumulator of its slice
+        (see ``_deposit``)."""
         e = self._entries.get((layer, key))
         have = sorted(s for s in (e.k if e else {}) if s < start)
         pos = 0
@@ -105,34 +110,23 @@ class PrefixKVCache:
             raise RuntimeError(f"layer {layer}, sequence {key!r}: the slice at {start} needs the K/V of positions "
                                f"[0, {start}), but only [0, {pos}) is cached; the earlier slices' forward must run "
                                f"first, on this rank")
-        pk = torch.cat([e.k[s] for s in have]) if len(have) > 1 else e.k[have[0]]
-        pv = torch.cat([e.v[s] for s in have]) if len(have) > 1 else e.v[have[0]]
-        pk, pv = pk.detach(), pv.detach()
+        ks, vs = [e.k[s].detach() for s in have], [e.v[s].detach() for s in have]
+        e.prefixed.add(start)
         if torch.is_grad_enabled():
-            e.prefixed.add(start)
-            pk = pk.requires_grad_()
-            pv = pv.requires_grad_()
-            bounds = [(s, e.end[s]) for s in have]
-            pk.register_hook(_Deposit(self, layer, key, start, bounds, "k"))
-            pv.register_hook(_Deposit(self, layer, key, start, bounds, "v"))
-        else:
-            e.prefixed.add(start)
-        return pk, pv
+            for s, pk, pv in zip(have, ks, vs):
+                pk.requires_grad_().register_hook(_Deposit(self, layer, key, start, s, "k"))
+                pv.requires_grad_().register_hook(_Deposit(self, layer, key, start, s, "v"))
+        return concatenate(ks), concatenate(vs)
 
     # -- backward --
-    def _deposit(self, layer, key, consumer: int, bounds, which: str, grad: Tensor) -> None:
+    def _deposit(self, layer, key, consumer: int, start: int, which: str, grad: Tensor) -> None:
         e = self._entries.get((layer, key))
         if e is None:
             raise RuntimeError(f"layer {layer}, sequence {key!r}: a prefix gradient arrived after the sequence's "
                                f"first slice finished its backward")
         acc = e.dk if which == "k" else e.dv
-        for s, t in bounds:
-            g = grad[s:t]
-            if s in acc:
-                acc[s] = acc[s] + g
-            else:
-                acc[s] = g.clone()
-        (e.delivered_k if which == "k" else e.delivered_v).add(consumer)
+        acc[start] = acc[start] + grad if start in acc else grad.clone()
+        (e.delivered_k if which == "k" else e.delivered_v).add((consumer, start))
 
     def _take(self, layer, key, start: int, which: str) -> Tensor:
         """The accumulated gradient of slice ``start``'s K (or V), for its own backward."""
@@ -140,7 +134,7 @@ class PrefixKVCache:
         if e is None:
             raise RuntimeError(f"layer {layer}, sequence {key!r}: no cache entry at the backward of its slice at {start}")
         delivered = e.delivered_k if which == "k" else e.delivered_v
-        missing = sorted(c for c in e.prefixed if c > start and c not in delivered)
+        missing = sorted(c for c in e.prefixed if c > start and (c, start) not in delivered)
         if missing:
             raise RuntimeError(f"layer {layer}, sequence {key!r}: the backward of the slice at {start} ran before the "
                                f"backward of the later slice(s) at {missing}; slices of a sequence run backward "
@@ -157,13 +151,14 @@ class PrefixKVCache:
 
 
 class _Deposit:
-    """Gradient hook of a prefix leaf: split the gradient over the slices it came from."""
+    """Gradient hook of a prefix leaf (one cached slice, as the slice at ``consumer`` saw it): into
+    that slice's accumulator."""
 
-    def __init__(self, cache: PrefixKVCache, layer, key, consumer, bounds, which):
-        self.cache, self.layer, self.key, self.consumer, self.bounds, self.which = cache, layer, key, consumer, bounds, which
+    def __init__(self, cache: PrefixKVCache, layer, key, consumer, start, which):
+        self.cache, self.layer, self.key, self.consumer, self.start, self.which = cache, layer, key, consumer, start, which
 
     def __call__(self, grad: Tensor):
-        self.cache._deposit(self.layer, self.key, self.consumer, self.bounds, self.which, grad)
+        self.cache._deposit(self.layer, self.key, self.consumer, self.start, self.which, grad)
         return None
 
 

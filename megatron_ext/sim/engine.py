@@ -52,12 +52,6 @@ class ChunkTable:
     def n(self) -> int:
         return len(self.ids)
 
-    @cached_property
-    def prefix_tokens(self) -> np.ndarray:
-        """Per chunk, the K/V its slices with a prefix concatenate and save for their attention's
-        backward: [0, end) for a slice [start, end), start > 0 (the cached prefix, then its own)."""
-        return np.array([float(sum(b for _, a, b in sp if a > 0)) for sp in self.split_pieces])
-
     def index(self) -> dict[int, int]:
         return {cid: i for i, cid in enumerate(self.ids)}
 

@@ -219,9 +219,9 @@ def _simulate_replica(plan, pipes: list[int], pc: PipelineCost, want_events, row
         table = analyze_chunks(pipe.chunks, pc, where)
         ops = parse_order(pipe.order_per_stage, table, P, where)
         rec = _recompute_matrix(pipe.chunks, P, L_s, where)
-        _, save = pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, False)
+        _, save = pc.chunk_memory(table.tokens, table.cached_tokens, False)
         for p in range(P):
-            full, _ = pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, p == P - 1)
+            full, _ = pc.chunk_memory(table.tokens, table.cached_tokens, p == P - 1)
             # (one linear pass: a stage peaks during an operation, after a forward or while a
             # backward runs, as the recompute ILP's checkpoints have it)
             lv = memory_levels(ops[p], table, full, save, rec[p], pc)

@@ -1,7 +1,9 @@
 """The attention kernels of runtime/kernels (also through UlyssesAttention and runtime/slices.py)
 against dense float64 references, and the backend resolution with stand-ins for flash-attn and Transformer Engine."""
 import contextlib
+import gc
 import types
+import weakref
 
 import pytest
 import torch
@@ -15,6 +17,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 import megatron_ext.runtime.kernels.base as A  # where the optional packages are found and CUDA is asked for
 from megatron_ext.runtime.attention import UlyssesAttention, UlyssesPackedSeqParams
 from megatron_ext.runtime.kernels import SDPA_DENSE_MASK_MAX_ELEMENTS, masked_sdpa, prefix_sdpa, prefixed_attention
+import megatron_ext.runtime.saved as saved
+import megatron_ext.runtime.slices as slices
 from megatron_ext.runtime.slices import PrefixKVCache
 
 
@@ -268,15 +272,17 @@ def _module(backend="auto"):
                             backend=backend)
 
 
-# Sequence "A" (40 tokens) runs as two slices; the others whole. Chunk 1: A[0:15], B. Chunk 2: C,
-# A[15:40], D and 4 padding tokens.
+# Sequence "A" (40 tokens) runs as three slices; the others whole. Chunk 1: A[0:15], B. Chunk 2: C,
+# A[15:28], D and padding. Chunk 3: A[28:40] (its prefix: two cached slices) and padding.
 _SEQS = {"A": 40, "B": 9, "C": 6, "D": 5}
 _CHUNKS = [dict(pieces=[("A", 0, 15), ("B", 0, 9)], continues=[True, False]),
-           dict(pieces=[("C", 0, 6), ("A", 15, 40), ("D", 0, 5)], continues=[False, False, False])]
+           dict(pieces=[("C", 0, 6), ("A", 15, 28), ("D", 0, 5)], continues=[False, True, False]),
+           dict(pieces=[("A", 28, 40)], continues=[False])]
 
 
-def _run_chunks(module, seed=0):
-    """Forward of both chunks, backward last first; per chunk: (q, k, v leaves, output, output grad)."""
+def _run_chunks(module, seed=0, after_forwards=None):
+    """Forward of the chunks, backward last first; per chunk: (q, k, v leaves, output, output grad).
+    ``after_forwards()`` runs between the forwards and the backwards."""
     g = torch.Generator().manual_seed(seed)
     cache, runs = PrefixKVCache(), []
     for chunk in _CHUNKS:
@@ -290,6 +296,8 @@ def _run_chunks(module, seed=0):
         out = module(q, k, v, None, packed_seq_params=params)
         grad = torch.randn(out.shape, generator=g) * params.loss_mask[:, None, None]  # padding: no loss
         runs.append((q, k, v, out, grad))
+    if after_forwards is not None:
+        after_forwards()
     for q, k, v, out, grad in reversed(runs):
         out.backward(grad)
     return runs
@@ -331,9 +339,33 @@ def test_slices_through_the_module_match_whole_sequences_on_every_backend(instal
     with pytest.warns(UserWarning, match="runs SDPA") if falls_back else contextlib.nullcontext():
         runs = _run_chunks(_module())
     _check_against_whole_sequences(runs)
-    # the unsliced first chunk and the sliced second one: which TE masks ran
-    assert te[2] == {"te": ["padding_causal", "padding_causal_bottom_right"],
+    # the unsliced first chunk and the sliced others: which TE masks ran
+    assert te[2] == {"te": ["padding_causal", "padding_causal_bottom_right", "padding_causal_bottom_right"],
                      "te without bottom-right": ["padding_causal"]}.get(installed, [])
+
+
+@pytest.mark.parametrize("installed", ["nothing", "flash"])
+def test_slices_keep_no_copy_of_their_prefix_for_the_backward(installed, monkeypatch):
+    """What a slice's attention joins (the prefix's cached slices; [prefix; own] for varlen kernels)
+    is gone once its forward is done: autograd keeps the parts and joins them again in the
+    backward, which still matches whole sequences."""
+    _install(monkeypatch, flash=_fake_flash() if installed == "flash" else None, te=None, on_gpu=installed == "flash")
+    joined = []
+
+    def recording(parts):
+        out = saved.concatenate(parts)
+        if len(parts) > 1:
+            joined.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(slices, "concatenate", recording)
+    monkeypatch.setattr(A, "concatenate", recording)
+
+    def all_freed():
+        gc.collect()
+        assert joined and all(r() is None for r in joined)
+
+    _check_against_whole_sequences(_run_chunks(_module(), after_forwards=all_freed))
 
 
 def test_auto_with_te_and_without_flash_picks_what_runs(monkeypatch):

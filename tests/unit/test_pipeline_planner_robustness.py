@@ -56,10 +56,10 @@ def test_sequence_peak_is_the_simulators_peak_of_a_sequence_alone():
             forward = list(range(table.n))
             ops = one_f_one_b(forward, backward_order(forward, table), pp)
             rec = np.full(table.n, pc.layers_per_stage)
-            _, save = pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, False)
+            _, save = pc.chunk_memory(table.tokens, table.cached_tokens, False)
             sim = 0.0
             for p in range(pp):  # (the simulator's measure: memory during each operation)
-                full, _ = pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, p == pp - 1)
+                full, _ = pc.chunk_memory(table.tokens, table.cached_tokens, p == pp - 1)
                 sim = max(sim, memory_levels(ops[p], table, full, save, rec, pc)[1].max())
             assert sequence_peak_mb(pc, bounds) == pytest.approx(sim, rel=1e-9)
 

@@ -247,7 +247,7 @@ def test_greedy_orders_are_valid_and_list_schedule_reproduces_them(lengths, k, l
     fwd, bwd, _, p2p = op_times(table, pc, np.zeros((P, n)))
     forward = list(range(n))
     backward = backward_order(forward, table)
-    full = [pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, p == P - 1)[0] for p in range(P)]
+    full = [pc.chunk_memory(table.tokens, table.cached_tokens, p == P - 1)[0] for p in range(P)]
     room = None if room_gb is None else room_gb * 1024.0
     ops, makespan, holds = greedy_orders(forward, backward, table, fwd, bwd, p2p, P, full if room else None, room)
     for o in ops:  # every F and B once per stage, F before B, forwards and backwards in their orders
@@ -292,7 +292,7 @@ def test_cached_kv_of_a_slice_lives_until_its_sequence_s_first_slice_runs_backwa
     pc = PipelineCost(COST, 4, 8)
     table = analyze_chunks([Chunk(i, [Piece(0, 100 * i, 100 * i + 100)]) for i in range(3)], pc)
     assert table.cached_tokens.tolist() == [100, 100, 0]  # the last slice's K/V is not cached
-    full, save = pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, False)
+    full, save = pc.chunk_memory(table.tokens, table.cached_tokens, False)
     ops = [(FWD, 0), (FWD, 1), (FWD, 2), (BWD, 2), (BWD, 1), (BWD, 0)]
     zero = np.zeros(3)
     before, during, after = memory_levels(ops, table, full, save, zero, pc)

@@ -92,8 +92,8 @@ class BuiltPipeline:
 
 def _checkpoints(table: ChunkTable, ops, pc: PipelineCost):
     P = pc.pp
-    full_mid, save = pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, False)
-    full_last, _ = pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, True)
+    full_mid, save = pc.chunk_memory(table.tokens, table.cached_tokens, False)
+    full_last, _ = pc.chunk_memory(table.tokens, table.cached_tokens, True)
     cps = [memory_checkpoints(ops[p], table, full_last if p == P - 1 else full_mid, pc, pc.activation_room_mb)
            for p in range(P)]
     return cps, save
@@ -123,7 +123,7 @@ def build_pipeline(pieces: list[Pieces], pc: PipelineCost, recompute: str = "gre
     P, L_s, n = pc.pp, pc.layers_per_stage, table.n
     if order == "greedy":
         fwd0, bwd0, _, p2p0 = op_times(table, pc, np.zeros((P, n), dtype=np.int64))
-        full = [pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, p == P - 1)[0] for p in range(P)]
+        full = [pc.chunk_memory(table.tokens, table.cached_tokens, p == P - 1)[0] for p in range(P)]
         ops, greedy_ms, held = greedy_orders(forward, backward, table, fwd0, bwd0, p2p0, P, full,
                                              pc.activation_room_mb)
     else:
@@ -174,7 +174,7 @@ def _fits_without_recompute(table: ChunkTable, ops, pc: PipelineCost) -> bool:
     P, room = pc.pp, pc.activation_room_mb * (1 + 1e-9) + 1e-6
     zero = np.zeros(table.n)
     for p in range(P):
-        full, _ = pc.chunk_memory(table.tokens, table.cached_tokens, table.prefix_tokens, p == P - 1)
+        full, _ = pc.chunk_memory(table.tokens, table.cached_tokens, p == P - 1)
         _, during, _ = memory_levels(ops[p], table, full, zero, zero, pc)
         if len(during) and during.max() > room:
             return False

@@ -23,10 +23,10 @@ def sequence_peak_mb(pc: PipelineCost, bounds) -> float:
     (0 = b_0 < b_1 < ... < b_K = s) with every layer recomputed, as sim/engine counts it: all K
     slices are in flight on every stage; during the backward of slice j (start a_j, t_j tokens,
     end b_j) the stage holds the inputs and cached K/V of slices 1..j-1, slice j re-materialized
-    with the K/V of [0, b_j) it saved, the dK/dV of its prefix and the cached K/V of the slices
+    (its prefix K/V: the cache's), the dK/dV of its prefix and the cached K/V of the slices
     already run backward; the logits of slices 1..j. Per layer:
-    a_j (input + 2 kv) + t_j (act + 2 kv) + a_K kv (+ b_j head) for j < K (a_j > 0), and
-    a_K (input + 2 kv) + t_K act + s kv (+ s head) for the last slice. A lower bound of what any
+    a_j (input + kv) + t_j (act + kv) + a_K kv (+ b_j head) for j < K (a_j > 0), and
+    a_K (input + 2 kv) + t_K act (+ s head) for the last slice. A lower bound of what any
     plan cutting the sequence there needs (its other chunks only add)."""
     b = np.asarray(bounds, dtype=np.float64)
     L = pc.layers_per_stage
@@ -36,8 +36,8 @@ def sequence_peak_mb(pc: PipelineCost, bounds) -> float:
         return float(s * (act + head))
     a, t, e = b[:-2], np.diff(b)[:-1], b[1:-1]
     a_last = b[-2]
-    during = a * (inp + kv) + t * (act + kv) + np.where(a > 0, e, 0.0) * kv + a_last * kv + e * head
-    last = a_last * (inp + 2 * kv) + (s - a_last) * act + s * kv + s * head
+    during = a * (inp + kv) + t * (act + kv) + a_last * kv + e * head
+    last = a_last * (inp + 2 * kv) + (s - a_last) * act + s * head
     return float(max(during.max(), last))
 
 

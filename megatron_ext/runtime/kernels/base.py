@@ -14,6 +14,8 @@ from typing import ClassVar, Optional, Sequence
 import torch
 from torch import Tensor
 
+from megatron_ext.runtime.saved import concatenate
+
 # backend name -> its kernel class; filled by the subclasses (AttentionKernel.__init_subclass__)
 KERNELS: dict[str, type["AttentionKernel"]] = {}
 
@@ -182,4 +184,4 @@ def prepend_prefixes(k: Tensor, v: Tensor, bounds: Sequence[int], prefixes: Sequ
         ks.append(own_k)
         vs.append(own_v)
         kv_bounds.append(kv_bounds[-1] + n + (0 if prefix is None else prefix[0].shape[0]))
-    return torch.cat(ks), torch.cat(vs), kv_bounds
+    return concatenate(ks), concatenate(vs), kv_bounds
