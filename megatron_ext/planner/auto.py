@@ -9,12 +9,12 @@ import time
 import numpy as np
 
 from megatron_ext.cost import CostModel
-from megatron_ext.cost.pipeline import FWD_FRACTION, PipelineCost
+from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import ConfigError, InfeasibleError, MegatronExtError
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner.options import PlannerOptions
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
-from megatron_ext.planner.pp.grouping import split_replicas
+from megatron_ext.planner.pp.grouping import pipeline_estimate, split_replicas
 from megatron_ext.planner.pp.pipeline import PipelineOptions, kept_sequences, pipeline_cost, pipeline_options
 from megatron_ext.planner.pp.sequence_limits import fit_cap, longest_sequence
 from megatron_ext.planner.sp.baselines import batchada
@@ -89,49 +89,6 @@ def layout_estimate(lengths: np.ndarray, pc: PipelineCost, min_slice_tokens: int
     parts = split_replicas(np.arange(len(lengths)), lengths, pc, pc.replicas)
     ms, chunks = max(pipeline_estimate(lengths[p], pc, min_slice_tokens) for p in parts if p.size)
     return (ms + pc.step_sync_ms) / 1e3, chunks
-
-
-def pipeline_estimate(lengths: np.ndarray, pc: PipelineCost, min_slice_tokens: int = 1024) -> tuple[float, int]:
-    """Milliseconds of one 1F1B pipeline of n equal chunks running ``lengths``, at the best n:
-    ``W + n b + (P - 1)(W / n + b)`` (W: work per stage, b: fixed cost per chunk), with at least
-    the chunks memory needs: stage 0 holds P chunks in flight, either whole (no recompute) or, with
-    every layer recomputed (W grows by a forward), one whole and the others' inputs and K/V; at most
-    a chunk per sequence or per ``min_slice_tokens`` (sequences are cut into slices: a few
-    sequences on many stages still fill the pipeline). Ramps, list scheduling and partial
-    recompute beat it by up to ~7%. Returns (ms, n)."""
-    W = float(pc.prefix_ms(lengths).sum())
-    tokens = float(lengths.sum())
-    P, b, L_s, room = pc.pp, pc.fixed_ms, pc.layers_per_stage, pc.activation_room_mb
-    whole, kept = pc.act_layer_mb * L_s, (pc.input_layer_mb + pc.kv_layer_mb) * L_s
-    most = max(2, len(lengths), math.ceil(tokens / min_slice_tokens))
-    n = np.arange(1, most + 1, dtype=np.float64)
-    best, chunks = math.inf, int(n[-1])
-    for work, chunk_mb in ((W, P * whole), (W * (1 + FWD_FRACTION), (P - 1) * kept + whole)):
-        fits = n * room >= tokens * chunk_mb  # n chunks of tokens / n each
-        if fits.any():
-            t = np.where(fits, work + n * b + (P - 1) * (work / n + b), math.inf)
-            if t.min() < best:
-                best, chunks = float(t.min()), int(n[t.argmin()])
-    if not math.isfinite(best):  # not even one chunk per sequence fits: no memory bound to offer
-        t = W + n * b + (P - 1) * (W / n + b)
-        best, chunks = float(t.min()), int(n[t.argmin()])
-    # waves: a sequence two of which a stage cannot hold in flight (activations and K/V, nothing
-    # recomputed, over half the room; the last stage's logits too) runs through the stages with
-    # its k slices one after another, each wave with its own fill and drain: (P - 1) slices' time
-    # idle on each stage, plus k fixed costs, at the k that minimizes the two (at most
-    # min_slice_tokens a slice). The idle time grows from none at half the room (the other half
-    # runs other sequences' chunks beside it) to all of it at the whole room: a cliff at half
-    # ranked gpt-7b's 4 x 8 at 48K (its 48K sequences just over half: planned in 0.2 s, 4 slices
-    # each, 29.9 s) 14% behind 8 x 4 (32.1 s)
-    held = (pc.act_layer_mb + pc.kv_layer_mb) * L_s + pc.head_mb
-    wave = lengths[lengths * held > room / 2] if P > 1 else lengths[:0]
-    if wave.size:
-        t = pc.prefix_ms(wave) * np.minimum(1.0, 2 * wave * held / room - 1)
-        k = np.clip(np.sqrt((P - 1) * t / max(b, 1e-9)), 1, np.maximum(1, wave / min_slice_tokens))
-        waves = float(((P - 1) * t / k + k * b).sum())
-        if W + waves > best:
-            best, chunks = W + waves, max(chunks, int(k.sum()))
-    return best, chunks
 
 
 def layout_lower_bound(lengths: np.ndarray, pc: PipelineCost) -> float:
@@ -400,4 +357,4 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
 __all__ = ["AUTO_CHUNK_STAGE_S", "AUTO_DEPTH_PENALTY", "AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_MIN_X", "AUTO_FLEXSP_SHARE",
            "AUTO_PRESSURE_PENALTY", "AUTO_PRUNE_MARGIN", "AUTO_RESERVE", "AUTO_TIE", "AUTO_TIMELINES_SHARE", "forced_slices",
            "head_excess_s", "layout_estimate", "layout_lower_bound", "layout_name", "layout_order_key", "layout_pressure",
-           "pipeline_estimate", "pipeline_layouts", "plan_auto", "plan_units"]
+           "pipeline_layouts", "plan_auto", "plan_units"]

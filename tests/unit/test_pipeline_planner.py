@@ -24,9 +24,9 @@ from megatron_ext.planner.pp.chunking import check_chunking, split_pack
 from megatron_ext.planner.auto import (forced_slices, head_excess_s, layout_estimate, layout_lower_bound, layout_name,
                                       layout_order_key, pipeline_layouts, plan_auto)
 from megatron_ext.planner.pp.sequence_limits import fit_cap, longest_sequence
-from megatron_ext.planner.pp.grouping import group_sequences, split_replicas
+from megatron_ext.planner.pp.grouping import group_sequences, pipeline_estimate, split_replicas
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
-from megatron_ext.planner.pp.pipeline import PipelineOptions
+from megatron_ext.planner.pp.pipeline import PipelineOptions, build_pipeline
 from megatron_ext.planner.api import PIPELINE_KINDS, make_plan
 from megatron_ext.planner.pp.pipeline_baselines import plan_batch_1f1b, plan_seq1f1b
 from megatron_ext.commands.plan import describe_plan
@@ -152,10 +152,31 @@ def test_builds_of_a_few_chunks_price_no_larger_ones(monkeypatch):
         return real(pieces, *a, **k)
 
     monkeypatch.setattr(chunk_search, "build_pipeline", slow_when_small)
-    # (the packs' two builds take 0.1 s, the target's ~0.03 s; priced from the packs at 25 ms a
-    # chunk, its ~150 chunks would end seconds past the deadline, and the probe return the packs)
+    # (the packs' two builds take 0.1 s, the next ones ~0.03 s: the packs cut into the estimate's
+    # chunks, then the targets'; priced from the whole packs at 25 ms a chunk, their ~150 chunks
+    # would end seconds past the deadline, and the probe return the whole packs)
     probe = plan_group(part, lengths, pc, PipelineOptions(), time.perf_counter() + 0.5, probe=True, whole_packs=True)
-    assert max(sizes[:2]) < chunk_search.PRICED_CHUNKS <= len(probe.pieces) and probe.slices > 0
+    assert max(sizes[:2]) < chunk_search.PRICED_CHUNKS <= len(probe.pieces)
+    assert sum(n >= chunk_search.PRICED_CHUNKS for n in sizes[2:]) >= 3  # (packs cut in two orders, a target)
+
+
+def test_a_search_first_cuts_the_packs_into_the_chunks_the_estimate_finds_best(monkeypatch):
+    # gpt-7b on 4 x 8 at 96K (32 A100-40GB): the 1F1B estimate's best chunk count over the packs
+    # is the best k of packs cut into 4-32 within 2%, and the full search builds it first
+    import megatron_ext.planner.pp.chunk_search as chunk_search
+    cost = CostModel.from_presets("gpt-7b", "a100-40g-8x4", 1)
+    pc = PipelineCost(cost, 4, 8)
+    lengths = sample_lengths("github", 512, 0, 96 * 1024)
+    ids = np.arange(len(lengths))
+    packs = best_fit_bins(ids, lengths, 96 * 1024)
+    likeliest = round(pipeline_estimate(lengths, pc)[1] / len(packs))
+    made = {k: build_pipeline([c for p in packs for c in split_pack(p, lengths, pc, k)], pc, "greedy").makespan_ms
+            for k in (4, 8, 12, 16, 24, 32, likeliest)}
+    assert made[likeliest] <= 1.02 * min(made.values())
+    sizes, real = [], chunk_search.build_pipeline
+    monkeypatch.setattr(chunk_search, "build_pipeline", lambda pieces, *a, **k: sizes.append(len(pieces)) or real(pieces, *a, **k))
+    plan_group(ids, lengths, pc, PipelineOptions(), time.perf_counter() + 5.0)
+    assert sizes[0] == likeliest * len(packs) > 96
 
 
 def test_a_search_takes_the_candidates_built_before_from_builds(monkeypatch):
