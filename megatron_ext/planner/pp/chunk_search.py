@@ -46,10 +46,10 @@ class BuildCache:
             self.built[key], self.size = built, self.size + size
 
 
-def _targets(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, capped: bool = False) -> list[float]:
+def _targets(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, chunks: int, capped: bool = False) -> list[float]:
     """Candidate chunk-time targets: the longest sequence's time over K slices, and multiples of
-    it when nothing needs splitting; the likeliest first (closest to W / n, work W over the chunk
-    count n the 1F1B estimate finds best, ``grouping.pipeline_estimate``: sqrt(b W / (P - 1)) of
+    it when nothing needs splitting; the likeliest first (closest to W / n, work W over ``chunks``,
+    the count the 1F1B estimate finds best, ``grouping.pipeline_estimate``: sqrt(b W / (P - 1)) of
     per-chunk fixed cost b and P stages where memory allows, more chunks where it binds -- gpt-7b
     on 4 x 8 at 192K tried K = 28 first without it, 65.1 s at 0.4 s, and K = 48 with it, 60.9 s;
     with one stage, the largest first)."""
@@ -70,7 +70,7 @@ def _targets(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, capped: 
             out.append(t_max * m)
     if pc.pp == 1:  # no warm-up or drain to trade against the per-chunk fixed cost: fewest chunks first
         return sorted(out, reverse=True)
-    guess = total / pipeline_estimate(lens, pc, opts.min_slice_tokens)[1]
+    guess = total / chunks
     out.sort(key=lambda t: abs(math.log(t / guess)))
     return out
 
@@ -206,6 +206,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
         return b
 
     longest = int(lengths[seq_ids].max())
+    likeliest_chunks = pipeline_estimate(lengths[seq_ids], pc, opts.min_slice_tokens)[1]  # (the search's first guesses)
     g = max(1, int(opts.granularity))
     # memory: each sequence's slice cap, the most tokens per slice that let it fit alone (None:
     # it fits unsliced); ``capped`` when no equal-time slicing of the search's lets the longest
@@ -223,7 +224,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     def search(mesh_cap) -> tuple[list[float], list[float]]:
         """The chunk-time targets x token caps; returns (targets, finite caps)."""
         nonlocal best_ch
-        targets = _targets(seq_ids, lengths, pc, opts, capped=mesh_cap is not None)
+        targets = _targets(seq_ids, lengths, pc, opts, likeliest_chunks, capped=mesh_cap is not None)
         caps = _token_caps(seq_ids, lengths, pc)
         if mesh_cap is not None:
             caps = [c for c in caps if c > slice_cap] + [float(slice_cap)]
@@ -261,7 +262,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
         base_cap = pack_capacity(seq_ids, lengths, opts)
         caps = {base_cap} | {-(-int(longest * f) // 1024) * 1024 for f in (1, 1.5, 2)}
         packed: dict[int, list[list[int]]] = {base_cap: best_fit_bins(seq_ids, lengths, base_cap)}
-        likeliest = max(1, round(pipeline_estimate(lengths[seq_ids], pc, opts.min_slice_tokens)[1] / len(packed[base_cap])))
+        likeliest = max(1, round(likeliest_chunks / len(packed[base_cap])))
         first = [(base_cap, likeliest)] if likeliest > 1 else []
         for cap, k in [(base_cap, min(opts.pack_slices))] + first if probe else first + [
                 (c, k) for c in sorted(caps)
