@@ -37,8 +37,13 @@ AUTO_TIE = 0.05  # a layout followed by one whose order key is this close shares
 # its chunks x stages need more than the time left (3e-5 started more layouts than could finish:
 # 9 map cells over 2% behind against 6)
 AUTO_CHUNK_STAGE_S = 8e-5
-# Order of the layouts: the estimate, raised by up to this share where memory presses (``layout_pressure``)
+# Order of the layouts: the estimate, raised by up to this share where memory presses (``layout_pressure``),
+# from none at AUTO_PRESSURE_FROM to all of it at AUTO_PRESSURE_FROM + AUTO_PRESSURE_SPAN. (From 0.7 over 1.0
+# while a slice kept a copy of its prefix's K/V, which pressed layouts paid; with that window anew, 9-23
+# map cells over 2% behind in runs beside 4-22 with this one, the excess over 2% 0.83-1.56 against 0.44-1.25)
 AUTO_PRESSURE_PENALTY = 0.3
+AUTO_PRESSURE_FROM = 1.0
+AUTO_PRESSURE_SPAN = 2.0
 # ... and by this share per doubling of the stages past 8: 16- and 32-stage pipelines were planned at
 # 1.3-1.9x their estimate (gpt-7b on 64 A100-40GB at 48K: 32 x SP 2 at 1.29x, 16 x SP 2 x 2 at 1.3x),
 # where the long sequences' chains of slices cross many stages one slice at a time
@@ -136,10 +141,10 @@ def head_excess_s(lengths: np.ndarray, pc: PipelineCost) -> float:
 def layout_order_key(lengths: np.ndarray, pc: PipelineCost, estimate_s: float) -> float:
     """What the layouts are tried in, likeliest first: the estimate plus the last stage's excess
     (``head_excess_s``), raised by up to ``AUTO_PRESSURE_PENALTY`` as the longest sequence's
-    pressure goes from 0.7 of the room to 1.7x, and by ``AUTO_DEPTH_PENALTY`` per doubling of the
+    pressure goes from ``AUTO_PRESSURE_FROM`` (the whole room) to 3x, and by ``AUTO_DEPTH_PENALTY`` per doubling of the
     stages past 8. (The excess orders the layouts and prunes none: raised estimates lost
     layouts that won to FlexSP's and timelines' plans.)"""
-    lift = min(1.0, max(0.0, layout_pressure(lengths, pc) - 0.7))
+    lift = min(1.0, max(0.0, (layout_pressure(lengths, pc) - AUTO_PRESSURE_FROM) / AUTO_PRESSURE_SPAN))
     return (estimate_s + head_excess_s(lengths, pc)) * (1 + AUTO_PRESSURE_PENALTY * lift) * \
         (1 + AUTO_DEPTH_PENALTY * max(0.0, math.log2(pc.pp / 8)))
 
@@ -355,6 +360,6 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
 
 
 __all__ = ["AUTO_CHUNK_STAGE_S", "AUTO_DEPTH_PENALTY", "AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_MIN_X", "AUTO_FLEXSP_SHARE",
-           "AUTO_PRESSURE_PENALTY", "AUTO_PRUNE_MARGIN", "AUTO_RESERVE", "AUTO_TIE", "AUTO_TIMELINES_SHARE", "forced_slices",
+           "AUTO_PRESSURE_FROM", "AUTO_PRESSURE_PENALTY", "AUTO_PRESSURE_SPAN", "AUTO_PRUNE_MARGIN", "AUTO_RESERVE", "AUTO_TIE", "AUTO_TIMELINES_SHARE", "forced_slices",
            "head_excess_s", "layout_estimate", "layout_lower_bound", "layout_name", "layout_order_key", "layout_pressure",
            "pipeline_layouts", "plan_auto", "plan_units"]
