@@ -214,7 +214,7 @@ def test_bad_option_is_one_line_error():
     (["--planner", "elastic_pp", "--pp", "2", "--sp", "3"], "SP degree 3 is not allowed for tiny on cpu-4"),
     (["--sp", "2"], "--sp applies only to pipeline planners (elastic_pp, batch_1f1b, seq1f1b, auto)"),
     (["--planner", "elastic_pp", "--pp", "2", "--sp", "1"],
-     "--max-seq-len 4096 is over the 3328 tokens a 2-stage pipeline of SP 1 holds even at the finest slicing"),
+     "--max-seq-len 4096 is over the 3431 tokens a 2-stage pipeline of SP 1 holds even at the finest slicing"),
 ])
 def test_bad_pipeline_layout_is_refused_before_launching(argv, match):
     done = subprocess.run([*CLI, "train", "--steps", "1", *argv], capture_output=True, text=True, timeout=60)
