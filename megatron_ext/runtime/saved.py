@@ -73,8 +73,8 @@ def concatenate(parts: Sequence[Tensor]) -> Tensor:
     return out
 
 
-def _pack(t):
-    entry = _registered(t) if isinstance(t, Tensor) else None
+def _pack(t: Tensor):
+    entry = _registered(t)
     kept = [t] if entry is None else [p for p in entry[1] if not p.is_leaf]  # (the cache's leaves: its own count)
     for on_save in _state.counters:
         for x in kept:

@@ -25,7 +25,6 @@ import heapq
 import math
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 
