@@ -171,3 +171,39 @@ def test_rebalancing_moves_work_from_the_slowest_replica_to_the_fastest():
     assert max(after) < 0.8 * before and len(parts[1]) > 4
     for r in plans:  # each replica's plan covers exactly its sequences
         assert sorted({x[0] for b in plans[r] for c in b.pieces for x in c}) == sorted(parts[r].tolist())
+
+
+def test_the_slowest_replica_gets_the_time_left_and_resumes_its_search(monkeypatch):
+    import time
+
+    from megatron_ext.planner.pp import elastic_pp
+
+    calls = []
+    plan_replica = elastic_pp._plan_replica
+
+    def recorded(ids, lengths, pc, opts, start, budget, builds=None):
+        built = plan_replica(ids, lengths, pc, opts, start, budget, builds)
+        if builds is not None:  # (not the rebalancing's)
+            calls.append((tuple(ids.tolist()), budget, builds, sum(b.makespan_ms for b in built), len(builds.built),
+                          start + budget))
+        return built
+
+    monkeypatch.setattr(elastic_pp, "_plan_replica", recorded)
+    rng = np.random.default_rng(5)
+    lengths = np.concatenate([rng.integers(30_000, 90_000, 6), rng.integers(200, 8000, 120)])
+    limit, t0 = 1.0, time.perf_counter()
+    plan = plan_elastic_pp(lengths, COST, 2, 8, time_limit=limit)
+    first, rest = calls[:2], calls[2:]
+    # the first pass: each replica once, in REPLICA_FIRST_PASS of the time before rebalancing
+    assert {c[0] for c in first} == {tuple(p.tolist()) for p in split_replicas(np.arange(len(lengths)), lengths,
+                                                                                 PipelineCost(COST, 2, 8), 2)}
+    assert max(c[5] for c in first) <= t0 + elastic_pp.REPLICA_FIRST_PASS * elastic_pp.REBALANCE_AFTER * limit + 0.01
+    assert rest, "the time left went to no replica"
+    ends = {c[0]: c[3] for c in first}
+    slowest = max(ends, key=ends.get)
+    assert rest[0][0] == slowest and rest[0][1] > first[[c[0] for c in first].index(slowest)][1]
+    # one cache for all: the replica planned again starts from every candidate built before
+    assert all(c[2] is first[0][2] for c in calls) and rest[0][4] >= first[1][4]
+    sync_ms = PipelineCost(COST, 2, 8).step_sync_ms  # (a plan again is kept only where it is faster)
+    assert plan.estimated_step_time_s * 1e3 <= max(ends.values()) + sync_ms + 1e-6
+    validate(plan, lengths, COST)

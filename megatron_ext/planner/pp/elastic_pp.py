@@ -2,8 +2,10 @@
 
 ``plan_elastic_pp(lengths, cost, pp, sp)``; with pp x sp below the GPU count, the sequences are
 first shared out over GPUs / (pp x sp) replicas side by side (grouping.split_replicas), each
-planned as below in a share of the time limit, and the replicas' ends are evened out in the time
-left (``_rebalance``):
+planned as below in an equal share of half the time limit's first ``REBALANCE_AFTER``; the
+slowest replica, which sets the step, is then planned again in the rest of it (resuming its
+searches from the candidates built) while that makes it faster, and the replicas' ends are evened
+out in the time left (``_rebalance``):
 0. Feasibility (planner/pp/sequence_limits.py): each of the longest sequences must fit alone at
    the finest slicing (every layer recomputed); otherwise the error says how long a sequence may
    be and what else to change.
@@ -39,8 +41,7 @@ left (``_rebalance``):
    default, both: the faster simulated plan wins (``ties``).
 5. The plan is validated and simulated; the simulator's step time is the estimate.
 
-Time limit (``time_limit``, the whole step's planning; with replicas, each replica's share of its
-first ``REBALANCE_AFTER``): the groupings' probes come first, then their full searches until 0.7
+Time limit (``time_limit``, the whole step's planning; with replicas, each replica's share): the groupings' probes come first, then their full searches until 0.7
 of it, then the ILP in what is left (if none, the search's greedy recompute stands, noted in the
 status). Past its deadline a search keeps its best candidate and starts no chunking whose build
 would end past it; a pipeline with nothing feasible yet at its deadline goes straight to the
@@ -90,14 +91,14 @@ def _plan_structure(groups: list[np.ndarray], lengths, pc: PipelineCost, opts: P
 
 
 def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOptions, start: float,
-                  budget: float) -> list[BuiltPipeline]:
+                  budget: float, builds: BuildCache | None = None) -> list[BuiltPipeline]:
     """One replica's pipelines (run one after another), planned in ``budget`` seconds from
     ``start``: one pipeline, or the sequences grouped into up to ``max_pipelines``; then the ILP's
     recompute on the winner. Every grouping is probed first (its first candidates), then the
     searches go to the groupings in the order of their probes, the likeliest getting most of the
     time: a short budget still weighs every grouping, rather than spending it all on the first."""
     err = None
-    builds = BuildCache()  # the candidates built, shared by the probes and the full searches
+    builds = BuildCache() if builds is None else builds  # the candidates built, shared by the probes and the full searches
     structures = [[ids]]
     probes: list[tuple[float, list[BuiltPipeline], int]] = []  # (makespan, pipelines, index in structures)
 
@@ -185,6 +186,8 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
 
 
 REBALANCE_AFTER = 0.8  # of the time limit: replicas are planned by then, the rest evens out their ends
+REPLICA_FIRST_PASS = 0.5  # of the time before that: every replica planned in an equal share, the rest to the slowest
+REPLICA_TIE = 0.05  # replicas ending this close to the slowest share the time left with it
 
 
 def _rebalance(parts: list[np.ndarray], plans: dict, lengths, pc: PipelineCost, opts: PipelineOptions,
@@ -240,11 +243,30 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     # with replicas, part of the time is kept to even out their ends (_rebalance)
     first_end = start + opts.time_limit * (REBALANCE_AFTER if pc.replicas > 1 else 1.0)
     plans: dict[int, list[BuiltPipeline]] = {}
+    builds = BuildCache()  # (one for every replica: a replica planned again resumes from its candidates)
+    pass_end = start + (first_end - start) * (REPLICA_FIRST_PASS if pc.replicas > 1 else 1.0)
     for r, part in enumerate(parts):
         if part.size:
             now = time.perf_counter()  # what is left, shared by the replicas still to plan
-            window = max(0.0, first_end - now) / sum(1 for q in parts[r:] if q.size)
-            plans[r] = _plan_replica(part, lengths, pc, opts, now, window)
+            window = max(0.0, pass_end - now) / sum(1 for q in parts[r:] if q.size)
+            plans[r] = _plan_replica(part, lengths, pc, opts, now, window, builds)
+
+    def ends(r: int) -> float:
+        return sum(b.makespan_ms for b in plans[r])
+
+    # the step ends with its slowest replica: it is planned again (its searches resume where they
+    # stopped, from the candidates built) while that makes it faster, in the time left shared with
+    # the replicas that end within REPLICA_TIE of it (the next slowest once it is faster)
+    while plans and pc.replicas > 1:
+        slow = max(plans, key=ends)
+        now = time.perf_counter()
+        if first_end - now <= 4 * sum(b.build_s for b in plans[slow]):
+            break
+        close = sum(1 for r in plans if ends(r) >= (1 - REPLICA_TIE) * ends(slow))
+        again = _plan_replica(parts[slow], lengths, pc, opts, now, (first_end - now) / close, builds)
+        if sum(b.makespan_ms for b in again) >= ends(slow) - 1e-9:
+            break
+        plans[slow] = again
     if pc.replicas > 1:  # (in the time left but what checking and simulating the plan will take: up to
         # twice what building its pipelines took, as the check walks every piece; 16 replicas of 4
         # stages and 32,768 sequences: 0.05 s to build, 0.08 s to check)
@@ -266,4 +288,4 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     return finish_plan("elastic_pp", pipes, lengths, cost, pc, opts, start, status, dropped)
 
 
-__all__ = ["REBALANCE_AFTER", "plan_elastic_pp"]
+__all__ = ["REBALANCE_AFTER", "REPLICA_FIRST_PASS", "REPLICA_TIE", "plan_elastic_pp"]
