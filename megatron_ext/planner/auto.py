@@ -27,6 +27,10 @@ AUTO_FLEXSP_SHARE = 0.45  # of the time limit, kept for FlexSP (planned after th
 # out at 0.97-1.41x their estimate (llama-13b on 32 A800s, ZeRO 1 and 3, 512 sequences of up to 48K / 96K)
 AUTO_PRUNE_MARGIN = 0.95
 AUTO_FLEXSP_FLOOR = 0.15  # FlexSP's share instead where its lower bound loses to the likeliest layout's order key
+# FlexSP's likely step, for its share: its lower bound plus this share of the way to BatchAda's plan
+# (FlexSP's plans over the map's 180 cells came 0.04-1.00 of the way, 0.13 or more in the 42 it won;
+# with 0.1 none of those lost its share, and 10 cells more that a layout won gave their layouts the time)
+AUTO_FLEXSP_GAP = 0.1
 AUTO_RESERVE = 0.03  # of the time limit, left for the last planner's plan check and the choice
 AUTO_FLEXSP_MIN_X = 2.0  # FlexSP's time is at least this x what BatchAda's plan took (``plan_auto``)
 AUTO_TIMELINES_SHARE = 0.2  # of the time limit, at most, for timelines (ZeRO 0/1/2; it takes far less)
@@ -175,8 +179,9 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     while FlexSP or another layout can run. FlexSP goes last, in all the time left but
     ``AUTO_RESERVE`` of the limit (for its plan's check; without FlexSP the layouts leave it, for
     the last one's), unless its lower bound (``CostModel.lower_bound_ms``) is no faster than a
-    layout's plan; where that bound is no faster than the likeliest layout's order key,
-    FlexSP's share is ``AUTO_FLEXSP_FLOOR`` (the layouts get the rest), until that bound beats
+    layout's plan; where its likely step (that bound plus ``AUTO_FLEXSP_GAP`` of the way to
+    BatchAda's) is no faster than the likeliest layout's order key, FlexSP's share is
+    ``AUTO_FLEXSP_FLOOR`` (the layouts get the rest), until that bound beats
     every plan so far by ``AUTO_PRUNE_MARGIN``. A layout's chunks are at least the slices memory
     forces on its sequences (``forced_slices``)."""
     start = time.perf_counter()
@@ -228,11 +233,13 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
             pass
     # (no BatchAda plan: no FlexSP plan either, so its share goes to the layouts)
     # FlexSP's lower bound (the micro-batches memory forces, each paying its fixed cost, and the
-    # longest sequence at its fastest degree): where it is no faster than the likeliest layout's
-    # order key, FlexSP keeps only AUTO_FLEXSP_FLOOR of the limit (all that is left if no layout
-    # beats its bound), and is not planned at all once a layout's plan does. (The key, not the
-    # estimate: at ZeRO-3, 192K, FlexSP's bound fell between gpt-13b's 8 x 8 x 2 estimate, 28.3 s,
-    # and its key, 33.5 s; the layout planned 38.1 s, FlexSP 35.2 s in its floor and 33.7 s in its share)
+    # longest sequence at its fastest degree): FlexSP is not planned at all once a layout's plan
+    # beats it. Where its likely step (the bound plus AUTO_FLEXSP_GAP of the way to BatchAda's) is
+    # no faster than the likeliest layout's order key, FlexSP keeps only AUTO_FLEXSP_FLOOR of the
+    # limit (all that is left if no layout beats its bound). (The key, not the estimate, as
+    # layouts plan above their estimates; the likely step, not the bound: gpt-13b on 128
+    # A100-40GB, ZeRO-3, 192K: bound 40.8 s, key of 8 x 8 x 2 41.3 s, which planned 41.2 s in
+    # what FlexSP's share left it, 39.7 s in the whole second; FlexSP 44.0 s)
     flex_lb = 0.0  # (no BatchAda plan: FlexSP runs, to say why it cannot)
     if with_flexsp and math.isfinite(ub):
         flex_lb = flex_cost.lower_bound_ms(lengths[ids]) / 1e3
@@ -270,7 +277,8 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
                                          f"({x[5]:,} chunks x stages), over the {budget:g} s limit"}
         layouts = quick
     layouts.sort(key=lambda x: (x[0], x[2]))  # (order key, name)
-    share = AUTO_FLEXSP_SHARE if not layouts or flex_lb < layouts[0][0] else AUTO_FLEXSP_FLOOR
+    flex_likely = flex_lb + AUTO_FLEXSP_GAP * (ub - flex_lb) if math.isfinite(ub) else flex_lb
+    share = AUTO_FLEXSP_SHARE if not layouts or flex_likely < layouts[0][0] else AUTO_FLEXSP_FLOOR
 
     def layouts_end_at(share: float) -> float:
         # FlexSP's share, or at least AUTO_FLEXSP_MIN_X x what BatchAda took: FlexSP packs, times and
@@ -359,7 +367,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     return plan
 
 
-__all__ = ["AUTO_CHUNK_STAGE_S", "AUTO_DEPTH_PENALTY", "AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_MIN_X", "AUTO_FLEXSP_SHARE",
+__all__ = ["AUTO_CHUNK_STAGE_S", "AUTO_DEPTH_PENALTY", "AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_GAP", "AUTO_FLEXSP_MIN_X", "AUTO_FLEXSP_SHARE",
            "AUTO_PRESSURE_FROM", "AUTO_PRESSURE_PENALTY", "AUTO_PRESSURE_SPAN", "AUTO_PRUNE_MARGIN", "AUTO_RESERVE", "AUTO_TIE", "AUTO_TIMELINES_SHARE", "forced_slices",
            "head_excess_s", "layout_estimate", "layout_lower_bound", "layout_name", "layout_order_key", "layout_pressure",
            "pipeline_layouts", "plan_auto", "plan_units"]

@@ -29,6 +29,8 @@ from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
 from megatron_ext.planner.pp.pipeline import PipelineOptions, build_pipeline
 from megatron_ext.planner.api import PIPELINE_KINDS, make_plan
 from megatron_ext.planner.pp.pipeline_baselines import plan_batch_1f1b, plan_seq1f1b
+from megatron_ext.planner.sp.baselines import batchada
+from megatron_ext.planner.sp.step import plan_sp
 from megatron_ext.commands.plan import describe_plan
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.data.lengths import sample_lengths
@@ -675,20 +677,39 @@ def test_auto_keeps_the_reserve_where_no_flexsp_follows_the_layouts(layout_deadl
     assert max(layout_deadlines) <= start + 1.0 * (1 - auto.AUTO_RESERVE) + 0.01
 
 
-def test_auto_keeps_flexsp_its_share_where_its_bound_beats_the_likeliest_layouts_order_key(layout_deadlines):
-    # gpt-13b on 128 A100-40GB at ZeRO-3, 192K CommonCrawl: FlexSP's lower bound (40.8 s) falls
-    # between the likeliest layout's estimate (39.2 s) and its order key (41.3 s): the layouts end
-    # at 1 - AUTO_FLEXSP_SHARE of the limit, not 1 - AUTO_FLEXSP_FLOOR
+@pytest.mark.parametrize("cluster, ctx, dist, keeps", [
+    # gpt-13b on 32 A800-80GB, 96K GitHub: FlexSP's likely step (68.3 s + a tenth of the way to
+    # BatchAda's 75.6 s) beats the likeliest layout's order key (70.9 s); FlexSP wins, 72.2 s
+    ("a800-80g-8x4", 96, "github", True),
+    # gpt-13b on 128 A100-40GB, 192K CommonCrawl: FlexSP's lower bound (40.8 s) falls between the
+    # likeliest layout's estimate (39.2 s) and its order key (41.3 s), its likely step (41.6 s)
+    # does not; the layout planned 39.7 s in the whole second, 41.2 s in what FlexSP's share left
+    # it, FlexSP 44.0 s
+    ("a100-40g-8x16", 192, "commoncrawl", False),
+])
+def test_auto_keeps_flexsp_its_share_where_its_likely_step_beats_the_likeliest_layouts_order_key(
+        layout_deadlines, cluster, ctx, dist, keeps):
     import megatron_ext.planner.auto as auto
 
-    cost = CostModel.from_presets("gpt-13b", "a100-40g-8x16", 3)
-    lengths = sample_lengths("commoncrawl", 512, 0, 192 * 1024)
-    pc = PipelineCost(cost, 8, 8)
-    est = layout_estimate(lengths, pc)[0]
-    assert est < cost.lower_bound_ms(lengths) / 1e3 < layout_order_key(lengths, pc, est)
+    cost = CostModel.from_presets("gpt-13b", cluster, 3)
+    lengths = sample_lengths(dist, 512, 0, ctx * 1024)
+    lb = cost.lower_bound_ms(lengths) / 1e3
+    ub = plan_sp("batchada", batchada, lengths, cost, PlannerOptions()).estimated_step_time_s
+    likely = lb + auto.AUTO_FLEXSP_GAP * (ub - lb)
+    keys = []
+    for P, d in pipeline_layouts(cost):
+        pc = PipelineCost(cost, P, d)
+        if lengths.max() <= longest_sequence(pc, 128):
+            keys.append(layout_order_key(lengths, pc, layout_estimate(lengths, pc)[0]))
+    assert lb < min(keys) and (likely < min(keys)) == keeps
     start = time.perf_counter()
     plan_auto(lengths, cost, time_limit=1.0)
-    assert layout_deadlines and max(layout_deadlines) <= start + 1.0 * (1 - auto.AUTO_FLEXSP_SHARE) + 0.01
+    assert layout_deadlines
+    share_end = start + 1.0 * (1 - auto.AUTO_FLEXSP_SHARE)
+    if keeps:  # the layouts end at 1 - AUTO_FLEXSP_SHARE of the limit
+        assert max(layout_deadlines) <= share_end + 0.01
+    else:  # ... at 1 - AUTO_FLEXSP_FLOOR
+        assert share_end + 0.1 < max(layout_deadlines) <= start + 1.0 * (1 - auto.AUTO_FLEXSP_FLOOR) + 0.01
 
 
 def test_auto_holds_every_candidate_to_one_memory_budget():
