@@ -367,7 +367,8 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     return plan
 
 
-__all__ = ["AUTO_CHUNK_STAGE_S", "AUTO_DEPTH_PENALTY", "AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_GAP", "AUTO_FLEXSP_MIN_X", "AUTO_FLEXSP_SHARE",
-           "AUTO_PRESSURE_FROM", "AUTO_PRESSURE_PENALTY", "AUTO_PRESSURE_SPAN", "AUTO_PRUNE_MARGIN", "AUTO_RESERVE", "AUTO_TIE", "AUTO_TIMELINES_SHARE", "forced_slices",
-           "head_excess_s", "layout_estimate", "layout_lower_bound", "layout_name", "layout_order_key", "layout_pressure",
+__all__ = ["AUTO_CHUNK_STAGE_S", "AUTO_DEPTH_PENALTY", "AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_GAP", "AUTO_FLEXSP_MIN_X",
+           "AUTO_FLEXSP_SHARE", "AUTO_PRESSURE_FROM", "AUTO_PRESSURE_PENALTY", "AUTO_PRESSURE_SPAN",
+           "AUTO_PRUNE_MARGIN", "AUTO_RESERVE", "AUTO_TIE", "AUTO_TIMELINES_SHARE", "forced_slices", "head_excess_s",
+           "layout_estimate", "layout_lower_bound", "layout_name", "layout_order_key", "layout_pressure",
            "pipeline_layouts", "plan_auto", "plan_units"]

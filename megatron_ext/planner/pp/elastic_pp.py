@@ -41,9 +41,9 @@ out in the time left (``_rebalance``):
    default, both: the faster simulated plan wins (``ties``).
 5. The plan is validated and simulated; the simulator's step time is the estimate.
 
-Time limit (``time_limit``, the whole step's planning; with replicas, each replica's share): the groupings' probes come first, then their full searches until 0.7
-of it, then the ILP in what is left (if none, the search's greedy recompute stands, noted in the
-status). Past its deadline a search keeps its best candidate and starts no chunking whose build
+Time limit (``time_limit``, the whole step's planning; with replicas, each replica's share):
+the groupings' probes come first, then their full searches until 0.7 of it, then the ILP in
+what is left (if none, the search's greedy recompute stands, noted in the status). Past its deadline a search keeps its best candidate and starts no chunking whose build
 would end past it; a pipeline with nothing feasible yet at its deadline goes straight to the
 safest chunkings (whole sequences where the longest fits whole; the capped slices, then finer;
 past MAX_CHUNKS, the longest sequence's fewest fitting slices) and keeps trying until something
@@ -77,6 +77,11 @@ def _chunking_note(b: BuiltPipeline) -> str:
     return note + (f", {b.ramp}" if b.ramp else "") + f", {b.order} order"
 
 
+def _makespan(built: list[BuiltPipeline]) -> float:
+    """ms a replica's pipelines run, one after another."""
+    return sum(b.makespan_ms for b in built)
+
+
 def _plan_structure(groups: list[np.ndarray], lengths, pc: PipelineCost, opts: PipelineOptions, start: float,
                     end: float, probe: bool, builds: BuildCache, give_up: float | None = None) -> list[BuiltPipeline]:
     """The pipelines of one grouping, searched one after another, each until its share of
@@ -98,7 +103,7 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
     searches go to the groupings in the order of their probes, the likeliest getting most of the
     time: a short budget still weighs every grouping, rather than spending it all on the first."""
     err = None
-    builds = BuildCache() if builds is None else builds  # the candidates built, shared by the probes and the full searches
+    builds = BuildCache() if builds is None else builds  # the candidates built: the probes', the searches'
     structures = [[ids]]
     probes: list[tuple[float, list[BuiltPipeline], int]] = []  # (makespan, pipelines, index in structures)
 
@@ -115,7 +120,7 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
         try:
             built = _plan_structure(structures[i], lengths, pc, opts, start, start + 0.3 * budget, True, builds,
                                     give_up())
-            probes.append((sum(b.makespan_ms for b in built), built, i))
+            probes.append((_makespan(built), built, i))
         except InfeasibleError as e:
             err = err or e
 
@@ -150,7 +155,7 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
         try:
             built = _plan_structure(structures[i], lengths, pc, opts, now, start + until * budget, False, builds,
                                     give_up())
-            candidates.append((sum(b.makespan_ms for b in built), built))
+            candidates.append((_makespan(built), built))
         except InfeasibleError:
             pass
     candidates.sort(key=lambda c: c[0])
@@ -197,7 +202,7 @@ def _rebalance(parts: list[np.ndarray], plans: dict, lengths, pc: PipelineCost, 
     longest) worth about half the gap from the slowest replica to the fastest, replan both, and
     keep the move if the slower of the two now ends earlier; a few rounds, in the time left."""
     def end(r: int) -> float:
-        return sum(b.makespan_ms for b in plans[r]) if r in plans else 0.0
+        return _makespan(plans[r]) if r in plans else 0.0
 
     for _ in range(rounds):
         ends = {r: end(r) for r in range(len(parts))}
@@ -223,7 +228,7 @@ def _rebalance(parts: list[np.ndarray], plans: dict, lengths, pc: PipelineCost, 
             b = _plan_replica(new_fast, lengths, pc, opts, time.perf_counter(), window)
         except InfeasibleError:
             return
-        if max(sum(x.makespan_ms for x in a), sum(x.makespan_ms for x in b)) >= ends[slow] - 1e-9:
+        if max(_makespan(a), _makespan(b)) >= ends[slow] - 1e-9:
             return
         parts[slow], parts[fast], plans[slow], plans[fast] = new_slow, new_fast, a, b
 
@@ -251,20 +256,17 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
             window = max(0.0, pass_end - now) / sum(1 for q in parts[r:] if q.size)
             plans[r] = _plan_replica(part, lengths, pc, opts, now, window, builds)
 
-    def ends(r: int) -> float:
-        return sum(b.makespan_ms for b in plans[r])
-
     # the step ends with its slowest replica: it is planned again (its searches resume where they
     # stopped, from the candidates built) while that makes it faster, in the time left shared with
     # the replicas that end within REPLICA_TIE of it (the next slowest once it is faster)
     while plans and pc.replicas > 1:
-        slow = max(plans, key=ends)
+        slow = max(plans, key=lambda r: _makespan(plans[r]))
         now = time.perf_counter()
         if first_end - now <= 4 * sum(b.build_s for b in plans[slow]):
             break
-        close = sum(1 for r in plans if ends(r) >= (1 - REPLICA_TIE) * ends(slow))
+        close = sum(1 for r in plans if _makespan(plans[r]) >= (1 - REPLICA_TIE) * _makespan(plans[slow]))
         again = _plan_replica(parts[slow], lengths, pc, opts, now, (first_end - now) / close, builds)
-        if sum(b.makespan_ms for b in again) >= ends(slow) - 1e-9:
+        if _makespan(again) >= _makespan(plans[slow]) - 1e-9:
             break
         plans[slow] = again
     if pc.replicas > 1:  # (in the time left but what checking and simulating the plan will take: up to
