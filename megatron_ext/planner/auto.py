@@ -26,7 +26,7 @@ AUTO_FLEXSP_SHARE = 0.45  # of the time limit, kept for FlexSP (planned after th
 # A layout is skipped if this x its estimate is no faster than a known step: planned layouts came
 # out at 0.97-1.41x their estimate (llama-13b on 32 A800s, ZeRO 1 and 3, 512 sequences of up to 48K / 96K)
 AUTO_PRUNE_MARGIN = 0.95
-AUTO_FLEXSP_FLOOR = 0.15  # FlexSP's share instead where its lower bound loses to the likeliest layout's order key
+AUTO_FLEXSP_FLOOR = 0.15  # FlexSP's share instead where its likely step loses to the likeliest layout's order key
 # FlexSP's likely step, for its share: its lower bound plus this share of the way to BatchAda's plan
 # (FlexSP's plans over the map's 180 cells came 0.04-1.00 of the way, 0.13 or more in the 42 it won;
 # with 0.1 none of those lost its share, and 10 cells more that a layout won gave their layouts the time)
@@ -145,9 +145,10 @@ def head_excess_s(lengths: np.ndarray, pc: PipelineCost) -> float:
 def layout_order_key(lengths: np.ndarray, pc: PipelineCost, estimate_s: float) -> float:
     """What the layouts are tried in, likeliest first: the estimate plus the last stage's excess
     (``head_excess_s``), raised by up to ``AUTO_PRESSURE_PENALTY`` as the longest sequence's
-    pressure goes from ``AUTO_PRESSURE_FROM`` (the whole room) to 3x, and by ``AUTO_DEPTH_PENALTY`` per doubling of the
-    stages past 8. (The excess orders the layouts and prunes none: raised estimates lost
-    layouts that won to FlexSP's and timelines' plans.)"""
+    pressure goes from ``AUTO_PRESSURE_FROM`` (the whole room) to ``AUTO_PRESSURE_FROM +
+    AUTO_PRESSURE_SPAN``, and by ``AUTO_DEPTH_PENALTY`` per doubling of the stages past 8. (The
+    excess orders the layouts and prunes none: raised estimates lost layouts that won to
+    FlexSP's and timelines' plans.)"""
     lift = min(1.0, max(0.0, (layout_pressure(lengths, pc) - AUTO_PRESSURE_FROM) / AUTO_PRESSURE_SPAN))
     return (estimate_s + head_excess_s(lengths, pc)) * (1 + AUTO_PRESSURE_PENALTY * lift) * \
         (1 + AUTO_DEPTH_PENALTY * max(0.0, math.log2(pc.pp / 8)))

@@ -46,7 +46,8 @@ class BuildCache:
             self.built[key], self.size = built, self.size + size
 
 
-def _targets(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, chunks: int, capped: bool = False) -> list[float]:
+def _targets(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, chunks: int,
+             capped: bool = False) -> list[float]:
     """Candidate chunk-time targets: the longest sequence's time over K slices, and multiples of
     it when nothing needs splitting; the likeliest first (closest to W / n, work W over ``chunks``,
     the count the 1F1B estimate finds best, ``grouping.pipeline_estimate``: sqrt(b W / (P - 1)) of
