@@ -17,6 +17,10 @@ class InfeasibleError(MegatronExtError):
     """No plan can hold the batch (e.g. a sequence over memory even at the largest degree)."""
 
 
+class OutOfTimeError(MegatronExtError):
+    """A planner told to keep to its time limit (another plan stands) cannot finish within it."""
+
+
 class InvalidPlanError(MegatronExtError):
     """A StepPlan breaks an invariant (coverage, group alignment, memory)."""
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
-from megatron_ext.errors import ConfigError, InfeasibleError, MegatronExtError
+from megatron_ext.errors import ConfigError, InfeasibleError, MegatronExtError, OutOfTimeError
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner.options import PlannerOptions
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
@@ -330,8 +330,11 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         limit = max(0.05, min(left / 2 if tied else left, left - tail))
         t0 = time.perf_counter()
         try:
-            sub = plan_elastic_pp(lengths, cost, P, d, dataclasses.replace(opts, time_limit=limit), seq_ids=ids)
+            sub = plan_elastic_pp(lengths, cost, P, d, dataclasses.replace(opts, time_limit=limit), seq_ids=ids,
+                                  keep_to_limit=bool(plans))
             record(name, sub, t0)
+        except OutOfTimeError as e:
+            alts[name] = {"skipped": f"time limit reached ({e})"}
         except MegatronExtError as e:
             alts[name] = {"error": str(e)}
         took.append(time.perf_counter() - t0)

@@ -122,24 +122,27 @@ def test_elastic_searches_the_packed_baselines_chunkings_where_memory_binds():
         assert plan.estimated_step_time_s <= baseline(lengths, cost, 4, 8).estimated_step_time_s, baseline.__name__
 
 
-def test_a_probe_of_one_pipeline_weighs_whole_packs_first_however_short_its_time():
-    # the same memory-bound batch: a probe of one pipeline builds the context-length packs whole
-    # first, even with its deadline gone (a short search must still weigh them); a probe of a
-    # grouping's pipeline measures the chunk-time targets only
+def test_a_probe_of_one_pipeline_weighs_whole_packs_however_short_its_time():
+    # the same memory-bound batch: a probe of one pipeline builds the context-length packs cut into
+    # the estimate's chunks and whole, in both orders as memory binds, even with its deadline gone
+    # (a short search must still weigh them: whole in 1F1B order, 178 s; cut in 4, 182 s; greedy
+    # order, 265-272 s); a probe of a grouping's pipeline measures the chunk-time targets only
     cost = CostModel.from_presets("gpt-30b", "a100-40g-8x4", 3)
     lengths = sample_lengths("commoncrawl", 512, 0, 49152)
     pc, ids = PipelineCost(cost, 4, 8), np.arange(512)
     whole = plan_group(ids, lengths, pc, PipelineOptions(), time.perf_counter(), probe=True, whole_packs=True)
-    assert whole.slices == -1 and len(whole.pieces) == len(best_fit_bins(ids, lengths, 49152))
+    assert whole.slices == -1 and whole.order == "1f1b"
+    assert len(whole.pieces) == len(best_fit_bins(ids, lengths, 49152))
     targets = plan_group(ids, lengths, pc, PipelineOptions(), time.perf_counter(), probe=True)
     assert targets.slices > 0
 
 
 def test_builds_of_a_few_chunks_price_no_larger_ones(monkeypatch):
-    # a probe of one pipeline builds its whole packs (a few chunks), then the first target's
-    # chunking: whole packs' fixed cost, scaled by chunks, overpriced it past a deadline it would
-    # make. A replica of gpt-13b on 8 x 8 x 4 (256 A100-40GB) holding the most 192K sequences;
-    # its builds of under PRICED_CHUNKS made slow here (0.05 s each), its target is built all the same
+    # a probe of one pipeline builds its packs cut into the estimate's chunks, its whole packs (a
+    # few chunks), then the targets' chunkings: whole packs' fixed cost, scaled by chunks,
+    # overpriced those past a deadline they would make. A replica of gpt-13b on 8 x 8 x 4 (256
+    # A100-40GB) holding the most 192K sequences; its builds of under PRICED_CHUNKS made slow here
+    # (0.05 s each), its targets are built all the same
     import megatron_ext.planner.pp.chunk_search as chunk_search
     cost = CostModel.from_presets("gpt-13b", "a100-40g-8x32", 1)
     lengths = sample_lengths("github", 512, 0, 196608)
@@ -154,12 +157,12 @@ def test_builds_of_a_few_chunks_price_no_larger_ones(monkeypatch):
         return real(pieces, *a, **k)
 
     monkeypatch.setattr(chunk_search, "build_pipeline", slow_when_small)
-    # (the packs' two builds take 0.1 s, the next ones ~0.03 s: the packs cut into the estimate's
-    # chunks, then the targets'; priced from the whole packs at 25 ms a chunk, their ~150 chunks
-    # would end seconds past the deadline, and the probe return the whole packs)
-    probe = plan_group(part, lengths, pc, PipelineOptions(), time.perf_counter() + 0.5, probe=True, whole_packs=True)
-    assert max(sizes[:2]) < chunk_search.PRICED_CHUNKS <= len(probe.pieces)
-    assert sum(n >= chunk_search.PRICED_CHUNKS for n in sizes[2:]) >= 3  # (packs cut in two orders, a target)
+    # (the packs' two builds take 0.1 s, the others ~0.03 s; priced from the whole packs at 25 ms a
+    # chunk, the targets' ~150 chunks would end seconds past the deadline, and be skipped)
+    plan_group(part, lengths, pc, PipelineOptions(), time.perf_counter() + 0.5, probe=True, whole_packs=True)
+    small = [i for i, n in enumerate(sizes) if n < chunk_search.PRICED_CHUNKS]
+    assert sizes[0] >= chunk_search.PRICED_CHUNKS and len(small) == 2  # (the estimate's cut first; whole packs)
+    assert sum(n >= chunk_search.PRICED_CHUNKS for n in sizes[max(small) + 1:]) >= 3  # (targets, after them)
 
 
 def test_a_search_first_cuts_the_packs_into_the_chunks_the_estimate_finds_best(monkeypatch):
@@ -179,6 +182,22 @@ def test_a_search_first_cuts_the_packs_into_the_chunks_the_estimate_finds_best(m
     monkeypatch.setattr(chunk_search, "build_pipeline", lambda pieces, *a, **k: sizes.append(len(pieces)) or real(pieces, *a, **k))
     plan_group(ids, lengths, pc, PipelineOptions(), time.perf_counter() + 5.0)
     assert sizes[0] == likeliest * len(packs) > 96
+
+
+def test_a_probe_out_of_time_keeps_the_packs_cut_into_the_estimates_chunks_not_whole_packs():
+    # a replica of gpt-13b on 4 x 4 x 16 (256 A800s, 48K, ZeRO-1), planned with its share of a
+    # layout's 0.13 s: past its deadline at once, its probe builds one chunking; whole packs first,
+    # some replicas ran twice as long (15.0 s against 7.6 s) and so the whole step
+    cost = CostModel.from_presets("gpt-13b", "a800-80g-8x32", 1)
+    lengths = sample_lengths("commoncrawl", 512, 0, 48 * 1024)
+    pc = PipelineCost(cost, 4, 4)
+    part = split_replicas(np.arange(512), lengths, pc, pc.replicas)[0]
+    packs = best_fit_bins(part, lengths, 48 * 1024)
+    likeliest = round(pipeline_estimate(lengths[part], pc)[1] / len(packs))
+    whole = build_pipeline([c for p in packs for c in split_pack(p, lengths, pc, 1)], pc, "greedy", order="greedy")
+    probe = plan_group(part, lengths, pc, PipelineOptions(), time.perf_counter(), probe=True, whole_packs=True)
+    assert likeliest > 1 and probe.slices == -likeliest
+    assert probe.makespan_ms < 0.7 * whole.makespan_ms
 
 
 def test_a_search_takes_the_candidates_built_before_from_builds(monkeypatch):
@@ -646,6 +665,28 @@ def test_auto_does_not_start_a_layout_it_cannot_build_within_the_limit():
     deep = plan.baselines["elastic_pp pp32 x sp1"]
     assert "to build one candidate" in deep["skipped"] and "over the 0.5 s limit" in deep["skipped"]
     assert "elastic_pp pp32 x sp1" not in plan.solver_status.split(";")[0].split("(")[0]
+
+
+def test_auto_keeps_a_layout_to_its_limit_once_a_plan_stands_and_skips_it_past_that(monkeypatch):
+    # ZeRO-3 (no timelines plan first): the first layout planned runs however long it takes, the
+    # later ones are kept to their limits (elastic_pp raises OutOfTimeError rather than run on)
+    import megatron_ext.planner.auto as auto
+    from megatron_ext.errors import OutOfTimeError
+
+    kept = []
+
+    def second_runs_out(lengths, cost, P, d, opts, **k):
+        kept.append(k["keep_to_limit"])
+        if len(kept) == 2:
+            raise OutOfTimeError("7 replicas left to plan")
+        return plan_elastic_pp(lengths, cost, P, d, opts, **k)
+
+    monkeypatch.setattr(auto, "plan_elastic_pp", second_runs_out)
+    cost = CostModel.from_presets("llama-13b", "a800-80g-8x4", 3)
+    plan = plan_auto(sample_lengths("github", 256, 0, 48 * 1024), cost, flexsp=False, time_limit=1.0)
+    assert len(kept) >= 2 and kept[0] is False and all(kept[1:])
+    skipped = [v["skipped"] for v in plan.baselines.values() if "7 replicas" in v.get("skipped", "")]
+    assert skipped == ["time limit reached (7 replicas left to plan)"]
 
 
 @pytest.fixture

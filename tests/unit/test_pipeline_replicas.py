@@ -208,3 +208,17 @@ def test_the_slowest_replica_gets_the_time_left_and_resumes_its_search(monkeypat
     sync_ms = PipelineCost(COST, 2, 8).step_sync_ms  # (a plan again is kept only where it is faster)
     assert plan.estimated_step_time_s * 1e3 <= max(ends.values()) + sync_ms + 1e-6
     validate(plan, lengths, COST)
+
+
+def test_kept_to_its_limit_a_layout_of_many_replicas_stops_once_they_cannot_all_be_planned_in_time():
+    from megatron_ext.errors import OutOfTimeError
+
+    cost = CostModel.from_presets("llama-13b", "a800-80g-8x16")  # 128 GPUs: 16 replicas of 2 x SP 4
+    rng = np.random.default_rng(11)
+    lengths = np.concatenate([rng.integers(20_000, 40_000, 16), rng.integers(500, 6000, 200)])
+    # the first replica takes some time, so 15 more cannot fit in a microsecond
+    with pytest.raises(OutOfTimeError, match=r"15 replicas left to plan at [\d.]+ s or more each, past the 1e-06 s"):
+        plan_elastic_pp(lengths, cost, 2, 4, time_limit=1e-6, keep_to_limit=True)
+    plan = plan_elastic_pp(lengths, cost, 2, 4, time_limit=1e-6)  # (not kept to it: a plan, however late)
+    assert {p.replica for p in plan.pipelines} == set(range(16))
+    validate(plan, lengths, cost)

@@ -137,8 +137,9 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
        can pick what Seq1F1B or batch 1F1B would run: a few chunks each, so quick to build, and
        where memory binds whole packs in 1F1B order with recompute may beat every finer chunking
        (gpt-30b on 32 A100-40GB, 48K: 175 s against the targets' 202 s). Not in a probe, unless
-       ``whole_packs``: then the context-length packs whole, first (the first is built whatever the
-       deadline).
+       ``whole_packs``: then the context-length packs cut into the estimate's chunks, then whole,
+       first (the first is built whatever the deadline: a replica given too little time for more
+       keeps the likelier).
     1. The chunk-time target (and so K) and the chunk token cap: Algorithm 1 (chunking.py) at
        each, with the default warm-up/cool-down ramp, ordered by list scheduling (``greedy``);
        with token-capped slices when memory needs them (``sequence_limits.fit_cap``; first, if no equal-time
@@ -173,7 +174,9 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     def hurry() -> bool:  # out of time with nothing feasible yet: straight to the safest chunkings
         return deadline is not None and best is None and time.perf_counter() > deadline
 
-    def consider(pieces, slices, order, ramp=((), ())) -> BuiltPipeline | None:
+    def consider(pieces, slices, order, ramp=((), ()), always: bool = False) -> BuiltPipeline | None:
+        """Build (or take from ``builds``) and score one candidate; unless ``always``, not one whose
+        build would end past the deadline once something fits."""
         nonlocal best
         if len(pieces) > MAX_CHUNKS:
             errors.append(f"{where}: {len(pieces)} chunks, more than the {MAX_CHUNKS} a pipeline may have")
@@ -184,7 +187,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
             # would end past the deadline: building grows about linearly with the chunks (12 to
             # 2,300 chunks: 0.15-0.6 ms each), priced from the largest candidate built so far (PRICED_CHUNKS)
             ends = time.perf_counter() + priced[1] * max(1.0, len(pieces) / priced[0])
-            if best is not None and deadline is not None and ends > deadline:
+            if best is not None and deadline is not None and ends > deadline and not always:
                 return None
             if best is None and give_up is not None and ends > give_up:
                 raise InfeasibleError(f"{where}: nothing fitted before the time ran out (another plan stands)")
@@ -256,8 +259,8 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     def packed_slices() -> None:
         """Step 0: packs of the context length or 1-2x the longest sequence, cut into k
         equal-compute slices (each slice holds at most one continued piece, so the tail rule holds);
-        a probe, the context-length packs whole. First, the context-length packs cut into the
-        chunks the 1F1B estimate finds best (``grouping.pipeline_estimate``), over the packs: it
+        a probe, the context-length packs cut as below, then whole. First, the context-length packs
+        cut into the chunks the 1F1B estimate finds best (``grouping.pipeline_estimate``), over the packs: it
         was the best k of packs cut into 4-32 within 1-4% (gpt-7b on 4 x 8 at 96K: 12 estimated,
         38.9 s built, 39.5 s at 8; gpt-13b on 8 x 8 at 192K: 24.8, 39.0 s, 43.4 s at 8)."""
         base_cap = pack_capacity(seq_ids, lengths, opts)
@@ -265,20 +268,23 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
         packed: dict[int, list[list[int]]] = {base_cap: best_fit_bins(seq_ids, lengths, base_cap)}
         likeliest = max(1, round(likeliest_chunks / len(packed[base_cap])))
         first = [(base_cap, likeliest)] if likeliest > 1 else []
-        for cap, k in [(base_cap, min(opts.pack_slices))] + first if probe else first + [
+        for cap, k in first + [(base_cap, min(opts.pack_slices))] if probe else first + [
                 (c, k) for c in sorted(caps)
                 for k in sorted(set(opts.pack_slices) | (set(opts.seq1f1b_slices) if c == base_cap else set()))
                 if (c, k) not in first]:
-            if late() or (hurry() and not probe):  # (a probe's whole packs are built even in a hurry)
+            if not probe and (late() or hurry()):  # (a probe's packs are built even in a hurry: a few chunks)
                 break
             if capped and longest / k > slice_cap:
                 continue  # the longest sequence's slices cannot fit
             if cap not in packed:
                 packed[cap] = best_fit_bins(seq_ids, lengths, cap)
             pieces = [c for p in packed[cap] for c in split_pack(p, lengths, pc, k)]
+            got = None
             for order in (orders if cap == base_cap else orders[:1]):
-                if not late():
-                    consider(pieces, -k, order)  # slices < 0 marks a packed-slice chunking in the status
+                # (a probe, late, builds them all the same: in its first order, and in the other where
+                # memory binds, as in the targets' search)
+                if not late() or (probe and (got is None or got.recompute.any() or got.held)):
+                    got = consider(pieces, -k, order, always=probe)  # slices < 0: a packed-slice chunking
 
     if whole_packs or not probe:  # (a probe measures the targets' chunkings: the grouping hangs on them)
         packed_slices()

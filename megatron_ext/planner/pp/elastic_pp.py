@@ -21,8 +21,8 @@ out in the time left (``_rebalance``):
    and last, ``chunking.ramp_chunks``), ordered, given greedy recompute and simulated; the
    fastest wins. At the winning target the other ramps (and none) and the other order are tried.
    Packed-slice chunkings (packs of the context length or 1-2x the longest sequence, cut into k
-   equal-compute slices) go first in a full search (in a probe of one pipeline, whole packs), so
-   elastic_pp can pick the Seq1F1B or batch 1F1B chunking. When no
+   equal-compute slices) go first in a full search (in a probe of one pipeline, the estimate's
+   cut, then whole packs), so elastic_pp can pick the Seq1F1B or batch 1F1B chunking. When no
    equal-time slicing into slices of at least ``min_slice_tokens`` lets the longest sequence fit
    (or none of those candidates fits), each long sequence's slices are token-capped as much as
    it needs to fit alone (``sequence_limits.fit_cap``, ``chunking.capped_mesh``); if still nothing fits, ever
@@ -63,7 +63,7 @@ import numpy as np
 
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
-from megatron_ext.errors import InfeasibleError
+from megatron_ext.errors import InfeasibleError, OutOfTimeError
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner.pp.chunk_search import BuildCache, plan_group
 from megatron_ext.planner.pp.grouping import group_sequences, split_replicas
@@ -89,7 +89,7 @@ def _plan_structure(groups: list[np.ndarray], lengths, pc: PipelineCost, opts: P
     ``start``..``end`` by its place (``probe``: each its first candidates only; ``builds``: the
     candidates built so far; ``give_up``: where another grouping's plan stands, past it a pipeline
     with nothing feasible yet drops the grouping, ``plan_group``)."""
-    # (one pipeline's probe tries whole packs too: batch 1F1B's chunking, which wins where memory
+    # (one pipeline's probe tries packs too, whole: batch 1F1B's chunking, which wins where memory
     # binds, and which a short search of the groupings would otherwise never weigh)
     return [plan_group(g, lengths, pc, opts, start + (end - start) * (i + 1) / len(groups), f"pipeline {i}",
                        probe, whole_packs=len(groups) == 1, builds=builds, give_up=give_up)
@@ -235,11 +235,16 @@ def _rebalance(parts: list[np.ndarray], plans: dict, lengths, pc: PipelineCost, 
 
 
 def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | None = None,
-                    options: PipelineOptions | None = None, *, seq_ids=None, **overrides) -> StepPlan:
+                    options: PipelineOptions | None = None, *, seq_ids=None, keep_to_limit: bool = False,
+                    **overrides) -> StepPlan:
     """Plan one step with elastic pipelines of ``pp`` stages of SP degree ``sp``; with pp x sp
     below the GPU count, GPUs / (pp x sp) replicas run side by side, each its share of the
     sequences (``grouping.split_replicas``). ``seq_ids``: the sequences to plan (default all);
-    the others are reported as dropped."""
+    the others are reported as dropped. ``keep_to_limit`` (where another plan stands): raise
+    OutOfTimeError once the replicas left, each taking at least what the quickest so far took,
+    would end past the time limit (every replica needs a plan, and a memory-bound one builds
+    several candidates, whatever its share of the time: 16 one-stage replicas at 0.02 s each
+    ran 0.47 s on a 0.09 s limit), rather than run on."""
     start = time.perf_counter()
     opts = pipeline_options(options, overrides)
     lengths, ids = kept_sequences(lengths, seq_ids)
@@ -251,11 +256,16 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     plans: dict[int, list[BuiltPipeline]] = {}
     builds = BuildCache()  # (one for every replica: a replica planned again resumes from its candidates)
     pass_end = start + (first_end - start) * (REPLICA_FIRST_PASS if pc.replicas > 1 else 1.0)
+    took: list[float] = []  # seconds each replica's first plan took
     for r, part in enumerate(parts):
         if part.size:
             now = time.perf_counter()  # what is left, shared by the replicas still to plan
-            window = max(0.0, pass_end - now) / sum(1 for q in parts[r:] if q.size)
-            plans[r] = _plan_replica(part, lengths, pc, opts, now, window, builds)
+            todo = sum(1 for q in parts[r:] if q.size)
+            if keep_to_limit and took and now + todo * min(took) > start + opts.time_limit:
+                raise OutOfTimeError(f"{plural(todo, 'replica')} left to plan at {min(took):.3f} s or more each, "
+                                     f"past the {opts.time_limit:.3g} s limit")
+            plans[r] = _plan_replica(part, lengths, pc, opts, now, max(0.0, pass_end - now) / todo, builds)
+            took.append(time.perf_counter() - now)
 
     # the step ends with its slowest replica: it is planned again (its searches resume where they
     # stopped, from the candidates built) while that makes it faster, in the time left shared with
