@@ -176,8 +176,9 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     with its estimate; before estimating, with its lower bound, ``layout_lower_bound``), and so is
     one left when their time has run out (less of it than 0.05 s, the least a layout planned ran
     past its limit, a quarter of the least one took, or its chunks x stages' build time,
-    ``AUTO_CHUNK_STAGE_S``); one that cannot build a candidate in the whole limit is not started
-    while FlexSP or another layout can run. FlexSP goes last, in all the time left but
+    ``AUTO_CHUNK_STAGE_S``), or, once a plan stands, whose replicas cannot all be planned in its
+    limit (``plan_elastic_pp``'s ``keep_to_limit``); one that cannot build a candidate in the whole
+    limit is not started while FlexSP or another layout can run. FlexSP goes last, in all the time left but
     ``AUTO_RESERVE`` of the limit (for its plan's check; without FlexSP the layouts leave it, for
     the last one's), unless its lower bound (``CostModel.lower_bound_ms``) is no faster than a
     layout's plan; where its likely step (that bound plus ``AUTO_FLEXSP_GAP`` of the way to
