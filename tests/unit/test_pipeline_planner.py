@@ -200,6 +200,35 @@ def test_a_probe_out_of_time_keeps_the_packs_cut_into_the_estimates_chunks_not_w
     assert probe.makespan_ms < 0.7 * whole.makespan_ms
 
 
+def test_a_full_search_tries_the_best_targets_other_ramps_before_finer_token_caps(monkeypatch):
+    # llama-13b on 2 x 8 x 2 (32 A800s, 96K GitHub, ZeRO-3), replica 0: memory binds (recompute),
+    # so finer chunk token caps follow the uncapped targets; the best target's ramps go between
+    # them (planned at 1 s: 71.01 s with ramp 0+3, found in 0.6 s; 71.12 s when they came last)
+    import megatron_ext.planner.pp.chunk_search as chunk_search
+    cost = CostModel.from_presets("llama-13b", "a800-80g-8x4", 3)
+    lengths = sample_lengths("github", 512, 0, 96 * 1024)
+    pc = PipelineCost(cost, 2, 8)
+    part = split_replicas(np.arange(512), lengths, pc, pc.replicas)[0]
+    events, chunks, ramp = [], chunk_search.balanced_chunks, chunk_search.ramp_chunks
+
+    def chunked(ids, lengths, pc, target, cap, *a, **k):
+        events.append(("cap", cap))
+        return chunks(ids, lengths, pc, target, cap, *a, **k)
+
+    def ramped(ch, lengths, pc, slice_ms, front, back, **k):
+        events.append(("ramp", (front, back)))
+        return ramp(ch, lengths, pc, slice_ms, front, back, **k)
+
+    monkeypatch.setattr(chunk_search, "balanced_chunks", chunked)
+    monkeypatch.setattr(chunk_search, "ramp_chunks", ramped)
+    best = plan_group(part, lengths, pc, PipelineOptions(), time.perf_counter() + 5.0)
+    assert best.recompute.any()
+    default = chunk_search._ramps(pc.pp, PipelineOptions())[0]
+    first_ramp = next(i for i, e in enumerate(events) if e[0] == "ramp" and e[1] != default)
+    first_cap = next(i for i, e in enumerate(events) if e[0] == "cap" and math.isfinite(e[1]))
+    assert first_ramp < first_cap
+
+
 def test_a_search_takes_the_candidates_built_before_from_builds(monkeypatch):
     # a grouping's full search starts with its probe's candidates: with the probe's builds it
     # builds only the new ones, and finds what it finds alone; a cache keeps no more than its

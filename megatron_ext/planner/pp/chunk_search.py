@@ -144,7 +144,8 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
        each, with the default warm-up/cool-down ramp, ordered by list scheduling (``greedy``);
        with token-capped slices when memory needs them (``sequence_limits.fit_cap``; first, if no equal-time
        slicing of the longest sequence can fit, else if nothing else fitted).
-    2. At the best target: the other ramps (and none), and the elastic 1F1B order.
+    2. At the best target: the other ramps (and none), after the first token cap's targets (and
+       again for a best target found at a finer cap), and the elastic 1F1B order.
     3. Nothing fits yet: every sequence at its slice cap, then every slice and chunk at half the
        longest sequence's cap, a quarter, ... down to its finest slicing; where that makes more
        than ``MAX_CHUNKS``, the fewest equal-time slices that let the longest sequence fit.
@@ -225,8 +226,24 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     slice_cap = cap_of(longest)
     capped = slice_cap is not None and fewest_slices(longest, pc, opts.granularity, opts.min_slice_tokens) is None
 
+    ramped: list = []  # the chunkings whose other ramps were tried
+
+    def other_ramps() -> None:
+        """Step 2's ramps at the best target so far, once per chunking."""
+        ch = best_ch
+        if ch is None or any(ch is r for r in ramped):
+            return
+        ramped.append(ch)
+        for ramp in ramps[1:]:
+            if late():
+                break
+            consider(ramp_chunks(ch.chunks, lengths, pc, ch.slice_ms, *ramp, token_cap=ch.token_cap), ch.slices,
+                     orders[0], ramp)
+
     def search(mesh_cap) -> tuple[list[float], list[float]]:
-        """The chunk-time targets x token caps; returns (targets, finite caps)."""
+        """The chunk-time targets x token caps; returns (targets, finite caps). After the first
+        cap's targets, the best one's other ramps (a few chunks' change, which finer caps, a
+        last resort where memory binds, rarely beat: they came first in a full search)."""
         nonlocal best_ch
         targets = _targets(seq_ids, lengths, pc, opts, likeliest_chunks, capped=mesh_cap is not None)
         caps = _token_caps(seq_ids, lengths, pc)
@@ -254,6 +271,8 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
                     consider(ch.chunks, ch.slices, orders[1])
                 if best is not before:
                     best_ch = ch
+            if ci == 0 and not probe:
+                other_ramps()
         return targets, finite
 
     def packed_slices() -> None:
@@ -293,11 +312,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     if best is None and slice_cap is not None and not capped and not hurry():
         targets, finite = search(cap_of)  # no equal-time mesh worked: cap the slices
     if best_ch is not None:
-        for ramp in ramps[1:]:
-            if late():
-                break
-            pieces = ramp_chunks(best_ch.chunks, lengths, pc, best_ch.slice_ms, *ramp, token_cap=best_ch.token_cap)
-            consider(pieces, best_ch.slices, orders[0], ramp)
+        other_ramps()
         for order in orders[1:]:
             if late():
                 break

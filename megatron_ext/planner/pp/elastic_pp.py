@@ -19,7 +19,8 @@ out in the time left (``_rebalance``):
    token cap are searched, likeliest first (at most ``search_targets`` per cap); each candidate
    is chunked, given a warm-up/cool-down ramp (a few small chunks of whole short sequences first
    and last, ``chunking.ramp_chunks``), ordered, given greedy recompute and simulated; the
-   fastest wins. At the winning target the other ramps (and none) and the other order are tried.
+   fastest wins. At the winning target the other ramps (and none: after the first token cap's
+   targets, before the finer caps) and the other order are tried.
    Packed-slice chunkings (packs of the context length or 1-2x the longest sequence, cut into k
    equal-compute slices) go first in a full search (in a probe of one pipeline, the estimate's
    cut, then whole packs), so elastic_pp can pick the Seq1F1B or batch 1F1B chunking. When no
