@@ -197,20 +197,27 @@ def ramp_chunks(chunks: list[Pieces], lengths, pc: PipelineCost, cap_ms: float, 
         return chunks
     caps = [f * cap_ms for f in front] + [f * cap_ms for f in back]
     need = sum(caps)
+    # the whole chunks' times, last first, at once (a prefix_ms call per piece was a quarter of a
+    # search's time)
+    ends = [b for i in reversed(whole) for _, _, b in chunks[i]]
+    times = pc.prefix_ms(np.asarray(ends, dtype=np.float64)).tolist()
     take: list[int] = []
-    got = 0.0
+    timed: list[tuple] = []  # (piece, ms) of the chunks taken
+    got, at = 0.0, 0
     for i in reversed(whole):
         if got >= need:
             break
         take.append(i)
-        got += chunk_time(chunks[i], pc)
-    pool = sorted((x for i in take for x in chunks[i]), key=lambda x: (-(x[2] - x[1]), x[0]))
+        for x in chunks[i]:
+            timed.append((x, times[at]))
+            got += times[at]
+            at += 1
+    timed.sort(key=lambda xt: (-(xt[0][2] - xt[0][1]), xt[0][0]))
     bins: list[Pieces] = [[] for _ in caps]
     load = [0.0] * len(caps)
     tok = [0.0] * len(caps)
     extra: list[list] = []  # [pieces, time, tokens]
-    for x in pool:
-        t = float(pc.prefix_ms(x[2]))
+    for x, t in timed:
         s = x[2] - x[1]
         fits = [j for j in range(len(caps)) if load[j] + t <= caps[j] * (1 + 1e-9) and tok[j] + s <= token_cap]
         if fits:
@@ -228,8 +235,8 @@ def ramp_chunks(chunks: list[Pieces], lengths, pc: PipelineCost, cap_ms: float, 
         else:
             extra.append([[x], t, s])
     nf = len(front)
-    head = sorted((b for b in bins[:nf] if b), key=lambda c: chunk_time(c, pc))
-    tail = sorted((b for b in bins[nf:] if b), key=lambda c: -chunk_time(c, pc))
+    head = [bins[j] for j in sorted((j for j in range(nf) if bins[j]), key=lambda j: load[j])]
+    tail = [bins[j] for j in sorted((j for j in range(nf, len(caps)) if bins[j]), key=lambda j: -load[j])]
     taken = set(take)
     middle = [c for i, c in enumerate(chunks) if i not in taken]
     middle += [e[0] for e in sorted(extra, key=lambda e: -e[1])]
