@@ -718,6 +718,40 @@ def test_auto_keeps_a_layout_to_its_limit_once_a_plan_stands_and_skips_it_past_t
     assert skipped == ["time limit reached (7 replicas left to plan)"]
 
 
+@pytest.mark.parametrize("batch, pins, again", [
+    # no FlexSP (a run cut into stages), one layout, done early: planned again in the time left,
+    # from the candidates it built
+    (64, {"pp": 2, "sp": 8, "flexsp": False}, True),
+    # FlexSP runs (its lower bound, 67.8 s, beats the layouts' plans, 71 s and over): the time left is its
+    (512, {}, False),
+])
+def test_auto_plans_its_fastest_layout_again_in_time_no_flexsp_takes(monkeypatch, batch, pins, again):
+    import megatron_ext.planner.auto as auto
+
+    calls = []
+
+    def recorded(lengths, cost, P, d, opts, **k):
+        before = len(k["builds"].built)  # (candidates built before this plan)
+        plan = plan_elastic_pp(lengths, cost, P, d, opts, **k)
+        calls.append(((P, d), k["builds"], before, plan.estimated_step_time_s))
+        return plan
+
+    monkeypatch.setattr(auto, "plan_elastic_pp", recorded)
+    cost = CostModel.from_presets("llama-13b", "a800-80g-8x4", 3)
+    lengths = sample_lengths("github", batch, 0, 96 * 1024)
+    start = time.perf_counter()
+    plan = plan_auto(lengths, cost, time_limit=1.0, **pins)
+    assert time.perf_counter() - start < 1.1
+    layouts = [c[0] for c in calls]
+    assert (len(set(layouts)) < len(layouts)) == again
+    if again:
+        first, last = calls[0], calls[-1]
+        assert layouts == [(2, 8), (2, 8)] and last[1] is first[1] and first[2] == 0 < last[2]
+        assert plan.estimated_step_time_s == min(first[3], last[3])
+    else:
+        assert "estimated_step_time_s" in plan.baselines.get("flexsp", {}) or "auto chose flexsp" in plan.solver_status
+
+
 @pytest.fixture
 def layout_deadlines(monkeypatch):
     """When each layout auto plans must end (perf_counter seconds: its start + its time limit)."""

@@ -237,7 +237,7 @@ def _rebalance(parts: list[np.ndarray], plans: dict, lengths, pc: PipelineCost, 
 
 def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | None = None,
                     options: PipelineOptions | None = None, *, seq_ids=None, keep_to_limit: bool = False,
-                    **overrides) -> StepPlan:
+                    builds: BuildCache | None = None, **overrides) -> StepPlan:
     """Plan one step with elastic pipelines of ``pp`` stages of SP degree ``sp``; with pp x sp
     below the GPU count, GPUs / (pp x sp) replicas run side by side, each its share of the
     sequences (``grouping.split_replicas``). ``seq_ids``: the sequences to plan (default all);
@@ -245,7 +245,8 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     OutOfTimeError once the replicas left, each taking at least what the quickest so far took,
     would end past the time limit (every replica needs a plan, and a memory-bound one builds
     several candidates, whatever its share of the time: 16 one-stage replicas at 0.02 s each
-    ran 0.47 s on a 0.09 s limit), rather than run on."""
+    ran 0.47 s on a 0.09 s limit), rather than run on. ``builds``: the candidates built by an
+    earlier plan of the same batch on the same layout, to resume from (filled in)."""
     start = time.perf_counter()
     opts = pipeline_options(options, overrides)
     lengths, ids = kept_sequences(lengths, seq_ids)
@@ -255,7 +256,8 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     # with replicas, part of the time is kept to even out their ends (_rebalance)
     first_end = start + opts.time_limit * (REBALANCE_AFTER if pc.replicas > 1 else 1.0)
     plans: dict[int, list[BuiltPipeline]] = {}
-    builds = BuildCache()  # (one for every replica: a replica planned again resumes from its candidates)
+    # (one for every replica: a replica planned again resumes from its candidates)
+    builds = BuildCache() if builds is None else builds
     pass_end = start + (first_end - start) * (REPLICA_FIRST_PASS if pc.replicas > 1 else 1.0)
     took: list[float] = []  # seconds each replica's first plan took
     for r, part in enumerate(parts):
