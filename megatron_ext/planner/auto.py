@@ -179,14 +179,14 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     past its limit, a quarter of the least one took, or its chunks x stages' build time,
     ``AUTO_CHUNK_STAGE_S``), or, once a plan stands, whose replicas cannot all be planned in its
     limit (``plan_elastic_pp``'s ``keep_to_limit``); one that cannot build a candidate in the whole
-    limit is not started while FlexSP or another layout can run. FlexSP goes last, in all the time left but
-    ``AUTO_RESERVE`` of the limit (for its plan's check; without FlexSP the layouts leave it, for
-    the last one's), unless its lower bound (``CostModel.lower_bound_ms``) is no faster than a
-    layout's plan (with no FlexSP to plan, the fastest layout is planned again in the time left,
-    from the candidates it built: ``plan_elastic_pp``'s ``builds``); where its likely step (that bound plus ``AUTO_FLEXSP_GAP`` of the way to
-    BatchAda's) is no faster than the likeliest layout's order key, FlexSP's share is
-    ``AUTO_FLEXSP_FLOOR`` (the layouts get the rest), until that bound beats
-    every plan so far by ``AUTO_PRUNE_MARGIN``. A layout's chunks are at least the slices memory
+    limit is not started while FlexSP or another layout can run. FlexSP goes last, in all the time
+    left but ``AUTO_RESERVE`` of the limit (for its plan's check; without FlexSP the layouts leave
+    it, for the last one's), unless its lower bound (``CostModel.lower_bound_ms``) is no faster
+    than a layout's plan (with no FlexSP to plan, the fastest layout is planned again in the time
+    left, from the candidates it built: ``plan_elastic_pp``'s ``builds``); where its likely step
+    (that bound plus ``AUTO_FLEXSP_GAP`` of the way to BatchAda's) is no faster than the likeliest
+    layout's order key, FlexSP's share is ``AUTO_FLEXSP_FLOOR`` (the layouts get the rest), until
+    that bound beats every plan so far by ``AUTO_PRUNE_MARGIN``. A layout's chunks are at least the slices memory
     forces on its sequences (``forced_slices``)."""
     start = time.perf_counter()
     opts = pipeline_options(options, overrides)
