@@ -57,20 +57,28 @@ class ChunkTable:
 
 def analyze_chunks(chunks: list[Chunk], pc: PipelineCost, where: str = "pipeline") -> ChunkTable:
     """Tokens, work and dependencies of a pipeline's chunks, from their pieces alone."""
-    n = len(chunks)
+    return analyze_pieces([[(x.seq_id, x.start, x.end) for x in c.pieces] for c in chunks], pc, where,
+                          [c.id for c in chunks])
+
+
+def analyze_pieces(pieces: list[list[tuple[int, int, int]]], pc: PipelineCost, where: str = "pipeline",
+                   ids: list[int] | None = None) -> ChunkTable:
+    """``analyze_chunks`` of chunks given as their (seq_id, start, end) pieces (ids: their
+    positions unless given), as the planner builds them: no plan objects per candidate."""
+    n = len(pieces)
     tokens = np.zeros(n)
     work = np.zeros(n)
     split = np.zeros(n)
     by_seq: dict[int, list[tuple[int, int, int]]] = {}
-    ids = []
-    for i, c in enumerate(chunks):
-        ids.append(int(c.id))
+    ids = list(range(n)) if ids is None else [int(c) for c in ids]
+    for i, c in enumerate(pieces):
         seen = set()
-        for x in c.pieces:
-            if x.seq_id in seen:
-                raise InvalidPlanError(f"{where}, chunk {c.id}: holds two pieces of sequence {x.seq_id}")
-            seen.add(x.seq_id)
-            by_seq.setdefault(int(x.seq_id), []).append((int(x.start), int(x.end), i))
+        for sid, a, b in c:
+            sid = int(sid)
+            if sid in seen:
+                raise InvalidPlanError(f"{where}, chunk {ids[i]}: holds two pieces of sequence {sid}")
+            seen.add(sid)
+            by_seq.setdefault(sid, []).append((int(a), int(b), i))
     if len(set(ids)) != n:
         raise InvalidPlanError(f"{where}: chunk ids are not unique")
     split_pieces: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
@@ -125,7 +133,7 @@ class _SliceBuffers:
 
     def tokens(self, during: int | None = None) -> int:
         """Held now; ``during``: while that chunk's backward runs (its prefix dK/dV is live)."""
-        if during is None:
+        if during is None or not self.table.split_pieces[during]:
             return self.held
         raised: dict[int, int] = {}  # seq -> its prefix dK/dV while the chunk runs, where that grows
         for sid, a, b in self.table.split_pieces[during]:

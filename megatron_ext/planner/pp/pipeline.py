@@ -26,7 +26,7 @@ from megatron_ext.plan.validate import checked_batch_lengths, validate
 from megatron_ext.planner.options import check_whole_numbers, options_as
 from megatron_ext.planner.pp.checkpointing import greedy_recompute, solve_recompute
 from megatron_ext.planner.pp.chunking import Pieces
-from megatron_ext.sim.engine import (ChunkTable, analyze_chunks, backward_order, checkpoint_memory, greedy_orders,
+from megatron_ext.sim.engine import (ChunkTable, analyze_pieces, backward_order, checkpoint_memory, greedy_orders,
                                      memory_checkpoints, memory_levels, one_f_one_b, op_times, order_names)
 from megatron_ext.sim.simulator import simulate
 
@@ -72,7 +72,6 @@ class PipelineOptions:
 @dataclass
 class BuiltPipeline:
     pieces: list[Pieces]
-    chunks: list[Chunk]
     table: ChunkTable
     ops: list[list[tuple[int, int]]]
     recompute: np.ndarray  # [P, n]
@@ -86,7 +85,8 @@ class BuiltPipeline:
 
     def to_pipeline(self, pc: PipelineCost, replica: int = 0) -> Pipeline:
         # one entry per stage for every chunk, zeros when nothing is recomputed (the StepPlan contract)
-        chunks = [Chunk(c.id, c.pieces, [int(v) for v in self.recompute[:, i]]) for i, c in enumerate(self.chunks)]
+        chunks = [Chunk(i, [Piece(int(s), int(a), int(b)) for s, a, b in c], [int(v) for v in self.recompute[:, i]])
+                  for i, c in enumerate(self.pieces)]
         return Pipeline(pc.pp, pc.sp, chunks, order_names(self.ops, self.table.ids), replica)
 
 
@@ -116,8 +116,7 @@ def build_pipeline(pieces: list[Pieces], pc: PipelineCost, recompute: str = "gre
     if order not in ("1f1b", "greedy"):
         raise ConfigError(f"unknown pipeline order {order!r}; use 1f1b, greedy or best")
     started = time.perf_counter()
-    chunks = [Chunk(i, [Piece(int(s), int(a), int(b)) for s, a, b in c]) for i, c in enumerate(pieces)]
-    table = analyze_chunks(chunks, pc, where)
+    table = analyze_pieces(pieces, pc, where)
     forward = list(range(table.n))
     backward = backward_order(forward, table)
     P, L_s, n = pc.pp, pc.layers_per_stage, table.n
@@ -134,7 +133,7 @@ def build_pipeline(pieces: list[Pieces], pc: PipelineCost, recompute: str = "gre
         status = {"greedy": "greedy recompute", "ilp": "no recompute needed"}.get(recompute, "no recompute")
         if recompute not in ("none", "auto", "greedy", "ilp"):
             raise ConfigError(f"unknown recompute mode {recompute!r}; use ilp, greedy, none, full or auto")
-        return _finish_build(pieces, chunks, table, ops, rec, status, order, held,
+        return _finish_build(pieces, table, ops, rec, status, order, held,
                              greedy_ms if order == "greedy" else None, pc, started)
     cps, save = _checkpoints(table, ops, pc)
     rc = pc.recompute_ms(table.work, table.tokens, 1)
@@ -165,7 +164,7 @@ def build_pipeline(pieces: list[Pieces], pc: PipelineCost, recompute: str = "gre
         rec, status = solve_recompute(cps, save, rc, L_s, room, bpos, tied, time_limit, 0.02, where, name)
     else:
         raise ConfigError(f"unknown recompute mode {recompute!r}; use ilp, greedy, none, full or auto")
-    return _finish_build(pieces, chunks, table, ops, rec, status, order, held,
+    return _finish_build(pieces, table, ops, rec, status, order, held,
                          greedy_ms if order == "greedy" else None, pc, started)
 
 
@@ -181,7 +180,7 @@ def _fits_without_recompute(table: ChunkTable, ops, pc: PipelineCost) -> bool:
     return True
 
 
-def _finish_build(pieces, chunks, table, ops, rec, status, order, held, greedy_ms, pc, started) -> BuiltPipeline:
+def _finish_build(pieces, table, ops, rec, status, order, held, greedy_ms, pc, started) -> BuiltPipeline:
     n = table.n
     if greedy_ms is not None and not rec.any():  # the list scheduler's times are the greedy's own
         makespan = greedy_ms
@@ -190,7 +189,7 @@ def _finish_build(pieces, chunks, table, ops, rec, status, order, held, greedy_m
         _, end = list_schedule(ops, fwd, bwd, p2p, table.fwd_pred, table.bwd_pred,
                                name=lambda kind, k: f"{'FB'[kind]}{table.ids[k]}")
         makespan = float(np.nanmax(end)) if n else 0.0
-    return BuiltPipeline(pieces, chunks, table, ops, rec, makespan, status, order=order, held=held,
+    return BuiltPipeline(pieces, table, ops, rec, makespan, status, order=order, held=held,
                          build_s=time.perf_counter() - started)
 
 
