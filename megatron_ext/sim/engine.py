@@ -86,23 +86,27 @@ def analyze_pieces(pieces: list[list[tuple[int, int, int]]], pc: PipelineCost, w
     starts, lens, owner = [], [], []
     chains = []  # per split sequence, the chunks of its slices in order
     for sid, ps in by_seq.items():
+        if len(ps) == 1:  # (most sequences: whole, in one chunk)
+            a, b, i = ps[0]
+            starts.append(a)
+            lens.append(b - a)
+            owner.append(i)
+            continue
         ps.sort()
-        if len(ps) > 1:
-            chains.append([i for _, _, i in ps])
+        chains.append([i for _, _, i in ps])
         for j, (a, b, i) in enumerate(ps):
             starts.append(a)
             lens.append(b - a)
             owner.append(i)
-            if len(ps) > 1:
-                split[i] += b - a if j < len(ps) - 1 else 0
-                split_pieces[i].append((sid, a, b))
-                seq_end[sid] = ps[-1][1]
+            split[i] += b - a if j < len(ps) - 1 else 0
+            split_pieces[i].append((sid, a, b))
+            seq_end[sid] = ps[-1][1]
             if j and ps[j - 1][2] == i:
                 raise InvalidPlanError(f"{where}, chunk {ids[i]}: holds two pieces of sequence {sid}")
     if owner:
-        w = pc.piece_work(np.asarray(lens), np.asarray(starts))
-        np.add.at(work, np.asarray(owner), w)
-        np.add.at(tokens, np.asarray(owner), np.asarray(lens, dtype=np.float64))
+        own = np.asarray(owner)
+        work = np.bincount(own, weights=pc.piece_work(np.asarray(lens), np.asarray(starts)), minlength=n)
+        tokens = np.bincount(own, weights=np.asarray(lens, dtype=np.float64), minlength=n)
     fwd_pred, bwd_pred = slice_predecessors(n, chains)
     return ChunkTable(ids, tokens, work, split, fwd_pred, bwd_pred, split_pieces, seq_end)
 

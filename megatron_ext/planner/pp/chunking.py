@@ -191,8 +191,9 @@ def ramp_chunks(chunks: list[Pieces], lengths, pc: PipelineCost, cap_ms: float, 
     the chunking rules (slices in order, never two tails in a chunk) still hold."""
     if not front and not back:
         return chunks
-    lengths = np.asarray(lengths)
-    whole = [i for i, c in enumerate(chunks) if all(a == 0 and b == lengths[s] for s, a, b in c)]
+    sids = [s for c in chunks for s, _, _ in c]
+    lens = dict(zip(sids, np.asarray(lengths)[sids].tolist()))  # (the chunks' sequences only: a batch may be huge)
+    whole = [i for i, c in enumerate(chunks) if all(a == 0 and b == lens[s] for s, a, b in c)]
     if not whole:
         return chunks
     caps = [f * cap_ms for f in front] + [f * cap_ms for f in back]
@@ -309,8 +310,8 @@ def _ratio_fit(short, t_short, lengths, cap, token_cap, b_pieces, b_time, b_tok)
 def split_pack(pack: list[int], lengths: np.ndarray, pc: PipelineCost, slices: int) -> list[Pieces]:
     """Seq1F1B: cut a packed micro-batch into ``slices`` parts of equal compute (each document
     attends causally to its own earlier tokens)."""
-    lens = [int(lengths[i]) for i in pack]
-    t_doc = [float(pc.prefix_ms(s)) for s in lens]
+    lens = np.asarray(lengths)[pack].tolist()
+    t_doc = pc.prefix_ms(np.asarray(lens, dtype=np.float64)).tolist()
     total = sum(t_doc)
     cuts = []  # positions (doc index, token offset)
     acc, d = 0.0, 0
