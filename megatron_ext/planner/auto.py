@@ -353,8 +353,8 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     # left it half the second (gpt-13b on 128 A100-40GB, 192K, ZeRO-1: 8 x 8 x 2 36.59 s in 0.5 s,
     # 36.35 s resumed, as in the whole second alone)
     left = start + budget * (1 - AUTO_RESERVE) - time.perf_counter()
-    if fastest is not None and not (with_flexsp and math.isfinite(ub) and flex_lb < best) \
-            and left >= max(0.05, fastest[4] / 2):
+    flexsp_runs = with_flexsp and math.isfinite(ub) and flex_lb < best
+    if fastest is not None and not flexsp_runs and left >= max(0.05, fastest[4] / 2):
         name, P, d, builds, _ = fastest
         t0 = time.perf_counter()
         try:

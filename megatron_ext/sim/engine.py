@@ -66,8 +66,6 @@ def analyze_pieces(pieces: list[list[tuple[int, int, int]]], pc: PipelineCost, w
     """``analyze_chunks`` of chunks given as their (seq_id, start, end) pieces (ids: their
     positions unless given), as the planner builds them: no plan objects per candidate."""
     n = len(pieces)
-    tokens = np.zeros(n)
-    work = np.zeros(n)
     split = np.zeros(n)
     by_seq: dict[int, list[tuple[int, int, int]]] = {}
     ids = list(range(n)) if ids is None else [int(c) for c in ids]
@@ -86,27 +84,24 @@ def analyze_pieces(pieces: list[list[tuple[int, int, int]]], pc: PipelineCost, w
     starts, lens, owner = [], [], []
     chains = []  # per split sequence, the chunks of its slices in order
     for sid, ps in by_seq.items():
-        if len(ps) == 1:  # (most sequences: whole, in one chunk)
-            a, b, i = ps[0]
+        ps.sort()
+        for a, b, i in ps:
             starts.append(a)
             lens.append(b - a)
             owner.append(i)
+        if len(ps) == 1:  # (a sequence in one piece: nothing to chain)
             continue
-        ps.sort()
         chains.append([i for _, _, i in ps])
         for j, (a, b, i) in enumerate(ps):
-            starts.append(a)
-            lens.append(b - a)
-            owner.append(i)
             split[i] += b - a if j < len(ps) - 1 else 0
             split_pieces[i].append((sid, a, b))
             seq_end[sid] = ps[-1][1]
             if j and ps[j - 1][2] == i:
                 raise InvalidPlanError(f"{where}, chunk {ids[i]}: holds two pieces of sequence {sid}")
-    if owner:
-        own = np.asarray(owner)
-        work = np.bincount(own, weights=pc.piece_work(np.asarray(lens), np.asarray(starts)), minlength=n)
-        tokens = np.bincount(own, weights=np.asarray(lens, dtype=np.float64), minlength=n)
+    own = np.asarray(owner, dtype=np.int64)
+    lens_f = np.asarray(lens, dtype=np.float64)
+    work = np.bincount(own, weights=pc.piece_work(lens_f, np.asarray(starts, dtype=np.float64)), minlength=n)
+    tokens = np.bincount(own, weights=lens_f, minlength=n)
     fwd_pred, bwd_pred = slice_predecessors(n, chains)
     return ChunkTable(ids, tokens, work, split, fwd_pred, bwd_pred, split_pieces, seq_end)
 
