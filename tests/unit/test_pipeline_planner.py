@@ -573,6 +573,26 @@ def test_layout_estimate_charges_the_waves_of_sequences_a_stage_holds_one_at_a_t
                                                                          rel=1e-3)
 
 
+def test_layout_estimate_of_one_stage_recomputes_what_a_sequence_holds_over_the_room():
+    # one stage holds every slice of a sequence until their backwards: the share of it over the
+    # room is recomputed (a forward of that share of its work), whatever the chunk count
+    cost = CostModel.from_presets("llama-13b", "a800-80g-8x4", 3)
+    pc = PipelineCost(cost, 1, 8)
+    held = (pc.act_layer_mb + pc.kv_layer_mb) * pc.layers_per_stage + pc.head_mb
+    save = (pc.act_layer_mb - pc.input_layer_mb) * pc.layers_per_stage
+    fits, over = int(0.9 * pc.activation_room_mb / held), 98304
+    assert over * held > pc.activation_room_mb
+    short = np.full(40, 2048)
+    share = (over * held - pc.activation_room_mb) / (over * save)
+    base = pipeline_estimate(np.concatenate([short, [fits]]), pc)[0] - float(pc.prefix_ms(fits))
+    with_long = pipeline_estimate(np.concatenate([short, [over]]), pc)[0] - float(pc.prefix_ms(over))
+    assert with_long - base == pytest.approx(share * float(pc.prefix_ms(over)) / 3, rel=0.02)
+    # a batch that presses memory is estimated near its plan (67.0 s against 72.8 s before)
+    lengths = sample_lengths("github", 512, 0, 96 * 1024)
+    plan = plan_elastic_pp(lengths, cost, 1, 8, time_limit=0.5)
+    assert layout_estimate(lengths, pc)[0] == pytest.approx(plan.estimated_step_time_s, rel=0.05)
+
+
 def test_layout_order_key_charges_the_last_stage_its_output_layer():
     cost = CostModel.from_presets("gpt-7b", "a100-40g-8x4", 1)
     lengths = sample_lengths("commoncrawl", 512, 0, 48 * 1024)
