@@ -20,7 +20,7 @@ from megatron_ext.plan.validate import validate_pipelines
 from megatron_ext.planner import PlannerOptions
 from megatron_ext.planner.packing import best_fit_bins
 from megatron_ext.planner.pp.chunk_search import plan_group
-from megatron_ext.planner.pp.chunking import check_chunking, split_pack
+from megatron_ext.planner.pp.chunking import balanced_chunks, check_chunking, split_pack
 from megatron_ext.planner.auto import (forced_slices, head_excess_s, layout_estimate, layout_lower_bound, layout_name,
                                       layout_order_key, pipeline_layouts, plan_auto)
 from megatron_ext.planner.pp.sequence_limits import fit_cap, longest_sequence
@@ -198,6 +198,31 @@ def test_a_probe_out_of_time_keeps_the_packs_cut_into_the_estimates_chunks_not_w
     probe = plan_group(part, lengths, pc, PipelineOptions(), time.perf_counter(), probe=True, whole_packs=True)
     assert likeliest > 1 and probe.slices == -likeliest
     assert probe.makespan_ms < 0.7 * whole.makespan_ms
+
+
+def test_a_one_stage_probe_cuts_a_long_sequence_only_where_memory_needs_it():
+    # llama-13b on one stage of SP 8 (32 A800s, 96K GitHub, ZeRO-3), replica 2: its 98K sequence
+    # fits in two slices within its cap (68K), not in two equal-time ones; the probe's
+    # equal-time slicings fit at four (73.7 s), the capped slices run it in 71.5 s
+    cost = CostModel.from_presets("llama-13b", "a800-80g-8x4", 3)
+    lengths = sample_lengths("github", 512, 0, 96 * 1024)
+    pc = PipelineCost(cost, 1, 8)
+    part = split_replicas(np.arange(512), lengths, pc, pc.replicas)[2]
+    longest = int(part[np.argmax(lengths[part])])
+    cap = fit_cap(int(lengths[longest]), pc, 128)
+    assert lengths[longest] == 96 * 1024 and cap < lengths[longest]
+    probe = plan_group(part, lengths, pc, PipelineOptions(), time.perf_counter() + 1.0, probe=True, whole_packs=True)
+    slices = sorted(b - a for c in probe.pieces for s, a, b in c if s == longest)
+    assert len(slices) == 2 and slices[1] <= cap
+    t_max = float(pc.prefix_ms(lengths[longest]))
+    fitted = []
+    for k in (2, 3, 4):  # the equal-time slicings, each sequence cut in k at most
+        try:
+            ch = balanced_chunks(part, lengths, pc, t_max / k, granularity=128, min_tail=128)
+            fitted.append(build_pipeline(ch.chunks, pc, "greedy", order="greedy").makespan_ms)
+        except InfeasibleError:
+            assert k < 4
+    assert len(fitted) < 3 and probe.makespan_ms < 0.98 * min(fitted)
 
 
 def test_a_full_search_tries_the_best_targets_other_ramps_before_finer_token_caps(monkeypatch):

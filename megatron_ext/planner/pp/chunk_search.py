@@ -143,7 +143,8 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     1. The chunk-time target (and so K) and the chunk token cap: Algorithm 1 (chunking.py) at
        each, with the default warm-up/cool-down ramp, ordered by list scheduling (``greedy``);
        with token-capped slices when memory needs them (``sequence_limits.fit_cap``; first, if no equal-time
-       slicing of the longest sequence can fit, else if nothing else fitted).
+       slicing of the longest sequence can fit, else if nothing else fitted). One stage also builds
+       every sequence at its slice cap, at the first target (fewest chunks), whatever the deadline.
     2. At the best target: the other ramps (and none), after the first token cap's targets (and
        again for a best target found at a finer cap), and the elastic 1F1B order.
     3. Nothing fits yet: every sequence at its slice cap, then every slice and chunk at half the
@@ -307,7 +308,18 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
 
     if whole_packs or not probe:  # (a probe measures the targets' chunkings: the grouping hangs on them)
         packed_slices()
+    def capped_slices(t: int):  # chunks of targets[0]'s time and t tokens, each sequence's slices within its cap
+        return balanced_chunks(seq_ids, lengths, pc, targets[0], float(t), opts.granularity, opts.fit,
+                               min_tail=opts.granularity,
+                               max_slice_tokens=cap_of if t == slice_cap else lambda s, t=t: min(t, cap_of(s) or s))
+
     targets, finite = search(cap_of if capped else None)
+    if pc.pp == 1 and slice_cap is not None and not capped and not hurry():
+        # one stage: the fewest chunks win, so each long sequence cut only where memory needs it
+        # (llama-13b, SP 8, 96K: a 98K sequence in 2 slices at its cap, 71.5 s; equal-time
+        # slices fitted at 4, 73.7 s), built whatever the deadline (a few chunks)
+        ch = capped_slices(slice_cap)
+        consider(ch.chunks, ch.slices, orders[0], always=True)
     probed = probe
     if best is None and slice_cap is not None and not capped and not hurry():
         targets, finite = search(cap_of)  # no equal-time mesh worked: cap the slices
@@ -334,9 +346,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     t = slice_cap or int(min(finite, default=longest)) // 2
     finest = finest_slice(longest, g)
     while best is None and t >= finest:
-        ch = balanced_chunks(seq_ids, lengths, pc, targets[0], float(t), opts.granularity, opts.fit,
-                             min_tail=opts.granularity,  # first each sequence at its own cap
-                             max_slice_tokens=cap_of if t == slice_cap else lambda s, t=t: min(t, cap_of(s) or s))
+        ch = capped_slices(t)  # (first each sequence at its own cap)
         if len(ch.chunks) > MAX_CHUNKS:  # (refused, and finer slices only make more: ~0.4 s a try past the limit)
             errors.append(f"{where}: {len(ch.chunks)} chunks, more than the {MAX_CHUNKS} a pipeline may have")
             if not capped:
