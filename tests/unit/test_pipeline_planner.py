@@ -256,22 +256,30 @@ def test_a_full_search_tries_the_best_targets_other_ramps_before_finer_token_cap
 
 def test_a_search_takes_the_candidates_built_before_from_builds(monkeypatch):
     # a grouping's full search starts with its probe's candidates: with the probe's builds it
-    # builds only the new ones, and finds what it finds alone; a cache keeps no more than its
-    # chunks x stages, and a search with a full one plans the same
+    # builds only the new ones, and chunks only the new targets, and finds what it finds alone; a
+    # cache keeps no more than its chunks x stages, and a search with a full one plans the same
     import megatron_ext.planner.pp.chunk_search as chunk_search
     cost = CostModel.from_presets("gpt-7b", "a100-40g-8x4", 1)
     lengths = sample_lengths("github", 128, 0, 98304)
     pc, ids, opts = PipelineCost(cost, 4, 8), np.arange(128), PipelineOptions()
     alone = plan_group(ids, lengths, pc, opts, None)
     builds = chunk_search.BuildCache()
+    chunked, chunk = [], chunk_search.balanced_chunks
+
+    def recorded(ids, lengths, pc, target, cap, *a, **k):
+        chunked.append((target, cap))
+        return chunk(ids, lengths, pc, target, cap, *a, **k)
+
+    monkeypatch.setattr(chunk_search, "balanced_chunks", recorded)
     plan_group(ids, lengths, pc, opts, None, probe=True, builds=builds)
-    probed = dict(builds.built)
+    probed, probe_chunked = dict(builds.built), list(chunked)
     made = []
     real = chunk_search.build_pipeline
     monkeypatch.setattr(chunk_search, "build_pipeline",
                         lambda pieces, *a, **k: made.append(pieces) or real(pieces, *a, **k))
     full = plan_group(ids, lengths, pc, opts, None, builds=builds)
     assert probed and len(made) == len(builds.built) - len(probed)
+    assert probe_chunked and len(chunked) > len(probe_chunked) and len(set(chunked)) == len(chunked)
     same = (alone.makespan_ms, alone.pieces, alone.slices, alone.ramp)
     assert (full.makespan_ms, full.pieces, full.slices, full.ramp) == same
     monkeypatch.setattr(chunk_search, "KEPT_CHUNK_STAGES", builds.size // 2)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
+from megatron_ext.data.lengths import sample_lengths
 from megatron_ext.errors import InvalidPlanError
 from megatron_ext.plan import StepPlan, validate
 from megatron_ext.plan.validate import replica_groups, validate_pipelines
@@ -208,6 +209,40 @@ def test_the_slowest_replica_gets_the_time_left_and_resumes_its_search(monkeypat
     sync_ms = PipelineCost(COST, 2, 8).step_sync_ms  # (a plan again is kept only where it is faster)
     assert plan.estimated_step_time_s * 1e3 <= max(ends.values()) + sync_ms + 1e-6
     validate(plan, lengths, COST)
+
+
+def test_a_replica_that_gains_nothing_in_its_share_gets_all_the_time_left_once_more(monkeypatch):
+    # two replicas ending within REPLICA_TIE share the time left; the slowest, planned again in its
+    # half, gains nothing (here: its first plan again), so it gets all the time left, then stops
+    import time
+
+    from megatron_ext.planner.pp import elastic_pp
+
+    first, again = {}, []
+    plan_replica = elastic_pp._plan_replica
+
+    def replanned_without_gain(ids, lengths, pc, opts, start, budget, builds=None):
+        key = tuple(ids.tolist())
+        if builds is None:  # (the rebalancing's)
+            return plan_replica(ids, lengths, pc, opts, start, budget, builds)
+        if key in first:
+            again.append((key, budget, start))
+            return first[key]
+        first[key] = plan_replica(ids, lengths, pc, opts, start, budget, builds)
+        return first[key]
+
+    monkeypatch.setattr(elastic_pp, "_plan_replica", replanned_without_gain)
+    lengths = sample_lengths("github", 512, 0, 96 * 1024)
+    cost = CostModel.from_presets("llama-13b", "a800-80g-8x4", 3)
+    limit, t0 = 0.6, time.perf_counter()
+    plan_elastic_pp(lengths, cost, 2, 8, time_limit=limit)
+    ends = sorted(sum(b.makespan_ms for b in built) for built in first.values())
+    assert len(first) == 2 and ends[1] * (1 - elastic_pp.REPLICA_TIE) <= ends[0]  # (tied)
+    assert len(again) == 2 and again[0][0] == again[1][0]
+    first_end = t0 + elastic_pp.REBALANCE_AFTER * limit
+    (_, half, at0), (_, whole, at1) = again
+    assert half == pytest.approx((first_end - at0) / 2, abs=1e-3)
+    assert whole == pytest.approx(first_end - at1, abs=1e-3) and whole > 1.5 * half
 
 
 def test_kept_to_its_limit_a_layout_of_many_replicas_stops_once_they_cannot_all_be_planned_in_time():
