@@ -303,6 +303,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
         38.9 s built, 39.5 s at 8; gpt-13b on 8 x 8 at 192K: 24.8, 39.0 s, 43.4 s at 8)."""
         base_cap = pack_capacity(seq_ids, lengths, opts)
         caps = {base_cap} | {-(-int(longest * f) // 1024) * 1024 for f in (1, 1.5, 2)}
+
         def packs(cap: int) -> list[list[int]]:
             return builds.chunking((ids_key, "packs", cap), lambda: best_fit_bins(seq_ids, lengths, cap))
 
@@ -327,12 +328,13 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
 
     if whole_packs or not probe:  # (a probe measures the targets' chunkings: the grouping hangs on them)
         packed_slices()
+    targets, finite = search(cap_of if capped else None)
+
     def capped_slices(t: int):  # chunks of targets[0]'s time and t tokens, each sequence's slices within its cap
         return balanced_chunks(seq_ids, lengths, pc, targets[0], float(t), opts.granularity, opts.fit,
                                min_tail=opts.granularity,
                                max_slice_tokens=cap_of if t == slice_cap else lambda s, t=t: min(t, cap_of(s) or s))
 
-    targets, finite = search(cap_of if capped else None)
     if pc.pp == 1 and slice_cap is not None and not capped and not hurry():
         # one stage: the fewest chunks win, so each long sequence cut only where memory needs it
         # (llama-13b, SP 8, 96K: a 98K sequence in 2 slices at its cap, 71.5 s; equal-time

@@ -282,8 +282,8 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
         now = time.perf_counter()
         if first_end - now <= 4 * sum(b.build_s for b in plans[slow]):
             break
-        close = sum(1 for r in plans if _makespan(plans[r]) >= (1 - REPLICA_TIE) * _makespan(plans[slow]))
-        close = close if shared else 1
+        close = sum(1 for r in plans if _makespan(plans[r]) >= (1 - REPLICA_TIE) * _makespan(plans[slow])) \
+            if shared else 1
         again = _plan_replica(parts[slow], lengths, pc, opts, now, (first_end - now) / close, builds)
         if _makespan(again) >= _makespan(plans[slow]) - 1e-9:
             if close == 1:
