@@ -257,7 +257,8 @@ def test_a_full_search_tries_the_best_targets_other_ramps_before_finer_token_cap
 def test_a_search_takes_the_candidates_built_before_from_builds(monkeypatch):
     # a grouping's full search starts with its probe's candidates: with the probe's builds it
     # builds only the new ones, and chunks only the new targets, and finds what it finds alone; a
-    # cache keeps no more than its chunks x stages, and a search with a full one plans the same
+    # cache keeps no more than its chunks x stages and pieces, and a search with a full one plans
+    # the same
     import megatron_ext.planner.pp.chunk_search as chunk_search
     cost = CostModel.from_presets("gpt-7b", "a100-40g-8x4", 1)
     lengths = sample_lengths("github", 128, 0, 98304)
@@ -283,9 +284,11 @@ def test_a_search_takes_the_candidates_built_before_from_builds(monkeypatch):
     same = (alone.makespan_ms, alone.pieces, alone.slices, alone.ramp)
     assert (full.makespan_ms, full.pieces, full.slices, full.ramp) == same
     monkeypatch.setattr(chunk_search, "KEPT_CHUNK_STAGES", builds.size // 2)
+    monkeypatch.setattr(chunk_search, "KEPT_PIECES", builds.pieces // 2)
     small = chunk_search.BuildCache()
     capped = plan_group(ids, lengths, pc, opts, None, builds=small)
     assert 0 < small.size <= builds.size // 2 and len(small.built) < len(builds.built)
+    assert 0 < small.pieces <= builds.pieces // 2 and len(small.chunked) < len(builds.chunked)
     assert (capped.makespan_ms, capped.pieces, capped.slices, capped.ramp) == same
 
 

@@ -25,28 +25,34 @@ MAX_CHUNKS = 4096  # chunk candidates with more chunks are not built (their reco
 # targets' chunking it is for (a replica of 45 sequences up to 192K: 23.8 s, 17.3 s built)
 PRICED_CHUNKS = 16
 KEPT_CHUNK_STAGES = 500_000  # candidates a BuildCache keeps, in chunks x stages (~260 bytes each: ~130 MB)
+# ... and chunkings, in pieces (~100 bytes each: ~100 MB; 8,192 sequences on 8 stages made 57
+# chunkings of 477,000 pieces in 2.4 s)
+KEPT_PIECES = 1_000_000
 
 
 class BuildCache:
     """The candidates one replica's searches built (or why they cannot run), by pipeline, order
     and chunking: a grouping's full search starts with its probe's candidates (20-40% of the
     builds), which it takes from here. The first ``KEPT_CHUNK_STAGES`` are kept (the probes', those
-    asked again), so a long time limit cannot fill memory with them. Also the chunkings the
-    searches made, by sequences, target, token cap and ramp: a search walked again (a replica
-    planned again) takes them from here rather than chunk anew (a third of its time)."""
+    asked again), so a long time limit cannot fill memory with them. Also the first
+    ``KEPT_PIECES`` pieces of the chunkings the searches made, by sequences, target, token cap
+    and ramp: a search walked again (a replica planned again) takes them from here rather than
+    chunk anew (a third of its time)."""
 
     def __init__(self) -> None:
         self.built: dict[tuple, BuiltPipeline | str] = {}
         self.size = 0  # chunks x stages kept
         self.chunked: dict[tuple, object] = {}
+        self.pieces = 0  # pieces kept in ``chunked``
 
     def chunking(self, key: tuple, make):
-        """``make()``'s chunking, made once per key (kept while the candidates are)."""
+        """``make()``'s chunking (a ``Chunking``, or chunks: lists of pieces), made once per key."""
         got = self.chunked.get(key)
         if got is None:
             got = make()
-            if self.size < KEPT_CHUNK_STAGES:
-                self.chunked[key] = got
+            pieces = sum(len(c) for c in getattr(got, "chunks", got))
+            if self.pieces + pieces <= KEPT_PIECES:
+                self.chunked[key], self.pieces = got, self.pieces + pieces
         return got
 
     def get(self, key: tuple) -> BuiltPipeline | str | None:
@@ -388,4 +394,4 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     return best
 
 
-__all__ = ["KEPT_CHUNK_STAGES", "MAX_CHUNKS", "PRICED_CHUNKS", "PROBE_TARGETS", "BuildCache", "plan_group"]
+__all__ = ["KEPT_CHUNK_STAGES", "KEPT_PIECES", "MAX_CHUNKS", "PRICED_CHUNKS", "PROBE_TARGETS", "BuildCache", "plan_group"]
