@@ -245,7 +245,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     slice_cap = cap_of(longest)
     capped = slice_cap is not None and fewest_slices(longest, pc, opts.granularity, opts.min_slice_tokens) is None
 
-    ramped: list = []  # the chunkings whose other ramps were tried
+    ramped: list[tuple] = []  # the chunkings (best_ch) whose other ramps were tried
     ids_key = seq_ids.tobytes()
 
     def chunked(target: float, cap: float, mesh_cap, ramp):
@@ -394,4 +394,5 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     return best
 
 
-__all__ = ["KEPT_CHUNK_STAGES", "KEPT_PIECES", "MAX_CHUNKS", "PRICED_CHUNKS", "PROBE_TARGETS", "BuildCache", "plan_group"]
+__all__ = ["KEPT_CHUNK_STAGES", "KEPT_PIECES", "MAX_CHUNKS", "PRICED_CHUNKS", "PROBE_TARGETS", "BuildCache",
+           "plan_group"]
