@@ -4,7 +4,9 @@ FlexSP, elastic_pp, Seq1F1B, batch 1F1B, static Ulysses and ``auto`` (all at the
 ``megatron-ext simulate``, default 1 s) and timed by the same simulator (the three pipeline
 planners on SP over a node and as many stages as divide the layers and the nodes, the rest of
 the GPUs replicas; ``auto`` on every layout); the compute floor of the
-batch (``CostModel.compute_floor_ms``) bounds every plan from below.
+batch (``CostModel.compute_floor_ms``) bounds every plan from below, and auto's bound (the least
+of its candidates' lower bounds: FlexSP's and every layout's, ``PipelineCost.lower_bound_ms``)
+every plan auto could choose: a target past it is out of reach on this cost model.
 
 Clusters of N GPUs are the presets ``a100-40g-8x<N/8>`` (40 GB: 28 GB usable, the FlexSP
 paper's) and ``a800-80g-8x<N/8>`` (80 GB: 72 GB usable, InfiniPipe's); models ``gpt-7b``,
@@ -74,18 +76,21 @@ def cell(spec: dict) -> dict:
             row["pipeline_layout"] = f"pp{out['config']['pp']} x sp{out['config']['sp']}"
         if name == "auto":
             row["auto_chose"] = r["status"][len("auto chose "):].split(" (", 1)[0]
+            row["bound_s"] = r["lower_bound_s"]  # (no plan of any of auto's candidates is faster)
     return row
 
 
 def derived(row: dict) -> dict:
-    """auto / floor, auto's speedup over FlexSP and Seq1F1B, FlexSP / floor (None where one did not run)."""
+    """auto / floor, auto's speedup over FlexSP and Seq1F1B, FlexSP / floor, auto / best other, the
+    bound / floor and auto / bound (None where one did not run)."""
     def ratio(a, b):
         return row[a] / row[b] if a in row and b in row else None
 
     others = [row[f"{p}_s"] for p in PLANNERS if p != "auto" and f"{p}_s" in row]
     return {"auto_over_floor": ratio("auto_s", "floor_s"), "auto_vs_flexsp": ratio("flexsp_s", "auto_s"),
             "auto_vs_seq1f1b": ratio("seq1f1b_s", "auto_s"), "flexsp_over_floor": ratio("flexsp_s", "floor_s"),
-            "auto_over_best_other": row["auto_s"] / min(others) if "auto_s" in row and others else None}
+            "auto_over_best_other": row["auto_s"] / min(others) if "auto_s" in row and others else None,
+            "bound_over_floor": ratio("bound_s", "floor_s"), "auto_over_bound": ratio("auto_s", "bound_s")}
 
 
 def targets(row: dict) -> str:
@@ -96,14 +101,17 @@ def targets(row: dict) -> str:
         return "auto did not run"
     hard = d["flexsp_over_floor"] is not None and d["flexsp_over_floor"] >= 1.5
     floor_t, flex_t = (1.35, 1.3) if hard else (1.15, 1.10)
+    bound = d["bound_over_floor"]  # (no plan of auto's candidates is faster: over a target, out of reach)
     miss = []
     if d["auto_over_floor"] > floor_t:
-        miss.append(f"floor {d['auto_over_floor']:.2f}x > {floor_t}")
+        miss.append(f"floor {d['auto_over_floor']:.2f}x > {floor_t}" +
+                    (f" (out of reach: bound {bound:.2f}x)" if bound is not None and bound > floor_t else ""))
     if d["auto_vs_flexsp"] is not None and d["auto_vs_flexsp"] < flex_t:
         # the most any plan could gain over FlexSP is FlexSP / floor: the target needs auto at
-        # FlexSP / floor / target of the floor (below 1: below the floor, out of reach)
-        miss.append(f"vs flexsp {d['auto_vs_flexsp']:.2f}x < {flex_t} (needs auto at "
-                    f"{d['flexsp_over_floor'] / flex_t:.2f}x the floor)")
+        # FlexSP / floor / target of the floor (below the bound: out of reach)
+        need = d["flexsp_over_floor"] / flex_t
+        miss.append(f"vs flexsp {d['auto_vs_flexsp']:.2f}x < {flex_t} (needs auto at {need:.2f}x the floor" +
+                    (f", under the bound's {bound:.2f}x: out of reach)" if bound is not None and bound > need else ")"))
     if hard and d["auto_vs_seq1f1b"] is not None and d["auto_vs_seq1f1b"] < 1.2:
         miss.append(f"vs seq1f1b {d['auto_vs_seq1f1b']:.2f}x < 1.2")
     note = " (FlexSP cannot run)" if d["auto_vs_flexsp"] is None else ""
@@ -119,19 +127,20 @@ def _fmt(v, spec="{:.2f}") -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ["model", "GPUs", "GB", "ctx", "lengths", "ZeRO", "floor s"] + [f"{p} s" for p in PLANNERS] + \
-        ["auto chose", "auto / floor", "auto vs flexsp", "auto / best other", "targets"]
+    head = ["model", "GPUs", "GB", "ctx", "lengths", "ZeRO", "floor s", "bound s"] + [f"{p} s" for p in PLANNERS] + \
+        ["auto chose", "auto / floor", "auto / bound", "auto vs flexsp", "auto / best other", "targets"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(rows, key=_key):
         d = derived(r)
         cells = [r["model"], str(r["gpus"]), str(r["memory_gb"]), f"{r['context'] // 1024}K", r["dist"],
-                 str(r["zero"]), f"{r['floor_s']:.2f}"]
+                 str(r["zero"]), f"{r['floor_s']:.2f}", _fmt(r.get("bound_s"))]
         cells += [_fmt(r.get(f"{p}_s")) if f"{p}_s" in r else "n/a" for p in PLANNERS]
-        cells += [r.get("auto_chose", "-"), _fmt(d["auto_over_floor"]), _fmt(d["auto_vs_flexsp"], "{:.2f}x"),
-                  _fmt(d["auto_over_best_other"]), targets(r)]
+        cells += [r.get("auto_chose", "-"), _fmt(d["auto_over_floor"]), _fmt(d["auto_over_bound"]),
+                  _fmt(d["auto_vs_flexsp"], "{:.2f}x"), _fmt(d["auto_over_best_other"]), targets(r)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + ("\n\nn/a: the planner cannot run the cell (its reason is in the JSON rows). "
-                               "auto / best other: auto's step over the fastest other planner's.\n")
+                               "bound: no plan of any of auto's candidates is faster (the least of their lower "
+                               "bounds). auto / best other: auto's step over the fastest other planner's.\n")
 
 
 def _kind(chose: str) -> str:
@@ -144,13 +153,13 @@ def _kind(chose: str) -> str:
 
 def summary(rows: list[dict]) -> str:
     """One line per memory x GPUs x context: cells auto ran, what it chose, and the ranges of
-    auto / floor, auto over FlexSP and Seq1F1B, FlexSP / floor and auto / best other."""
+    auto / floor, auto / bound, auto over FlexSP and Seq1F1B, FlexSP / floor and auto / best other."""
     def span(vals, fmt="{:.2f}"):
         vals = [v for v in vals if v is not None]
         return "-" if not vals else f"{fmt.format(min(vals))}-{fmt.format(max(vals))}"
 
-    head = ["GB", "GPUs", "ctx", "auto ran", "auto chose", "auto / floor", "auto vs flexsp", "auto vs seq1f1b",
-            "flexsp / floor", "auto / best other"]
+    head = ["GB", "GPUs", "ctx", "auto ran", "auto chose", "auto / floor", "auto / bound", "auto vs flexsp",
+            "auto vs seq1f1b", "flexsp / floor", "auto / best other"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for mem, gpus, ctx in sorted({(r["memory_gb"], r["gpus"], r["context"]) for r in rows}):
         cells = [r for r in rows if (r["memory_gb"], r["gpus"], r["context"]) == (mem, gpus, ctx)]
@@ -162,7 +171,8 @@ def summary(rows: list[dict]) -> str:
         lines.append("| " + " | ".join([
             str(mem), str(gpus), f"{ctx // 1024}K", f"{len(ran)} of {len(cells)}",
             ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) or "-",
-            span(x["auto_over_floor"] for x in d), span((x["auto_vs_flexsp"] for x in d), "{:.2f}x"),
+            span(x["auto_over_floor"] for x in d), span(x["auto_over_bound"] for x in d),
+            span((x["auto_vs_flexsp"] for x in d), "{:.2f}x"),
             span((x["auto_vs_seq1f1b"] for x in d), "{:.2f}x"), span(x["flexsp_over_floor"] for x in d),
             span(x["auto_over_best_other"] for x in d)]) + " |")
     return "\n".join(lines) + "\n"

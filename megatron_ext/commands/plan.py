@@ -160,7 +160,8 @@ def _plan_table(plan, lengths, cost, limit: int) -> str:
         lines.append(f"{m:>3} {mb.estimated_time_s:>8.3f}  " + "; ".join(parts))
     lb = plan.lower_bound_step_time_s
     rb = plan.relaxed_bound_step_time_s
-    lines += ["", f"estimated step time {plan.estimated_step_time_s:.3f} s   lower bound {lb:.3f} s "
+    bound = "lower bound of every candidate" if plan.planner == "auto" else "lower bound"
+    lines += ["", f"estimated step time {plan.estimated_step_time_s:.3f} s   {bound} {lb:.3f} s "
               f"({plan.estimated_step_time_s / lb:.3f}x)   solved in {plan.solve_time_s * 1e3:.0f} ms "
               f"[{plan.solver_status}]"]
     if rb > 0:
@@ -327,7 +328,7 @@ def describe_plan(plan, lengths, result=None) -> str:
         ids = plan.dropped_seq_ids
         lines.append(f"dropped {plural(len(ids), 'sequence')} over the length limit "
                      f"({int(lengths[ids].max()):,} tokens the longest): ids {ids[:10]}{' ...' if len(ids) > 10 else ''}")
-    bound = "work bound" if plan.kind == "elastic_pp" else "lower bound"
+    bound = "lower bound of every candidate" if plan.planner == "auto" else "lower bound"
     lines.append(f"estimated step time {plan.estimated_step_time_s:.3f} s ({bound} {plan.lower_bound_step_time_s:.3f} s), "
                  f"planned in {plan.solve_time_s * 1e3:.0f} ms")
     if result is not None:

@@ -114,7 +114,8 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
                     plans[name] = (plan, lens)
                 row.update(step_time_s=res.step_time_s, tokens_per_s=res.tokens_per_s, bubble_ratio=res.bubble_ratio,
                            recompute_ratio=res.recompute_ratio, peak_memory_gb=res.max_peak_memory_mb / 1024,
-                           solve_time_s=plan.solve_time_s, status=plan.solver_status)
+                           solve_time_s=plan.solve_time_s, lower_bound_s=plan.lower_bound_step_time_s,
+                           status=plan.solver_status)
             except MegatronExtError as e:
                 row.update(error=str(e))
             rows.append(row)

@@ -1,5 +1,5 @@
 """Lower bounds on the step time of a batch, for FlexSP-kind plans (with a barrier between
-micro-batches or without) and for any layout of SP groups.
+micro-batches or without), for any layout of SP groups, and for elastic pipelines on one layout.
 
 Both bounds price a sequence of s tokens on a group of degree d as the cost model does:
 t(s, d) = (a1 s^2 + a2 s) / d + s comm(d) (``CostModel.seq_time_ms``), plus lat(d), the group's
@@ -53,6 +53,27 @@ not hold. Such a step is the last rank's finish plus the exposed gradient sync, 
   least of that over the degrees that hold it. The N GPUs, between them, are busy that long.
 So step >= max(critical path, sum_k of those GPU-ms / N) + step sync. Every FlexSP plan, with a
 barrier or not, obeys both, so the bound is theirs too.
+
+``pipeline_bound_ms``: elastic pipelines (and Seq1F1B, batch 1F1B) on one layout, P stages of SP
+degree d, R replicas side by side (``PipelineCost``), however the sequences are cut, packed,
+ordered and recomputed:
+- Work: a sequence cut into pieces costs a1 s^2 + a2 s in all (the prefix terms telescope), and
+  its all-to-alls s comm, so stage p of the replicas together computes compute_p(W, T) + T comm
+  (W, T: the batch's work and tokens; compute_p, the stage's share with the output layer on the
+  last), whatever the chunks; recompute only adds.
+- Chunks: during a chunk's backward its full activations are back on the stage (recomputed
+  layers re-run), so a chunk of t tokens needs t (act L_s + head) <= room on the last stage:
+  at least c = ceil(T / t_max) chunks, each paying on every stage its fixed cost and two
+  operation overheads (F). The R replicas share them: stage p's busiest replica works at least
+  (compute_p + T comm + c F) / R, at least its share of the work plus one chunk, and the
+  replica holding the longest sequence at least that sequence's work plus its ceil(s / t_max)
+  chunks.
+- Fill and drain: stage p's first operation is a forward whose chunk has passed stages 0..p-1
+  (each at least a forward's share of F, plus a handoff), and after its last, a backward, that
+  chunk's backward still runs on stages p-1..0: p (F + 2 handoffs) outside stage p's work.
+So step >= max over p of (stage p's busiest replica + p (F + 2 handoffs)) + step sync. It ignores
+bubbles memory forces (in-flight chunks) and attention in recompute, so it is loose where memory
+binds: a floor for what any pipeline plan could gain, not an estimate.
 """
 from __future__ import annotations
 
@@ -88,6 +109,28 @@ def barrier_free_bound_ms(cost, lengths) -> float:
     path = float(np.where(fits, t + fixed, np.inf)[s.argmax()].min())
     gpu_ms = np.where(fits, degrees * t + s[:, None] * degrees * fixed / table.capacity, np.inf).min(axis=1)
     return max(path, float(gpu_ms.sum()) / cost.num_gpus) + cost.step_sync_ms
+
+
+def pipeline_bound_ms(pc, lengths) -> float:
+    """No pipeline plan on ``pc``'s layout (a ``PipelineCost``) runs the batch faster (module docstring)."""
+    s = np.asarray(lengths, dtype=np.float64)
+    if not s.size:
+        return 0.0
+    c = pc.cost
+    work = c.a1 * s * s + c.a2 * s  # whole-model one-GPU ms of each sequence, however it is cut
+    fixed = pc.fixed_ms + 2 * c.cluster.pipeline_op_overhead_ms  # a chunk's, on one stage
+    t_max = pc.activation_room_mb / (pc.act_layer_mb * pc.layers_per_stage + float(pc.head_mb))
+    chunks = math.ceil(float(s.sum()) / t_max - 1e-9)
+    handoffs = fixed + 2 * float(pc.p2p_ms(0)) if pc.pp > 1 else 0.0
+    longest = int(s.argmax())
+    busiest = 0.0
+    for p in range(pc.pp):
+        stage = float(pc.compute_ms(work.sum(), s.sum(), p)) + float(s.sum()) * pc.comm_ms_per_token
+        alone = float(pc.compute_ms(work[longest], s[longest], p)) + float(s[longest]) * pc.comm_ms_per_token \
+            + math.ceil(float(s[longest]) / t_max - 1e-9) * fixed
+        busiest = max(busiest, max((stage + chunks * fixed) / pc.replicas, stage / pc.replicas + fixed, alone)
+                      + p * handoffs)
+    return busiest + pc.step_sync_ms
 
 
 def cheapest_gpu_ms(cost, lengths) -> np.ndarray:
@@ -177,4 +220,4 @@ class _DegreeTable:
         return gpu_ms, fastest
 
 
-__all__ = ["barrier_free_bound_ms", "cheapest_gpu_ms", "lower_bound_ms", "relaxed_bound_ms"]
+__all__ = ["barrier_free_bound_ms", "cheapest_gpu_ms", "lower_bound_ms", "pipeline_bound_ms", "relaxed_bound_ms"]

@@ -66,6 +66,7 @@ from functools import cached_property
 import numpy as np
 
 from megatron_ext.cost.activations import head_bytes_per_token
+from megatron_ext.cost.bounds import pipeline_bound_ms
 from megatron_ext.cost.fixed import pass_fixed_ms, step_sync_ms
 from megatron_ext.cost.model import CostModel, model_states_mb
 from megatron_ext.errors import ConfigError, InfeasibleError
@@ -195,6 +196,12 @@ class PipelineCost:
         return max(step_sync_ms(stage_model, c.cluster,
                                 [r for rep in range(self.replicas) for r in self.stage_ranks(p, rep)])
                    for p in range(self.pp))
+
+    def lower_bound_ms(self, lengths) -> float:
+        """No pipeline plan on this layout runs the batch faster: each stage's work, the chunks
+        memory forces (each paying the fixed cost), the fill and drain, the exposed sync
+        (cost/bounds.py has the argument)."""
+        return pipeline_bound_ms(self, lengths)
 
     def linear_share(self, stage: int | None = None, head: bool = True) -> float:
         """Share of the model's per-token (a2) work a stage does: None, the average stage;

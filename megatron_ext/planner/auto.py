@@ -93,22 +93,26 @@ def layout_estimate(lengths: np.ndarray, pc: PipelineCost, min_slice_tokens: int
     """Step time of the layout's replicas, each one 1F1B pipeline of n equal chunks at its best n
     (``pipeline_estimate``) on the sequences elastic_pp gives it (``grouping.split_replicas``: a
     few long sequences over many replicas leave some with more than their share), the slowest
-    replica's, plus the step's exposed gradient sync. Returns (seconds, chunks per replica: the
-    slowest replica's at its best n)."""
+    replica's, plus the step's exposed gradient sync; never below the layout's lower bound
+    (``PipelineCost.lower_bound_ms``, which deep pipelines' estimates undercut). Returns
+    (seconds, chunks per replica: the slowest replica's at its best n)."""
     lengths = np.asarray(lengths, dtype=np.float64)
     parts = split_replicas(np.arange(len(lengths)), lengths, pc, pc.replicas)
     ms, chunks = max(pipeline_estimate(lengths[p], pc, min_slice_tokens) for p in parts if p.size)
-    return (ms + pc.step_sync_ms) / 1e3, chunks
+    return max(ms + pc.step_sync_ms, pc.lower_bound_ms(lengths)) / 1e3, chunks
 
 
-def layout_lower_bound(lengths: np.ndarray, pc: PipelineCost) -> float:
-    """Seconds no plan on the layout beats, and ``layout_estimate`` never undercuts, at a fraction
-    of its cost (no replica split, no chunk count): some replica runs at least its share of the
-    stage work and the longest sequence, each stage pays the fixed cost of at least one chunk,
-    and the step's gradient sync is exposed. Auto prunes with it before estimating: 34 layouts of
-    4,096 GPUs x 32,768 sequences took 0.56 s to estimate."""
-    work = pc.prefix_ms(np.asarray(lengths, dtype=np.float64))
-    return (max(float(work.sum()) / pc.replicas, float(work.max())) + pc.pp * pc.fixed_ms + pc.step_sync_ms) / 1e3
+def flexsp_bound_s(lengths: np.ndarray, cost: CostModel) -> float:
+    """Seconds no FlexSP-kind plan (FlexSP; under ZeRO 0/1/2 also timelines, without barriers)
+    beats: the lesser of their bounds, with the exposed sync (``validate.fill_estimates``); inf
+    where no group holds the longest sequence or the model states leave no room."""
+    try:
+        ms = cost.lower_bound_ms(lengths) + cost.step_sync_ms
+        if cost.zero_stage < 3:
+            ms = min(ms, cost.barrier_free_bound_ms(lengths))
+    except MegatronExtError:
+        return math.inf
+    return ms / 1e3
 
 
 def forced_slices(lengths: np.ndarray, pc: PipelineCost, granularity: int = 128) -> int:
@@ -168,13 +172,16 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
 
     ``solver_status`` names the choice; ``baselines`` holds every alternative's simulated time
     (``"flexsp"``, ``"elastic_pp pp4 x sp8"``, ``"elastic_pp pp2 x sp8 x dp2"`` with replicas,
-    ...). Time: the layouts go first, most promising first (``layout_order_key``: the estimate,
+    ...); ``lower_bound_step_time_s`` is the least of the candidates' lower bounds (FlexSP's,
+    ``flexsp_bound_s``, and every layout's that holds the longest sequence): no plan auto could
+    choose is faster. Time: the layouts go first, most promising first (``layout_order_key``: the estimate,
     plus the last stage's output layer, raised where the longest sequence presses on memory and
     for deep pipelines), in at most 1 - ``AUTO_FLEXSP_SHARE`` of the limit (each may use all of
     it that is left, half when the next is tied with it). A layout whose estimate
     (``layout_estimate``), less 5%, is no faster than BatchAda's step (an upper bound of FlexSP's)
     or the best step so far is skipped (reported
-    with its estimate; before estimating, with its lower bound, ``layout_lower_bound``), and so is
+    with its estimate; before estimating, with its lower bound, ``PipelineCost.lower_bound_ms``, if
+    that is no faster), and so is
     one left when their time has run out (less of it than 0.05 s, the least a layout planned ran
     past its limit, a quarter of the least one took, or its chunks x stages' build time,
     ``AUTO_CHUNK_STAGE_S``), or, once a plan stands, whose replicas cannot all be planned in its
@@ -257,15 +264,17 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
                                         barrier_free=True), t0)
         except MegatronExtError as e:
             alts["timelines"] = {"error": str(e)}
-    # the layouts' estimates, but for those whose lower bound (less 5%) is no faster than a known step
+    # the layouts' estimates, but for those whose lower bound (far cheaper to know) is no faster
+    # than a known step: no plan of theirs could be
     layouts = []
+    lows = [flexsp_bound_s(lengths[ids], flex_cost)] if with_flexsp else []
     for pc in runnable:
         known, against = min([(ub, "BatchAda (FlexSP's upper bound)")] + [(t, n) for t, n, _ in plans])
-        lower = layout_lower_bound(lengths[ids], pc)
-        if AUTO_PRUNE_MARGIN * lower >= known:
-            alts[layout_name(pc)] = {"skipped": f"its lower bound {lower:.2f} s, {AUTO_PRUNE_MARGIN:.0%} of it no "
-                                                f"faster than {against} ({known:.2f} s)",
-                                     "estimated_lower_s": AUTO_PRUNE_MARGIN * lower}
+        lower = pc.lower_bound_ms(lengths[ids]) / 1e3
+        lows.append(lower)
+        if lower >= known:
+            alts[layout_name(pc)] = {"skipped": f"its lower bound {lower:.2f} s is no faster than {against} "
+                                                f"({known:.2f} s)", "estimated_lower_s": lower}
             continue
         est, chunks = layout_estimate(lengths[ids], pc, opts.min_slice_tokens)
         chunks = max(chunks * pc.replicas, forced_slices(lengths[ids], pc, opts.granularity))
@@ -394,6 +403,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     plan.solver_status = f"auto chose {chosen} ({step:.2f} s" + (f"; vs {others}" if others else "") + \
                          f"); {plan.solver_status}"
     plan.baselines = {k: v for k, v in alts.items() if k != chosen}
+    plan.lower_bound_step_time_s = min(lows, default=plan.lower_bound_step_time_s)
     plan.planner = "auto"
     plan.solve_time_s = time.perf_counter() - start
     return plan
@@ -401,6 +411,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
 
 __all__ = ["AUTO_CHUNK_STAGE_S", "AUTO_DEPTH_PENALTY", "AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_GAP", "AUTO_FLEXSP_MIN_X",
            "AUTO_FLEXSP_SHARE", "AUTO_PRESSURE_FROM", "AUTO_PRESSURE_PENALTY", "AUTO_PRESSURE_SPAN",
-           "AUTO_PRUNE_MARGIN", "AUTO_RESERVE", "AUTO_TIE", "AUTO_TIMELINES_SHARE", "forced_slices", "head_excess_s",
-           "layout_estimate", "layout_lower_bound", "layout_name", "layout_order_key", "layout_pressure",
+           "AUTO_PRUNE_MARGIN", "AUTO_RESERVE", "AUTO_TIE", "AUTO_TIMELINES_SHARE", "flexsp_bound_s", "forced_slices",
+           "head_excess_s",
+           "layout_estimate", "layout_name", "layout_order_key", "layout_pressure",
            "pipeline_layouts", "plan_auto", "plan_units"]

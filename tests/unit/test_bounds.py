@@ -129,3 +129,71 @@ def test_empty_batch_and_one_no_group_holds(tiny):
     too_long = tiny.token_capacity(4) + 1
     assert tiny.lower_bound_ms([too_long, 10]) == math.inf
     assert np.isinf(tiny.cheapest_gpu_ms([too_long, 10])).tolist() == [True, False]
+
+
+# ---- pipelines (``pipeline_bound_ms``) --------------------------------------------------------
+
+def test_pipeline_bound_is_the_step_of_one_chunk_on_one_stage():
+    # one stage, one replica, one chunk: the bound's work, fixed cost and sync are the whole step
+    from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
+
+    one_node = CostModel.from_presets("llama-13b", "a800-80g-8x1", 3)
+    for lengths in ([20000], [20000, 5000, 3000]):
+        plan = plan_elastic_pp(np.array(lengths), one_node, 1, 8)
+        assert sum(len(p.chunks) for p in plan.pipelines) == 1
+        assert plan.lower_bound_step_time_s == pytest.approx(plan.estimated_step_time_s, rel=1e-12)
+
+
+def test_pipeline_bound_counts_no_more_chunks_than_the_simulator_forces():
+    # the bound's largest chunk is the largest one chunk the simulator lets a stage hold: one token
+    # more, and the chunk alone is over the budget during its backward (recompute or not)
+    from megatron_ext.cost.pipeline import PipelineCost
+    from megatron_ext.errors import InvalidPlanError
+    from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan
+    from megatron_ext.sim import simulate
+
+    cost = CostModel.from_presets("llama-13b", "a800-80g-8x4", 3)
+    pc = PipelineCost(cost, 2, 8)
+
+    def one_chunk(t: int, recompute: int) -> float:
+        chunk = Chunk(0, [Piece(0, 0, t)], [recompute] * 2)
+        plan = StepPlan(kind="elastic_pp", num_gpus=32, planner="test",
+                        pipelines=[Pipeline(2, 8, [chunk], [["F0", "B0"]] * 2)])
+        return simulate(plan, np.array([t]), cost).step_time_s
+
+    t_max = int(pc.activation_room_mb / (pc.act_layer_mb * pc.layers_per_stage + float(pc.head_mb)))
+    one_chunk(t_max, 0)
+    for layers in (0, pc.layers_per_stage):
+        with pytest.raises(InvalidPlanError, match="over the"):
+            one_chunk(t_max + 1, layers)
+    # two sequences of t_max tokens: two chunks at least; of t_max + 1: three
+    F = pc.fixed_ms + 2 * cost.cluster.pipeline_op_overhead_ms
+    grow = pc.lower_bound_ms([t_max + 1, t_max + 1]) - pc.lower_bound_ms([t_max, t_max])
+    assert grow >= F / pc.replicas * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("zero, memory_mb", [(1, None), (3, None), (3, 30_000)])
+def test_pipeline_bound_below_every_pipeline_plan(zero, memory_mb):
+    from megatron_ext.cost.pipeline import PipelineCost
+    from megatron_ext.planner.api import make_plan
+    from megatron_ext.planner.pp.pipeline import PipelineOptions
+    from megatron_ext.errors import MegatronExtError
+
+    cost = CostModel.from_presets("llama-13b", "a800-80g-8x4", zero)
+    rng = np.random.default_rng(zero)
+    planned = 0
+    for (pp, sp), planner in itertools.product([(1, 8), (2, 8), (4, 4), (8, 1), (2, 2)],
+                                               ["elastic_pp", "seq1f1b", "batch_1f1b"]):
+        lengths = np.concatenate([rng.integers(100, 4000, 60), rng.integers(8000, 40000, 4)])
+        try:
+            plan = make_plan(planner, lengths, cost, PipelineOptions(time_limit=0.1, memory_mb=memory_mb, pp=pp, sp=sp))
+        except MegatronExtError:
+            continue
+        pc = PipelineCost(cost, pp, sp, memory_mb=memory_mb)
+        assert plan.lower_bound_step_time_s == pytest.approx(pc.lower_bound_ms(lengths) / 1e3, rel=1e-12)
+        assert plan.estimated_step_time_s >= plan.lower_bound_step_time_s * (1 - 1e-9)
+        # above the plain bound: a replica's share of the stage work and one chunk's fixed cost a stage
+        plain = float(pc.prefix_ms(lengths).sum()) / pc.replicas + pc.pp * pc.fixed_ms + pc.step_sync_ms
+        assert plan.lower_bound_step_time_s * 1e3 >= plain * (1 - 1e-12)
+        planned += 1
+    assert planned >= 6  # (some layouts cannot hold 40K tokens in 30 GB)

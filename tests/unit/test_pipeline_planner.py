@@ -21,7 +21,7 @@ from megatron_ext.planner import PlannerOptions
 from megatron_ext.planner.packing import best_fit_bins
 from megatron_ext.planner.pp.chunk_search import plan_group
 from megatron_ext.planner.pp.chunking import balanced_chunks, check_chunking, split_pack
-from megatron_ext.planner.auto import (forced_slices, head_excess_s, layout_estimate, layout_lower_bound, layout_name,
+from megatron_ext.planner.auto import (flexsp_bound_s, forced_slices, head_excess_s, layout_estimate, layout_name,
                                       layout_order_key, pipeline_layouts, plan_auto)
 from megatron_ext.planner.pp.sequence_limits import fit_cap, longest_sequence
 from megatron_ext.planner.pp.grouping import group_sequences, pipeline_estimate, split_replicas
@@ -572,12 +572,16 @@ def test_layouts_and_their_estimate():
     # three long sequences over two replicas: one replica runs two of them, whatever the average
     three = np.array([40000] * 3 + [1000] * 4)
     assert layout_estimate(three, pc2)[0] * 1e3 >= 2 * float(pc2.prefix_ms(40000)) > float(pc2.prefix_ms(three).sum()) / 2
-    # the lower bound auto prunes with never passes the estimate
+    # the estimate never undercuts the layout's lower bound, which deep pipelines' 1F1B formula
+    # does: 32 stages pay 31 fills and drains of a chunk's fixed cost outside any stage's work
     mixes = (lengths, three, sample_lengths("github", 300, 3, 48 * 1024), np.array([30000] + [100] * 2000))
+    raised = 0
     for (P, d), x in itertools.product(pipeline_layouts(COST), mixes):
         pc = PipelineCost(COST, P, d)
-        est = layout_estimate(x, pc)
-        assert layout_lower_bound(x, pc) <= est[0] * (1 + 1e-12)
+        est = layout_estimate(x, pc)[0]
+        assert est * 1e3 >= pc.lower_bound_ms(x) * (1 - 1e-12)
+        raised += est * 1e3 == pytest.approx(pc.lower_bound_ms(x), rel=1e-12)
+    assert raised
 
 
 def test_layout_estimate_charges_the_waves_of_sequences_a_stage_holds_one_at_a_time():
@@ -660,6 +664,7 @@ def _auto_checks(plan, lengths, cost=COST, **sim):
     for v in plan.baselines.values():  # skipped layouts: their optimistic estimate is no better
         if "skipped" in v and "estimated_lower_s" in v:
             assert v["estimated_lower_s"] >= plan.estimated_step_time_s
+    assert 0 < plan.lower_bound_step_time_s <= plan.estimated_step_time_s * (1 + 1e-12)  # (every candidate's)
     chosen = plan.solver_status.split("auto chose ", 1)[1].split(" (", 1)[0]
     assert chosen not in plan.baselines
     assert (chosen == "flexsp") == (plan.kind == "flexsp")
@@ -674,6 +679,12 @@ def test_auto_picks_the_fastest_of_flexsp_and_every_layout():
     # shards inside a node, FlexSP's micro-batches over all four nodes' IB: the replicas win
     plan = plan_auto(lengths, COST, time_limit=1.0)
     assert _auto_checks(plan, lengths) == "elastic_pp pp1 x sp8 x dp4"
+    # its bound: the least of FlexSP's and those of the layouts that hold the longest sequence
+    held = [PipelineCost(COST, P, d) for P, d in pipeline_layouts(COST)]
+    held = [pc for pc in held if longest_sequence(pc) >= lengths.max()]
+    assert 0 < len(held) < len(pipeline_layouts(COST))
+    assert plan.lower_bound_step_time_s == pytest.approx(
+        min([flexsp_bound_s(lengths, COST)] + [pc.lower_bound_ms(lengths) / 1e3 for pc in held]), rel=1e-12)
     # the InfiniPipe formula's per-chunk cost, b1 / pp (257 ms on pp 4 x sp 8 with the old b1 of
     # 1027 ms, 3.0x the derived 86 ms): FlexSP's single pass per micro-batch wins
     plan = plan_auto(lengths, COST, b1_scale=3.0, time_limit=1.0)

@@ -228,7 +228,7 @@ def finish_plan(name: str, pipes: list[Pipeline], lengths: np.ndarray, cost: Cos
     plan.solve_time_s = time.perf_counter() - start
     plan.estimated_step_time_s = res.step_time_s
     kept = np.delete(lengths, list(dropped)) if len(dropped) else lengths
-    plan.lower_bound_step_time_s = (float(pc.prefix_ms(kept).sum()) / pc.replicas + pc.fixed_ms) / 1e3
+    plan.lower_bound_step_time_s = pc.lower_bound_ms(kept) / 1e3
     return plan
 
 
