@@ -1,7 +1,7 @@
 """Lower bounds on the step time of a batch, for FlexSP-kind plans (with a barrier between
 micro-batches or without), for any layout of SP groups, and for elastic pipelines on one layout.
 
-Both bounds price a sequence of s tokens on a group of degree d as the cost model does:
+The first two price a sequence of s tokens on a group of degree d as the cost model does:
 t(s, d) = (a1 s^2 + a2 s) / d + s comm(d) (``CostModel.seq_time_ms``), plus lat(d), the group's
 all-to-all latency, once per group and micro-batch; every micro-batch pays b1
 (``micro_batch_fixed_ms``). They differ in which degrees a sequence may have:
