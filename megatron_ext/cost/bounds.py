@@ -68,12 +68,22 @@ ordered and recomputed:
   (compute_p + T comm + c F) / R, at least its share of the work plus one chunk, and the
   replica holding the longest sequence at least that sequence's work plus its ceil(s / t_max)
   chunks.
+- Recompute memory forces: a sequence of s tokens over a stage's cap (room / a, a = act L_s, plus
+  the output layer's per token on the last stage) is cut into slices; during its last slice's
+  backward (the first of its slices' backwards) every earlier slice is in flight, keeping its
+  activations less what recomputed layers free (act - input a token and layer) and its cached
+  K/V (kv L_s a token, kept under recompute). With the last slice at most the cap, s a +
+  (s - cap) kv L_s - (act - input) X <= room, so at least X token-layers of its slices are
+  recomputed on that stage. A token-layer recomputed costs a layer's forward share of the
+  token's work (its attention growing with its place in the sequence) and half its all-to-all
+  (``PipelineCost.recompute_ms``), so the least those X cost is every layer of the sequence's
+  first X / L_s tokens.
 - Fill and drain: stage p's first operation is a forward whose chunk has passed stages 0..p-1
   (each at least a forward's share of F, plus a handoff), and after its last, a backward, that
   chunk's backward still runs on stages p-1..0: p (F + 2 handoffs) outside stage p's work.
 So step >= max over p of (stage p's busiest replica + p (F + 2 handoffs)) + step sync. It ignores
-bubbles memory forces (in-flight chunks) and attention in recompute, so it is loose where memory
-binds: a floor for what any pipeline plan could gain, not an estimate.
+bubbles memory forces (few chunks in flight) and the recompute of chunks that are not slices,
+so it is loose where memory binds: a floor for what any pipeline plan could gain, not an estimate.
 """
 from __future__ import annotations
 
@@ -117,17 +127,24 @@ def pipeline_bound_ms(pc, lengths) -> float:
     if not s.size:
         return 0.0
     c = pc.cost
+    room, layers = pc.activation_room_mb, pc.layers_per_stage
     work = c.a1 * s * s + c.a2 * s  # whole-model one-GPU ms of each sequence, however it is cut
     fixed = pc.fixed_ms + 2 * c.cluster.pipeline_op_overhead_ms  # a chunk's, on one stage
-    t_max = pc.activation_room_mb / (pc.act_layer_mb * pc.layers_per_stage + float(pc.head_mb))
+    t_max = room / (pc.act_layer_mb * layers + float(pc.head_mb))  # (the last stage's cap)
     chunks = math.ceil(float(s.sum()) / t_max - 1e-9)
     handoffs = fixed + 2 * float(pc.p2p_ms(0)) if pc.pp > 1 else 0.0
+    freed = pc.act_layer_mb - pc.input_layer_mb  # MB a recomputed layer frees of a token
+    launch = float(pc.recompute_ms(0.0, 0.0, layers))  # (a chunk's, not a token's)
     longest = int(s.argmax())
     busiest = 0.0
     for p in range(pc.pp):
-        stage = float(pc.compute_ms(work.sum(), s.sum(), p)) + float(s.sum()) * pc.comm_ms_per_token
+        whole = pc.act_layer_mb * layers + (float(pc.head_mb) if p == pc.pp - 1 else 0.0)
+        over = np.maximum(0.0, s * whole + (s - room / whole) * pc.kv_layer_mb * layers - room)
+        first = np.minimum(s, np.where(s > room / whole, over, 0.0) / freed / layers) if freed > 0 else 0.0 * s
+        rec = pc.recompute_ms(c.a1 * first * first + c.a2 * first, first, layers) - launch
+        stage = float(pc.compute_ms(work.sum(), s.sum(), p)) + float(s.sum()) * pc.comm_ms_per_token + rec.sum()
         alone = float(pc.compute_ms(work[longest], s[longest], p)) + float(s[longest]) * pc.comm_ms_per_token \
-            + math.ceil(float(s[longest]) / t_max - 1e-9) * fixed
+            + math.ceil(float(s[longest]) / t_max - 1e-9) * fixed + rec[longest]
         busiest = max(busiest, max((stage + chunks * fixed) / pc.replicas, stage / pc.replicas + fixed, alone)
                       + p * handoffs)
     return busiest + pc.step_sync_ms

@@ -197,3 +197,39 @@ def test_pipeline_bound_below_every_pipeline_plan(zero, memory_mb):
         assert plan.lower_bound_step_time_s * 1e3 >= plain * (1 - 1e-12)
         planned += 1
     assert planned >= 6  # (some layouts cannot hold 40K tokens in 30 GB)
+
+
+def test_pipeline_bound_recompute_is_what_the_simulator_forces():
+    # a sequence over a stage's cap runs in slices; during its last slice's backward every earlier
+    # slice is in flight, so memory forces X token-layers of them to be recomputed: the planner's
+    # plan recomputes at least that, and one layer fewer than X is over the budget
+    from megatron_ext.cost.pipeline import PipelineCost
+    from megatron_ext.errors import InvalidPlanError
+    from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
+    from megatron_ext.sim import simulate
+
+    cost = CostModel.from_presets("llama-13b", "a800-80g-8x1", 3)
+    pc = PipelineCost(cost, 1, 8)
+    whole = pc.act_layer_mb * pc.layers_per_stage + float(pc.head_mb)
+    room, cap = pc.activation_room_mb, pc.activation_room_mb / whole
+    s = int(1.6 * cap)  # (under the longest a stage holds, ~1.9 caps)
+    X = (s * whole + (s - cap) * pc.kv_layer_mb * pc.layers_per_stage - room) / (pc.act_layer_mb - pc.input_layer_mb)
+    assert X > 0
+    plan = plan_elastic_pp(np.array([s]), cost, 1, 8)
+    chunks = sorted(plan.pipelines[0].chunks, key=lambda c: c.pieces[0].start)[:-1]  # all but the last slice
+    held = [(c, c.pieces[0].end - c.pieces[0].start) for c in chunks]
+    assert sum(c.recompute_layers_per_stage[0] * t for c, t in held) >= X
+    # the bound charges the least X token-layers can cost: every layer of the first X / L_s tokens
+    y = X / pc.layers_per_stage
+    least = float(pc.recompute_ms(cost.a1 * y * y + cost.a2 * y, y, pc.layers_per_stage)
+                  - pc.recompute_ms(0.0, 0.0, pc.layers_per_stage))
+    work = cost.a1 * s * s + cost.a2 * s
+    base = float(pc.compute_ms(work, s, 0)) + s * pc.comm_ms_per_token + pc.step_sync_ms
+    assert least > X * float(pc.recompute_ms(cost.a2, 1.0, 1) - pc.recompute_ms(0.0, 0.0, 1))  # (attention too)
+    assert pc.lower_bound_ms([s]) >= base + least
+    assert plan.estimated_step_time_s * 1e3 >= pc.lower_bound_ms([s])
+    while sum(c.recompute_layers_per_stage[0] * t for c, t in held) >= X:  # one layer fewer at a time
+        c, _ = max(held, key=lambda x: x[0].recompute_layers_per_stage[0] * (x[0].pieces[0].start + 1))
+        c.recompute_layers_per_stage[0] -= 1
+    with pytest.raises(InvalidPlanError, match="over the"):
+        simulate(plan, np.array([s]), cost)
