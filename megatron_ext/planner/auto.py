@@ -193,8 +193,9 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     left, from the candidates it built: ``plan_elastic_pp``'s ``builds``); where its likely step
     (that bound plus ``AUTO_FLEXSP_GAP`` of the way to BatchAda's) is no faster than the likeliest
     layout's order key, FlexSP's share is ``AUTO_FLEXSP_FLOOR`` (the layouts get the rest), until
-    that bound beats every plan so far by ``AUTO_PRUNE_MARGIN``. A layout's chunks are at least the slices memory
-    forces on its sequences (``forced_slices``)."""
+    that bound beats every plan so far by ``AUTO_PRUNE_MARGIN``; where no layout's lower bound
+    beats that likely step, the layouts' share is ``AUTO_FLEXSP_FLOOR``. A layout's chunks are at
+    least the slices memory forces on its sequences (``forced_slices``)."""
     start = time.perf_counter()
     opts = pipeline_options(options, overrides)
     lengths, ids = kept_sequences(lengths, seq_ids)
@@ -267,11 +268,11 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     # the layouts' estimates, but for those whose lower bound (far cheaper to know) is no faster
     # than a known step: no plan of theirs could be
     layouts = []
-    lows = [flexsp_bound_s(lengths[ids], flex_cost)] if with_flexsp else []
+    layout_lows = []  # (every runnable layout's lower bound)
     for pc in runnable:
         known, against = min([(ub, "BatchAda (FlexSP's upper bound)")] + [(t, n) for t, n, _ in plans])
         lower = pc.lower_bound_ms(lengths[ids]) / 1e3
-        lows.append(lower)
+        layout_lows.append(lower)
         if lower >= known:
             alts[layout_name(pc)] = {"skipped": f"its lower bound {lower:.2f} s is no faster than {against} "
                                                 f"({known:.2f} s)", "estimated_lower_s": lower}
@@ -292,6 +293,12 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     layouts.sort(key=lambda x: (x[0], x[2]))  # (order key, name)
     flex_likely = flex_lb + AUTO_FLEXSP_GAP * (ub - flex_lb) if math.isfinite(ub) else flex_lb
     share = AUTO_FLEXSP_SHARE if not layouts or flex_likely < layouts[0][0] else AUTO_FLEXSP_FLOOR
+    if layouts and math.isfinite(ub) and flex_likely <= min(layout_lows):
+        # no layout's lower bound beats FlexSP's likely step: the layouts keep AUTO_FLEXSP_FLOOR
+        # of the limit, FlexSP the rest (gpt-30b on 128 A100-40GB, 96K GitHub, ZeRO-3: likely
+        # 52.2 s, the layouts' bounds 53.7 s and over; FlexSP 55.4 s in its share, 54.0 s in the
+        # rest; by their estimates instead, six cells that layouts won lost up to 8%)
+        share = 1 - AUTO_FLEXSP_FLOOR
 
     def layouts_end_at(share: float) -> float:
         # FlexSP's share, or at least AUTO_FLEXSP_MIN_X x what BatchAda took: FlexSP packs, times and
@@ -403,7 +410,8 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     plan.solver_status = f"auto chose {chosen} ({step:.2f} s" + (f"; vs {others}" if others else "") + \
                          f"); {plan.solver_status}"
     plan.baselines = {k: v for k, v in alts.items() if k != chosen}
-    plan.lower_bound_step_time_s = min(lows, default=plan.lower_bound_step_time_s)
+    plan.lower_bound_step_time_s = min(layout_lows + ([flexsp_bound_s(lengths[ids], flex_cost)] if with_flexsp else []),
+                                       default=plan.lower_bound_step_time_s)
     plan.planner = "auto"
     plan.solve_time_s = time.perf_counter() - start
     return plan

@@ -848,39 +848,46 @@ def test_auto_keeps_the_reserve_where_no_flexsp_follows_the_layouts(layout_deadl
     assert max(layout_deadlines) <= start + 1.0 * (1 - auto.AUTO_RESERVE) + 0.01
 
 
-@pytest.mark.parametrize("cluster, ctx, dist, keeps", [
+@pytest.mark.parametrize("model, cluster, ctx, dist, keeps", [
     # gpt-13b on 32 A800-80GB, 96K GitHub: FlexSP's likely step (68.3 s + a tenth of the way to
     # BatchAda's 75.6 s) beats the likeliest layout's order key (70.9 s); FlexSP wins, 72.2 s
-    ("a800-80g-8x4", 96, "github", True),
+    ("gpt-13b", "a800-80g-8x4", 96, "github", "share"),
     # gpt-13b on 128 A100-40GB, 192K CommonCrawl: FlexSP's lower bound (40.8 s) falls between the
     # likeliest layout's estimate (39.2 s) and its order key (41.3 s), its likely step (41.6 s)
     # does not; the layout planned 39.7 s in the whole second, 41.2 s in what FlexSP's share left
     # it, FlexSP 44.0 s
-    ("a100-40g-8x16", 192, "commoncrawl", False),
+    ("gpt-13b", "a100-40g-8x16", 192, "commoncrawl", "floor"),
+    # gpt-30b on 128 A100-40GB, 96K GitHub: FlexSP's likely step (52.2 s) beats every layout's
+    # lower bound (53.7 s and over): the layouts keep the floor share, FlexSP the rest
+    ("gpt-30b", "a100-40g-8x16", 96, "github", "most"),
 ])
 def test_auto_keeps_flexsp_its_share_where_its_likely_step_beats_the_likeliest_layouts_order_key(
-        layout_deadlines, cluster, ctx, dist, keeps):
+        layout_deadlines, model, cluster, ctx, dist, keeps):
     import megatron_ext.planner.auto as auto
 
-    cost = CostModel.from_presets("gpt-13b", cluster, 3)
+    cost = CostModel.from_presets(model, cluster, 3)
     lengths = sample_lengths(dist, 512, 0, ctx * 1024)
     lb = cost.lower_bound_ms(lengths) / 1e3
     ub = plan_sp("batchada", batchada, lengths, cost, PlannerOptions()).estimated_step_time_s
     likely = lb + auto.AUTO_FLEXSP_GAP * (ub - lb)
-    keys = []
+    keys, bounds = [], []
     for P, d in pipeline_layouts(cost):
         pc = PipelineCost(cost, P, d)
         if lengths.max() <= longest_sequence(pc, 128):
             keys.append(layout_order_key(lengths, pc, layout_estimate(lengths, pc)[0]))
-    assert lb < min(keys) and (likely < min(keys)) == keeps
+            bounds.append(pc.lower_bound_ms(lengths) / 1e3)
+    assert lb < min(keys) and (likely < min(keys)) == (keeps != "floor")
+    assert (likely <= min(bounds)) == (keeps == "most")
     start = time.perf_counter()
     plan_auto(lengths, cost, time_limit=1.0)
     assert layout_deadlines
     share_end = start + 1.0 * (1 - auto.AUTO_FLEXSP_SHARE)
-    if keeps:  # the layouts end at 1 - AUTO_FLEXSP_SHARE of the limit
+    if keeps == "share":  # the layouts end at 1 - AUTO_FLEXSP_SHARE of the limit
         assert max(layout_deadlines) <= share_end + 0.01
-    else:  # ... at 1 - AUTO_FLEXSP_FLOOR
+    elif keeps == "floor":  # ... at 1 - AUTO_FLEXSP_FLOOR
         assert share_end + 0.1 < max(layout_deadlines) <= start + 1.0 * (1 - auto.AUTO_FLEXSP_FLOOR) + 0.01
+    else:  # ... at AUTO_FLEXSP_FLOOR
+        assert max(layout_deadlines) <= start + 1.0 * auto.AUTO_FLEXSP_FLOOR + 0.01
 
 
 def test_auto_holds_every_candidate_to_one_memory_budget():
