@@ -139,6 +139,11 @@ def _head(plan, lengths, cost) -> str:
             f"{cost.cluster.name} ({cost.num_gpus} GPUs)")
 
 
+def _bound_name(plan) -> str:
+    """What a plan's ``lower_bound_step_time_s`` bounds: auto's, every candidate it could choose."""
+    return "lower bound of every candidate" if plan.planner == "auto" else "lower bound"
+
+
 def _plan_table(plan, lengths, cost, limit: int) -> str:
     """``limit``: the length past which the planner dropped sequences."""
     lines = [_head(plan, lengths, cost), ""]
@@ -160,7 +165,7 @@ def _plan_table(plan, lengths, cost, limit: int) -> str:
         lines.append(f"{m:>3} {mb.estimated_time_s:>8.3f}  " + "; ".join(parts))
     lb = plan.lower_bound_step_time_s
     rb = plan.relaxed_bound_step_time_s
-    bound = "lower bound of every candidate" if plan.planner == "auto" else "lower bound"
+    bound = _bound_name(plan)
     lines += ["", f"estimated step time {plan.estimated_step_time_s:.3f} s   {bound} {lb:.3f} s "
               f"({plan.estimated_step_time_s / lb:.3f}x)   solved in {plan.solve_time_s * 1e3:.0f} ms "
               f"[{plan.solver_status}]"]
@@ -328,7 +333,7 @@ def describe_plan(plan, lengths, result=None) -> str:
         ids = plan.dropped_seq_ids
         lines.append(f"dropped {plural(len(ids), 'sequence')} over the length limit "
                      f"({int(lengths[ids].max()):,} tokens the longest): ids {ids[:10]}{' ...' if len(ids) > 10 else ''}")
-    bound = "lower bound of every candidate" if plan.planner == "auto" else "lower bound"
+    bound = _bound_name(plan)
     lines.append(f"estimated step time {plan.estimated_step_time_s:.3f} s ({bound} {plan.lower_bound_step_time_s:.3f} s), "
                  f"planned in {plan.solve_time_s * 1e3:.0f} ms")
     if result is not None:

@@ -137,7 +137,8 @@ def pipeline_bound_ms(pc, lengths) -> float:
     launch = float(pc.recompute_ms(0.0, 0.0, layers))  # (a chunk's, not a token's)
     longest = int(s.argmax())
     busiest = 0.0
-    for p in range(pc.pp):
+    # (stages before the last do the same work and wait p handoffs: of them, the last but one binds)
+    for p in range(max(0, pc.pp - 2), pc.pp):
         whole = pc.act_layer_mb * layers + (float(pc.head_mb) if p == pc.pp - 1 else 0.0)
         over = np.maximum(0.0, s * whole + (s - room / whole) * pc.kv_layer_mb * layers - room)
         first = np.minimum(s, np.where(s > room / whole, over, 0.0) / freed / layers) if freed > 0 else 0.0 * s
