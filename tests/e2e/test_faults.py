@@ -325,3 +325,33 @@ def test_root_cause_is_a_killed_rank_among_those_failing_together():
     # else the first torchrun saw: not the lowest rank, nor one it stopped with SIGTERM
     assert root_cause({3: failure(100, 2), 0: failure(100, 143), 1: failure(100, -15)})[0] == 3
     assert root_cause({0: failure(101, -9), 1: failure(100, 1)})[0] == 1
+
+
+def test_only_the_rendezvous_timers_join_race_is_silenced(monkeypatch, capsys):
+    # torch's rendezvous timer stopped by its finalizer on its own thread: dropped; the same error
+    # elsewhere, or another error there, still reaches stderr
+    from megatron_ext.runtime.torchrun import quiet_rendezvous_stop
+
+    def unraisable(filename: str, message: str):
+        """What the interpreter passes its hook for an error raised in a finalizer, by
+        ``_stop_thread`` of ``filename``."""
+        scope: dict = {}
+        exec(compile(f"def _stop_thread():\n    raise RuntimeError({message!r})\n", filename, "exec"), scope)
+
+        class Finalized:
+            def __del__(self):
+                scope["_stop_thread"]()
+
+        seen = []
+        monkeypatch.setattr(sys, "unraisablehook", seen.append)
+        Finalized()  # (collected at once: its __del__ raises, unraisable)
+        monkeypatch.undo()
+        return seen[0]
+
+    torch_file = "/x/torch/distributed/elastic/rendezvous/utils.py"
+    quiet_rendezvous_stop(unraisable(torch_file, "cannot join current thread"))
+    assert capsys.readouterr().err == ""
+    for args in ((torch_file, "something else"), ("/x/ours.py", "cannot join current thread")):
+        quiet_rendezvous_stop(unraisable(*args))
+        err = capsys.readouterr().err
+        assert "Traceback" in err and args[1] in err
