@@ -113,7 +113,10 @@ def targets(row: dict) -> str:
         miss.append(f"vs flexsp {d['auto_vs_flexsp']:.2f}x < {flex_t} (needs auto at {need:.2f}x the floor" +
                     (f", under the bound's {bound:.2f}x: out of reach)" if bound is not None and bound > need else ")"))
     if hard and d["auto_vs_seq1f1b"] is not None and d["auto_vs_seq1f1b"] < 1.2:
-        miss.append(f"vs seq1f1b {d['auto_vs_seq1f1b']:.2f}x < 1.2")
+        # the target needs auto at Seq1F1B's step / 1.2 (below the bound: out of reach)
+        need = row["seq1f1b_s"] / 1.2 / row["floor_s"]
+        miss.append(f"vs seq1f1b {d['auto_vs_seq1f1b']:.2f}x < 1.2 (needs auto at {need:.2f}x the floor" +
+                    (f", under the bound's {bound:.2f}x: out of reach)" if bound is not None and bound > need else ")"))
     note = " (FlexSP cannot run)" if d["auto_vs_flexsp"] is None else ""
     return ("; ".join(miss) if miss else "met") + note
 

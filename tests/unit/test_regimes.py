@@ -41,6 +41,12 @@ def test_targets_say_which_misses_the_bound_puts_out_of_reach(regimes):
     beyond = regimes.targets(_row(auto_s=14.0, flexsp_s=16.0, seq1f1b_s=17.0, bound_s=13.6))
     assert "floor 1.40x > 1.35 (out of reach: bound 1.36x)" in beyond
     assert "needs auto at 1.23x the floor, under the bound's 1.36x: out of reach" in beyond
+    # Seq1F1B at 17 s: 1.2x over it needs auto at 14.17 s, 1.42x the floor
+    assert "vs seq1f1b" not in beyond and "vs seq1f1b" not in reachable
+    slow = regimes.targets(_row(auto_s=14.0, flexsp_s=16.0, seq1f1b_s=15.0, bound_s=13.6))
+    assert "vs seq1f1b 1.07x < 1.2 (needs auto at 1.25x the floor, under the bound's 1.36x: out of reach)" in slow
+    assert "vs seq1f1b 1.07x < 1.2 (needs auto at 1.25x the floor)" in regimes.targets(
+        _row(auto_s=14.0, flexsp_s=16.0, seq1f1b_s=15.0, bound_s=11.0))
     assert regimes.targets(_row(auto_s=12.0, flexsp_s=16.0, seq1f1b_s=15.0, bound_s=11.0)) == "met"
     # rows of an older run, without a bound, read as before
     assert "out of reach" not in regimes.targets(_row(auto_s=14.0, flexsp_s=16.0, seq1f1b_s=17.0))
