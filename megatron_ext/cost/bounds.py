@@ -65,9 +65,10 @@ ordered and recomputed:
   layers re-run), so a chunk of t tokens needs t (act L_s + head) <= room on the last stage:
   at least c = ceil(T / t_max) chunks, each paying on every stage its fixed cost and two
   operation overheads (F). The R replicas share them: stage p's busiest replica works at least
-  (compute_p + T comm + c F) / R, at least its share of the work plus one chunk, and the
-  replica holding the longest sequence at least that sequence's work plus its ceil(s / t_max)
-  chunks.
+  (compute_p + T comm + c F) / R, at least its share of the work plus one chunk.
+- Sequences held together: a sequence runs on one replica, so of the k R + 1 longest some replica
+  holds k + 1, and its stage works at least the k + 1 shortest of those (with the chunks their
+  tokens force); k = 0 is the longest sequence alone.
 - Recompute memory forces: a sequence of s tokens over a stage's cap (room / a, a = act L_s, plus
   the output layer's per token on the last stage) is cut into slices; during its last slice's
   backward (the first of its slices' backwards) every earlier slice is in flight, keeping its
@@ -81,9 +82,20 @@ ordered and recomputed:
 - Fill and drain: stage p's first operation is a forward whose chunk has passed stages 0..p-1
   (each at least a forward's share of F, plus a handoff), and after its last, a backward, that
   chunk's backward still runs on stages p-1..0: p (F + 2 handoffs) outside stage p's work.
-So step >= max over p of (stage p's busiest replica + p (F + 2 handoffs)) + step sync. It ignores
-bubbles memory forces (few chunks in flight) and the recompute of chunks that are not slices,
-so it is loose where memory binds: a floor for what any pipeline plan could gain, not an estimate.
+- The longest sequence's chain: cut into K slices (at least ceil(s / t_max)), on every stage its
+  forwards run in order and its backwards in reverse (a later slice attends to the earlier ones'
+  K/V). So, for the slice i with the most compute, this runs one after another: stage 0's
+  forwards of slices 1..i, stages 1..P-2's forward of i, stage P-1's forwards of i..K and
+  backwards of K..i, stages P-2..1's backward of i, stage 0's backwards of i..1. That is the
+  sequence's whole work on one stage (C, on stage 0, which has no output layer), P - 1 more
+  passes of slice i (at least C / K each), K + P - 1 fixed costs and 2 (P - 1) handoffs: at
+  least C + min over K of ((P - 1) C / K + K F) + (P - 1) (F + 2 handoffs). Slicing finer
+  shortens the passes the other stages wait for and adds fixed costs; a single sequence's plan
+  comes within 1-2% of it.
+So step >= max(max over p of (stage p's busiest replica + p (F + 2 handoffs)), the chain) + step
+sync. It ignores bubbles memory forces (few chunks in flight) and the recompute of chunks that are
+not slices, so it is loose where memory binds: a floor for what any pipeline plan could gain, not
+an estimate.
 """
 from __future__ import annotations
 
@@ -144,11 +156,35 @@ def pipeline_bound_ms(pc, lengths) -> float:
         first = np.minimum(s, np.where(s > room / whole, over, 0.0) / freed / layers) if freed > 0 else 0.0 * s
         rec = pc.recompute_ms(c.a1 * first * first + c.a2 * first, first, layers) - launch
         stage = float(pc.compute_ms(work.sum(), s.sum(), p)) + float(s.sum()) * pc.comm_ms_per_token + rec.sum()
-        alone = float(pc.compute_ms(work[longest], s[longest], p)) + float(s[longest]) * pc.comm_ms_per_token \
-            + math.ceil(float(s[longest]) / t_max - 1e-9) * fixed + rec[longest]
-        busiest = max(busiest, max((stage + chunks * fixed) / pc.replicas, stage / pc.replicas + fixed, alone)
+        held = _held_together_ms(pc.compute_ms(work, s, p) + s * pc.comm_ms_per_token + rec, s, pc.replicas,
+                                 t_max, fixed)
+        busiest = max(busiest, max((stage + chunks * fixed) / pc.replicas, stage / pc.replicas + fixed, held)
                       + p * handoffs)
-    return busiest + pc.step_sync_ms
+    return max(busiest, _slice_chain_ms(pc, float(s[longest]), float(work[longest]), t_max, fixed)) + pc.step_sync_ms
+
+
+def _held_together_ms(ms: np.ndarray, tokens: np.ndarray, replicas: int, t_max: float, fixed: float) -> float:
+    """The least work some replica's stage holds (module docstring, "Sequences held together"):
+    ``ms``, each sequence's work on the stage; the fixed costs of the chunks their tokens force."""
+    order = np.argsort(-tokens, kind="stable")
+    e = np.concatenate([[0.0], np.cumsum(ms[order])])
+    t = np.concatenate([[0.0], np.cumsum(tokens[order])])
+    k = np.arange((len(tokens) - 1) // replicas + 1)
+    top = k * replicas + 1  # the longest k R + 1 ...
+    low = top - k - 1  # ... of which the shortest k + 1 start here
+    return float(np.max(e[top] - e[low] + np.ceil((t[top] - t[low]) / t_max - 1e-9) * fixed))
+
+
+def _slice_chain_ms(pc, tokens: float, work: float, t_max: float, fixed: float) -> float:
+    """The longest sequence's chain across the stages (module docstring), at the best K memory
+    allows (at most one slice a token)."""
+    if pc.pp == 1:
+        return 0.0
+    c = float(pc.compute_ms(work, tokens, 0)) + tokens * pc.comm_ms_per_token  # (stage 0: no output layer)
+    least = max(1, math.ceil(tokens / t_max - 1e-9))
+    best = math.sqrt((pc.pp - 1) * c / fixed) if fixed > 0 else tokens
+    ks = {min(max(least, k), max(least, int(tokens))) for k in (math.floor(best), math.ceil(best))}
+    return c + min((pc.pp - 1) * c / k + k * fixed for k in ks) + (pc.pp - 1) * (fixed + 2 * float(pc.p2p_ms(0)))
 
 
 def cheapest_gpu_ms(cost, lengths) -> np.ndarray:

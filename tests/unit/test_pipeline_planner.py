@@ -974,7 +974,7 @@ def test_auto_keeps_flexsp_what_its_packing_and_checks_take(monkeypatch, layout_
     import megatron_ext.planner.auto as auto_mod
 
     cost = CostModel.from_presets("llama-13b", "a800-80g-8x4", 1)
-    lengths = sample_lengths("github", 64, 0, 32 * 1024)
+    lengths = sample_lengths("github", 128, 0, 16 * 1024)  # (layouts planned, and FlexSP after them)
     real_plan_sp = auto_mod.plan_sp
 
     def slow_batchada(name, *a, **k):
