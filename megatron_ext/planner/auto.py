@@ -189,8 +189,8 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     limit is not started while FlexSP or another layout can run. FlexSP goes last, in all the time
     left but ``AUTO_RESERVE`` of the limit (for its plan's check; without FlexSP the layouts leave
     it, for the last one's), unless its lower bound (``CostModel.lower_bound_ms``) is no faster
-    than a layout's plan (with no FlexSP to plan, the fastest layout is planned again in the time
-    left, from the candidates it built: ``plan_elastic_pp``'s ``builds``); where its likely step
+    than a layout's plan (in time FlexSP leaves, or with no FlexSP to plan, the fastest layout is
+    planned again, from the candidates it built: ``plan_elastic_pp``'s ``builds``); where its likely step
     (that bound plus ``AUTO_FLEXSP_GAP`` of the way to BatchAda's) is no faster than the likeliest
     layout's order key, FlexSP's share is ``AUTO_FLEXSP_FLOOR`` (the layouts get the rest), until
     that bound beats every plan so far by ``AUTO_PRUNE_MARGIN``; where no layout's lower bound
@@ -363,27 +363,6 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         took.append(time.perf_counter() - t0)
         overran.append(max(0.0, took[-1] - limit))
     best = min((t for t, _, _ in plans), default=math.inf)
-    # time left and no FlexSP to plan in it (it cannot run, or its bound loses): the fastest layout is
-    # planned again, resuming from the candidates it built, where that time is at least half what it
-    # took (its searches pass the candidates built again first); a tied layout pruned after it had
-    # left it half the second (gpt-13b on 128 A100-40GB, 192K, ZeRO-1: 8 x 8 x 2 36.59 s in 0.5 s,
-    # 36.35 s resumed, as in the whole second alone)
-    left = start + budget * (1 - AUTO_RESERVE) - time.perf_counter()
-    flexsp_runs = with_flexsp and math.isfinite(ub) and flex_lb < best
-    if fastest is not None and not flexsp_runs and left >= max(0.05, fastest[4] / 2):
-        name, P, d, builds, _ = fastest
-        t0 = time.perf_counter()
-        try:
-            sub = plan_elastic_pp(lengths, cost, P, d, dataclasses.replace(opts, time_limit=left), seq_ids=ids,
-                                  keep_to_limit=True, builds=builds)
-            if sub.estimated_step_time_s < best:
-                first = alts[name]["solve_time_s"]
-                plans[:] = [x for x in plans if x[1] != name]
-                record(name, sub, t0)
-                alts[name]["solve_time_s"] += first
-                best = sub.estimated_step_time_s
-        except MegatronExtError:
-            pass  # (the plan made stands)
     if with_flexsp and flex_lb >= best:
         alts["flexsp"] = {"skipped": f"its lower bound {flex_lb:.2f} s is no faster than the best layout "
                                      f"({best:.2f} s)",
@@ -397,6 +376,26 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
             record("flexsp", flexsp, t0)
         except MegatronExtError as e:
             alts["flexsp"] = {"error": str(e)}
+    # time left (no FlexSP to plan, or FlexSP solved before its limit): the fastest layout is planned
+    # again, resuming from the candidates it built, where that time is at least half what it took
+    # (its searches pass the candidates built again first); a tied layout pruned after it had left
+    # it half the second (gpt-13b on 128 A100-40GB, 192K, ZeRO-1: 8 x 8 x 2 36.59 s in 0.5 s, 36.35 s
+    # resumed, as in the whole second alone), and FlexSP, solved in 0.16 s, the layouts' floor share
+    # (gpt-30b on 256 A800s, 192K CommonCrawl, ZeRO-3: 4 x 8 x 8 44.88 s in it, 41.65 s resumed)
+    left = start + budget * (1 - AUTO_RESERVE) - time.perf_counter()
+    if fastest is not None and left >= max(0.05, fastest[4] / 2):
+        name, P, d, builds, _ = fastest
+        t0 = time.perf_counter()
+        try:
+            sub = plan_elastic_pp(lengths, cost, P, d, dataclasses.replace(opts, time_limit=left), seq_ids=ids,
+                                  keep_to_limit=True, builds=builds)
+            if sub.estimated_step_time_s < alts[name]["estimated_step_time_s"]:
+                first = alts[name]["solve_time_s"]
+                plans[:] = [x for x in plans if x[1] != name]
+                record(name, sub, t0)
+                alts[name]["solve_time_s"] += first
+        except MegatronExtError:
+            pass  # (the plan made stands)
     if not plans:
         raise InfeasibleError("auto: no layout can run this batch: " +
                               "; ".join(f"{k}: {v.get('error', v.get('skipped'))}" for k, v in alts.items()))

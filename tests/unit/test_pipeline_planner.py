@@ -849,6 +849,40 @@ def test_auto_keeps_the_reserve_where_no_flexsp_follows_the_layouts(layout_deadl
     assert max(layout_deadlines) <= start + 1.0 * (1 - auto.AUTO_RESERVE) + 0.01
 
 
+def test_auto_resumes_the_fastest_layout_in_the_time_flexsp_leaves(monkeypatch):
+    # gpt-30b on 256 A800s, 192K CommonCrawl, ZeRO-3: the layouts keep the floor share (FlexSP's
+    # likely step beats their bounds), FlexSP solves in a fraction of the rest and loses; the
+    # fastest layout is then planned again, from its candidates, in the time left
+    import megatron_ext.planner.auto as auto
+
+    calls = []  # ("flexsp" | (pp, sp), start, end)
+    real_layout, real_sp = auto.plan_elastic_pp, auto.plan_sp
+
+    def layout(lengths, cost, P, d, opts, **k):
+        t0 = time.perf_counter()
+        plan = real_layout(lengths, cost, P, d, opts, **k)
+        calls.append(((P, d), t0, time.perf_counter()))
+        return plan
+
+    def sp(name, *a, **k):
+        t0 = time.perf_counter()
+        plan = real_sp(name, *a, **k)
+        calls.append((name, t0, time.perf_counter()))
+        return plan
+
+    monkeypatch.setattr(auto, "plan_elastic_pp", layout)
+    monkeypatch.setattr(auto, "plan_sp", sp)
+    cost = CostModel.from_presets("gpt-30b", "a800-80g-8x32", 3)
+    lengths = sample_lengths("commoncrawl", 512, 0, 192 * 1024)
+    start = time.perf_counter()
+    plan = plan_auto(lengths, cost, time_limit=1.0)
+    flexsp_end = next(end for who, _, end in calls if who == "flexsp")
+    assert flexsp_end - start < 0.8  # (it solved early)
+    again = [who for who, t0, _ in calls if t0 >= flexsp_end and who != "flexsp"]
+    assert again and plan.solver_status.startswith(f"auto chose elastic_pp pp{again[0][0]} x sp{again[0][1]}")
+    assert plan.estimated_step_time_s < plan.baselines["flexsp"]["estimated_step_time_s"]
+
+
 @pytest.mark.parametrize("model, cluster, ctx, dist, keeps", [
     # gpt-13b on 32 A800-80GB, 96K GitHub: FlexSP's likely step (68.3 s + a tenth of the way to
     # BatchAda's 75.6 s) beats the likeliest layout's order key (70.9 s); FlexSP wins, 72.2 s
