@@ -378,10 +378,11 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
             alts["flexsp"] = {"error": str(e)}
     # time left (no FlexSP to plan, or FlexSP solved before its limit): the fastest layout is planned
     # again, resuming from the candidates it built, where that time is at least half what it took
-    # (its searches pass the candidates built again first); a tied layout pruned after it had left
-    # it half the second (gpt-13b on 128 A100-40GB, 192K, ZeRO-1: 8 x 8 x 2 36.59 s in 0.5 s, 36.35 s
-    # resumed, as in the whole second alone), and FlexSP, solved in 0.16 s, the layouts' floor share
-    # (gpt-30b on 256 A800s, 192K CommonCrawl, ZeRO-3: 4 x 8 x 8 44.88 s in it, 41.65 s resumed)
+    # (its searches pass the candidates built again first). It had planned in less than the whole
+    # second: beside a tied layout its plan then pruned (gpt-13b on 128 A100-40GB, 192K, ZeRO-1:
+    # 8 x 8 x 2 36.59 s in 0.5 s, 36.35 s resumed, as in the whole second alone), or in the layouts'
+    # floor share (gpt-30b on 256 A800s, 192K CommonCrawl, ZeRO-3: FlexSP solved in 0.16 s, 44.87 s;
+    # 4 x 8 x 8 44.88 s in that share, 41.14 s resumed)
     left = start + budget * (1 - AUTO_RESERVE) - time.perf_counter()
     if fastest is not None and left >= max(0.05, fastest[4] / 2):
         name, P, d, builds, _ = fastest
