@@ -875,9 +875,9 @@ def test_auto_resumes_the_fastest_layout_in_the_time_flexsp_leaves(monkeypatch):
     cost = CostModel.from_presets("gpt-30b", "a800-80g-8x32", 3)
     lengths = sample_lengths("commoncrawl", 512, 0, 192 * 1024)
     start = time.perf_counter()
-    plan = plan_auto(lengths, cost, time_limit=1.0)
+    plan = plan_auto(lengths, cost, time_limit=2.0)  # (slack for a loaded machine)
     flexsp_end = next(end for who, _, end in calls if who == "flexsp")
-    assert flexsp_end - start < 0.8  # (it solved early)
+    assert flexsp_end - start < 1.6  # (it solved early)
     again = [who for who, t0, _ in calls if t0 >= flexsp_end and who != "flexsp"]
     assert again and plan.solver_status.startswith(f"auto chose elastic_pp pp{again[0][0]} x sp{again[0][1]}")
     assert plan.estimated_step_time_s < plan.baselines["flexsp"]["estimated_step_time_s"]
