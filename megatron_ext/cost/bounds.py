@@ -135,7 +135,7 @@ def barrier_free_bound_ms(cost, lengths) -> float:
 
 def pipeline_bound_ms(pc, lengths) -> float:
     """No pipeline plan on ``pc``'s layout (a ``PipelineCost``) runs the batch faster (module docstring)."""
-    s = np.asarray(lengths, dtype=np.float64)
+    s = np.sort(np.asarray(lengths, dtype=np.float64))[::-1]  # longest first
     if not s.size:
         return 0.0
     c = pc.cost
@@ -147,7 +147,6 @@ def pipeline_bound_ms(pc, lengths) -> float:
     handoffs = fixed + 2 * float(pc.p2p_ms(0)) if pc.pp > 1 else 0.0
     freed = pc.act_layer_mb - pc.input_layer_mb  # MB a recomputed layer frees of a token
     launch = float(pc.recompute_ms(0.0, 0.0, layers))  # (a chunk's, not a token's)
-    longest = int(s.argmax())
     busiest = 0.0
     # (stages before the last do the same work and wait p handoffs: of them, the last but one binds)
     for p in range(max(0, pc.pp - 2), pc.pp):
@@ -160,15 +159,15 @@ def pipeline_bound_ms(pc, lengths) -> float:
                                  t_max, fixed)
         busiest = max(busiest, max((stage + chunks * fixed) / pc.replicas, stage / pc.replicas + fixed, held)
                       + p * handoffs)
-    return max(busiest, _slice_chain_ms(pc, float(s[longest]), float(work[longest]), t_max, fixed)) + pc.step_sync_ms
+    return max(busiest, _slice_chain_ms(pc, float(s[0]), float(work[0]), t_max, fixed)) + pc.step_sync_ms
 
 
 def _held_together_ms(ms: np.ndarray, tokens: np.ndarray, replicas: int, t_max: float, fixed: float) -> float:
     """The least work some replica's stage holds (module docstring, "Sequences held together"):
-    ``ms``, each sequence's work on the stage; the fixed costs of the chunks their tokens force."""
-    order = np.argsort(-tokens, kind="stable")
-    e = np.concatenate([[0.0], np.cumsum(ms[order])])
-    t = np.concatenate([[0.0], np.cumsum(tokens[order])])
+    ``ms``, each sequence's work on the stage, longest first; the fixed costs of the chunks their
+    tokens force."""
+    e = np.concatenate([[0.0], np.cumsum(ms)])
+    t = np.concatenate([[0.0], np.cumsum(tokens)])
     k = np.arange((len(tokens) - 1) // replicas + 1)
     top = k * replicas + 1  # the longest k R + 1 ...
     low = top - k - 1  # ... of which the shortest k + 1 start here
