@@ -251,7 +251,7 @@ def test_pipeline_bound_follows_one_long_sequence_across_the_stages(cluster, pp,
     assert pc.replicas == 1
     bound = pc.lower_bound_ms([tokens]) / 1e3
     plan = plan_elastic_pp(np.array([tokens]), cost, pp, 8)
-    assert bound <= plan.estimated_step_time_s <= 1.02 * bound
+    assert bound <= plan.estimated_step_time_s <= 1.03 * bound  # (1.006x and 1.018x)
     work = pc.stage_ms(cost.a1 * tokens ** 2 + cost.a2 * tokens, tokens, 0) + pc.step_sync_ms
     assert bound > 1.15 * work / 1e3
     for k in (1, 2, 3, 5, 8, 13, 21):
