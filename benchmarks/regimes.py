@@ -103,20 +103,20 @@ def targets(row: dict) -> str:
     floor_t, flex_t = (1.35, 1.3) if hard else (1.15, 1.10)
     bound = d["bound_over_floor"]  # (no plan of auto's candidates is faster: over a target, out of reach)
     miss = []
+
+    def speedup_miss(name: str, speedup: float, target: float, other_s: float) -> str:
+        # the target needs auto at the other planner's step / target (below the bound: out of reach)
+        need = other_s / target / row["floor_s"]
+        return (f"vs {name} {speedup:.2f}x < {target} (needs auto at {need:.2f}x the floor" +
+                (f", under the bound's {bound:.2f}x: out of reach)" if bound is not None and bound > need else ")"))
+
     if d["auto_over_floor"] > floor_t:
         miss.append(f"floor {d['auto_over_floor']:.2f}x > {floor_t}" +
                     (f" (out of reach: bound {bound:.2f}x)" if bound is not None and bound > floor_t else ""))
     if d["auto_vs_flexsp"] is not None and d["auto_vs_flexsp"] < flex_t:
-        # the most any plan could gain over FlexSP is FlexSP / floor: the target needs auto at
-        # FlexSP / floor / target of the floor (below the bound: out of reach)
-        need = d["flexsp_over_floor"] / flex_t
-        miss.append(f"vs flexsp {d['auto_vs_flexsp']:.2f}x < {flex_t} (needs auto at {need:.2f}x the floor" +
-                    (f", under the bound's {bound:.2f}x: out of reach)" if bound is not None and bound > need else ")"))
+        miss.append(speedup_miss("flexsp", d["auto_vs_flexsp"], flex_t, row["flexsp_s"]))
     if hard and d["auto_vs_seq1f1b"] is not None and d["auto_vs_seq1f1b"] < 1.2:
-        # the target needs auto at Seq1F1B's step / 1.2 (below the bound: out of reach)
-        need = row["seq1f1b_s"] / 1.2 / row["floor_s"]
-        miss.append(f"vs seq1f1b {d['auto_vs_seq1f1b']:.2f}x < 1.2 (needs auto at {need:.2f}x the floor" +
-                    (f", under the bound's {bound:.2f}x: out of reach)" if bound is not None and bound > need else ")"))
+        miss.append(speedup_miss("seq1f1b", d["auto_vs_seq1f1b"], 1.2, row["seq1f1b_s"]))
     note = " (FlexSP cannot run)" if d["auto_vs_flexsp"] is None else ""
     return ("; ".join(miss) if miss else "met") + note
 

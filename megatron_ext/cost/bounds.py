@@ -154,12 +154,12 @@ def pipeline_bound_ms(pc, lengths) -> float:
         over = np.maximum(0.0, s * whole + (s - room / whole) * pc.kv_layer_mb * layers - room)
         first = np.minimum(s, np.where(s > room / whole, over, 0.0) / freed / layers) if freed > 0 else 0.0 * s
         rec = pc.recompute_ms(c.a1 * first * first + c.a2 * first, first, layers) - launch
-        stage = float(pc.compute_ms(work.sum(), s.sum(), p)) + float(s.sum()) * pc.comm_ms_per_token + rec.sum()
-        held = _held_together_ms(pc.compute_ms(work, s, p) + s * pc.comm_ms_per_token + rec, s, pc.replicas,
-                                 t_max, fixed)
+        each = pc.compute_ms(work, s, p) + s * pc.comm_ms_per_token + rec  # every sequence's work on the stage
+        stage = float(each.sum())
+        held = _held_together_ms(each, s, pc.replicas, t_max, fixed)
         busiest = max(busiest, max((stage + chunks * fixed) / pc.replicas, stage / pc.replicas + fixed, held)
                       + p * handoffs)
-    return max(busiest, _slice_chain_ms(pc, float(s[0]), float(work[0]), t_max, fixed)) + pc.step_sync_ms
+    return max(busiest, _slice_chain_ms(pc, float(s[0]), float(work[0]), t_max, fixed, handoffs)) + pc.step_sync_ms
 
 
 def _held_together_ms(ms: np.ndarray, tokens: np.ndarray, replicas: int, t_max: float, fixed: float) -> float:
@@ -174,7 +174,7 @@ def _held_together_ms(ms: np.ndarray, tokens: np.ndarray, replicas: int, t_max: 
     return float(np.max(e[top] - e[low] + np.ceil((t[top] - t[low]) / t_max - 1e-9) * fixed))
 
 
-def _slice_chain_ms(pc, tokens: float, work: float, t_max: float, fixed: float) -> float:
+def _slice_chain_ms(pc, tokens: float, work: float, t_max: float, fixed: float, handoffs: float) -> float:
     """The longest sequence's chain across the stages (module docstring), at the best K memory
     allows (at most one slice a token)."""
     if pc.pp == 1:
@@ -183,7 +183,7 @@ def _slice_chain_ms(pc, tokens: float, work: float, t_max: float, fixed: float) 
     least = max(1, math.ceil(tokens / t_max - 1e-9))
     best = math.sqrt((pc.pp - 1) * c / fixed) if fixed > 0 else tokens
     ks = {min(max(least, k), max(least, int(tokens))) for k in (math.floor(best), math.ceil(best))}
-    return c + min((pc.pp - 1) * c / k + k * fixed for k in ks) + (pc.pp - 1) * (fixed + 2 * float(pc.p2p_ms(0)))
+    return c + min((pc.pp - 1) * c / k + k * fixed for k in ks) + (pc.pp - 1) * handoffs
 
 
 def cheapest_gpu_ms(cost, lengths) -> np.ndarray:
