@@ -200,10 +200,13 @@ def run_pp_plan(args, cost, lengths, drawn: str | None = None) -> int:
     plan = make_plan(args.planner, lengths, cost, drop, baselines=() if getattr(args, "no_baselines", False)
                      else PP_BASELINES, kinds=PIPELINE_KINDS, **overrides)
     if plan.pipelines and plan.solve_time_s > PAST_LIMIT * opts.time_limit:  # (a run's loader falls back then)
+        replicas = len({p.replica for p in plan.pipelines})
+        each = f", every one of its {replicas:,} replicas needs one" if replicas > 1 else ""
         print(f"note: planned in {plan.solve_time_s:.2g} s, past --time-limit {opts.time_limit:g}: a pipeline search "
-              f"is not cut short before its first candidate, and one of {sum(len(p.chunks) for p in plan.pipelines):,} "
-              f"chunks ({plural(len(lengths), 'sequence')}, the longest {int(lengths.max()):,} tokens) takes that long "
-              f"here; raise --time-limit, or plan fewer or shorter sequences", file=sys.stderr)
+              f"is not cut short before its first candidate{each}, and building and checking "
+              f"{sum(len(p.chunks) for p in plan.pipelines):,} chunks ({plural(len(lengths), 'sequence')}, the longest "
+              f"{int(lengths.max()):,} tokens) takes that long here; raise --time-limit, or plan fewer or shorter "
+              f"sequences", file=sys.stderr)
     notes = [drawn, plot_if_asked(args, plan, lengths, cost), trace_if_asked(args, plan, lengths, cost)]
     if getattr(args, "json", False):
         print(plan.to_json(indent=1))

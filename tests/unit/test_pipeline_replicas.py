@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -113,7 +114,8 @@ def test_json_keeps_the_replica_and_old_plans_load_as_replica_zero():
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=st.lists(st.integers(1, 120_000), min_size=1, max_size=80), replicas=st.sampled_from([1, 2, 3, 4]))
+@given(lengths=st.lists(st.one_of(st.integers(1, 120_000), st.sampled_from([512, 4096, 32_768])), min_size=1,
+                       max_size=80), replicas=st.sampled_from([1, 2, 3, 4, 16, 100]))
 def test_split_replicas_is_a_partition_balanced_longest_first(lengths, replicas):
     lengths = np.array(lengths)
     pc = PipelineCost(COST, 4, 8)
@@ -126,7 +128,8 @@ def test_split_replicas_is_a_partition_balanced_longest_first(lengths, replicas)
     loads = [float(work[p].sum()) for p in parts]
     # longest processing time first: no replica ends more than one sequence over the average
     assert max(loads) <= sum(loads) / replicas + float(work.max()) + 1e-6
-    # ... exactly: each sequence, longest first (ties by id), to the least loaded (ties: lowest index)
+    # ... exactly (equal lengths too, which tie): each sequence, longest first (ties by id), to the
+    # least loaded (ties: lowest index), one at a time
     want, load = [[] for _ in range(replicas)], [0.0] * replicas
     for i in sorted(ids.tolist(), key=lambda i: (-work[i], i)):
         r = min(range(replicas), key=lambda r: (load[r], r))
@@ -180,8 +183,8 @@ def test_the_slowest_replica_gets_the_time_left_and_resumes_its_search(monkeypat
 
     from megatron_ext.planner.pp import elastic_pp
 
-    calls = []
-    plan_replica = elastic_pp._plan_replica
+    calls = []  # (ids, budget, builds, makespan, candidates built, end) of each search; budget None: a replay
+    plan_replica, replay = elastic_pp._plan_replica, elastic_pp.replay
 
     def recorded(ids, lengths, pc, opts, start, budget, builds=None):
         built = plan_replica(ids, lengths, pc, opts, start, budget, builds)
@@ -190,23 +193,32 @@ def test_the_slowest_replica_gets_the_time_left_and_resumes_its_search(monkeypat
                           start + budget))
         return built
 
+    def replayed(ids, *a, **k):
+        built = replay(ids, *a, **k)
+        calls.append((tuple(ids.tolist()), None, None, built.makespan_ms, 0, time.perf_counter()))
+        return built
+
     monkeypatch.setattr(elastic_pp, "_plan_replica", recorded)
+    monkeypatch.setattr(elastic_pp, "replay", replayed)
     rng = np.random.default_rng(5)
     lengths = np.concatenate([rng.integers(30_000, 90_000, 6), rng.integers(200, 8000, 120)])
     limit, t0 = 1.0, time.perf_counter()
     plan = plan_elastic_pp(lengths, COST, 2, 8, time_limit=limit)
-    first, rest = calls[:2], calls[2:]
-    # the first pass: each replica once, in REPLICA_FIRST_PASS of the time before rebalancing
-    assert {c[0] for c in first} == {tuple(p.tolist()) for p in split_replicas(np.arange(len(lengths)), lengths,
-                                                                                 PipelineCost(COST, 2, 8), 2)}
-    assert max(c[5] for c in first) <= t0 + elastic_pp.REPLICA_FIRST_PASS * elastic_pp.REBALANCE_AFTER * limit + 0.01
+    # the first pass: each replica once (the second replays the first's chunking, or, where that
+    # ends past it, is searched too), in REPLICA_FIRST_PASS of the time before rebalancing
+    parts = {tuple(p.tolist()) for p in split_replicas(np.arange(len(lengths)), lengths, PipelineCost(COST, 2, 8), 2)}
+    pass_end = t0 + elastic_pp.REPLICA_FIRST_PASS * elastic_pp.REBALANCE_AFTER * limit + 0.01
+    n_first = next(i for i, c in enumerate(calls) if c[5] > pass_end)
+    first, rest = calls[:n_first], calls[n_first:]
+    assert calls[0][1] is not None and {c[0] for c in first} == parts and all(c[1] is not None for c in rest)
     assert rest, "the time left went to no replica"
-    ends = {c[0]: c[3] for c in first}
+    ends = {k: min(c[3] for c in first if c[0] == k) for k in parts}  # (the faster of a replay and a search)
     slowest = max(ends, key=ends.get)
     assert rest[0][0] == slowest  # ... in the time left before rebalancing
     assert rest[0][5] <= t0 + elastic_pp.REBALANCE_AFTER * limit + 0.01 and rest[0][5] > max(c[5] for c in first)
     # one cache for all: the replica planned again starts from every candidate built before
-    assert all(c[2] is first[0][2] for c in calls) and rest[0][4] >= first[1][4]
+    searched = [c for c in calls if c[1] is not None]
+    assert all(c[2] is searched[0][2] for c in searched) and rest[0][4] >= searched[0][4]
     sync_ms = PipelineCost(COST, 2, 8).step_sync_ms  # (a plan again is kept only where it is faster)
     assert plan.estimated_step_time_s * 1e3 <= max(ends.values()) + sync_ms + 1e-6
     validate(plan, lengths, COST)
@@ -232,7 +244,14 @@ def test_a_replica_that_gains_nothing_in_its_share_gets_all_the_time_left_once_m
         first[key] = plan_replica(ids, lengths, pc, opts, start, budget, builds)
         return first[key]
 
+    def replayed(ids, *a, **k):  # (a replay is a replica's first plan too)
+        built = replay(ids, *a, **k)
+        first.setdefault(tuple(ids.tolist()), [built])
+        return built
+
+    replay = elastic_pp.replay
     monkeypatch.setattr(elastic_pp, "_plan_replica", replanned_without_gain)
+    monkeypatch.setattr(elastic_pp, "replay", replayed)
     lengths = sample_lengths("github", 512, 0, 96 * 1024)
     cost = CostModel.from_presets("llama-13b", "a800-80g-8x4", 3)
     limit, t0 = 0.6, time.perf_counter()
@@ -252,9 +271,66 @@ def test_kept_to_its_limit_a_layout_of_many_replicas_stops_once_they_cannot_all_
     cost = CostModel.from_presets("llama-13b", "a800-80g-8x16")  # 128 GPUs: 16 replicas of 2 x SP 4
     rng = np.random.default_rng(11)
     lengths = np.concatenate([rng.integers(20_000, 40_000, 16), rng.integers(500, 6000, 200)])
-    # the first replica takes some time, so 15 more cannot fit in a microsecond
-    with pytest.raises(OutOfTimeError, match=r"15 replicas left to plan at [\d.]+ s or more each, past the 1e-06 s"):
+    # the first replica is searched, the second replays its chunking (the first pass has no time
+    # for a search), and 14 more at what that took cannot fit in a microsecond
+    with pytest.raises(OutOfTimeError, match=r"14 replicas left to plan at [\d.]+ s or more each, past the 1e-06 s"):
         plan_elastic_pp(lengths, cost, 2, 4, time_limit=1e-6, keep_to_limit=True)
     plan = plan_elastic_pp(lengths, cost, 2, 4, time_limit=1e-6)  # (not kept to it: a plan, however late)
     assert {p.replica for p in plan.pipelines} == set(range(16))
     validate(plan, lengths, cost)
+
+
+def test_replicas_given_less_time_than_a_search_replay_the_first_ones_chunking(monkeypatch):
+    """Many replicas in no time: the first is searched, the others build its chunking on their own
+    sequences (one build each, ``chunk_search.replay``), and the plan is whole and valid; given
+    time, every replica is searched."""
+    from megatron_ext.planner.pp import elastic_pp
+
+    searched, replayed = [], []
+    plan_replica, replay = elastic_pp._plan_replica, elastic_pp.replay
+    monkeypatch.setattr(elastic_pp, "_plan_replica", lambda ids, *a, **k: searched.append(tuple(ids.tolist()))
+                        or plan_replica(ids, *a, **k))
+    monkeypatch.setattr(elastic_pp, "replay", lambda ids, *a, **k: replayed.append(tuple(ids.tolist()))
+                        or replay(ids, *a, **k))
+    cost = CostModel.from_presets("llama-13b", "a800-80g-8x16")  # 128 GPUs: 16 replicas of 2 x SP 4
+    lengths = sample_lengths("github", 640, 4, 32_768)
+    plan = plan_elastic_pp(lengths, cost, 2, 4, time_limit=1e-6)
+    validate(plan, lengths, cost)
+    assert {p.replica for p in plan.pipelines} == set(range(16))
+    parts = [tuple(p.tolist()) for p in split_replicas(np.arange(640), lengths, PipelineCost(cost, 2, 4), 16)]
+    assert searched[:1] == parts[:1] and replayed == parts[1:]
+    res = simulate(plan, lengths, cost)
+    assert res.step_time_s == pytest.approx(plan.estimated_step_time_s, rel=1e-12)
+    # the replicas' plans are alike: the first one's chunking and order
+    notes = re.findall(r"pipeline \d+: ([^;]+)", plan.solver_status)
+    assert len(notes) == 16 and len(set(notes)) == 1, plan.solver_status
+    searched.clear(), replayed.clear()
+    plan_elastic_pp(lengths[:64], cost, 2, 4, time_limit=2.0)
+    assert not replayed and set(searched) >= {tuple(p.tolist()) for p in split_replicas(
+        np.arange(64), lengths, PipelineCost(cost, 2, 4), 16) if p.size}
+
+
+@pytest.mark.parametrize("probe", [True, False])
+def test_a_replayed_chunking_means_the_same_on_other_sequences(probe):
+    """``replay`` builds a chunking's recipe (chunk-time target and token cap, or pack size and
+    slices) on other sequences: their pieces tile them, the order is the same, and replayed on
+    its own sequences it is the same pipeline."""
+    from megatron_ext.errors import InfeasibleError
+    from megatron_ext.planner.pp.chunk_search import plan_group, replay
+    from megatron_ext.planner.pp.pipeline import PipelineOptions
+
+    pc, opts = PipelineCost(COST, 4, 8), PipelineOptions()
+    lengths = sample_lengths("commoncrawl", 400, 2, 49_152)
+    a, b = np.arange(0, 400, 2), np.arange(1, 400, 2)
+    built = plan_group(a, lengths, pc, opts, probe=probe, whole_packs=True)
+    assert built.recipe is not None
+    again = replay(a, lengths, pc, opts, built)
+    assert again.pieces == built.pieces and again.makespan_ms == pytest.approx(built.makespan_ms)
+    other = replay(b, lengths, pc, opts, built)
+    assert (other.order, other.slices, other.recipe) == (built.order, built.slices if built.slices < 0 else
+                                                          other.slices, built.recipe)
+    tiles = sorted((int(s), int(x), int(y)) for c in other.pieces for s, x, y in c)
+    assert {s for s, _, _ in tiles} == set(b.tolist())
+    assert sum(y - x for _, x, y in tiles) == int(lengths[b].sum())
+    with pytest.raises(InfeasibleError, match="no recipe"):
+        replay(b, lengths, pc, opts, dataclasses.replace(built, recipe=None))

@@ -64,6 +64,56 @@ class BuildCache:
             self.built[key], self.size = built, self.size + size
 
 
+def _chunked(seq_ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOptions, builds: BuildCache,
+             target: float, cap: float, mesh_cap, ramp):
+    """Algorithm 1 at (target, token cap; ``mesh_cap``: each sequence's slice cap, or None), and
+    its chunks with the ramp (from ``builds`` if made before)."""
+    key = (seq_ids.tobytes(), target, cap, mesh_cap is not None)
+    ch = builds.chunking(key, lambda: balanced_chunks(seq_ids, lengths, pc, target, cap, opts.granularity, opts.fit,
+                                                      min_tail=opts.granularity, max_slice_tokens=mesh_cap))
+    return ch, builds.chunking(key + (ramp,), lambda: ramp_chunks(ch.chunks, lengths, pc, ch.slice_ms, *ramp,
+                                                                   token_cap=cap))
+
+
+def _packed(seq_ids: np.ndarray, lengths, pc: PipelineCost, builds: BuildCache, cap: int, k: int | None = None):
+    """The sequences best-fit into packs of ``cap`` tokens; with ``k``, each cut into k equal-compute
+    slices (``split_pack``: Seq1F1B's chunking). From ``builds`` if made before."""
+    key = (seq_ids.tobytes(), "packs", cap)
+    packs = builds.chunking(key, lambda: best_fit_bins(seq_ids, lengths, cap))
+    if k is None:
+        return packs
+    return builds.chunking(key + (k,), lambda: [c for p in packs for c in split_pack(p, lengths, pc, k)])
+
+
+def replay(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, like: BuiltPipeline,
+           where: str = "pipeline") -> BuiltPipeline:
+    """``like``'s chunking (its ``recipe``: the chunk-time target and token cap, or the pack size
+    and slices, which mean the same on any sequences) and order, built on ``seq_ids``: one build
+    where a search makes dozens (another replica's pipeline, alike in its lengths). Raises
+    InfeasibleError where it cannot run there (or ``like`` came of no recipe)."""
+    if like.recipe is None:
+        raise InfeasibleError(f"{where}: its chunking has no recipe to replay")
+    seq_ids = np.asarray(seq_ids, dtype=np.int64)
+    builds = BuildCache()
+    if like.recipe[0] == "packs":
+        _, cap, k = like.recipe
+        pieces, slices = _packed(seq_ids, lengths, pc, builds, max(cap, pack_capacity(seq_ids, lengths, opts)), k), -k
+    else:
+        _, target, cap, capped, ramp = like.recipe
+        mesh_cap = (lambda s: fit_cap(s, pc, opts.granularity)) if capped else None
+        ch, pieces = _chunked(seq_ids, lengths, pc, opts, builds, target, cap, mesh_cap, ramp)
+        slices = ch.slices
+    b = build_pipeline(pieces, pc, _search_recompute(opts), opts.ties != "untied", where=where, order=like.order)
+    b.slices, b.ramp, b.recipe = slices, like.ramp, like.recipe
+    return b
+
+
+def _search_recompute(opts: PipelineOptions) -> str:
+    """Candidates are scored with the greedy's recompute (the ILP runs on the winner); with a
+    fixed rule (none, every layer, or "auto": none if it fits, else every layer), under that rule."""
+    return "greedy" if opts.recompute in ("ilp", "greedy") else opts.recompute
+
+
 def _targets(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, chunks: int,
              capped: bool = False) -> list[float]:
     """Candidate chunk-time targets: the longest sequence's time over K slices, and multiples of
@@ -137,6 +187,10 @@ def _ramps(P: int, opts: PipelineOptions) -> list[tuple[tuple[float, ...], tuple
     return uniq
 
 
+def _recipe(target: float, cap: float, mesh_cap, ramp) -> tuple:
+    return ("chunks", target, cap, mesh_cap is not None, ramp)
+
+
 def _ramp_note(front, back) -> str:
     if not front and not back:
         return ""
@@ -179,10 +233,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     errors = []
     ramps = _ramps(pc.pp, opts)
     orders = ("greedy", "1f1b") if opts.order == "best" else (opts.order,)
-    # candidates are scored with the greedy's recompute (the ILP runs on the winner); with a fixed
-    # rule (none, every layer, or "auto": none if it fits, else every layer) the search scores
-    # each candidate under that rule
-    search_recompute = "greedy" if opts.recompute in ("ilp", "greedy") else opts.recompute
+    search_recompute = _search_recompute(opts)
 
     probed = False  # a probe's targets are done: it stops at what it has
     # (chunks, seconds) of the largest candidate built of PRICED_CHUNKS or more: what builds cost, scaled
@@ -194,9 +245,10 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     def hurry() -> bool:  # out of time with nothing feasible yet: straight to the safest chunkings
         return deadline is not None and best is None and time.perf_counter() > deadline
 
-    def consider(pieces, slices, order, ramp=((), ()), always: bool = False) -> BuiltPipeline | None:
+    def consider(pieces, slices, order, ramp=((), ()), always: bool = False, recipe=None) -> BuiltPipeline | None:
         """Build (or take from ``builds``) and score one candidate; unless ``always``, not one whose
-        build would end past the deadline once something fits."""
+        build would end past the deadline once something fits. ``recipe``: how it was chunked
+        (``BuiltPipeline.recipe``)."""
         nonlocal best
         if len(pieces) > MAX_CHUNKS:
             errors.append(f"{where}: {len(pieces)} chunks, more than the {MAX_CHUNKS} a pipeline may have")
@@ -223,7 +275,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
             errors.append(b)
             return None
         b = dataclasses.replace(b)  # (this search's own labels: slices, ramp)
-        b.slices = slices
+        b.slices, b.recipe = slices, recipe
         b.ramp = _ramp_note(*ramp)
         if best is None or b.makespan_ms < best.makespan_ms - 1e-9:
             best = b
@@ -246,15 +298,9 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     capped = slice_cap is not None and fewest_slices(longest, pc, opts.granularity, opts.min_slice_tokens) is None
 
     ramped: list[tuple] = []  # the chunkings (best_ch) whose other ramps were tried
-    ids_key = seq_ids.tobytes()
 
     def chunked(target: float, cap: float, mesh_cap, ramp):
-        """Algorithm 1 at (target, cap), and its chunks with the ramp (from ``builds`` if made before)."""
-        key = (ids_key, target, cap, mesh_cap is not None)
-        ch = builds.chunking(key, lambda: balanced_chunks(seq_ids, lengths, pc, target, cap, opts.granularity, opts.fit,
-                                                          min_tail=opts.granularity, max_slice_tokens=mesh_cap))
-        return ch, builds.chunking(key + (ramp,), lambda: ramp_chunks(ch.chunks, lengths, pc, ch.slice_ms, *ramp,
-                                                                       token_cap=cap))
+        return _chunked(seq_ids, lengths, pc, opts, builds, target, cap, mesh_cap, ramp)
 
     def other_ramps() -> None:
         """Step 2's ramps at the best target so far, once per chunking."""
@@ -265,7 +311,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
             if late():
                 break
             ch, pieces = chunked(*best_ch, ramp)
-            consider(pieces, ch.slices, orders[0], ramp)
+            consider(pieces, ch.slices, orders[0], ramp, recipe=_recipe(*best_ch, ramp))
 
     def search(mesh_cap) -> tuple[list[float], list[float]]:
         """The chunk-time targets x token caps; returns (targets, finite caps). After the first
@@ -289,11 +335,11 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
                     break
                 ch, pieces = chunked(target, cap, mesh_cap, ramps[0])
                 before = best
-                got = consider(pieces, ch.slices, orders[0], ramps[0])
+                got = consider(pieces, ch.slices, orders[0], ramps[0], recipe=_recipe(target, cap, mesh_cap, ramps[0]))
                 if (got is None or got.recompute.any() or got.held) and len(orders) > 1 and not late():
                     # memory binds: the plain chunking in elastic 1F1B order, whose recompute ties
                     # along its diagonals, may beat list scheduling held back by memory
-                    consider(ch.chunks, ch.slices, orders[1])
+                    consider(ch.chunks, ch.slices, orders[1], recipe=_recipe(target, cap, mesh_cap, ((), ())))
                 if best is not before:
                     best_ch = (target, cap, mesh_cap)
             if ci == 0 and not probe:
@@ -310,10 +356,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
         base_cap = pack_capacity(seq_ids, lengths, opts)
         caps = {base_cap} | {-(-int(longest * f) // 1024) * 1024 for f in (1, 1.5, 2)}
 
-        def packs(cap: int) -> list[list[int]]:
-            return builds.chunking((ids_key, "packs", cap), lambda: best_fit_bins(seq_ids, lengths, cap))
-
-        likeliest = max(1, round(likeliest_chunks / len(packs(base_cap))))
+        likeliest = max(1, round(likeliest_chunks / len(_packed(seq_ids, lengths, pc, builds, base_cap))))
         first = [(base_cap, likeliest)] if likeliest > 1 else []
         for cap, k in first + [(base_cap, min(opts.pack_slices))] if probe else first + [
                 (c, k) for c in sorted(caps)
@@ -323,14 +366,14 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
                 break
             if capped and longest / k > slice_cap:
                 continue  # the longest sequence's slices cannot fit
-            pieces = builds.chunking((ids_key, "packs", cap, k),
-                                     lambda: [c for p in packs(cap) for c in split_pack(p, lengths, pc, k)])
+            pieces = _packed(seq_ids, lengths, pc, builds, cap, k)
             got = None
             for order in (orders if cap == base_cap else orders[:1]):
                 # (a probe, late, builds them all the same: in its first order, and in the other where
                 # memory binds, as in the targets' search)
                 if not late() or (probe and (got is None or got.recompute.any() or got.held)):
-                    got = consider(pieces, -k, order, always=probe)  # slices < 0: a packed-slice chunking
+                    # (slices < 0: a packed-slice chunking)
+                    got = consider(pieces, -k, order, always=probe, recipe=("packs", cap, k))
 
     if whole_packs or not probe:  # (a probe measures the targets' chunkings: the grouping hangs on them)
         packed_slices()
@@ -356,7 +399,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
             if late():
                 break
             top = best
-            consider(top.pieces, top.slices, order, ((), ()))
+            consider(top.pieces, top.slices, order, ((), ()), recipe=top.recipe)
             if best is not top:
                 best.ramp = top.ramp
     # last resort, until something fits (in a hurry, the search built nothing): whole sequences where
@@ -395,4 +438,4 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
 
 
 __all__ = ["KEPT_CHUNK_STAGES", "KEPT_PIECES", "MAX_CHUNKS", "PRICED_CHUNKS", "PROBE_TARGETS", "BuildCache",
-           "plan_group"]
+           "plan_group", "replay"]

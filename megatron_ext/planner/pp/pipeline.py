@@ -82,6 +82,9 @@ class BuiltPipeline:
     ramp: str = ""
     held: int = 0  # greedy order: forwards held back by memory while a stage idled
     build_s: float = 0.0  # seconds building it took (what rebuilding or simulating it will take, about)
+    # how the search chunked it, in terms that mean the same on other sequences (chunk_search.replay):
+    # ("chunks", target ms, token cap, slices capped to fit, ramp) or ("packs", tokens, slices); None: neither
+    recipe: tuple | None = None
 
     def to_pipeline(self, pc: PipelineCost, replica: int = 0) -> Pipeline:
         # one entry per stage for every chunk, zeros when nothing is recomputed (the StepPlan contract)
