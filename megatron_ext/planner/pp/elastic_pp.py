@@ -4,10 +4,10 @@
 first shared out over GPUs / (pp x sp) replicas side by side (grouping.split_replicas), each
 planned as below in an equal share of half the time limit's first ``REBALANCE_AFTER`` (or, given
 less than ``REPLAY_BELOW`` of what a search took, built as the first searched replica's chunking,
-``chunk_search.replay``); the slowest replica, which sets the step, is then planned again in the rest of it (resuming its
-searches from the candidates and chunkings built; one that gains nothing in the share it had
-beside replicas ending close to it, once more in all the time left) while that makes it faster,
-and the replicas' ends are evened out in the time left (``_rebalance``):
+``chunk_search.replay``); the slowest replica, which sets the step, is then planned again in the
+rest of it (resuming its searches from the candidates and chunkings built; one that gains nothing
+in the share it had beside replicas ending close to it, once more in all the time left) while that
+makes it faster, and the replicas' ends are evened out in the time left (``_rebalance``):
 0. Feasibility (planner/pp/sequence_limits.py): each of the longest sequences must fit alone at
    the finest slicing (every layer recomputed); otherwise the error says how long a sequence may
    be and what else to change.
@@ -264,11 +264,12 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     pass_end = start + (first_end - start) * (REPLICA_FIRST_PASS if pc.replicas > 1 else 1.0)
     took: list[float] = []  # seconds each replica's first search took
     # a replica whose share of the time is less than REPLAY_BELOW of what a search took (a search
-    # takes about its share, and a little more) replays the first searched replica's chunking instead (``chunk_search.replay``: one build; split longest first, the
-    # replicas are alike); the step waits only for the slowest, searched again below (4,096 GPUs,
-    # 128 replicas of 4 x SP 8, 32,768 sequences: 10 ms a search, 2 ms a replay). (Replaying
-    # wherever the replay ends no later than the slowest plan lost 5% on 8 replicas of gpt-13b on
-    # 256 A100-40GB, 48K GitHub: the first search, in an eighth of the time, was the weakest)
+    # takes about its share, and a little more) replays the first searched replica's chunking
+    # instead (``chunk_search.replay``: one build; split longest first, the replicas are alike);
+    # the step waits only for the slowest, searched again below (4,096 GPUs, 128 replicas of 4 x
+    # SP 8, 32,768 sequences: 10 ms a search, 2 ms a replay). (Replaying wherever the replay ends
+    # no later than the slowest plan lost 5% on 8 replicas of gpt-13b on 256 A100-40GB, 48K
+    # GitHub: the first search, in an eighth of the time, was the weakest)
     model: BuiltPipeline | None = None
     replayed: list[float] = []  # seconds each replay took
     for r, part in enumerate(parts):
@@ -278,7 +279,9 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
         todo = sum(1 for q in parts[r:] if q.size)
         share = max(0.0, pass_end - now) / todo
         replaying = model is not None and share < REPLAY_BELOW * min(took)
-        each = min(replayed or took, default=None) if replayed or not replaying else None  # (None: not known yet)
+        # the least each replica left takes: a replay's, once one ran (unknown before, where a
+        # replica may replay), else a search's
+        each = min(replayed) if replayed else None if model is not None else min(took, default=None)
         if keep_to_limit and each is not None and now + todo * each > start + opts.time_limit:
             raise OutOfTimeError(f"{plural(todo, 'replica')} left to plan at {each:.3f} s or more each, "
                                  f"past the {opts.time_limit:.3g} s limit")
