@@ -89,17 +89,19 @@ def layout_name(pc: PipelineCost) -> str:
     return f"elastic_pp pp{pc.pp} x sp{pc.sp}" + (f" x dp{pc.replicas}" if pc.replicas > 1 else "")
 
 
-def layout_estimate(lengths: np.ndarray, pc: PipelineCost, min_slice_tokens: int = 1024) -> tuple[float, int]:
+def layout_estimate(lengths: np.ndarray, pc: PipelineCost, min_slice_tokens: int = 1024,
+                    lower_ms: float | None = None) -> tuple[float, int]:
     """Step time of the layout's replicas, each one 1F1B pipeline of n equal chunks at its best n
     (``pipeline_estimate``) on the sequences elastic_pp gives it (``grouping.split_replicas``: a
     few long sequences over many replicas leave some with more than their share), the slowest
     replica's, plus the step's exposed gradient sync; never below the layout's lower bound
-    (``PipelineCost.lower_bound_ms``, which deep pipelines' estimates undercut). Returns
-    (seconds, chunks per replica: the slowest replica's at its best n)."""
+    (``PipelineCost.lower_bound_ms``, which deep pipelines' estimates undercut; ``lower_ms``: that
+    bound where already known). Returns (seconds, chunks per replica: the slowest replica's at its
+    best n)."""
     lengths = np.asarray(lengths, dtype=np.float64)
     parts = split_replicas(np.arange(len(lengths)), lengths, pc, pc.replicas)
     ms, chunks = max(pipeline_estimate(lengths[p], pc, min_slice_tokens) for p in parts if p.size)
-    return max(ms + pc.step_sync_ms, pc.lower_bound_ms(lengths)) / 1e3, chunks
+    return max(ms + pc.step_sync_ms, pc.lower_bound_ms(lengths) if lower_ms is None else lower_ms) / 1e3, chunks
 
 
 def flexsp_bound_s(lengths: np.ndarray, cost: CostModel, lower_ms: float | None = None) -> float:
@@ -273,13 +275,14 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     layout_lows = []  # (every runnable layout's lower bound)
     for pc in runnable:
         known, against = min([(ub, "BatchAda (FlexSP's upper bound)")] + [(t, n) for t, n, _ in plans])
-        lower = pc.lower_bound_ms(lengths[ids]) / 1e3
+        lower_ms = pc.lower_bound_ms(lengths[ids])
+        lower = lower_ms / 1e3
         layout_lows.append(lower)
         if lower >= known:
             alts[layout_name(pc)] = {"skipped": f"its lower bound {lower:.2f} s is no faster than {against} "
                                                 f"({known:.2f} s)", "estimated_lower_s": lower}
             continue
-        est, chunks = layout_estimate(lengths[ids], pc, opts.min_slice_tokens)
+        est, chunks = layout_estimate(lengths[ids], pc, opts.min_slice_tokens, lower_ms)
         chunks = max(chunks * pc.replicas, forced_slices(lengths[ids], pc, opts.granularity))
         layouts.append((layout_order_key(lengths[ids], pc, est), est, layout_name(pc), pc.pp, pc.sp, chunks * pc.pp))
     # a layout whose one candidate takes longer to build than the whole limit is not started while
