@@ -334,3 +334,29 @@ def test_a_replayed_chunking_means_the_same_on_other_sequences(probe):
     assert sum(y - x for _, x, y in tiles) == int(lengths[b].sum())
     with pytest.raises(InfeasibleError, match="no recipe"):
         replay(b, lengths, pc, opts, dataclasses.replace(built, recipe=None))
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.one_of(st.integers(1, 4096), st.integers(4096, 140_000)), min_size=4, max_size=40),
+       layout=st.sampled_from([(2, 8), (4, 4), (8, 1)]), probe=st.booleans())
+def test_a_replayed_chunking_runs_the_other_sequences_exactly_once_or_says_why_not(lengths, layout, probe):
+    # another replica's sequences (here: the odd ones) chunked by the even ones' search, token-capped
+    # slices and packs included: every token once, slices in order, a valid order, within memory
+    from megatron_ext.errors import InfeasibleError
+    from megatron_ext.planner.pp.chunk_search import plan_group, replay
+    from megatron_ext.planner.pp.chunking import check_chunking
+    from megatron_ext.planner.pp.pipeline import PipelineOptions
+
+    lengths = np.array(lengths)
+    pc, opts = PipelineCost(COST, *layout), PipelineOptions()
+    a, b = np.arange(0, len(lengths), 2), np.arange(1, len(lengths), 2)
+    try:
+        model = plan_group(a, lengths, pc, opts, probe=probe, whole_packs=probe)
+        other = replay(b, lengths, pc, opts, model)
+    except InfeasibleError:
+        return  # (a sequence no stage holds, or a chunking that cannot run the others: searched instead)
+    check_chunking(other.pieces, lengths, b)
+    plan = StepPlan(kind="elastic_pp", num_gpus=COST.num_gpus, planner="replay",
+                    pipelines=[other.to_pipeline(pc)], dropped_seq_ids=a.tolist())
+    validate(plan, lengths, COST)
+    assert simulate(plan, lengths, COST).step_time_s * 1e3 == pytest.approx(other.makespan_ms + pc.step_sync_ms)
