@@ -15,7 +15,7 @@ from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner.options import PlannerOptions
 from megatron_ext.planner.pp.chunk_search import BuildCache
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
-from megatron_ext.planner.pp.grouping import pipeline_estimate, split_replicas
+from megatron_ext.planner.pp.grouping import pipeline_estimates, split_replicas
 from megatron_ext.planner.pp.pipeline import PipelineOptions, kept_sequences, pipeline_cost, pipeline_options
 from megatron_ext.planner.pp.sequence_limits import fit_cap, longest_sequence
 from megatron_ext.planner.sp.baselines import batchada
@@ -99,9 +99,11 @@ def layout_estimate(lengths: np.ndarray, pc: PipelineCost, min_slice_tokens: int
     bound where already known). Returns (seconds, chunks per replica: the slowest replica's at its
     best n)."""
     lengths = np.asarray(lengths, dtype=np.float64)
-    parts = split_replicas(np.arange(len(lengths)), lengths, pc, pc.replicas)
-    ms, chunks = max(pipeline_estimate(lengths[p], pc, min_slice_tokens) for p in parts if p.size)
-    return max(ms + pc.step_sync_ms, pc.lower_bound_ms(lengths) if lower_ms is None else lower_ms) / 1e3, chunks
+    parts = [p for p in split_replicas(np.arange(len(lengths)), lengths, pc, pc.replicas) if p.size]
+    ms, chunks = pipeline_estimates(lengths, parts, pc, min_slice_tokens)
+    slowest = np.lexsort((chunks, ms))[-1]  # (the most chunks among equal times)
+    bound = pc.lower_bound_ms(lengths) if lower_ms is None else lower_ms
+    return max(float(ms[slowest]) + pc.step_sync_ms, bound) / 1e3, int(chunks[slowest])
 
 
 def flexsp_bound_s(lengths: np.ndarray, cost: CostModel, lower_ms: float | None = None) -> float:

@@ -585,6 +585,21 @@ def test_layouts_and_their_estimate():
     assert raised
 
 
+@pytest.mark.parametrize("layout", [(1, 8), (2, 4), (4, 2), (8, 1)])
+def test_estimates_of_many_replicas_at_once_are_each_ones_alone(layout):
+    # (parts of different sizes and chunk counts share one grid of n: each keeps its own)
+    from megatron_ext.planner.pp.grouping import pipeline_estimates
+
+    pc = PipelineCost(COST, *layout)
+    lengths = np.concatenate([sample_lengths("github", 300, 5, 96 * 1024), [98_304] * 3, [100] * 40])
+    parts = [np.arange(0, 300, 7), np.arange(1, 300, 2), np.array([300, 301, 302]), np.arange(303, 343),
+             np.array([5])]
+    ms, chunks = pipeline_estimates(lengths, parts, pc, 1024)
+    for p, m, c in zip(parts, ms, chunks):
+        alone = pipeline_estimate(lengths[p], pc, 1024)
+        assert (m, c) == (pytest.approx(alone[0], rel=1e-12), alone[1])
+
+
 def test_layout_estimate_charges_the_waves_of_sequences_a_stage_holds_one_at_a_time():
     # a sequence two of which a stage cannot hold in flight runs through the stages in waves of
     # its slices, each with its own fill and drain: beyond its work, 2 sqrt((P - 1) t b) at the

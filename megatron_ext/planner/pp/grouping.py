@@ -76,31 +76,49 @@ def pipeline_estimate(lengths: np.ndarray, pc: PipelineCost, min_slice_tokens: i
     a chunk per sequence or per ``min_slice_tokens`` (sequences are cut into slices: a few
     sequences on many stages still fill the pipeline); one stage also recomputes each sequence's
     share over the room. Ramps, list scheduling and partial recompute beat it by up to ~7%.
-    Returns (ms, n)."""
-    W = float(pc.prefix_ms(lengths).sum())
-    tokens = float(lengths.sum())
+    Returns (ms, n). (``pipeline_estimates`` of one part.)"""
+    lengths = np.asarray(lengths)
+    ms, chunks = pipeline_estimates(lengths, [np.arange(len(lengths))], pc, min_slice_tokens)
+    return float(ms[0]), int(chunks[0])
+
+
+def pipeline_estimates(lengths: np.ndarray, parts: list[np.ndarray], pc: PipelineCost,
+                       min_slice_tokens: int = 1024) -> tuple[np.ndarray, np.ndarray]:
+    """``pipeline_estimate`` of each of ``parts`` (non-empty arrays of indices into ``lengths``),
+    all at once: (ms, n) per part (512 replicas of 64 sequences: 2 ms, not 20 ms one by one)."""
+    sizes = np.array([len(p) for p in parts], dtype=np.int64)
+    lens = np.asarray(lengths, dtype=np.float64)[np.concatenate(parts)]
+    own = np.repeat(np.arange(len(parts)), sizes)
+    work_each = pc.prefix_ms(lens)
+    W = np.bincount(own, weights=work_each, minlength=len(parts))
+    tokens = np.bincount(own, weights=lens, minlength=len(parts))
     P, b, L_s, room = pc.pp, pc.fixed_ms, pc.layers_per_stage, pc.activation_room_mb
     whole, kept = pc.act_layer_mb * L_s, (pc.input_layer_mb + pc.kv_layer_mb) * L_s
-    most = max(2, len(lengths), math.ceil(tokens / min_slice_tokens))
-    n = np.arange(1, most + 1, dtype=np.float64)
-    best, chunks = math.inf, int(n[-1])
+    most = np.maximum(np.maximum(2, sizes), np.ceil(tokens / min_slice_tokens)).astype(np.int64)
+    n = np.arange(1, int(most.max()) + 1, dtype=np.float64)[None, :]
+    upto = n <= most[:, None]
+    best, chunks = np.full(len(parts), math.inf), most.astype(np.float64)
     for work, chunk_mb in ((W, P * whole), (W * (1 + FWD_FRACTION), (P - 1) * kept + whole)):
-        fits = n * room >= tokens * chunk_mb  # n chunks of tokens / n each
-        if fits.any():
-            t = np.where(fits, work + n * b + (P - 1) * (work / n + b), math.inf)
-            if t.min() < best:
-                best, chunks = float(t.min()), int(n[t.argmin()])
-    if not math.isfinite(best):  # not even one chunk per sequence fits: no memory bound to offer
-        t = W + n * b + (P - 1) * (W / n + b)
-        best, chunks = float(t.min()), int(n[t.argmin()])
+        fits = upto & (n * room >= tokens[:, None] * chunk_mb)  # n chunks of tokens / n each
+        t = np.where(fits, work[:, None] + n * b + (P - 1) * (work[:, None] / n + b), math.inf)
+        at = t.argmin(axis=1)
+        low = t[np.arange(len(parts)), at]
+        better = low < best
+        best, chunks = np.where(better, low, best), np.where(better, n[0, at], chunks)
+    # not even one chunk per sequence fits: no memory bound to offer
+    t = np.where(upto, W[:, None] + n * b + (P - 1) * (W[:, None] / n + b), math.inf)
+    at = t.argmin(axis=1)
+    none = ~np.isfinite(best)
+    best = np.where(none, t[np.arange(len(parts)), at], best)
+    chunks = np.where(none, n[0, at], chunks)
     if P == 1:
         # one stage holds all of a sequence's slices until their backwards (later slices attend to
         # the earlier ones' K/V): the share of a sequence over the room is recomputed, which equal
         # chunks do not see (llama-13b 1 x 8 x 4 at 96K: estimated 67.0 s, planned 72.8 s)
-        full = lengths * ((pc.act_layer_mb + pc.kv_layer_mb) * L_s + pc.head_mb)
-        save = np.maximum(1e-12, lengths * (pc.act_layer_mb - pc.input_layer_mb) * L_s)
+        full = lens * ((pc.act_layer_mb + pc.kv_layer_mb) * L_s + pc.head_mb)
+        save = np.maximum(1e-12, lens * (pc.act_layer_mb - pc.input_layer_mb) * L_s)
         share = np.clip((full - room) / save, 0.0, 1.0)
-        best += float((share * pc.prefix_ms(lengths)).sum()) * FWD_FRACTION
+        best = best + np.bincount(own, weights=share * work_each, minlength=len(parts)) * FWD_FRACTION
     # waves: a sequence two of which a stage cannot hold in flight (activations and K/V, nothing
     # recomputed, over half the room; the last stage's logits too) runs through the stages with
     # its k slices one after another, each wave with its own fill and drain: (P - 1) slices' time
@@ -110,14 +128,17 @@ def pipeline_estimate(lengths: np.ndarray, pc: PipelineCost, min_slice_tokens: i
     # ranked gpt-7b's 4 x 8 at 48K (its 48K sequences just over half: planned in 0.2 s, 4 slices
     # each, 29.9 s) 14% behind 8 x 4 (32.1 s)
     held = (pc.act_layer_mb + pc.kv_layer_mb) * L_s + pc.head_mb
-    wave = lengths[lengths * held > room / 2] if P > 1 else lengths[:0]
-    if wave.size:
-        t = pc.prefix_ms(wave) * np.minimum(1.0, 2 * wave * held / room - 1)
-        k = np.clip(np.sqrt((P - 1) * t / max(b, 1e-9)), 1, np.maximum(1, wave / min_slice_tokens))
-        waves = float(((P - 1) * t / k + k * b).sum())
-        if W + waves > best:
-            best, chunks = W + waves, max(chunks, int(k.sum()))
-    return best, chunks
+    wave = (lens * held > room / 2) & (P > 1)
+    if wave.any():
+        s = lens[wave]
+        t = work_each[wave] * np.minimum(1.0, 2 * s * held / room - 1)
+        k = np.clip(np.sqrt((P - 1) * t / max(b, 1e-9)), 1, np.maximum(1, s / min_slice_tokens))
+        waves = np.bincount(own[wave], weights=(P - 1) * t / k + k * b, minlength=len(parts))
+        slices = np.bincount(own[wave], weights=k, minlength=len(parts))
+        over = (np.bincount(own[wave], minlength=len(parts)) > 0) & (W + waves > best)
+        best = np.where(over, W + waves, best)
+        chunks = np.where(over, np.maximum(chunks, np.floor(slices)), chunks)
+    return best, chunks.astype(np.int64)
 
 
 def group_sequences(seq_ids, lengths, pc: PipelineCost, max_groups: int = 3) -> list[np.ndarray]:
@@ -185,4 +206,4 @@ def split_replicas(seq_ids, lengths, pc: PipelineCost, replicas: int) -> list[np
     return np.split(seq_ids[by_owner], np.cumsum(np.bincount(owner, minlength=replicas))[:-1])
 
 
-__all__ = ["GROUP_BLOCKS", "group_sequences", "pipeline_estimate", "split_replicas"]
+__all__ = ["GROUP_BLOCKS", "group_sequences", "pipeline_estimate", "pipeline_estimates", "split_replicas"]
