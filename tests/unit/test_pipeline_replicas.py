@@ -265,8 +265,9 @@ def test_a_replica_that_gains_nothing_in_its_share_gets_all_the_time_left_once_m
     assert whole == pytest.approx(first_end - at1, abs=1e-3) and whole > 1.5 * half
 
 
-def test_kept_to_its_limit_a_layout_of_many_replicas_stops_once_they_cannot_all_be_planned_in_time():
-    from megatron_ext.errors import OutOfTimeError
+def test_kept_to_its_limit_a_layout_of_many_replicas_stops_once_they_cannot_all_be_planned_in_time(monkeypatch):
+    from megatron_ext.errors import InfeasibleError, OutOfTimeError
+    from megatron_ext.planner.pp import elastic_pp
 
     cost = CostModel.from_presets("llama-13b", "a800-80g-8x16")  # 128 GPUs: 16 replicas of 2 x SP 4
     rng = np.random.default_rng(11)
@@ -278,6 +279,16 @@ def test_kept_to_its_limit_a_layout_of_many_replicas_stops_once_they_cannot_all_
     plan = plan_elastic_pp(lengths, cost, 2, 4, time_limit=1e-6)  # (not kept to it: a plan, however late)
     assert {p.replica for p in plan.pipelines} == set(range(16))
     validate(plan, lengths, cost)
+    # a replay that cannot run its replica's sequences: that replica is searched, and the 14 left
+    # are priced at a search's time
+    def cannot(*a, **k):
+        raise InfeasibleError("no")
+
+    monkeypatch.setattr(elastic_pp, "replay", cannot)
+    with pytest.raises(OutOfTimeError, match=r"14 replicas left to plan at [\d.]+ s or more each"):
+        plan_elastic_pp(lengths, cost, 2, 4, time_limit=1e-6, keep_to_limit=True)
+    plan = plan_elastic_pp(lengths, cost, 2, 4, time_limit=1e-6)
+    assert {p.replica for p in plan.pipelines} == set(range(16))
 
 
 def test_replicas_given_less_time_than_a_search_replay_the_first_ones_chunking(monkeypatch):

@@ -272,6 +272,7 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     # GitHub: the first search, in an eighth of the time, was the weakest)
     model: BuiltPipeline | None = None
     replayed: list[float] = []  # seconds each replay took
+    failed = False  # a replay could not run its replica's sequences (which was searched)
     for r, part in enumerate(parts):
         if not part.size:
             continue
@@ -279,9 +280,12 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
         todo = sum(1 for q in parts[r:] if q.size)
         share = max(0.0, pass_end - now) / todo
         replaying = model is not None and share < REPLAY_BELOW * min(took)
-        # the least each replica left takes: a replay's, once one ran (unknown before, where a
-        # replica may replay), else a search's
-        each = min(replayed) if replayed else None if model is not None else min(took, default=None)
+        # the least each replica left takes: a search's, or where it may replay, a replay's once
+        # one ran (before: unknown, unless a replay failed and its replica was searched)
+        if replaying:
+            each = min(replayed) if replayed else min(took) if failed else None
+        else:
+            each = min(took, default=None)
         if keep_to_limit and each is not None and now + todo * each > start + opts.time_limit:
             raise OutOfTimeError(f"{plural(todo, 'replica')} left to plan at {each:.3f} s or more each, "
                                  f"past the {opts.time_limit:.3g} s limit")
@@ -291,7 +295,7 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
                 replayed.append(time.perf_counter() - now)
                 continue
             except InfeasibleError:
-                pass  # (searched, as the first was)
+                failed = True  # (searched, as the first was)
         plans[r] = _plan_replica(part, lengths, pc, opts, now, share, builds)
         took.append(time.perf_counter() - now)
         if model is None and len(plans[r]) == 1 and plans[r][0].recipe is not None:
