@@ -204,6 +204,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     start = time.perf_counter()
     opts = pipeline_options(options, overrides)
     lengths, ids = kept_sequences(lengths, seq_ids)
+    kept = lengths[ids]  # (the sequences planned: every bound and estimate is of these)
     budget = opts.time_limit
     alts: dict[str, dict] = {}
     plans: list[tuple[float, str, StepPlan]] = []
@@ -219,7 +220,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         cost.check_degree(pin_sp)
     with_flexsp = opts.flexsp  # (FlexSP chooses its own degrees on one stage: pp / sp pin the pipelines)
     runnable: list[PipelineCost] = []
-    longest = int(lengths[ids].max())
+    longest = int(kept.max())
     for P, d in pipeline_layouts(cost, pin_pp, pin_sp, opts.memory_mb):
         pc = PipelineCost(cost, P, d, opts.b1_scale, opts.memory_mb)
         limit = longest_sequence(pc, opts.granularity)
@@ -259,7 +260,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     # what FlexSP's share left it, 39.7 s in the whole second; FlexSP 44.0 s)
     flex_lb_ms = None  # (no BatchAda plan: FlexSP runs, to say why it cannot)
     if with_flexsp and math.isfinite(ub):
-        flex_lb_ms = flex_cost.lower_bound_ms(lengths[ids])
+        flex_lb_ms = flex_cost.lower_bound_ms(kept)
     flex_lb = 0.0 if flex_lb_ms is None else flex_lb_ms / 1e3
     if with_flexsp and flex_cost.zero_stage < 3:
         # FlexSP without barriers: milliseconds to plan, and as a known step it prunes the layouts
@@ -277,16 +278,16 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     layout_lows = []  # (every runnable layout's lower bound)
     for pc in runnable:
         known, against = min([(ub, "BatchAda (FlexSP's upper bound)")] + [(t, n) for t, n, _ in plans])
-        lower_ms = pc.lower_bound_ms(lengths[ids])
+        lower_ms = pc.lower_bound_ms(kept)
         lower = lower_ms / 1e3
         layout_lows.append(lower)
         if lower >= known:
             alts[layout_name(pc)] = {"skipped": f"its lower bound {lower:.2f} s is no faster than {against} "
                                                 f"({known:.2f} s)", "estimated_lower_s": lower}
             continue
-        est, chunks = layout_estimate(lengths[ids], pc, opts.min_slice_tokens, lower_ms)
-        chunks = max(chunks * pc.replicas, forced_slices(lengths[ids], pc, opts.granularity))
-        layouts.append((layout_order_key(lengths[ids], pc, est), est, layout_name(pc), pc.pp, pc.sp, chunks * pc.pp))
+        est, chunks = layout_estimate(kept, pc, opts.min_slice_tokens, lower_ms)
+        chunks = max(chunks * pc.replicas, forced_slices(kept, pc, opts.granularity))
+        layouts.append((layout_order_key(kept, pc, est), est, layout_name(pc), pc.pp, pc.sp, chunks * pc.pp))
     # a layout whose one candidate takes longer to build than the whole limit is not started while
     # anything else can run (FlexSP or a quicker layout): it would overrun the limit, and its
     # estimate, which such deep layouts undercut, would lead the order
@@ -417,7 +418,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     plan.solver_status = f"auto chose {chosen} ({step:.2f} s" + (f"; vs {others}" if others else "") + \
                          f"); {plan.solver_status}"
     plan.baselines = {k: v for k, v in alts.items() if k != chosen}
-    plan.lower_bound_step_time_s = min(layout_lows + ([flexsp_bound_s(lengths[ids], flex_cost, flex_lb_ms)]
+    plan.lower_bound_step_time_s = min(layout_lows + ([flexsp_bound_s(kept, flex_cost, flex_lb_ms)]
                                                       if with_flexsp else []), default=plan.lower_bound_step_time_s)
     plan.planner = "auto"
     plan.solve_time_s = time.perf_counter() - start

@@ -105,12 +105,12 @@ def pipeline_estimates(lengths: np.ndarray, parts: list[np.ndarray], pc: Pipelin
         low = t[np.arange(len(parts)), at]
         better = low < best
         best, chunks = np.where(better, low, best), np.where(better, n[0, at], chunks)
-    # not even one chunk per sequence fits: no memory bound to offer
-    t = np.where(upto, W[:, None] + n * b + (P - 1) * (W[:, None] / n + b), math.inf)
-    at = t.argmin(axis=1)
     none = ~np.isfinite(best)
-    best = np.where(none, t[np.arange(len(parts)), at], best)
-    chunks = np.where(none, n[0, at], chunks)
+    if none.any():  # not even one chunk per sequence fits: no memory bound to offer
+        t = np.where(upto, W[:, None] + n * b + (P - 1) * (W[:, None] / n + b), math.inf)
+        at = t.argmin(axis=1)
+        best = np.where(none, t[np.arange(len(parts)), at], best)
+        chunks = np.where(none, n[0, at], chunks)
     if P == 1:
         # one stage holds all of a sequence's slices until their backwards (later slices attend to
         # the earlier ones' K/V): the share of a sequence over the room is recomputed, which equal
