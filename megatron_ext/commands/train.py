@@ -113,7 +113,18 @@ def check_before_launch(args) -> CostModel:
     for option, folder in (("--run-dir", args.run_dir), ("--save", args.save)):
         if folder is not None:
             check_output_dir(folder, option)
+    if args.run_dir is not None:
+        _check_run_dir(args.run_dir, args.load)
     return cost
+
+
+def _check_run_dir(run_dir: str, load: str | None) -> None:
+    """Refuse a --run-dir holding an earlier run's records, which this run's would replace; with
+    --load the run continues them (a resumed run keeps the records before its first step)."""
+    steps = Path(run_dir) / "steps.jsonl"
+    if load is None and steps.is_file() and steps.stat().st_size:
+        raise ConfigError(f"--run-dir {run_dir} holds the records of an earlier run ({steps}), which this run "
+                          f"would replace; give a new directory, or --load that run's checkpoint to resume it")
 
 
 def run(rest: list[str]) -> int:

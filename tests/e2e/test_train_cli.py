@@ -210,6 +210,21 @@ def test_bad_option_is_one_line_error():
     assert done.stderr.strip().startswith("megatron-ext: error:") and "Traceback" not in done.stderr
 
 
+def test_a_run_dir_holding_a_run_is_refused_unless_resumed(tmp_path):
+    """Its steps.jsonl was replaced: the earlier run's records lost."""
+    from megatron_ext.commands.train import _check_run_dir
+
+    (tmp_path / "steps.jsonl").write_text('{"step": 0}\n')
+    done = subprocess.run([*CLI, "train", "--steps", "1", "--run-dir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"megatron-ext: error: --run-dir {tmp_path} holds the records of an earlier run")
+    assert (tmp_path / "steps.jsonl").read_text() == '{"step": 0}\n'
+    _check_run_dir(str(tmp_path), load=str(tmp_path / "ckpt"))  # a resume continues them
+    (tmp_path / "steps.jsonl").write_text("")
+    _check_run_dir(str(tmp_path), load=None)  # (a run that trained no step)
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--planner", "elastic_pp", "--pp", "2", "--sp", "3"], "SP degree 3 is not allowed for tiny on cpu-4"),
     (["--sp", "2"], "--sp applies only to pipeline planners (elastic_pp, batch_1f1b, seq1f1b, auto)"),
