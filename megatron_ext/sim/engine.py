@@ -290,18 +290,25 @@ def one_f_one_b(forward: list[int], backward: list[int], stages: int, extra_warm
 
 def greedy_orders(forward: list[int], backward: list[int], table: ChunkTable, fwd: np.ndarray, bwd: np.ndarray,
                   p2p: np.ndarray, stages: int, full: list[np.ndarray] | None = None,
-                  room: float | None = None) -> tuple[list[list[tuple[int, int]]], float, int]:
+                  room: float | None = None,
+                  forwards_first: bool = True) -> tuple[list[list[tuple[int, int]]], float, int]:
     """Per-stage orders by list scheduling (an alternative to ``one_f_one_b``): operations are
     placed in time order; a free stage runs whichever of its next backward (in ``backward``
-    order) and its next forward (in ``forward`` order) can start first, the backward on a tie.
-    A forward is held back while it would take the stage's in-flight activations (``full[p][k]``
-    per chunk, no recompute) over ``room`` MB, unless the stage's next backward needs it.
+    order) and its next forward (in ``forward`` order) can start first. On a tie, with
+    ``forwards_first``, the stages before the last run the forward: the last stage, which also
+    runs the output layer, paces the pipeline, and forwards sent ahead keep it fed where uneven
+    chunks would leave it waiting (the others have the slack to run their backwards later); the
+    last stage runs the backward, which frees its memory and passes the work back. Without it,
+    every stage runs the backward, as 1F1B does (10 of 16 cells of the regime map planned
+    0.4-3.2% slower: gpt-13b on 64 A100-40GB at 96K GitHub ZeRO-3, 40.3 s against 39.1 s).
 
-    With uniform chunks this is 1F1B; with uneven chunks (slices of long sequences, small
-    warm-up / cool-down chunks) a stage fills its waits with forwards instead of idling at a
-    fixed warm-up count. Returns (orders, makespan ms, how many times a forward was held back by
-    memory while its stage idled). The orders respect every dependency of
-    ``list_schedule``, which reproduces the same times from them."""
+    A forward is held back while it would take the stage's in-flight activations
+    (``full[p][k]`` per chunk, no recompute) over ``room`` MB, unless the stage's next backward
+    needs it; with uneven chunks (slices of long sequences, small warm-up / cool-down chunks) a
+    stage fills its waits with forwards instead of idling at a fixed warm-up count. Returns
+    (orders, makespan ms, how many times a forward was held back by memory while its stage
+    idled). The orders respect every dependency of ``list_schedule``, which reproduces the same
+    times from them."""
     P, n = stages, table.n
     fwd = np.broadcast_to(fwd, (P, n)).tolist()
     bwd = np.broadcast_to(bwd, (P, n)).tolist()
@@ -316,6 +323,8 @@ def greedy_orders(forward: list[int], backward: list[int], table: ChunkTable, fw
     free = [0.0] * P
     ops: list[list[tuple[int, int]]] = [[] for _ in range(P)]
     fwd_pred, bwd_pred = table.fwd_pred, table.bwd_pred
+    # (the tie-break of a stage's backward; its forward's is the other)
+    backward_tie = [int(forwards_first and p < P - 1) for p in range(P)]
 
     def stage(p):
         """(the op stage p would run next, a forward it holds back for memory): (start, tie, p, kind, k)."""
@@ -328,14 +337,14 @@ def greedy_orders(forward: list[int], backward: list[int], table: ChunkTable, fw
             for j in bwd_pred[k]:
                 r = max(r, be[p][j])
             if r < inf:
-                cand = (max(r, free[p]), 0, p, BWD, k)
+                cand = (max(r, free[p]), backward_tie[p], p, BWD, k)
         if fptr[p] < n:
             k = forward[fptr[p]]
             r = fe[p - 1][k] + p2p_l[k] if p > 0 else 0.0
             for j in fwd_pred[k]:
                 r = max(r, fe[p][j])
             if r < inf:
-                c = (max(r, free[p]), 1, p, FWD, k)
+                c = (max(r, free[p]), 1 - backward_tie[p], p, FWD, k)
                 if (mem is not None and used[p] + mem[p][k] > room
                         and not (bptr[p] < n and not fdone[p][backward[bptr[p]]])):
                     held = c

@@ -121,6 +121,18 @@ def test_a_limit_spent_building_the_model_leaves_the_greedy_answer():
             assert (checkpoint_memory(cps[p], save, r[p]) <= room[p] + 1e-6).all()  # (cps: the moments over it)
 
 
+def test_an_ilp_plan_no_faster_than_the_search_s_greedy_is_named_in_the_status():
+    # tied along the diagonals, the ILP's recompute may cost more than the search's untied greedy:
+    # the greedy's plan stands, and the status says the ILP ran and why its plan is not the one shown
+    from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
+    from megatron_ext.planner.pp.pipeline import PipelineOptions
+    cost = CostModel.from_presets("gpt-7b", "a100-40g-8x4")
+    plan = plan_elastic_pp(np.array([200000, 1000]), cost, options=PipelineOptions(recompute="ilp", ties="tied"))
+    assert "greedy recompute (the ilp optimal (tied) plan, " in plan.solver_status
+    ilp_s = float(plan.solver_status.split("plan, ")[1].split(" s")[0])
+    assert ilp_s > plan.estimated_step_time_s
+
+
 @settings(max_examples=40, deadline=None)
 @given(lengths=lengths_st, k=st.integers(1, 8), mem_gb=st.floats(11, 45))
 def test_greedy_recompute_fits_and_lowers_every_chunk_it_can(lengths, k, mem_gb):

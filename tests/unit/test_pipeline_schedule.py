@@ -18,7 +18,8 @@ from megatron_ext.plan.validate import validate_pipelines
 from megatron_ext.planner.pp.chunking import balanced_chunks
 from megatron_ext.planner.pp.pipeline import build_pipeline
 from megatron_ext.sim import simulate
-from megatron_ext.sim.engine import analyze_chunks, backward_order, greedy_orders, one_f_one_b, op_times, warmup_counts
+from megatron_ext.sim.engine import (analyze_chunks, analyze_pieces, backward_order, greedy_orders, one_f_one_b, op_times,
+                                     warmup_counts)
 
 COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
 
@@ -282,6 +283,61 @@ def test_greedy_order_fills_the_warm_up_wait_and_holds_back_for_memory():
     assert held.held > 0
     res = simulate(_plan(held, tight, lengths), lengths, COST, memory_mb=13 * 1024)
     assert res.max_peak_memory_mb <= 13 * 1024 + 1e-6
+
+
+def _greedy(pieces, pc, forwards_first):
+    table = analyze_pieces(pieces, pc)
+    fwd, bwd, _, p2p = op_times(table, pc, np.zeros((pc.pp, table.n)))
+    forward = list(range(table.n))
+    return greedy_orders(forward, backward_order(forward, table), table, fwd, bwd, p2p, pc.pp,
+                         forwards_first=forwards_first)
+
+
+def test_greedy_order_sends_forwards_ahead_to_the_last_stage():
+    """On a tie the stages before the last run the forward, so the last stage (which also runs the
+    output layer) is fed; it runs the backward itself. Chunks of uneven sizes: 11% faster than
+    backwards first everywhere."""
+    pc = PipelineCost(COST, 4, 8)
+    pieces = [[(i, 0, n)] for i, n in enumerate([2000, 500, 4000, 4000, 16000, 8000, 32000])]
+    fed, fed_ms, _ = _greedy(pieces, pc, True)
+    first, first_ms, _ = _greedy(pieces, pc, False)
+    assert fed_ms < 0.9 * first_ms
+    assert warmup_counts(fed)[:-1] > warmup_counts(first)[:-1]  # (more forwards sent ahead)
+    assert warmup_counts(fed)[-1] == warmup_counts(first)[-1] == 1  # (the last stage: each F then its B)
+    assert build_pipeline(pieces, pc, "none", order="greedy").makespan_ms == pytest.approx(fed_ms, rel=1e-12)
+
+
+def test_greedy_order_where_memory_held_a_forward_back_keeps_the_faster_tie_break(monkeypatch):
+    """Forwards sent ahead may fill the memory that later, larger chunks need: where memory held
+    one back, both tie-breaks are built and the faster kept (here backwards first, 8% faster);
+    where none was, forwards first alone."""
+    import megatron_ext.planner.pp.pipeline as pipeline
+    pc = PipelineCost(COST, 4, 8)
+    tight = PipelineCost(COST, 4, 8, memory_mb=14 * 1024)
+    pieces = [[(i, 0, n)] for i, n in enumerate([4000, 2000, 4000, 8000, 24000, 1000, 1000, 1000, 24000])]
+    real = pipeline.greedy_orders
+    calls = []
+
+    def spy(*args, forwards_first=True, **kw):
+        calls.append(forwards_first)
+        return real(*args, forwards_first=forwards_first, **kw)
+
+    def forced(value):
+        def order(*args, forwards_first=True, **kw):
+            return real(*args, forwards_first=value, **kw)
+        return order
+
+    monkeypatch.setattr(pipeline, "greedy_orders", spy)
+    assert build_pipeline(pieces, pc, "greedy", order="greedy").held == 0 and calls == [True]
+    calls.clear()
+    kept = build_pipeline(pieces, tight, "greedy", order="greedy")
+    assert calls == [True, False]
+    each = []
+    for value in (True, False):
+        monkeypatch.setattr(pipeline, "greedy_orders", forced(value))
+        each.append(build_pipeline(pieces, tight, "greedy", order="greedy").makespan_ms)
+    assert kept.held > 0 and each[1] < 0.95 * each[0]
+    assert kept.makespan_ms == pytest.approx(each[1], rel=1e-12)
 
 
 def test_cached_kv_of_a_slice_lives_until_its_sequence_s_first_slice_runs_backward():

@@ -35,8 +35,9 @@ makes it faster, and the replicas' ends are evened out in the time left (``_reba
    its hybrid tail chunk (longest first), batched chunks slowest first, the cool-down ramp;
    backward order = the forward order with each split sequence's chunks reversed. Per stage,
    either list scheduling (sim/engine.greedy_orders: a free stage runs whichever of its next
-   backward and next forward can start first, forwards held back when the stage's activations
-   would pass its room) or elastic 1F1B (sim/engine.one_f_one_b: warm-up P - 1 - p + slices of
+   backward and next forward can start first, on a tie the forward but on the last stage, forwards
+   held back when the stage's activations would pass its room; where one was, backwards first on
+   a tie is built too, and the faster kept) or elastic 1F1B (sim/engine.one_f_one_b: warm-up P - 1 - p + slices of
    the first split sequence - 1); "best" tries both, and 1F1B is always tried where memory binds
    (its recompute ties along the schedule's diagonals).
 4. Recompute: the ILP of planner/pp/checkpointing.py on the winner (greedy if HiGHS has nothing), tied
@@ -60,6 +61,7 @@ and what the other pipeline planners share, in planner/pp/pipeline.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -190,6 +192,9 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
             nb.slices, nb.ramp, nb.recipe = b.slices, b.ramp, b.recipe
             if nb.makespan_ms <= b.makespan_ms + 1e-9:
                 b = nb
+            else:  # (say so: asked for the ILP, the plan shows the greedy's)
+                b = dataclasses.replace(b, status=f"{b.status} (the {nb.status} plan, {nb.makespan_ms / 1e3:.3f} s, "
+                                                  f"no faster)")
         final.append(b)
     return final
 
