@@ -106,6 +106,13 @@ def check_before_launch(args) -> CostModel:
     return cost
 
 
+def rank_model_states_mb(args, cost: CostModel) -> float:
+    """MB of model states a rank holds (the launcher's memory check): the whole model's weights and
+    gradients in the profiled dtype (no optimizer)."""
+    _, dtype = check_args(args, cost.num_gpus)
+    return cost.model.params_b * 1024 * 2 * DTYPES[dtype].itemsize
+
+
 # ---- on every rank (under torchrun) -------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     import signal

@@ -127,6 +127,12 @@ def _check_run_dir(run_dir: str, load: str | None) -> None:
                           f"would replace; give a new directory, or --load that run's checkpoint to resume it")
 
 
+def rank_model_states_mb(args, cost: CostModel) -> float:
+    """MB of model states a rank holds (the launcher's memory check): its stage's share of the
+    fp32 weights, gradients and Adam moments (16 bytes a parameter; train runs ZeRO 0)."""
+    return cost.model_states_mb / args.pp
+
+
 def run(rest: list[str]) -> int:
     """``train [--compare P1,P2,...] ARGS``: one run, or one run per planner on the same data and
     initial weights, then a table of measured step times, losses and the cost model's error."""

@@ -192,6 +192,27 @@ def test_cpu_ranks_are_started_without_cuda(tmp_path, launches):
     assert launches[0]["CUDA_VISIBLE_DEVICES"] == ""
 
 
+@pytest.mark.parametrize("command", [["profile", "--out", "c.yaml"], ["train", "--steps", "1"]])
+def test_ranks_of_a_model_too_large_for_this_machine_are_refused_before_launching(tmp_path, capsys, monkeypatch,
+                                                                                  launches, command):
+    """4 CPU ranks of gpt-7b ran 95 s, then one was killed out of memory."""
+    from megatron_ext.commands import launch
+
+    monkeypatch.setattr(launch, "_free_memory_mb", lambda: 20 * 1024.0)
+    cluster = tmp_path / "cpu-4-roomy.yaml"  # (train's cost model holds gpt-7b's states in its GPUs' memory)
+    preset = yaml.safe_load((Path(profile.__file__).parents[1] / "presets/clusters/cpu-4.yaml").read_text())
+    cluster.write_text(yaml.safe_dump({**preset, "memory_gb": 500}))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main([*command, "--model", "gpt-7b", "--cluster", str(cluster)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megatron-ext: error: 4 CPU ranks of gpt-7b need about ") and err.count("\n") == 1
+    assert "GB of model states a rank), over the 20.0 GB free; use a smaller --model (e.g. tiny), or " \
+           "--allow-oversubscribe to start them anyway" in err and not launches
+    for argv in (["--model", "tiny"], ["--model", "gpt-7b", "--cluster", str(cluster), "--allow-oversubscribe"]):
+        with pytest.raises(_Launched):
+            cli.main([*command, *argv])
+
+
 def _args(*argv):
     return profile.build_parser().parse_args(["--out", "c.yaml", *argv])
 
