@@ -23,7 +23,7 @@ import yaml
 from megatron_ext.commands.args import ArgumentParser, check_output_file, path_arg, positive_int
 from megatron_ext.commands.launch import LAUNCHER_HELP, torchrun
 from megatron_ext.cost import CostModel
-from megatron_ext.errors import MegatronExtError
+from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.files import replacing
 from megatron_ext.lifetime import exit_process
 
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="megatron-ext profile", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="model preset or YAML (its shape is what gets measured)")
     p.add_argument("--cluster", default="cpu-4", help="cluster preset or YAML (its GPU count is the rank count)")
-    p.add_argument("--out", required=True, type=path_arg, metavar="PATH", help="cost-model YAML to write")
+    p.add_argument("--out", required=True, type=path_arg, metavar="FILE.yaml", help="cost-model YAML to write")
     p.add_argument("--lengths", type=_length_list, default="128,256,512,1024,2048,3072",
                    help="comma-separated sequence lengths of the compute sweep")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed runs per point (the median is kept)")
@@ -103,6 +103,8 @@ def check_before_launch(args) -> CostModel:
     cost = CostModel.from_presets(args.model, args.cluster)
     check_args(args, cost.num_gpus)
     check_output_file(args.out, "--out")  # (written after every measurement)
+    if not args.out.lower().endswith((".yaml", ".yml")):  # (any other name, a picture too, was written over)
+        raise ConfigError(f"--out {args.out!r}: the file name must end in .yaml or .yml (a cost-model YAML)")
     return cost
 
 

@@ -257,6 +257,8 @@ def test_checks_on_a_cuda_machine(monkeypatch, tmp_path, capsys):
     ("profile", ["--out", "{tmp}/missing/c.yaml"],
      "--out {tmp}/missing/c.yaml: cannot write in {tmp}/missing: No such file or directory"),
     ("profile", ["--out", "{tmp}"], "--out {tmp}: is a folder, not a file"),
+    ("profile", ["--out", "{tmp}/file"], "--out '{tmp}/file': the file name must end in .yaml or .yml"),
+    ("profile", ["--out", "{tmp}/plot.PNG"], "--out '{tmp}/plot.PNG': the file name must end in .yaml or .yml"),
     ("train", ["--trace", "{tmp}/missing/t.json"], "--trace {tmp}/missing/t.json: cannot write in {tmp}/missing"),
     ("train", ["--run-dir", "{tmp}/file"], "--run-dir {tmp}/file: is a file, not a folder"),
     ("train", ["--save", "{tmp}/file/ckpt"], "--save {tmp}/file/ckpt: {tmp}/file is a file, not a folder"),
