@@ -13,6 +13,7 @@ from megatron_ext.commands.plan import print_notes, trace_if_asked
 from megatron_ext.commands.table import DEFAULT_PLANNERS, simulate_table
 from megatron_ext.data.lengths import read_lengths
 from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError
+from megatron_ext.text import plural
 
 
 def add_simulate_command(sub) -> None:
@@ -81,6 +82,10 @@ def cmd_simulate(args) -> int:
         except OSError as e:
             raise ConfigError(f"cannot write the plot to {args.plot}: {e.strerror or e}") from None
         notes.append(f"plot of {main}'s first step written to {args.plot}")
+    unplanned = out["config"]["unplanned_steps"]
+    if unplanned:  # (the exit status says the rest ran; the rows of --json, each step's error)
+        notes.append(f"warning: no planner could plan {len(unplanned)} of {plural(out['config']['steps'], 'step')} "
+                     f"({'step' if len(unplanned) == 1 else 'steps'} {', '.join(map(str, unplanned))}): every figure leaves them out")
     print(text)
     print_notes(notes)
     return 0

@@ -18,6 +18,7 @@ from megatron_ext.data.batches import dataset_batches
 from megatron_ext.data.lengths import MAX_SEED, sample_lengths
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.sim.simulator import simulate
+from megatron_ext.text import plural
 
 DEFAULT_PLANNERS = ("elastic_pp", "flexsp", "seq1f1b", "batch_1f1b", "static_ulysses", "auto")
 
@@ -129,6 +130,11 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
     def ran(name: str, *others: str) -> list[int]:
         return [st for st in range(len(batches)) if all((x, st) in times for x in (name, *others))]
 
+    # the compute floor and each planner's distance to it: over the steps every planner ran (of those
+    # that ran any), so that a step some planner could not run weighs on neither side
+    feasible = [x for x in planners if ran(x)]
+    shared = ran(*feasible) if feasible else []
+
     for name in planners:
         mine = [r for r in rows if r["planner"] == name]
         good = [r for r in mine if "error" not in r]
@@ -151,19 +157,23 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
             "max_solve_time_s": max(r["solve_time_s"] for r in good),
             f"speedup_of_{main}": total(name, both) / main_total if both and main_total > 0 else None,
             "total_time_s": total(name, own),
-            # the most any plan could gain over this planner on the steps it ran
-            "ceiling": total(name, own) / max(1e-12, sum(floors[st] for st in own)),
+            # the most any plan could gain over this planner (on the shared steps)
+            "ceiling": total(name, shared) / max(1e-12, sum(floors[st] for st in shared)) if shared else None,
         })
     main_steps = ran(main)
-    floor = {"step_time_s": statistics.mean(floors),
-             "tokens_per_s": sum(int(b.sum()) for b in batches) / sum(floors),
+    floor_steps = shared or range(len(batches))
+    floor = {"step_time_s": statistics.mean(floors[st] for st in floor_steps),
+             "tokens_per_s": sum(int(batches[st].sum()) for st in floor_steps) / sum(floors[st] for st in floor_steps),
+             "steps": list(floor_steps),
              f"speedup_of_{main}": (sum(floors[st] for st in main_steps) / total(main, main_steps)
                                     if main_steps else None),
-             "ceiling": {x["planner"]: x["ceiling"] for x in summary if "ceiling" in x}}
+             "ceiling": {x["planner"]: x["ceiling"] for x in summary if x.get("ceiling") is not None}}
     config = {"model": cost.model.name, "cluster": cost.cluster.name, "num_gpus": cost.num_gpus,
               "zero_stage": cost.zero_stage, "pp": pp, "sp": sp,
               "source": source, "b1_scale": opts.b1_scale, "memory_mb": opts.memory_mb or cost.cluster.memory_mb,
-              "time_limit": time_limit, "main": main, "steps": len(batches)}
+              "time_limit": time_limit, "main": main, "steps": len(batches),
+              # steps no planner could plan: left out of every figure
+              "unplanned_steps": [st for st in range(len(batches)) if not any((x, st) in times for x in planners)]}
     choices: dict[str, int] = {}
     for r in rows:
         if r["planner"] == "auto" and "error" not in r and r["status"].startswith("auto chose "):
@@ -202,9 +212,13 @@ def format_table(summary: list[dict], floor: dict, config: dict, main: str) -> s
     if floor["ceiling"]:
         lines += ["", "no plan is faster than the compute floor; the most any plan could gain: "
                   + ", ".join(f"{v:.2f}x over {k}" for k, v in floor["ceiling"].items())]
-    if any("error" in s or s["failed_steps"] for s in summary):  # (then the means are over different steps)
-        lines += ["", f"the compute floor's step is the mean over all {config['steps']} step(s); a planner's, over "
-                      "the steps it ran (its gain over the floor is on those)"]
+    shared, steps = len(floor["steps"]), config["steps"]
+    if not floor["ceiling"] and any("error" not in s for s in summary):
+        lines += ["", f"no step ran under every planner: the compute floor's step is the mean over all "
+                      f"{plural(steps, 'step')}; a planner's, over the steps it ran"]
+    elif shared < steps:  # (then a planner's mean is over other steps than the floor's)
+        lines += ["", f"the compute floor and the most any plan could gain: over the {shared} of {steps} steps every "
+                      f"planner with figures ran; a planner's step s and tokens/s: over the steps it ran"]
     if "auto_choices" in config:
         lines += ["", "auto chose: " + ", ".join(f"{k} x{v}" for k, v in config["auto_choices"].items())]
     lines += ["", "step s: mean simulated step time; bubble: idle share of GPU-time; recomp: recompute share; "

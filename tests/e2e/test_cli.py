@@ -499,6 +499,29 @@ def test_simulate_fails_when_no_planner_plans_a_step(capsys, tmp_path):
     assert err.strip() == "megatron-ext: error: no planner could plan any step: flexsp infeasible"
 
 
+def test_simulate_compares_the_floor_over_the_steps_every_planner_ran(capsys, monkeypatch):
+    """Steps no planner could plan are said (the run exited 0 quietly), and left out of the floor:
+    it was the mean of every step, the planners' of the steps they ran (a floor 6x above them)."""
+    import megatron_ext.commands.table as table
+
+    batches = {0: [3000, 1000], 1: [2_000_000, 1000], 2: [150_000, 1000], 3: [2_000_000, 1000]}
+    monkeypatch.setattr(table, "sample_lengths", lambda dist, n, seed, cap: np.array(batches[seed]))
+    code, out, err = run(capsys, "simulate", *SMALL, "--steps", "4", "--max-seq-len", "2M", "--planners",
+                         "flexsp,seq1f1b", "--json", *FAST)
+    d = json.loads(out)
+    assert code == 0 and d["config"]["unplanned_steps"] == [1, 3] and d["floor"]["steps"] == [0]
+    assert err.strip() == "warning: no planner could plan 2 of 4 steps (steps 1, 3): every figure leaves them out"
+    by = {s["planner"]: s for s in d["summary"]}
+    assert by["flexsp"]["steps"] == 1 and by["seq1f1b"]["steps"] == 2  # (150,000 tokens: over FlexSP's longest)
+    floor0 = C7B.__class__.from_presets("llama-7b", "a800-80g-8x1").compute_floor_ms(np.array(batches[0])) / 1e3
+    assert d["floor"]["step_time_s"] == pytest.approx(floor0)
+    flexsp0 = next(r for r in d["rows"] if r["planner"] == "flexsp" and r["step"] == 0)["step_time_s"]
+    assert d["floor"]["ceiling"]["flexsp"] == pytest.approx(flexsp0 / floor0)
+    code, out, err = run(capsys, "simulate", *SMALL, "--steps", "4", "--max-seq-len", "2M", "--planners",
+                         "flexsp,seq1f1b", *FAST)
+    assert "the compute floor and the most any plan could gain: over the 1 of 4 steps every planner" in out
+
+
 def test_static_degree_reaches_static_ulysses_from_every_planner(capsys, lengths_file):
     """--static-degree is the degree of the static_ulysses row, whichever planner leads; one too
     small for the batch makes that row say so, and the plan still prints."""
