@@ -19,7 +19,7 @@ from megatron_ext.commands.args import (MAX_BATCHES, add_cost_args, add_planner_
                                         parse_tokens)
 from megatron_ext.commands.scale import bench_scale, parse_gpu_counts, scaled_cost
 from megatron_ext.cost import CostModel
-from megatron_ext.data.lengths import sample_lengths
+from megatron_ext.data.lengths import DISTRIBUTIONS, sample_lengths
 from megatron_ext.errors import ConfigError, InfeasibleError
 from megatron_ext.planner import PlannerOptions, make_plan
 from megatron_ext.planner.api import BASELINES, planner_names
@@ -64,7 +64,11 @@ def cmd_bench(args) -> int:
         raise ConfigError(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply with --gpus (a table "
                           f"across cluster sizes: --per-gpu sequences per GPU, no baselines, no scale row)")
     gpus = parse_gpu_counts(args.gpus) if args.gpus is not None else None
-    dists = list(dict.fromkeys(args.dist.split(",")))  # (each once, in order)
+    dists = list(dict.fromkeys(d.strip() for d in args.dist.split(",")))  # (each once, in order)
+    unknown = [d for d in dists if d not in DISTRIBUTIONS]  # (found at its turn, after the others' batches)
+    if unknown:
+        raise ConfigError(f"--dist {args.dist!r}: unknown length distribution{'s' if len(unknown) > 1 else ''} "
+                          f"{', '.join(map(repr, unknown))}; give comma-separated names of {', '.join(DISTRIBUTIONS)}")
     cost = cost_from_args(args, max(gpus) if gpus else None if args.no_scale else SCALE_GPUS)
     if args.static_degree is not None:  # (else refused as "a 16-sequence batch" cannot run it)
         cost.check_degree(args.static_degree)

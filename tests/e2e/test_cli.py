@@ -600,6 +600,18 @@ def test_bench_bad_counts(capsys):
                                "1", "--batch", "4", *FAST), "unknown length distribution 'nope'")
 
 
+def test_bench_refuses_every_unknown_distribution_before_planning(capsys, monkeypatch):
+    """(The batches of the names before it were planned first: 9 s, then the error.)"""
+    import megatron_ext.commands.bench as bench
+
+    monkeypatch.setattr(bench, "sample_lengths", lambda *a: pytest.fail("planned before refusing"))
+    for dist, says in (("wikipedia,nope", "--dist 'wikipedia,nope': unknown length distribution 'nope'; give "
+                                          "comma-separated names of wikipedia, commoncrawl, github, lmsys"),
+                       ("wikipedia,", "unknown length distribution ''"),
+                       ("x,github,y", "unknown length distributions 'x', 'y'")):
+        assert_one_line_error(*run(capsys, "bench", "planner", "--dist", dist), says)
+
+
 def test_bench_across_cluster_sizes(capsys):
     code, out, _ = run(capsys, "bench", "planner", "--gpus", "4,8", "--per-gpu", "4", "--dist", "wikipedia",
                        "--batches", "1", "--model", "tiny", "--cluster", "cpu-4", "--max-seq-len", "8K", "--json", *FAST)
