@@ -84,7 +84,7 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and cluster")
     g.add_argument("--model", help=f"model preset or YAML path (default: {DEFAULT_MODEL})")
     g.add_argument("--cluster", help=f"cluster preset or YAML path (default: {DEFAULT_CLUSTER})")
-    g.add_argument("--cost-model", metavar="PATH", help="cost-model YAML (the model and the cluster: not with "
+    g.add_argument("--cost-model", type=path_arg, metavar="PATH", help="cost-model YAML (the model and the cluster: not with "
                                                         "--model / --cluster)")
     g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3],
                    help="ZeRO stage of the model states (16 bytes a parameter), a what-if: 0 every GPU holds them all "
@@ -128,7 +128,7 @@ def note_unused_ring(cost: CostModel, largest: int | None = None) -> None:
 def cost_from_args(args, largest: int | None = None) -> CostModel:
     """The cost model of the options; ``largest``: the most GPUs the command plans for (bench's
     --gpus and scale row), for ``note_unused_ring``."""
-    if args.cost_model:
+    if args.cost_model is not None:
         given = [name for name, v in (("--model", args.model), ("--cluster", args.cluster)) if v is not None]
         if given:
             raise ConfigError(f"{' and '.join(given)} with --cost-model: the cost model holds its model and cluster; "
@@ -137,7 +137,8 @@ def cost_from_args(args, largest: int | None = None) -> CostModel:
         if args.zero_stage is not None:  # (a what-if on a measured model: its fixed costs follow the stage)
             cost = dataclasses.replace(cost, zero_stage=args.zero_stage)
     else:
-        cost = CostModel.from_presets(args.model or DEFAULT_MODEL, args.cluster or DEFAULT_CLUSTER,
+        cost = CostModel.from_presets(DEFAULT_MODEL if args.model is None else args.model,  # ("": an unknown preset)
+                                      DEFAULT_CLUSTER if args.cluster is None else args.cluster,
                                       3 if args.zero_stage is None else args.zero_stage)
     cost = cost.with_max_ring(getattr(args, "max_ring", 1))
     note_unused_ring(cost, largest)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_ext.commands.args import ArgumentParser, check_output_dir, check_output_file, parse_tokens
+from megatron_ext.commands.args import ArgumentParser, check_output_dir, check_output_file, parse_tokens, path_arg
 from megatron_ext.commands.launch import LAUNCHER_HELP, torchrun
 from megatron_ext.commands.report import advice, fidelity, layout_counts, layouts_text, step_layout
 from megatron_ext.cost import CostModel
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
                    help="where the ranks run: cuda (NCCL, one GPU per rank), cpu (gloo), or auto: cuda where there "
                    "is CUDA (default auto)")
-    p.add_argument("--cost-model", metavar="PATH", help="cost-model YAML (overrides --model/--cluster)")
+    p.add_argument("--cost-model", type=path_arg, metavar="PATH", help="cost-model YAML (overrides --model/--cluster)")
     p.add_argument("--steps", type=int, default=5, help="training steps (with --load: in all, the checkpoint's "
                    "included, as Megatron's --train-iters)")
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step")

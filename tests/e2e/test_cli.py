@@ -209,6 +209,8 @@ def test_nonexistent_lengths_file(capsys, tmp_path):
     (["--batch", "0"], "--batch must be from 1 to 1,048,576 sequences, got 0"),
     (["--static-degree", "3", "--planner", "static_ulysses"], "degree 3 is not allowed"),
     (["--model", "gpt-30b", "--cluster", "a100-40g-8x1", "--zero-stage", "0"], "model states"),
+    (["--model", ""], "unknown model preset ''"),
+    (["--cluster", ""], "unknown cluster preset ''"),
 ])
 def test_config_errors(capsys, argv, match):
     assert_one_line_error(*run(capsys, "plan", "--dist", "wikipedia", "--batch", "8", *argv), match)
@@ -681,7 +683,8 @@ def test_usage_errors_exit_2(capsys):
     assert capsys.readouterr().err == ("megatron-ext: error: argument --pp: expected a positive integer, got 'x' "
                                        "(see megatron-ext plan --help)\n")
     assert_one_line_error(*run(capsys, "plan", "--bogus"), "unrecognized arguments: --bogus (see megatron-ext plan --help)")
-    for argv in (["plan", "--lengths", ""], ["report", ""]):  # (were taken as not given)
+    # (were taken as not given: --cost-model "" planned the default model)
+    for argv in (["plan", "--lengths", ""], ["report", ""], ["plan", "--cost-model", ""], ["train", "--cost-model", ""]):
         with pytest.raises(SystemExit):
             main(argv)
         assert "expected a path, got ''" in capsys.readouterr().err
