@@ -34,7 +34,8 @@ from megatron_ext.runtime.checkpoint import holds_checkpoint
 from megatron_ext.runtime.compat import quiet_fallback_warnings
 from megatron_ext.runtime.device import DEVICE_CHOICES, choose_device
 from megatron_ext.runtime.kernels import check_backend
-from megatron_ext.runtime.train import check_args, open_training_data, stage_sp, train_cost_model
+from megatron_ext.runtime.train import (TRAIN_CLUSTER, TRAIN_MODEL, check_args, open_training_data, stage_sp,
+                                        train_cost_model)
 from megatron_ext.text import plural
 
 RANKS = "megatron_ext.commands.train"  # what torchrun runs on every rank: this module
@@ -49,12 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sp", type=int, help="with --pp: Ulysses degree inside a stage (default: ranks / pp; auto: "
                    "per step); below that, ranks / (pp x sp) replicas of the pipeline run side by side, each its "
                    "share of the batch")
-    p.add_argument("--model", default="tiny", help="model preset or YAML (its layers, hidden size and heads)")
-    p.add_argument("--cluster", default="cpu-4", help="cluster preset or YAML: its GPU count is the rank count")
+    p.add_argument("--model", help=f"model preset or YAML (its layers, hidden size and heads) (default: {TRAIN_MODEL})")
+    p.add_argument("--cluster", help=f"cluster preset or YAML: its GPU count is the rank count (default: {TRAIN_CLUSTER})")
     p.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
                    help="where the ranks run: cuda (NCCL, one GPU per rank), cpu (gloo), or auto: cuda where there "
                    "is CUDA (default auto)")
-    p.add_argument("--cost-model", type=path_arg, metavar="PATH", help="cost-model YAML (overrides --model/--cluster)")
+    p.add_argument("--cost-model", type=path_arg, metavar="PATH",
+                   help="cost-model YAML (the model and the cluster: not with --model / --cluster)")
     p.add_argument("--steps", type=int, default=5, help="training steps (with --load: in all, the checkpoint's "
                    "included, as Megatron's --train-iters)")
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step")

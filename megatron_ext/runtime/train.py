@@ -131,6 +131,7 @@ def open_training_data(values: list[str], vocab_size: int | None, check_tokens: 
 # build_optimizer: megatron's Adam without the distributed optimizer, under DDP: every rank holds
 # every model state (ZeRO 0), and the planner must budget that.
 TRAIN_ZERO_STAGE = 0
+TRAIN_MODEL, TRAIN_CLUSTER = "tiny", "cpu-4"  # without --model / --cluster (and --cost-model)
 
 
 def train_cost_model(args) -> CostModel:
@@ -141,9 +142,14 @@ def train_cost_model(args) -> CostModel:
     each chunk's recompute, and FlexSP steps of auto run none."""
     if not is_power_of_two(args.max_ring):  # (read here first: check_args gets the model it makes)
         raise ConfigError(f"--max-ring must be a power of two (1: no ring), got {args.max_ring}")
-    if not args.cost_model:
-        cost = CostModel.from_presets(args.model, args.cluster, TRAIN_ZERO_STAGE).with_max_ring(args.max_ring)
+    if args.cost_model is None:
+        cost = CostModel.from_presets(train_model(args), TRAIN_CLUSTER if args.cluster is None else args.cluster,
+                                      TRAIN_ZERO_STAGE).with_max_ring(args.max_ring)
     else:
+        given = [name for name, v in (("--model", args.model), ("--cluster", args.cluster)) if v is not None]
+        if given:  # (they were dropped without a word)
+            raise ConfigError(f"{' and '.join(given)} with --cost-model: the cost model holds its model and cluster; "
+                              f"give one or the other")
         cost = CostModel.from_yaml(args.cost_model, TRAIN_ZERO_STAGE).with_max_ring(args.max_ring)
         if cost.zero_stage != TRAIN_ZERO_STAGE:
             raise ConfigError(f"--cost-model {args.cost_model} says zero_stage: {cost.zero_stage}, but train keeps "
@@ -156,6 +162,11 @@ def train_cost_model(args) -> CostModel:
     if cost.model.recomputed_layers and get_planner(args.planner).kind in PIPELINE_KINDS:
         cost = cost.with_recompute()
     return cost
+
+
+def train_model(args) -> str:
+    """The model preset or YAML a run without --cost-model trains."""
+    return TRAIN_MODEL if args.model is None else args.model
 
 
 def check_args(args, cost: CostModel, world: int, read_checkpoint: bool = True) -> bool:
@@ -338,7 +349,7 @@ class Training:
                         ranks = gathered
                         rec.update(_stage_report(ranks, step, self.cost))
                 if not args.cost_model:  # the preset or YAML `report` tells to re-profile
-                    rec["model"] = args.model
+                    rec["model"] = train_model(args)
                 yield TrainedStep(step, rec, ranks, rank_mb)
                 if not (math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"])):
                     # (every rank has the same two numbers: all stop; nothing of this step is saved,

@@ -253,6 +253,7 @@ def test_cluster_yaml_numbers_must_be_finite(capsys, tmp_path, field, value):
     (["--time-limit", "-1"], "--time-limit must be positive (seconds), got -1.0"),
     (["--time-limit", "0"], "--time-limit must be positive"),
     (["--time-limit", "nan"], "--time-limit must be positive"),
+    (["--cost-model", "c.yaml", "--model", "gpt-7b"], "--model with --cost-model: the cost model holds its model"),
     (["--compare", "flexsp,typo"], "unknown planner 'typo'"),  # before the flexsp run trains
     (["--compare", "flexsp,static_ulysses,flexsp"], "--compare names flexsp more than once"),
     (["--seed", "-1"], "--seed must be from 0 to 2^63 - 1, got -1"),  # (was refused by the ranks, after launching)

@@ -21,7 +21,7 @@ def test_device_choice_without_cuda():
 
 
 def _args(**kw):
-    return argparse.Namespace(**{"cost_model": None, "model": "tiny", "cluster": "cpu-4", "max_ring": 1,
+    return argparse.Namespace(**{"cost_model": None, "model": None, "cluster": None, "max_ring": 1,
                                  "planner": "flexsp", **kw})
 
 
@@ -63,6 +63,12 @@ def test_train_plans_at_the_stage_it_runs(tmp_path):
         train_cost_model(_args(cost_model=str(half)))
     (tmp_path / "fp32.yaml").write_text("model: tiny\ncluster: cpu-4\ndtype: fp32\n")
     assert train_cost_model(_args(cost_model=str(tmp_path / "fp32.yaml"))).zero_stage == 0
+    # (--model and --cluster were dropped without a word)
+    for given, says in (({"model": "gpt-7b"}, "--model with"), ({"model": "tiny", "cluster": "cpu-4"}, "--model and "
+                                                                                                     "--cluster with")):
+        with pytest.raises(ConfigError, match=f"^{says} --cost-model: the cost model holds its model and cluster; "
+                                              f"give one or the other$"):
+            train_cost_model(_args(cost_model=str(unstated), **given))
 
 
 def test_micro_batch_nvtx_ranges_open_and_close_in_turn():
