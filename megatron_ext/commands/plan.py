@@ -73,6 +73,9 @@ def cmd_plan(args) -> int:
                           f"not to {args.planner}")
     cost = cost_from_args(args)
     if args.static_degree is not None:
+        if args.planner != "static_ulysses" and args.no_baselines:  # (it was ignored)
+            raise ConfigError(f"--static-degree is static_ulysses's degree: it applies to --planner static_ulysses "
+                              f"or its baseline row, which --no-baselines leaves out of {args.planner}'s plan")
         cost.check_degree(args.static_degree)
     options = pipeline_options_from_args(args) if pipelines else options_from_args(args)  # (refused before drawing)
     limit = args.max_seq_len or max_seq_len(args.planner, cost, options if pipelines else None)

@@ -139,6 +139,8 @@ def run(rest: list[str]) -> int:
     """``train [--compare P1,P2,...] ARGS``: one run, or one run per planner on the same data and
     initial weights, then a table of measured step times, losses and the cost model's error."""
     if "--compare" not in rest:
+        args = build_parser().parse_known_args(rest)[0]
+        _check_static_degree(args.static_degree, [args.planner])
         return torchrun(RANKS, rest)
     i = rest.index("--compare")
     if i + 1 >= len(rest):
@@ -152,6 +154,7 @@ def run(rest: list[str]) -> int:
     given, _ = build_parser().parse_known_args(base, argparse.Namespace(planner=None, json=None))
     if given.planner is not None or given.json is not None:
         raise ConfigError("--compare sets --planner and --json itself")
+    _check_static_degree(given.static_degree, planners)
     twice = sorted({p for p in planners if planners.count(p) > 1})
     if twice:
         raise ConfigError(f"--compare names {', '.join(twice)} more than once")
@@ -170,6 +173,14 @@ def run(rest: list[str]) -> int:
                               f"checkpoint's step?)")
     print(compare_table(runs))
     return 0
+
+
+def _check_static_degree(static_degree: int | None, planners: list[str]) -> None:
+    """Refuse a --static-degree that none of the run's ``planners`` uses: it is static_ulysses's
+    degree (every planner takes it, so that --compare can pass it to all)."""
+    if static_degree is not None and "static_ulysses" not in planners:
+        raise ConfigError(f"--static-degree is static_ulysses's degree: it applies to --planner static_ulysses or "
+                          f"a --compare list naming it, not to {', '.join(planners)}")
 
 
 def _own_outputs(given, planner: str) -> list[str]:

@@ -210,6 +210,9 @@ def test_nonexistent_lengths_file(capsys, tmp_path):
     (["--static-degree", "3", "--planner", "static_ulysses"], "degree 3 is not allowed"),
     (["--model", "gpt-30b", "--cluster", "a100-40g-8x1", "--zero-stage", "0"], "model states"),
     (["--model", ""], "unknown model preset ''"),
+    (["--static-degree", "4", "--no-baselines"], "--static-degree is static_ulysses's degree: it applies to "
+                                                 "--planner static_ulysses or its baseline row, which --no-baselines "
+                                                 "leaves out of flexsp's plan"),  # (it was ignored)
     (["--cluster", ""], "unknown cluster preset ''"),
 ])
 def test_config_errors(capsys, argv, match):
@@ -254,6 +257,10 @@ def test_cluster_yaml_numbers_must_be_finite(capsys, tmp_path, field, value):
     (["--time-limit", "0"], "--time-limit must be positive"),
     (["--time-limit", "nan"], "--time-limit must be positive"),
     (["--cost-model", "c.yaml", "--model", "gpt-7b"], "--model with --cost-model: the cost model holds its model"),
+    # (static_ulysses's degree, ignored by every other planner)
+    (["--static-degree", "2"], "--static-degree is static_ulysses's degree: it applies to --planner static_ulysses or "
+                               "a --compare list naming it, not to flexsp"),
+    (["--compare", "flexsp,auto", "--static-degree", "2"], "a --compare list naming it, not to flexsp, auto"),
     (["--compare", "flexsp,typo"], "unknown planner 'typo'"),  # before the flexsp run trains
     (["--compare", "flexsp,static_ulysses,flexsp"], "--compare names flexsp more than once"),
     (["--seed", "-1"], "--seed must be from 0 to 2^63 - 1, got -1"),  # (was refused by the ranks, after launching)
