@@ -8,23 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-from dist_harness import assert_check, check_names, launch
+from dist_harness import checks_as_tests
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")
-NAMES = check_names(WORKER)
-
-
-@pytest.fixture(scope="module")
-def results():
-    return launch(WORKER, nprocs=4)
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_four_ranks(results, name):
-    assert_check(results, name)
-
-
-def test_every_check_reported(results):
-    assert set(NAMES) <= set(results), sorted(set(NAMES) - set(results))
+results, test_checks, test_every_check_reported = checks_as_tests(WORKER, nprocs=4)

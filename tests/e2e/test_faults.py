@@ -60,6 +60,19 @@ def _environ(pid: int) -> dict[bytes, bytes]:
         return {}
 
 
+def _has_taken(p: Proc, sig: int) -> bool:
+    """Whether ``p`` has taken ``sig`` sent to it: no longer pending, or ``p`` is gone; a process
+    that blocks it (the planner process, SIGUSR1) keeps it pending and counts as having taken it."""
+    try:
+        with open(f"/proc/{p.pid}/status") as f:
+            masks = {k: int(v, 16) for k, v in (line.split(":", 1) for line in f)
+                     if k in ("SigPnd", "ShdPnd", "SigBlk")}
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    bit = 1 << (sig - 1)
+    return _proc(p.pid) != p or not (masks["SigPnd"] | masks["ShdPnd"]) & bit or bool(masks["SigBlk"] & bit)
+
+
 def _rank(pid: int) -> int | None:
     env = _environ(pid)
     return int(env[b"RANK"]) if b"RANK" in env else None
@@ -224,7 +237,11 @@ def test_a_stop_signal_to_every_process_twice_still_saves(tmp_path):
             os.kill(p.pid, signal.SIGUSR1)
         except ProcessLookupError:
             pass
-    time.sleep(0.1)
+    # SIGTERM only once every process has taken SIGUSR1: the second stop, not a race for the first
+    waited = time.monotonic() + ENDS_WITHIN_S
+    while not all(_has_taken(p, signal.SIGUSR1) for p in tree.values()) and time.monotonic() < waited:
+        time.sleep(0.01)
+    assert all(_has_taken(p, signal.SIGUSR1) for p in tree.values()), tree
     os.kill(tree["torchrun"].pid, signal.SIGTERM)
     code, took = run.ended(blow)
     print(f"SIGUSR1 to every process, then SIGTERM to torchrun: the launcher exited {took:.1f} s later")

@@ -24,18 +24,32 @@ def _train(*argv: str) -> tuple[list[dict], str]:
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")], done.stderr
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A layout's runs (``runs``), trained once in the module, when first asked for: a test of one
+    layout's checkpoint does not train the other."""
+    done = {}
+
+    def of(name: str) -> dict:
+        if name not in done:
+            layout = LAYOUTS[name]
+            ckpt = tmp_path_factory.mktemp(f"ckpt-{name}")
+            run_dir = ckpt / "records"
+            whole, _ = _train("--steps", "4", *layout)
+            first, first_log = _train("--steps", "2", "--save", str(ckpt), "--save-interval", "1", "--run-dir",
+                                      str(run_dir), *layout)
+            rest, rest_log = _train("--steps", "4", "--load", str(ckpt), "--save", str(ckpt), "--run-dir",
+                                    str(run_dir), *layout)
+            done[name] = {"whole": whole, "first": first, "rest": rest, "first_log": first_log, "rest_log": rest_log,
+                          "ckpt": ckpt, "layout": layout, "run_dir": run_dir}
+        return done[name]
+
+    return of
+
+
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def runs(request, tmp_path_factory):
-    layout = LAYOUTS[request.param]
-    ckpt = tmp_path_factory.mktemp(f"ckpt-{request.param}")
-    run_dir = ckpt / "records"
-    whole, _ = _train("--steps", "4", *layout)
-    first, first_log = _train("--steps", "2", "--save", str(ckpt), "--save-interval", "1", "--run-dir", str(run_dir),
-                              *layout)
-    rest, rest_log = _train("--steps", "4", "--load", str(ckpt), "--save", str(ckpt), "--run-dir", str(run_dir),
-                            *layout)
-    return {"whole": whole, "first": first, "rest": rest, "first_log": first_log, "rest_log": rest_log,
-            "ckpt": ckpt, "layout": layout, "run_dir": run_dir}
+def runs(request, trained):
+    return trained(request.param)
 
 
 def test_resumed_run_continues_where_the_saved_one_stopped(runs):
@@ -306,24 +320,26 @@ def test_a_save_that_fails_is_one_line_naming_the_newest_checkpoint(runs, tmp_pa
     assert "Traceback" not in done.stderr and (copy / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
 
 
-def test_a_write_torch_fails_is_a_save_failure_and_a_broken_collective_is_not(runs):
+def test_a_write_torch_fails_is_a_save_failure_and_a_broken_collective_is_not(tmp_path):
     """torch.save reports a full disk as a RuntimeError (megatron-core's common.pt, rank 0's first
     write); gloo a dead peer as a RuntimeError too, which the launcher reports by rank."""
-    from megatron_ext.runtime.checkpoint import save_failure
+    from megatron_ext.runtime.checkpoint import RUN_FILE, TRACKER_FILE, save_failure
 
+    (tmp_path / "iter_0000004").mkdir()  # (what names the newest checkpoint: the tracker and its run file)
+    (tmp_path / "iter_0000004" / RUN_FILE).write_text("{}\n")
+    (tmp_path / TRACKER_FILE).write_text("4\n")
     full = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
-    failed = save_failure(full, str(runs["ckpt"]), 5)
-    assert str(failed) == (f"cannot save step 5 to {runs['ckpt']}: RuntimeError: [enforce fail at inline_container.cc:672]"
-                           f" . unexpected pos 704 vs 598; the newest checkpoint stays {runs['ckpt'] / 'iter_0000004'}")
-    assert save_failure(RuntimeError("Connection closed by peer [127.0.0.1]:1234"), str(runs["ckpt"]), 5) is None
+    failed = save_failure(full, str(tmp_path), 5)
+    assert str(failed) == (f"cannot save step 5 to {tmp_path}: RuntimeError: [enforce fail at inline_container.cc:672]"
+                           f" . unexpected pos 704 vs 598; the newest checkpoint stays {tmp_path / 'iter_0000004'}")
+    assert save_failure(RuntimeError("Connection closed by peer [127.0.0.1]:1234"), str(tmp_path), 5) is None
     assert "no checkpoint was saved before it" in str(save_failure(OSError(28, "No space left on device"), "/nonexistent", 1))
 
 
-def test_a_checkpoint_the_ranks_cannot_read_is_a_one_line_error(runs, tmp_path):
+def test_a_checkpoint_the_ranks_cannot_read_is_a_one_line_error(trained, tmp_path):
     import shutil
 
-    if runs["layout"]:
-        pytest.skip("one layout is enough: the load is the same")
+    runs = trained("flexsp")  # (one layout is enough: the load is the same)
     copy = tmp_path / "ckpt"
     shutil.copytree(runs["ckpt"], copy)
     metadata = copy / "iter_0000004" / ".metadata"

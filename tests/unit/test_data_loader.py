@@ -109,12 +109,16 @@ def test_late_plan_uses_fallback_and_warns(caplog):
     for s in steps:
         assert s.plan.planner == "batchada" and s.plan.solver_status.startswith("fallback")
         validate(s.plan, s.lengths, COST)
-    assert steps[1].plan_wait_s < delay, "the step did not wait for the slow planner"
-    # The worker finished step 0's plan late (discarded) and skipped step 1's as stale.
-    assert dl.stats == {"fallback": 2, "late_discarded": 1, "skipped": 1}
+    # What became of the worker's plans races close()'s wait for it (a loaded machine may stop it
+    # first): each came late (discarded), was skipped as stale, or never came; none was used.
+    assert dl.stats["fallback"] == 2 and dl.stats["planner"] == 0
+    assert dl.stats["late_discarded"] + dl.stats["skipped"] <= 2, dl.stats
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2
-    assert "step 0: the flexsp plan was not ready within the 0.10s deadline; using the batchada fallback" in warnings[0]
+    # each step waited its deadline, not for the slow planner
+    for step, warning in enumerate(warnings):
+        assert (f"step {step}: the flexsp plan was not ready within the 0.10s deadline; "
+                "using the batchada fallback") in warning
     # The fallback is the batch's own plan: same batches as a run without the delay.
     np.testing.assert_array_equal(steps[1].samples, _loader().batch_samples(1))
 
@@ -211,13 +215,21 @@ def test_a_worker_killed_halfway_through_sending_a_plan_falls_back(caplog):
     dl.close()
 
 
-def test_a_worker_that_never_starts_costs_its_start_up_wait_once(tmp_path, monkeypatch):
+def test_a_worker_that_never_starts_costs_its_start_up_wait_once(tmp_path, monkeypatch, caplog):
     (tmp_path / "slow_planner_import.py").write_text("import time\ntime.sleep(30)\n")
     monkeypatch.syspath_prepend(str(tmp_path))  # (the spawned worker gets this process's path)
-    with _loader(background=True, num_steps=3, deadline_s=0.2, startup_timeout_s=1.0,
-                 worker_imports=("slow_planner_import",)) as dl:
-        waits = [s.plan_wait_s for s in dl]
-    assert 1.0 <= waits[0] < 5 and all(w < 0.6 for w in waits[1:]), waits
+    with caplog.at_level(logging.WARNING, logger="megatron_ext.data.loader"):
+        with _loader(background=True, num_steps=3, deadline_s=0.2, startup_timeout_s=1.0,
+                     worker_imports=("slow_planner_import",)) as dl:
+            steps = list(dl)
+    assert steps[0].plan_wait_s >= 1.0
+    assert [s.plan_source for s in steps] == ["fallback"] * 3
+    # which wait each step had: the start-up wait on the first only, the deadline after it
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert [w.split(";")[0] for w in warnings] == [
+        "step 0: the planner process did not start within 1.0s",
+        "step 1: the flexsp plan was not ready within the 0.20s deadline",
+        "step 2: the flexsp plan was not ready within the 0.20s deadline"], warnings
 
 
 SPAWNING_SCRIPT = """

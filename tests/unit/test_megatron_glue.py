@@ -689,9 +689,12 @@ def test_bf16_stage_is_megatrons_float16_module(one_rank):
     params = UlyssesPackedSeqParams.build([40])
     with torch.no_grad():
         loss = half(tokens, params.position_ids[None], None, labels=tokens, packed_seq_params=params)
+        fp32 = full(tokens, params.position_ids[None], None, labels=tokens, packed_seq_params=params)
         ref = full.bfloat16()(tokens, params.position_ids[None], None, labels=tokens, packed_seq_params=params)
     assert loss.dtype == torch.float32
-    assert torch.allclose(loss, ref.float(), rtol=1e-2)
+    assert torch.equal(loss, ref.float())
+    # the fp32 model lands within 1e-3 of it: only exact equality shows the stage ran in bf16
+    assert not torch.equal(loss, fp32)
 
 
 def test_the_model_yaml_shape_and_recompute_are_built(one_rank):

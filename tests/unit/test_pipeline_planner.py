@@ -141,29 +141,32 @@ def test_builds_of_a_few_chunks_price_no_larger_ones(monkeypatch):
     # a probe of one pipeline builds its packs cut into the estimate's chunks, its whole packs (a
     # few chunks), then the targets' chunkings: whole packs' fixed cost, scaled by chunks,
     # overpriced those past a deadline they would make. A replica of gpt-13b on 8 x 8 x 4 (256
-    # A100-40GB) holding the most 192K sequences; its builds of under PRICED_CHUNKS made slow here
-    # (0.05 s each), its targets are built all the same
+    # A100-40GB) holding the most 192K sequences; on a clock of its own (deterministic under any
+    # load), its builds of under PRICED_CHUNKS take 0.05 s each, the others 0.2 ms a chunk: its
+    # targets are built all the same
+    import types
+
     import megatron_ext.planner.pp.chunk_search as chunk_search
     cost = CostModel.from_presets("gpt-13b", "a100-40g-8x32", 1)
     lengths = sample_lengths("github", 512, 0, 196608)
     pc = PipelineCost(cost, 8, 8)
     part = split_replicas(np.arange(512), lengths, pc, pc.replicas)[0]
-    real, sizes = chunk_search.build_pipeline, []
+    real, sizes, now = chunk_search.build_pipeline, [], [0.0]
 
     def slow_when_small(pieces, *a, **k):
         sizes.append(len(pieces))
-        if len(pieces) < chunk_search.PRICED_CHUNKS:
-            time.sleep(0.05)
+        now[0] += 0.05 if len(pieces) < chunk_search.PRICED_CHUNKS else 2e-4 * len(pieces)
         return real(pieces, *a, **k)
 
     monkeypatch.setattr(chunk_search, "build_pipeline", slow_when_small)
-    # (the packs' two builds take 0.1 s, the others ~0.03 s; priced from the whole packs at 25 ms a
-    # chunk, the targets' ~150 chunks would end seconds past the deadline, and be skipped; 1 s, not
-    # 0.5 s: on a loaded machine the targets' own builds ran past 0.5 s)
-    plan_group(part, lengths, pc, PipelineOptions(), time.perf_counter() + 1.0, probe=True, whole_packs=True)
+    monkeypatch.setattr(chunk_search, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    # (priced from the whole packs, 0.05 s for a few chunks, the targets' ~150 chunks would end
+    # seconds past the deadline, and be skipped; priced from the estimate's cut, ~0.03 s each)
+    plan_group(part, lengths, pc, PipelineOptions(), 1.0, probe=True, whole_packs=True)
     small = [i for i, n in enumerate(sizes) if n < chunk_search.PRICED_CHUNKS]
     assert sizes[0] >= chunk_search.PRICED_CHUNKS and len(small) == 2  # (the estimate's cut first; whole packs)
     assert sum(n >= chunk_search.PRICED_CHUNKS for n in sizes[max(small) + 1:]) >= 3  # (targets, after them)
+    assert now[0] < 1.0, sizes  # (the deadline never bound: every target was wanted)
 
 
 def test_a_search_first_cuts_the_packs_into_the_chunks_the_estimate_finds_best(monkeypatch):
@@ -801,6 +804,49 @@ def test_auto_keeps_a_layout_to_its_limit_once_a_plan_stands_and_skips_it_past_t
     assert skipped == ["time limit reached (7 replicas left to plan)"]
 
 
+def _spy_sub_plans(monkeypatch) -> list[dict]:
+    """Every layout plan and FlexSP-kind plan auto makes, in order: who ((pp, sp) or the name), the
+    time limit auto gave it, the candidates built before it (layouts), its plan, and the
+    perf_counter seconds around the real planner's call."""
+    import megatron_ext.planner.auto as auto
+
+    calls = []
+    real_layout, real_sp = auto.plan_elastic_pp, auto.plan_sp
+
+    def layout(lengths, cost, P, d, opts, **k):
+        call = {"who": (P, d), "limit": opts.time_limit, "builds": k["builds"], "before": len(k["builds"].built),
+                "t0": time.perf_counter()}
+        calls.append(call)
+        call["plan"] = real_layout(lengths, cost, P, d, opts, **k)
+        call["t1"] = time.perf_counter()
+        return call["plan"]
+
+    def sp(name, fn, lengths, cost, opts=None, **k):
+        call = {"who": name, "limit": getattr(opts, "time_limit", None), "t0": time.perf_counter()}
+        calls.append(call)
+        call["plan"] = real_sp(name, fn, lengths, cost, opts, **k)
+        call["t1"] = time.perf_counter()
+        return call["plan"]
+
+    monkeypatch.setattr(auto, "plan_elastic_pp", layout)
+    monkeypatch.setattr(auto, "plan_sp", sp)
+    return calls
+
+
+def _assert_given_only_the_time_left(calls, time_limit: float) -> None:
+    # auto's clock starts before the first call and is read after each call before the next: a
+    # layout or FlexSP may plan in at most what the limit, less the reserve, leaves after the calls
+    # before it (0.05 s at least); however slow the machine, auto's own choice
+    import megatron_ext.planner.auto as auto
+
+    first, after = calls[0]["t0"], calls[0]["t0"]
+    for c in calls:
+        if c["who"] == "flexsp" or isinstance(c["who"], tuple):
+            left = time_limit * (1 - auto.AUTO_RESERVE) - (after - first)
+            assert c["limit"] <= max(0.05, left) + 1e-9, (c["who"], c["limit"], left)
+        after = c.get("t1", after)
+
+
 @pytest.mark.parametrize("batch, pins, again", [
     # no FlexSP (a run cut into stages), one layout, done early: planned again in the time left,
     # from the candidates it built
@@ -809,29 +855,20 @@ def test_auto_keeps_a_layout_to_its_limit_once_a_plan_stands_and_skips_it_past_t
     (512, {}, False),
 ])
 def test_auto_plans_its_fastest_layout_again_in_time_no_flexsp_takes(monkeypatch, batch, pins, again):
-    import megatron_ext.planner.auto as auto
-
-    calls = []
-
-    def recorded(lengths, cost, P, d, opts, **k):
-        before = len(k["builds"].built)  # (candidates built before this plan)
-        plan = plan_elastic_pp(lengths, cost, P, d, opts, **k)
-        calls.append(((P, d), k["builds"], before, plan.estimated_step_time_s))
-        return plan
-
-    monkeypatch.setattr(auto, "plan_elastic_pp", recorded)
+    calls = _spy_sub_plans(monkeypatch)
     cost = CostModel.from_presets("llama-13b", "a800-80g-8x4", 3)
     lengths = sample_lengths("github", batch, 0, 96 * 1024)
-    start = time.perf_counter()
     plan = plan_auto(lengths, cost, time_limit=1.0, **pins)
-    assert time.perf_counter() - start < 1.1
-    layouts = [c[0] for c in calls]
+    _assert_given_only_the_time_left(calls, 1.0)
+    layouts = [c["who"] for c in calls if isinstance(c["who"], tuple)]
     assert (len(set(layouts)) < len(layouts)) == again
     if again:
         first, last = calls[0], calls[-1]
-        assert layouts == [(2, 8), (2, 8)] and last[1] is first[1] and first[2] == 0 < last[2]
-        assert plan.estimated_step_time_s == min(first[3], last[3])
+        assert layouts == [(2, 8), (2, 8)] and last["builds"] is first["builds"] and first["before"] == 0 < last["before"]
+        assert last["limit"] < first["limit"]  # (what the first plan left)
+        assert plan.estimated_step_time_s == min(first["plan"].estimated_step_time_s, last["plan"].estimated_step_time_s)
     else:
+        assert any(c["who"] == "flexsp" for c in calls)
         assert "estimated_step_time_s" in plan.baselines.get("flexsp", {}) or "auto chose flexsp" in plan.solver_status
 
 
@@ -868,33 +905,16 @@ def test_auto_resumes_the_fastest_layout_in_the_time_flexsp_leaves(monkeypatch):
     # gpt-30b on 256 A800s, 192K CommonCrawl, ZeRO-3: the layouts keep the floor share (FlexSP's
     # likely step beats their bounds), FlexSP solves in a fraction of the rest and loses; the
     # fastest layout is then planned again, from its candidates, in the time left
-    import megatron_ext.planner.auto as auto
-
-    calls = []  # ("flexsp" | (pp, sp), start, end)
-    real_layout, real_sp = auto.plan_elastic_pp, auto.plan_sp
-
-    def layout(lengths, cost, P, d, opts, **k):
-        t0 = time.perf_counter()
-        plan = real_layout(lengths, cost, P, d, opts, **k)
-        calls.append(((P, d), t0, time.perf_counter()))
-        return plan
-
-    def sp(name, *a, **k):
-        t0 = time.perf_counter()
-        plan = real_sp(name, *a, **k)
-        calls.append((name, t0, time.perf_counter()))
-        return plan
-
-    monkeypatch.setattr(auto, "plan_elastic_pp", layout)
-    monkeypatch.setattr(auto, "plan_sp", sp)
+    calls = _spy_sub_plans(monkeypatch)
     cost = CostModel.from_presets("gpt-30b", "a800-80g-8x32", 3)
     lengths = sample_lengths("commoncrawl", 512, 0, 192 * 1024)
-    start = time.perf_counter()
     plan = plan_auto(lengths, cost, time_limit=2.0)  # (slack for a loaded machine)
-    flexsp_end = next(end for who, _, end in calls if who == "flexsp")
-    assert flexsp_end - start < 1.6  # (it solved early)
-    again = [who for who, t0, _ in calls if t0 >= flexsp_end and who != "flexsp"]
-    assert again and plan.solver_status.startswith(f"auto chose elastic_pp pp{again[0][0]} x sp{again[0][1]}")
+    _assert_given_only_the_time_left(calls, 2.0)
+    i = next(i for i, c in enumerate(calls) if c["who"] == "flexsp")
+    again = [c for c in calls[i + 1:] if isinstance(c["who"], tuple)]
+    assert again and again[0]["builds"] is next(c["builds"] for c in calls[:i] if c["who"] == again[0]["who"])
+    P, d = again[0]["who"]
+    assert plan.solver_status.startswith(f"auto chose elastic_pp pp{P} x sp{d}")
     assert plan.estimated_step_time_s < plan.baselines["flexsp"]["estimated_step_time_s"]
 
 

@@ -133,12 +133,9 @@ def test_pieces_that_do_not_tile_their_sequence_are_refused():
 
 
 def test_slice_order_deadlock_is_refused():
-    # chunk 1 holds the second slice of sequence 0: its forward cannot run before chunk 0's
+    # chunk 1 holds the second slice of sequence 0: the backward of the first slice cannot run
+    # before the second's (a forward out of slice order: test_plan_program.py)
     pieces = [[Piece(0, 0, 600)], [Piece(0, 600, 1000)]]
-    cost, plan = _two_chunk_plan([["F1", "F0", "B0", "B1"], ["F1", "F0", "B0", "B1"]], pieces)
-    with pytest.raises(InvalidPlanError, match="stage 0 cannot run F1.*waits for F0 on stage 0"):
-        simulate(plan, np.array([1000]), cost)
-    # and the backward of the first slice cannot run before the second's
     cost, plan = _two_chunk_plan([["F0", "F1", "B0", "B1"], ["F0", "F1", "B0", "B1"]], pieces)
     with pytest.raises(InvalidPlanError, match="stage 0 cannot run B0.*waits for .*B1 on stage 0"):
         simulate(plan, np.array([1000]), cost)
@@ -159,18 +156,8 @@ def test_memory_over_budget_is_refused_naming_stage_and_operation():
 
 
 def test_bad_orders_and_layouts_are_refused():
+    # (a malformed order, refused alike by every layer: test_plan_program.py)
     lengths = np.array([1000, 1000])
-    cost, plan = _two_chunk_plan([["F0", "F1", "B0"], ["F0", "B0", "F1", "B1"]])
-    with pytest.raises(InvalidPlanError, match="B1 appears 0 times"):
-        simulate(plan, lengths, cost)
-    with pytest.raises(InvalidPlanError, match="missing B1"):
-        validate_pipelines(plan, lengths, cost)
-    cost, plan = _two_chunk_plan([["F0", "F1", "B0", "B1"]])
-    with pytest.raises(InvalidPlanError, match="order_per_stage"):
-        simulate(plan, lengths, cost)
-    cost, plan = _two_chunk_plan([["F0", "F1", "B0", "X1"], ["F0", "B0", "F1", "B1"]])
-    with pytest.raises(InvalidPlanError, match="'X1'"):
-        simulate(plan, lengths, cost)
     cost, plan = _two_chunk_plan([["F0", "F1", "B0", "B1"], ["B0", "F0", "F1", "B1"]])
     with pytest.raises(InvalidPlanError, match="B0 comes before F0"):
         validate_pipelines(plan, lengths, cost)

@@ -220,19 +220,16 @@ def test_rendezvous_checker_catches_naive_programs():
         check_rendezvous(naive)
 
 
+# (a malformed order, and a forward out of slice order, are refused alike by every layer: test_plan_program.py)
 @pytest.mark.parametrize("mutate,match", [
     (lambda p: p.chunks[0].pieces.append(Piece(0, 3, 5)), "two pieces of sequence 0"),
     (lambda p: p.chunks[1].pieces.__setitem__(0, Piece(0, 4, 9)), "do not tile"),
     (lambda p: p.chunks[1].pieces.__setitem__(0, Piece(0, 5, 8)), "end at 8"),
     (lambda p: p.chunks[0].pieces.__setitem__(0, Piece(0, 0, 99)), "outside its sequence"),
     (lambda p: setattr(p.chunks[1], "id", 0), "unique"),
-    (lambda p: p.order_per_stage[0].append("F0"), "F0 appears 2 times"),
-    (lambda p: p.order_per_stage[1].remove("B1"), "B1 appears 0 times"),
-    (lambda p: p.order_per_stage[1].__setitem__(0, "X0"), "is not 'F<chunk id>'"),
-    (lambda p: p.order_per_stage.pop(), "order_per_stage has 1 lists for 2 stages"),
     (lambda p: setattr(p.chunks[0], "recompute_layers_per_stage", [1]), "recompute_layers_per_stage must be 2"),
     (lambda p: setattr(p.chunks[0], "recompute_layers_per_stage", [5, 0]), "recompute_layers_per_stage must be 2"),
-    (lambda p: setattr(p, "order_per_stage", [["F1", "F0", "B0", "B1"], ["F0", "F1", "B1", "B0"]]), "deadlocks"),
+    # (stage 1 runs a backward out of slice order)
     (lambda p: setattr(p, "order_per_stage", [["F0", "F1", "B1", "B0"], ["F0", "F1", "B0", "B1"]]), "deadlocks"),
 ])
 def test_malformed_pipelines_are_refused(mutate, match):
