@@ -350,6 +350,8 @@ def validate_model(m: ModelSpec) -> ModelSpec:
 def validate_cluster(c: ClusterSpec) -> ClusterSpec:
     _check_name(c.name, "cluster")
     what = f"cluster {c.name!r}"
+    for name in ("gpus_per_node", "num_nodes"):  # (1.0 or "1" was "not a power of two")
+        _check_count(getattr(c, name), what, name)
     _check(is_int(c.gpus_per_node) and is_power_of_two(c.gpus_per_node), what,
            f"gpus_per_node must be a power of two, got {c.gpus_per_node!r}")
     _check(is_int(c.num_nodes) and is_power_of_two(c.num_nodes), what,

@@ -364,6 +364,13 @@ def test_cluster_yaml_num_nodes_3(tmp_path):
     p.write_text(CLUSTER_YAML.replace("num_nodes: 2", "num_nodes: 3"))
     with pytest.raises(ConfigError, match="num_nodes=3 is not a power of two"):
         load_cluster(str(p))
+    # (an integer written as a float or a string was "not a power of two")
+    for old, new, says in (("num_nodes: 2", "num_nodes: 2.0", "num_nodes must be a positive integer, got 2.0"),
+                           ("num_nodes: 2", 'num_nodes: "2"', "num_nodes must be a positive integer, got '2'"),
+                           ("gpus_per_node: 4", "gpus_per_node: 4.0", "gpus_per_node must be a positive integer")):
+        p.write_text(CLUSTER_YAML.replace(old, new))
+        with pytest.raises(ConfigError, match=f"^cluster 'three': {says}"):
+            load_cluster(str(p))
 
 
 @pytest.mark.parametrize("text, match", [
