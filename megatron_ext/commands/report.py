@@ -189,6 +189,11 @@ def fidelity(records: list[dict]) -> dict:
         "micro_batch_p90_abs_error": float(np.percentile(np.abs(mb_err), 90)) if mb_err.size else None,
         "drift": None if thirds is None else float(np.median(thirds[-1]) - np.median(thirds[0])),
     }
+    # a file two runs wrote (steps 0, 1, 0, 1), or runs of several planners: reported as one
+    steps = [r["step"] for r in records if "step" in r]
+    out["runs"] = 1 + sum(later <= earlier for earlier, later in zip(steps, steps[1:]))
+    out["planners"] = list(dict.fromkeys(r["planner"] for r in records if "planner" in r and not
+                                         str(r.get("plan_source", "")).endswith("fallback")))
     out["recalibrate"] = (out["step_median_abs_error"] > DRIFT_THRESHOLD
                           or (out["drift"] is not None and out["drift"] > DRIFT_THRESHOLD / 2))
     out["layouts"] = layout_counts(body)
@@ -243,9 +248,13 @@ def report_table(records: list[dict]) -> str:
     f = fidelity(records)
     ran = "; ran " + layouts_text(f["layouts"]) if len(f["layouts"]) > 1 else ""
     bias = f["step_bias"]
-    lines = [f"{records[0].get('planner') or 'run'}: {plural(f['steps'], 'step')}"
-             f"{' (the first is left out)' if len(records) > 1 else ''}{ran}",
-             f"step time error:        median {f['step_median_abs_error']:.1%}, p90 {f['step_p90_abs_error']:.1%}, "
+    lines = [f"{', '.join(f['planners']) or records[0].get('planner') or 'run'}: {plural(f['steps'], 'step')}"
+             f"{' (the first is left out)' if len(records) > 1 else ''}{ran}"]
+    mixed = [plural(f["runs"], "run")] * (f["runs"] > 1) + [f"{len(f['planners'])} planners"] * (len(f["planners"]) > 1)
+    if mixed:  # (the header named the first record's planner alone)
+        lines.append(f"note: these records are of {' and '.join(mixed)}, reported as one run"
+                     + (" (the step numbers start over where a run was added)" if f["runs"] > 1 else ""))
+    lines += [f"step time error:        median {f['step_median_abs_error']:.1%}, p90 {f['step_p90_abs_error']:.1%}, "
              f"bias {bias:+.1%}" + (f" ({'over' if bias > 0 else 'under'}-predicts)" if bias else "")]
     if f["micro_batch_median_abs_error"] is not None:
         lines.append(f"micro-batch time error: median {f['micro_batch_median_abs_error']:.1%}, "
@@ -291,9 +300,12 @@ def advice(records: list[dict], f: dict) -> list[str]:
                      "it as pipeline_op_overhead_ms")
     elif f["recalibrate"]:
         model = records[0].get("model")  # (quoted: a record's text goes into a command to paste)
-        model = shlex.quote(model) if isinstance(model, str) and model else "<this run's model>"
-        lines.append("the cost model is off for this machine: re-measure it with "
-                     f"`megatron-ext profile --model {model} --out my-cost.yaml` and pass --cost-model my-cost.yaml")
+        if isinstance(model, str) and model:
+            lines.append("the cost model is off for this machine: re-measure it with `megatron-ext profile --model "
+                         f"{shlex.quote(model)} --out my-cost.yaml` and pass --cost-model my-cost.yaml")
+        else:  # (a --cost-model run, or Megatron-LM's: the records do not name it)
+            lines.append("the cost model is off for this machine: re-measure it with `megatron-ext profile --out "
+                         "my-cost.yaml`, adding the --model the run trained, and pass --cost-model my-cost.yaml")
     else:
         lines.append("the cost model fits this run")
     return lines

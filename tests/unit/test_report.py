@@ -48,6 +48,35 @@ def test_recalibration_is_suggested_when_the_model_is_off(tmp_path, capsys):
     assert "megatron-ext profile --model tiny4 --out" in capsys.readouterr().out
 
 
+def test_advice_for_records_that_do_not_name_the_model(tmp_path, capsys):
+    """(It printed a placeholder to paste: --model <this run's model>.)"""
+    assert main(["report", str(_write(tmp_path, [_rec(k, 1.0, 0.5) for k in range(3)]))]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "the cost model is off for this machine: re-measure it with `megatron-ext profile --out my-cost.yaml`, "
+        "adding the --model the run trained, and pass --cost-model my-cost.yaml")
+
+
+def test_a_file_of_several_runs_or_planners_says_so(tmp_path, capsys):
+    """(The header named the first record's planner alone; two runs read as one.)"""
+    twice = [_rec(0, 1.0, 1.0), _rec(1, 1.0, 1.0), _rec(0, 1.0, 1.0), _rec(1, 1.0, 1.0)]
+    f = fidelity(twice)
+    assert f["runs"] == 2 and f["planners"] == ["flexsp"]
+    assert main(["report", str(_write(tmp_path, twice))]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == ("note: these records are of 2 runs, reported as one run (the step numbers start over where a "
+                      "run was added)")
+    both = [_rec(0, 1.0, 1.0), {**_rec(1, 1.0, 1.0), "planner": "static_ulysses"}, _rec(2, 1.0, 1.0)]
+    assert main(["report", str(_write(tmp_path, both))]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("flexsp, static_ulysses: 2 steps") and out[1] == ("note: these records are of 2 "
+                                                                               "planners, reported as one run")
+    # a fallback plan's planner (batchada) is the same run's
+    late = [_rec(0, 1.0, 1.0), {**_rec(1, 1.0, 1.0), "planner": "batchada", "plan_source": "fallback"}]
+    assert fidelity(late)["planners"] == ["flexsp"] and fidelity(late)["runs"] == 1
+    assert main(["report", str(_write(tmp_path, late))]) == 0
+    assert "note:" not in capsys.readouterr().out
+
+
 def test_train_ends_with_the_same_advice_when_the_model_is_off():
     """`train`'s last line gives report's error; when the model is off, report's advice follows."""
     from megatron_ext.commands.train import _summary
