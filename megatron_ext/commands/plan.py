@@ -202,6 +202,7 @@ def run_pp_plan(args, cost, lengths, drawn: str | None = None) -> int:
     overrides = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
     plan = make_plan(args.planner, lengths, cost, drop, baselines=() if getattr(args, "no_baselines", False)
                      else PP_BASELINES, kinds=PIPELINE_KINDS, **overrides)
+    _add_drop_to_compare_hint(plan, args)
     if plan.pipelines and plan.solve_time_s > PAST_LIMIT * opts.time_limit:  # (a run's loader falls back then)
         replicas = len({p.replica for p in plan.pipelines})
         each = f", every one of its {replicas:,} replicas needs one" if replicas > 1 else ""
@@ -222,6 +223,17 @@ def run_pp_plan(args, cost, lengths, drawn: str | None = None) -> int:
                                           max_chunks=_shown_chunks(getattr(args, "chunks", None))))
     print_notes(notes)
     return 0
+
+
+def _add_drop_to_compare_hint(plan, args) -> None:
+    """A baseline that cannot run the batch's longest sequence names the --max-seq-len to compare
+    at (``planner.api``); a lengths file over it is refused without --drop-over-max, so the hint
+    names both."""
+    if not getattr(args, "lengths", None) or getattr(args, "drop_over_max", False):
+        return
+    for b in plan.baselines.values():
+        if b.get("error", "").endswith(")") and "pass --max-seq-len " in b["error"]:
+            b["error"] = b["error"][:-1] + " --drop-over-max)"
 
 
 def _chunk_kind(chunk, lengths) -> str:

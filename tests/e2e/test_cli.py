@@ -485,7 +485,15 @@ def test_memory_budget_and_length_limits_apply_to_every_planner(capsys, tmp_path
     code, out, _ = run(capsys, "plan", "--planner", "elastic_pp", *SMALL, "--lengths", f, "--memory-mb", "20000", *FAST)
     assert code == 0 and "(budget 19.5 GB)" in out  # 2 stages of SP 4 slice it; FlexSP cannot hold it
     flex = next(line for line in out.splitlines() if line.strip().startswith("vs flexsp"))
-    assert "infeasible" in flex and f"up to {cap:,} tokens" in flex and f"--max-seq-len {cap})" in flex
+    # (the limit alone was refused: "use --drop-over-max")
+    assert "infeasible" in flex and f"up to {cap:,} tokens" in flex and f"--max-seq-len {cap} --drop-over-max)" in flex
+    code, out, _ = run(capsys, "plan", "--planner", "elastic_pp", *SMALL, "--lengths", f, "--memory-mb", "20000",
+                       "--max-seq-len", str(cap), "--drop-over-max", *FAST)
+    assert code == 0 and "vs flexsp" in out and "dropped 1 sequence" in out
+    code, out, _ = run(capsys, "plan", "--planner", "elastic_pp", *SMALL, "--lengths", f, "--memory-mb", "20000",
+                       "--drop-over-max", *FAST)  # (dropping already: the limit alone)
+    flex = next(line for line in out.splitlines() if line.strip().startswith("vs flexsp"))
+    assert code == 0 and f"--max-seq-len {cap})" in flex
     f = write(tmp_path, "huge.txt", "100000000\n5000\n3000\n")
     code, out, _ = run(capsys, "plan", "--planner", "elastic_pp", *SMALL, "--lengths", f, "--drop-over-max",
                        "--no-baselines", *FAST)
