@@ -35,6 +35,7 @@ PRESET_DIR = Path(os.environ.get("MEGATRON_EXT_CONFIGS", Path(__file__).resolve(
 MB = 2**20
 GBPS_IN_MB_PER_MS = 1e6 / MB  # a link figure of 1 GB/s (1e9 bytes a second) in MB per ms
 MAX_GPUS = 2**20  # a cluster past this many GPUs is a typo (its batches would not fit in memory here)
+MAX_MEMORY_GB = 10_000  # a GPU's memory past this (10 TB) is a typo: its documents would be cut at trillions of tokens
 # a sequence longer than this is a typo (the longest documents are millions of tokens); with at most
 # 2^20 of them in a batch its tokens stay far inside int64 (9e18 + 9e18 wrapped to a negative sum)
 MAX_LENGTH = 2**40
@@ -360,6 +361,7 @@ def validate_cluster(c: ClusterSpec) -> ClusterSpec:
     _check(c.gpus_per_node * c.num_nodes <= MAX_GPUS, what,
            f"{c.gpus_per_node * c.num_nodes:,} GPUs is over the {MAX_GPUS:,} this models")
     _check_number(c.memory_gb, what, "memory_gb", positive=True)
+    _check(c.memory_gb <= MAX_MEMORY_GB, what, f"memory_gb must be at most {MAX_MEMORY_GB:,}, got {c.memory_gb!r}")
     if c.p2p_bandwidth_gbps is not None:
         _check_number(c.p2p_bandwidth_gbps, what, "p2p_bandwidth_gbps", positive=True)
     for name in ("p2p_latency_ms", "pipeline_op_overhead_ms", "micro_batch_overhead_ms"):

@@ -27,7 +27,7 @@ from megatron_ext.cost.activations import act_mb_per_token, recompute_time_facto
 from megatron_ext.cost.bounds import barrier_free_bound_ms, cheapest_gpu_ms, lower_bound_ms, relaxed_bound_ms
 from megatron_ext.cost.fixed import pass_fixed_ms, step_sync_ms
 from megatron_ext.errors import ConfigError, InfeasibleError
-from megatron_ext.spec import (MB, ClusterSpec, ModelSpec, read_yaml, cluster_from_mapping,
+from megatron_ext.spec import (MAX_MEMORY_GB, MB, ClusterSpec, ModelSpec, read_yaml, cluster_from_mapping,
                                is_power_of_two, load_cluster, load_model, model_from_mapping)
 
 # Bytes a parameter of the model states, (weights, gradients, optimizer): mixed-precision Adam,
@@ -127,6 +127,9 @@ class CostModel:
         the simulator and the length limits then see one budget)."""
         if not (isinstance(memory_mb, (int, float)) and math.isfinite(memory_mb) and memory_mb > 0):
             raise ConfigError(f"the memory budget must be a positive number of MB, got {memory_mb!r}")
+        if memory_mb > MAX_MEMORY_GB * 1024:
+            raise ConfigError(f"the memory budget must be at most {MAX_MEMORY_GB * 1024:,} MB ({MAX_MEMORY_GB:,} GB), got "
+                              f"{memory_mb:,.0f}")
         return dataclasses.replace(self, cluster=dataclasses.replace(self.cluster, memory_gb=memory_mb / 1024.0))
 
     # ---- memory -------------------------------------------------------------------------

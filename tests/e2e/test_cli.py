@@ -210,6 +210,8 @@ def test_nonexistent_lengths_file(capsys, tmp_path):
     (["--static-degree", "3", "--planner", "static_ulysses"], "degree 3 is not allowed"),
     (["--model", "gpt-30b", "--cluster", "a100-40g-8x1", "--zero-stage", "0"], "model states"),
     (["--model", ""], "unknown model preset ''"),
+    # (documents were cut at 14,333,216,261,830 tokens, over the longest a length may be)
+    (["--memory-mb", "1e12"], "the memory budget must be at most 10,240,000 MB (10,000 GB), got 1,000,000,000,000"),
     (["--static-degree", "4", "--no-baselines"], "--static-degree is static_ulysses's degree: it applies to "
                                                  "--planner static_ulysses or its baseline row, which --no-baselines "
                                                  "leaves out of flexsp's plan"),  # (it was ignored)

@@ -426,6 +426,7 @@ def test_bad_model_yaml(tmp_path, text, match):
     (CLUSTER_YAML.replace("memory_gb: 16", "memory_gb: .inf"), "memory_gb must be a positive finite number, got inf"),
     (CLUSTER_YAML.replace("memory_gb: 16", "memory_gb: .nan"), "memory_gb must be a positive finite number, got nan"),
     (CLUSTER_YAML.replace("memory_gb: 16", "memory_gb: -16"), "memory_gb must be a positive finite number, got -16"),
+    (CLUSTER_YAML.replace("memory_gb: 16", "memory_gb: 1.0e+6"), "memory_gb must be at most 10,000, got 1000000.0"),
     (CLUSTER_YAML + "p2p_bandwidth_gbps: 0\n", "p2p_bandwidth_gbps must be a positive"),
     (CLUSTER_YAML + "micro_batch_overhead_ms: .inf\n", "micro_batch_overhead_ms must be a non-negative finite"),
     (CLUSTER_YAML.replace("{2: 100.0, 4: 80.0, 8: 10.0}", "{2: 100.0, 4: .inf}"), r"a2a_bandwidth_gbps\[4\]"),
