@@ -171,7 +171,8 @@ def read_lengths(path: str | Path) -> np.ndarray:
             raise LengthsError(f"{path}:{no}: a sequence length must be at most {MAX_LENGTH:,} tokens, got {v:,}")
         values.append(v)
         if len(values) > MAX_BATCH:
-            raise LengthsError(f"lengths file {path} holds more than {MAX_BATCH:,} lengths, the most a batch may")
+            raise LengthsError(f"lengths file {path} holds more than {MAX_BATCH:,} lengths, the most a batch may "
+                               f"hold: split it into batches of at most that many")
     if not values:
         raise LengthsError(f"lengths file {path} holds no lengths")
     return np.asarray(values, dtype=np.int64)

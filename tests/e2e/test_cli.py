@@ -169,7 +169,8 @@ def test_max_seq_len_with_lengths_file(capsys, tmp_path):
     ("9" * 5000 + "\n", ":1: a sequence length must be at most 1,099,511,627,776 tokens"),  # (past int()'s digits)
     # (two of these summed to 998 tokens with a third of 1,000)
     ("9223372036854775807\n1000\n", ":1: a sequence length must be at most 1,099,511,627,776 tokens, got 9,223,"),
-    ("5\n" * (2**20 + 1), "holds more than 1,048,576 lengths, the most a batch may"),
+    ("5\n" * (2**20 + 1), "holds more than 1,048,576 lengths, the most a batch may hold: split it into batches "
+                          "of at most that many"),  # (the sentence stopped at "may")
 ])
 def test_bad_lengths_file(capsys, tmp_path, content, match):
     f = write(tmp_path, "bad.txt", content)
