@@ -84,8 +84,8 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and cluster")
     g.add_argument("--model", help=f"model preset or YAML path (default: {DEFAULT_MODEL})")
     g.add_argument("--cluster", help=f"cluster preset or YAML path (default: {DEFAULT_CLUSTER})")
-    g.add_argument("--cost-model", type=path_arg, metavar="PATH", help="cost-model YAML (the model and the cluster: not with "
-                                                        "--model / --cluster)")
+    g.add_argument("--cost-model", type=path_arg, metavar="PATH",
+                   help="cost-model YAML (the model and the cluster: not with --model / --cluster)")
     g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3],
                    help="ZeRO stage of the model states (16 bytes a parameter), a what-if: 0 every GPU holds them all "
                         "(DDP), 1 optimizer states and master weights sharded over the GPUs (Megatron's "

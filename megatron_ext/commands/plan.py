@@ -137,9 +137,10 @@ def _head(plan, lengths, cost) -> str:
     """What was planned: the sequences kept (those dropped said apart), the model and cluster."""
     dropped = np.asarray(plan.dropped_seq_ids, dtype=np.int64)
     kept = len(lengths) - len(dropped)
-    return (f"{plan.planner} plan for {plural(kept, 'sequence')} ({int(lengths.sum() - lengths[dropped].sum()):,} "
-            f"tokens{f'; {len(dropped):,} dropped' if len(dropped) else ''}) of {cost.model.name} on "
-            f"{cost.cluster.name} ({cost.num_gpus} GPUs)")
+    tokens = int(lengths.sum() - lengths[dropped].sum())
+    return (f"{plan.planner} plan for {plural(kept, 'sequence')} ({plural(tokens, 'token')}"
+            f"{f'; {len(dropped):,} dropped' if len(dropped) else ''}) of {cost.model_on_cluster} "
+            f"({cost.num_gpus} GPUs)")
 
 
 def _bound_name(plan) -> str:

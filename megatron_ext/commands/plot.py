@@ -168,7 +168,7 @@ def _title(plan: StepPlan, cost: CostModel, lengths: np.ndarray, layout: str, re
             who += "; next: " + ", ".join(f"{k} {t:.2f} s" for t, k in alts[:2]) + \
                 (f", {len(alts) - 2} more planned" if len(alts) > 2 else "")
         who += ")"
-    head = (f"{who}{chr(10) if who != (plan.planner or plan.kind) else ': '}{cost.model.name} on {cost.cluster.name} "
+    head = (f"{who}{chr(10) if who != (plan.planner or plan.kind) else ': '}{cost.model_on_cluster} "
             f"({cost.num_gpus} GPUs), {layout}; {plural(len(kept), 'sequence')}, {int(lengths[kept].sum()):,} tokens")
     rec = f", recompute {_percent(res.recompute_ratio, 1)}" if res.recompute_ratio > 0 else ""
     unit, div = ("GB", 1024.0) if res.budget_mb >= 2048 else ("MB", 1.0)

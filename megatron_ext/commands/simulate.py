@@ -85,7 +85,8 @@ def cmd_simulate(args) -> int:
     unplanned = out["config"]["unplanned_steps"]
     if unplanned:  # (the exit status says the rest ran; the rows of --json, each step's error)
         notes.append(f"warning: no planner could plan {len(unplanned)} of {plural(out['config']['steps'], 'step')} "
-                     f"({'step' if len(unplanned) == 1 else 'steps'} {', '.join(map(str, unplanned))}): every figure leaves them out")
+                     f"({'step' if len(unplanned) == 1 else 'steps'} {', '.join(map(str, unplanned))}): every figure "
+                     f"leaves them out")
     print(text)
     print_notes(notes)
     return 0

@@ -168,7 +168,8 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
              f"speedup_of_{main}": (sum(floors[st] for st in main_steps) / total(main, main_steps)
                                     if main_steps else None),
              "ceiling": {x["planner"]: x["ceiling"] for x in summary if x.get("ceiling") is not None}}
-    config = {"model": cost.model.name, "cluster": cost.cluster.name, "num_gpus": cost.num_gpus,
+    config = {"model": cost.model.name, "cluster": cost.cluster.name, "model_on_cluster": cost.model_on_cluster,
+              "num_gpus": cost.num_gpus,
               "zero_stage": cost.zero_stage, "pp": pp, "sp": sp,
               "source": source, "b1_scale": opts.b1_scale, "memory_mb": opts.memory_mb or cost.cluster.memory_mb,
               "time_limit": time_limit, "main": main, "steps": len(batches),
@@ -189,7 +190,7 @@ def format_table(summary: list[dict], floor: dict, config: dict, main: str) -> s
     # memory in GB, or in MB on small (CPU-rank) budgets where GB would read 0
     unit, div, prec = ("GB", 1024.0, 0) if config["memory_mb"] >= 2048 else ("MB", 1.0, 1)
     reps = config["num_gpus"] // (config["pp"] * config["sp"])
-    head = (f"{config['model']} on {config['cluster']} ({config['num_gpus']} GPUs; pipelines: pp {config['pp']} x "
+    head = (f"{config['model_on_cluster']} ({config['num_gpus']} GPUs; pipelines: pp {config['pp']} x "
             f"sp {config['sp']}{f' x {reps} replicas' if reps > 1 else ''}); {config['source']}; b1_scale {config['b1_scale']:g}; "
             f"memory {config['memory_mb'] / div:.{prec}f} {unit} per GPU, ZeRO-{config['zero_stage']}")
     w = max(16, 2 + max(len(s["planner"]) for s in summary))  # (megatron_balanced_cp: 20)

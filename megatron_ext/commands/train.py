@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "per step); below that, ranks / (pp x sp) replicas of the pipeline run side by side, each its "
                    "share of the batch")
     p.add_argument("--model", help=f"model preset or YAML (its layers, hidden size and heads) (default: {TRAIN_MODEL})")
-    p.add_argument("--cluster", help=f"cluster preset or YAML: its GPU count is the rank count (default: {TRAIN_CLUSTER})")
+    p.add_argument("--cluster",
+                   help=f"cluster preset or YAML: its GPU count is the rank count (default: {TRAIN_CLUSTER})")
     p.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
                    help="where the ranks run: cuda (NCCL, one GPU per rank), cpu (gloo), or auto: cuda where there "
                    "is CUDA (default auto)")
@@ -355,7 +356,7 @@ def _header(args, cost: CostModel, world: int, data: str) -> str:
                                                               if world > args.pp * sp else "")
     else:
         layout = "SP groups per micro-batch"
-    return (f"train: {cost.model.name} on {cost.cluster.name} ({world} ranks), planner {args.planner} ({layout}); "
+    return (f"train: {cost.model_on_cluster} ({world} ranks), planner {args.planner} ({layout}); "
             f"{plural(args.global_batch, 'sequence')} a step of up to {args.max_seq_len:,} tokens, "
             f"{plural(args.steps, 'step')}, "
             f"seed {args.seed}; data {data}")

@@ -128,9 +128,16 @@ class CostModel:
         if not (isinstance(memory_mb, (int, float)) and math.isfinite(memory_mb) and memory_mb > 0):
             raise ConfigError(f"the memory budget must be a positive number of MB, got {memory_mb!r}")
         if memory_mb > MAX_MEMORY_GB * 1024:
-            raise ConfigError(f"the memory budget must be at most {MAX_MEMORY_GB * 1024:,} MB ({MAX_MEMORY_GB:,} GB), got "
-                              f"{memory_mb:,.0f}")
+            raise ConfigError(f"the memory budget must be at most {MAX_MEMORY_GB * 1024:,} MB ({MAX_MEMORY_GB:,} GB), "
+                              f"got {memory_mb:,.0f}")
         return dataclasses.replace(self, cluster=dataclasses.replace(self.cluster, memory_gb=memory_mb / 1024.0))
+
+    @property
+    def model_on_cluster(self) -> str:
+        """What is planned, for headers: 'gpt-7b on a100-40g-8x8', or the one name a cost-model file
+        gives its inline model and cluster alike (its own: 'my-cost', not 'my-cost on my-cost')."""
+        model, cluster = self.model.name, self.cluster.name
+        return model if model == cluster else f"{model} on {cluster}"
 
     # ---- memory -------------------------------------------------------------------------
     @property

@@ -122,6 +122,18 @@ def test_plan_cost_model_yaml(capsys, tmp_path, lengths_file):
     assert json.loads(out)["num_gpus"] == 16
 
 
+def test_a_cost_model_of_inline_specs_is_named_once(capsys, tmp_path):
+    """Its model and cluster are both named after the file: "of cm on cm"; one token was "1 tokens"."""
+    model = "{num_layers: 2, hidden_size: 64, num_attention_heads: 4, params_b: 0.001, a1: 1.0e-6, a2: 0.01}"
+    cm = write(tmp_path, "cm.yaml", f"model: {model}\ncluster: {{num_nodes: 1, gpus_per_node: 4, memory_gb: 4, "
+                                    f"a2a_bandwidth_gbps: {{2: 10.0, 4: 10.0}}}}\n")
+    one = write(tmp_path, "one.txt", "1\n")
+    code, out, err = run(capsys, "plan", "--lengths", one, "--cost-model", cm, "--no-baselines", *FAST)
+    assert code == 0 and out.startswith("flexsp plan for 1 sequence (1 token) of cm (4 GPUs)\n"), err
+    code, out, err = run(capsys, "simulate", "--lengths", one, "--cost-model", cm, "--planners", "flexsp", *FAST)
+    assert code == 0 and out.startswith("cm (4 GPUs; "), err
+
+
 # ---- too-long sequences --------------------------------------------------------------------
 
 def test_too_long_sequence_fails_then_drops(capsys, tmp_path):
@@ -703,7 +715,8 @@ def test_usage_errors_exit_2(capsys):
                                        "(see megatron-ext plan --help)\n")
     assert_one_line_error(*run(capsys, "plan", "--bogus"), "unrecognized arguments: --bogus (see megatron-ext plan --help)")
     # (were taken as not given: --cost-model "" planned the default model)
-    for argv in (["plan", "--lengths", ""], ["report", ""], ["plan", "--cost-model", ""], ["train", "--cost-model", ""]):
+    for argv in (["plan", "--lengths", ""], ["report", ""], ["plan", "--cost-model", ""],
+                 ["train", "--cost-model", ""]):
         with pytest.raises(SystemExit):
             main(argv)
         assert "expected a path, got ''" in capsys.readouterr().err
