@@ -33,7 +33,7 @@ def add_bench_command(sub) -> None:
     bp = bsub.add_parser("planner", help="planner latency and quality against the lower bound and baselines")
     bp.add_argument("--dist", default="wikipedia,commoncrawl,github",
                     help="comma-separated distributions (default: wikipedia,commoncrawl,github)")
-    bp.add_argument("--batches", type=int, default=5, help="batches per distribution")
+    bp.add_argument("--batches", type=int, default=5, help="batches per distribution (default: %(default)s)")
     bp.add_argument("--batch", type=int, help="sequences per batch (default 512; with --gpus, --per-gpu instead)")
     bp.add_argument("--max-seq-len", type=parse_tokens, default=parse_tokens("384K"), metavar="L",
                     help="longest sampled sequence (default: 384K); longer ones than the cluster holds are dropped")
@@ -43,7 +43,7 @@ def add_bench_command(sub) -> None:
                          "--per-gpu sequences per GPU, --planner and timelines (barrier-free: at --zero-stage 0-2 "
                          "only), no baselines")
     bp.add_argument("--per-gpu", type=int, help="with --gpus: sequences per GPU in a batch (default: 8)")
-    bp.add_argument("--json", action="store_true")
+    bp.add_argument("--json", action="store_true", help="the rows, summary and scale row as JSON")
     add_cost_args(bp)
     add_planner_args(bp, kinds=("sp",), drop_over_max=False)  # (its batches drop what no group holds)
     bp.set_defaults(func=cmd_bench)

@@ -11,6 +11,7 @@ one; a third kills the run.
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 
@@ -24,16 +25,22 @@ from megatron_ext.text import plural
 # preset on 2 cores swap the machine; 4 ranks of gpt-7b ran 95 s, then one was killed out of memory).
 CPU_RANKS_PER_CORE = 4
 CPU_RANK_MB = 512  # a rank training the tiny model holds ~440 MB resident (torch, megatron-core, gloo)
-LAUNCHER_HELP = f"""
-launcher:
-  --allow-oversubscribe
-                        start the ranks even where there are more than this machine runs well
-                        (CPU ranks: over {CPU_RANKS_PER_CORE} a core, or over its free memory at {CPU_RANK_MB} MB each
-                        plus the model states a rank holds)
-
-exit status: 0 done; 2 bad input (one line says what); 1 a rank or torchrun died or failed (one line
+EXIT_STATUS = """exit status: 0 done; 2 bad input (one line says what); 1 a rank or torchrun died or failed (one line
 names it, and every other process of the run is stopped); 128+N stopped by signal N (SIGTERM: 143,
 SIGINT: 130), which is passed on to every rank"""
+
+
+def with_launcher_help(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """A command's ranks' parser with the launcher's option and exit status, for its --help (the
+    launcher takes --allow-oversubscribe before the ranks parse the rest)."""
+    parser.add_argument_group("launcher").add_argument(
+        "--allow-oversubscribe", action="store_true",
+        help=f"start the ranks even where there are more than this machine runs well (CPU ranks: over "
+             f"{CPU_RANKS_PER_CORE} a core, or over its free memory at {CPU_RANK_MB} MB each plus the model states a "
+             f"rank holds)")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # (the exit status's lines as written)
+    parser.epilog = EXIT_STATUS
+    return parser
 
 
 def torchrun(module: str, rest: list[str], capture: bool = False):

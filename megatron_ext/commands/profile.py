@@ -21,7 +21,7 @@ import torch.distributed as dist
 import yaml
 
 from megatron_ext.commands.args import ArgumentParser, check_output_file, path_arg, positive_int
-from megatron_ext.commands.launch import LAUNCHER_HELP, torchrun
+from megatron_ext.commands.launch import torchrun, with_launcher_help
 from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError, MegatronExtError
 from megatron_ext.files import replacing
@@ -45,18 +45,20 @@ def run(rest: list[str]) -> int:
 
 
 def print_help() -> None:
-    build_parser().print_help()
-    print(LAUNCHER_HELP)
+    with_launcher_help(build_parser()).print_help()
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="megatron-ext profile", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny", help="model preset or YAML (its shape is what gets measured)")
-    p.add_argument("--cluster", default="cpu-4", help="cluster preset or YAML (its GPU count is the rank count)")
+    p.add_argument("--model", default="tiny",
+                   help="model preset or YAML (its shape is what gets measured) (default: %(default)s)")
+    p.add_argument("--cluster", default="cpu-4",
+                   help="cluster preset or YAML (its GPU count is the rank count) (default: %(default)s)")
     p.add_argument("--out", required=True, type=path_arg, metavar="FILE.yaml", help="cost-model YAML to write")
     p.add_argument("--lengths", type=_length_list, default="128,256,512,1024,2048,3072",
-                   help="comma-separated sequence lengths of the compute sweep")
-    p.add_argument("--repeats", type=positive_int, default=3, help="timed runs per point (the median is kept)")
+                   help="comma-separated sequence lengths of the compute sweep (default: %(default)s)")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="timed runs per point (the median is kept) (default: %(default)s)")
     p.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
                    help="where the ranks run: cuda (NCCL, one GPU per rank), cpu (gloo), or auto: cuda where "
                         "there is CUDA (default auto)")

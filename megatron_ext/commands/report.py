@@ -34,7 +34,7 @@ def add_report_command(sub) -> None:
                                         "Megatron-LM's --planner-log file")
     rp.add_argument("run_dir", type=path_arg, metavar="RUN", help="a `train --run-dir` directory (or its steps.jsonl), or the JSONL "
                                                    "file of pretrain_gpt.py --planner-log")
-    rp.add_argument("--json", action="store_true")
+    rp.add_argument("--json", action="store_true", help="the figures (errors, drift, pipeline stages) as JSON")
     rp.set_defaults(func=cmd_report)
 
 

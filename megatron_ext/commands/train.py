@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_ext.commands.args import ArgumentParser, check_output_dir, check_output_file, parse_tokens, path_arg
-from megatron_ext.commands.launch import LAUNCHER_HELP, torchrun
+from megatron_ext.commands.launch import torchrun, with_launcher_help
 from megatron_ext.commands.report import advice, fidelity, layout_counts, layouts_text, step_layout
 from megatron_ext.cost import CostModel
 from megatron_ext.data.batches import GlobalBatches
@@ -59,13 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-model", type=path_arg, metavar="PATH",
                    help="cost-model YAML (the model and the cluster: not with --model / --cluster)")
     p.add_argument("--steps", type=int, default=5, help="training steps (with --load: in all, the checkpoint's "
-                   "included, as Megatron's --train-iters)")
-    p.add_argument("--global-batch", type=int, default=8, help="sequences per step")
+                   "included, as Megatron's --train-iters) (default: %(default)s)")
+    p.add_argument("--global-batch", type=int, default=8, help="sequences per step (default: %(default)s)")
     p.add_argument("--max-seq-len", type=parse_tokens, default=4096,
-                   help="longer documents are cut into pieces (e.g. 4096 or 8K)")
+                   help="longer documents are cut into pieces (e.g. 4096 or 8K) (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="same seed: same data and initial weights for every planner")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--time-limit", type=float, default=1.0, help="planner time limit per step (s)")
+    p.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate (default: %(default)s)")
+    p.add_argument("--time-limit", type=float, default=1.0, help="planner time limit per step, in seconds "
+                   "(default: %(default)s)")
     p.add_argument("--static-degree", type=int, help="degree of static_ulysses")
     p.add_argument("--max-ring", type=int, default=1, metavar="R",
                    help="FlexSP groups may reach past the heads' Ulysses limit with a ring (context parallel) of up "
@@ -79,7 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --data: the model's vocabulary, every token id of the data checked to be below it "
                    "(needed for data not made by megatron_ext.data.corpus, which has no PREFIX.json tokenizer "
                    "manifest)")
-    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="core attention: sdpa (torch's, any device), te (Transformer Engine, CUDA) or flash "
+                        "(flash-attn: bf16 only, refused as train runs fp32); auto: per call, the first of flash and "
+                        "te that runs it, else sdpa (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="one JSON record per step")
     p.add_argument("--run-dir", metavar="DIR", help="also write the records to DIR/steps.jsonl (for `megatron-ext report`)")
     p.add_argument("--trace", metavar="FILE.json",
@@ -94,9 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def print_help() -> None:
-    build_parser().print_help()
-    print("\n  --compare P1,P2,...   train once per planner (same data and weights) and compare")
-    print(LAUNCHER_HELP)
+    p = build_parser()  # (--compare is run's: each compared run's ranks parse the rest)
+    p.add_argument_group("comparing planners").add_argument(
+        "--compare", metavar="P1,P2,...", help="train once per planner, on the same data and initial weights, and "
+        "print a table of their step times, losses and the cost model's error (it sets --planner and --json)")
+    with_launcher_help(p).print_help()
 
 
 def check_before_launch(args) -> CostModel:

@@ -725,6 +725,29 @@ def test_usage_errors_exit_2(capsys):
     assert e.value.code == 2
 
 
+def test_help_names_every_option_and_its_default(capsys):
+    """(--compare and --allow-oversubscribe were missing from train's usage, defaults and some
+    options' help from several commands.)"""
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    usage = out.split("\n\n", 1)[0]
+    assert "[--compare P1,P2,...] [--allow-oversubscribe]" in usage
+    assert "\ncomparing planners:\n  --compare P1,P2,..." in out and "\nlauncher:\n  --allow-oversubscribe" in out
+    for default in ("tiny", "cpu-4", "5", "8", "4096", "0.003", "1.0", "auto"):
+        assert f"(default: {default})" in " ".join(out.split()), default
+    assert out.rstrip().endswith("which is passed on to every rank")
+    assert main(["profile", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for default in ("tiny", "cpu-4", "128,256,512,1024,2048,3072", "3"):
+        assert f"(default: {default})" in out, default
+    for argv, says in ((["bench", "planner"], ["batches per distribution (default: 5)", "--json the rows, summary"]),
+                       (["report"], ["--json the figures"])):
+        with pytest.raises(SystemExit):
+            main([*argv, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert all(x in out for x in says), out
+
+
 # ---- the installed command -----------------------------------------------------------------
 
 def _console_script() -> list[str]:
