@@ -157,6 +157,15 @@ def build_pipeline(pieces: list[Pieces], pc: PipelineCost, recompute: str = "gre
     return fed if fed.makespan_ms <= other.makespan_ms + 1e-9 else other
 
 
+def with_recompute(built: BuiltPipeline, pc: PipelineCost, recompute: str, tied: bool = True, time_limit: float = 0.5,
+                   where: str = "pipeline") -> BuiltPipeline:
+    """``built``'s chunks in its order, their recompute chosen anew (``recompute``: the mode; the
+    final ILP): the order is not worked out again, nor built both ways."""
+    table = built.table
+    return _recompute_and_time(built.pieces, table, backward_order(list(range(table.n)), table), built.ops, built.held,
+                               None, pc, recompute, tied, time_limit, where, built.order, time.perf_counter())
+
+
 def _recompute_and_time(pieces, table: ChunkTable, backward: list[int], ops, held: int, greedy_ms: float | None,
                         pc: PipelineCost, recompute: str, tied: bool, time_limit: float, where: str, order: str,
                         started: float) -> BuiltPipeline:
@@ -286,4 +295,4 @@ def pack_capacity(seq_ids, lengths, opts: PipelineOptions) -> int:
 
 
 __all__ = ["BuiltPipeline", "PipelineOptions", "build_pipeline", "finish_plan", "kept_sequences",
-           "pack_capacity", "pipeline_cost", "pipeline_options", "resolve_layout"]
+           "pack_capacity", "pipeline_cost", "pipeline_options", "resolve_layout", "with_recompute"]
