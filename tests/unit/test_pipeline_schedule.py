@@ -18,8 +18,8 @@ from megatron_ext.plan.validate import validate_pipelines
 from megatron_ext.planner.pp.chunking import balanced_chunks
 from megatron_ext.planner.pp.pipeline import build_pipeline
 from megatron_ext.sim import simulate
-from megatron_ext.sim.engine import (analyze_chunks, analyze_pieces, backward_order, greedy_orders, one_f_one_b, op_times,
-                                     warmup_counts)
+from megatron_ext.sim.engine import (analyze_chunks, analyze_pieces, backward_order, greedy_orders, one_f_one_b,
+                                     op_times, warmup_counts)
 
 COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
 

@@ -72,8 +72,8 @@ from megatron_ext.errors import InfeasibleError, OutOfTimeError
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner.pp.chunk_search import BuildCache, plan_group, replay
 from megatron_ext.planner.pp.grouping import group_sequences, split_replicas
-from megatron_ext.planner.pp.pipeline import (BuiltPipeline, PipelineOptions, finish_plan, kept_sequences, pipeline_cost,
-                                           pipeline_options, with_recompute)
+from megatron_ext.planner.pp.pipeline import (BuiltPipeline, PipelineOptions, finish_plan, kept_sequences,
+                                           pipeline_cost, pipeline_options, with_recompute)
 from megatron_ext.planner.pp.sequence_limits import check_sequences
 from megatron_ext.text import plural
 
