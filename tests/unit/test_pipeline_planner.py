@@ -204,6 +204,37 @@ def test_a_probe_out_of_time_keeps_the_packs_cut_into_the_estimates_chunks_not_w
     assert probe.makespan_ms < 0.7 * whole.makespan_ms
 
 
+def test_a_grouping_probe_that_would_end_past_the_plan_s_check_is_not_started(monkeypatch):
+    # a probe builds its first candidates whatever its deadline: on a clock of its own, each probe
+    # takes 0.35 s and the plan's check twice the most its pipelines' builds took (the grouping's
+    # three, 0.05 s each): after two probes (0.7 s) a third would end at 1.05 s, past 1.0 - 0.3 s
+    import types
+
+    import megatron_ext.planner.pp.elastic_pp as elastic_pp
+    cost = CostModel.from_presets("llama-13b", "a800-80g-8x4", 1)
+    lengths = sample_lengths("github", 64, 0, 48 * 1024)
+    pc = PipelineCost(cost, 2, 8)
+    ids = np.arange(64)
+    built = build_pipeline([[(int(i), 0, int(lengths[i]))] for i in ids], pc, "greedy", order="greedy")
+    built = dataclasses.replace(built, recompute=np.ones_like(built.recompute), build_s=0.05)  # (memory binds)
+    now, probed = [0.0], []
+
+    def probe(groups, lengths, pc, opts, start, end, is_probe, *args):
+        if is_probe:  # (the full searches after the probes are not this test's)
+            probed.append(len(groups))
+        now[0] += 0.35
+        return [built] * len(groups)
+
+    monkeypatch.setattr(elastic_pp, "_plan_structure", probe)
+    monkeypatch.setattr(elastic_pp, "group_sequences", lambda ids, *a: np.array_split(ids, 3))
+    monkeypatch.setattr(elastic_pp, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    elastic_pp._plan_replica(ids, lengths, pc, PipelineOptions(recompute="greedy"), 0.0, 1.0)
+    assert probed == [1, 3]  # (one pipeline, then the grouping; not the longest sequence apart)
+    now[0], probed[:] = 0.0, []
+    elastic_pp._plan_replica(ids, lengths, pc, PipelineOptions(recompute="greedy"), 0.0, 1.4)
+    assert probed == [1, 3, 2]  # (with 1.4 s, the longest sequence in a pipeline of its own too)
+
+
 def test_a_one_stage_probe_cuts_a_long_sequence_only_where_memory_needs_it():
     # llama-13b on one stage of SP 8 (32 A800s, 96K GitHub, ZeRO-3), replica 2: its 98K sequence
     # fits in two slices within its cap (68K), not in two equal-time ones; the probe's

@@ -37,8 +37,8 @@ makes it faster, and the replicas' ends are evened out in the time left (``_reba
    either list scheduling (sim/engine.greedy_orders: a free stage runs whichever of its next
    backward and next forward can start first, on a tie the forward but on the last stage, forwards
    held back when the stage's activations would pass its room; where one was, backwards first on
-   a tie is built too, and the faster kept) or elastic 1F1B (sim/engine.one_f_one_b: warm-up P - 1 - p + slices of
-   the first split sequence - 1); "best" tries both, and 1F1B is always tried where memory binds
+   a tie is built too, and the faster kept) or elastic 1F1B (sim/engine.one_f_one_b: warm-up
+   P - 1 - p + slices of the first split sequence - 1); "best" tries both, and 1F1B is always tried where memory binds
    (its recompute ties along the schedule's diagonals).
 4. Recompute: the ILP of planner/pp/checkpointing.py on the winner (greedy if HiGHS has nothing), tied
    along the schedule's diagonals (the paper's), untied (one variable per stage and chunk) or, by
@@ -152,8 +152,8 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
             # time left for checking the plan (twice what building it took) is not started, and
             # what was probed stands (only a batch nothing fit yet goes on; gpt-7b on 32 A100-40GB,
             # 96K GitHub, 8 x 4: a third probe of 0.15 s ran elastic_pp 0.08 s past a 0.55 s limit)
-            if probes and time.perf_counter() + max(took) > give_up() - max(
-                    sum(b.build_s for b in built) for _, built, _ in probes):
+            check = max(sum(b.build_s for b in built) for _, built, _ in probes) if probes else 0.0
+            if probes and time.perf_counter() + max(took) > start + budget - 2 * check:
                 break
             probe_structure(i)
     if not probes:
