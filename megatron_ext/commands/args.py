@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from megatron_ext.cost import CostModel
+from megatron_ext.cost.model import check_presets_not_beside_file
 from megatron_ext.data.lengths import DISTRIBUTIONS
 from megatron_ext.errors import ConfigError
 from megatron_ext.planner import PlannerOptions
@@ -129,10 +130,7 @@ def cost_from_args(args, largest: int | None = None) -> CostModel:
     """The cost model of the options; ``largest``: the most GPUs the command plans for (bench's
     --gpus and scale row), for ``note_unused_ring``."""
     if args.cost_model is not None:
-        given = [name for name, v in (("--model", args.model), ("--cluster", args.cluster)) if v is not None]
-        if given:
-            raise ConfigError(f"{' and '.join(given)} with --cost-model: the cost model holds its model and cluster; "
-                              f"give one or the other")
+        check_presets_not_beside_file(args.model, args.cluster)
         cost = CostModel.from_yaml(args.cost_model)
         if args.zero_stage is not None:  # (a what-if on a measured model: its fixed costs follow the stage)
             cost = dataclasses.replace(cost, zero_stage=args.zero_stage)

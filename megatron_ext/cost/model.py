@@ -57,6 +57,15 @@ def model_states_mb(params_b: float, zero_stage: int, shards: int, state_bytes=M
     return params_b * 1024 * (sharded / shards + total - sharded)
 
 
+def check_presets_not_beside_file(model: str | None, cluster: str | None) -> None:
+    """Refuse ``--model`` / ``--cluster`` given beside ``--cost-model``: the file holds its own
+    model and cluster, so they would be dropped without a word."""
+    given = [name for name, v in (("--model", model), ("--cluster", cluster)) if v is not None]
+    if given:
+        raise ConfigError(f"{' and '.join(given)} with --cost-model: the cost model holds its model and cluster; "
+                          f"give one or the other")
+
+
 @dataclass(frozen=True)
 class CostModel:
     model: ModelSpec

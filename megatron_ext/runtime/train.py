@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.cost import CostModel
+from megatron_ext.cost.model import check_presets_not_beside_file
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.data.datasets import DataError
 from megatron_ext.data.lengths import MAX_BATCH, check_seed
@@ -146,10 +147,7 @@ def train_cost_model(args) -> CostModel:
         cost = CostModel.from_presets(train_model(args), TRAIN_CLUSTER if args.cluster is None else args.cluster,
                                       TRAIN_ZERO_STAGE).with_max_ring(args.max_ring)
     else:
-        given = [name for name, v in (("--model", args.model), ("--cluster", args.cluster)) if v is not None]
-        if given:  # (they were dropped without a word)
-            raise ConfigError(f"{' and '.join(given)} with --cost-model: the cost model holds its model and cluster; "
-                              f"give one or the other")
+        check_presets_not_beside_file(args.model, args.cluster)
         cost = CostModel.from_yaml(args.cost_model, TRAIN_ZERO_STAGE).with_max_ring(args.max_ring)
         if cost.zero_stage != TRAIN_ZERO_STAGE:
             raise ConfigError(f"--cost-model {args.cost_model} says zero_stage: {cost.zero_stage}, but train keeps "

@@ -38,8 +38,8 @@ makes it faster, and the replicas' ends are evened out in the time left (``_reba
    backward and next forward can start first, on a tie the forward but on the last stage, forwards
    held back when the stage's activations would pass its room; where one was, backwards first on
    a tie is built too, and the faster kept) or elastic 1F1B (sim/engine.one_f_one_b: warm-up
-   P - 1 - p + slices of the first split sequence - 1); "best" tries both, and 1F1B is always tried where memory binds
-   (its recompute ties along the schedule's diagonals).
+   P - 1 - p + slices of the first split sequence - 1); "best" tries both, and 1F1B is always
+   tried where memory binds (its recompute ties along the schedule's diagonals).
 4. Recompute: the ILP of planner/pp/checkpointing.py on the winner (greedy if HiGHS has nothing), tied
    along the schedule's diagonals (the paper's), untied (one variable per stage and chunk) or, by
    default, both: the faster simulated plan wins (``ties``).
@@ -113,13 +113,14 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
     structures = [[ids]]
     probes: list[tuple[float, list[BuiltPipeline], int]] = []  # (makespan, pipelines, index in structures)
 
+    def check_s() -> float:  # (about what checking a probed grouping's plan will take: building its pipelines)
+        return max(sum(b.build_s for b in built) for _, built, _ in probes)
+
     def give_up() -> float | None:
         # once a grouping has a plan, the others' searches may not hunt for a feasible chunking past
-        # the end of the budget less what checking that plan will take (about what building its
-        # pipelines took): a late probe's hunt ran elastic_pp 0.2 s past a 1 s limit
-        if not probes:
-            return None
-        return start + budget - max(sum(b.build_s for b in built) for _, built, _ in probes)
+        # the end of the budget less what checking that plan will take: a late probe's hunt ran
+        # elastic_pp 0.2 s past a 1 s limit
+        return start + budget - check_s() if probes else None
 
     took: list[float] = []  # seconds each probe took
 
@@ -152,8 +153,7 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
             # time left for checking the plan (twice what building it took) is not started, and
             # what was probed stands (only a batch nothing fit yet goes on; gpt-7b on 32 A100-40GB,
             # 96K GitHub, 8 x 4: a third probe of 0.15 s ran elastic_pp 0.08 s past a 0.55 s limit)
-            check = max(sum(b.build_s for b in built) for _, built, _ in probes) if probes else 0.0
-            if probes and time.perf_counter() + max(took) > start + budget - 2 * check:
+            if probes and time.perf_counter() + max(took) > start + budget - 2 * check_s():
                 break
             probe_structure(i)
     if not probes:
