@@ -269,49 +269,74 @@ def chunk_layouts(pipeline: Pipeline, lengths: Sequence[int], layers_per_stage: 
     """Check the chunks of a pipeline against the batch's lengths and lay them out (by id, in the
     pipeline's chunk order): unique non-negative integer ids, integer pieces within their sequence,
     at most one piece of a sequence per chunk, the pipeline's pieces of a sequence tile it,
-    ``recompute_layers_per_stage`` empty or one integer in [0, layers_per_stage] per stage."""
+    ``recompute_layers_per_stage`` empty or one integer in [0, layers_per_stage] per stage.
+    (The pieces are checked all at once: one at a time, 128 pipelines of 32,768 sequences took
+    90 ms, and the plan check and the simulator each walk them.)"""
     P = pipeline.stages
-    by_seq: dict[int, list[tuple[int, int, int]]] = {}
-    out: dict[int, ChunkLayout] = {}
+    ids: list[int] = []
+    pieces: list[list[tuple[int, int, int]]] = []
+    recompute: list[tuple[int, ...]] = []
+    seen: set[int] = set()
     for c in pipeline.chunks:
-        if not is_int(c.id) or int(c.id) in out or c.id < 0:
+        if not is_int(c.id) or c.id < 0 or int(c.id) in seen:
             raise InvalidPlanError(f"{where}: chunk id {c.id!r} is not a unique non-negative integer")
         if not c.pieces:
             raise InvalidPlanError(f"{where}, chunk {c.id}: has no pieces")
-        seen = set()
-        for x in c.pieces:
-            if not (is_int(x.seq_id) and is_int(x.start) and is_int(x.end)):
+        ps = [(x.seq_id, x.start, x.end) for x in c.pieces]
+        if not all(type(sid) is int and type(a) is int and type(b) is int for sid, a, b in ps):
+            if not all(is_int(sid) and is_int(a) and is_int(b) for sid, a, b in ps):
                 raise InvalidPlanError(f"{where}, chunk {c.id}: piece seq_id, start and end must be integers")
-            sid, a, b = int(x.seq_id), int(x.start), int(x.end)
-            if not 0 <= sid < len(lengths) or not 0 <= a < b <= int(lengths[sid]):
-                raise InvalidPlanError(f"{where}, chunk {c.id}: piece {sid}[{a}:{b}] is outside its sequence")
-            if sid in seen:
-                raise InvalidPlanError(f"{where}, chunk {c.id}: holds two pieces of sequence {sid}")
-            seen.add(sid)
-            by_seq.setdefault(sid, []).append((a, b, int(c.id)))
+            ps = [(int(sid), int(a), int(b)) for sid, a, b in ps]
         r = list(c.recompute_layers_per_stage or [])
         if r and (len(r) != P or any(not is_int(v) or v < 0 or (layers_per_stage is not None and v > layers_per_stage)
                                      for v in r)):
             raise InvalidPlanError(f"{where}, chunk {c.id}: recompute_layers_per_stage must be {P} integers in "
                                    f"0..{layers_per_stage}, got {r!r:.60}")
-        out[int(c.id)] = ChunkLayout(int(c.id), tuple(int(x.seq_id) for x in c.pieces),
-                                     tuple(int(x.start) for x in c.pieces),
-                                     tuple(int(x.end - x.start) for x in c.pieces), (), tuple(int(v) for v in r))
-    for sid, ps in by_seq.items():
-        ps.sort()
-        pos = 0
-        for a, b, _ in ps:
-            if a != pos:
-                raise InvalidPlanError(f"{where}: the pieces of sequence {sid} do not tile it "
-                                       f"(gap or overlap at {pos})")
-            pos = b
-        if pos != int(lengths[sid]):
-            raise InvalidPlanError(f"{where}: the pieces of sequence {sid} end at {pos}, it has "
-                                   f"{int(lengths[sid])} tokens")
-    last_end = {sid: ps[-1][1] for sid, ps in by_seq.items()}
-    for cid, ch in list(out.items()):
-        cont = tuple(a + n < last_end[s] for s, a, n in zip(ch.seq_ids, ch.starts, ch.lengths))
-        out[cid] = ChunkLayout(ch.id, ch.seq_ids, ch.starts, ch.lengths, cont, ch.recompute)
+        seen.add(int(c.id))
+        ids.append(int(c.id))
+        pieces.append(ps)
+        recompute.append(tuple(int(v) for v in r))
+    counts = np.fromiter((len(ps) for ps in pieces), dtype=np.int64, count=len(pieces))
+    owner = np.repeat(np.arange(len(pieces)), counts)
+    flat = [x for ps in pieces for x in ps]
+    lengths = np.asarray(lengths, dtype=np.int64)
+    try:
+        sid, a, b = np.array(flat, dtype=np.int64).reshape(-1, 3).T
+    except OverflowError:  # (an integer past int64 is outside any sequence)
+        sid = a = b = np.full(len(flat), -1, dtype=np.int64)
+    within = (sid >= 0) & (sid < len(lengths))
+    bad = ~within | (a < 0) | (a >= b) | (b > lengths[np.where(within, sid, 0)])
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise InvalidPlanError(f"{where}, chunk {ids[owner[i]]}: piece {flat[i][0]}[{flat[i][1]}:{flat[i][2]}] "
+                               f"is outside its sequence")
+    order = np.lexsort((a, owner, sid))  # by sequence, then chunk (a repeat is adjacent), then start
+    same_seq = sid[order][1:] == sid[order][:-1]
+    twice = np.flatnonzero(same_seq & (owner[order][1:] == owner[order][:-1]))
+    if twice.size:
+        i = order[twice[0]]
+        raise InvalidPlanError(f"{where}, chunk {ids[owner[i]]}: holds two pieces of sequence {sid[i]}")
+    order = np.lexsort((a, sid))  # each sequence's pieces by start: each must begin where the last ended
+    s, a_s, b_s = sid[order], a[order], b[order]
+    first = np.concatenate([[True], s[1:] != s[:-1]])
+    ends = np.where(first, 0, np.concatenate([[0], b_s[:-1]]))
+    gap = np.flatnonzero(a_s != ends)
+    if gap.size:
+        i = gap[0]
+        raise InvalidPlanError(f"{where}: the pieces of sequence {s[i]} do not tile it (gap or overlap at {ends[i]})")
+    last = np.concatenate([s[1:] != s[:-1], [True]])
+    short = np.flatnonzero(last & (b_s != lengths[s]))
+    if short.size:
+        i = short[0]
+        raise InvalidPlanError(f"{where}: the pieces of sequence {s[i]} end at {b_s[i]}, it has "
+                               f"{lengths[s[i]]} tokens")
+    sids, starts, lens, cont = sid.tolist(), a.tolist(), (b - a).tolist(), (b < lengths[sid]).tolist()
+    out: dict[int, ChunkLayout] = {}
+    lo = 0
+    for cid, n, r in zip(ids, counts.tolist(), recompute):
+        hi = lo + n
+        out[cid] = ChunkLayout(cid, tuple(sids[lo:hi]), tuple(starts[lo:hi]), tuple(lens[lo:hi]), tuple(cont[lo:hi]), r)
+        lo = hi
     return out
 
 

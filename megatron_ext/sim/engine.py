@@ -64,44 +64,46 @@ def analyze_chunks(chunks: list[Chunk], pc: PipelineCost, where: str = "pipeline
 def analyze_pieces(pieces: list[list[tuple[int, int, int]]], pc: PipelineCost, where: str = "pipeline",
                    ids: list[int] | None = None) -> ChunkTable:
     """``analyze_chunks`` of chunks given as their (seq_id, start, end) pieces (ids: their
-    positions unless given), as the planner builds them: no plan objects per candidate."""
+    positions unless given), as the planner builds them: no plan objects per candidate. (All
+    pieces at once; only a split sequence's are walked one by one, to chain its slices.)"""
     n = len(pieces)
-    split = np.zeros(n)
-    by_seq: dict[int, list[tuple[int, int, int]]] = {}
     ids = list(range(n)) if ids is None else [int(c) for c in ids]
-    for i, c in enumerate(pieces):
-        seen = set()
-        for sid, a, b in c:
-            sid = int(sid)
-            if sid in seen:
-                raise InvalidPlanError(f"{where}, chunk {ids[i]}: holds two pieces of sequence {sid}")
-            seen.add(sid)
-            by_seq.setdefault(sid, []).append((int(a), int(b), i))
     if len(set(ids)) != n:
         raise InvalidPlanError(f"{where}: chunk ids are not unique")
+    counts = np.fromiter((len(c) for c in pieces), dtype=np.int64, count=n)
+    owner = np.repeat(np.arange(n), counts)
+    sid, a, b = np.array([x for c in pieces for x in c], dtype=np.int64).reshape(-1, 3).T
+    order = np.lexsort((a, owner, sid))  # by sequence, chunk, start: a repeat within a chunk is adjacent
+    s, o = sid[order], owner[order]
+    same = s[1:] == s[:-1]
+    twice = np.flatnonzero(same & (o[1:] == o[:-1]))
+    if twice.size:
+        i = order[twice[0]]
+        raise InvalidPlanError(f"{where}, chunk {ids[owner[i]]}: holds two pieces of sequence {sid[i]}")
+    lens = (b - a).astype(np.float64)
+    work = np.bincount(owner, weights=pc.piece_work(lens, a.astype(np.float64)), minlength=n)
+    tokens = np.bincount(owner, weights=lens, minlength=n)
+    split = np.zeros(n)
     split_pieces: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
     seq_end: dict[int, int] = {}
-    starts, lens, owner = [], [], []
     chains = []  # per split sequence, the chunks of its slices in order
-    for sid, ps in by_seq.items():
-        ps.sort()
-        for a, b, i in ps:
-            starts.append(a)
-            lens.append(b - a)
-            owner.append(i)
-        if len(ps) == 1:  # (a sequence in one piece: nothing to chain)
-            continue
-        chains.append([i for _, _, i in ps])
-        for j, (a, b, i) in enumerate(ps):
-            split[i] += b - a if j < len(ps) - 1 else 0
-            split_pieces[i].append((sid, a, b))
-            seq_end[sid] = ps[-1][1]
-            if j and ps[j - 1][2] == i:
-                raise InvalidPlanError(f"{where}, chunk {ids[i]}: holds two pieces of sequence {sid}")
-    own = np.asarray(owner, dtype=np.int64)
-    lens_f = np.asarray(lens, dtype=np.float64)
-    work = np.bincount(own, weights=pc.piece_work(lens_f, np.asarray(starts, dtype=np.float64)), minlength=n)
-    tokens = np.bincount(own, weights=lens_f, minlength=n)
+    multi = np.concatenate([[False], same]) | np.concatenate([same, [False]])  # in a sequence of 2+ pieces
+    if multi.any():
+        order = order[multi]
+        order = order[np.lexsort((a[order], sid[order]))]  # each split sequence's pieces by start
+        s, a_s, b_s, o = sid[order].tolist(), a[order].tolist(), b[order].tolist(), owner[order].tolist()
+        j = 0
+        while j < len(s):
+            k = j
+            while k < len(s) and s[k] == s[j]:
+                k += 1
+            chains.append(o[j:k])
+            seq_end[s[j]] = b_s[k - 1]
+            for q in range(j, k):
+                split_pieces[o[q]].append((s[q], a_s[q], b_s[q]))
+                if q < k - 1:
+                    split[o[q]] += b_s[q] - a_s[q]
+            j = k
     fwd_pred, bwd_pred = slice_predecessors(n, chains)
     return ChunkTable(ids, tokens, work, split, fwd_pred, bwd_pred, split_pieces, seq_end)
 

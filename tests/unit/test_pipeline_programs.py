@@ -15,7 +15,7 @@ from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import InvalidPlanError
 from megatron_ext.plan.program import (BWD, FWD, Message, PipelineSchedule, build_schedule, build_schedules,
-                                       check_rendezvous)
+                                       check_rendezvous, chunk_layouts)
 from megatron_ext.plan.program import ProgramStep as Step
 from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan
 from megatron_ext.spec import ClusterSpec, ModelSpec
@@ -226,6 +226,9 @@ def test_rendezvous_checker_catches_naive_programs():
     (lambda p: p.chunks[1].pieces.__setitem__(0, Piece(0, 4, 9)), "do not tile"),
     (lambda p: p.chunks[1].pieces.__setitem__(0, Piece(0, 5, 8)), "end at 8"),
     (lambda p: p.chunks[0].pieces.__setitem__(0, Piece(0, 0, 99)), "outside its sequence"),
+    (lambda p: p.chunks[0].pieces.__setitem__(0, Piece(0, 0, 2 ** 70)), r"piece 0\[0:1180591620717411303424\] is outside"),
+    (lambda p: p.chunks[0].pieces.__setitem__(0, Piece(0, 3, 3)), "outside its sequence"),
+    (lambda p: p.chunks[0].pieces.__setitem__(0, Piece(True, 0, 5)), "must be integers"),
     (lambda p: setattr(p.chunks[1], "id", 0), "unique"),
     (lambda p: setattr(p.chunks[0], "recompute_layers_per_stage", [1]), "recompute_layers_per_stage must be 2"),
     (lambda p: setattr(p.chunks[0], "recompute_layers_per_stage", [5, 0]), "recompute_layers_per_stage must be 2"),
@@ -238,6 +241,16 @@ def test_malformed_pipelines_are_refused(mutate, match):
     mutate(pipe)
     with pytest.raises(InvalidPlanError, match=match):
         build_schedule(pipe, [10], layers_per_stage=4)
+
+
+def test_numpy_integers_lay_out_as_python_ints():
+    pipe = _pipeline([[(0, 0, 5), (1, 0, 3)], [(0, 5, 10)]], 2, [["F0", "F1", "B1", "B0"]] * 2)
+    pipe.chunks[0].id = np.int64(0)
+    pipe.chunks[0].pieces[1] = Piece(np.int32(1), np.int64(0), np.int64(3))
+    layouts = chunk_layouts(pipe, np.array([10, 3]), 4)
+    assert {k: (v.seq_ids, v.starts, v.lengths, v.continues) for k, v in layouts.items()} == {
+        0: ((0, 1), (0, 0), (5, 3), (True, False)), 1: ((0,), (5,), (5,), (False,))}
+    assert all(type(x) is int for v in layouts.values() for x in v.seq_ids + v.starts + v.lengths)
 
 
 def test_plan_level_refusals():

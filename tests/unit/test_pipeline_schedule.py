@@ -346,3 +346,53 @@ def test_cached_kv_of_a_slice_lives_until_its_sequence_s_first_slice_runs_backwa
     # the checkpoints (what the recompute ILP constrains) agree with the levels at their moments
     cps = memory_checkpoints(ops, table, full, pc)
     assert [cp.const for cp in cps if cp.kind == BWD] == pytest.approx(during[3:].tolist())
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), lengths=st.lists(st.integers(1, 6000), min_size=1, max_size=12))
+def test_analyze_pieces_matches_its_definition(data, lengths):
+    """Tokens, work, split tokens and the slice chains of random chunkings (sequences cut into up to
+    four slices, pieces scattered over chunks, ids given out of order), against the definitions
+    walked one piece at a time."""
+    pc = PipelineCost(COST, 4, 8)
+    n = data.draw(st.integers(1, 8))
+    pieces = [[] for _ in range(n)]
+    for sid, s in enumerate(lengths):
+        cuts = sorted(set(data.draw(st.lists(st.integers(1, s - 1), max_size=3)) if s > 1 else []))
+        bounds = [0, *cuts, s]
+        homes = data.draw(st.lists(st.integers(0, n - 1), min_size=len(bounds) - 1, max_size=len(bounds) - 1,
+                                   unique=True)) if len(bounds) - 1 <= n else None
+        if homes is None:
+            homes, bounds = [data.draw(st.integers(0, n - 1))], [0, s]
+        for i, (a, b) in zip(homes, zip(bounds, bounds[1:])):
+            pieces[i].append((sid, a, b))
+    keep = [i for i in range(n) if pieces[i]]
+    pieces = [pieces[i] for i in keep]
+    ids = data.draw(st.permutations(range(100, 100 + len(pieces))))
+    table = analyze_pieces(pieces, pc, ids=ids)
+    assert table.ids == list(ids)
+    assert table.tokens.tolist() == [float(sum(b - a for _, a, b in c)) for c in pieces]
+    assert table.work == pytest.approx([sum(float(pc.piece_work(b - a, a)) for _, a, b in c) for c in pieces])
+    slices = {}  # split sequence -> its (start, end, chunk) in token order
+    for i, c in enumerate(pieces):
+        for sid, a, b in c:
+            slices.setdefault(sid, []).append((a, b, i))
+    slices = {sid: sorted(ps) for sid, ps in slices.items() if len(ps) > 1}
+    assert table.seq_end == {sid: ps[-1][1] for sid, ps in slices.items()}
+    assert table.cached_tokens.tolist() == [float(sum(b - a for sid, a, b in c if sid in slices and b < lengths[sid]))
+                                            for c in pieces]
+    assert [sorted(x) for x in table.split_pieces] == [sorted((sid, a, b) for sid, a, b in c if sid in slices)
+                                                       for c in pieces]
+    for i in range(len(pieces)):
+        assert sorted(table.fwd_pred[i]) == sorted(ps[j - 1][2] for ps in slices.values() for j in range(1, len(ps))
+                                                   if ps[j][2] == i)
+        assert sorted(table.bwd_pred[i]) == sorted(ps[j + 1][2] for ps in slices.values()
+                                                   for j in range(len(ps) - 1) if ps[j][2] == i)
+
+
+def test_analyze_pieces_refuses_a_sequence_twice_in_a_chunk_and_repeated_ids():
+    pc = PipelineCost(COST, 4, 8)
+    with pytest.raises(InvalidPlanError, match="chunk 7: holds two pieces of sequence 3"):
+        analyze_pieces([[(0, 0, 5)], [(3, 0, 2), (1, 0, 4), (3, 4, 6)]], pc, ids=[2, 7])
+    with pytest.raises(InvalidPlanError, match="chunk ids are not unique"):
+        analyze_pieces([[(0, 0, 5)], [(1, 0, 4)]], pc, ids=[2, 2])

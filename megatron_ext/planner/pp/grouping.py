@@ -8,6 +8,7 @@ contiguous blocks. Pure Python + numpy.
 """
 from __future__ import annotations
 
+import heapq
 import math
 
 import numpy as np
@@ -15,6 +16,7 @@ import numpy as np
 from megatron_ext.cost.pipeline import FWD_FRACTION, PipelineCost
 
 
+ROUNDS_FROM = 16  # split_replicas goes in rounds from this many replicas, below one sequence at a time
 GROUP_BLOCKS = 512  # the grouping DP runs over at most this many contiguous blocks of sequences
 
 
@@ -178,30 +180,41 @@ def split_replicas(seq_ids, lengths, pc: PipelineCost, replicas: int) -> list[np
     with the least work so far (ties: the lowest index). Each replica's ids in ascending order; a
     replica may get none.
 
-    Exact, and in rounds: the next sequences go to the least loaded replicas, one each in order,
-    as long as every replica given one in the round then holds more than the next one's load (so
-    each is the least loaded in turn); rounds are nearly always whole (32,768 GitHub sequences on
-    128 replicas: 257 rounds, 5 ms, against 20 ms one sequence at a time)."""
+    Exact, and in rounds from ``ROUNDS_FROM`` replicas: the next sequences go to the least loaded
+    replicas, one each in order, as long as every replica given one in the round then holds more
+    than the next one's load (so each is the least loaded in turn); rounds are nearly always whole
+    (32,768 GitHub sequences on 128 replicas: 257 rounds, 5 ms, against 20 ms one sequence at a
+    time). A round gives out at most one sequence a replica: with fewer replicas, a heap of their
+    loads, one sequence at a time (2 replicas: 10 ms against 80 ms in rounds)."""
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
     if replicas <= 1:
         return [seq_ids]
     work = pc.prefix_ms(lengths[seq_ids])
     order = np.lexsort((seq_ids, -work))
     w = work[order]
-    loads = np.zeros(replicas)
     owner = np.empty(len(seq_ids), dtype=np.int64)
-    index = np.arange(replicas)
-    i = 0
-    while i < len(w):
-        least = np.lexsort((index, loads))[:len(w) - i]  # by load, ties by index
-        now = loads[least]
-        then = now + w[i:i + len(least)]
-        # the k-th goes to least[k] while every replica given one before holds more than its load
-        late = np.flatnonzero(np.minimum.accumulate(then)[:-1] <= now[1:])
-        k = int(late[0]) + 1 if late.size else len(least)
-        owner[order[i:i + k]] = least[:k]
-        loads[least[:k]] = then[:k]
-        i += k
+    if replicas < ROUNDS_FROM:
+        heap = [(0.0, r) for r in range(replicas)]  # (load, replica): ties to the lowest index
+        to = [0] * len(w)
+        for at, x in zip(order.tolist(), w.tolist()):
+            load, r = heap[0]
+            to[at] = r
+            heapq.heapreplace(heap, (load + x, r))
+        owner[:] = to
+    else:
+        loads = np.zeros(replicas)
+        index = np.arange(replicas)
+        i = 0
+        while i < len(w):
+            least = np.lexsort((index, loads))[:len(w) - i]  # by load, ties by index
+            now = loads[least]
+            then = now + w[i:i + len(least)]
+            # the k-th goes to least[k] while every replica given one before holds more than its load
+            late = np.flatnonzero(np.minimum.accumulate(then)[:-1] <= now[1:])
+            k = int(late[0]) + 1 if late.size else len(least)
+            owner[order[i:i + k]] = least[:k]
+            loads[least[:k]] = then[:k]
+            i += k
     by_owner = np.lexsort((seq_ids, owner))  # (not a mask per replica: 4,096 x 32,768 compares)
     return np.split(seq_ids[by_owner], np.cumsum(np.bincount(owner, minlength=replicas))[:-1])
 
