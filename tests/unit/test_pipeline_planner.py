@@ -169,6 +169,32 @@ def test_builds_of_a_few_chunks_price_no_larger_ones(monkeypatch):
     assert now[0] < 1.0, sizes  # (the deadline never bound: every target was wanted)
 
 
+def test_a_build_is_priced_by_candidates_of_its_own_order(monkeypatch):
+    # a search alternates greedy and 1F1B orders, and a greedy build costs about 4x a 1F1B one:
+    # priced from the last 1F1B build, a greedy one of 773 chunks ran 0.18 s past the search's end
+    # (gpt-13b on 8 x 4, 32 A800s, 192K CommonCrawl). On a clock of its own (0.4 ms a chunk
+    # greedy, 0.1 ms 1F1B), no build ends past the deadline: priced from the 1F1B build of 636
+    # chunks, a greedy one of 773 would start at 0.45 s and end at 0.76 s
+    import types
+
+    import megatron_ext.planner.pp.chunk_search as chunk_search
+    cost = CostModel.from_presets("gpt-13b", "a800-80g-8x4", 1)
+    lengths = sample_lengths("commoncrawl", 512, 0, 192 * 1024)
+    pc = PipelineCost(cost, 8, 4)
+    real, ends, now = chunk_search.build_pipeline, [], [0.0]
+
+    def timed(pieces, *a, **k):
+        now[0] += (4e-4 if k.get("order") == "greedy" else 1e-4) * len(pieces)
+        ends.append((now[0], len(pieces), k.get("order")))
+        return real(pieces, *a, **k)
+
+    monkeypatch.setattr(chunk_search, "build_pipeline", timed)
+    monkeypatch.setattr(chunk_search, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    plan_group(np.arange(512), lengths, pc, PipelineOptions(), 0.6)
+    assert {o for _, _, o in ends} == {"greedy", "1f1b"} and len(ends) > 6
+    assert max(t for t, _, _ in ends[1:]) <= 0.6, ends
+
+
 def test_a_search_first_cuts_the_packs_into_the_chunks_the_estimate_finds_best(monkeypatch):
     # gpt-7b on 4 x 8 at 96K (32 A100-40GB): the 1F1B estimate's best chunk count over the packs
     # is the best k of packs cut into 4-32 within 2%, and the full search builds it first
