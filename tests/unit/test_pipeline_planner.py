@@ -195,6 +195,27 @@ def test_a_build_is_priced_by_candidates_of_its_own_order(monkeypatch):
     assert max(t for t, _, _ in ends[1:]) <= 0.6, ends
 
 
+def test_a_search_with_nothing_built_hunts_at_the_replica_s_prices(monkeypatch):
+    # a grouping's second pipeline has built nothing of its own: with another plan standing, its
+    # hunt is priced by what the replica's other searches' builds cost (BuildCache.priced), and it
+    # gives up rather than start a build that would end past its give-up time (priced by nothing,
+    # one of 1,402 chunks ran 0.18 s past it); with no such record it builds
+    import types
+
+    import megatron_ext.planner.pp.chunk_search as chunk_search
+    from megatron_ext.errors import InfeasibleError
+    cost = CostModel.from_presets("gpt-7b", "a100-40g-8x4", 1)
+    lengths = sample_lengths("github", 128, 0, 96 * 1024)
+    pc = PipelineCost(cost, 4, 8)
+    monkeypatch.setattr(chunk_search, "time", types.SimpleNamespace(perf_counter=lambda: 0.0))
+    opts = PipelineOptions()
+    assert plan_group(np.arange(128), lengths, pc, opts, 1.0, give_up=0.5).makespan_ms > 0
+    builds = chunk_search.BuildCache()
+    builds.priced.update(greedy=(16, 1.0), **{"1f1b": (16, 0.25)})  # (1 s for 16 greedy chunks)
+    with pytest.raises(InfeasibleError, match="nothing fitted before the time ran out"):
+        plan_group(np.arange(128), lengths, pc, opts, 1.0, builds=builds, give_up=0.5)
+
+
 def test_a_search_first_cuts_the_packs_into_the_chunks_the_estimate_finds_best(monkeypatch):
     # gpt-7b on 4 x 8 at 96K (32 A100-40GB): the 1F1B estimate's best chunk count over the packs
     # is the best k of packs cut into 4-32 within 2%, and the full search builds it first
