@@ -13,7 +13,7 @@ from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import ConfigError, InfeasibleError, MegatronExtError, OutOfTimeError
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner.options import PlannerOptions
-from megatron_ext.planner.pp.chunk_search import BuildCache
+from megatron_ext.planner.pp.chunk_search import CHUNK_STAGE_S, BuildCache
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
 from megatron_ext.planner.pp.grouping import pipeline_estimates, split_replicas
 from megatron_ext.planner.pp.pipeline import PipelineOptions, kept_sequences, pipeline_cost, pipeline_options
@@ -36,12 +36,6 @@ AUTO_RESERVE = 0.03  # of the time limit, left for the last planner's plan check
 AUTO_FLEXSP_MIN_X = 2.0  # FlexSP's time is at least this x what BatchAda's plan took (``plan_auto``)
 AUTO_TIMELINES_SHARE = 0.2  # of the time limit, at most, for timelines (ZeRO 0/1/2; it takes far less)
 AUTO_TIE = 0.05  # a layout followed by one whose order key is this close shares the time left with it
-# Seconds one chunk on one stage costs to build, check and simulate once, where memory binds (on a
-# 2-core machine: a 2-stage pipeline of 2,800 chunks, hundreds in flight, 0.4-0.9 s to build;
-# with few in flight far less: 32 stages of ~1,000 chunks, 0.56 s); a layout is not started where
-# its chunks x stages need more than the time left (3e-5 started more layouts than could finish:
-# 9 map cells over 2% behind against 6)
-AUTO_CHUNK_STAGE_S = 8e-5
 # Order of the layouts: the estimate, raised by up to this share where memory presses (``layout_pressure``),
 # from none at AUTO_PRESSURE_FROM to all of it at AUTO_PRESSURE_FROM + AUTO_PRESSURE_SPAN. (From 0.7 over 1.0
 # while a slice kept a copy of its prefix's K/V, which pressed layouts paid; with that window anew, 9-23
@@ -121,15 +115,19 @@ def flexsp_bound_s(lengths: np.ndarray, cost: CostModel, lower_ms: float | None 
 
 
 def forced_slices(lengths: np.ndarray, pc: PipelineCost, granularity: int = 128) -> int:
-    """Slices memory forces on the batch's sequences that cannot run whole on the layout (each cut
-    into slices of at most its ``fit_cap`` tokens): a floor of any plan's chunks, which the
-    estimate's 1F1B chunk count misses where memory binds hard (gpt-13b, 2 stages x SP 4 on
-    80 GB, 96K: nine 96K sequences of 768 slices each; the search's candidates had 11,000 chunks
-    and took 2.4 s to build, against the estimate's 380)."""
+    """Chunks memory forces on the batch: the slices of its sequences that cannot run whole on the
+    layout (each cut into slices of at most its ``fit_cap`` tokens), and at least its tokens over
+    what the last stage holds in one chunk (the pipeline bound's count): a floor of any plan's
+    chunks, which the estimate's 1F1B chunk count misses where memory binds hard (gpt-13b, 2
+    stages x SP 4 on 80 GB, 96K: nine 96K sequences of 768 slices each; the search's candidates had
+    11,000 chunks and took 2.4 s to build, against the estimate's 380; llama-7b, 2 x 4 on 8
+    A100-40GB at ZeRO-1: 512 Wikipedia sequences in 2,548 chunks of up to 200 tokens, a probe of
+    0.19 s started with 0.065 s left)."""
     lengths = np.asarray(lengths)
     whole = pc.act_layer_mb * pc.layers_per_stage + float(pc.head_mb)  # (``sequence_peak_mb`` unsliced)
     over, count = np.unique(lengths[lengths * whole > pc.activation_room_mb], return_counts=True)
-    return sum(-(-int(s) // fit_cap(int(s), pc, granularity)) * int(c) for s, c in zip(over, count))
+    slices = sum(-(-int(s) // fit_cap(int(s), pc, granularity)) * int(c) for s, c in zip(over, count))
+    return max(slices, math.ceil(float(lengths.sum()) * whole / pc.activation_room_mb - 1e-9))
 
 
 def layout_pressure(lengths: np.ndarray, pc: PipelineCost) -> float:
@@ -189,7 +187,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     that is no faster), and so is
     one left when their time has run out (less of it than 0.05 s, the least a layout planned ran
     past its limit, a quarter of the least one took, or its chunks x stages' build time,
-    ``AUTO_CHUNK_STAGE_S``), or, once a plan stands, whose replicas cannot all be planned in its
+    ``CHUNK_STAGE_S``), or, once a plan stands, whose replicas cannot all be planned in its
     limit (``plan_elastic_pp``'s ``keep_to_limit``); one that cannot build a candidate in the whole
     limit is not started while FlexSP or another layout can run. FlexSP goes last, in all the time
     left but ``AUTO_RESERVE`` of the limit (for its plan's check; without FlexSP the layouts leave
@@ -291,11 +289,11 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     # a layout whose one candidate takes longer to build than the whole limit is not started while
     # anything else can run (FlexSP or a quicker layout): it would overrun the limit, and its
     # estimate, which such deep layouts undercut, would lead the order
-    quick = [x for x in layouts if x[5] * AUTO_CHUNK_STAGE_S <= budget]
+    quick = [x for x in layouts if x[5] * CHUNK_STAGE_S <= budget]
     if quick or (with_flexsp and longest <= cost.max_seq_len):  # (else a slow layout is all that can run)
         for x in layouts:
-            if x[5] * AUTO_CHUNK_STAGE_S > budget:
-                alts[x[2]] = {"skipped": f"about {x[5] * AUTO_CHUNK_STAGE_S:.1f} s to build one candidate "
+            if x[5] * CHUNK_STAGE_S > budget:
+                alts[x[2]] = {"skipped": f"about {x[5] * CHUNK_STAGE_S:.1f} s to build one candidate "
                                          f"({x[5]:,} chunks x stages), over the {budget:g} s limit"}
         layouts = quick
     layouts.sort(key=lambda x: (x[0], x[2]))  # (order key, name)
@@ -340,12 +338,12 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         # a layout's search stops at its limit, but checking and simulating what it found does not
         # (about as long as the least any layout planned ran past its limit), and its first
         # candidate, however long, is always built: at least its chunks x stages x
-        # AUTO_CHUNK_STAGE_S, and often far more (the search's finest slicings may have 10x the
+        # CHUNK_STAGE_S, and often far more (the search's finest slicings may have 10x the
         # estimate's chunks): a quarter of what the quickest layout took is the floor (half of it
         # skipped, by a few ms, layouts that won: 9 map cells over 2% behind against 7), and so is
         # 0.05 s, the least time a layout is given
         if plans and left - tail <= max(0.05, min(overran, default=0.0), min(took, default=0.0) / 4,
-                                chunk_stages * AUTO_CHUNK_STAGE_S):
+                                chunk_stages * CHUNK_STAGE_S):
             alts[name] = {"skipped": f"time limit reached (estimated {est:.2f} s)"}
             continue
         # all the layouts' time left (the likeliest go first, and a search that ends early leaves the
@@ -353,7 +351,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         # tell them apart, so neither may take all the time (unless that one could not build a
         # candidate in the other half)
         rival = next((x for x in layouts[i + 1:] if AUTO_PRUNE_MARGIN * x[1] < bound
-                      and x[5] * AUTO_CHUNK_STAGE_S < left / 2), None)
+                      and x[5] * CHUNK_STAGE_S < left / 2), None)
         tied = rival is not None and max(rival[0], layouts[i][0]) <= (1 + AUTO_TIE) * min(rival[0], layouts[i][0])
         limit = max(0.05, min(left / 2 if tied else left, left - tail))
         t0 = time.perf_counter()
@@ -425,7 +423,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     return plan
 
 
-__all__ = ["AUTO_CHUNK_STAGE_S", "AUTO_DEPTH_PENALTY", "AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_GAP", "AUTO_FLEXSP_MIN_X",
+__all__ = ["AUTO_DEPTH_PENALTY", "AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_GAP", "AUTO_FLEXSP_MIN_X",
            "AUTO_FLEXSP_SHARE", "AUTO_PRESSURE_FROM", "AUTO_PRESSURE_PENALTY", "AUTO_PRESSURE_SPAN",
            "AUTO_PRUNE_MARGIN", "AUTO_RESERVE", "AUTO_TIE", "AUTO_TIMELINES_SHARE", "flexsp_bound_s", "forced_slices",
            "head_excess_s",

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from megatron_ext.cost import CostModel
 from megatron_ext.data.lengths import sample_lengths
-from megatron_ext.errors import InfeasibleError
+from megatron_ext.errors import InfeasibleError, OutOfTimeError
 from megatron_ext.plan import StepPlan, validate
 from megatron_ext.plan.schema import Chunk, Piece
 from megatron_ext.plan.validate import validate_pipelines
@@ -231,7 +231,7 @@ def test_a_pipeline_out_of_time_with_nothing_feasible_falls_back_to_a_chunking_o
     assert sorted({p[0] for c in built.pieces for p in c}) == sorted(ids.tolist())
     # where another grouping's plan stands (``give_up``), the same search past its time drops the
     # grouping rather than hunt on for a feasible chunking (which ran elastic_pp past its limit)
-    with pytest.raises(InfeasibleError, match="nothing fitted before the time ran out"):
+    with pytest.raises(OutOfTimeError, match="nothing fitted before the time ran out"):
         plan_group(ids, lengths, pc, PipelineOptions(), time.perf_counter() - 1, give_up=time.perf_counter() - 1)
     # a search that finds a feasible chunking before it is given up keeps it
     built = plan_group(ids, lengths, pc, PipelineOptions(), time.perf_counter() - 1, give_up=time.perf_counter() + 60)

@@ -186,8 +186,8 @@ def test_the_slowest_replica_gets_the_time_left_and_resumes_its_search(monkeypat
     calls = []  # (ids, budget, builds, makespan, candidates built, end) of each search; budget None: a replay
     plan_replica, replay = elastic_pp._plan_replica, elastic_pp.replay
 
-    def recorded(ids, lengths, pc, opts, start, budget, builds=None):
-        built = plan_replica(ids, lengths, pc, opts, start, budget, builds)
+    def recorded(ids, lengths, pc, opts, start, budget, builds=None, stands=None):
+        built = plan_replica(ids, lengths, pc, opts, start, budget, builds, stands)
         if builds is not None:  # (not the rebalancing's)
             calls.append((tuple(ids.tolist()), budget, builds, sum(b.makespan_ms for b in built), len(builds.built),
                           start + budget))
@@ -234,10 +234,10 @@ def test_a_replica_that_gains_nothing_in_its_share_gets_all_the_time_left_once_m
     first, again = {}, []
     plan_replica = elastic_pp._plan_replica
 
-    def replanned_without_gain(ids, lengths, pc, opts, start, budget, builds=None):
+    def replanned_without_gain(ids, lengths, pc, opts, start, budget, builds=None, stands=None):
         key = tuple(ids.tolist())
         if builds is None:  # (the rebalancing's)
-            return plan_replica(ids, lengths, pc, opts, start, budget, builds)
+            return plan_replica(ids, lengths, pc, opts, start, budget, builds, stands)
         if key in first:
             again.append((key, budget, start))
             return first[key]
@@ -272,8 +272,13 @@ def test_kept_to_its_limit_a_layout_of_many_replicas_stops_once_they_cannot_all_
     cost = CostModel.from_presets("llama-13b", "a800-80g-8x16")  # 128 GPUs: 16 replicas of 2 x SP 4
     rng = np.random.default_rng(11)
     lengths = np.concatenate([rng.integers(20_000, 40_000, 16), rng.integers(500, 6000, 200)])
-    # the first replica is searched, the second replays its chunking (the first pass has no time
-    # for a search), and 14 more at what that took cannot fit in a microsecond
+    # the first replica, with nothing feasible yet when the limit passes, gives up its hunt
+    with pytest.raises(OutOfTimeError, match="pipeline 0: nothing fitted before the time ran out"):
+        plan_elastic_pp(lengths, cost, 2, 4, time_limit=1e-6, keep_to_limit=True)
+    # ... and let hunt on, the first replica is searched, the second replays its chunking (the first
+    # pass has no time for a search), and 14 more at what that took cannot fit in a microsecond
+    plan_replica = elastic_pp._plan_replica
+    monkeypatch.setattr(elastic_pp, "_plan_replica", lambda *a: plan_replica(*a[:7]))  # (no ``stands``)
     with pytest.raises(OutOfTimeError, match=r"14 replicas left to plan at [\d.]+ s or more each, past the 1e-06 s"):
         plan_elastic_pp(lengths, cost, 2, 4, time_limit=1e-6, keep_to_limit=True)
     plan = plan_elastic_pp(lengths, cost, 2, 4, time_limit=1e-6)  # (not kept to it: a plan, however late)

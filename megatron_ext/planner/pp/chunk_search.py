@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from megatron_ext.cost.pipeline import PipelineCost
-from megatron_ext.errors import InfeasibleError
+from megatron_ext.errors import InfeasibleError, OutOfTimeError
 from megatron_ext.planner.packing import best_fit_bins
 from megatron_ext.planner.pp.chunking import balanced_chunks, ramp_chunks, split_pack
 from megatron_ext.planner.pp.grouping import pipeline_estimate
@@ -24,6 +24,12 @@ MAX_CHUNKS = 4096  # chunk candidates with more chunks are not built (their reco
 # of 8 stages: 0.5 ms a chunk; 148 chunks: 0.2 ms), and a probe priced from them skipped the
 # targets' chunking it is for (a replica of 45 sequences up to 192K: 23.8 s, 17.3 s built)
 PRICED_CHUNKS = 16
+# Seconds one chunk on one stage costs to build, check and simulate once, where memory binds (on a
+# 2-core machine: a 2-stage pipeline of 2,800 chunks, hundreds in flight, 0.4-0.9 s to build;
+# with few in flight far less: 32 stages of ~1,000 chunks, 0.56 s): what a build is priced at
+# before any is known. Auto starts no layout whose chunks x stages need more than the time left
+# (3e-5 started more layouts than could finish: 9 map cells over 2% behind against 6)
+CHUNK_STAGE_S = 8e-5
 KEPT_CHUNK_STAGES = 500_000  # candidates a BuildCache keeps, in chunks x stages (~260 bytes each: ~130 MB)
 # ... and chunkings, in pieces (~100 bytes each: ~100 MB; 8,192 sequences on 8 stages made 57
 # chunkings of 477,000 pieces in 2.4 s)
@@ -232,7 +238,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
 
     ``builds``: the candidates built so far, shared by the searches of one replica's pipelines.
     ``give_up``: where another plan stands, the time past which a search that has found nothing
-    feasible raises InfeasibleError rather than build on (its candidate would end past it)."""
+    feasible raises OutOfTimeError rather than build on (its candidate would end past it)."""
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
     builds = BuildCache() if builds is None else builds
     best: BuiltPipeline | None = None
@@ -268,15 +274,16 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
             # would end past the deadline: building grows about linearly with the chunks (12 to
             # 2,300 chunks: 0.15-0.6 ms each), priced from the largest candidate of its order built so
             # far (PRICED_CHUNKS; else the slower order's); hunting with nothing built, from the
-            # replica's other searches' (``BuildCache.priced``)
+            # replica's other searches' (``BuildCache.priced``), else at CHUNK_STAGE_S
             def ends(record) -> float:
                 n, secs = record.get(order) or max(record.values(), key=lambda x: x[1] / x[0], default=(1, 0.0))
                 return time.perf_counter() + secs * max(1.0, len(pieces) / n)
 
             if best is not None and deadline is not None and ends(priced) > deadline and not always:
                 return None
-            if best is None and give_up is not None and ends(priced or builds.priced) > give_up:
-                raise InfeasibleError(f"{where}: nothing fitted before the time ran out (another plan stands)")
+            if best is None and give_up is not None and \
+                    ends(priced or builds.priced or {order: (1, CHUNK_STAGE_S * pc.pp)}) > give_up:
+                raise OutOfTimeError(f"{where}: nothing fitted before the time ran out (another plan stands)")
             t0 = time.perf_counter()
             try:
                 b = build_pipeline(pieces, pc, search_recompute, opts.ties != "untied", where=where, order=order)
@@ -453,5 +460,5 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     return best
 
 
-__all__ = ["KEPT_CHUNK_STAGES", "KEPT_PIECES", "MAX_CHUNKS", "PRICED_CHUNKS", "PROBE_TARGETS", "BuildCache",
-           "plan_group", "replay"]
+__all__ = ["CHUNK_STAGE_S", "KEPT_CHUNK_STAGES", "KEPT_PIECES", "MAX_CHUNKS", "PRICED_CHUNKS", "PROBE_TARGETS",
+           "BuildCache", "plan_group", "replay"]

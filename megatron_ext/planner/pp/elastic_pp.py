@@ -102,12 +102,14 @@ def _plan_structure(groups: list[np.ndarray], lengths, pc: PipelineCost, opts: P
 
 
 def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOptions, start: float,
-                  budget: float, builds: BuildCache | None = None) -> list[BuiltPipeline]:
+                  budget: float, builds: BuildCache | None = None, stands: float | None = None) -> list[BuiltPipeline]:
     """One replica's pipelines (run one after another), planned in ``budget`` seconds from
     ``start``: one pipeline, or the sequences grouped into up to ``max_pipelines``; then the ILP's
     recompute on the winner. Every grouping is probed first (its first candidates), then the
     searches go to the groupings in the order of their probes, the likeliest getting most of the
-    time: a short budget still weighs every grouping, rather than spending it all on the first."""
+    time: a short budget still weighs every grouping, rather than spending it all on the first.
+    ``stands``: where the caller has another plan, the time past which the probes give up hunting
+    for a feasible chunking while none has one (OutOfTimeError)."""
     err = None
     builds = BuildCache() if builds is None else builds  # the candidates built: the probes', the searches'
     structures = [[ids]]
@@ -121,7 +123,7 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
         # the end of the budget less what checking and simulating that plan will take (up to twice
         # what building it took, as for the ILP below): a late probe's hunt ran elastic_pp 0.2 s past
         # a 1 s limit, and with once, 0.04 s past 0.59 s (gpt-13b on 32 A800s, 192K, 8 x 4)
-        return start + budget - 2 * check_s() if probes else None
+        return start + budget - 2 * check_s() if probes else stands
 
     took: list[float] = []  # seconds each probe took
 
@@ -132,7 +134,7 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
             built = _plan_structure(structures[i], lengths, pc, opts, start, start + 0.3 * budget, True, builds,
                                     give_up())
             probes.append((_makespan(built), built, i))
-        except InfeasibleError as e:
+        except (InfeasibleError, OutOfTimeError) as e:  # (this grouping is out)
             err = err or e
         took.append(time.perf_counter() - t0)
 
@@ -172,7 +174,7 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
             built = _plan_structure(structures[i], lengths, pc, opts, now, start + until * budget, False, builds,
                                     give_up())
             candidates.append((_makespan(built), built))
-        except InfeasibleError:
+        except (InfeasibleError, OutOfTimeError):
             pass
     candidates.sort(key=lambda c: c[0])
     built = candidates[0][1]
@@ -245,7 +247,7 @@ def _rebalance(parts: list[np.ndarray], plans: dict, lengths, pc: PipelineCost, 
         try:
             a = _plan_replica(new_slow, lengths, pc, opts, now, window)
             b = _plan_replica(new_fast, lengths, pc, opts, time.perf_counter(), window)
-        except InfeasibleError:
+        except (InfeasibleError, OutOfTimeError):
             return
         if max(_makespan(a), _makespan(b)) >= ends[slow] - 1e-9:
             return
@@ -262,8 +264,10 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     OutOfTimeError once the replicas left, each taking at least what the quickest so far took,
     would end past the time limit (every replica needs a plan, and a memory-bound one builds
     several candidates, whatever its share of the time: 16 one-stage replicas at 0.02 s each
-    ran 0.47 s on a 0.09 s limit), rather than run on. ``builds``: the candidates built by an
-    earlier plan of the same batch on the same layout, to resume from (filled in)."""
+    ran 0.47 s on a 0.09 s limit), rather than run on, and where a replica would hunt for a
+    feasible chunking past the limit (``chunk_search.plan_group``'s ``give_up``).
+    ``builds``: the candidates built by an earlier plan of the same batch on the same layout, to
+    resume from (filled in)."""
     start = time.perf_counter()
     opts = pipeline_options(options, overrides)
     lengths, ids = kept_sequences(lengths, seq_ids)
@@ -310,7 +314,11 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
                 continue
             except InfeasibleError:
                 failed = True  # (searched, as the first was)
-        plans[r] = _plan_replica(part, lengths, pc, opts, now, share, builds)
+        # (where another plan stands, a replica hunting for a feasible chunking gives up at the limit:
+        # llama-7b on 2 x 2 x 2, 8 A800s, 4,096 GitHub sequences, 128K, ZeRO-3: the first replica's
+        # probes built infeasible candidates of up to 3,777 chunks for 1.0 s on a 0.07 s limit)
+        plans[r] = _plan_replica(part, lengths, pc, opts, now, share, builds,
+                                 start + opts.time_limit if keep_to_limit else None)
         took.append(time.perf_counter() - now)
         if model is None and len(plans[r]) == 1 and plans[r][0].recipe is not None:
             model = plans[r][0]
