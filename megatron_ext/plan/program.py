@@ -264,14 +264,43 @@ class ChunkLayout:
         return any(self.starts) or any(self.continues)
 
 
+def piece_arrays(pieces: Sequence[Sequence[tuple[int, int, int]]], ids: Sequence[int], where: str = "pipeline",
+                 lengths: Optional[np.ndarray] = None):
+    """A pipeline's chunks, each a list of (seq_id, start, end) pieces, as arrays over every piece:
+    (owner, seq_id, start, end, order), ``owner`` the chunk's index and ``order`` the pieces by
+    sequence, chunk, then start. Refuses a chunk holding two pieces of one sequence and, given the
+    batch's ``lengths``, a piece outside its sequence. (All at once: one piece at a time, 128
+    pipelines of 32,768 sequences took 90 ms, and the plan check and the simulator each walk them.)"""
+    counts = np.fromiter((len(c) for c in pieces), dtype=np.int64, count=len(pieces))
+    owner = np.repeat(np.arange(len(pieces)), counts)
+    flat = [x for c in pieces for x in c]
+    try:
+        sid, a, b = np.array(flat, dtype=np.int64).reshape(-1, 3).T
+    except OverflowError:  # (an integer past int64 is outside any sequence)
+        sid = a = b = np.full(len(flat), -1, dtype=np.int64)
+    if lengths is not None:
+        within = (sid >= 0) & (sid < len(lengths))
+        bad = ~within | (a < 0) | (a >= b) | (b > lengths[np.where(within, sid, 0)])
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise InvalidPlanError(f"{where}, chunk {ids[owner[i]]}: piece {flat[i][0]}[{flat[i][1]}:{flat[i][2]}] "
+                                   f"is outside its sequence")
+    order = np.lexsort((a, owner, sid))  # (a repeat within a chunk is adjacent)
+    s, o = sid[order], owner[order]
+    twice = np.flatnonzero((s[1:] == s[:-1]) & (o[1:] == o[:-1]))
+    if twice.size:
+        i = order[twice[0]]
+        raise InvalidPlanError(f"{where}, chunk {ids[owner[i]]}: holds two pieces of sequence {sid[i]}")
+    return owner, sid, a, b, order
+
+
 def chunk_layouts(pipeline: Pipeline, lengths: Sequence[int], layers_per_stage: Optional[int] = None,
                   where: str = "pipeline") -> dict[int, ChunkLayout]:
     """Check the chunks of a pipeline against the batch's lengths and lay them out (by id, in the
     pipeline's chunk order): unique non-negative integer ids, integer pieces within their sequence,
     at most one piece of a sequence per chunk, the pipeline's pieces of a sequence tile it,
-    ``recompute_layers_per_stage`` empty or one integer in [0, layers_per_stage] per stage.
-    (The pieces are checked all at once: one at a time, 128 pipelines of 32,768 sequences took
-    90 ms, and the plan check and the simulator each walk them.)"""
+    ``recompute_layers_per_stage`` empty or one integer in [0, layers_per_stage] per stage (the
+    pieces all at once: ``piece_arrays``)."""
     P = pipeline.stages
     ids: list[int] = []
     pieces: list[list[tuple[int, int, int]]] = []
@@ -296,26 +325,8 @@ def chunk_layouts(pipeline: Pipeline, lengths: Sequence[int], layers_per_stage: 
         ids.append(int(c.id))
         pieces.append(ps)
         recompute.append(tuple(int(v) for v in r))
-    counts = np.fromiter((len(ps) for ps in pieces), dtype=np.int64, count=len(pieces))
-    owner = np.repeat(np.arange(len(pieces)), counts)
-    flat = [x for ps in pieces for x in ps]
     lengths = np.asarray(lengths, dtype=np.int64)
-    try:
-        sid, a, b = np.array(flat, dtype=np.int64).reshape(-1, 3).T
-    except OverflowError:  # (an integer past int64 is outside any sequence)
-        sid = a = b = np.full(len(flat), -1, dtype=np.int64)
-    within = (sid >= 0) & (sid < len(lengths))
-    bad = ~within | (a < 0) | (a >= b) | (b > lengths[np.where(within, sid, 0)])
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise InvalidPlanError(f"{where}, chunk {ids[owner[i]]}: piece {flat[i][0]}[{flat[i][1]}:{flat[i][2]}] "
-                               f"is outside its sequence")
-    order = np.lexsort((a, owner, sid))  # by sequence, then chunk (a repeat is adjacent), then start
-    same_seq = sid[order][1:] == sid[order][:-1]
-    twice = np.flatnonzero(same_seq & (owner[order][1:] == owner[order][:-1]))
-    if twice.size:
-        i = order[twice[0]]
-        raise InvalidPlanError(f"{where}, chunk {ids[owner[i]]}: holds two pieces of sequence {sid[i]}")
+    owner, sid, a, b, _ = piece_arrays(pieces, ids, where, lengths)
     order = np.lexsort((a, sid))  # each sequence's pieces by start: each must begin where the last ended
     s, a_s, b_s = sid[order], a[order], b[order]
     first = np.concatenate([[True], s[1:] != s[:-1]])
@@ -333,8 +344,8 @@ def chunk_layouts(pipeline: Pipeline, lengths: Sequence[int], layers_per_stage: 
     sids, starts, lens, cont = sid.tolist(), a.tolist(), (b - a).tolist(), (b < lengths[sid]).tolist()
     out: dict[int, ChunkLayout] = {}
     lo = 0
-    for cid, n, r in zip(ids, counts.tolist(), recompute):
-        hi = lo + n
+    for cid, ps, r in zip(ids, pieces, recompute):
+        hi = lo + len(ps)
         out[cid] = ChunkLayout(cid, tuple(sids[lo:hi]), tuple(starts[lo:hi]), tuple(lens[lo:hi]), tuple(cont[lo:hi]), r)
         lo = hi
     return out
@@ -543,7 +554,7 @@ def check_rendezvous(schedule: PipelineSchedule) -> None:
             raise InvalidPlanError(f"the communication programs deadlock under rendezvous semantics at stages {stuck}")
 
 
-__all__ = ["BWD", "FWD", "ChunkLayout", "Message", "OpKind", "PipelineSchedule", "ProgramStep", "build_schedule",
+__all__ = ["BWD", "ChunkLayout", "FWD", "Message", "OpKind", "PipelineSchedule", "ProgramStep", "build_schedule",
            "build_schedules", "check_one_pipeline_per_sequence", "check_rendezvous", "chunk_layouts",
            "deadlock_message", "default_op_time", "is_int", "list_schedule", "op_name", "padded_buffer_length",
-           "parse_order", "slice_predecessors"]
+           "parse_order", "piece_arrays", "slice_predecessors"]

@@ -30,7 +30,7 @@ import numpy as np
 
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import InvalidPlanError
-from megatron_ext.plan.program import BWD, FWD, op_name, slice_predecessors
+from megatron_ext.plan.program import BWD, FWD, op_name, piece_arrays, slice_predecessors
 from megatron_ext.plan.schema import Chunk
 
 
@@ -70,16 +70,8 @@ def analyze_pieces(pieces: list[list[tuple[int, int, int]]], pc: PipelineCost, w
     ids = list(range(n)) if ids is None else [int(c) for c in ids]
     if len(set(ids)) != n:
         raise InvalidPlanError(f"{where}: chunk ids are not unique")
-    counts = np.fromiter((len(c) for c in pieces), dtype=np.int64, count=n)
-    owner = np.repeat(np.arange(n), counts)
-    sid, a, b = np.array([x for c in pieces for x in c], dtype=np.int64).reshape(-1, 3).T
-    order = np.lexsort((a, owner, sid))  # by sequence, chunk, start: a repeat within a chunk is adjacent
-    s, o = sid[order], owner[order]
-    same = s[1:] == s[:-1]
-    twice = np.flatnonzero(same & (o[1:] == o[:-1]))
-    if twice.size:
-        i = order[twice[0]]
-        raise InvalidPlanError(f"{where}, chunk {ids[owner[i]]}: holds two pieces of sequence {sid[i]}")
+    owner, sid, a, b, order = piece_arrays(pieces, ids, where)
+    same = sid[order][1:] == sid[order][:-1]
     lens = (b - a).astype(np.float64)
     work = np.bincount(owner, weights=pc.piece_work(lens, a.astype(np.float64)), minlength=n)
     tokens = np.bincount(owner, weights=lens, minlength=n)

@@ -115,15 +115,16 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
     structures = [[ids]]
     probes: list[tuple[float, list[BuiltPipeline], int]] = []  # (makespan, pipelines, index in structures)
 
-    def check_s() -> float:  # (about what checking a probed grouping's plan will take: building its pipelines)
-        return max(sum(b.build_s for b in built) for _, built, _ in probes)
+    def check_end() -> float:
+        # the end of the budget less what checking and simulating a probed grouping's plan will take
+        # (up to twice what building its pipelines took, as for the ILP below)
+        return start + budget - 2 * max(sum(b.build_s for b in built) for _, built, _ in probes)
 
     def give_up() -> float | None:
         # once a grouping has a plan, the others' searches may not hunt for a feasible chunking past
-        # the end of the budget less what checking and simulating that plan will take (up to twice
-        # what building it took, as for the ILP below): a late probe's hunt ran elastic_pp 0.2 s past
-        # a 1 s limit, and with once, 0.04 s past 0.59 s (gpt-13b on 32 A800s, 192K, 8 x 4)
-        return start + budget - 2 * check_s() if probes else stands
+        # ``check_end``: a late probe's hunt ran elastic_pp 0.2 s past a 1 s limit, and with once
+        # what building took kept, 0.04 s past 0.59 s (gpt-13b on 32 A800s, 192K, 8 x 4)
+        return check_end() if probes else stands
 
     took: list[float] = []  # seconds each probe took
 
@@ -156,7 +157,7 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
             # time left for checking the plan (twice what building it took) is not started, and
             # what was probed stands (only a batch nothing fit yet goes on; gpt-7b on 32 A100-40GB,
             # 96K GitHub, 8 x 4: a third probe of 0.15 s ran elastic_pp 0.08 s past a 0.55 s limit)
-            if probes and time.perf_counter() + max(took) > start + budget - 2 * check_s():
+            if probes and time.perf_counter() + max(took) > check_end():
                 break
             probe_structure(i)
     if not probes:
