@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
-from megatron_ext.planner.pp.chunking import balanced_chunks, check_chunking, chunk_time, ramp_chunks, slice_mesh
+from megatron_ext.planner.pp.chunking import _best_fit, balanced_chunks, check_chunking, chunk_time, ramp_chunks, slice_mesh
 
 COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
 PC = PipelineCost(COST, 4, 8)
@@ -106,3 +106,35 @@ def test_ramps_put_small_chunks_first_and_last():
     assert t[0] < t[1] < 0.6 and t[0] <= 0.26  # warm-up: the smallest chunk first
     assert t[-1] < t[-2] < t[-3] < 0.85 and t[-1] <= 0.41  # cool-down: shrinking
     assert ramp_chunks(ch.chunks, lengths, PC, ch.slice_ms) is ch.chunks  # no ramp, nothing changes
+
+
+def _best_fit_by_definition(short, t_short, lengths, cap, token_cap, b_pieces, b_time, b_tok) -> None:
+    for sid, t in zip(short, t_short):
+        s = float(lengths[sid])
+        fits = [(b_time[j], j) for j in range(len(b_time)) if b_time[j] <= cap - t and b_tok[j] + s <= token_cap]
+        j = max(fits)[1] if fits else len(b_pieces)
+        if not fits:
+            b_pieces.append([])
+            b_time.append(0.0)
+            b_tok.append(0.0)
+        b_pieces[j].append((int(sid), 0, int(s)))
+        b_time[j] += t
+        b_tok[j] += s
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.one_of(st.integers(1, 5000), st.sampled_from([100, 200, 400])), min_size=1, max_size=200),
+       cap=st.floats(50, 3000), token_cap=st.sampled_from([math.inf, 600.0, 5000.0, 20000.0]),
+       tails=st.lists(st.tuples(st.floats(0, 3000), st.integers(0, 3000)), max_size=4))
+def test_best_fit_puts_each_sequence_in_the_fullest_bucket_it_fits(lengths, cap, token_cap, tails):
+    """``_best_fit``'s heap of buckets without room makes the choice of its definition: the fullest
+    (by time, then index) bucket with room for the sequence's time and tokens, else a new one."""
+    lengths = np.array(lengths)
+    short = np.argsort(-lengths, kind="stable").tolist()
+    t_short = [float(x) ** 1.3 / 100 for x in lengths[short]]
+    got, want = [], []
+    for fill, out in ((_best_fit, got), (_best_fit_by_definition, want)):
+        b_pieces, b_time, b_tok = [[(-1, 0, 1)] for _ in tails], [float(t) for t, _ in tails], [float(k) for _, k in tails]
+        fill(short, t_short, lengths, cap, token_cap, b_pieces, b_time, b_tok)
+        out.extend([b_pieces, b_time, b_tok])
+    assert got == want

@@ -254,6 +254,9 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     # greedy one of 773 ran 0.18 s past its search's end; gpt-13b on 32 A800s, 192K, 8 x 4)
     priced: dict[str, tuple[int, float]] = {}
 
+    def gave_up() -> OutOfTimeError:
+        return OutOfTimeError(f"{where}: nothing fitted before the time ran out (another plan stands)")
+
     def late() -> bool:
         return best is not None and (probed or (deadline is not None and time.perf_counter() > deadline))
 
@@ -283,7 +286,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
                 return None
             if best is None and give_up is not None and \
                     ends(priced or builds.priced or {order: (1, CHUNK_STAGE_S * pc.pp)}) > give_up:
-                raise OutOfTimeError(f"{where}: nothing fitted before the time ran out (another plan stands)")
+                raise gave_up()
             t0 = time.perf_counter()
             try:
                 b = build_pipeline(pieces, pc, search_recompute, opts.ties != "untied", where=where, order=order)
@@ -438,8 +441,13 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
                 consider(ch.chunks, ch.slices, order)
     t = slice_cap or int(min(finite, default=longest)) // 2
     finest = finest_slice(longest, g)
+    made = (0.0, t)  # (seconds, token cap) of the last chunking: one at cap t takes about cap / t times that
     while best is None and t >= finest:
+        if give_up is not None and time.perf_counter() + made[0] * made[1] / t > give_up:
+            raise gave_up()
+        t0 = time.perf_counter()
         ch = capped_slices(t)  # (first each sequence at its own cap)
+        made = (time.perf_counter() - t0, t)
         if len(ch.chunks) > MAX_CHUNKS:  # (refused, and finer slices only make more: ~0.4 s a try past the limit)
             errors.append(f"{where}: {len(ch.chunks)} chunks, more than the {MAX_CHUNKS} a pipeline may have")
             if not capped:

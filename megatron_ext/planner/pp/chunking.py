@@ -28,6 +28,7 @@ need about (s_max / max_slice_tokens)^2 slices for the same cap where attention 
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -281,15 +282,23 @@ def _put(j, sid, s: float, t: float, b_pieces, b_time, b_tok) -> int:
 
 
 def _best_fit(short, t_short, lengths, cap, token_cap, b_pieces, b_time, b_tok) -> None:
-    """Each short sequence into the fullest (by time) bucket it fits; a new bucket otherwise."""
-    keys = sorted((t, j) for j, t in enumerate(b_time))  # buckets by time, ascending
+    """Each short sequence (longest first) into the fullest (by time) bucket it fits; a new bucket
+    otherwise. Buckets without room for the current sequence's tokens wait in a heap by tokens and
+    come back as the sequences get shorter: walking past them made a 2,560-token cap's chunking of
+    4,096 sequences quadratic (0.14 s; now a few ms)."""
+    keys: list[tuple[float, int]] = []  # buckets with room for the current sequence's tokens, by time
+    full = [(b_tok[j], j) for j in range(len(b_time))]  # the others, fewest tokens first
+    heapq.heapify(full)
     for sid, t in zip(short, t_short):
         s = float(lengths[sid])
+        while full and full[0][0] + s <= token_cap:
+            bisect.insort(keys, (b_time[full[0][1]], heapq.heappop(full)[1]))
         pos = bisect.bisect_right(keys, (cap - t, math.inf)) - 1
-        while pos >= 0 and b_tok[keys[pos][1]] + s > token_cap:
-            pos -= 1
         j = _put(keys.pop(pos)[1] if pos >= 0 else None, sid, s, t, b_pieces, b_time, b_tok)
-        bisect.insort(keys, (b_time[j], j))
+        if b_tok[j] + s <= token_cap:
+            bisect.insort(keys, (b_time[j], j))
+        else:
+            heapq.heappush(full, (b_tok[j], j))
 
 
 def _ratio_fit(short, t_short, lengths, cap, token_cap, b_pieces, b_time, b_tok) -> None:

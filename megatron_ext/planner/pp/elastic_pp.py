@@ -135,7 +135,11 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
             built = _plan_structure(structures[i], lengths, pc, opts, start, start + 0.3 * budget, True, builds,
                                     give_up())
             probes.append((_makespan(built), built, i))
-        except (InfeasibleError, OutOfTimeError) as e:  # (this grouping is out)
+        except OutOfTimeError as e:
+            if not probes:  # (the time is out: the other groupings would hunt past it too)
+                raise
+            err = err or e
+        except InfeasibleError as e:  # (this grouping is out)
             err = err or e
         took.append(time.perf_counter() - t0)
 
