@@ -402,8 +402,9 @@ def _read_ref(kind: str, ref: str) -> dict:
         data = read_yaml(PRESET_DIR / kind / f"{fam['base']}N.yaml")
         data["num_nodes"] = int(fam["nodes"])
     else:
+        family = "; a name ending in N stands for any node count, e.g. h100-80g-8x4" if kind == "clusters" else ""
         raise ConfigError(f"unknown {kind[:-1]} preset {ref!r}; presets: {', '.join(_presets(kind))} "
-                          f"(or a YAML file path; a name ending in N stands for any node count, e.g. h100-80g-8x4)")
+                          f"(or a YAML file path{family})")
     data["name"] = ref
     return data
 

@@ -144,10 +144,15 @@ def cost_from_args(args, largest: int | None = None) -> CostModel:
     return cost if memory is None else cost.with_memory(memory)
 
 
+def _time_limit(args) -> float:
+    t = getattr(args, "time_limit", 1.0)
+    if not (math.isfinite(t) and t > 0):
+        raise ConfigError(f"--time-limit must be a finite number of seconds over 0, got {t}")
+    return t
+
+
 def options_from_args(args) -> PlannerOptions:
-    if not (math.isfinite(args.time_limit) and args.time_limit > 0):
-        raise ConfigError(f"--time-limit must be positive (seconds), got {args.time_limit}")
-    return PlannerOptions(time_limit=args.time_limit, static_degree=args.static_degree,
+    return PlannerOptions(time_limit=_time_limit(args), static_degree=args.static_degree,
                           drop_over_max=getattr(args, "drop_over_max", False), max_seq_len=args.max_seq_len)
 
 
@@ -271,9 +276,7 @@ def _check_writable(folder: Path, option: str, path: str) -> None:
 def pipeline_options_from_args(args):
     from megatron_ext.planner.pp.pipeline import PipelineOptions
 
-    t = getattr(args, "time_limit", 1.0)
-    if not (math.isfinite(t) and t > 0):
-        raise ConfigError(f"--time-limit must be positive (seconds), got {t}")
+    t = _time_limit(args)
     return PipelineOptions(pp=args.pp, sp=args.sp, b1_scale=1.0 if args.b1_scale is None else args.b1_scale,
                            recompute=args.recompute or "ilp", ties=args.recompute_ties or "best", time_limit=t,
                            pack_tokens=getattr(args, "max_seq_len", None))

@@ -117,7 +117,7 @@ def max_seq_len(name: str, cost: CostModel, options=None) -> int:
     limits, err = [], None
     for pp, sp in layouts:
         try:
-            limits.append(longest_sequence(pipeline_cost(cost, pp, sp, opts), opts.granularity))
+            limits.append(longest_sequence(pipeline_cost(cost, pp, sp, opts), opts.granularity, opts.recompute))
         except MegatronExtError as e:
             err = e
     if kind == "auto" and (opts.pp is None or opts.pp == 1) and opts.flexsp:

@@ -221,7 +221,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     longest = int(kept.max())
     for P, d in pipeline_layouts(cost, pin_pp, pin_sp, opts.memory_mb):
         pc = PipelineCost(cost, P, d, opts.b1_scale, opts.memory_mb)
-        limit = longest_sequence(pc, opts.granularity)
+        limit = longest_sequence(pc, opts.granularity, opts.recompute)
         if longest > limit:  # (cheap to know; planning it would only fail)
             alts[layout_name(pc)] = {"skipped": f"a stage holds sequences of up to {limit:,} tokens, this batch's "
                                                 f"longest has {longest:,}"}

@@ -178,7 +178,7 @@ def check_args(args, cost: CostModel, world: int, read_checkpoint: bool = True) 
     if not (np.isfinite(args.lr) and args.lr >= 0):
         raise ConfigError(f"--lr must be a finite number, 0 or more, got {args.lr}")
     if not (np.isfinite(args.time_limit) and args.time_limit > 0):
-        raise ConfigError(f"--time-limit must be positive (seconds), got {args.time_limit}")
+        raise ConfigError(f"--time-limit must be a finite number of seconds over 0, got {args.time_limit}")
     pipelined = get_planner(args.planner).kind in PIPELINE_KINDS
     runnable = ", ".join(planner_names(*PIPELINE_KINDS))
     if args.pp > 1 and not pipelined:

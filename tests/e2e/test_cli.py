@@ -268,7 +268,7 @@ def test_cluster_yaml_numbers_must_be_finite(capsys, tmp_path, field, value):
     (["--lr", "-1"], "--lr must be a finite number, 0 or more, got -1.0"),
     (["--lr", "nan"], "--lr must be a finite number"),
     (["--lr", "inf"], "--lr must be a finite number"),
-    (["--time-limit", "-1"], "--time-limit must be positive (seconds), got -1.0"),
+    (["--time-limit", "-1"], "--time-limit must be a finite number of seconds over 0, got -1.0"),
     (["--time-limit", "0"], "--time-limit must be positive"),
     (["--time-limit", "nan"], "--time-limit must be positive"),
     (["--cost-model", "c.yaml", "--model", "gpt-7b"], "--model with --cost-model: the cost model holds its model"),

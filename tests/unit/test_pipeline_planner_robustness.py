@@ -360,3 +360,23 @@ def test_a_stage_runs_ulysses_only():
         p.stages = 2
     with pytest.raises(InvalidPlanError, match="SP degree 16 is not allowed \\(a stage runs Ulysses only"):
         validate_pipelines(plan, lengths, cost.with_max_ring(2))
+
+
+def test_with_no_recompute_the_longest_sequence_is_the_longest_that_fits_whole():
+    """``--recompute none``: cutting a sequence recomputes nothing and only adds the prefix cache,
+    so the limit (the CLI's default --max-seq-len, the error's advice) is the longest that fits
+    whole; a sequence of that length plans within memory, one token more is refused up front
+    saying so, and the limit is below the one with recompute."""
+    pc = pipeline_cost(COST, 4, 8, PipelineOptions(memory_mb=20000))
+    lim = longest_sequence(pc, recompute="none")
+    assert 0 < lim < longest_sequence(pc)
+    assert sequence_peak_mb(pc, [0, lim]) <= pc.activation_room_mb < sequence_peak_mb(pc, [0, lim + 1])
+    lengths = np.array([lim, 3000, 700])
+    plan = plan_elastic_pp(lengths, COST, 4, 8, memory_mb=20000, recompute="none", time_limit=0.3)
+    _valid(plan, lengths, COST, memory_mb=20000)
+    assert not any(v for p in plan.pipelines for c in p.chunks for v in c.recompute_layers_per_stage)
+    with pytest.raises(InfeasibleError) as e:
+        plan_elastic_pp(np.array([lim + 1, 700]), COST, 4, 8, memory_mb=20000, recompute="none", time_limit=0.3)
+    msg = str(e.value)
+    assert f"of {lim + 1} tokens does not fit a stage whole with no layer recomputed" in msg
+    assert f"at most {lim})" in msg and "--recompute ilp" in msg

@@ -276,17 +276,22 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
         if b is None:
             # would end past the deadline: building grows about linearly with the chunks (12 to
             # 2,300 chunks: 0.15-0.6 ms each), priced from the largest candidate of its order built so
-            # far (PRICED_CHUNKS; else the slower order's); hunting with nothing built, from the
-            # replica's other searches' (``BuildCache.priced``), else at CHUNK_STAGE_S
-            def ends(record) -> float:
-                n, secs = record.get(order) or max(record.values(), key=lambda x: x[1] / x[0], default=(1, 0.0))
+            # far (PRICED_CHUNKS; else the slower order's). Past ``give_up``, where another plan
+            # stands, nothing is built, priced at the slowest rate of the replica's searches
+            # (``BuildCache.priced``), else at CHUNK_STAGE_S: a full search's first build, priced
+            # by nothing, ran 0.09 s past its replica's 0.23 s, and a 1F1B one priced by an
+            # infeasible 1F1B build (which stops early) 0.03 s (gpt-7b on 8 A100s, 4 x 2)
+            def ends(record, any_order: bool = False) -> float:
+                n, secs = (not any_order and record.get(order)) or \
+                    max(record.values(), key=lambda x: x[1] / x[0], default=(1, 0.0))
                 return time.perf_counter() + secs * max(1.0, len(pieces) / n)
 
             if best is not None and deadline is not None and ends(priced) > deadline and not always:
                 return None
-            if best is None and give_up is not None and \
-                    ends(priced or builds.priced or {order: (1, CHUNK_STAGE_S * pc.pp)}) > give_up:
-                raise gave_up()
+            if give_up is not None and ends(builds.priced or {order: (1, CHUNK_STAGE_S * pc.pp)}, True) > give_up:
+                if best is None:
+                    raise gave_up()
+                return None
             t0 = time.perf_counter()
             try:
                 b = build_pipeline(pieces, pc, search_recompute, opts.ties != "untied", where=where, order=order)
@@ -464,7 +469,7 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
         t = max(t // 2, finest) if t > finest else 0
     if best is None:
         raise InfeasibleError((errors[-1] if errors else f"{where}: no feasible chunking") + "; "
-                              + what_to_change(pc, opts.granularity))
+                              + what_to_change(pc, opts.granularity, opts.recompute))
     return best
 
 

@@ -277,7 +277,7 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     opts = pipeline_options(options, overrides)
     lengths, ids = kept_sequences(lengths, seq_ids)
     pc = pipeline_cost(cost, pp if pp is not None else opts.pp, sp if sp is not None else opts.sp, opts)
-    check_sequences(ids, lengths, pc, opts.granularity)
+    check_sequences(ids, lengths, pc, opts.granularity, opts.recompute)
     parts = split_replicas(ids, lengths, pc, pc.replicas)
     # with replicas, part of the time is kept to even out their ends (_rebalance)
     first_end = start + opts.time_limit * (REBALANCE_AFTER if pc.replicas > 1 else 1.0)

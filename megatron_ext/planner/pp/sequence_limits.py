@@ -3,7 +3,8 @@
 A sequence cut into slices runs with all its slices in flight on every stage; its peak is on
 the last stage, which also keeps every slice's logits (``sequence_peak_mb``, exactly what the
 simulator counts for the sequence alone with every layer recomputed). From it: the finest
-slicing the planner tries (``finest_slice``), the longest sequence a layout can run
+slicing the planner tries (``finest_slice``), what a sequence needs alone at the least the
+search can make of it (``alone_peak_mb``), the longest sequence a layout can run
 (``longest_sequence``), the check with an error that says what to change
 (``check_sequences``), the largest slice that lets a sequence fit (``fit_cap``) and the
 fewest equal-time slices that do (``fewest_slices``). Pure Python + numpy.
@@ -56,14 +57,23 @@ def even_bounds(seq_len: int, slice_tokens: int) -> np.ndarray:
     return np.append(np.arange(0, seq_len, max(1, int(slice_tokens))), seq_len)
 
 
-def longest_sequence(pc: PipelineCost, granularity: int = 128) -> int:
-    """The longest sequence elastic_pp can run on this layout: alone, at the finest slicing it
-    tries (``finest_slice``), every layer recomputed, within a stage's activation room
-    (``sequence_peak_mb``); 0 if none."""
+def alone_peak_mb(pc: PipelineCost, seq_len: int, granularity: int, recompute: str = "ilp") -> float:
+    """What a sequence needs alone on its worst stage at the least the search can make of it: cut
+    at the finest slicing it tries (``finest_slice``), every layer recomputed; with recompute
+    ``none``, whole (cut with nothing recomputed, every slice keeps its activations and the earlier
+    ones the prefix cache too, so slicing only adds)."""
+    if recompute == "none":
+        return sequence_peak_mb(pc, [0, seq_len])
+    return sequence_peak_mb(pc, even_bounds(seq_len, finest_slice(seq_len, granularity)))
+
+
+def longest_sequence(pc: PipelineCost, granularity: int = 128, recompute: str = "ilp") -> int:
+    """The longest sequence elastic_pp can run on this layout (``alone_peak_mb`` within a stage's
+    activation room); 0 if none."""
     room = pc.activation_room_mb
 
     def fits(s: int) -> bool:
-        return sequence_peak_mb(pc, even_bounds(s, finest_slice(s, granularity))) <= room
+        return alone_peak_mb(pc, s, granularity, recompute) <= room
 
     if not fits(1):
         return 0
@@ -85,29 +95,32 @@ def _mb(x: float) -> str:
     return f"{x:.0f}" if abs(x) >= 100 else f"{x:.1f}"
 
 
-def what_to_change(pc: PipelineCost, granularity: int) -> str:
+def what_to_change(pc: PipelineCost, granularity: int, recompute: str = "ilp") -> str:
     """The end of an error about a sequence too long for the layout: the limit, and what to change."""
-    longest = longest_sequence(pc, granularity)
-    return (f"sequences up to {longest} tokens fit {pc.pp} stages x SP {pc.sp} in {_mb(pc.budget_mb)} MB: use a "
-            f"shorter --max-seq-len (at most {longest}) or drop the longest sequences, more stages (--pp), a larger "
-            f"SP degree (--sp) or more memory per GPU (--memory-mb)")
+    longest = longest_sequence(pc, granularity, recompute)
+    return (f"sequences up to {longest} tokens fit {pc.pp} stages x SP {pc.sp} in {_mb(pc.budget_mb)} MB"
+            + (" with no layer recomputed" if recompute == "none" else "") + f": use a shorter --max-seq-len "
+            f"(at most {longest}) or drop the longest sequences, more stages (--pp), a larger SP degree (--sp), "
+            f"more memory per GPU (--memory-mb)" + (" or let layers be recomputed (--recompute ilp)"
+                                                    if recompute == "none" else ""))
 
 
-def check_sequences(seq_ids: np.ndarray, lengths: np.ndarray, pc: PipelineCost, granularity: int) -> None:
-    """Refuse a batch whose longest sequences cannot run even alone at the finest slicing the
-    search reaches (``finest_slice``, every layer recomputed)."""
+def check_sequences(seq_ids: np.ndarray, lengths: np.ndarray, pc: PipelineCost, granularity: int,
+                    recompute: str = "ilp") -> None:
+    """Refuse a batch whose longest sequences cannot run even alone at the least the search can
+    make of them (``alone_peak_mb``)."""
     room = pc.activation_room_mb
     for sid in seq_ids[np.argsort(-lengths[seq_ids], kind="stable")][:8].tolist():
         s = int(lengths[sid])
-        t = finest_slice(s, granularity)
-        need = sequence_peak_mb(pc, even_bounds(s, t))
+        need = alone_peak_mb(pc, s, granularity, recompute)
         if need > room:
+            how = ("whole with no layer recomputed (--recompute none: cut, it would need more)" if recompute == "none"
+                   else f"even cut into {finest_slice(s, granularity)}-token slices with every layer recomputed")
             where = "its last stage (which also keeps the output layer's logits)" if pc.pp > 1 else "its stage"
             raise InfeasibleError(
-                f"sequence {sid} of {s} tokens does not fit a stage even cut into {t}-token slices with every "
-                f"layer recomputed: it needs {_mb(need)} MB per GPU on {where}, a stage has {_mb(room)} MB of "
-                f"activation room ({_mb(pc.budget_mb)} MB budget - {_mb(pc.model_states_mb)} MB model states); "
-                + what_to_change(pc, granularity))
+                f"sequence {sid} of {s} tokens does not fit a stage {how}: it needs {_mb(need)} MB per GPU on "
+                f"{where}, a stage has {_mb(room)} MB of activation room ({_mb(pc.budget_mb)} MB budget - "
+                f"{_mb(pc.model_states_mb)} MB model states); " + what_to_change(pc, granularity, recompute))
 
 
 def fit_cap(seq_len: int, pc: PipelineCost, granularity: int) -> int | None:
@@ -135,5 +148,5 @@ def fewest_slices(seq_len: int, pc: PipelineCost, granularity: int, min_slice_to
                 None)
 
 
-__all__ = ["MAX_SLICES", "check_sequences", "even_bounds", "fewest_slices", "finest_slice", "fit_cap",
+__all__ = ["MAX_SLICES", "alone_peak_mb", "check_sequences", "even_bounds", "fewest_slices", "finest_slice", "fit_cap",
            "longest_sequence", "sequence_peak_mb", "what_to_change"]
