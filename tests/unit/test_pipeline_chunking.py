@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
-from megatron_ext.planner.pp.chunking import _best_fit, balanced_chunks, check_chunking, chunk_time, ramp_chunks, slice_mesh
+from megatron_ext.planner.pp.chunking import _best_fit, _put, balanced_chunks, check_chunking, chunk_time, ramp_chunks, slice_mesh
 
 COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
 PC = PipelineCost(COST, 4, 8)
@@ -112,14 +112,7 @@ def _best_fit_by_definition(short, t_short, lengths, cap, token_cap, b_pieces, b
     for sid, t in zip(short, t_short):
         s = float(lengths[sid])
         fits = [(b_time[j], j) for j in range(len(b_time)) if b_time[j] <= cap - t and b_tok[j] + s <= token_cap]
-        j = max(fits)[1] if fits else len(b_pieces)
-        if not fits:
-            b_pieces.append([])
-            b_time.append(0.0)
-            b_tok.append(0.0)
-        b_pieces[j].append((int(sid), 0, int(s)))
-        b_time[j] += t
-        b_tok[j] += s
+        _put(max(fits)[1] if fits else None, sid, s, t, b_pieces, b_time, b_tok)
 
 
 @settings(max_examples=200, deadline=None)

@@ -44,12 +44,12 @@ class BuildCache:
     ``KEPT_PIECES`` pieces of the chunkings the searches made, by sequences, target, token cap
     and ramp: a search walked again (a replica planned again) takes them from here rather than
     chunk anew (a third of its time). And what builds cost: per order, the chunks and seconds of its
-    largest candidate built of PRICED_CHUNKS or more, which prices what a search that has built
-    nothing yet would build while it hunts for a feasible chunking (a grouping's second pipeline,
-    priced by nothing, built 1,402 chunks in 0.18 s past the time its grouping had to give up by:
-    gpt-7b on 8 x 8, 64 A100-40GB, 8,192 GitHub sequences). Not what it would build once one fits:
-    a replica searched again then skipped the candidates its first search priced high (15 of the
-    map's cells slower by over 0.5%, up to 3.8%)."""
+    largest candidate built of PRICED_CHUNKS or more, which prices (at its slowest order's rate)
+    what a search would build past its ``give_up`` time, where another plan stands (a grouping's
+    second pipeline, priced by nothing, built 1,402 chunks in 0.18 s past the time its grouping had
+    to give up by: gpt-7b on 8 x 8, 64 A100-40GB, 8,192 GitHub sequences). Not what it builds before
+    its own deadline: a replica searched again then skipped the candidates its first search priced
+    high (15 of the map's cells slower by over 0.5%, up to 3.8%)."""
 
     def __init__(self) -> None:
         self.built: dict[tuple, BuiltPipeline | str] = {}

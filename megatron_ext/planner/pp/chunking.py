@@ -285,7 +285,7 @@ def _best_fit(short, t_short, lengths, cap, token_cap, b_pieces, b_time, b_tok) 
     """Each short sequence (longest first) into the fullest (by time) bucket it fits; a new bucket
     otherwise. Buckets without room for the current sequence's tokens wait in a heap by tokens and
     come back as the sequences get shorter: walking past them made a 2,560-token cap's chunking of
-    4,096 sequences quadratic (0.14 s; now a few ms)."""
+    4,096 sequences quadratic (0.14 s, against 0.027 s)."""
     keys: list[tuple[float, int]] = []  # buckets with room for the current sequence's tokens, by time
     full = [(b_tok[j], j) for j in range(len(b_time))]  # the others, fewest tokens first
     heapq.heapify(full)
