@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
-from megatron_ext.planner.pp.chunking import _best_fit, _put, balanced_chunks, check_chunking, chunk_time, ramp_chunks, slice_mesh
+from megatron_ext.planner.pp.chunking import (_best_fit, _put, balanced_chunks, check_chunking, chunk_time, ramp_chunks,
+                                              slice_mesh)
 
 COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
 PC = PipelineCost(COST, 4, 8)
@@ -127,7 +128,8 @@ def test_best_fit_puts_each_sequence_in_the_fullest_bucket_it_fits(lengths, cap,
     t_short = [float(x) ** 1.3 / 100 for x in lengths[short]]
     got, want = [], []
     for fill, out in ((_best_fit, got), (_best_fit_by_definition, want)):
-        b_pieces, b_time, b_tok = [[(-1, 0, 1)] for _ in tails], [float(t) for t, _ in tails], [float(k) for _, k in tails]
+        b_pieces = [[(-1, 0, 1)] for _ in tails]
+        b_time, b_tok = [float(t) for t, _ in tails], [float(k) for _, k in tails]
         fill(short, t_short, lengths, cap, token_cap, b_pieces, b_time, b_tok)
         out.extend([b_pieces, b_time, b_tok])
     assert got == want
