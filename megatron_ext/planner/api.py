@@ -28,7 +28,7 @@ from megatron_ext.plan.validate import checked_batch_lengths
 from megatron_ext.planner.auto import pipeline_layouts, plan_auto, plan_units
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
 from megatron_ext.planner.pp.pipeline import pipeline_cost, pipeline_options, resolve_layout
-from megatron_ext.planner.pp.pipeline_baselines import plan_batch_1f1b, plan_seq1f1b
+from megatron_ext.planner.pp.pipeline_baselines import BATCH_1F1B_SLICES, packed_limit, plan_batch_1f1b, plan_seq1f1b
 from megatron_ext.planner.pp.sequence_limits import longest_sequence
 from megatron_ext.planner.sp.baselines import balanced_cp_scheduler, batchada, megatron_balanced_cp, static_ulysses
 from megatron_ext.planner.sp.flexsp import plan_flexsp
@@ -53,6 +53,8 @@ class Planner:
     help: str  # one line, for the command lines
     barrier_free: bool = False  # kind "sp": ``fn`` returns GPU sets run without a barrier (``sp.step.plan_sp``)
     setup: Callable | None = None  # loads what ``fn`` needs, once, outside its planning time
+    # kinds "pp" and "auto": the longest sequence a layout runs alone, ``limit(PipelineCost, PipelineOptions)``
+    limit: Callable | None = None
 
     def plan(self, lengths: np.ndarray, cost: CostModel, options=None, *, seq_ids=None, **overrides) -> StepPlan:
         """Plan the sequences ``seq_ids`` of the batch (default: all; the others are reported as
@@ -63,6 +65,10 @@ class Planner:
         if self.kind == "sp":
             return plan_sp(self.name, self.fn, lengths, cost, options, seq_ids=seq_ids, barrier_free=self.barrier_free)
         return self.fn(lengths, cost, options=options, seq_ids=seq_ids, **overrides)
+
+
+def _elastic_limit(pc, opts) -> int:
+    return longest_sequence(pc, opts.granularity, opts.recompute)
 
 
 PLANNERS: dict[str, Planner] = {p.name: p for p in (
@@ -76,10 +82,13 @@ PLANNERS: dict[str, Planner] = {p.name: p for p in (
             "FlexSP without a barrier between micro-batches: GPU sets run their own passes back to back "
             "(ZeRO 0/1/2)", barrier_free=True),
     Planner("elastic_pp", "pp", plan_elastic_pp,
-            "InfiniPipe's elastic pipelines: workload-balanced chunks, per-chunk recompute"),
-    Planner("batch_1f1b", "pp", plan_batch_1f1b, "Megatron-style 1F1B pipeline over packed micro-batches"),
-    Planner("seq1f1b", "pp", plan_seq1f1b, "Seq1F1B, packed micro-batches cut into equal-compute slices"),
-    Planner("auto", "auto", plan_auto, "per step, the fastest of FlexSP and elastic pipelines on every layout"),
+            "InfiniPipe's elastic pipelines: workload-balanced chunks, per-chunk recompute", limit=_elastic_limit),
+    Planner("batch_1f1b", "pp", plan_batch_1f1b, "Megatron-style 1F1B pipeline over packed micro-batches",
+            limit=lambda pc, opts: packed_limit(pc, opts, BATCH_1F1B_SLICES)),
+    Planner("seq1f1b", "pp", plan_seq1f1b, "Seq1F1B, packed micro-batches cut into equal-compute slices",
+            limit=lambda pc, opts: packed_limit(pc, opts, opts.seq1f1b_slices)),
+    Planner("auto", "auto", plan_auto, "per step, the fastest of FlexSP and elastic pipelines on every layout",
+            limit=_elastic_limit),
 )}
 BASELINES = ("static_ulysses", "batchada", "megatron_balanced_cp")  # what FlexSP-kind plans are compared with
 PP_BASELINES = ("flexsp", "static_ulysses", "seq1f1b", "batch_1f1b")  # what pipeline plans are compared with
@@ -105,9 +114,9 @@ def get_planner(name: str, kinds: tuple[str, ...] = KINDS) -> Planner:
 
 def max_seq_len(name: str, cost: CostModel, options=None) -> int:
     """The longest sequence planner ``name`` can run: FlexSP-kind planners, the longest an SP group
-    can hold; pipeline planners, the longest their layout holds alone at the finest slicing
-    (``pp.sequence_limits.longest_sequence``); ``auto``, the longest either kind can run on any
-    layout."""
+    can hold; pipeline planners, the longest their layout holds alone cut as finely as they cut
+    (``Planner.limit``: elastic_pp at its finest slicing, the packed baselines into their slices,
+    ``pp.sequence_limits``); ``auto``, the longest either kind can run on any layout."""
     kind = PLANNERS[name].kind if name in PLANNERS else "sp"
     if kind == "sp":
         return _some_tokens(cost.max_seq_len, name, cost)
@@ -117,7 +126,7 @@ def max_seq_len(name: str, cost: CostModel, options=None) -> int:
     limits, err = [], None
     for pp, sp in layouts:
         try:
-            limits.append(longest_sequence(pipeline_cost(cost, pp, sp, opts), opts.granularity, opts.recompute))
+            limits.append(PLANNERS[name].limit(pipeline_cost(cost, pp, sp, opts), opts))
         except MegatronExtError as e:
             err = e
     if kind == "auto" and (opts.pp is None or opts.pp == 1) and opts.flexsp:

@@ -198,9 +198,10 @@ def check_args(args, cost: CostModel, world: int, read_checkpoint: bool = True) 
         limit = max_seq_len(args.planner, cost, PlannerOptions(pp=args.pp, sp=sp))
         if args.max_seq_len > limit:
             what = f"SP {sp}" if sp is not None else "any SP degree"
+            packed = args.planner in ("batch_1f1b", "seq1f1b")  # (their packs are cut into fixed slices)
             raise ConfigError(f"--max-seq-len {args.max_seq_len} is over the {limit} tokens a {args.pp}-stage pipeline "
-                              f"of {what} holds even at the finest slicing; lower it, or use a larger --sp or more "
-                              f"--pp")
+                              f"of {what} holds " + ("in its packs" if packed else "even at the finest slicing")
+                              + "; lower it, or use a larger --sp or more --pp" + (", or elastic_pp" if packed else ""))
     if not pipelined and args.max_seq_len > cost.max_seq_len:
         raise ConfigError(f"--max-seq-len {args.max_seq_len} is over the {cost.max_seq_len} tokens the largest SP group "
                           f"of {cost.cluster.name} holds; lower it or use a pipeline planner (--pp, elastic_pp)")

@@ -145,17 +145,17 @@ def test_fallback_of_auto_slices_what_no_group_holds():
 
 
 def test_a_pipeline_run_falls_back_to_slices_where_whole_sequences_do_not_fit(monkeypatch):
-    """batch 1F1B (a pipeline run's fallback) holds whole sequences only: where the run's longest
-    do not fit it, the last resort is elastic_pp in a hurry, which slices them (a late plan ended
-    such runs)."""
+    """batch 1F1B (a pipeline run's fallback) holds whole sequences only (it refuses those over
+    the longest its packs hold): where the run's longest do not fit it, the last resort is
+    elastic_pp in a hurry, which slices them (a late plan ended such runs)."""
     from megatron_ext.cost import CostModel
     from megatron_ext.data.loader import FALLBACK_LIMIT_S, fallback_plan
-    from megatron_ext.errors import InfeasibleError
+    from megatron_ext.errors import LengthsError
 
     cost = CostModel.from_presets("tiny", "cpu-4", zero_stage=0)
     options = PlannerOptions(time_limit=1.0, pp=2, sp=2, flexsp=False)
     lengths = np.array([6144, 3000, 800, 500, 200, 100, 4000, 6144])
-    with pytest.raises(InfeasibleError, match="batch 1F1B pipeline: stage 1 needs"):
+    with pytest.raises(LengthsError, match="exceed the longest batch_1f1b can run, 4096 tokens"):
         fallback_plan(lengths, cost, options, "batch_1f1b")
     docs = InMemoryDocuments([np.arange(n) % 256 for n in lengths])
     with PlanningDataLoader(docs, cost, len(lengths), planner="elastic_pp", options=options, fallback="batch_1f1b",
@@ -176,7 +176,7 @@ def test_a_pipeline_run_falls_back_to_slices_where_whole_sequences_do_not_fit(mo
     # a run of the fallback planner itself keeps to it: its refusal ends the step
     with PlanningDataLoader(docs, cost, len(lengths), planner="batch_1f1b", options=options, fallback="batch_1f1b",
                             num_steps=1, max_seq_len=6144, deadline_s=0.05, plan_delay_s=5.0) as dl:
-        with pytest.raises(InfeasibleError, match="batch 1F1B pipeline: stage 1 needs"):
+        with pytest.raises(LengthsError, match="exceed the longest batch_1f1b can run, 4096 tokens"):
             next(iter(dl))
 
 

@@ -380,3 +380,25 @@ def test_with_no_recompute_the_longest_sequence_is_the_longest_that_fits_whole()
     msg = str(e.value)
     assert f"of {lim + 1} tokens does not fit a stage whole with no layer recomputed" in msg
     assert f"at most {lim})" in msg and "--recompute ilp" in msg
+
+
+@pytest.mark.parametrize("name", ["batch_1f1b", "seq1f1b"])
+def test_packed_baselines_run_up_to_their_own_limit(name):
+    """A packed baseline's longest sequence (``max_seq_len``, the CLI's default --max-seq-len) is
+    what fits alone in its pack (the sequence rounded up to 1K) cut into its slices, below
+    elastic_pp's at its finest slicing: it plans within memory beside a few short sequences (its
+    fixed 1F1B order may hold long neighbours' slices in flight beside it, so not with any batch),
+    and one token more is refused up front with the limit and what else to change (the default
+    was elastic_pp's, at which a packed baseline failed)."""
+    from megatron_ext.planner.api import PLANNERS, max_seq_len
+
+    opts = PipelineOptions(memory_mb=20000)
+    lim = max_seq_len(name, COST, opts)
+    assert 0 < lim < max_seq_len("elastic_pp", COST, opts) and lim % 1024 == 0
+    lengths = np.array([lim, 700, 300])
+    _valid(PLANNERS[name].plan(lengths, COST, opts), lengths, COST, memory_mb=20000)
+    with pytest.raises(InfeasibleError) as e:
+        PLANNERS[name].plan(np.array([lim + 1, 700]), COST, opts)
+    msg = str(e.value)
+    assert f"of {lim + 1} tokens does not fit a stage in a pack of up to {lim + 1024} tokens" in msg
+    assert f"at most {lim})" in msg and "elastic_pp" in msg

@@ -316,6 +316,14 @@ def _ratio_fit(short, t_short, lengths, cap, token_cap, b_pieces, b_time, b_tok)
 
 # ---- packed micro-batches (Megatron-style packs, packing.best_fit_bins) cut into Seq1F1B slices ------
 
+PACK_ROUND = 1024  # a packed micro-batch holds its longest sequence rounded up to this many tokens
+
+
+def pack_round(tokens: int) -> int:
+    """The tokens of a pack sized for a sequence of ``tokens`` (``pipeline.pack_capacity``)."""
+    return -(-int(tokens) // PACK_ROUND) * PACK_ROUND
+
+
 def split_pack(pack: list[int], lengths: np.ndarray, pc: PipelineCost, slices: int) -> list[Pieces]:
     """Seq1F1B: cut a packed micro-batch into ``slices`` parts of equal compute (each document
     attends causally to its own earlier tokens)."""

@@ -25,7 +25,7 @@ from megatron_ext.plan.schema import Chunk, Piece, Pipeline, StepPlan
 from megatron_ext.plan.validate import checked_batch_lengths, validate
 from megatron_ext.planner.options import check_whole_numbers, options_as
 from megatron_ext.planner.pp.checkpointing import greedy_recompute, solve_recompute
-from megatron_ext.planner.pp.chunking import Pieces
+from megatron_ext.planner.pp.chunking import Pieces, pack_round
 from megatron_ext.sim.engine import (ChunkTable, analyze_pieces, backward_order, checkpoint_memory, greedy_orders,
                                      memory_checkpoints, memory_levels, one_f_one_b, op_times, order_names)
 from megatron_ext.sim.simulator import simulate
@@ -288,7 +288,7 @@ def pack_capacity(seq_ids, lengths, opts: PipelineOptions) -> int:
     """Tokens per packed micro-batch: ``pack_tokens``, or the longest sequence rounded up to 1K."""
     longest = int(lengths[seq_ids].max())
     if opts.pack_tokens is None:
-        return -(-longest // 1024) * 1024
+        return pack_round(longest)
     if opts.pack_tokens < longest:
         raise ConfigError(f"pack_tokens {opts.pack_tokens} is below the longest sequence ({longest} tokens)")
     return int(opts.pack_tokens)

@@ -24,8 +24,12 @@ from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner.packing import best_fit_bins
 from megatron_ext.planner.pp.chunking import split_pack
 from megatron_ext.planner.pp.grouping import split_replicas
+from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.planner.pp.pipeline import (PipelineOptions, build_pipeline, finish_plan, kept_sequences, pack_capacity,
                                            pipeline_cost, pipeline_options)
+from megatron_ext.planner.pp.sequence_limits import check_sequences, longest_sequence
+
+BATCH_1F1B_SLICES = (1,)  # whole packs
 
 
 def _packed_baseline(name, lengths, cost: CostModel, pp, sp, options, seq_ids, overrides, slice_counts, where):
@@ -37,6 +41,7 @@ def _packed_baseline(name, lengths, cost: CostModel, pp, sp, options, seq_ids, o
     opts = pipeline_options(options, overrides)
     lengths, ids = kept_sequences(lengths, seq_ids)
     pc = pipeline_cost(cost, pp if pp is not None else opts.pp, sp if sp is not None else opts.sp, opts)
+    check_sequences(ids, lengths, pc, opts.granularity, opts.baseline_recompute, max(slice_counts))
     cap = pack_capacity(ids, lengths, opts)
     packs = [best_fit_bins(part, lengths, cap) for part in split_replicas(ids, lengths, pc, pc.replicas)]
     best, best_k, err = None, 0, None
@@ -63,7 +68,7 @@ def _packed_baseline(name, lengths, cost: CostModel, pp, sp, options, seq_ids, o
 def plan_batch_1f1b(lengths, cost: CostModel, pp: int | None = None, sp: int | None = None,
                     options: PipelineOptions | None = None, *, seq_ids=None, **overrides) -> StepPlan:
     """Megatron-style 1F1B over packed micro-batches; static recompute (none if it fits, else full)."""
-    return _packed_baseline("batch_1f1b", lengths, cost, pp, sp, options, seq_ids, overrides, (1,),
+    return _packed_baseline("batch_1f1b", lengths, cost, pp, sp, options, seq_ids, overrides, BATCH_1F1B_SLICES,
                             "batch 1F1B pipeline")
 
 
@@ -76,4 +81,11 @@ def plan_seq1f1b(lengths, cost: CostModel, pp: int | None = None, sp: int | None
                             "Seq1F1B pipeline")
 
 
-__all__ = ["plan_batch_1f1b", "plan_seq1f1b"]
+def packed_limit(pc: PipelineCost, opts: PipelineOptions, slice_counts: tuple[int, ...]) -> int:
+    """The longest sequence a packed baseline runs on ``pc``'s layout: alone in its pack, cut into
+    the most of its ``slice_counts`` equal-compute slices (``sequence_limits.longest_sequence``).
+    A batch may need more: the fixed 1F1B order can hold other packs' slices in flight beside it."""
+    return longest_sequence(pc, opts.granularity, opts.baseline_recompute, max(slice_counts))
+
+
+__all__ = ["BATCH_1F1B_SLICES", "packed_limit", "plan_batch_1f1b", "plan_seq1f1b"]

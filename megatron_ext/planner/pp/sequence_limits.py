@@ -15,7 +15,7 @@ import numpy as np
 
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import InfeasibleError
-from megatron_ext.planner.pp.chunking import slice_mesh
+from megatron_ext.planner.pp.chunking import pack_round, slice_mesh
 
 
 def sequence_peak_mb(pc: PipelineCost, bounds) -> float:
@@ -57,23 +57,30 @@ def even_bounds(seq_len: int, slice_tokens: int) -> np.ndarray:
     return np.append(np.arange(0, seq_len, max(1, int(slice_tokens))), seq_len)
 
 
-def alone_peak_mb(pc: PipelineCost, seq_len: int, granularity: int, recompute: str = "ilp") -> float:
-    """What a sequence needs alone on its worst stage at the least the search can make of it: cut
-    at the finest slicing it tries (``finest_slice``), every layer recomputed; with recompute
+def alone_peak_mb(pc: PipelineCost, seq_len: int, granularity: int, recompute: str = "ilp",
+                  slices: int | None = None) -> float:
+    """What a sequence needs alone on its worst stage at the least its planner can make of it:
+    elastic_pp (``slices`` None) cuts it at the finest slicing it tries (``finest_slice``), every
+    layer recomputed; a packed baseline runs its pack (up to the sequence rounded up, ``pack_round``,
+    counted as one sequence) in ``slices`` equal-compute slices (1: whole). With recompute
     ``none``, whole (cut with nothing recomputed, every slice keeps its activations and the earlier
     ones the prefix cache too, so slicing only adds)."""
-    if recompute == "none":
+    if slices is not None:
+        seq_len = pack_round(seq_len)
+    if recompute == "none" or slices == 1:
         return sequence_peak_mb(pc, [0, seq_len])
+    if slices is not None:
+        return sequence_peak_mb(pc, np.concatenate([[0], slice_mesh(seq_len, slices, pc, granularity), [seq_len]]))
     return sequence_peak_mb(pc, even_bounds(seq_len, finest_slice(seq_len, granularity)))
 
 
-def longest_sequence(pc: PipelineCost, granularity: int = 128, recompute: str = "ilp") -> int:
-    """The longest sequence elastic_pp can run on this layout (``alone_peak_mb`` within a stage's
+def longest_sequence(pc: PipelineCost, granularity: int = 128, recompute: str = "ilp", slices: int | None = None) -> int:
+    """The longest sequence the planner can run on this layout (``alone_peak_mb`` within a stage's
     activation room); 0 if none."""
     room = pc.activation_room_mb
 
     def fits(s: int) -> bool:
-        return alone_peak_mb(pc, s, granularity, recompute) <= room
+        return alone_peak_mb(pc, s, granularity, recompute, slices) <= room
 
     if not fits(1):
         return 0
@@ -95,32 +102,40 @@ def _mb(x: float) -> str:
     return f"{x:.0f}" if abs(x) >= 100 else f"{x:.1f}"
 
 
-def what_to_change(pc: PipelineCost, granularity: int, recompute: str = "ilp") -> str:
+def what_to_change(pc: PipelineCost, granularity: int, recompute: str = "ilp", slices: int | None = None) -> str:
     """The end of an error about a sequence too long for the layout: the limit, and what to change."""
-    longest = longest_sequence(pc, granularity, recompute)
+    longest = longest_sequence(pc, granularity, recompute, slices)
+    if slices is not None:  # (a packed baseline: its slices are fixed)
+        also = " or a planner that cuts sequences finer (elastic_pp)"
+    else:
+        also = " or let layers be recomputed (--recompute ilp)" if recompute == "none" else ""
     return (f"sequences up to {longest} tokens fit {pc.pp} stages x SP {pc.sp} in {_mb(pc.budget_mb)} MB"
             + (" with no layer recomputed" if recompute == "none" else "") + f": use a shorter --max-seq-len "
             f"(at most {longest}) or drop the longest sequences, more stages (--pp), a larger SP degree (--sp), "
-            f"more memory per GPU (--memory-mb)" + (" or let layers be recomputed (--recompute ilp)"
-                                                    if recompute == "none" else ""))
+            f"more memory per GPU (--memory-mb){also}")
 
 
 def check_sequences(seq_ids: np.ndarray, lengths: np.ndarray, pc: PipelineCost, granularity: int,
-                    recompute: str = "ilp") -> None:
-    """Refuse a batch whose longest sequences cannot run even alone at the least the search can
+                    recompute: str = "ilp", slices: int | None = None) -> None:
+    """Refuse a batch whose longest sequences cannot run even alone at the least the planner can
     make of them (``alone_peak_mb``)."""
     room = pc.activation_room_mb
     for sid in seq_ids[np.argsort(-lengths[seq_ids], kind="stable")][:8].tolist():
         s = int(lengths[sid])
-        need = alone_peak_mb(pc, s, granularity, recompute)
+        need = alone_peak_mb(pc, s, granularity, recompute, slices)
         if need > room:
-            how = ("whole with no layer recomputed (--recompute none: cut, it would need more)" if recompute == "none"
-                   else f"even cut into {finest_slice(s, granularity)}-token slices with every layer recomputed")
+            if slices is not None:  # (a packed baseline)
+                how = (f"in a pack of up to {pack_round(s)} tokens" + (" whole" if recompute == "none" or slices == 1
+                       else f" cut into {slices} equal-compute slices with every layer recomputed"))
+            elif recompute == "none":
+                how = "whole with no layer recomputed (--recompute none: cut, it would need more)"
+            else:
+                how = f"even cut into {finest_slice(s, granularity)}-token slices with every layer recomputed"
             where = "its last stage (which also keeps the output layer's logits)" if pc.pp > 1 else "its stage"
             raise InfeasibleError(
                 f"sequence {sid} of {s} tokens does not fit a stage {how}: it needs {_mb(need)} MB per GPU on "
                 f"{where}, a stage has {_mb(room)} MB of activation room ({_mb(pc.budget_mb)} MB budget - "
-                f"{_mb(pc.model_states_mb)} MB model states); " + what_to_change(pc, granularity, recompute))
+                f"{_mb(pc.model_states_mb)} MB model states); " + what_to_change(pc, granularity, recompute, slices))
 
 
 def fit_cap(seq_len: int, pc: PipelineCost, granularity: int) -> int | None:
