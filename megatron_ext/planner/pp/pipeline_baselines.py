@@ -19,12 +19,12 @@ import time
 import numpy as np
 
 from megatron_ext.cost import CostModel
+from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import InfeasibleError
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner.packing import best_fit_bins
 from megatron_ext.planner.pp.chunking import split_pack
 from megatron_ext.planner.pp.grouping import split_replicas
-from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.planner.pp.pipeline import (PipelineOptions, build_pipeline, finish_plan, kept_sequences, pack_capacity,
                                            pipeline_cost, pipeline_options)
 from megatron_ext.planner.pp.sequence_limits import check_sequences, longest_sequence
