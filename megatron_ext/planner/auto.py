@@ -290,7 +290,9 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     # anything else can run (FlexSP or a quicker layout): it would overrun the limit, and its
     # estimate, which such deep layouts undercut, would lead the order
     quick = [x for x in layouts if x[5] * CHUNK_STAGE_S <= budget]
-    if quick or (with_flexsp and longest <= cost.max_seq_len):  # (else a slow layout is all that can run)
+    # (else a slow layout is all that can run; FlexSP can where BatchAda could: asking the cost model
+    # how long a sequence FlexSP holds raised where its model states do not fit, ZeRO-1 on 40 GB)
+    if quick or math.isfinite(ub):
         for x in layouts:
             if x[5] * CHUNK_STAGE_S > budget:
                 alts[x[2]] = {"skipped": f"about {x[5] * CHUNK_STAGE_S:.1f} s to build one candidate "

@@ -826,6 +826,17 @@ def test_auto_plans_timelines_first_where_the_zero_stage_allows():
     assert "timelines" not in plan_auto(lengths, dataclasses.replace(cost, zero_stage=3)).solver_status
 
 
+def test_auto_with_no_time_to_build_a_layout_runs_one_where_flexsp_cannot():
+    """At a limit no layout's first candidate fits in (every one "slow") and FlexSP unable to hold
+    the model states (gpt-7b at ZeRO-1 on 40 GB), the slow layouts are all that can run: auto
+    plans one, rather than raise FlexSP's model-state error (it asked FlexSP's sequence limit)."""
+    cost = CostModel.from_presets("gpt-7b", "a100-40g-8x8", 1)
+    lengths = sample_lengths("github", 512, 0, 96 * 1024)
+    plan = plan_auto(lengths, cost, time_limit=0.01)
+    assert plan.solver_status.startswith("auto chose elastic_pp")
+    validate(plan, lengths, cost)
+
+
 @pytest.mark.parametrize("dist, zero", [("github", 3), ("commoncrawl", 1)])
 def test_auto_is_within_two_percent_of_its_best_candidate_planned_alone(dist, zero):
     """auto, at its default time limit, against FlexSP (with and, under ZeRO 1, without barriers)
