@@ -40,6 +40,10 @@ KINDS = ("sp", "pp", "auto")
 PIPELINE_KINDS = ("pp", "auto")  # kinds whose plans may be pipelines (auto's, on the steps they are faster)
 
 
+def _elastic_limit(pc, opts) -> int:
+    return longest_sequence(pc, opts.granularity, opts.recompute)
+
+
 @dataclass(frozen=True)
 class Planner:
     """A planner: its kind and planning function, ``fn(lengths, cost, PlannerOptions) -> (groups
@@ -54,7 +58,8 @@ class Planner:
     barrier_free: bool = False  # kind "sp": ``fn`` returns GPU sets run without a barrier (``sp.step.plan_sp``)
     setup: Callable | None = None  # loads what ``fn`` needs, once, outside its planning time
     # kinds "pp" and "auto": the longest sequence a layout runs alone, ``limit(PipelineCost, PipelineOptions)``
-    limit: Callable | None = None
+    # (default: elastic_pp's, at its finest slicing)
+    limit: Callable = _elastic_limit
 
     def plan(self, lengths: np.ndarray, cost: CostModel, options=None, *, seq_ids=None, **overrides) -> StepPlan:
         """Plan the sequences ``seq_ids`` of the batch (default: all; the others are reported as
@@ -65,10 +70,6 @@ class Planner:
         if self.kind == "sp":
             return plan_sp(self.name, self.fn, lengths, cost, options, seq_ids=seq_ids, barrier_free=self.barrier_free)
         return self.fn(lengths, cost, options=options, seq_ids=seq_ids, **overrides)
-
-
-def _elastic_limit(pc, opts) -> int:
-    return longest_sequence(pc, opts.granularity, opts.recompute)
 
 
 PLANNERS: dict[str, Planner] = {p.name: p for p in (
@@ -82,13 +83,12 @@ PLANNERS: dict[str, Planner] = {p.name: p for p in (
             "FlexSP without a barrier between micro-batches: GPU sets run their own passes back to back "
             "(ZeRO 0/1/2)", barrier_free=True),
     Planner("elastic_pp", "pp", plan_elastic_pp,
-            "InfiniPipe's elastic pipelines: workload-balanced chunks, per-chunk recompute", limit=_elastic_limit),
+            "InfiniPipe's elastic pipelines: workload-balanced chunks, per-chunk recompute"),
     Planner("batch_1f1b", "pp", plan_batch_1f1b, "Megatron-style 1F1B pipeline over packed micro-batches",
             limit=lambda pc, opts: packed_limit(pc, opts, BATCH_1F1B_SLICES)),
     Planner("seq1f1b", "pp", plan_seq1f1b, "Seq1F1B, packed micro-batches cut into equal-compute slices",
             limit=lambda pc, opts: packed_limit(pc, opts, opts.seq1f1b_slices)),
-    Planner("auto", "auto", plan_auto, "per step, the fastest of FlexSP and elastic pipelines on every layout",
-            limit=_elastic_limit),
+    Planner("auto", "auto", plan_auto, "per step, the fastest of FlexSP and elastic pipelines on every layout"),
 )}
 BASELINES = ("static_ulysses", "batchada", "megatron_balanced_cp")  # what FlexSP-kind plans are compared with
 PP_BASELINES = ("flexsp", "static_ulysses", "seq1f1b", "batch_1f1b")  # what pipeline plans are compared with
