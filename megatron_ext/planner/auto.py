@@ -13,7 +13,7 @@ from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import ConfigError, InfeasibleError, MegatronExtError, OutOfTimeError
 from megatron_ext.plan.schema import StepPlan
 from megatron_ext.planner.options import PlannerOptions
-from megatron_ext.planner.pp.chunk_search import CHUNK_STAGE_S, BuildCache
+from megatron_ext.planner.pp.chunk_search import BuildCache, chunk_stage_s
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
 from megatron_ext.planner.pp.grouping import pipeline_estimates, split_replicas
 from megatron_ext.planner.pp.pipeline import PipelineOptions, kept_sequences, pipeline_cost, pipeline_options
@@ -187,7 +187,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     that is no faster), and so is
     one left when their time has run out (less of it than 0.05 s, the least a layout planned ran
     past its limit, a quarter of the least one took, or its chunks x stages' build time,
-    ``CHUNK_STAGE_S``), or, once a plan stands, whose replicas cannot all be planned in its
+    ``chunk_stage_s``), or, once a plan stands, whose replicas cannot all be planned in its
     limit (``plan_elastic_pp``'s ``keep_to_limit``); one that cannot build a candidate in the whole
     limit is not started while FlexSP or another layout can run. FlexSP goes last, in all the time
     left but ``AUTO_RESERVE`` of the limit (for its plan's check; without FlexSP the layouts leave
@@ -285,17 +285,21 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
             continue
         est, chunks = layout_estimate(kept, pc, opts.min_slice_tokens, lower_ms)
         chunks = max(chunks * pc.replicas, forced_slices(kept, pc, opts.granularity))
-        layouts.append((layout_order_key(kept, pc, est), est, layout_name(pc), pc.pp, pc.sp, chunks * pc.pp))
+        layouts.append((layout_order_key(kept, pc, est), est, layout_name(pc), pc.pp, pc.sp, chunks * pc.pp,
+                        chunks * pc.pp * chunk_stage_s(chunks / pc.replicas)))
     # a layout whose one candidate takes longer to build than the whole limit is not started while
     # anything else can run (FlexSP or a quicker layout): it would overrun the limit, and its
-    # estimate, which such deep layouts undercut, would lead the order
-    quick = [x for x in layouts if x[5] * CHUNK_STAGE_S <= budget]
+    # estimate, which such deep layouts undercut, would lead the order. (Priced per replica's
+    # pipeline, chunk_stage_s: at CHUNK_STAGE_S a winner was never started, gpt-7b on 4,096
+    # A100-40GB, ZeRO-1, 32,768 CommonCrawl sequences: 4 x 8 x 128, 1.8 s so priced, plans 5.21 s
+    # in 0.88 s, against 6.55 s by 2 x 8 x 256)
+    quick = [x for x in layouts if x[6] <= budget]
     # (else a slow layout is all that can run; FlexSP can where BatchAda could: asking the cost model
     # how long a sequence FlexSP holds raised where its model states do not fit, ZeRO-1 on 40 GB)
     if quick or math.isfinite(ub):
         for x in layouts:
-            if x[5] * CHUNK_STAGE_S > budget:
-                alts[x[2]] = {"skipped": f"about {x[5] * CHUNK_STAGE_S:.1f} s to build one candidate "
+            if x[6] > budget:
+                alts[x[2]] = {"skipped": f"about {x[6]:.1f} s to build one candidate "
                                          f"({x[5]:,} chunks x stages), over the {budget:g} s limit"}
         layouts = quick
     layouts.sort(key=lambda x: (x[0], x[2]))  # (order key, name)
@@ -323,7 +327,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
     took: list[float] = []  # seconds each layout planned took
     overran: list[float] = []  # ... and ran past its limit
     fastest = None  # (name, pp, sp, candidates built, seconds taken) of the fastest layout planned
-    for i, (_, est, name, P, d, chunk_stages) in enumerate(layouts):
+    for i, (_, est, name, P, d, _, build_s) in enumerate(layouts):
         bound, against = min([(ub, "BatchAda (FlexSP's upper bound)")] + [(t, n) for t, n, _ in plans])
         if share < AUTO_FLEXSP_SHARE and math.isfinite(ub) and i and flex_lb < AUTO_PRUNE_MARGIN * bound:
             # the layouts' estimates promised more than their plans keep: FlexSP, whose lower
@@ -340,12 +344,12 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         # a layout's search stops at its limit, but checking and simulating what it found does not
         # (about as long as the least any layout planned ran past its limit), and its first
         # candidate, however long, is always built: at least its chunks x stages x
-        # CHUNK_STAGE_S, and often far more (the search's finest slicings may have 10x the
+        # chunk_stage_s, and often far more (the search's finest slicings may have 10x the
         # estimate's chunks): a quarter of what the quickest layout took is the floor (half of it
         # skipped, by a few ms, layouts that won: 9 map cells over 2% behind against 7), and so is
         # 0.05 s, the least time a layout is given
         if plans and left - tail <= max(0.05, min(overran, default=0.0), min(took, default=0.0) / 4,
-                                chunk_stages * CHUNK_STAGE_S):
+                                build_s):
             alts[name] = {"skipped": f"time limit reached (estimated {est:.2f} s)"}
             continue
         # all the layouts' time left (the likeliest go first, and a search that ends early leaves the
@@ -353,7 +357,7 @@ def plan_auto(lengths, cost: CostModel, pp: int | None = None, sp: int | None = 
         # tell them apart, so neither may take all the time (unless that one could not build a
         # candidate in the other half)
         rival = next((x for x in layouts[i + 1:] if AUTO_PRUNE_MARGIN * x[1] < bound
-                      and x[5] * CHUNK_STAGE_S < left / 2), None)
+                      and x[6] < left / 2), None)
         tied = rival is not None and max(rival[0], layouts[i][0]) <= (1 + AUTO_TIE) * min(rival[0], layouts[i][0])
         limit = max(0.05, min(left / 2 if tied else left, left - tail))
         t0 = time.perf_counter()

@@ -329,7 +329,7 @@ def test_replicas_given_less_time_than_a_search_replay_the_first_ones_chunking(m
 @pytest.mark.parametrize("probe", [True, False])
 def test_a_replayed_chunking_means_the_same_on_other_sequences(probe):
     """``replay`` builds a chunking's recipe (chunk-time target and token cap, or pack size and
-    slices) on other sequences: their pieces tile them, the order is the same, and replayed on
+    slices) on other sequences: their pieces tile them, the order (and its tie-break) is the same, and replayed on
     its own sequences it is the same pipeline."""
     from megatron_ext.errors import InfeasibleError
     from megatron_ext.planner.pp.chunk_search import plan_group, replay
@@ -343,8 +343,8 @@ def test_a_replayed_chunking_means_the_same_on_other_sequences(probe):
     again = replay(a, lengths, pc, opts, built)
     assert again.pieces == built.pieces and again.makespan_ms == pytest.approx(built.makespan_ms)
     other = replay(b, lengths, pc, opts, built)
-    assert (other.order, other.slices, other.recipe) == (built.order, built.slices if built.slices < 0 else
-                                                          other.slices, built.recipe)
+    assert (other.order, other.slices, other.recipe, other.forwards_first) == (
+        built.order, built.slices if built.slices < 0 else other.slices, built.recipe, built.forwards_first)
     tiles = sorted((int(s), int(x), int(y)) for c in other.pieces for s, x, y in c)
     assert {s for s, _, _ in tiles} == set(b.tolist())
     assert sum(y - x for _, x, y in tiles) == int(lengths[b].sum())

@@ -297,7 +297,7 @@ def test_greedy_order_sends_forwards_ahead_to_the_last_stage():
 def test_greedy_order_where_memory_held_a_forward_back_keeps_the_faster_tie_break(monkeypatch):
     """Forwards sent ahead may fill the memory that later, larger chunks need: where memory held
     one back, both tie-breaks are built and the faster kept (here backwards first, 8% faster);
-    where none was, forwards first alone."""
+    where none was, forwards first alone; where one is given, that one alone."""
     import megatron_ext.planner.pp.pipeline as pipeline
     pc = PipelineCost(COST, 4, 8)
     tight = PipelineCost(COST, 4, 8, memory_mb=14 * 1024)
@@ -324,7 +324,13 @@ def test_greedy_order_where_memory_held_a_forward_back_keeps_the_faster_tie_brea
         monkeypatch.setattr(pipeline, "greedy_orders", forced(value))
         each.append(build_pipeline(pieces, tight, "greedy", order="greedy").makespan_ms)
     assert kept.held > 0 and each[1] < 0.95 * each[0]
-    assert kept.makespan_ms == pytest.approx(each[1], rel=1e-12)
+    assert kept.makespan_ms == pytest.approx(each[1], rel=1e-12) and kept.forwards_first is False
+    # a tie-break given (a replica replaying another's pipeline) is built alone
+    monkeypatch.setattr(pipeline, "greedy_orders", spy)
+    calls.clear()
+    alone = build_pipeline(pieces, tight, "greedy", order="greedy", forwards_first=True)
+    assert calls == [True] and alone.forwards_first is True
+    assert alone.makespan_ms == pytest.approx(each[0], rel=1e-12)
 
 
 def test_cached_kv_of_a_slice_lives_until_its_sequence_s_first_slice_runs_backward():

@@ -30,10 +30,21 @@ PRICED_CHUNKS = 16
 # before any is known. Auto starts no layout whose chunks x stages need more than the time left
 # (3e-5 started more layouts than could finish: 9 map cells over 2% behind against 6)
 CHUNK_STAGE_S = 8e-5
+# ... in a pipeline of FEW_CHUNKS chunks or more. With fewer, fewer are in flight (the memory
+# checkpoints list them): down to half the rate at FEW_CHUNKS / 2 (128 replicas of 4 x SP 8, ~43
+# chunks each: 19 us to build a chunk-stage, 16 us to check and simulate it; one replica of 2 x SP
+# 4 holding 1,005 slices of a 128K sequence in flight: over 100 us)
+FEW_CHUNKS = 128
+
 KEPT_CHUNK_STAGES = 500_000  # candidates a BuildCache keeps, in chunks x stages (~260 bytes each: ~130 MB)
 # ... and chunkings, in pieces (~100 bytes each: ~100 MB; 8,192 sequences on 8 stages made 57
 # chunkings of 477,000 pieces in 2.4 s)
 KEPT_PIECES = 1_000_000
+
+
+def chunk_stage_s(chunks: float) -> float:
+    """What one chunk on one stage costs to build, check and simulate in a pipeline of ``chunks``."""
+    return CHUNK_STAGE_S * min(1.0, max(0.5, chunks / FEW_CHUNKS))
 
 
 class BuildCache:
@@ -101,9 +112,9 @@ def _packed(seq_ids: np.ndarray, lengths, pc: PipelineCost, builds: BuildCache, 
 def replay(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, like: BuiltPipeline,
            where: str = "pipeline") -> BuiltPipeline:
     """``like``'s chunking (its ``recipe``: the chunk-time target and token cap, or the pack size
-    and slices, which mean the same on any sequences) and order, built on ``seq_ids``: one build
-    where a search makes dozens (another replica's pipeline, alike in its lengths). Raises
-    InfeasibleError where it cannot run there (or ``like`` came of no recipe)."""
+    and slices, which mean the same on any sequences) and order (a greedy one's tie-break too),
+    built on ``seq_ids``: one build where a search makes dozens (another replica's pipeline, alike
+    in its lengths). Raises InfeasibleError where it cannot run there (or ``like`` came of no recipe)."""
     if like.recipe is None:
         raise InfeasibleError(f"{where}: its chunking has no recipe to replay")
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
@@ -116,7 +127,8 @@ def replay(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, like: Buil
         mesh_cap = (lambda s: fit_cap(s, pc, opts.granularity)) if capped else None
         ch, pieces = _chunked(seq_ids, lengths, pc, opts, builds, target, cap, mesh_cap, ramp)
         slices = ch.slices
-    b = build_pipeline(pieces, pc, _search_recompute(opts), opts.ties != "untied", where=where, order=like.order)
+    b = build_pipeline(pieces, pc, _search_recompute(opts), opts.ties != "untied", where=where, order=like.order,
+                       forwards_first=like.forwards_first)
     b.slices, b.ramp, b.recipe = slices, like.ramp, like.recipe
     return b
 
@@ -473,5 +485,5 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     return best
 
 
-__all__ = ["CHUNK_STAGE_S", "KEPT_CHUNK_STAGES", "KEPT_PIECES", "MAX_CHUNKS", "PRICED_CHUNKS", "PROBE_TARGETS",
-           "BuildCache", "plan_group", "replay"]
+__all__ = ["CHUNK_STAGE_S", "FEW_CHUNKS", "KEPT_CHUNK_STAGES", "KEPT_PIECES", "MAX_CHUNKS", "PRICED_CHUNKS",
+           "PROBE_TARGETS", "BuildCache", "chunk_stage_s", "plan_group", "replay"]

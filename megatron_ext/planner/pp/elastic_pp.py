@@ -219,6 +219,16 @@ REBALANCE_AFTER = 0.8  # of the time limit: replicas are planned by then, the re
 REPLICA_FIRST_PASS = 0.5  # of the time before that: every replica planned in an equal share, the rest to the slowest
 REPLICA_TIE = 0.05  # replicas ending this close to the slowest share the time left with it
 REPLAY_BELOW = 0.5  # of what a replica's search took: a replica given less time replays a searched one's chunking
+# seconds checking and simulating a plan takes a chunk on a stage, about (as the check walks every
+# piece: 19-23 us across 2-128 replicas of 2-8 stages; what building the pipelines took is no
+# measure, 0.4x to 2x of it)
+CHECK_CHUNK_STAGE_S = 2.5e-5
+
+
+def _check_s(plans: dict, pc: PipelineCost) -> float:
+    """What checking and simulating the plan will take, at CHECK_CHUNK_STAGE_S a chunk on a stage;
+    replanning the slowest replica and evening out their ends stop short of it."""
+    return CHECK_CHUNK_STAGE_S * pc.pp * sum(b.table.n for built in plans.values() for b in built)
 
 
 def _rebalance(parts: list[np.ndarray], plans: dict, lengths, pc: PipelineCost, opts: PipelineOptions,
@@ -337,7 +347,8 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     while plans and pc.replicas > 1:
         slow = max(plans, key=lambda r: _makespan(plans[r]))
         now = time.perf_counter()
-        if first_end - now <= 4 * sum(b.build_s for b in plans[slow]):
+        until = min(first_end, start + opts.time_limit - _check_s(plans, pc))
+        if until - now <= 4 * sum(b.build_s for b in plans[slow]):
             break
         close = sum(1 for r in plans if _makespan(plans[r]) >= (1 - REPLICA_TIE) * _makespan(plans[slow])) \
             if shared else 1
@@ -348,11 +359,8 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
             shared = False
             continue
         plans[slow], shared = again, True
-    if pc.replicas > 1:  # (in the time left but what checking and simulating the plan will take: up to
-        # twice what building its pipelines took, as the check walks every piece; 16 replicas of 4
-        # stages and 32,768 sequences: 0.05 s to build, 0.08 s to check)
-        check_s = 2 * sum(b.build_s for built in plans.values() for b in built)
-        _rebalance(parts, plans, lengths, pc, opts, start + opts.time_limit - check_s)
+    if pc.replicas > 1:
+        _rebalance(parts, plans, lengths, pc, opts, start + opts.time_limit - _check_s(plans, pc))
     pipes, final = [], []
     for r in sorted(plans):
         pipes += [b.to_pipeline(pc, r) for b in plans[r]]
@@ -369,4 +377,5 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     return finish_plan("elastic_pp", pipes, lengths, cost, pc, opts, start, status, dropped)
 
 
-__all__ = ["REBALANCE_AFTER", "REPLAY_BELOW", "REPLICA_FIRST_PASS", "REPLICA_TIE", "plan_elastic_pp"]
+__all__ = ["CHECK_CHUNK_STAGE_S", "REBALANCE_AFTER", "REPLAY_BELOW", "REPLICA_FIRST_PASS", "REPLICA_TIE",
+           "plan_elastic_pp"]

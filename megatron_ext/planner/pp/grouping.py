@@ -189,9 +189,11 @@ def split_replicas(seq_ids, lengths, pc: PipelineCost, replicas: int) -> list[np
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
     if replicas <= 1:
         return [seq_ids]
-    work = pc.prefix_ms(lengths[seq_ids])
-    order = np.lexsort((seq_ids, -work))
-    w = work[order]
+    tokens = np.asarray(lengths)[seq_ids].astype(np.int64)
+    # by stage time, which grows with the tokens: longest first, ties by id, as one integer key
+    # (a quarter of the time of sorting by time and id; ids and lengths are far below 2^31)
+    order = np.argsort((-tokens << 32) | seq_ids)
+    w = pc.prefix_ms(tokens[order])
     owner = np.empty(len(seq_ids), dtype=np.int64)
     if replicas < ROUNDS_FROM:
         heap = [(0.0, r) for r in range(replicas)]  # (load, replica): ties to the lowest index
@@ -203,10 +205,9 @@ def split_replicas(seq_ids, lengths, pc: PipelineCost, replicas: int) -> list[np
         owner[:] = to
     else:
         loads = np.zeros(replicas)
-        index = np.arange(replicas)
         i = 0
         while i < len(w):
-            least = np.lexsort((index, loads))[:len(w) - i]  # by load, ties by index
+            least = np.argsort(loads, kind="stable")[:len(w) - i]  # by load, ties by index
             now = loads[least]
             then = now + w[i:i + len(least)]
             # the k-th goes to least[k] while every replica given one before holds more than its load
@@ -215,7 +216,7 @@ def split_replicas(seq_ids, lengths, pc: PipelineCost, replicas: int) -> list[np
             owner[order[i:i + k]] = least[:k]
             loads[least[:k]] = then[:k]
             i += k
-    by_owner = np.lexsort((seq_ids, owner))  # (not a mask per replica: 4,096 x 32,768 compares)
+    by_owner = np.argsort((owner << 32) | seq_ids)  # (not a mask per replica: 4,096 x 32,768 compares)
     return np.split(seq_ids[by_owner], np.cumsum(np.bincount(owner, minlength=replicas))[:-1])
 
 

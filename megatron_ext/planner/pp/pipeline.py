@@ -81,6 +81,7 @@ class BuiltPipeline:
     order: str = "1f1b"
     ramp: str = ""
     held: int = 0  # greedy order: forwards held back by memory while a stage idled
+    forwards_first: bool = True  # greedy order: ties go to the forward on the stages before the last
     build_s: float = 0.0  # seconds building it took (what rebuilding or simulating it will take, about)
     # how the search chunked it, in terms that mean the same on other sequences (chunk_search.replay):
     # ("chunks", target ms, token cap, slices capped to fit, ramp) or ("packs", tokens, slices); None: neither
@@ -107,13 +108,16 @@ def _fits(cps, save, rec, room) -> bool:
 
 
 def build_pipeline(pieces: list[Pieces], pc: PipelineCost, recompute: str = "greedy", tied: bool = True,
-                   time_limit: float = 0.5, where: str = "pipeline", order: str = "1f1b") -> BuiltPipeline:
+                   time_limit: float = 0.5, where: str = "pipeline", order: str = "1f1b",
+                   forwards_first: bool | None = None) -> BuiltPipeline:
     """Chunks (in forward order) -> per-stage order, recompute, simulated makespan.
 
     ``order``: "1f1b" (elastic 1F1B, sim/engine.one_f_one_b), "greedy" (list scheduling,
-    sim/engine.greedy_orders) or "best" (both; the faster wins)."""
+    sim/engine.greedy_orders) or "best" (both; the faster wins). ``forwards_first``: the greedy
+    order's tie-break (``greedy_orders``); None builds it both ways where memory held a forward
+    back, and keeps the faster."""
     if order == "best":
-        a = build_pipeline(pieces, pc, recompute, tied, time_limit, where, "greedy")
+        a = build_pipeline(pieces, pc, recompute, tied, time_limit, where, "greedy", forwards_first)
         b = build_pipeline(pieces, pc, recompute, tied, time_limit, where, "1f1b")
         return a if a.makespan_ms <= b.makespan_ms + 1e-9 else b
     if order not in ("1f1b", "greedy"):
@@ -135,10 +139,15 @@ def build_pipeline(pieces: list[Pieces], pc: PipelineCost, recompute: str = "gre
     fwd0, bwd0, _, p2p0 = op_times(table, pc, np.zeros((P, n), dtype=np.int64))
     full = [pc.chunk_memory(table.tokens, table.cached_tokens, p == P - 1)[0] for p in range(P)]
 
-    def greedy(forwards_first: bool) -> BuiltPipeline:
+    def greedy(first: bool) -> BuiltPipeline:
         ops, ms, held = greedy_orders(forward, backward, table, fwd0, bwd0, p2p0, P, full, pc.activation_room_mb,
-                                      forwards_first=forwards_first)
-        return finish(ops, held, ms)
+                                      forwards_first=first)
+        built = finish(ops, held, ms)
+        built.forwards_first = first
+        return built
+
+    if forwards_first is not None:
+        return greedy(forwards_first)
 
     # forwards first (on the stages before the last); where memory held one back while its stage
     # idled, the forwards sent ahead may cost recompute that backwards first (1F1B's window) does
