@@ -29,6 +29,7 @@ from megatron_ext.text import plural
 
 PAST_LIMIT = 1.5  # a pipeline plan this many times its time limit gets a note on stderr
 SHOWN_CHUNKS = 40  # chunks `plan` lists per pipeline unless --chunks says otherwise (a plan may have thousands)
+SHOWN_PIPELINES = 8  # pipelines `plan` describes unless --pipelines says otherwise (4,096 GPUs: 512 replicas)
 
 
 def add_plan_command(sub) -> None:
@@ -42,35 +43,41 @@ def add_plan_command(sub) -> None:
                         "with --data, needed: the length training cuts documents at)")
     p.add_argument("--json", action="store_true", help="print the StepPlan JSON")
     p.add_argument("--no-baselines", action="store_true", help="skip timing the baselines")
-    p.add_argument("--chunks", type=_chunk_count, metavar="N",
+    p.add_argument("--chunks", type=_count_or_all("chunks"), metavar="N",
                    help=f"pipeline plans: chunks listed per pipeline, its first and last ones (default {SHOWN_CHUNKS}; "
                         f"all: every one; --json: the whole plan)")
+    p.add_argument("--pipelines", type=_count_or_all("pipelines"), metavar="N",
+                   help=f"pipeline plans: pipelines described, the first ones (default {SHOWN_PIPELINES}; all: every "
+                        f"one; --json: the whole plan)")
     add_cost_args(p)
     add_planner_args(p)
     add_pipeline_args(p)
     p.set_defaults(func=cmd_plan)
 
 
-def _chunk_count(text: str) -> int | str:
-    if text.strip().lower() == "all":
-        return "all"
-    try:
-        return positive_int(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected a positive number of chunks or 'all', got {text!r}") from None
+def _count_or_all(what: str):
+    def parse(text: str) -> int | str:
+        if text.strip().lower() == "all":
+            return "all"
+        try:
+            return positive_int(text)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"expected a positive number of {what} or 'all', got {text!r}") from None
+    return parse
 
 
-def _shown_chunks(given: int | str | None) -> int | None:
-    """``--chunks``: how many chunks a pipeline lists (None: all)."""
-    return None if given == "all" else given or SHOWN_CHUNKS
+def _shown(given: int | str | None, default: int) -> int | None:
+    """``--chunks`` / ``--pipelines``: how many are listed (None: all)."""
+    return None if given == "all" else given or default
 
 
 def cmd_plan(args) -> int:
     pipelines = get_planner(args.planner).kind in PIPELINE_KINDS
     check_args(args, (args.planner,))
-    if args.chunks is not None and not pipelines:
-        raise ConfigError(f"--chunks applies only to pipeline plans ({', '.join(planner_names(*PIPELINE_KINDS))}), "
-                          f"not to {args.planner}")
+    for flag, given in (("--chunks", args.chunks), ("--pipelines", args.pipelines)):
+        if given is not None and not pipelines:
+            raise ConfigError(f"{flag} applies only to pipeline plans ({', '.join(planner_names(*PIPELINE_KINDS))}), "
+                              f"not to {args.planner}")
     cost = cost_from_args(args)
     if args.static_degree is not None:
         if args.planner != "static_ulysses" and args.no_baselines:  # (it was ignored)
@@ -217,11 +224,12 @@ def run_pp_plan(args, cost, lengths, drawn: str | None = None) -> int:
         print(plan.to_json(indent=1))
     else:
         res = simulate(plan, lengths, cost, b1_scale=opts.b1_scale, events=False)
+        shown = _shown(getattr(args, "pipelines", None), SHOWN_PIPELINES)
         print(_head(plan, lengths, cost) + "\n")
-        print(describe_plan(plan, lengths, res))
+        print(describe_plan(plan, lengths, res, max_pipelines=shown))
         if plan.pipelines:
-            print("\n" + pipeline_tables(plan, lengths, cost, opts.b1_scale,
-                                          max_chunks=_shown_chunks(getattr(args, "chunks", None))))
+            print("\n" + pipeline_tables(plan, lengths, cost, opts.b1_scale, max_chunks=_shown(
+                getattr(args, "chunks", None), SHOWN_CHUNKS), max_pipelines=shown))
     print_notes(notes)
     return 0
 
@@ -255,19 +263,27 @@ def _wrap(head: str, items: list[str], width: int = 100) -> list[str]:
     return lines + [line]
 
 
+def _more_pipelines(plan, shown: int | None) -> list[str]:
+    """The line saying how many pipelines were left out (none where all were shown)."""
+    left = len(plan.pipelines) - (len(plan.pipelines) if shown is None else shown)
+    return [f"  ... {plural(left, 'more pipeline')} (--pipelines all describes them; --json gives the whole plan)"] \
+        if left > 0 else []
+
+
 def pipeline_tables(plan, lengths, cost, b1_scale: float = 1.0, max_pieces: int = 4,
-                    max_chunks: int | None = None) -> str:
+                    max_chunks: int | None = None, max_pipelines: int | None = None) -> str:
     """What each pipeline of a plan runs: its chunks (kind, tokens, average-stage time, layers
     each stage recomputes, pieces as ``seq[start:end)``) and every stage's operation order. With
     ``max_chunks``, a pipeline of more chunks lists its first three quarters of that many and its
-    last quarter, and each stage's order only its first operations."""
+    last quarter, and each stage's order only its first operations; with ``max_pipelines``, only
+    the first that many pipelines."""
     from megatron_ext.cost.pipeline import PipelineCost
     from megatron_ext.sim.engine import analyze_chunks
 
     lengths = np.asarray(lengths)
     groups = replica_groups(plan, plan.num_gpus)
     out = []
-    for i, p in enumerate(plan.pipelines):
+    for i, p in enumerate(plan.pipelines[:max_pipelines]):
         pc = PipelineCost(cost, p.stages, p.sp_degree, b1_scale)
         table = analyze_chunks(p.chunks, pc, f"pipeline {i}")
         ms = pc.stage_ms(table.work, table.tokens)
@@ -303,7 +319,7 @@ def pipeline_tables(plan, lengths, cost, b1_scale: float = 1.0, max_pieces: int 
         for st, order in enumerate(p.order_per_stage):
             cut = len(order) if len(shown) == n else 2 * len(shown)
             out += _wrap(f"  stage {st}:", order[:cut] + ([f"... +{len(order) - cut:,} more"] if cut < len(order) else []))
-    return "\n".join(out)
+    return "\n".join(out + _more_pipelines(plan, max_pipelines))
 
 
 def _status_lines(head: str, status: str) -> list[str]:
@@ -312,9 +328,10 @@ def _status_lines(head: str, status: str) -> list[str]:
     return _wrap(head, [c + ";" for c in clauses[:-1]] + clauses[-1:], width=110)
 
 
-def describe_plan(plan, lengths, result=None) -> str:
+def describe_plan(plan, lengths, result=None, max_pipelines: int | None = None) -> str:
     """A readable summary of a pipeline plan, or of an ``auto`` plan of either kind, with the
-    simulated bubble, recompute and memory of ``result`` (a SimResult) if given."""
+    simulated bubble, recompute and memory of ``result`` (a SimResult) if given; with
+    ``max_pipelines``, a line for each of the first that many pipelines only."""
     lengths = np.asarray(lengths)
     groups = replica_groups(plan, plan.num_gpus)  # (a FlexSP plan: one replica, without pipelines)
     if plan.kind == "flexsp":
@@ -328,7 +345,7 @@ def describe_plan(plan, lengths, result=None) -> str:
                          + ", ".join(f"{len(v)} x degree {d} ({sum(v)} seq)" for d, v in sorted(degs.items(), reverse=True)))
     else:
         lines = _status_lines(f"{plan.planner} plan:", plan.solver_status)
-    for i, p in enumerate(plan.pipelines):
+    for i, p in enumerate(plan.pipelines[:max_pipelines]):
         n = len(p.chunks)
         tok = [sum(x.end - x.start for x in c.pieces) for c in p.chunks]
         kinds = {"split": 0, "hybrid": 0, "batched": 0}
@@ -344,6 +361,7 @@ def describe_plan(plan, lengths, result=None) -> str:
                      f"({kinds['split']} split, "
                      f"{kinds['hybrid']} hybrid, {kinds['batched']} batched), tokens per chunk {min(tok)}..{max(tok)}, "
                      f"warm-up per stage {warm}, recomputed layer-chunks {rec}")
+    lines += _more_pipelines(plan, max_pipelines)
     idle = [r for r, pipes in enumerate(groups) if not pipes] if len(groups) > 1 else []
     if idle:
         lines.append(f"  replica{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))}: idle (fewer sequences "

@@ -472,6 +472,7 @@ SMALL = ["--model", "llama-7b", "--cluster", "a800-80g-8x1"]  # one node of 8 GP
     (["plan", "--planner", "elastic_pp", "--recompute", "full", "--recompute-ties", "untied"],
      "--recompute-ties applies to what the ILP or the greedy recomputes, not to --recompute full"),
     (["plan", "--chunks", "5"], "--chunks applies only to pipeline plans"),
+    (["plan", "--pipelines", "all"], "--pipelines applies only to pipeline plans"),
     (["simulate", "--planners", "seq1f1b,batch_1f1b", "--max-ring", "2"], "not to seq1f1b, batch_1f1b"),
 ])
 def test_pipeline_and_simulate_config_errors(capsys, argv, match):
@@ -709,6 +710,10 @@ def test_usage_errors_exit_2(capsys):
         main(["plan", "--planner", "elastic_pp", "--chunks", "0"])
     assert e.value.code == 2
     assert "expected a positive number of chunks or 'all', got '0'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--planner", "elastic_pp", "--pipelines", "-1"])
+    assert e.value.code == 2
+    assert "expected a positive number of pipelines or 'all', got '-1'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["plan", "--pp", "x"])
     assert e.value.code == 2  # one line, as any bad input (not argparse's usage block)

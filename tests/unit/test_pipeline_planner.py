@@ -536,7 +536,8 @@ def test_cli_glue(capsys):
 def test_plan_prints_chunks_orders_and_the_recompute_table():
     """`plan --planner elastic_pp` shows every chunk with its pieces and the layers each stage
     recomputes (when anything does), and each stage's order exactly as planned; with a cap on the
-    chunks, the first and last ones, a line counting the rest, and each stage's first operations."""
+    chunks, the first and last ones, a line counting the rest, and each stage's first operations;
+    with a cap on the pipelines, the first ones."""
     from megatron_ext.commands.plan import pipeline_tables
 
     lengths = sample_lengths("github", 128, 3, 96 * 1024)
@@ -586,6 +587,14 @@ def test_plan_prints_chunks_orders_and_the_recompute_table():
         assert any(ln.split()[:3] == ["...", str(n - 8), "chunks"] for ln in lines)
         for stage, order in enumerate(pipe.order_per_stage):
             assert orders(lines, stage) == order[:16] + ["...", f"+{len(order) - 16:,}", "more"]
+    # with a cap on the pipelines (4,096 GPUs run hundreds), the first ones and a line counting the rest
+    many = plan_elastic_pp(lengths[:16], COST, 2, 8)  # (2 replicas)
+    assert len(many.pipelines) == 2
+    for text in (pipeline_tables(many, lengths[:16], COST, max_pipelines=1),
+                 describe_plan(many, lengths[:16], max_pipelines=1)):
+        assert "pipeline 0 (replica 0)" in text and "pipeline 1 (replica 1)" not in text
+        assert "  ... 1 more pipeline (--pipelines all describes them" in text
+    assert "more pipeline" not in pipeline_tables(many, lengths[:16], COST, max_pipelines=2)
 
 
 def test_recompute_ties_best_keeps_the_faster_of_tied_and_untied():

@@ -75,7 +75,7 @@ from megatron_ext.planner.pp.grouping import group_sequences, split_replicas
 from megatron_ext.planner.pp.pipeline import (BuiltPipeline, PipelineOptions, finish_plan, kept_sequences,
                                            pipeline_cost, pipeline_options, with_recompute)
 from megatron_ext.planner.pp.sequence_limits import check_sequences
-from megatron_ext.text import plural
+from megatron_ext.text import numbered, plural
 
 
 def _chunking_note(b: BuiltPipeline) -> str:
@@ -368,8 +368,11 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     rec_note = "; ".join(sorted({b.status for b in final}))
     n = sum(b.table.n for b in final)
     reps = f" over {pc.replicas} replicas" if pc.replicas > 1 else ""
-    chunkings = "; ".join(_chunking_note(b) if len(final) == 1 else f"pipeline {i}: {_chunking_note(b)}"
-                          for i, b in enumerate(final))
+    notes: dict[str, list[int]] = {}  # (pipelines chunked alike named once: 128 replicas made 3,700 lines of `plan`)
+    for i, b in enumerate(final):
+        notes.setdefault(_chunking_note(b), []).append(i)
+    chunkings = next(iter(notes)) if len(notes) == 1 else "; ".join(f"{numbered('pipeline', idx)}: {note}"
+                                                                    for note, idx in notes.items())
     status = (f"{plural(len(final), 'pipeline')} x {plural(pc.pp, 'stage')} "
               f"x SP {pc.sp}{reps}; {chunkings}; {plural(n, 'chunk')}; "
               f"{rec_note}")
