@@ -185,11 +185,11 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
     built = candidates[0][1]
 
     # final recompute with the ILP, in the time left after what checking and simulating the plan
-    # will take (up to twice what building its pipelines took: 13 ms after an 8 ms build); the
-    # fixed rules none / full / auto were the search's own: their candidates are final. Each
-    # ILP build after the first leaves what those before ran past their limits (the solve stops
-    # at its limit, its plan's simulation comes after: ~10 ms on 8 stages of 108 chunks)
-    end = start + budget - 2 * sum(b.build_s for b in built)
+    # will take (``_check_s``); the fixed rules none / full / auto were the search's own: their
+    # candidates are final. Each ILP build after the first leaves what those before ran past their
+    # limits (the solve stops at its limit, its plan's simulation comes after: ~10 ms on 8 stages
+    # of 108 chunks)
+    end = start + budget - _check_s(built, pc)
     final, over = [], 0.0
     for i, b in enumerate(built):
         if opts.recompute != "ilp" or not b.recompute.any():
@@ -225,10 +225,10 @@ REPLAY_BELOW = 0.5  # of what a replica's search took: a replica given less time
 CHECK_CHUNK_STAGE_S = 2.5e-5
 
 
-def _check_s(plans: dict, pc: PipelineCost) -> float:
-    """What checking and simulating the plan will take, at CHECK_CHUNK_STAGE_S a chunk on a stage;
-    replanning the slowest replica and evening out their ends stop short of it."""
-    return CHECK_CHUNK_STAGE_S * pc.pp * sum(b.table.n for built in plans.values() for b in built)
+def _check_s(built, pc: PipelineCost) -> float:
+    """What checking and simulating pipelines ``built`` will take, at CHECK_CHUNK_STAGE_S a chunk on
+    a stage: the final ILP, replanning the slowest replica and evening out their ends stop short of it."""
+    return CHECK_CHUNK_STAGE_S * pc.pp * sum(b.table.n for b in built)
 
 
 def _rebalance(parts: list[np.ndarray], plans: dict, lengths, pc: PipelineCost, opts: PipelineOptions,
@@ -347,7 +347,7 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     while plans and pc.replicas > 1:
         slow = max(plans, key=lambda r: _makespan(plans[r]))
         now = time.perf_counter()
-        until = min(first_end, start + opts.time_limit - _check_s(plans, pc))
+        until = min(first_end, start + opts.time_limit - _check_s(sum(plans.values(), []), pc))
         if until - now <= 4 * sum(b.build_s for b in plans[slow]):
             break
         close = sum(1 for r in plans if _makespan(plans[r]) >= (1 - REPLICA_TIE) * _makespan(plans[slow])) \
@@ -360,7 +360,7 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
             continue
         plans[slow], shared = again, True
     if pc.replicas > 1:
-        _rebalance(parts, plans, lengths, pc, opts, start + opts.time_limit - _check_s(plans, pc))
+        _rebalance(parts, plans, lengths, pc, opts, start + opts.time_limit - _check_s(sum(plans.values(), []), pc))
     pipes, final = [], []
     for r in sorted(plans):
         pipes += [b.to_pipeline(pc, r) for b in plans[r]]
