@@ -25,8 +25,9 @@ from megatron_ext.cost import CostModel
 from megatron_ext.errors import ConfigError, InfeasibleError, LengthsError, MegatronExtError
 from megatron_ext.plan import StepPlan
 from megatron_ext.plan.validate import checked_batch_lengths
-from megatron_ext.planner.auto import pipeline_layouts, plan_auto, plan_units
+from megatron_ext.planner.auto import plan_auto, plan_units
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
+from megatron_ext.planner.pp.layouts import pipeline_layouts
 from megatron_ext.planner.pp.pipeline import pipeline_cost, pipeline_options, resolve_layout
 from megatron_ext.planner.pp.pipeline_baselines import BATCH_1F1B_SLICES, packed_limit, plan_batch_1f1b, plan_seq1f1b
 from megatron_ext.planner.pp.sequence_limits import longest_sequence

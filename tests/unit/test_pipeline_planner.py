@@ -21,8 +21,9 @@ from megatron_ext.planner import PlannerOptions
 from megatron_ext.planner.packing import best_fit_bins
 from megatron_ext.planner.pp.chunk_search import plan_group
 from megatron_ext.planner.pp.chunking import balanced_chunks, check_chunking, split_pack
-from megatron_ext.planner.auto import (flexsp_bound_s, forced_slices, head_excess_s, layout_estimate, layout_name,
-                                      layout_order_key, pipeline_layouts, plan_auto)
+from megatron_ext.planner.auto import flexsp_bound_s, plan_auto
+from megatron_ext.planner.pp.layouts import (forced_slices, head_excess_s, layout_estimate, layout_name,
+                                             layout_order_key, pipeline_layouts)
 from megatron_ext.planner.pp.sequence_limits import fit_cap, longest_sequence
 from megatron_ext.planner.pp.grouping import group_sequences, pipeline_estimate, split_replicas
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
