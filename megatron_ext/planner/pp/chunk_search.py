@@ -251,40 +251,86 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
     ``builds``: the candidates built so far, shared by the searches of one replica's pipelines.
     ``give_up``: where another plan stands, the time past which a search that has found nothing
     feasible raises OutOfTimeError rather than build on (its candidate would end past it)."""
-    seq_ids = np.asarray(seq_ids, dtype=np.int64)
-    builds = BuildCache() if builds is None else builds
-    best: BuiltPipeline | None = None
-    best_ch = None  # (target, token cap, mesh cap) of the best candidate's chunking
-    errors = []
-    ramps = _ramps(pc.pp, opts)
-    orders = ("greedy", "1f1b") if opts.order == "best" else (opts.order,)
-    search_recompute = _search_recompute(opts)
+    s = _GroupSearch(np.asarray(seq_ids, dtype=np.int64), lengths, pc, opts, deadline, where, probe,
+                     BuildCache() if builds is None else builds, give_up)
+    if whole_packs or not probe:  # (a probe measures the targets' chunkings: the grouping hangs on them)
+        s.packed_slices()
+    targets, finite = s.search(s.cap_of if s.capped else None)
+    if pc.pp == 1 and s.slice_cap is not None and not s.capped and not s.hurry():
+        # one stage: the fewest chunks win, so each long sequence cut only where memory needs it
+        # (llama-13b, SP 8, 96K: a 98K sequence in 2 slices at its cap, 71.5 s; equal-time
+        # slices fitted at 4, 73.7 s), built whatever the deadline (a few chunks)
+        ch = s.capped_slices(targets[0], s.slice_cap)
+        s.consider(ch.chunks, ch.slices, s.orders[0], always=True)
+    s.probed = probe
+    if s.best is None and s.slice_cap is not None and not s.capped and not s.hurry():
+        targets, finite = s.search(s.cap_of)  # no equal-time mesh worked: cap the slices
+    if s.best_ch is not None:
+        s.other_ramps()
+        s.other_orders()
+    if s.best is None:
+        s.last_resort(targets[0], finite)
+    if s.best is None:
+        raise InfeasibleError((s.errors[-1] if s.errors else f"{where}: no feasible chunking") + "; "
+                              + what_to_change(pc, opts.granularity, opts.recompute))
+    return s.best
 
-    probed = False  # a probe's targets are done: it stops at what it has
-    # per order, (chunks, seconds) of its largest candidate built of PRICED_CHUNKS or more: what builds
-    # cost, scaled (a greedy order costs 4x a 1F1B one: priced from a 1F1B build of 96 chunks, a
-    # greedy one of 773 ran 0.18 s past its search's end; gpt-13b on 32 A800s, 192K, 8 x 4)
-    priced: dict[str, tuple[int, float]] = {}
 
-    def gave_up() -> OutOfTimeError:
-        return OutOfTimeError(f"{where}: nothing fitted before the time ran out (another plan stands)")
+class _GroupSearch:
+    """One ``plan_group`` call's search: the candidates considered so far and the best of them,
+    what builds cost, the errors met; its steps are ``plan_group``'s."""
 
-    def late() -> bool:
-        return best is not None and (probed or (deadline is not None and time.perf_counter() > deadline))
+    def __init__(self, seq_ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOptions, deadline: float | None,
+                 where: str, probe: bool, builds: BuildCache, give_up: float | None):
+        self.seq_ids, self.lengths, self.pc, self.opts = seq_ids, lengths, pc, opts
+        self.deadline, self.where, self.probe, self.builds, self.give_up = deadline, where, probe, builds, give_up
+        self.best: BuiltPipeline | None = None
+        self.best_ch = None  # (target, token cap, mesh cap) of the best candidate's chunking
+        self.errors: list[str] = []
+        self.ramps = _ramps(pc.pp, opts)
+        self.orders = ("greedy", "1f1b") if opts.order == "best" else (opts.order,)
+        self.search_recompute = _search_recompute(opts)
+        self.probed = False  # a probe's targets are done: it stops at what it has
+        # per order, (chunks, seconds) of its largest candidate built of PRICED_CHUNKS or more: what
+        # builds cost, scaled (a greedy order costs 4x a 1F1B one: priced from a 1F1B build of 96
+        # chunks, a greedy one of 773 ran 0.18 s past its search's end; gpt-13b on 32 A800s, 192K, 8 x 4)
+        self.priced: dict[str, tuple[int, float]] = {}
+        self.longest = int(lengths[seq_ids].max())
+        # (the search's first guesses)
+        self.likeliest_chunks = pipeline_estimate(lengths[seq_ids], pc, opts.min_slice_tokens)[1]
+        # memory: each sequence's slice cap, the most tokens per slice that let it fit alone (None:
+        # it fits unsliced); ``capped`` when no equal-time slicing of the search's lets the longest
+        # fit, so every long sequence is cut on its own token-capped mesh
+        self.fit_caps: dict[int, int | None] = {}
+        self.slice_cap = self.cap_of(self.longest)
+        self.capped = self.slice_cap is not None and \
+            fewest_slices(self.longest, pc, opts.granularity, opts.min_slice_tokens) is None
+        self.ramped: list[tuple] = []  # the chunkings (best_ch) whose other ramps were tried
 
-    def hurry() -> bool:  # out of time with nothing feasible yet: straight to the safest chunkings
-        return deadline is not None and best is None and time.perf_counter() > deadline
+    def cap_of(self, s: int) -> int | None:
+        if s not in self.fit_caps:
+            self.fit_caps[s] = fit_cap(s, self.pc, self.opts.granularity)
+        return self.fit_caps[s]
 
-    def consider(pieces, slices, order, ramp=((), ()), always: bool = False, recipe=None) -> BuiltPipeline | None:
+    def gave_up(self) -> OutOfTimeError:
+        return OutOfTimeError(f"{self.where}: nothing fitted before the time ran out (another plan stands)")
+
+    def late(self) -> bool:
+        return self.best is not None and (self.probed or (self.deadline is not None
+                                                          and time.perf_counter() > self.deadline))
+
+    def hurry(self) -> bool:  # out of time with nothing feasible yet: straight to the safest chunkings
+        return self.deadline is not None and self.best is None and time.perf_counter() > self.deadline
+
+    def consider(self, pieces, slices, order, ramp=((), ()), always: bool = False, recipe=None) -> BuiltPipeline | None:
         """Build (or take from ``builds``) and score one candidate; unless ``always``, not one whose
         build would end past the deadline once something fits. ``recipe``: how it was chunked
         (``BuiltPipeline.recipe``)."""
-        nonlocal best
         if len(pieces) > MAX_CHUNKS:
-            errors.append(f"{where}: {len(pieces)} chunks, more than the {MAX_CHUNKS} a pipeline may have")
+            self.errors.append(f"{self.where}: {len(pieces)} chunks, more than the {MAX_CHUNKS} a pipeline may have")
             return None
-        key = (where, order, tuple(tuple(map(tuple, c)) for c in pieces))
-        b = builds.get(key)
+        key = (self.where, order, tuple(tuple(map(tuple, c)) for c in pieces))
+        b = self.builds.get(key)
         if b is None:
             # would end past the deadline: building grows about linearly with the chunks (12 to
             # 2,300 chunks: 0.15-0.6 ms each), priced from the largest candidate of its order built so
@@ -298,191 +344,171 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
                     max(record.values(), key=lambda x: x[1] / x[0], default=(1, 0.0))
                 return time.perf_counter() + secs * max(1.0, len(pieces) / n)
 
-            if best is not None and deadline is not None and ends(priced) > deadline and not always:
+            if self.best is not None and self.deadline is not None and ends(self.priced) > self.deadline \
+                    and not always:
                 return None
-            if give_up is not None and ends(builds.priced or {order: (1, CHUNK_STAGE_S * pc.pp)}, True) > give_up:
-                if best is None:
-                    raise gave_up()
+            if self.give_up is not None and \
+                    ends(self.builds.priced or {order: (1, CHUNK_STAGE_S * self.pc.pp)}, True) > self.give_up:
+                if self.best is None:
+                    raise self.gave_up()
                 return None
             t0 = time.perf_counter()
             try:
-                b = build_pipeline(pieces, pc, search_recompute, opts.ties != "untied", where=where, order=order)
+                b = build_pipeline(pieces, self.pc, self.search_recompute, self.opts.ties != "untied",
+                                   where=self.where, order=order)
             except InfeasibleError as e:
                 b = str(e)
-            builds.keep(key, b, pc.pp)
+            self.builds.keep(key, b, self.pc.pp)
             took = (len(pieces), time.perf_counter() - t0)
-            for record in (priced, builds.priced):  # (an infeasible build took its time too)
+            for record in (self.priced, self.builds.priced):  # (an infeasible build took its time too)
                 if len(pieces) >= max(record.get(order, (0,))[0], PRICED_CHUNKS):
                     record[order] = took
         if isinstance(b, str):
-            errors.append(b)
+            self.errors.append(b)
             return None
         b = dataclasses.replace(b)  # (this search's own labels: slices, ramp)
         b.slices, b.recipe = slices, recipe
         b.ramp = _ramp_note(*ramp)
-        if best is None or b.makespan_ms < best.makespan_ms - 1e-9:
-            best = b
+        if self.best is None or b.makespan_ms < self.best.makespan_ms - 1e-9:
+            self.best = b
         return b
 
-    longest = int(lengths[seq_ids].max())
-    likeliest_chunks = pipeline_estimate(lengths[seq_ids], pc, opts.min_slice_tokens)[1]  # (the search's first guesses)
-    g = max(1, int(opts.granularity))
-    # memory: each sequence's slice cap, the most tokens per slice that let it fit alone (None:
-    # it fits unsliced); ``capped`` when no equal-time slicing of the search's lets the longest
-    # fit, so every long sequence is cut on its own token-capped mesh
-    fit_caps: dict[int, int | None] = {}
+    def chunked(self, target: float, cap: float, mesh_cap, ramp):
+        return _chunked(self.seq_ids, self.lengths, self.pc, self.opts, self.builds, target, cap, mesh_cap, ramp)
 
-    def cap_of(s: int) -> int | None:
-        if s not in fit_caps:
-            fit_caps[s] = fit_cap(s, pc, opts.granularity)
-        return fit_caps[s]
-
-    slice_cap = cap_of(longest)
-    capped = slice_cap is not None and fewest_slices(longest, pc, opts.granularity, opts.min_slice_tokens) is None
-
-    ramped: list[tuple] = []  # the chunkings (best_ch) whose other ramps were tried
-
-    def chunked(target: float, cap: float, mesh_cap, ramp):
-        return _chunked(seq_ids, lengths, pc, opts, builds, target, cap, mesh_cap, ramp)
-
-    def other_ramps() -> None:
+    def other_ramps(self) -> None:
         """Step 2's ramps at the best target so far, once per chunking."""
-        if best_ch is None or best_ch in ramped:
+        if self.best_ch is None or self.best_ch in self.ramped:
             return
-        ramped.append(best_ch)
-        for ramp in ramps[1:]:
-            if late():
+        self.ramped.append(self.best_ch)
+        for ramp in self.ramps[1:]:
+            if self.late():
                 break
-            ch, pieces = chunked(*best_ch, ramp)
-            consider(pieces, ch.slices, orders[0], ramp, recipe=_recipe(*best_ch, ramp))
+            ch, pieces = self.chunked(*self.best_ch, ramp)
+            self.consider(pieces, ch.slices, self.orders[0], ramp, recipe=_recipe(*self.best_ch, ramp))
 
-    def search(mesh_cap) -> tuple[list[float], list[float]]:
-        """The chunk-time targets x token caps; returns (targets, finite caps). After the first
-        cap's targets, the best one's other ramps (a few chunks' change, which finer caps, a
+    def other_orders(self) -> None:
+        """Step 2's other order, on the best candidate's chunks."""
+        for order in self.orders[1:]:
+            if self.late():
+                break
+            top = self.best
+            self.consider(top.pieces, top.slices, order, ((), ()), recipe=top.recipe)
+            if self.best is not top:
+                self.best.ramp = top.ramp
+
+    def search(self, mesh_cap) -> tuple[list[float], list[float]]:
+        """Step 1, the chunk-time targets x token caps; returns (targets, finite caps). After the
+        first cap's targets, the best one's other ramps (a few chunks' change, which finer caps, a
         last resort where memory binds, rarely beat: they came first in a full search)."""
-        nonlocal best_ch
-        targets = _targets(seq_ids, lengths, pc, opts, likeliest_chunks, capped=mesh_cap is not None)
-        caps = _token_caps(seq_ids, lengths, pc)
+        targets = _targets(self.seq_ids, self.lengths, self.pc, self.opts, self.likeliest_chunks,
+                           capped=mesh_cap is not None)
+        caps = _token_caps(self.seq_ids, self.lengths, self.pc)
         if mesh_cap is not None:
-            caps = [c for c in caps if c > slice_cap] + [float(slice_cap)]
+            caps = [c for c in caps if c > self.slice_cap] + [float(self.slice_cap)]
         finite = [c for c in caps if math.isfinite(c)]
         # near the memory limit, finer caps as a last resort
-        fallback = [min(finite, default=float(longest)) / 2 ** i for i in (1, 2)]
+        fallback = [min(finite, default=float(self.longest)) / 2 ** i for i in (1, 2)]
         for ci, cap in enumerate(caps + fallback):
-            if ci >= len(caps) and best is not None:
+            if ci >= len(caps) and self.best is not None:
                 break
-            if ci and best is not None and not best.recompute.any():
+            if ci and self.best is not None and not self.best.recompute.any():
                 break  # a smaller cap only adds chunks when memory does not bind
-            for target in targets[:PROBE_TARGETS if probe else max(1, opts.search_targets)]:
-                if late() or hurry():
+            for target in targets[:PROBE_TARGETS if self.probe else max(1, self.opts.search_targets)]:
+                if self.late() or self.hurry():
                     break
-                ch, pieces = chunked(target, cap, mesh_cap, ramps[0])
-                before = best
-                got = consider(pieces, ch.slices, orders[0], ramps[0], recipe=_recipe(target, cap, mesh_cap, ramps[0]))
-                if (got is None or got.recompute.any() or got.held) and len(orders) > 1 and not late():
+                ch, pieces = self.chunked(target, cap, mesh_cap, self.ramps[0])
+                before = self.best
+                got = self.consider(pieces, ch.slices, self.orders[0], self.ramps[0],
+                                    recipe=_recipe(target, cap, mesh_cap, self.ramps[0]))
+                if (got is None or got.recompute.any() or got.held) and len(self.orders) > 1 and not self.late():
                     # memory binds: the plain chunking in elastic 1F1B order, whose recompute ties
                     # along its diagonals, may beat list scheduling held back by memory
-                    consider(ch.chunks, ch.slices, orders[1], recipe=_recipe(target, cap, mesh_cap, ((), ())))
-                if best is not before:
-                    best_ch = (target, cap, mesh_cap)
-            if ci == 0 and not probe:
-                other_ramps()
+                    self.consider(ch.chunks, ch.slices, self.orders[1], recipe=_recipe(target, cap, mesh_cap, ((), ())))
+                if self.best is not before:
+                    self.best_ch = (target, cap, mesh_cap)
+            if ci == 0 and not self.probe:
+                self.other_ramps()
         return targets, finite
 
-    def packed_slices() -> None:
+    def packed_slices(self) -> None:
         """Step 0: packs of the context length or 1-2x the longest sequence, cut into k
         equal-compute slices (each slice holds at most one continued piece, so the tail rule holds);
         a probe, the context-length packs cut as below, then whole. First, the context-length packs
         cut into the chunks the 1F1B estimate finds best (``grouping.pipeline_estimate``), over the packs: it
         was the best k of packs cut into 4-32 within 1-4% (gpt-7b on 4 x 8 at 96K: 12 estimated,
         38.9 s built, 39.5 s at 8; gpt-13b on 8 x 8 at 192K: 24.8, 39.0 s, 43.4 s at 8)."""
-        base_cap = pack_capacity(seq_ids, lengths, opts)
-        caps = {base_cap} | {-(-int(longest * f) // 1024) * 1024 for f in (1, 1.5, 2)}
-
-        likeliest = max(1, round(likeliest_chunks / len(_packed(seq_ids, lengths, pc, builds, base_cap))))
+        opts, probe = self.opts, self.probe
+        base_cap = pack_capacity(self.seq_ids, self.lengths, opts)
+        caps = {base_cap} | {-(-int(self.longest * f) // 1024) * 1024 for f in (1, 1.5, 2)}
+        packs = len(_packed(self.seq_ids, self.lengths, self.pc, self.builds, base_cap))
+        likeliest = max(1, round(self.likeliest_chunks / packs))
         first = [(base_cap, likeliest)] if likeliest > 1 else []
         for cap, k in first + [(base_cap, min(opts.pack_slices))] if probe else first + [
                 (c, k) for c in sorted(caps)
                 for k in sorted(set(opts.pack_slices) | (set(opts.seq1f1b_slices) if c == base_cap else set()))
                 if (c, k) not in first]:
-            if not probe and (late() or hurry()):  # (a probe's packs are built even in a hurry: a few chunks)
+            if not probe and (self.late() or self.hurry()):  # (a probe's packs are built even in a hurry: a few chunks)
                 break
-            if capped and longest / k > slice_cap:
+            if self.capped and self.longest / k > self.slice_cap:
                 continue  # the longest sequence's slices cannot fit
-            pieces = _packed(seq_ids, lengths, pc, builds, cap, k)
+            pieces = _packed(self.seq_ids, self.lengths, self.pc, self.builds, cap, k)
             got = None
-            for order in (orders if cap == base_cap else orders[:1]):
+            for order in (self.orders if cap == base_cap else self.orders[:1]):
                 # (a probe, late, builds them all the same: in its first order, and in the other where
                 # memory binds, as in the targets' search)
-                if not late() or (probe and (got is None or got.recompute.any() or got.held)):
+                if not self.late() or (probe and (got is None or got.recompute.any() or got.held)):
                     # (slices < 0: a packed-slice chunking)
-                    got = consider(pieces, -k, order, always=probe, recipe=("packs", cap, k))
+                    got = self.consider(pieces, -k, order, always=probe, recipe=("packs", cap, k))
 
-    if whole_packs or not probe:  # (a probe measures the targets' chunkings: the grouping hangs on them)
-        packed_slices()
-    targets, finite = search(cap_of if capped else None)
-
-    def capped_slices(t: int):  # chunks of targets[0]'s time and t tokens, each sequence's slices within its cap
-        return balanced_chunks(seq_ids, lengths, pc, targets[0], float(t), opts.granularity, opts.fit,
+    def capped_slices(self, target: float, t: int):
+        """Chunks of ``target``'s time and ``t`` tokens, each sequence's slices within its cap."""
+        opts = self.opts
+        return balanced_chunks(self.seq_ids, self.lengths, self.pc, target, float(t), opts.granularity, opts.fit,
                                min_tail=opts.granularity,
-                               max_slice_tokens=cap_of if t == slice_cap else lambda s, t=t: min(t, cap_of(s) or s))
+                               max_slice_tokens=self.cap_of if t == self.slice_cap
+                               else lambda s, t=t: min(t, self.cap_of(s) or s))
 
-    if pc.pp == 1 and slice_cap is not None and not capped and not hurry():
-        # one stage: the fewest chunks win, so each long sequence cut only where memory needs it
-        # (llama-13b, SP 8, 96K: a 98K sequence in 2 slices at its cap, 71.5 s; equal-time
-        # slices fitted at 4, 73.7 s), built whatever the deadline (a few chunks)
-        ch = capped_slices(slice_cap)
-        consider(ch.chunks, ch.slices, orders[0], always=True)
-    probed = probe
-    if best is None and slice_cap is not None and not capped and not hurry():
-        targets, finite = search(cap_of)  # no equal-time mesh worked: cap the slices
-    if best_ch is not None:
-        other_ramps()
-        for order in orders[1:]:
-            if late():
+    def last_resort(self, target: float, finite: list[float]) -> None:
+        """Step 3, until something fits (in a hurry, the search built nothing): whole sequences
+        where the longest fits whole (a group of short ones has no slicing to try), then every slice
+        and chunk within the longest sequence's slice cap, then finer, down to the finest slicing;
+        where that makes more than MAX_CHUNKS (each sequence at its own slice cap: 9,650 for 205
+        lengths up to 105K), the fewest equal-time slices that let the longest sequence fit, chunks
+        uncapped. ``target``: the search's likeliest chunk time; ``finite``: its token caps."""
+        pc, opts, longest = self.pc, self.opts, self.longest
+
+        def uncapped(chunk_ms: float) -> None:
+            ch = balanced_chunks(self.seq_ids, self.lengths, pc, chunk_ms, math.inf, opts.granularity, opts.fit,
+                                 min_tail=opts.granularity)
+            self.consider_each_order(ch)
+
+        if self.slice_cap is None:  # the longest fits whole: whole sequences first, chunks of its time
+            uncapped(float(pc.prefix_ms(longest)))
+        t = self.slice_cap or int(min(finite, default=longest)) // 2
+        finest = finest_slice(longest, max(1, int(opts.granularity)))
+        made = (0.0, t)  # (seconds, token cap) of the last chunking: one at cap t takes about cap / t times that
+        while self.best is None and t >= finest:
+            if self.give_up is not None and time.perf_counter() + made[0] * made[1] / t > self.give_up:
+                raise self.gave_up()
+            t0 = time.perf_counter()
+            ch = self.capped_slices(target, t)  # (first each sequence at its own cap)
+            made = (time.perf_counter() - t0, t)
+            if len(ch.chunks) > MAX_CHUNKS:  # (refused, and finer slices only make more: ~0.4 s a try past the limit)
+                self.errors.append(f"{self.where}: {len(ch.chunks)} chunks, more than the {MAX_CHUNKS} a pipeline "
+                                   f"may have")
+                if not self.capped:
+                    k = fewest_slices(longest, pc, opts.granularity, opts.min_slice_tokens) or 1
+                    uncapped(float(pc.prefix_ms(longest)) / k)
                 break
-            top = best
-            consider(top.pieces, top.slices, order, ((), ()), recipe=top.recipe)
-            if best is not top:
-                best.ramp = top.ramp
-    # last resort, until something fits (in a hurry, the search built nothing): whole sequences where
-    # the longest fits whole (a group of short ones has no slicing to try), then every slice and
-    # chunk within the longest sequence's slice cap, then finer, down to the finest slicing; where
-    # that makes more than MAX_CHUNKS (each sequence at its own slice cap: 9,650 for 205 lengths up
-    # to 105K), the fewest equal-time slices that let the longest sequence fit, chunks uncapped
-    if best is None and slice_cap is None:  # the longest fits whole: whole sequences first, chunks of its time
-        ch = balanced_chunks(seq_ids, lengths, pc, float(pc.prefix_ms(longest)), math.inf, opts.granularity, opts.fit,
-                             min_tail=opts.granularity)
-        for order in orders:
-            if best is None:
-                consider(ch.chunks, ch.slices, order)
-    t = slice_cap or int(min(finite, default=longest)) // 2
-    finest = finest_slice(longest, g)
-    made = (0.0, t)  # (seconds, token cap) of the last chunking: one at cap t takes about cap / t times that
-    while best is None and t >= finest:
-        if give_up is not None and time.perf_counter() + made[0] * made[1] / t > give_up:
-            raise gave_up()
-        t0 = time.perf_counter()
-        ch = capped_slices(t)  # (first each sequence at its own cap)
-        made = (time.perf_counter() - t0, t)
-        if len(ch.chunks) > MAX_CHUNKS:  # (refused, and finer slices only make more: ~0.4 s a try past the limit)
-            errors.append(f"{where}: {len(ch.chunks)} chunks, more than the {MAX_CHUNKS} a pipeline may have")
-            if not capped:
-                k = fewest_slices(longest, pc, opts.granularity, opts.min_slice_tokens) or 1
-                ch = balanced_chunks(seq_ids, lengths, pc, float(pc.prefix_ms(longest)) / k, math.inf,
-                                     opts.granularity, opts.fit, min_tail=opts.granularity)
-                for order in orders:
-                    if best is None:
-                        consider(ch.chunks, ch.slices, order)
-            break
-        for order in orders:
-            if best is None:
-                consider(ch.chunks, ch.slices, order)
-        t = max(t // 2, finest) if t > finest else 0
-    if best is None:
-        raise InfeasibleError((errors[-1] if errors else f"{where}: no feasible chunking") + "; "
-                              + what_to_change(pc, opts.granularity, opts.recompute))
-    return best
+            self.consider_each_order(ch)
+            t = max(t // 2, finest) if t > finest else 0
+
+    def consider_each_order(self, ch) -> None:
+        """``ch``'s chunks in each order, until one fits."""
+        for order in self.orders:
+            if self.best is None:
+                self.consider(ch.chunks, ch.slices, order)
 
 
 __all__ = ["CHUNK_STAGE_S", "FEW_CHUNKS", "KEPT_CHUNK_STAGES", "KEPT_PIECES", "MAX_CHUNKS", "PRICED_CHUNKS",
