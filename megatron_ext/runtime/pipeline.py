@@ -201,16 +201,10 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
     every sequence for it). ``cost``: the run's cost model, whose times order the messages as the
     simulator runs the step (``sim.simulated_op_times``; without it, ``default_op_time``'s). Every
     rank must call it with the same plan and cost model."""
-    import torch
     import torch.distributed as dist
-    from megatron.core.pipeline_parallel.schedules import backward_step, deallocate_output_tensor, forward_step
-    from megatron.core.utils import get_model_config, get_model_type
+    from megatron.core.utils import get_model_config
 
     from megatron_ext.plan.validate import replica_groups
-    from megatron_ext.runtime.device import rank_device
-    from megatron_ext.runtime.slices import PrefixKVCache
-    from megatron_ext.runtime.forward import forward_step as chunk_forward_step
-    from megatron_ext.runtime.timing import DeviceClock
 
     config = get_model_config(model)
     if not config.calculate_per_token_loss:
@@ -218,11 +212,10 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
                          "normalisation makes every chunking give the same loss)")
     st = _Stage(plan.pipelines[0].sp_degree if plan.pipelines else None, sp_groups)
     lengths = [len(s) for s in batch] if lengths is None else [int(n) for n in lengths]
-    block = unwrap_model(model).decoder
     if schedules is None:
-        schedules = build_schedules(plan, lengths, st.P, st.sp, block.num_layers_per_pipeline_rank,
-                                    op_time_of=simulated_op_times(cost) if cost is not None else None,
-                                    forward_only=forward_only)
+        layers = unwrap_model(model).decoder.num_layers_per_pipeline_rank
+        schedules = build_schedules(plan, lengths, st.P, st.sp, layers, forward_only=forward_only,
+                                    op_time_of=simulated_op_times(cost) if cost is not None else None)
     # this rank's replica's pipelines (by their index in the plan); a replica may have none and
     # then only takes part in the gradient reduction
     replicas = replica_groups(plan, dist.get_world_size())
@@ -233,167 +226,227 @@ def forward_backward_elastic(plan: StepPlan, batch: Sequence, model, *, pad_id: 
         raise InvalidPlanError(f"replica{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} of the plan "
                                f"run{'' if len(idle) > 1 else 's'} no pipeline: not supported with DDP's "
                                f"overlap_grad_reduce")
-    schedules = [(i, schedules[i]) for i in replicas[st.replica]]
-    several = len(schedules) > 1  # the simulator names ops by pipeline only then
-    step_func = forward_step_func or chunk_forward_step
-    dtype = config.pipeline_dtype or config.params_dtype
-    hidden = config.hidden_size
-    model_type = get_model_type(model)
-    n_chunks = sum(len(s.chunks) for _, s in schedules)
-    stats = PipelineStepStats(replica=st.replica)
-    device = rank_device() if device is None else device
-    clock = DeviceClock(device)
-    began = clock.mark()
-    op_marks: list[tuple[str, object, object]] = []  # (op name, start, end): read once, after the step
-    wait_marks: list[tuple[object, object]] = []
-    store: list = []
-    total_tokens = torch.zeros((), dtype=torch.int, device=device)
-
-    no_sync = config.no_sync_func or contextlib.nullcontext
-    sync_ctx = None
-    if not forward_only:
-        sync_ctx = no_sync()
-        sync_ctx.__enter__()
-    last_b = None  # (pipeline index, step index) of this rank's last backward
-    if not forward_only:
-        for i, s in schedules:
-            for j, ps in enumerate(s.program(st.p)):
-                if ps.op and ps.op[0] == BWD:
-                    last_b = (i, j)
-
-    tag_base = 0
-    first_forward = True
-    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    live_bytes: dict[int, int] = {}  # chunk -> bytes saved for its backward, while in flight
+    run = _ElasticStep(model, config, st, [(i, schedules[i]) for i in replicas[st.replica]], batch, pad_id,
+                       forward_only, device, forward_step_func)
     try:
-        for pi, sched in schedules:
-            cache = PrefixKVCache()
-            saved: dict[int, tuple] = {}  # chunk -> (input tensor, output tensor)
-            outgoing: dict[tuple[str, int], object] = {}  # (kind, chunk) -> tensor to send
-            received: dict[tuple[str, int], object] = {}
-            sends: list[tuple[object, object, tuple]] = []  # (work, tensor, (kind, chunk))
-            d = sched.sp_degree
-
-            def shape(c):
-                return (sched.chunks[c].padded(d) // d, 1, hidden)
-
-            def sent(t, key):
-                """A send is done: free the sent activation's data when megatron's
-                deallocate_pipeline_outputs is on (its backward then expects it freed)."""
-                if key[0] == "act" and config.deallocate_pipeline_outputs and key[1] in saved:
-                    deallocate_output_tensor(t, True)
-
-            def reap(force_key=None):
-                """Retire completed sends (and the send of ``force_key``, waiting for it)."""
-                keep = []
-                for work, t, key in sends:
-                    if key == force_key or work.is_completed():
-                        work.wait()
-                        sent(t, key)
-                    else:
-                        keep.append((work, t, key))
-                sends[:] = keep
-
-            for j, step in enumerate(sched.program(st.p)):
-                t0, nvtx = clock.mark(), clock.range_start("p2p") if step.comm else None
-                posts = []  # (role, key, tensor, P2POp), in the global message order
-                for m, role in step.comm:
-                    key = (m.kind, m.chunk)
-                    if role == "send":
-                        t = outgoing.pop(key)
-                        peer = st.next_rank if m.kind == "act" else st.prev_rank
-                        posts.append((role, key, t, dist.P2POp(dist.isend, t, peer, group=st.pp_group,
-                                                               tag=tag_base + m.index)))
-                    else:
-                        t = torch.empty(shape(m.chunk), dtype=dtype, device=device)
-                        peer = st.prev_rank if m.kind == "act" else st.next_rank
-                        posts.append((role, key, t, dist.P2POp(dist.irecv, t, peer, group=st.pp_group,
-                                                               tag=tag_base + m.index)))
-                if posts:
-                    works = dist.batch_isend_irecv([x[3] for x in posts])
-                    if len(works) != len(posts):  # a coalesced batch (NCCL): one handle for all
-                        for w in works:
-                            w.wait()
-                        works = [None] * len(posts)
-                    for (role, key, t, _), w in zip(posts, works):
-                        if role == "send":
-                            if w is not None:
-                                sends.append((w, t, key))
-                            else:  # (waited for with its batch: stream-ordered, so freed now)
-                                sent(t, key)
-                        else:
-                            if w is not None:
-                                w.wait()
-                            received[key] = t
-                reap()
-                wait_marks.append((t0, clock.mark()))
-                clock.range_end(nvtx)
-                if step.op is None:
-                    break
-                kind, c = step.op
-                label = op_name(kind, c) + (f" of pipeline {pi}" if several else "")
-                t1, nvtx = clock.mark(), clock.range_start(label)  # Nsight: the op over its kernels
-                if kind == FWD:
-                    layout = sched.chunks[c]
-                    inp = chunk_input(layout, batch, st.sp_group, cache, pad_id, device,
-                                      read=st.first or st.last)  # (the embedding, the loss)
-                    x = received.pop(("act", c), None)
-                    if x is not None and not forward_only:
-                        x.requires_grad_(True)
-                    n_rec = layout.recompute[st.p] if layout.recompute and not forward_only else 0
-                    grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
-                    chunk_saved: dict[int, int] = {}
-
-                    def count_saved(t, chunk_saved=chunk_saved):
-                        if t.untyped_storage().data_ptr() not in param_ptrs:
-                            chunk_saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-
-                    with grad_ctx, recompute_layers(model, n_rec), counted(count_saved):
-                        out, num_tokens = forward_step(step_func, iter([inp]), model, n_chunks, x, store,
-                                                       config, 1, is_first_microbatch=first_forward,
-                                                       is_last_stage=st.last)
-                    live_bytes[c] = sum(chunk_saved.values())
-                    stats.activation_peak_bytes = max(stats.activation_peak_bytes,
-                                                      sum(live_bytes.values()) + cache.nbytes())
-                    first_forward = False
-                    total_tokens += num_tokens
-                    if not st.last:
-                        outgoing[("act", c)] = out
-                    if not forward_only:
-                        saved[c] = (x, out)
-                    stats.prefix_cache_peak_bytes = max(stats.prefix_cache_peak_bytes, cache.nbytes())
-                else:
-                    reap(force_key=("act", c))
-                    live_bytes.pop(c, None)
-                    x, out = saved.pop(c)
-                    g = received.pop(("grad", c), None)
-                    if last_b == (pi, j) and sync_ctx is not None:
-                        sync_ctx.__exit__(None, None, None)
-                        sync_ctx = None
-                    gx = backward_step(x, out, g, model_type, config)
-                    if not st.first:
-                        outgoing[("grad", c)] = gx
-                op_marks.append((label, t1, clock.mark()))
-                clock.range_end(nvtx)
-            for work, _, _ in sends:
-                work.wait()
-            if outgoing or received:
-                raise RuntimeError(f"pipeline {pi}: messages left over on stage {st.p}: "
-                                   f"{sorted(outgoing)} to send, {sorted(received)} received")
-            if not forward_only and len(cache):
-                raise RuntimeError(f"pipeline {pi}: prefix K/V of {cache.keys()} still cached after the backward")
-            cache.clear()
-            tag_base += len(sched.messages)
+        for pi, sched in run.schedules:
+            run.pipeline(pi, sched)
     finally:
-        if sync_ctx is not None:
-            sync_ctx.__exit__(None, None, None)
-
-    stats.ops = [(name, clock.seconds(a, b)) for name, a, b in op_marks]
-    stats.op_starts_s = [clock.seconds(began, a) for _, a, _ in op_marks]
-    stats.comm_wait_s = sum(clock.seconds(a, b) for a, b in wait_marks)
+        run.end_no_sync()
+    run.time_ops()
     if finalize and not forward_only and config.finalize_model_grads_func is not None:
-        config.finalize_model_grads_func([model], total_tokens if config.calculate_per_token_loss else None)
-    return store, stats
+        config.finalize_model_grads_func([model], run.total_tokens if config.calculate_per_token_loss else None)
+    return run.store, run.stats
+
+
+class _ElasticStep:
+    """One ``forward_backward_elastic`` call on this rank: its pipelines run one after another
+    (``pipeline``), each step of a stage's program a batch of messages (``_exchange``) then its
+    op (``_forward`` / ``_backward``); megatron's outputs, the token count and the op timings."""
+
+    def __init__(self, model, config, st: _Stage, schedules: list[tuple[int, PipelineSchedule]], batch: Sequence,
+                 pad_id: int, forward_only: bool, device, step_func: Optional[Callable]):
+        import torch
+        from megatron.core.utils import get_model_type
+
+        from megatron_ext.runtime.device import rank_device
+        from megatron_ext.runtime.forward import forward_step as chunk_forward_step
+        from megatron_ext.runtime.timing import DeviceClock
+
+        self.model, self.config, self.st, self.schedules = model, config, st, schedules
+        self.batch, self.pad_id, self.forward_only = batch, pad_id, forward_only
+        self.step_func = step_func or chunk_forward_step
+        self.several = len(schedules) > 1  # the simulator names ops by pipeline only then
+        self.dtype = config.pipeline_dtype or config.params_dtype
+        self.model_type = get_model_type(model)
+        self.n_chunks = sum(len(s.chunks) for _, s in schedules)
+        self.stats = PipelineStepStats(replica=st.replica)
+        self.device = rank_device() if device is None else device
+        self.clock = DeviceClock(self.device)
+        self.began = self.clock.mark()
+        self.op_marks: list[tuple[str, object, object]] = []  # (op name, start, end): read once, after the step
+        self.wait_marks: list[tuple[object, object]] = []
+        self.store: list = []
+        self.total_tokens = torch.zeros((), dtype=torch.int, device=self.device)
+        self.sync_ctx = None  # megatron's no_sync, left at this rank's last backward (the grads reduce then)
+        self.last_b = None  # (pipeline index, step index) of this rank's last backward
+        if not forward_only:
+            self.sync_ctx = (config.no_sync_func or contextlib.nullcontext)()
+            self.sync_ctx.__enter__()
+            for i, sched in schedules:
+                for j, ps in enumerate(sched.program(st.p)):
+                    if ps.op and ps.op[0] == BWD:
+                        self.last_b = (i, j)
+        self.tag_base = 0  # the pipelines' messages are tagged one after another
+        self.first_forward = True
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.live_bytes: dict[int, int] = {}  # chunk -> bytes saved for its backward, while in flight
+
+    def end_no_sync(self) -> None:
+        if self.sync_ctx is not None:
+            self.sync_ctx.__exit__(None, None, None)
+            self.sync_ctx = None
+
+    def pipeline(self, pi: int, sched: PipelineSchedule) -> None:
+        """Pipeline ``pi``'s program on this rank's stage, to its end: every message sent and received."""
+        from megatron_ext.runtime.slices import PrefixKVCache
+
+        st, clock = self.st, self.clock
+        cache = PrefixKVCache()
+        saved: dict[int, tuple] = {}  # chunk -> (input tensor, output tensor)
+        msgs = _Messages(self.config, saved)
+        for j, step in enumerate(sched.program(st.p)):
+            self._exchange(step, sched, msgs)
+            if step.op is None:
+                break
+            kind, c = step.op
+            label = op_name(kind, c) + (f" of pipeline {pi}" if self.several else "")
+            t1, nvtx = clock.mark(), clock.range_start(label)  # Nsight: the op over its kernels
+            if kind == FWD:
+                self._forward(sched, c, cache, msgs, saved)
+            else:
+                self._backward((pi, j), c, msgs, saved)
+            self.op_marks.append((label, t1, clock.mark()))
+            clock.range_end(nvtx)
+        for work, _, _ in msgs.sends:
+            work.wait()
+        if msgs.outgoing or msgs.received:
+            raise RuntimeError(f"pipeline {pi}: messages left over on stage {st.p}: "
+                               f"{sorted(msgs.outgoing)} to send, {sorted(msgs.received)} received")
+        if not self.forward_only and len(cache):
+            raise RuntimeError(f"pipeline {pi}: prefix K/V of {cache.keys()} still cached after the backward")
+        cache.clear()
+        self.tag_base += len(sched.messages)
+
+    def _exchange(self, step, sched: PipelineSchedule, msgs: _Messages) -> None:
+        """The step's messages, posted in the global order as one ``batch_isend_irecv``; receives
+        waited for, finished sends retired."""
+        import torch
+        import torch.distributed as dist
+
+        st, hidden, d = self.st, self.config.hidden_size, sched.sp_degree
+        t0, nvtx = self.clock.mark(), self.clock.range_start("p2p") if step.comm else None
+        posts = []  # (role, key, tensor, P2POp), in the global message order
+        for m, role in step.comm:
+            key = (m.kind, m.chunk)
+            if role == "send":
+                t = msgs.outgoing.pop(key)
+                peer = st.next_rank if m.kind == "act" else st.prev_rank
+                posts.append((role, key, t, dist.P2POp(dist.isend, t, peer, group=st.pp_group,
+                                                       tag=self.tag_base + m.index)))
+            else:
+                t = torch.empty((sched.chunks[m.chunk].padded(d) // d, 1, hidden), dtype=self.dtype,
+                                device=self.device)
+                peer = st.prev_rank if m.kind == "act" else st.next_rank
+                posts.append((role, key, t, dist.P2POp(dist.irecv, t, peer, group=st.pp_group,
+                                                       tag=self.tag_base + m.index)))
+        if posts:
+            works = dist.batch_isend_irecv([x[3] for x in posts])
+            if len(works) != len(posts):  # a coalesced batch (NCCL): one handle for all
+                for w in works:
+                    w.wait()
+                works = [None] * len(posts)
+            for (role, key, t, _), w in zip(posts, works):
+                if role == "send":
+                    if w is not None:
+                        msgs.sends.append((w, t, key))
+                    else:  # (waited for with its batch: stream-ordered, so freed now)
+                        msgs.sent(t, key)
+                else:
+                    if w is not None:
+                        w.wait()
+                    msgs.received[key] = t
+        msgs.reap()
+        self.wait_marks.append((t0, self.clock.mark()))
+        self.clock.range_end(nvtx)
+
+    def _forward(self, sched: PipelineSchedule, c: int, cache, msgs: _Messages, saved: dict) -> None:
+        """Chunk ``c``'s forward through megatron's ``forward_step``, its plan's layers recomputed;
+        what autograd saves for its backward counted."""
+        import torch
+        from megatron.core.pipeline_parallel.schedules import forward_step
+
+        st, forward_only = self.st, self.forward_only
+        layout = sched.chunks[c]
+        inp = chunk_input(layout, self.batch, st.sp_group, cache, self.pad_id, self.device,
+                          read=st.first or st.last)  # (the embedding, the loss)
+        x = msgs.received.pop(("act", c), None)
+        if x is not None and not forward_only:
+            x.requires_grad_(True)
+        n_rec = layout.recompute[st.p] if layout.recompute and not forward_only else 0
+        grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
+        chunk_saved: dict[int, int] = {}
+
+        def count_saved(t):
+            if t.untyped_storage().data_ptr() not in self.param_ptrs:
+                chunk_saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+
+        with grad_ctx, recompute_layers(self.model, n_rec), counted(count_saved):
+            out, num_tokens = forward_step(self.step_func, iter([inp]), self.model, self.n_chunks, x, self.store,
+                                           self.config, 1, is_first_microbatch=self.first_forward,
+                                           is_last_stage=st.last)
+        self.live_bytes[c] = sum(chunk_saved.values())
+        self.stats.activation_peak_bytes = max(self.stats.activation_peak_bytes,
+                                               sum(self.live_bytes.values()) + cache.nbytes())
+        self.first_forward = False
+        self.total_tokens += num_tokens
+        if not st.last:
+            msgs.outgoing[("act", c)] = out
+        if not forward_only:
+            saved[c] = (x, out)
+        self.stats.prefix_cache_peak_bytes = max(self.stats.prefix_cache_peak_bytes, cache.nbytes())
+
+    def _backward(self, at: tuple[int, int], c: int, msgs: _Messages, saved: dict) -> None:
+        """Chunk ``c``'s backward through megatron's ``backward_step`` (``at``: its pipeline and
+        program step; at this rank's last backward, the gradients' reduction is let through)."""
+        from megatron.core.pipeline_parallel.schedules import backward_step
+
+        msgs.reap(force_key=("act", c))
+        self.live_bytes.pop(c, None)
+        x, out = saved.pop(c)
+        g = msgs.received.pop(("grad", c), None)
+        if self.last_b == at:
+            self.end_no_sync()
+        gx = backward_step(x, out, g, self.model_type, self.config)
+        if not self.st.first:
+            msgs.outgoing[("grad", c)] = gx
+
+    def time_ops(self) -> None:
+        """The op timings, read off the clock once the step is done."""
+        clock, stats = self.clock, self.stats
+        stats.ops = [(name, clock.seconds(a, b)) for name, a, b in self.op_marks]
+        stats.op_starts_s = [clock.seconds(self.began, a) for _, a, _ in self.op_marks]
+        stats.comm_wait_s = sum(clock.seconds(a, b) for a, b in self.wait_marks)
+
+
+class _Messages:
+    """One pipeline's messages on this rank: tensors to send (by kind and chunk), those received,
+    and the sends in flight (awaited lazily: gloo progresses them on its own)."""
+
+    def __init__(self, config, saved: dict):
+        self.config, self.saved = config, saved
+        self.outgoing: dict[tuple[str, int], object] = {}  # (kind, chunk) -> tensor to send
+        self.received: dict[tuple[str, int], object] = {}
+        self.sends: list[tuple[object, object, tuple]] = []  # (work, tensor, (kind, chunk))
+
+    def sent(self, t, key) -> None:
+        """A send is done: free the sent activation's data when megatron's
+        deallocate_pipeline_outputs is on (its backward then expects it freed)."""
+        from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
+
+        if key[0] == "act" and self.config.deallocate_pipeline_outputs and key[1] in self.saved:
+            deallocate_output_tensor(t, True)
+
+    def reap(self, force_key=None) -> None:
+        """Retire completed sends (and the send of ``force_key``, waiting for it)."""
+        keep = []
+        for work, t, key in self.sends:
+            if key == force_key or work.is_completed():
+                work.wait()
+                self.sent(t, key)
+            else:
+                keep.append((work, t, key))
+        self.sends[:] = keep
 
 
 __all__ = ["PipelineStepStats", "chunk_input", "forward_backward_elastic", "recompute_layers"]
