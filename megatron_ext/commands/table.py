@@ -45,15 +45,14 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
     "config": what was run, "plans": {planner: (plan, lengths)} of the first step if ``keep_plans``}.
     ``lengths`` (one batch) overrides ``dist``/``batch``/``steps``; ``data`` (Megatron indexed
     datasets: the values of ``--data-path``, a prefix or a blend) replaces ``dist`` with the batches
-    of a training run on them: documents over ``max_seq_len`` cut into pieces, shuffled by ``seed``. ``main`` (default: the first
-    planner) is the one the speedups are relative to. ``options`` is a PipelineOptions for the
+    of a training run on them: documents over ``max_seq_len`` cut into pieces, shuffled by
+    ``seed``. ``main`` (default: the first planner) is the one the speedups are relative to. ``options`` is a PipelineOptions for the
     pipeline planners (b1_scale, memory_mb, ...); ``max_seq_len`` (default: the longest every
     planner can run) caps the sampled lengths and sets the baselines' pack size (Megatron packs to
     the context length). A bad setup (an unknown planner, no planner able to run) raises before
     any planning; a planner that cannot run on it (its layout, FlexSP's model states) and a step
     a planner cannot run are rows with their error."""
-    from megatron_ext.planner.api import PIPELINE_KINDS, PLANNERS, planner_names, max_seq_len as planner_max_seq_len
-    from megatron_ext.planner.pp.pipeline import PipelineOptions, pipeline_cost, resolve_layout
+    from megatron_ext.planner.pp.pipeline import PipelineOptions, resolve_layout
 
     cost = cost or CostModel.from_presets(model, cluster)
     opts = options or PipelineOptions()
@@ -62,6 +61,37 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
     opts = dataclasses.replace(opts, time_limit=time_limit)
     if max_seq_len is not None and opts.pack_tokens is None:
         opts = dataclasses.replace(opts, pack_tokens=int(max_seq_len))
+    planners, main = _checked_planners(planners, main)
+    pp, sp = pp if pp is not None else opts.pp, sp if sp is not None else opts.sp
+    opts = dataclasses.replace(opts, pp=pp, sp=sp)
+    unable = _unable(cost, planners, pp, sp, opts)
+    pp, sp = resolve_layout(cost, pp, sp)
+    batches, source = _batches(cost, opts, planners, unable, lengths, data, dist, batch, steps, seed, max_seq_len)
+    rows, plans = _rows(batches, planners, unable, cost, pp, sp, opts, time_limit, keep_plans)
+    floors = [cost.compute_floor_ms(lens) / 1e3 for lens in batches]
+    summary, floor, unplanned = _summaries(rows, planners, main, batches, floors)
+    config = {"model": cost.model.name, "cluster": cost.cluster.name, "model_on_cluster": cost.model_on_cluster,
+              "num_gpus": cost.num_gpus,
+              "zero_stage": cost.zero_stage, "pp": pp, "sp": sp,
+              "source": source, "b1_scale": opts.b1_scale, "memory_mb": opts.memory_mb or cost.cluster.memory_mb,
+              "time_limit": time_limit, "main": main, "steps": len(batches),
+              # steps no planner could plan: left out of every figure
+              "unplanned_steps": unplanned}
+    choices: dict[str, int] = {}
+    for r in rows:
+        if r["planner"] == "auto" and "error" not in r and r["status"].startswith("auto chose "):
+            pick = r["status"][len("auto chose "):].split(" (", 1)[0]
+            choices[pick] = choices.get(pick, 0) + 1
+    if choices:
+        config["auto_choices"] = choices
+    return {"rows": rows, "summary": summary, "floor": floor, "table": format_table(summary, floor, config, main),
+            "config": config, "plans": plans}
+
+
+def _checked_planners(planners: tuple[str, ...], main: str | None) -> tuple[tuple[str, ...], str]:
+    """The planners named (once each, in order) and the main one (default the first); unknown ones refused."""
+    from megatron_ext.planner.api import PLANNERS
+
     planners = tuple(dict.fromkeys(x for x in planners if x))
     unknown = [x for x in planners if x not in PLANNERS]
     if not planners or unknown:
@@ -70,10 +100,16 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
     main = main or planners[0]
     if main not in planners:
         raise ConfigError(f"the main planner {main!r} is not among the planners ({', '.join(planners)})")
-    pp, sp = pp if pp is not None else opts.pp, sp if sp is not None else opts.sp
-    opts = dataclasses.replace(opts, pp=pp, sp=sp)
-    # a planner that cannot run on this setup (its layout, or FlexSP's groups with no room beside
-    # the model states) is a row saying why, beside the others; with none left the setup is refused
+    return planners, main
+
+
+def _unable(cost: CostModel, planners: tuple[str, ...], pp, sp, opts) -> dict[str, str]:
+    """The planners that cannot run on this setup (their layout, or FlexSP's groups with no room
+    beside the model states), and why: rows saying so beside the others; with none left the setup
+    is refused."""
+    from megatron_ext.planner.api import PIPELINE_KINDS, planner_names
+    from megatron_ext.planner.pp.pipeline import pipeline_cost
+
     unable: dict[str, str] = {}
     for x in planners:
         try:
@@ -85,23 +121,32 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
             unable[x] = str(e)
     if len(unable) == len(planners):
         raise ConfigError(unable[planners[0]])
-    pp, sp = resolve_layout(cost, pp, sp)
-    if lengths is not None:
-        batches = [np.asarray(lengths, dtype=np.int64)]
-        source = f"{len(batches[0])} given lengths"
-    else:
-        cap = max_seq_len or min(planner_max_seq_len(x, cost, opts) for x in planners if x not in unable)
-        if data is not None:
-            batches, source = dataset_batches(data, batch, cap, seed, range(steps))
-        else:
-            if seed + steps - 1 > MAX_SEED:  # (step s draws from seed + s)
-                raise ConfigError(f"--seed {seed} + {steps} steps passes the largest seed, 2^63 - 1: use a smaller seed")
-            batches = [sample_lengths(dist, batch, seed + s, cap) for s in range(steps)]
-            source = f"{dist}, batch {batch}, max length {cap:,}, {steps} step(s) from seed {seed}"
+    return unable
 
-    rows = []
-    plans: dict = {}
-    floors = [cost.compute_floor_ms(lens) / 1e3 for lens in batches]
+
+def _batches(cost: CostModel, opts, planners, unable, lengths, data, dist: str, batch: int, steps: int, seed: int,
+             max_seq_len: int | None) -> tuple[list[np.ndarray], str]:
+    """Each step's lengths, and where they came from: the given ones, a dataset's batches, or
+    batches drawn from ``dist`` (step s from seed + s), cut at ``max_seq_len`` (default: the
+    longest every planner able to run can run)."""
+    from megatron_ext.planner.api import max_seq_len as planner_max_seq_len
+
+    if lengths is not None:
+        return [np.asarray(lengths, dtype=np.int64)], f"{len(lengths)} given lengths"
+    cap = max_seq_len or min(planner_max_seq_len(x, cost, opts) for x in planners if x not in unable)
+    if data is not None:
+        return dataset_batches(data, batch, cap, seed, range(steps))
+    if seed + steps - 1 > MAX_SEED:  # (step s draws from seed + s)
+        raise ConfigError(f"--seed {seed} + {steps} steps passes the largest seed, 2^63 - 1: use a smaller seed")
+    return ([sample_lengths(dist, batch, seed + s, cap) for s in range(steps)],
+            f"{dist}, batch {batch}, max length {cap:,}, {steps} step(s) from seed {seed}")
+
+
+def _rows(batches, planners, unable, cost: CostModel, pp, sp, opts, time_limit: float,
+          keep_plans: bool) -> tuple[list[dict], dict]:
+    """Every step planned by every planner able to, and simulated: a row each (or its error); and
+    the first step's plans where ``keep_plans``."""
+    rows, plans = [], {}
     for step, lens in enumerate(batches):
         for name in planners:
             row = {"step": step, "planner": name, "tokens": int(lens.sum())}
@@ -120,8 +165,12 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
             except MegatronExtError as e:
                 row.update(error=str(e))
             rows.append(row)
+    return rows, plans
 
-    summary = []
+
+def _summaries(rows: list[dict], planners, main: str, batches, floors: list[float]) -> tuple[list[dict], dict, list]:
+    """Each planner's summary over the steps it ran, the compute floor's, and the steps no planner
+    planned (left out of every figure)."""
     times = {(r["planner"], r["step"]): r["step_time_s"] for r in rows if "error" not in r}
 
     def total(name: str, steps) -> float:
@@ -134,7 +183,7 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
     # that ran any), so that a step some planner could not run weighs on neither side
     feasible = [x for x in planners if ran(x)]
     shared = ran(*feasible) if feasible else []
-
+    summary = []
     for name in planners:
         mine = [r for r in rows if r["planner"] == name]
         good = [r for r in mine if "error" not in r]
@@ -168,22 +217,8 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
              f"speedup_of_{main}": (sum(floors[st] for st in main_steps) / total(main, main_steps)
                                     if main_steps else None),
              "ceiling": {x["planner"]: x["ceiling"] for x in summary if x.get("ceiling") is not None}}
-    config = {"model": cost.model.name, "cluster": cost.cluster.name, "model_on_cluster": cost.model_on_cluster,
-              "num_gpus": cost.num_gpus,
-              "zero_stage": cost.zero_stage, "pp": pp, "sp": sp,
-              "source": source, "b1_scale": opts.b1_scale, "memory_mb": opts.memory_mb or cost.cluster.memory_mb,
-              "time_limit": time_limit, "main": main, "steps": len(batches),
-              # steps no planner could plan: left out of every figure
-              "unplanned_steps": [st for st in range(len(batches)) if not any((x, st) in times for x in planners)]}
-    choices: dict[str, int] = {}
-    for r in rows:
-        if r["planner"] == "auto" and "error" not in r and r["status"].startswith("auto chose "):
-            pick = r["status"][len("auto chose "):].split(" (", 1)[0]
-            choices[pick] = choices.get(pick, 0) + 1
-    if choices:
-        config["auto_choices"] = choices
-    return {"rows": rows, "summary": summary, "floor": floor, "table": format_table(summary, floor, config, main),
-            "config": config, "plans": plans}
+    unplanned = [st for st in range(len(batches)) if not any((x, st) in times for x in planners)]
+    return summary, floor, unplanned
 
 
 def format_table(summary: list[dict], floor: dict, config: dict, main: str) -> str:

@@ -116,8 +116,10 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
     probes: list[tuple[float, list[BuiltPipeline], int]] = []  # (makespan, pipelines, index in structures)
 
     def check_end() -> float:
-        # the end of the budget less what checking and simulating a probed grouping's plan will take
-        # (up to twice what building its pipelines took, as for the ILP below)
+        # the end of the budget less twice what building a probed grouping's pipelines took: its
+        # check and simulation, and room for the searches and the ILP (at ``_check_s`` alone the
+        # probes ran on, and auto had no time left to plan the layout again: gpt-13b on 32
+        # A100-40GB, 96K GitHub, ZeRO-1, 8 x 4: 96.89 s, against 86.19 s)
         return start + budget - 2 * max(sum(b.build_s for b in built) for _, built, _ in probes)
 
     def give_up() -> float | None:
@@ -158,7 +160,7 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
             structures.append([order[:1], order[1:]])
         for i in range(1, len(structures)):
             # a probe builds its first candidates whatever its deadline: one that would end past the
-            # time left for checking the plan (twice what building it took) is not started, and
+            # time left for checking the plan (``check_end``) is not started, and
             # what was probed stands (only a batch nothing fit yet goes on; gpt-7b on 32 A100-40GB,
             # 96K GitHub, 8 x 4: a third probe of 0.15 s ran elastic_pp 0.08 s past a 0.55 s limit)
             if probes and time.perf_counter() + max(took) > check_end():
@@ -183,13 +185,17 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
             pass
     candidates.sort(key=lambda c: c[0])
     built = candidates[0][1]
+    return _final_recompute(built, pc, opts, start + budget - _check_s(built, pc))
 
-    # final recompute with the ILP, in the time left after what checking and simulating the plan
-    # will take (``_check_s``); the fixed rules none / full / auto were the search's own: their
-    # candidates are final. Each ILP build after the first leaves what those before ran past their
-    # limits (the solve stops at its limit, its plan's simulation comes after: ~10 ms on 8 stages
-    # of 108 chunks)
-    end = start + budget - _check_s(built, pc)
+
+def _final_recompute(built: list[BuiltPipeline], pc: PipelineCost, opts: PipelineOptions,
+                     end: float) -> list[BuiltPipeline]:
+    """The pipelines' recompute chosen again by the ILP (``recompute="ilp"``), where they
+    recompute anything, until ``end`` (the time left after what checking and simulating the plan
+    will take); a plan the ILP does not make faster keeps the greedy's, and says so. The fixed
+    rules none / full / auto were the search's own: their candidates are final. Each ILP build
+    after the first leaves what those before ran past their limits (the solve stops at its limit,
+    its plan's simulation comes after: ~10 ms on 8 stages of 108 chunks)."""
     final, over = [], 0.0
     for i, b in enumerate(built):
         if opts.recompute != "ilp" or not b.recompute.any():
