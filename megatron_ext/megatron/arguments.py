@@ -231,7 +231,15 @@ def _check_no_fsdp(args, flag: str, dp: int) -> None:
 
 
 def _check_common(args, flag: str, tp: int, cp: int, dp: int) -> None:
-    """Conflicts shared by --flexsp and --elastic-pp."""
+    """Conflicts shared by --flexsp and --elastic-pp: in how the run is parallel and batched, in the
+    Megatron features planned steps cannot follow, and in its data."""
+    _check_parallel(args, flag, tp, cp, dp)
+    _check_features(args, flag)
+    _check_data(args, flag)
+
+
+def _check_parallel(args, flag: str, tp: int, cp: int, dp: int) -> None:
+    """The parallel layout and batching a planned run needs."""
     if cp > 1:
         _conflict(f"{flag} replaces context parallelism: its Ulysses groups already split each sequence, over "
                   f"1 to N ranks chosen per sequence. Use --context-parallel-size 1 (got {cp}) and bound the "
@@ -251,6 +259,16 @@ def _check_common(args, flag: str, tp: int, cp: int, dp: int) -> None:
     if _get(args, "rampup_batch_size", None):
         _conflict(f"{flag} plans a fixed number of sequences per step (--global-batch-size); drop "
                   f"--rampup-batch-size")
+    _check_no_fsdp(args, flag, dp)
+    instances = _get(args, "num_distributed_optimizer_instances", 1) or 1
+    if _get(args, "use_distributed_optimizer", False) and instances > 1:
+        _conflict(f"{flag}: --num-distributed-optimizer-instances {instances} shards the optimizer states over "
+                  f"{instances} times fewer ranks than the cost model's ZeRO-1 (the whole data-parallel group), "
+                  f"whose memory budget would then count on memory the run does not have; use 1")
+
+
+def _check_features(args, flag: str) -> None:
+    """Megatron features whose shapes, data order or attention planned steps do not follow."""
     if _get(args, "use_legacy_models", False):
         _conflict(f"{flag} needs megatron-core models; drop --use-legacy-models")
     if _get(args, "multi_latent_attention", False):
@@ -258,12 +276,6 @@ def _check_common(args, flag: str, tp: int, cp: int, dp: int) -> None:
                   f"--multi-latent-attention")
     if _get(args, "num_experts", None):
         _conflict(f"{flag} does not support MoE models (--num-experts) yet")
-    _check_no_fsdp(args, flag, dp)
-    instances = _get(args, "num_distributed_optimizer_instances", 1) or 1
-    if _get(args, "use_distributed_optimizer", False) and instances > 1:
-        _conflict(f"{flag}: --num-distributed-optimizer-instances {instances} shards the optimizer states over "
-                  f"{instances} times fewer ranks than the cost model's ZeRO-1 (the whole data-parallel group), "
-                  f"whose memory budget would then count on memory the run does not have; use 1")
     if _get(args, "iterations_to_skip", None):
         _conflict(f"{flag}: --iterations-to-skip reads Megatron batches to skip them; not supported")
     if _get(args, "phase_transition_iterations", None):
@@ -330,6 +342,10 @@ def _check_common(args, flag: str, tp: int, cp: int, dp: int) -> None:
     if dl not in (None, "external"):
         _conflict(f"{flag} feeds Megatron planned steps through an external data iterator; drop "
                   f"--dataloader-type {dl} (it becomes external)")
+
+
+def _check_data(args, flag: str) -> None:
+    """One data source, well formed: Megatron indexed datasets (a prefix, a blend, per-split paths) or mock data."""
     from megatron_ext.data.datasets import DataError, parse_blend
     from megatron_ext.megatron.data import SPLITS, data_blends
 

@@ -345,20 +345,29 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
             model = plans[r][0]
 
     # the step ends with its slowest replica: it is planned again (its searches resume where they
-    # stopped, from the candidates built) while that makes it faster, in the time left shared with
-    # the replicas that end within REPLICA_TIE of it (the next slowest once it is faster); one that
-    # gains nothing in its share gets all of the time left once more (llama-13b on 2 x 8 x 2, 96K
-    # GitHub ZeRO-3, at 0.3 s: 71.12 s, its replica stopped with half the time unused)
+    # stopped, from the candidates built) while that makes it faster, in the time left but the
+    # check's (``_check_s``), shared with the replicas that end within REPLICA_TIE of it (the next
+    # slowest once it is faster); one that gains nothing in its share gets all of the time left once
+    # more (llama-13b on 2 x 8 x 2, 96K GitHub ZeRO-3, at 0.3 s: 71.12 s, its replica stopped with
+    # half the time unused). One replica too: its search keeps time for the ILP and the check that
+    # these often leave (gpt-13b on 32 A100-40GB, 96K GitHub, ZeRO-1, 8 x 4, at 1 s: 96.89 s in
+    # 0.64 s, 86.19 s planned again). Not started in less time than its pipelines took to build;
+    # as a plan stands, nothing is built past its share (``stands``: a probe builds its first
+    # candidate whatever its deadline, 0.23 s on a 0.22 s share)
     shared = True
-    while plans and pc.replicas > 1:
+    while plans:
         slow = max(plans, key=lambda r: _makespan(plans[r]))
         now = time.perf_counter()
         until = min(first_end, start + opts.time_limit - _check_s(sum(plans.values(), []), pc))
-        if until - now <= 4 * sum(b.build_s for b in plans[slow]):
+        if until - now <= sum(b.build_s for b in plans[slow]):
             break
         close = sum(1 for r in plans if _makespan(plans[r]) >= (1 - REPLICA_TIE) * _makespan(plans[slow])) \
             if shared else 1
-        again = _plan_replica(parts[slow], lengths, pc, opts, now, (first_end - now) / close, builds)
+        share = (until - now) / close
+        try:
+            again = _plan_replica(parts[slow], lengths, pc, opts, now, share, builds, stands=now + share)
+        except OutOfTimeError:
+            break  # (nothing fitted in its share: the plan made stands)
         if _makespan(again) >= _makespan(plans[slow]) - 1e-9:
             if close == 1:
                 break
