@@ -7,7 +7,8 @@ less than ``REPLAY_BELOW`` of what a search took, built as the first searched re
 ``chunk_search.replay``); the slowest replica, which sets the step, is then planned again in the
 rest of it (resuming its searches from the candidates and chunkings built; one that gains nothing
 in the share it had beside replicas ending close to it, once more in all the time left) while that
-makes it faster, and the replicas' ends are evened out in the time left (``_rebalance``):
+makes it faster, and the replicas' ends are evened out in the time left (``_rebalance``). One
+replica alone is planned again too, in the time its search kept for the ILP and the check and left:
 0. Feasibility (planner/pp/sequence_limits.py): each of the longest sequences must fit alone at
    the finest slicing (every layer recomputed); otherwise the error says how long a sequence may
    be and what else to change.
