@@ -63,6 +63,7 @@ and what the other pipeline planners share, in planner/pp/pipeline.py.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 
 import numpy as np
@@ -359,7 +360,7 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     while plans:
         slow = max(plans, key=lambda r: _makespan(plans[r]))
         now = time.perf_counter()
-        until = min(first_end, start + opts.time_limit - _check_s(sum(plans.values(), []), pc))
+        until = min(first_end, start + opts.time_limit - _check_s(itertools.chain(*plans.values()), pc))
         if until - now <= sum(b.build_s for b in plans[slow]):
             break
         close = sum(1 for r in plans if _makespan(plans[r]) >= (1 - REPLICA_TIE) * _makespan(plans[slow])) \
@@ -376,7 +377,8 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
             continue
         plans[slow], shared = again, True
     if pc.replicas > 1:
-        _rebalance(parts, plans, lengths, pc, opts, start + opts.time_limit - _check_s(sum(plans.values(), []), pc))
+        check_s = _check_s(itertools.chain(*plans.values()), pc)
+        _rebalance(parts, plans, lengths, pc, opts, start + opts.time_limit - check_s)
     pipes, final = [], []
     for r in sorted(plans):
         pipes += [b.to_pipeline(pc, r) for b in plans[r]]
