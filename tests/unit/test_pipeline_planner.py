@@ -1099,6 +1099,51 @@ def test_make_plan_auto_and_the_cli_summary(capsys):
     assert "auto plan" in capsys.readouterr().out
 
 
+def test_a_layouts_candidate_is_priced_per_replicas_pipeline():
+    """What building one candidate costs, for auto's time checks: each replica's pipeline at the
+    rate of its own chunk count (few chunks, few in flight: half ``CHUNK_STAGE_S`` at 64 or fewer),
+    not one pipeline of all of them (4,096 A100s: 4 x 8 x 128 replicas were priced at 1.8 s and
+    never started, though they plan the fastest step in under 1 s)."""
+    from megatron_ext.planner.pp.chunk_search import CHUNK_STAGE_S, FEW_CHUNKS, chunk_stage_s
+    from megatron_ext.planner.pp.layouts import estimated_layout
+
+    assert chunk_stage_s(1) == chunk_stage_s(FEW_CHUNKS / 2) == CHUNK_STAGE_S / 2
+    assert chunk_stage_s(0.75 * FEW_CHUNKS) == pytest.approx(0.75 * CHUNK_STAGE_S)
+    assert chunk_stage_s(FEW_CHUNKS) == chunk_stage_s(40 * FEW_CHUNKS) == CHUNK_STAGE_S
+    cost = CostModel.from_presets("gpt-7b", "a100-40g-8x512", 1)
+    lengths = sample_lengths("commoncrawl", 4096, 0, 65536)
+    opts = PipelineOptions()
+    many = estimated_layout(lengths, PipelineCost(cost, 4, 8), opts)  # 128 replicas of a few chunks each
+    assert many.name == "elastic_pp pp4 x sp8 x dp128" and many.chunk_stages / 4 / 128 <= FEW_CHUNKS / 2
+    assert many.build_s == pytest.approx(many.chunk_stages * CHUNK_STAGE_S / 2)
+    one = estimated_layout(lengths, PipelineCost(CostModel.from_presets("gpt-7b", "a100-40g-8x4", 1), 4, 8), opts)
+    assert one.chunk_stages / 4 >= FEW_CHUNKS and one.build_s == pytest.approx(one.chunk_stages * CHUNK_STAGE_S)
+
+
+def test_one_replica_is_planned_again_in_the_time_its_search_left(monkeypatch):
+    """A replica's search keeps time for the ILP and the check, which it often leaves: with one
+    replica, that time plans it again (resuming from the candidates built), as the slowest of
+    several is, and the faster of the two plans stands."""
+    from megatron_ext.planner.pp import elastic_pp as module
+
+    budgets, made = [], []
+    real = module._plan_replica
+
+    def planned(*args, **kwargs):
+        budgets.append(args[5])
+        built = real(*args, **kwargs)
+        made.append(sum(b.makespan_ms for b in built))
+        return built
+
+    monkeypatch.setattr(module, "_plan_replica", planned)
+    lengths = sample_lengths("github", 48, 1, 48 * 1024)
+    plan = plan_elastic_pp(lengths, COST, 4, 8, time_limit=3.0)
+    assert len(budgets) >= 2 and budgets[1] < budgets[0]  # (the second in what the first left)
+    validate(plan, lengths, COST)
+    sync = PipelineCost(COST, 4, 8).step_sync_ms
+    assert plan.estimated_step_time_s * 1e3 == pytest.approx(min(made) + sync, rel=1e-9)
+
+
 def test_auto_counts_the_slices_memory_forces_before_starting_a_layout():
     # gpt-13b on 32 A800s at ZeRO-1: 2 stages x SP 4 (4 replicas) hold a 128,630-token sequence
     # (the longest they hold) only cut into 128-token slices (1,005 of them); the 1F1B estimate sees a
