@@ -114,8 +114,8 @@ def test_json_keeps_the_replica_and_old_plans_load_as_replica_zero():
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=st.lists(st.one_of(st.integers(1, 120_000), st.sampled_from([512, 4096, 32_768])), min_size=1,
-                       max_size=80), replicas=st.sampled_from([1, 2, 3, 4, 16, 100]))
+@given(lengths=st.lists(st.one_of(st.integers(1, 120_000), st.sampled_from([512, 4096, 32_768, 2**31 + 1, 2**40])),
+                       min_size=1, max_size=80), replicas=st.sampled_from([1, 2, 3, 4, 16, 100]))
 def test_split_replicas_is_a_partition_balanced_longest_first(lengths, replicas):
     lengths = np.array(lengths)
     pc = PipelineCost(COST, 4, 8)

@@ -191,8 +191,10 @@ def split_replicas(seq_ids, lengths, pc: PipelineCost, replicas: int) -> list[np
         return [seq_ids]
     tokens = np.asarray(lengths)[seq_ids].astype(np.int64)
     # by stage time, which grows with the tokens: longest first, ties by id, as one integer key
-    # (a quarter of the time of sorting by time and id; ids and lengths are far below 2^31)
-    order = np.argsort((-tokens << 32) | seq_ids)
+    # (a quarter of the time of sorting by time and id): the tokens above the ids' bits (a length
+    # is at most 2^40 tokens, a batch at most 2^20 sequences)
+    shift = max(1, int(seq_ids.max()).bit_length())
+    order = np.argsort((-tokens << shift) | seq_ids)
     w = pc.prefix_ms(tokens[order])
     owner = np.empty(len(seq_ids), dtype=np.int64)
     if replicas < ROUNDS_FROM:
@@ -216,7 +218,7 @@ def split_replicas(seq_ids, lengths, pc: PipelineCost, replicas: int) -> list[np
             owner[order[i:i + k]] = least[:k]
             loads[least[:k]] = then[:k]
             i += k
-    by_owner = np.argsort((owner << 32) | seq_ids)  # (not a mask per replica: 4,096 x 32,768 compares)
+    by_owner = np.argsort((owner << shift) | seq_ids)  # (not a mask per replica: 4,096 x 32,768 compares)
     return np.split(seq_ids[by_owner], np.cumsum(np.bincount(owner, minlength=replicas))[:-1])
 
 
