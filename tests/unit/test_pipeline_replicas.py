@@ -284,7 +284,8 @@ def test_kept_to_its_limit_a_layout_of_many_replicas_stops_once_they_cannot_all_
     # pass has no time for a search), and 14 more at what that took cannot fit in a microsecond
     plan_replica = elastic_pp._plan_replica
     monkeypatch.setattr(elastic_pp, "_plan_replica", lambda *a: plan_replica(*a[:7]))  # (no ``stands``)
-    with pytest.raises(OutOfTimeError, match=r"14 replicas left to plan at [\d.]+ s or more each, past the 1e-06 s"):
+    with pytest.raises(OutOfTimeError, match=r"14 replicas left to plan at [\d.]+ s or more each, and the plan's "
+                                             r"check, past the 1e-06 s"):
         plan_elastic_pp(lengths, cost, 2, 4, time_limit=1e-6, keep_to_limit=True)
     plan = plan_elastic_pp(lengths, cost, 2, 4, time_limit=1e-6)  # (not kept to it: a plan, however late)
     assert {p.replica for p in plan.pipelines} == set(range(16))
@@ -299,6 +300,11 @@ def test_kept_to_its_limit_a_layout_of_many_replicas_stops_once_they_cannot_all_
         plan_elastic_pp(lengths, cost, 2, 4, time_limit=1e-6, keep_to_limit=True)
     plan = plan_elastic_pp(lengths, cost, 2, 4, time_limit=1e-6)
     assert {p.replica for p in plan.pipelines} == set(range(16))
+    # the replicas fit in the limit, but not the plan's check after them (priced as those planned)
+    monkeypatch.undo()
+    monkeypatch.setattr(elastic_pp, "CHECK_PIPELINE_S", 1.0)
+    with pytest.raises(OutOfTimeError, match="and the plan's check, past the 3 s limit"):
+        plan_elastic_pp(lengths, cost, 2, 4, time_limit=3.0, keep_to_limit=True)
 
 
 def test_replicas_given_less_time_than_a_search_replay_the_first_ones_chunking(monkeypatch):

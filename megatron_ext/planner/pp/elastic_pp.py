@@ -227,16 +227,23 @@ REBALANCE_AFTER = 0.8  # of the time limit: replicas are planned by then, the re
 REPLICA_FIRST_PASS = 0.5  # of the time before that: every replica planned in an equal share, the rest to the slowest
 REPLICA_TIE = 0.05  # replicas ending this close to the slowest share the time left with it
 REPLAY_BELOW = 0.5  # of what a replica's search took: a replica given less time replays a searched one's chunking
-# seconds checking and simulating a plan takes a chunk on a stage, about (as the check walks every
-# piece: 19-23 us across 2-128 replicas of 2-8 stages; what building the pipelines took is no
-# measure, 0.4x to 2x of it)
-CHECK_CHUNK_STAGE_S = 2.5e-5
+# what checking and simulating a plan takes (``validate`` walks every piece, the simulator every
+# chunk on every stage, each pipeline a fixed setup): fitted over 1-128 pipelines of 1-16 stages x
+# SP 1-8 (7.6 us a chunk-stage, 2.9 us a piece, 0.53 ms a pipeline; within 0.87-1.44x of each
+# check), raised by half for the plan's assembly and that spread (at the fit, one pipeline's
+# replanning ended 1-2 ms past a 1 s limit); what building the pipelines took is no measure (0.4x
+# to 2x of it)
+CHECK_CHUNK_STAGE_S = 1.2e-5
+CHECK_PIECE_S = 4.5e-6
+CHECK_PIPELINE_S = 8e-4
 
 
 def _check_s(built, pc: PipelineCost) -> float:
-    """What checking and simulating pipelines ``built`` will take, at CHECK_CHUNK_STAGE_S a chunk on
-    a stage: the final ILP, replanning the slowest replica and evening out their ends stop short of it."""
-    return CHECK_CHUNK_STAGE_S * pc.pp * sum(b.table.n for b in built)
+    """What checking and simulating pipelines ``built`` will take: the final ILP, replanning the
+    slowest replica and evening out their ends stop short of it, and a layout kept to its limit
+    counts it in."""
+    return sum(CHECK_CHUNK_STAGE_S * pc.pp * b.table.n + CHECK_PIECE_S * sum(map(len, b.pieces)) + CHECK_PIPELINE_S
+               for b in built)
 
 
 def _rebalance(parts: list[np.ndarray], plans: dict, lengths, pc: PipelineCost, opts: PipelineOptions,
@@ -314,6 +321,7 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     model: BuiltPipeline | None = None
     replayed: list[float] = []  # seconds each replay took
     failed = False  # a replay could not run its replica's sequences (which was searched)
+    checked = 0.0  # what checking the replicas planned so far will take (``_check_s``)
     for r, part in enumerate(parts):
         if not part.size:
             continue
@@ -327,13 +335,17 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
             each = min(replayed) if replayed else min(took) if failed else None
         else:
             each = min(took, default=None)
-        if keep_to_limit and each is not None and now + todo * each > start + opts.time_limit:
-            raise OutOfTimeError(f"{plural(todo, 'replica')} left to plan at {each:.3f} s or more each, "
-                                 f"past the {opts.time_limit:.3g} s limit")
+        # (and the plan's check after them, priced as the replicas planned so far: 16 replicas of
+        # 16 stages took 0.1 s to check, past the 0.15 s limit that their plans had kept to)
+        check = checked * (len(plans) + todo) / len(plans) if plans else 0.0
+        if keep_to_limit and each is not None and now + todo * each + check > start + opts.time_limit:
+            raise OutOfTimeError(f"{plural(todo, 'replica')} left to plan at {each:.3f} s or more each, and the "
+                                 f"plan's check, past the {opts.time_limit:.3g} s limit")
         if replaying:
             try:
                 plans[r] = [replay(part, lengths, pc, opts, model, "pipeline 0")]
                 replayed.append(time.perf_counter() - now)
+                checked += _check_s(plans[r], pc)
                 continue
             except InfeasibleError:
                 failed = True  # (searched, as the first was)
@@ -343,6 +355,7 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
         plans[r] = _plan_replica(part, lengths, pc, opts, now, share, builds,
                                  start + opts.time_limit if keep_to_limit else None)
         took.append(time.perf_counter() - now)
+        checked += _check_s(plans[r], pc)
         if model is None and len(plans[r]) == 1 and plans[r][0].recipe is not None:
             model = plans[r][0]
 
@@ -398,5 +411,5 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     return finish_plan("elastic_pp", pipes, lengths, cost, pc, opts, start, status, dropped)
 
 
-__all__ = ["CHECK_CHUNK_STAGE_S", "REBALANCE_AFTER", "REPLAY_BELOW", "REPLICA_FIRST_PASS", "REPLICA_TIE",
-           "plan_elastic_pp"]
+__all__ = ["CHECK_CHUNK_STAGE_S", "CHECK_PIECE_S", "CHECK_PIPELINE_S", "REBALANCE_AFTER", "REPLAY_BELOW",
+           "REPLICA_FIRST_PASS", "REPLICA_TIE", "plan_elastic_pp"]
