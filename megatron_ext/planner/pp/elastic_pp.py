@@ -292,10 +292,11 @@ def plan_elastic_pp(lengths, cost: CostModel, pp: int | None = None, sp: int | N
     sequences (``grouping.split_replicas``). ``seq_ids``: the sequences to plan (default all);
     the others are reported as dropped. ``keep_to_limit`` (where another plan stands): raise
     OutOfTimeError once the replicas left, each taking at least what the quickest so far took,
-    would end past the time limit (every replica needs a plan, and a memory-bound one builds
-    several candidates, whatever its share of the time: 16 one-stage replicas at 0.02 s each
-    ran 0.47 s on a 0.09 s limit), rather than run on, and where a replica would hunt for a
-    feasible chunking past the limit (``chunk_search.plan_group``'s ``give_up``).
+    and the plan's check after them (``_check_s``) would end past the time limit (every replica
+    needs a plan, and a memory-bound one builds several candidates, whatever its share of the
+    time: 16 one-stage replicas at 0.02 s each ran 0.47 s on a 0.09 s limit), rather than run
+    on, and where a replica would hunt for a feasible chunking past the limit
+    (``chunk_search.plan_group``'s ``give_up``).
     ``builds``: the candidates built by an earlier plan of the same batch on the same layout, to
     resume from (filled in)."""
     start = time.perf_counter()
