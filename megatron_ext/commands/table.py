@@ -46,12 +46,12 @@ def simulate_table(cost: CostModel | None = None, *, model: str = "llama-13b", c
     ``lengths`` (one batch) overrides ``dist``/``batch``/``steps``; ``data`` (Megatron indexed
     datasets: the values of ``--data-path``, a prefix or a blend) replaces ``dist`` with the batches
     of a training run on them: documents over ``max_seq_len`` cut into pieces, shuffled by
-    ``seed``. ``main`` (default: the first planner) is the one the speedups are relative to. ``options`` is a PipelineOptions for the
-    pipeline planners (b1_scale, memory_mb, ...); ``max_seq_len`` (default: the longest every
-    planner can run) caps the sampled lengths and sets the baselines' pack size (Megatron packs to
-    the context length). A bad setup (an unknown planner, no planner able to run) raises before
-    any planning; a planner that cannot run on it (its layout, FlexSP's model states) and a step
-    a planner cannot run are rows with their error."""
+    ``seed``. ``main`` (default: the first planner) is the one the speedups are relative to.
+    ``options`` is a PipelineOptions for the pipeline planners (b1_scale, memory_mb, ...);
+    ``max_seq_len`` (default: the longest every planner can run) caps the sampled lengths and sets
+    the baselines' pack size (Megatron packs to the context length). A bad setup (an unknown
+    planner, no planner able to run) raises before any planning; a planner that cannot run on it
+    (its layout, FlexSP's model states) and a step a planner cannot run are rows with their error."""
     from megatron_ext.planner.pp.pipeline import PipelineOptions, resolve_layout
 
     cost = cost or CostModel.from_presets(model, cluster)
