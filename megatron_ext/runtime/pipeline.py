@@ -247,6 +247,7 @@ class _ElasticStep:
     def __init__(self, model, config, st: _Stage, schedules: list[tuple[int, PipelineSchedule]], batch: Sequence,
                  pad_id: int, forward_only: bool, device, step_func: Optional[Callable]):
         import torch
+        from megatron.core.pipeline_parallel import schedules as megatron_schedules
         from megatron.core.utils import get_model_type
 
         from megatron_ext.runtime.device import rank_device
@@ -254,6 +255,7 @@ class _ElasticStep:
         from megatron_ext.runtime.timing import DeviceClock
 
         self.model, self.config, self.st, self.schedules = model, config, st, schedules
+        self.megatron = megatron_schedules  # (megatron's forward_step, backward_step and output deallocation, per op)
         self.batch, self.pad_id, self.forward_only = batch, pad_id, forward_only
         self.step_func = step_func or chunk_forward_step
         self.several = len(schedules) > 1  # the simulator names ops by pipeline only then
@@ -294,7 +296,7 @@ class _ElasticStep:
         st, clock = self.st, self.clock
         cache = PrefixKVCache()
         saved: dict[int, tuple] = {}  # chunk -> (input tensor, output tensor)
-        msgs = _Messages(self.config, saved)
+        msgs = _Messages(self.config, saved, self.megatron.deallocate_output_tensor)
         for j, step in enumerate(sched.program(st.p)):
             self._exchange(step, sched, msgs)
             if step.op is None:
@@ -364,8 +366,6 @@ class _ElasticStep:
         """Chunk ``c``'s forward through megatron's ``forward_step``, its plan's layers recomputed;
         what autograd saves for its backward counted."""
         import torch
-        from megatron.core.pipeline_parallel.schedules import forward_step
-
         st, forward_only = self.st, self.forward_only
         layout = sched.chunks[c]
         inp = chunk_input(layout, self.batch, st.sp_group, cache, self.pad_id, self.device,
@@ -382,9 +382,9 @@ class _ElasticStep:
                 chunk_saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
 
         with grad_ctx, recompute_layers(self.model, n_rec), counted(count_saved):
-            out, num_tokens = forward_step(self.step_func, iter([inp]), self.model, self.n_chunks, x, self.store,
-                                           self.config, 1, is_first_microbatch=self.first_forward,
-                                           is_last_stage=st.last)
+            out, num_tokens = self.megatron.forward_step(self.step_func, iter([inp]), self.model, self.n_chunks, x,
+                                                         self.store, self.config, 1,
+                                                         is_first_microbatch=self.first_forward, is_last_stage=st.last)
         self.live_bytes[c] = sum(chunk_saved.values())
         self.stats.activation_peak_bytes = max(self.stats.activation_peak_bytes,
                                                sum(self.live_bytes.values()) + cache.nbytes())
@@ -399,15 +399,13 @@ class _ElasticStep:
     def _backward(self, at: tuple[int, int], c: int, msgs: _Messages, saved: dict) -> None:
         """Chunk ``c``'s backward through megatron's ``backward_step`` (``at``: its pipeline and
         program step; at this rank's last backward, the gradients' reduction is let through)."""
-        from megatron.core.pipeline_parallel.schedules import backward_step
-
         msgs.reap(force_key=("act", c))
         self.live_bytes.pop(c, None)
         x, out = saved.pop(c)
         g = msgs.received.pop(("grad", c), None)
         if self.last_b == at:
             self.end_no_sync()
-        gx = backward_step(x, out, g, self.model_type, self.config)
+        gx = self.megatron.backward_step(x, out, g, self.model_type, self.config)
         if not self.st.first:
             msgs.outgoing[("grad", c)] = gx
 
@@ -423,8 +421,8 @@ class _Messages:
     """One pipeline's messages on this rank: tensors to send (by kind and chunk), those received,
     and the sends in flight (awaited lazily: gloo progresses them on its own)."""
 
-    def __init__(self, config, saved: dict):
-        self.config, self.saved = config, saved
+    def __init__(self, config, saved: dict, deallocate: Callable):
+        self.config, self.saved, self.deallocate = config, saved, deallocate  # (megatron's deallocate_output_tensor)
         self.outgoing: dict[tuple[str, int], object] = {}  # (kind, chunk) -> tensor to send
         self.received: dict[tuple[str, int], object] = {}
         self.sends: list[tuple[object, object, tuple]] = []  # (work, tensor, (kind, chunk))
@@ -432,10 +430,8 @@ class _Messages:
     def sent(self, t, key) -> None:
         """A send is done: free the sent activation's data when megatron's
         deallocate_pipeline_outputs is on (its backward then expects it freed)."""
-        from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
-
         if key[0] == "act" and self.config.deallocate_pipeline_outputs and key[1] in self.saved:
-            deallocate_output_tensor(t, True)
+            self.deallocate(t, True)
 
     def reap(self, force_key=None) -> None:
         """Retire completed sends (and the send of ``force_key``, waiting for it)."""
