@@ -36,6 +36,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 GATHERS_PER_PASS = 2  # ZeRO-3: before the forward and again before the backward of every layer
 EXPOSED_REDUCES_PER_PASS = 1  # ZeRO-3: the last layer's gradient reduce-scatter ends the pass
 EXPOSED_STEP_COLLECTIVES = 2  # ZeRO 0/1/2: one layer's reduce and one layer's gather per step
@@ -43,10 +45,10 @@ EXPOSED_STEP_COLLECTIVES = 2  # ZeRO 0/1/2: one layer's reduce and one layer's g
 
 def group_span(cluster, ranks: Sequence[int]) -> tuple[int, int]:
     """(nodes, most GPUs on one node) of a group of ranks (rank r on node r // gpus_per_node)."""
-    per_node: dict[int, int] = {}
-    for r in ranks:
-        per_node[int(r) // cluster.gpus_per_node] = per_node.get(int(r) // cluster.gpus_per_node, 0) + 1
-    return len(per_node), max(per_node.values(), default=0)
+    if not len(ranks):
+        return 0, 0
+    per_node = np.unique(np.asarray(ranks) // cluster.gpus_per_node, return_counts=True)[1]
+    return len(per_node), int(per_node.max())
 
 
 def collective_ms(cluster, nbytes: float, ranks: Sequence[int]) -> float:

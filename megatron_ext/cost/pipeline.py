@@ -189,13 +189,12 @@ class PipelineCost:
         # vocabulary table is reduced with the rest, hidden behind its backward)
         stage_model = dataclasses.replace(c.model, params_b=c.model.params_b / self.pp,
                                           num_layers=self.layers_per_stage, act_mb_per_token=c.act_mb_per_token)
-        if c.zero_stage == 3:
+        # (a stage's ``stage_width`` ranks are consecutive, each replica's sp in turn: ``stage_ranks``)
+        w = self.stage_width
+        if c.zero_stage == 3:  # (each replica's first rank of the stage, and so on)
             shard = dataclasses.replace(stage_model, params_b=stage_model.params_b / self.sp)
-            return max(step_sync_ms(shard, c.cluster, [self.stage_ranks(p, rep)[0] for rep in range(self.replicas)])
-                       for p in range(self.pp))
-        return max(step_sync_ms(stage_model, c.cluster,
-                                [r for rep in range(self.replicas) for r in self.stage_ranks(p, rep)])
-                   for p in range(self.pp))
+            return max(step_sync_ms(shard, c.cluster, range(p * w, (p + 1) * w, self.sp)) for p in range(self.pp))
+        return max(step_sync_ms(stage_model, c.cluster, range(p * w, (p + 1) * w)) for p in range(self.pp))
 
     def lower_bound_ms(self, lengths) -> float:
         """No pipeline plan on this layout runs the batch faster: each stage's work, the chunks

@@ -22,8 +22,8 @@ from megatron_ext.planner.packing import best_fit_bins
 from megatron_ext.planner.pp.chunk_search import plan_group
 from megatron_ext.planner.pp.chunking import balanced_chunks, check_chunking, split_pack
 from megatron_ext.planner.auto import flexsp_bound_s, plan_auto
-from megatron_ext.planner.pp.layouts import (forced_slices, head_excess_s, layout_estimate, layout_name,
-                                             layout_order_key, pipeline_layouts)
+from megatron_ext.planner.pp.layouts import (estimated_layout, forced_slices, head_excess_s, layout_estimate,
+                                             layout_name, layout_order_key, pipeline_layouts)
 from megatron_ext.planner.pp.sequence_limits import fit_cap, longest_sequence
 from megatron_ext.planner.pp.grouping import group_sequences, pipeline_estimate, split_replicas
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
@@ -1162,6 +1162,32 @@ def test_auto_counts_the_slices_memory_forces_before_starting_a_layout():
     assert forced_slices(lengths, deep) == math.ceil(lengths.sum() / held) == 3
     plan = plan_auto(lengths, cost, time_limit=0.5)
     assert "to build one candidate" in plan.baselines["elastic_pp pp2 x sp4 x dp4"]["skipped"]
+
+
+def test_auto_does_not_estimate_a_layout_whose_bound_is_far_past_the_likeliest_order_key(monkeypatch):
+    """Bounds first, then estimates in the bounds' order, up to AUTO_BOUND_CUT x the least order
+    key: every layout cut is past it (no layout's key is below its bound, so none cut could have
+    lowered that key), the others were estimated, and the choice is the one a run estimating every
+    layout makes."""
+    from megatron_ext.planner import auto
+
+    cost = CostModel.from_presets("gpt-7b", "a100-40g-8x32", 1)
+    lengths = sample_lengths("commoncrawl", 512, 1, 48 * 1024)
+    plan = plan_auto(lengths, cost, time_limit=1.0)
+    runnable = [PipelineCost(cost, P, d) for P, d in pipeline_layouts(cost)]
+    runnable = [pc for pc in runnable if longest_sequence(pc) >= lengths.max()]
+    bounds = {layout_name(pc): pc.lower_bound_ms(lengths) / 1e3 for pc in runnable}
+    keys = {layout_name(pc): estimated_layout(lengths, pc, PipelineOptions()).key for pc in runnable}
+    cut = {k for k, v in plan.baselines.items() if "likeliest layout's order key" in v.get("skipped", "")}
+    assert len(cut) >= 5 and all(keys[k] >= bounds[k] for k in keys)
+    least = min(keys[k] for k in keys if k not in cut)
+    assert least == min(keys.values())
+    assert all(bounds[k] > auto.AUTO_BOUND_CUT * least for k in cut)
+    assert all(bounds[k] <= auto.AUTO_BOUND_CUT * least for k in set(keys) - cut)
+    monkeypatch.setattr(auto, "AUTO_BOUND_CUT", math.inf)
+    everything = plan_auto(lengths, cost, time_limit=1.0)
+    assert not any("likeliest layout's order key" in v.get("skipped", "") for v in everything.baselines.values())
+    assert everything.solver_status.split(" (")[0] == plan.solver_status.split(" (")[0]
 
 
 def test_drop_over_max_drops_what_the_pipeline_cannot_run_under_a_given_maximum():
