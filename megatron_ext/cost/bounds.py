@@ -151,9 +151,13 @@ def pipeline_bound_ms(pc, lengths) -> float:
     # (stages before the last do the same work and wait p handoffs: of them, the last but one binds)
     for p in range(max(0, pc.pp - 2), pc.pp):
         whole = pc.act_layer_mb * layers + (float(pc.head_mb) if p == pc.pp - 1 else 0.0)
-        over = np.maximum(0.0, s * whole + (s - room / whole) * pc.kv_layer_mb * layers - room)
-        first = np.minimum(s, np.where(s > room / whole, over, 0.0) / freed / layers) if freed > 0 else 0.0 * s
-        rec = pc.recompute_ms(c.a1 * first * first + c.a2 * first, first, layers) - launch
+        rec = np.zeros_like(s)  # (none for a sequence that fits whole: the longest, first, may not)
+        m = int(np.count_nonzero(s > room / whole)) if freed > 0 else 0
+        if m:
+            o = s[:m]
+            first = np.minimum(o, np.maximum(0.0, o * whole + (o - room / whole) * pc.kv_layer_mb * layers - room)
+                               / freed / layers)
+            rec[:m] = pc.recompute_ms(c.a1 * first * first + c.a2 * first, first, layers) - launch
         each = pc.compute_ms(work, s, p) + s * pc.comm_ms_per_token + rec  # every sequence's work on the stage
         stage = float(each.sum())
         held = _held_together_ms(each, s, pc.replicas, t_max, fixed)

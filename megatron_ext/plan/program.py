@@ -35,6 +35,8 @@ tokens padded to a multiple of the SP degree (``padded_buffer_length``, THE padd
 """
 from __future__ import annotations
 
+import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import partial
@@ -98,26 +100,28 @@ def parse_order(order_per_stage, chunk_ids, stages: int, where: str = "pipeline"
         raise InvalidPlanError(f"{where}: order_per_stage has {len(order_per_stage)} lists for {stages} stages")
     index = {cid: i for i, cid in enumerate(ids)}
     n = len(ids)
+    parsed: dict[str, tuple[int, int]] = {}  # (each name recurs on every stage: parsed once)
     out = []
     for p, names in enumerate(order_per_stage):
         ops = []
-        seen = [[0] * n, [0] * n]
         for name in names:
-            if not isinstance(name, str) or len(name) < 2 or name[0] not in "FB" or not name[1:].isdigit():
-                raise InvalidPlanError(f"{where}, stage {p}: operation {name!r} is not 'F<chunk id>' or 'B<chunk id>'")
-            k = index.get(int(name[1:]))
-            if k is None:
-                raise InvalidPlanError(f"{where}, stage {p}: operation {name} names no chunk of the pipeline")
-            kind = FWD if name[0] == "F" else BWD
-            seen[kind][k] += 1
-            ops.append((kind, k))
-        for kind in (FWD, BWD):
-            bad = next((k for k in range(n) if seen[kind][k] != 1), None)
-            if bad is not None:
-                count = seen[kind][bad]
-                raise InvalidPlanError(f"{where}, stage {p}: {op_name(kind, ids[bad])} appears {count} times "
-                                       + (f"(missing {op_name(kind, ids[bad])}: " if count == 0 else "(")
-                                       + "each chunk's forward and backward run once per stage)")
+            op = parsed.get(name) if type(name) is str else None
+            if op is None:
+                if not isinstance(name, str) or len(name) < 2 or name[0] not in "FB" or not name[1:].isdigit():
+                    raise InvalidPlanError(f"{where}, stage {p}: operation {name!r} is not 'F<chunk id>' or "
+                                           f"'B<chunk id>'")
+                k = index.get(int(name[1:]))
+                if k is None:
+                    raise InvalidPlanError(f"{where}, stage {p}: operation {name} names no chunk of the pipeline")
+                op = parsed[name] = (FWD if name[0] == "F" else BWD, k)
+            ops.append(op)
+        if len(ops) != 2 * n or len(set(ops)) != 2 * n:  # (else each of the 2n ops is there once)
+            seen = Counter(ops)
+            kind, bad = next(op for op in itertools.product((FWD, BWD), range(n)) if seen[op] != 1)
+            count = seen[kind, bad]
+            raise InvalidPlanError(f"{where}, stage {p}: {op_name(kind, ids[bad])} appears {count} times "
+                                   + (f"(missing {op_name(kind, ids[bad])}: " if count == 0 else "(")
+                                   + "each chunk's forward and backward run once per stage)")
         out.append(ops)
     return out
 
