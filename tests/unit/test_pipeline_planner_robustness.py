@@ -24,7 +24,8 @@ from megatron_ext.planner.pp.grouping import GROUP_BLOCKS, _group_bounds, _group
 from megatron_ext.planner.pp.chunk_search import MAX_CHUNKS, plan_group
 from megatron_ext.planner.pp.elastic_pp import plan_elastic_pp
 from megatron_ext.planner.pp.pipeline import PipelineOptions, build_pipeline, pipeline_cost
-from megatron_ext.planner.pp.sequence_limits import MAX_SLICES, finest_slice, longest_sequence, sequence_peak_mb
+from megatron_ext.planner.pp.sequence_limits import (MAX_SLICES, finest_slice, fit_cap, longest_sequence,
+                                                     sequence_peak_mb)
 from megatron_ext.sim import simulate
 from megatron_ext.sim.engine import analyze_chunks, backward_order, memory_levels, one_f_one_b
 
@@ -236,6 +237,33 @@ def test_a_pipeline_out_of_time_with_nothing_feasible_falls_back_to_a_chunking_o
     # a search that finds a feasible chunking before it is given up keeps it
     built = plan_group(ids, lengths, pc, PipelineOptions(), time.perf_counter() - 1, give_up=time.perf_counter() + 60)
     assert sorted({p[0] for c in built.pieces for p in c}) == sorted(ids.tolist())
+
+
+def test_many_sequences_at_the_longest_a_layout_holds_plan_in_as_many_pipelines_as_their_slices_need():
+    """gpt-7b on 8 A100-40GB at ZeRO-1, 4 x 2 (the one layout whose model states fit and which holds
+    26,741 tokens, the CLI's default --max-seq-len): such a sequence fits only in 209 slices of 128
+    tokens. Forty of them beside 60 short ones were refused (every grouping's first pipeline, its
+    sequences sliced on the longest's time step, had more than MAX_CHUNKS chunks); each sequence
+    now sliced only as its memory needs, they spread over more pipelines than ``max_pipelines``."""
+    cost = CostModel.from_presets("gpt-7b", "a100-40g-8x1", 1)
+    pc = pipeline_cost(cost, 4, 2, PipelineOptions())
+    assert longest_sequence(pc) == 26741 and fit_cap(26741, pc, 128) == 128
+    lengths = np.concatenate([[26741] * 40, np.random.default_rng(0).integers(100, 4000, 60)])
+    plan = plan_elastic_pp(lengths, cost, 4, 2, time_limit=0.5)
+    validate(plan, lengths, cost)
+    assert simulate(plan, lengths, cost).step_time_s == plan.estimated_step_time_s
+    assert len(plan.pipelines) > PipelineOptions().max_pipelines
+    assert all(len(p.chunks) <= MAX_CHUNKS for p in plan.pipelines)
+    # one pipeline of 18 of them and the 60: sliced on the longest's time step, more than MAX_CHUNKS;
+    # sliced as memory needs, each a chunk (3,822); with 20 of them that is too many (4,240), and
+    # the error says what was tried
+    fewest = {n: sum(-(-int(s) // (fit_cap(int(s), pc, 128) or int(s))) for s in lengths[40 - n:])
+              for n in (18, 20)}
+    assert fewest[18] < MAX_CHUNKS < fewest[20]
+    built = plan_group(np.arange(78), lengths[22:], pc, PipelineOptions(), time.perf_counter() - 1)
+    assert built.table.n == fewest[18] and max(b - a for c in built.pieces for _, a, b in c) <= 4000
+    with pytest.raises(InfeasibleError, match=f"{fewest[20]} chunks, .* \\(each sequence sliced only as its memory"):
+        plan_group(np.arange(80), lengths[20:], pc, PipelineOptions(), time.perf_counter() - 1)
 
 
 # ---- C: recompute lists ----------------------------------------------------------------------

@@ -15,7 +15,7 @@ from megatron_ext.planner.packing import best_fit_bins
 from megatron_ext.planner.pp.chunking import balanced_chunks, ramp_chunks, split_pack
 from megatron_ext.planner.pp.grouping import pipeline_estimate
 from megatron_ext.planner.pp.pipeline import BuiltPipeline, PipelineOptions, build_pipeline, pack_capacity
-from megatron_ext.planner.pp.sequence_limits import fewest_slices, finest_slice, fit_cap, what_to_change
+from megatron_ext.planner.pp.sequence_limits import even_bounds, fewest_slices, finest_slice, fit_cap, what_to_change
 
 
 PROBE_TARGETS = 3  # chunk-time targets a probe tries (the likeliest; K is the choice that matters most)
@@ -500,9 +500,32 @@ class _GroupSearch:
                 if not self.capped:
                     k = fewest_slices(longest, pc, opts.granularity, opts.min_slice_tokens) or 1
                     uncapped(float(pc.prefix_ms(longest)) / k)
+                if self.best is None:
+                    self.fewest_chunks()
                 break
             self.consider_each_order(ch)
             t = max(t // 2, finest) if t > finest else 0
+
+    def fewest_chunks(self) -> None:
+        """Each sequence whole where it fits alone, else in equal slices of its cap (``fit_cap``),
+        a chunk each, longest first: the fewest chunks that let each sequence fit alone, where
+        slicing every sequence on the longest one's time step makes more than a pipeline may have
+        (gpt-7b on 4 x 2 A100-40GB, ZeRO-1: 18 sequences of 26,741 tokens, 209 slices of 128 each,
+        and 60 of up to 4,000 tokens made over 4,096 chunks on that step, 3,822 so)."""
+        order = self.seq_ids[np.lexsort((self.seq_ids, -self.lengths[self.seq_ids]))]
+        chunks = []
+        for sid in order.tolist():
+            s = int(self.lengths[sid])
+            cuts = even_bounds(s, self.cap_of(s) or s).tolist()
+            chunks += [[(sid, a, b)] for a, b in zip(cuts, cuts[1:])]
+        slices = -(-self.longest // (self.cap_of(self.longest) or self.longest))
+        if len(chunks) > MAX_CHUNKS:
+            self.errors.append(f"{self.where}: {len(chunks)} chunks, more than the {MAX_CHUNKS} a pipeline may have "
+                               f"(each sequence sliced only as its memory needs)")
+            return
+        for order_name in self.orders:
+            if self.best is None:
+                self.consider(chunks, slices, order_name)
 
     def consider_each_order(self, ch) -> None:
         """``ch``'s chunks in each order, until one fits."""

@@ -63,6 +63,7 @@ and what the other pipeline planners share, in planner/pp/pipeline.py.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import time
 
@@ -72,11 +73,11 @@ from megatron_ext.cost import CostModel
 from megatron_ext.cost.pipeline import PipelineCost
 from megatron_ext.errors import InfeasibleError, OutOfTimeError
 from megatron_ext.plan.schema import StepPlan
-from megatron_ext.planner.pp.chunk_search import BuildCache, plan_group, replay
+from megatron_ext.planner.pp.chunk_search import MAX_CHUNKS, BuildCache, plan_group, replay
 from megatron_ext.planner.pp.grouping import group_sequences, split_replicas
 from megatron_ext.planner.pp.pipeline import (BuiltPipeline, PipelineOptions, finish_plan, kept_sequences,
                                            pipeline_cost, pipeline_options, with_recompute)
-from megatron_ext.planner.pp.sequence_limits import check_sequences
+from megatron_ext.planner.pp.sequence_limits import check_sequences, fit_cap
 from megatron_ext.text import numbered, plural
 
 
@@ -101,6 +102,24 @@ def _plan_structure(groups: list[np.ndarray], lengths, pc: PipelineCost, opts: P
     return [plan_group(g, lengths, pc, opts, start + (end - start) * (i + 1) / len(groups), f"pipeline {i}",
                        probe, whole_packs=len(groups) == 1, builds=builds, give_up=give_up)
             for i, g in enumerate(groups)]
+
+
+def _spread_slices(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOptions) -> list[np.ndarray]:
+    """The grouping of last resort: ``ids`` over ``max_pipelines`` pipelines, or more where that
+    leaves any with over half ``MAX_CHUNKS`` of the chunks memory forces (each sequence whole or
+    cut at its ``fit_cap``: ``chunk_search``'s fewest chunks), evening those out (the most first,
+    each to the pipeline with the fewest so far). The other groupings keep the long sequences
+    together: gpt-7b on 8 A100-40GB at ZeRO-1, 4 x 2, 2,048 GitHub sequences of up to 26,741
+    tokens (the longest the layout holds; 11,628 such chunks) were refused."""
+    forced = [-(-int(s) // (fit_cap(int(s), pc, opts.granularity) or int(s))) for s in lengths[ids].tolist()]
+    k = min(len(ids), max(opts.max_pipelines, -(-2 * sum(forced) // MAX_CHUNKS)))
+    loads = [(0, g) for g in range(k)]  # (chunks, pipeline): ties to the first
+    owner = np.empty(len(ids), dtype=np.int64)
+    for i in np.lexsort((ids, -np.asarray(forced))).tolist():
+        load, g = heapq.heappop(loads)
+        owner[i] = g
+        heapq.heappush(loads, (load + forced[i], g))
+    return [np.sort(ids[owner == g]) for g in range(len(loads))]
 
 
 def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOptions, start: float,
@@ -168,6 +187,9 @@ def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpti
             if probes and time.perf_counter() + max(took) > check_end():
                 break
             probe_structure(i)
+        if not probes:
+            structures.append(_spread_slices(ids, lengths, pc, opts))
+            probe_structure(len(structures) - 1)
     if not probes:
         raise err
     # the full searches: the best probe's grouping until 0.55 of the budget (0.7 alone), the
