@@ -105,21 +105,26 @@ def _plan_structure(groups: list[np.ndarray], lengths, pc: PipelineCost, opts: P
 
 
 def _spread_slices(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOptions) -> list[np.ndarray]:
-    """The grouping of last resort: ``ids`` over ``max_pipelines`` pipelines, or more where that
-    leaves any with over half ``MAX_CHUNKS`` of the chunks memory forces (each sequence whole or
-    cut at its ``fit_cap``: ``chunk_search``'s fewest chunks), evening those out (the most first,
-    each to the pipeline with the fewest so far). The other groupings keep the long sequences
-    together: gpt-7b on 8 A100-40GB at ZeRO-1, 4 x 2, 2,048 GitHub sequences of up to 26,741
-    tokens (the longest the layout holds; 11,628 such chunks) were refused."""
-    forced = [-(-int(s) // (fit_cap(int(s), pc, opts.granularity) or int(s))) for s in lengths[ids].tolist()]
-    k = min(len(ids), max(opts.max_pipelines, -(-2 * sum(forced) // MAX_CHUNKS)))
-    loads = [(0, g) for g in range(k)]  # (chunks, pipeline): ties to the first
-    owner = np.empty(len(ids), dtype=np.int64)
-    for i in np.lexsort((ids, -np.asarray(forced))).tolist():
+    """The grouping of last resort: the sequences memory cuts (at their ``fit_cap``, into the
+    slices of ``chunk_search``'s fewest chunks) over as many pipelines as leave none with over
+    half ``MAX_CHUNKS`` of those slices (the most first, each to the pipeline with the fewest so
+    far), then those that run whole, in pipelines of up to that many. The other groupings keep
+    the long sequences together: gpt-7b on 8 A100-40GB at ZeRO-1, 4 x 2, 2,048 GitHub sequences
+    of up to 26,741 tokens (the longest the layout holds; 11,628 such chunks) were refused. (Whole
+    sequences beside one that fits only alone can leave no room for it: gpt-7b on 16 A100-40GB,
+    ZeRO-3, 1 x 16, a 226,034-token sequence and 247 short ones, 3 MB over.)"""
+    forced = np.array([-(-int(s) // (fit_cap(int(s), pc, opts.granularity) or int(s))) for s in lengths[ids].tolist()])
+    cut, whole = ids[forced > 1], ids[forced == 1]
+    slices = forced[forced > 1].tolist()
+    half = MAX_CHUNKS // 2
+    loads = [(0, g) for g in range(-(-sum(slices) // half))]  # (slices, pipeline): ties to the first
+    owner = np.empty(len(cut), dtype=np.int64)
+    for i in np.lexsort((cut, -forced[forced > 1])).tolist():
         load, g = heapq.heappop(loads)
         owner[i] = g
-        heapq.heappush(loads, (load + forced[i], g))
-    return [np.sort(ids[owner == g]) for g in range(len(loads))]
+        heapq.heappush(loads, (load + slices[i], g))
+    groups = [np.sort(cut[owner == g]) for g in range(len(loads))]
+    return [g for g in groups if g.size] + [whole[i:i + half] for i in range(0, len(whole), half)]
 
 
 def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOptions, start: float,
