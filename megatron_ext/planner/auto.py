@@ -388,5 +388,6 @@ def _plan_fastest_again(run: _Run, layout: Layout, builds: BuildCache, took: flo
         run.alts[layout.name]["solve_time_s"] += first["solve_time_s"]
 
 
-__all__ = ["AUTO_BOUND_CUT", "AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_GAP", "AUTO_FLEXSP_MIN_X", "AUTO_FLEXSP_SHARE", "AUTO_PRUNE_MARGIN",
-           "AUTO_RESERVE", "AUTO_TIE", "AUTO_TIMELINES_SHARE", "flexsp_bound_s", "plan_auto", "plan_units"]
+__all__ = ["AUTO_BOUND_CUT", "AUTO_FLEXSP_FLOOR", "AUTO_FLEXSP_GAP", "AUTO_FLEXSP_MIN_X", "AUTO_FLEXSP_SHARE",
+           "AUTO_PRUNE_MARGIN", "AUTO_RESERVE", "AUTO_TIE", "AUTO_TIMELINES_SHARE", "flexsp_bound_s", "plan_auto",
+           "plan_units"]

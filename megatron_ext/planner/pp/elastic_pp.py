@@ -77,7 +77,7 @@ from megatron_ext.planner.pp.chunk_search import MAX_CHUNKS, BuildCache, plan_gr
 from megatron_ext.planner.pp.grouping import group_sequences, split_replicas
 from megatron_ext.planner.pp.pipeline import (BuiltPipeline, PipelineOptions, finish_plan, kept_sequences,
                                            pipeline_cost, pipeline_options, with_recompute)
-from megatron_ext.planner.pp.sequence_limits import check_sequences, fit_cap
+from megatron_ext.planner.pp.sequence_limits import check_sequences, memory_slices
 from megatron_ext.text import numbered, plural
 
 
@@ -113,7 +113,8 @@ def _spread_slices(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpt
     of up to 26,741 tokens (the longest the layout holds; 11,628 such chunks) were refused. (Whole
     sequences beside one that fits only alone can leave no room for it: gpt-7b on 16 A100-40GB,
     ZeRO-3, 1 x 16, a 226,034-token sequence and 247 short ones, 3 MB over.)"""
-    forced = np.array([-(-int(s) // (fit_cap(int(s), pc, opts.granularity) or int(s))) for s in lengths[ids].tolist()])
+    uniq, at = np.unique(lengths[ids], return_inverse=True)
+    forced = np.array([memory_slices(int(s), pc, opts.granularity) for s in uniq.tolist()])[at]
     cut, whole = ids[forced > 1], ids[forced == 1]
     slices = forced[forced > 1].tolist()
     half = MAX_CHUNKS // 2

@@ -16,7 +16,7 @@ from megatron_ext.errors import MegatronExtError
 from megatron_ext.planner.pp.chunk_search import chunk_stage_s
 from megatron_ext.planner.pp.grouping import pipeline_estimates, split_replicas
 from megatron_ext.planner.pp.pipeline import PipelineOptions
-from megatron_ext.planner.pp.sequence_limits import fit_cap
+from megatron_ext.planner.pp.sequence_limits import memory_slices
 
 # Order of the layouts: the estimate, raised by up to this share where memory presses (``layout_pressure``),
 # from none at AUTO_PRESSURE_FROM to all of it at AUTO_PRESSURE_FROM + AUTO_PRESSURE_SPAN. (From 0.7 over 1.0
@@ -86,7 +86,7 @@ def forced_slices(lengths: np.ndarray, pc: PipelineCost, granularity: int = 128)
     lengths = np.asarray(lengths)
     whole = pc.act_layer_mb * pc.layers_per_stage + float(pc.head_mb)  # (``sequence_peak_mb`` unsliced)
     over, count = np.unique(lengths[lengths * whole > pc.activation_room_mb], return_counts=True)
-    slices = sum(-(-int(s) // fit_cap(int(s), pc, granularity)) * int(c) for s, c in zip(over, count))
+    slices = sum(memory_slices(int(s), pc, granularity) * int(c) for s, c in zip(over, count))
     return max(slices, math.ceil(float(lengths.sum()) * whole / pc.activation_room_mb - 1e-9))
 
 

@@ -151,6 +151,13 @@ def fit_cap(seq_len: int, pc: PipelineCost, granularity: int) -> int | None:
     return m * g
 
 
+def memory_slices(seq_len: int, pc: PipelineCost, granularity: int) -> int:
+    """Slices a sequence of ``seq_len`` tokens is cut into to fit alone: 1 where it fits whole,
+    else equal slices of its ``fit_cap``."""
+    cap = fit_cap(seq_len, pc, granularity)
+    return 1 if cap is None else -(-int(seq_len) // cap)
+
+
 def fewest_slices(seq_len: int, pc: PipelineCost, granularity: int, min_slice_tokens: int) -> int | None:
     """The fewest equal-time slices (of at least ``min_slice_tokens``, the search's meshes) that
     let a sequence of ``seq_len`` tokens fit alone (``sequence_peak_mb``); None if none does, so
@@ -164,4 +171,4 @@ def fewest_slices(seq_len: int, pc: PipelineCost, granularity: int, min_slice_to
 
 
 __all__ = ["MAX_SLICES", "alone_peak_mb", "check_sequences", "even_bounds", "fewest_slices", "finest_slice", "fit_cap",
-           "longest_sequence", "sequence_peak_mb", "what_to_change"]
+           "longest_sequence", "memory_slices", "sequence_peak_mb", "what_to_change"]
