@@ -430,3 +430,7 @@ def test_packed_baselines_run_up_to_their_own_limit(name):
     msg = str(e.value)
     assert f"of {lim + 1} tokens does not fit a stage in a pack of up to {lim + 1024} tokens" in msg
     assert f"at most {lim})" in msg and "elastic_pp" in msg
+    # several at the limit: each fits alone, not with the others' packs in flight, and the error says so
+    with pytest.raises(InfeasibleError, match="keeps up to 4 micro-batches in flight on stage 0, .* shorter "
+                                              "--max-seq-len or elastic_pp"):
+        PLANNERS[name].plan(np.array([lim] * 8 + [700]), COST, opts)

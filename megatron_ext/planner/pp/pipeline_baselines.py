@@ -54,8 +54,10 @@ def _packed_baseline(name, lengths, cost: CostModel, pp, sp, options, seq_ids, o
             continue
         if best is None or max(b.makespan_ms for _, b in built) < max(b.makespan_ms for _, b in best):
             best, best_k = built, k
-    if best is None:
-        raise err
+    if best is None:  # (a sequence alone fits: ``packed_limit``; the fixed order is what holds more)
+        raise InfeasibleError(f"{err}: its 1F1B order keeps up to {pc.pp} micro-batches in flight on stage 0, "
+                              f"where a batch of several long sequences may not fit though each alone does; use a "
+                              f"shorter --max-seq-len or elastic_pp, which slices and orders by memory") from None
     n = sum(len(rp) for rp in packs)
     reps = f" over {pc.replicas} replicas" if pc.replicas > 1 else ""
     slices = f", {best_k} slices each" if best_k > 1 else ""
