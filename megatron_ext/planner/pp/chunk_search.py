@@ -246,7 +246,8 @@ def plan_group(seq_ids, lengths, pc: PipelineCost, opts: PipelineOptions, deadli
        again for a best target found at a finer cap), and the elastic 1F1B order.
     3. Nothing fits yet: every sequence at its slice cap, then every slice and chunk at half the
        longest sequence's cap, a quarter, ... down to its finest slicing; where that makes more
-       than ``MAX_CHUNKS``, the fewest equal-time slices that let the longest sequence fit.
+       than ``MAX_CHUNKS``, the fewest equal-time slices that let the longest sequence fit, then
+       each sequence cut only as its memory needs (``fewest_chunks``).
 
     ``builds``: the candidates built so far, shared by the searches of one replica's pipelines.
     ``give_up``: where another plan stands, the time past which a search that has found nothing
@@ -475,7 +476,8 @@ class _GroupSearch:
         and chunk within the longest sequence's slice cap, then finer, down to the finest slicing;
         where that makes more than MAX_CHUNKS (each sequence at its own slice cap: 9,650 for 205
         lengths up to 105K), the fewest equal-time slices that let the longest sequence fit, chunks
-        uncapped. ``target``: the search's likeliest chunk time; ``finite``: its token caps."""
+        uncapped, then ``fewest_chunks``. ``target``: the search's likeliest chunk time;
+        ``finite``: its token caps."""
         pc, opts, longest = self.pc, self.opts, self.longest
 
         def uncapped(chunk_ms: float) -> None:

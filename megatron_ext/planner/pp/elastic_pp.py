@@ -17,7 +17,8 @@ replica alone is planned again too, in the time its search kept for the ILP and 
    analytic estimate. When memory binds, "the longest sequence in a pipeline of its own" is
    tried too. Every grouping (one pipeline always among them) is probed first (step 2 at its
    likeliest targets only), then searched in full in the order of the probes: the best until
-   0.55 of the time, the runner-up (if within 10%) until 0.7; the fastest wins.
+   0.55 of the time, the runner-up (if within 10%) until 0.7; the fastest wins. Where none holds
+   the batch, its sliced sequences spread over as many pipelines as they need (``_spread_slices``).
 2. Chunking per pipeline (planner/pp/chunking.py): the target chunk time (and so K) and the chunk
    token cap are searched, likeliest first (at most ``search_targets`` per cap); each candidate
    is chunked, given a warm-up/cool-down ramp (a few small chunks of whole short sequences first
@@ -52,7 +53,7 @@ left (if none, the search's greedy recompute stands, noted in the status). Past 
 search keeps its best candidate and starts no chunking whose build would end past it; a pipeline
 with nothing feasible yet at its deadline goes straight to the safest chunkings (whole sequences
 where the longest fits whole; the capped slices, then finer; past MAX_CHUNKS, the longest
-sequence's fewest fitting slices) and keeps trying until something fits, unless another grouping
+sequence's fewest fitting slices, then each sequence cut only as its memory needs) and keeps trying until something fits, unless another grouping
 already has a plan: then it drops its grouping rather than start a build that would end past the
 budget less what checking that plan takes (a build's time, feasible or not, priced from the
 largest built so far of ``PRICED_CHUNKS`` chunks or more).
@@ -131,8 +132,9 @@ def _spread_slices(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpt
 def _plan_replica(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOptions, start: float,
                   budget: float, builds: BuildCache | None = None, stands: float | None = None) -> list[BuiltPipeline]:
     """One replica's pipelines (run one after another), planned in ``budget`` seconds from
-    ``start``: one pipeline, or the sequences grouped into up to ``max_pipelines``; then the ILP's
-    recompute on the winner. Every grouping is probed first (its first candidates), then the
+    ``start``: one pipeline, or the sequences grouped into up to ``max_pipelines`` (where none of
+    those holds them, into as many as ``_spread_slices`` needs); then the ILP's recompute on the
+    winner. Every grouping is probed first (its first candidates), then the
     searches go to the groupings in the order of their probes, the likeliest getting most of the
     time: a short budget still weighs every grouping, rather than spending it all on the first.
     ``stands``: where the caller has another plan, the time past which the probes give up hunting
