@@ -53,10 +53,11 @@ left (if none, the search's greedy recompute stands, noted in the status). Past 
 search keeps its best candidate and starts no chunking whose build would end past it; a pipeline
 with nothing feasible yet at its deadline goes straight to the safest chunkings (whole sequences
 where the longest fits whole; the capped slices, then finer; past MAX_CHUNKS, the longest
-sequence's fewest fitting slices, then each sequence cut only as its memory needs) and keeps trying until something fits, unless another grouping
-already has a plan: then it drops its grouping rather than start a build that would end past the
-budget less what checking that plan takes (a build's time, feasible or not, priced from the
-largest built so far of ``PRICED_CHUNKS`` chunks or more).
+sequence's fewest fitting slices, then each sequence cut only as its memory needs) and keeps
+trying until something fits, unless another grouping already has a plan: then it drops its
+grouping rather than start a build that would end past the budget less what checking that plan
+takes (a build's time, feasible or not, priced from the largest built so far of
+``PRICED_CHUNKS`` chunks or more).
 
 Steps 2-3 (one pipeline's search) are in planner/pp/chunk_search.py; building and scoring a pipeline
 and what the other pipeline planners share, in planner/pp/pipeline.py.
