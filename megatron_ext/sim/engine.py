@@ -103,13 +103,48 @@ def analyze_pieces(pieces: list[list[tuple[int, int, int]]], pc: PipelineCost, w
 # ---- memory ----------------------------------------------------------------------------------
 
 @dataclass
-class Checkpoint:
-    """Memory of a stage at one moment: const - sum_{k in reducible} save[k] * recompute[k]."""
+class Moments:
+    """The moments of one stage that can peak (after each forward, during each backward), as
+    arrays: moment r (operation ``pos[r]`` of the stage's order, ``kind[r]`` of ``chunk[r]``) holds
+    ``const[r]`` MB with nothing recomputed (activations, logits, dK/dV buffers; no model states),
+    less ``save[k] * recompute[k]`` for each chunk k in flight then: forwarded and not yet
+    backwarded, ``fwd_pos[k] <= pos[r] < bwd_pos[k]`` (a chunk is not in flight during its own
+    backward; one backwarded before its forward, which the scheduler refuses, stays in flight from
+    its forward on, as nothing frees it). The chunks in flight are intervals of positions, so a
+    moment's are found, not stored: hundreds of one sequence's slices in flight at thousands of
+    moments made lists of millions of entries."""
 
-    kind: int  # FWD: right after the forward; BWD: during the backward
-    chunk: int
-    const: float  # MB with no recompute (activations, logits, dK/dV buffers), without model states
-    reducible: list[int]  # chunks whose recomputed layers lower the memory at this moment
+    kind: np.ndarray  # [moments] FWD / BWD
+    chunk: np.ndarray  # [moments]
+    pos: np.ndarray  # [moments], ascending
+    const: np.ndarray  # [moments]
+    fwd_pos: np.ndarray  # [chunks]
+    bwd_pos: np.ndarray  # [chunks]
+    by_fwd: np.ndarray  # the chunks in forward order (by ``fwd_pos``; each stage forwards every chunk once)
+
+    def __post_init__(self):
+        self._fwd_sorted = self.fwd_pos[self.by_fwd]
+
+    def __len__(self) -> int:
+        return len(self.pos)
+
+    def in_flight(self, r: int) -> np.ndarray:
+        """The chunks in flight at moment ``r``, in forward order."""
+        pos = self.pos[r]
+        k = self.by_fwd[:int(np.searchsorted(self._fwd_sorted, pos, side="right"))]
+        return k[self.bwd_pos[k] > pos]
+
+    def runs(self, chunks: np.ndarray, among: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Where each of ``chunks`` is in flight, a run of moments (``lo:hi``, empty where none):
+        of all the moments, or of those ``among`` (ascending indices), counted among them."""
+        at = self.pos if among is None else self.pos[among]
+        lo = np.searchsorted(at, self.fwd_pos[chunks], side="left")
+        return lo, np.maximum(lo, np.searchsorted(at, self.bwd_pos[chunks], side="left"))
+
+    def memory(self, save: np.ndarray, recompute: np.ndarray) -> np.ndarray:
+        """MB (no model states) at each moment for per-chunk recompute layer counts."""
+        red = save * recompute
+        return np.array([self.const[r] - float(red[self.in_flight(r)].sum()) for r in range(len(self))])
 
 
 class _SliceBuffers:
@@ -148,35 +183,44 @@ class _SliceBuffers:
 
 
 def memory_checkpoints(ops: list[tuple[int, int]], table: ChunkTable, full: np.ndarray,
-                       pc: PipelineCost, room: float | None = None) -> list[Checkpoint]:
+                       pc: PipelineCost, room: float | None = None) -> Moments:
     """The moments that can peak on one stage: after each forward and during each backward;
     with ``room``, only those over it with nothing recomputed (recompute only lowers memory, so
-    the others hold whatever it is; their lists of chunks are what costs)."""
-    live: dict[int, None] = {}  # ordered set of chunks between forward and backward
+    the others hold whatever it is)."""
     live_sum = 0.0
+    live: set[int] = set()
     per_token = float(pc.dkv_mb(1))
     full = full.tolist()
     held = _SliceBuffers(table)
     limit = -math.inf if room is None else room
-    out = []
+    end = len(ops)  # (a chunk not backwarded after its forward stays in flight to the end)
+    fwd_pos, bwd_pos = [end] * table.n, [end] * table.n
+    kinds, chunks, poss, consts, by_fwd = [], [], [], [], []
     for pos, (kind, k) in enumerate(ops):
         if kind == FWD:
-            live[k] = None
+            fwd_pos[k] = pos
+            by_fwd.append(k)
+            live.add(k)
             live_sum += full[k]
             const = live_sum + per_token * held.tokens()
-            if const > limit:
-                out.append(Checkpoint(FWD, k, const, list(live)))
         else:
             const = live_sum + per_token * held.tokens(during=k)
-            if k not in live:  # backward before forward: the scheduler reports the deadlock
-                const += full[k]
-            if const > limit:
-                out.append(Checkpoint(BWD, k, const, [j for j in live if j != k]))
             if k in live:
-                del live[k]
+                bwd_pos[k] = pos
+                live.discard(k)
                 live_sum -= full[k]
+            else:  # backward before forward: the scheduler reports the deadlock
+                const += full[k]
             held.backward_done(k)
-    return out
+        if const > limit:
+            kinds.append(kind)
+            chunks.append(k)
+            poss.append(pos)
+            consts.append(const)
+    return Moments(np.asarray(kinds, dtype=np.int64), np.asarray(chunks, dtype=np.int64),
+                   np.asarray(poss, dtype=np.int64), np.asarray(consts, dtype=np.float64),
+                   np.asarray(fwd_pos, dtype=np.int64), np.asarray(bwd_pos, dtype=np.int64),
+                   np.asarray(by_fwd, dtype=np.int64))
 
 
 def memory_levels(ops: list[tuple[int, int]], table: ChunkTable, full: np.ndarray, save: np.ndarray,
@@ -186,7 +230,7 @@ def memory_levels(ops: list[tuple[int, int]], table: ChunkTable, full: np.ndarra
     what recomputed layers drop); during a backward the chunk's activations are all back and a
     split sequence's prefix dK/dV buffer is live; after it, the chunk is freed but for the cached
     K/V of a slice whose sequence's first slice has not run backward yet. The peaks agree
-    with ``checkpoint_memory`` (after each forward, during each backward)."""
+    with ``Moments.memory`` (after each forward, during each backward)."""
     kept = (full - save * recompute).tolist()
     full_l = full.tolist()
     per_token = float(pc.dkv_mb(1))
@@ -210,12 +254,6 @@ def memory_levels(ops: list[tuple[int, int]], table: ChunkTable, full: np.ndarra
         buffers.backward_done(k)
         after[pos] = live_sum + per_token * buffers.tokens()
     return before, during, after
-
-
-def checkpoint_memory(cps: list[Checkpoint], save: np.ndarray, recompute: np.ndarray) -> np.ndarray:
-    """Memory (MB, no model states) at each checkpoint for per-chunk recompute layer counts."""
-    red = save * recompute
-    return np.array([cp.const - float(red[cp.reducible].sum()) for cp in cps])
 
 
 # ---- time ------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from megatron_ext.planner.pp.checkpointing import greedy_recompute, solve_recomp
 from megatron_ext.planner.pp.chunking import balanced_chunks
 from megatron_ext.planner.pp.pipeline import _checkpoints, build_pipeline
 from megatron_ext.sim import simulate
-from megatron_ext.sim.engine import backward_order, checkpoint_memory
+from megatron_ext.sim.engine import backward_order
 
 COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
 lengths_st = st.lists(st.one_of(st.integers(1, 4096), st.integers(4096, 98_304)), min_size=1, max_size=25)
@@ -118,7 +118,7 @@ def test_a_limit_spent_building_the_model_leaves_the_greedy_answer():
         assert status == "greedy (no time left for the ILP)"
         assert (r == greedy_recompute(cps, save, rc, 10, room, bpos, tied)).all() and r.any()
         for p in range(4):
-            assert (checkpoint_memory(cps[p], save, r[p]) <= room[p] + 1e-6).all()  # (cps: the moments over it)
+            assert (cps[p].memory(save, r[p]) <= room[p] + 1e-6).all()  # (cps: the moments over it)
 
 
 def test_an_ilp_plan_no_faster_than_the_search_s_greedy_is_named_in_the_status():
@@ -149,11 +149,11 @@ def test_greedy_recompute_fits_and_lowers_every_chunk_it_can(lengths, k, mem_gb)
     cps, save = _checkpoints(built.table, built.ops, pc)
     room, r = pc.activation_room_mb, built.recompute
     for p in range(pc.pp):
-        assert (checkpoint_memory(cps[p], save, r[p]) <= room + 1e-6).all()
+        assert (cps[p].memory(save, r[p]) <= room + 1e-6).all()
         for c in np.flatnonzero(r[p]):
             lower = r[p].copy()
             lower[c] -= 1
-            assert (checkpoint_memory(cps[p], save, lower) > room + 1e-6).any(), (p, c)
+            assert (cps[p].memory(save, lower) > room + 1e-6).any(), (p, c)
 
 
 @pytest.mark.parametrize("mem_gb", [20, 22, 26])

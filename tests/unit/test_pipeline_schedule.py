@@ -18,8 +18,8 @@ from megatron_ext.plan.validate import validate_pipelines
 from megatron_ext.planner.pp.chunking import balanced_chunks
 from megatron_ext.planner.pp.pipeline import build_pipeline
 from megatron_ext.sim import simulate
-from megatron_ext.sim.engine import (analyze_chunks, analyze_pieces, backward_order, greedy_orders, one_f_one_b,
-                                     op_times, warmup_counts)
+from megatron_ext.sim.engine import (analyze_chunks, analyze_pieces, backward_order, greedy_orders, memory_checkpoints,
+                                     one_f_one_b, op_times, warmup_counts)
 
 COST = CostModel.from_presets("llama-13b", "a800-80g-8x4")
 
@@ -245,6 +245,24 @@ def test_greedy_orders_are_valid_and_list_schedule_reproduces_them(lengths, k, l
     begin, end = list_schedule(ops, fwd, bwd, p2p, table.fwd_pred, table.bwd_pred)
     assert np.nanmax(end) == pytest.approx(makespan, rel=1e-12)
     assert holds == 0 or room is not None
+    # the moments that can peak: every chunk between its forward and its backward is in flight there
+    # (none during its own backward), in forward order, and one backwarded before its forward (a
+    # deadlock the scheduler refuses) from its forward on
+    for p, o in enumerate(ops + [one_f_one_b(forward, backward, P)[0][::-1]]):
+        moments = memory_checkpoints(o, table, full[min(p, P - 1)], pc)
+        assert moments.pos.tolist() == list(range(2 * n))
+        live: dict[int, None] = {}
+        at: dict[int, list[int]] = {c: [] for c in range(n)}  # the moments each chunk is in flight at
+        for r, (kind, c) in enumerate(o):
+            if kind == FWD:
+                live[c] = None
+            assert moments.in_flight(r).tolist() == [j for j in live if not (kind == BWD and j == c)]
+            for j in moments.in_flight(r).tolist():
+                at[j].append(r)
+            if kind == BWD:
+                live.pop(c, None)
+        lo, hi = moments.runs(np.arange(n))
+        assert all(at[c] == list(range(lo[c], hi[c])) for c in range(n))
     # with uniform chunks and no memory limit, list scheduling is no slower than 1F1B
     if room is None:
         ops1 = one_f_one_b(forward, backward, P)
@@ -350,8 +368,8 @@ def test_cached_kv_of_a_slice_lives_until_its_sequence_s_first_slice_runs_backwa
     assert after[4] == pytest.approx(full[0] + 100 * tok + 100 * tok)  # dK/dV of [0, 100), slice 1's cache
     assert after[5] == pytest.approx(0.0)
     # the checkpoints (what the recompute ILP constrains) agree with the levels at their moments
-    cps = memory_checkpoints(ops, table, full, pc)
-    assert [cp.const for cp in cps if cp.kind == BWD] == pytest.approx(during[3:].tolist())
+    moments = memory_checkpoints(ops, table, full, pc)
+    assert moments.const[moments.kind == BWD].tolist() == pytest.approx(during[3:].tolist())
 
 
 @settings(max_examples=60, deadline=None)

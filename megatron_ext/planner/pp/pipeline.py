@@ -26,7 +26,7 @@ from megatron_ext.plan.validate import checked_batch_lengths, validate
 from megatron_ext.planner.options import check_whole_numbers, options_as
 from megatron_ext.planner.pp.checkpointing import greedy_recompute, solve_recompute
 from megatron_ext.planner.pp.chunking import Pieces, pack_round
-from megatron_ext.sim.engine import (ChunkTable, analyze_pieces, backward_order, checkpoint_memory, greedy_orders,
+from megatron_ext.sim.engine import (ChunkTable, analyze_pieces, backward_order, greedy_orders,
                                      memory_checkpoints, memory_levels, one_f_one_b, op_times, order_names)
 from megatron_ext.sim.simulator import simulate
 
@@ -104,7 +104,7 @@ def _checkpoints(table: ChunkTable, ops, pc: PipelineCost):
 
 
 def _fits(cps, save, rec, room) -> bool:
-    return all((checkpoint_memory(c, save, rec[p]) <= room[p] * (1 + 1e-9) + 1e-6).all() for p, c in enumerate(cps))
+    return all((c.memory(save, rec[p]) <= room[p] * (1 + 1e-9) + 1e-6).all() for p, c in enumerate(cps))
 
 
 def build_pipeline(pieces: list[Pieces], pc: PipelineCost, recompute: str = "greedy", tied: bool = True,
@@ -202,11 +202,12 @@ def _recompute_and_time(pieces, table: ChunkTable, backward: list[int], ops, hel
         else:
             status = "no recompute"
         if not _fits(cps, save, rec, room):
-            p = next(p for p, c in enumerate(cps) if not (checkpoint_memory(c, save, rec[p]) <= room[p] + 1e-6).all())
-            mem = checkpoint_memory(cps[p], save, rec[p])
-            cp = cps[p][int(np.argmax(mem))]
+            p = next(p for p, c in enumerate(cps) if not (c.memory(save, rec[p]) <= room[p] + 1e-6).all())
+            mem = cps[p].memory(save, rec[p])
+            i = int(np.argmax(mem))
             raise InfeasibleError(f"{where}: stage {p} needs {mem.max() + pc.model_states_mb:.1f} MB per GPU at "
-                                  f"{name(cp.kind, cp.chunk)} with {status}, over the {pc.budget_mb:.1f} MB budget")
+                                  f"{name(int(cps[p].kind[i]), int(cps[p].chunk[i]))} with {status}, over the "
+                                  f"{pc.budget_mb:.1f} MB budget")
     elif recompute == "greedy":
         rec = greedy_recompute(cps, save, rc, L_s, room, bpos, tied, where, name)
         status = "greedy recompute"
