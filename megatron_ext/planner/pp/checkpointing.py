@@ -16,7 +16,6 @@ tying, then trimmed) answers instead; the pipeline search ranks its candidates b
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import highspy
 import numpy as np
@@ -33,68 +32,31 @@ def _var_map(P: int, n: int, bpos: np.ndarray, tied: bool) -> np.ndarray:
     return np.arange(P * n).reshape(P, n)
 
 
-@dataclass
-class _Rows:
-    """The moments over their room as constraints ``sum_j val x[col] >= need`` (CSR: row r's
-    entries are ``indptr[r]:indptr[r + 1]``). A row belongs to one stage, whose chunks have
-    distinct variables (tied: distinct diagonals), so a row never repeats a column."""
-
-    stage: np.ndarray  # [rows]
-    moment: np.ndarray  # [rows] the row's moment in its stage's ``Moments``
-    need: np.ndarray  # [rows] MB to save
-    indptr: np.ndarray  # [rows + 1]
-    chunk: np.ndarray  # [nnz] the chunk of each entry
-    col: np.ndarray  # [nnz] its variable
-    val: np.ndarray  # [nnz] MB one recomputed layer of it saves
-    runs: np.ndarray  # [P, n, 2] the rows (lo, hi) each chunk is in on each stage: a run
-    save: np.ndarray  # [n] MB one recomputed layer of each chunk saves
-
-    @property
-    def row_of(self) -> np.ndarray:
-        return np.repeat(np.arange(len(self.need)), np.diff(self.indptr))
-
-
-def _rows(moments: list[Moments], save: np.ndarray, room: np.ndarray, var: np.ndarray, layers: int,
-          where: str, name) -> _Rows:
-    """The moments over their room; raises InfeasibleError at the first that stays over with
-    every layer of its chunks recomputed (before the greedy or the ILP spends anything on it).
-    A chunk is in flight over a run of moments (``Moments.runs``): its entries are laid out
-    chunk by chunk (in forward order, those whose recompute saves anything), then put in row order,
-    keeping the forward order within a row; hundreds of one sequence's slices in flight over
-    thousands of moments are millions of entries, so all at once."""
-    stage, moment, need, chunk, sizes = [], [], [], [], []
-    runs = np.zeros((len(moments), len(save), 2), dtype=np.int64)
-    first_row = 0
+def _rows(moments: list[Moments], save: np.ndarray, room: np.ndarray,
+          var: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The moments over their room as the ILP's constraints ``sum_j val x[col] >= need``, in CSR
+    (need, indptr, col, val: row r's entries are ``indptr[r]:indptr[r + 1]``), stage after stage.
+    A row belongs to one stage, whose chunks have distinct variables (tied: distinct diagonals),
+    so a row never repeats a column. A chunk is in flight over a run of moments
+    (``Moments.runs``): the entries are laid out chunk by chunk (those whose recompute saves
+    anything), then put in row order, all at once (hundreds of one sequence's slices in flight
+    over thousands of moments are millions of entries)."""
+    need, col, val, sizes = [], [], [], []
     for p, m in enumerate(moments):
         over = np.flatnonzero(m.const - room[p] > 1e-9)
-        if not len(over):
-            continue
         order = m.by_fwd[save[m.by_fwd] > 0]
         lo, hi = m.runs(order, over)
         counts = hi - lo
-        runs[p, order, 0] = first_row + lo
-        runs[p, order, 1] = first_row + lo + counts
-        first_row += len(over)
         row = np.repeat(lo - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))  # chunk by chunk
         # (into row order, stably: a stage has at most 2 x MAX_CHUNKS moments, 16-bit keys, a radix sort)
-        by_row = np.argsort(row.astype(np.int16) if len(over) < 2 ** 15 else row, kind="stable")
-        stage.append(np.full(len(over), p, dtype=np.int64))
-        moment.append(over)
+        chunk = np.repeat(order, counts)[np.argsort(row.astype(np.int16) if len(over) < 2 ** 15 else row,
+                                                    kind="stable")]
         need.append(m.const[over] - room[p])
-        chunk.append(np.repeat(order, counts)[by_row])
+        col.append(var[p, chunk])
+        val.append(save[chunk])
         sizes.append(np.bincount(row, minlength=len(over)))
-    stage_a, moment_a, need_a, chunk_a, sizes_a = (np.concatenate(x) if x else np.zeros(0, dtype=dt) for x, dt in (
-        (stage, np.int64), (moment, np.int64), (need, np.float64), (chunk, np.int64), (sizes, np.int64)))
-    rows = _Rows(stage_a, moment_a, need_a,
-                 np.concatenate([[0], np.cumsum(sizes_a, dtype=np.int64)]), chunk_a,
-                 var[np.repeat(stage_a, sizes_a), chunk_a], save[chunk_a], runs, save)
-    most = np.bincount(rows.row_of, weights=rows.val, minlength=len(rows.need)) * layers
-    short = np.flatnonzero(most < rows.need - 1e-6)
-    if len(short):
-        r = int(short[0])
-        raise _infeasible(int(rows.stage[r]), moments[int(rows.stage[r])], int(rows.moment[r]),
-                          rows.need[r] - most[r], where, name)
-    return rows
+    return (np.concatenate(need), np.concatenate([[0], np.cumsum(np.concatenate(sizes), dtype=np.int64)]),
+            np.concatenate(col), np.concatenate(val))
 
 
 def _infeasible(p: int, m: Moments, i: int, need: float, where: str, name) -> InfeasibleError:
@@ -104,54 +66,89 @@ def _infeasible(p: int, m: Moments, i: int, need: float, where: str, name) -> In
                            f"even with every layer of every in-flight chunk recomputed")
 
 
-def _greedy(rows: _Rows, var: np.ndarray, cost: np.ndarray, layers: int) -> np.ndarray:
-    """Row by row, raise the variables that save the most MB per recompute ms, over every moment
-    they are in (one layer of variable j saves its chunks' MB at each of its rows, and costs
-    ``cost[j]``), until the row holds (every row can: ``_rows`` refused any that every layer
-    recomputed cannot); then lower each, the least saving per ms first, as far as every row it is
-    in still holds: rows raised early hold more than they need once later rows raised the chunks
-    they share. A variable's chunk is in a run of rows on each stage (``_Rows.runs``), so a raise
-    or a lowering updates runs. Returns x [len(cost)]. (gpt-13b on 8 stages x SP 16 at 192K, packs
-    cut in 8: 36 s of recompute over the stages, the ILP's 31 s; 51 s ranking chunks by their own MB
-    per ms, untrimmed, which put a chunking whose ILP plan is 3% slower ahead of it.)"""
-    nvar, n = len(cost), var.shape[1]
-    x = np.zeros(nvar, dtype=np.int64)
-    per_ms = np.bincount(rows.col, weights=rows.val, minlength=nvar) / np.maximum(cost, 1e-12)
+def _over_room(moments: list[Moments], save: np.ndarray, room: np.ndarray, layers: int, where: str, name):
+    """The greedy's moments: per stage, those over the room (numbered stage after stage); each
+    chunk's run of them on each stage (lo, hi: [P, n], empty for a chunk whose recompute saves
+    nothing); what each must save. Raises InfeasibleError at the first that every layer of its
+    chunks in flight recomputed cannot bring within the room (each run's MB summed over it)."""
+    P, n = len(moments), len(save)
+    overs = [np.flatnonzero(m.const - room[p] > 1e-9) for p, m in enumerate(moments)]
+    starts = np.cumsum([0] + [len(o) for o in overs])
+    lo, hi = np.zeros((P, n), dtype=np.int64), np.zeros((P, n), dtype=np.int64)
+    for p, (m, over) in enumerate(zip(moments, overs)):
+        a, b = m.runs(np.arange(n), over)
+        lo[p], hi[p] = starts[p] + a, starts[p] + np.where(save > 0, b, a)
+    need = np.concatenate([m.const[over] - room[p] for p, (m, over) in enumerate(zip(moments, overs))])
+    mb = np.tile(save, P) * (hi > lo).ravel()
+    edges = np.zeros(starts[-1] + 1)
+    np.add.at(edges, lo.ravel(), mb)
+    np.add.at(edges, hi.ravel(), -mb)
+    short = np.flatnonzero(np.cumsum(edges)[:-1] * layers < need - 1e-6)
+    if len(short):
+        p = int(np.searchsorted(starts, short[0], side="right")) - 1
+        r = int(overs[p][short[0] - starts[p]])
+        most = float(save[moments[p].in_flight(r)].sum()) * layers
+        raise _infeasible(p, moments[p], r, need[short[0]] - most, where, name)
+    return overs, lo, hi, need
+
+
+def _greedy(moments: list[Moments], save: np.ndarray, room: np.ndarray, var: np.ndarray, cost: np.ndarray,
+            layers: int, where: str, name) -> np.ndarray:
+    """Moment by moment over the room (each stage's in turn), raise the variables that save the
+    most MB per recompute ms, over every moment they are in (one layer of variable j saves its
+    chunks' MB at each moment over the room they are in flight at, and costs ``cost[j]``), until
+    the moment holds (raising InfeasibleError first where one cannot); then lower each, the least
+    saving per ms first, as far as every moment it is in still holds: moments raised early hold
+    more than they need once later ones raised the chunks they share. A chunk is in flight over a
+    run of moments (``Moments.runs``): a raise or a lowering updates runs, and only a moment still
+    over its room looks up its chunks (hundreds of one sequence's slices in flight over thousands
+    of moments made millions of entries). Returns x [len(cost)]. (gpt-13b on 8 stages x SP 16 at
+    192K, packs cut in 8: 36 s of recompute over the stages, the ILP's 31 s; 51 s ranking chunks
+    by their own MB per ms, untrimmed, which put a chunking whose ILP plan is 3% slower ahead.)"""
+    nvar, (P, n) = len(cost), var.shape
+    overs, lo, hi, need = _over_room(moments, save, room, layers, where, name)
+    span = (hi - lo).ravel()
+    per_ms = np.bincount(var.ravel(), weights=np.tile(save, P) * span, minlength=nvar) / np.maximum(cost, 1e-12)
     by_var = np.argsort(var, axis=None, kind="stable")  # each variable's (stage, chunk)s
     starts = np.searchsorted(var.ravel()[by_var], np.arange(nvar + 1))
-    lo, hi = rows.runs[..., 0].ravel(), rows.runs[..., 1].ravel()
+    lo_f, hi_f = lo.ravel(), hi.ravel()
 
-    def runs(j: int) -> list[tuple[int, int, float]]:  # (first row, past the last, MB a layer saves there)
-        return [(int(lo[f]), int(hi[f]), float(rows.save[f % n])) for f in by_var[starts[j]:starts[j + 1]].tolist()
-                if hi[f] > lo[f]]
+    def runs(j: int) -> list[tuple[int, int, float]]:  # (first moment, past the last, MB a layer saves there)
+        return [(int(lo_f[f]), int(hi_f[f]), float(save[f % n])) for f in by_var[starts[j]:starts[j + 1]].tolist()
+                if hi_f[f] > lo_f[f]]
 
-    reduced = np.zeros(len(rows.need))
-    for r in range(len(rows.need)):
-        need = rows.need[r] - reduced[r]
-        if need <= 1e-9:
-            continue
-        a, b = rows.indptr[r], rows.indptr[r + 1]
-        for e in a + np.argsort(-per_ms[rows.col[a:b]], kind="stable"):
-            j = rows.col[e]
-            free = layers - x[j]
-            if free <= 0:
-                continue
-            add = int(min(free, np.ceil(need / rows.val[e] - 1e-9)))
-            x[j] += add
-            for first, past, v in runs(j):
-                reduced[first:past] += v * add
-            need = rows.need[r] - reduced[r]
-            if need <= 1e-9:
-                break
-    slack = reduced - rows.need
+    x = np.zeros(nvar, dtype=np.int64)
+    reduced = np.zeros(len(need))
+    row = 0
+    for p, (m, over) in enumerate(zip(moments, overs)):
+        for r in over.tolist():
+            left = need[row] - reduced[row]
+            if left > 1e-9:
+                k = m.in_flight(r)
+                k = k[save[k] > 0]
+                cols, vals = var[p, k], save[k]
+                for e in np.argsort(-per_ms[cols], kind="stable").tolist():
+                    j = cols[e]
+                    free = layers - x[j]
+                    if free <= 0:
+                        continue
+                    add = int(min(free, np.ceil(left / vals[e] - 1e-9)))
+                    x[j] += add
+                    for a, b, v in runs(j):
+                        reduced[a:b] += v * add
+                    left = need[row] - reduced[row]
+                    if left <= 1e-9:
+                        break
+            row += 1
+    slack = reduced - need
     raised = np.flatnonzero(x)
     for j in raised[np.argsort(per_ms[raised], kind="stable")].tolist():
         spans = runs(j)
-        down = min([int(x[j])] + [int(np.floor((slack[first:past].min() + 1e-9) / v)) for first, past, v in spans])
+        down = min([int(x[j])] + [int(np.floor((slack[a:b].min() + 1e-9) / v)) for a, b, v in spans])
         if down > 0:
             x[j] -= down
-            for first, past, v in spans:
-                slack[first:past] -= v * down
+            for a, b, v in spans:
+                slack[a:b] -= v * down
     return x
 
 
@@ -168,7 +165,7 @@ def greedy_recompute(moments: list[Moments], save: np.ndarray, rc: np.ndarray, l
     """Raise recompute where memory is over, moment by moment, most MB saved per ms first, then
     lower what the later moments made unneeded (``_greedy``). [P, n] ints."""
     var = _var_map(len(moments), len(save), bpos, tied)
-    return _greedy(_rows(moments, save, room, var, layers, where, name), var, _costs(var, rc), layers)[var]
+    return _greedy(moments, save, room, var, _costs(var, rc), layers, where, name)[var]
 
 
 def solve_recompute(moments: list[Moments], save: np.ndarray, rc: np.ndarray, layers: int,
@@ -179,12 +176,12 @@ def solve_recompute(moments: list[Moments], save: np.ndarray, rc: np.ndarray, la
     started = time.perf_counter()
     P, n = len(moments), len(save)
     var = _var_map(P, n, bpos, tied)
-    rows = _rows(moments, save, room, var, layers, where, name)
-    if not len(rows.need):
-        return np.zeros((P, n), dtype=np.int64), "no recompute needed"
     cost = _costs(var, rc)
     nvar = len(cost)
-    x0 = _greedy(rows, var, cost, layers)
+    x0 = _greedy(moments, save, room, var, cost, layers, where, name)  # (it refuses what cannot fit)
+    need, indptr, col, val = _rows(moments, save, room, var)
+    if not len(need):
+        return np.zeros((P, n), dtype=np.int64), "no recompute needed"
     greedy = x0[var]
     left = time_limit - (time.perf_counter() - started)  # the limit covers building the model too
     if left <= 0.01:
@@ -195,9 +192,9 @@ def solve_recompute(moments: list[Moments], save: np.ndarray, rc: np.ndarray, la
     h.changeColsCost(nvar, np.arange(nvar, dtype=np.int32), cost)
     h.changeColsIntegrality(nvar, np.arange(nvar, dtype=np.int32),
                             np.full(nvar, highspy.HighsVarType.kInteger, dtype=np.uint8))
-    m = len(rows.need)
-    h.addRows(m, rows.need, np.full(m, highspy.kHighsInf), len(rows.col), rows.indptr[:-1].astype(np.int32),
-              rows.col.astype(np.int32), rows.val.astype(np.float64))
+    m = len(need)
+    h.addRows(m, need, np.full(m, highspy.kHighsInf), len(col), indptr[:-1].astype(np.int32), col.astype(np.int32),
+              val.astype(np.float64))
     h.setSolution(nvar, np.arange(nvar, dtype=np.int32), x0.astype(np.float64))  # warm start: the greedy
     h.run()
     if h.getInfo().primal_solution_status != 2:
