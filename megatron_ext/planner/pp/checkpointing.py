@@ -16,6 +16,7 @@ tying, then trimmed) answers instead; the pipeline search ranks its candidates b
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import highspy
 import numpy as np
@@ -32,33 +33,6 @@ def _var_map(P: int, n: int, bpos: np.ndarray, tied: bool) -> np.ndarray:
     return np.arange(P * n).reshape(P, n)
 
 
-def _rows(moments: list[Moments], save: np.ndarray, room: np.ndarray,
-          var: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The moments over their room as the ILP's constraints ``sum_j val x[col] >= need``, in CSR
-    (need, indptr, col, val: row r's entries are ``indptr[r]:indptr[r + 1]``), stage after stage.
-    A row belongs to one stage, whose chunks have distinct variables (tied: distinct diagonals),
-    so a row never repeats a column. A chunk is in flight over a run of moments
-    (``Moments.runs``): the entries are laid out chunk by chunk (those whose recompute saves
-    anything), then put in row order, all at once (hundreds of one sequence's slices in flight
-    over thousands of moments are millions of entries)."""
-    need, col, val, sizes = [], [], [], []
-    for p, m in enumerate(moments):
-        over = np.flatnonzero(m.const - room[p] > 1e-9)
-        order = m.by_fwd[save[m.by_fwd] > 0]
-        lo, hi = m.runs(order, over)
-        counts = hi - lo
-        row = np.repeat(lo - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))  # chunk by chunk
-        # (into row order, stably: a stage has at most 2 x MAX_CHUNKS moments, 16-bit keys, a radix sort)
-        chunk = np.repeat(order, counts)[np.argsort(row.astype(np.int16) if len(over) < 2 ** 15 else row,
-                                                    kind="stable")]
-        need.append(m.const[over] - room[p])
-        col.append(var[p, chunk])
-        val.append(save[chunk])
-        sizes.append(np.bincount(row, minlength=len(over)))
-    return (np.concatenate(need), np.concatenate([[0], np.cumsum(np.concatenate(sizes), dtype=np.int64)]),
-            np.concatenate(col), np.concatenate(val))
-
-
 def _infeasible(p: int, m: Moments, i: int, need: float, where: str, name) -> InfeasibleError:
     kind, k = int(m.kind[i]), int(m.chunk[i])
     op = name(kind, k) if name else f"{'FB'[kind]}{k}"
@@ -66,11 +40,22 @@ def _infeasible(p: int, m: Moments, i: int, need: float, where: str, name) -> In
                            f"even with every layer of every in-flight chunk recomputed")
 
 
-def _over_room(moments: list[Moments], save: np.ndarray, room: np.ndarray, layers: int, where: str, name):
-    """The greedy's moments: per stage, those over the room (numbered stage after stage); each
-    chunk's run of them on each stage (lo, hi: [P, n], empty for a chunk whose recompute saves
-    nothing); what each must save. Raises InfeasibleError at the first that every layer of its
-    chunks in flight recomputed cannot bring within the room (each run's MB summed over it)."""
+class _Over(NamedTuple):
+    """The moments over their room, numbered stage after stage (``_over_room``)."""
+
+    moments: list[np.ndarray]  # per stage, its moments over the room (indices into its ``Moments``)
+    lo: np.ndarray  # [P, n] each chunk's run of them on each stage (empty where its recompute saves nothing)
+    hi: np.ndarray
+    need: np.ndarray  # MB each must save
+
+
+def _over_room(moments: list[Moments], save: np.ndarray, room: np.ndarray, layers: int, where: str,
+               name) -> _Over:
+    """The constraints of the greedy and the ILP: per stage, its moments over the room (numbered
+    stage after stage); each chunk's run of them on each stage (lo, hi: [P, n], empty for a chunk
+    whose recompute saves nothing); what each must save. Raises InfeasibleError at the first that
+    every layer of its chunks in flight recomputed cannot bring within the room (each run's MB
+    summed over it), before the greedy or the ILP spends anything on it."""
     P, n = len(moments), len(save)
     overs = [np.flatnonzero(m.const - room[p] > 1e-9) for p, m in enumerate(moments)]
     starts = np.cumsum([0] + [len(o) for o in overs])
@@ -89,15 +74,31 @@ def _over_room(moments: list[Moments], save: np.ndarray, room: np.ndarray, layer
         r = int(overs[p][short[0] - starts[p]])
         most = float(save[moments[p].in_flight(r)].sum()) * layers
         raise _infeasible(p, moments[p], r, need[short[0]] - most, where, name)
-    return overs, lo, hi, need
+    return _Over(overs, lo, hi, need)
 
 
-def _greedy(moments: list[Moments], save: np.ndarray, room: np.ndarray, var: np.ndarray, cost: np.ndarray,
-            layers: int, where: str, name) -> np.ndarray:
+def _rows(moments: list[Moments], over: _Over, save: np.ndarray,
+          var: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The moments over their room as the ILP's constraints ``sum_j val x[col] >= over.need``, in
+    CSR (indptr, col, val: row r's entries are ``indptr[r]:indptr[r + 1]``). A row belongs to one
+    stage, whose chunks have distinct variables (tied: distinct diagonals), so a row never repeats
+    a column. Each chunk's run of rows laid out (in forward order on each stage), then put in row
+    order, all at once."""
+    n = len(save)
+    by_fwd = np.concatenate([p * n + m.by_fwd for p, m in enumerate(moments)])
+    lo, span = over.lo.ravel()[by_fwd], (over.hi - over.lo).ravel()[by_fwd]
+    row = np.repeat(lo - (np.cumsum(span) - span), span) + np.arange(int(span.sum()))
+    by_row = np.argsort(row, kind="stable")
+    return (np.concatenate([[0], np.cumsum(np.bincount(row, minlength=len(over.need)), dtype=np.int64)]),
+            np.repeat(var.ravel()[by_fwd], span)[by_row], np.repeat(save[by_fwd % n], span)[by_row])
+
+
+def _greedy(moments: list[Moments], over: _Over, save: np.ndarray, var: np.ndarray, cost: np.ndarray,
+            layers: int) -> np.ndarray:
     """Moment by moment over the room (each stage's in turn), raise the variables that save the
     most MB per recompute ms, over every moment they are in (one layer of variable j saves its
     chunks' MB at each moment over the room they are in flight at, and costs ``cost[j]``), until
-    the moment holds (raising InfeasibleError first where one cannot); then lower each, the least
+    the moment holds (``_over_room`` refused any that cannot); then lower each, the least
     saving per ms first, as far as every moment it is in still holds: moments raised early hold
     more than they need once later ones raised the chunks they share. A chunk is in flight over a
     run of moments (``Moments.runs``): a raise or a lowering updates runs, and only a moment still
@@ -106,7 +107,7 @@ def _greedy(moments: list[Moments], save: np.ndarray, room: np.ndarray, var: np.
     192K, packs cut in 8: 36 s of recompute over the stages, the ILP's 31 s; 51 s ranking chunks
     by their own MB per ms, untrimmed, which put a chunking whose ILP plan is 3% slower ahead.)"""
     nvar, (P, n) = len(cost), var.shape
-    overs, lo, hi, need = _over_room(moments, save, room, layers, where, name)
+    overs, lo, hi, need = over
     span = (hi - lo).ravel()
     per_ms = np.bincount(var.ravel(), weights=np.tile(save, P) * span, minlength=nvar) / np.maximum(cost, 1e-12)
     by_var = np.argsort(var, axis=None, kind="stable")  # each variable's (stage, chunk)s
@@ -165,7 +166,8 @@ def greedy_recompute(moments: list[Moments], save: np.ndarray, rc: np.ndarray, l
     """Raise recompute where memory is over, moment by moment, most MB saved per ms first, then
     lower what the later moments made unneeded (``_greedy``). [P, n] ints."""
     var = _var_map(len(moments), len(save), bpos, tied)
-    return _greedy(moments, save, room, var, _costs(var, rc), layers, where, name)[var]
+    over = _over_room(moments, save, room, layers, where, name)
+    return _greedy(moments, over, save, var, _costs(var, rc), layers)[var]
 
 
 def solve_recompute(moments: list[Moments], save: np.ndarray, rc: np.ndarray, layers: int,
@@ -176,12 +178,13 @@ def solve_recompute(moments: list[Moments], save: np.ndarray, rc: np.ndarray, la
     started = time.perf_counter()
     P, n = len(moments), len(save)
     var = _var_map(P, n, bpos, tied)
+    over = _over_room(moments, save, room, layers, where, name)
+    if not len(over.need):
+        return np.zeros((P, n), dtype=np.int64), "no recompute needed"
     cost = _costs(var, rc)
     nvar = len(cost)
-    x0 = _greedy(moments, save, room, var, cost, layers, where, name)  # (it refuses what cannot fit)
-    need, indptr, col, val = _rows(moments, save, room, var)
-    if not len(need):
-        return np.zeros((P, n), dtype=np.int64), "no recompute needed"
+    x0 = _greedy(moments, over, save, var, cost, layers)
+    indptr, col, val = _rows(moments, over, save, var)
     greedy = x0[var]
     left = time_limit - (time.perf_counter() - started)  # the limit covers building the model too
     if left <= 0.01:
@@ -192,9 +195,9 @@ def solve_recompute(moments: list[Moments], save: np.ndarray, rc: np.ndarray, la
     h.changeColsCost(nvar, np.arange(nvar, dtype=np.int32), cost)
     h.changeColsIntegrality(nvar, np.arange(nvar, dtype=np.int32),
                             np.full(nvar, highspy.HighsVarType.kInteger, dtype=np.uint8))
-    m = len(need)
-    h.addRows(m, need, np.full(m, highspy.kHighsInf), len(col), indptr[:-1].astype(np.int32), col.astype(np.int32),
-              val.astype(np.float64))
+    m = len(over.need)
+    h.addRows(m, over.need, np.full(m, highspy.kHighsInf), len(col), indptr[:-1].astype(np.int32),
+              col.astype(np.int32), val.astype(np.float64))
     h.setSolution(nvar, np.arange(nvar, dtype=np.int32), x0.astype(np.float64))  # warm start: the greedy
     h.run()
     if h.getInfo().primal_solution_status != 2:
