@@ -134,12 +134,12 @@ class Moments:
         k = self.by_fwd[:int(np.searchsorted(self._fwd_sorted, pos, side="right"))]
         return k[self.bwd_pos[k] > pos]
 
-    def runs(self, chunks: np.ndarray, among: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Where each of ``chunks`` is in flight, a run of moments (``lo:hi``, empty where none):
-        of all the moments, or of those ``among`` (ascending indices), counted among them."""
-        at = self.pos if among is None else self.pos[among]
-        lo = np.searchsorted(at, self.fwd_pos[chunks], side="left")
-        return lo, np.maximum(lo, np.searchsorted(at, self.bwd_pos[chunks], side="left"))
+    def runs(self, among: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where each chunk is in flight, a run of the moments ``among`` (ascending indices):
+        ``lo:hi``, counted among them, empty where none."""
+        at = self.pos[among]
+        lo = np.searchsorted(at, self.fwd_pos, side="left")
+        return lo, np.maximum(lo, np.searchsorted(at, self.bwd_pos, side="left"))
 
     def memory(self, save: np.ndarray, recompute: np.ndarray) -> np.ndarray:
         """MB (no model states) at each moment for per-chunk recompute layer counts."""

@@ -261,7 +261,7 @@ def test_greedy_orders_are_valid_and_list_schedule_reproduces_them(lengths, k, l
                 at[j].append(r)
             if kind == BWD:
                 live.pop(c, None)
-        lo, hi = moments.runs(np.arange(n))
+        lo, hi = moments.runs(np.arange(len(moments)))
         assert all(at[c] == list(range(lo[c], hi[c])) for c in range(n))
     # with uniform chunks and no memory limit, list scheduling is no slower than 1F1B
     if room is None:

@@ -61,7 +61,7 @@ def _over_room(moments: list[Moments], save: np.ndarray, room: np.ndarray, layer
     starts = np.cumsum([0] + [len(o) for o in overs])
     lo, hi = np.zeros((P, n), dtype=np.int64), np.zeros((P, n), dtype=np.int64)
     for p, (m, over) in enumerate(zip(moments, overs)):
-        a, b = m.runs(np.arange(n), over)
+        a, b = m.runs(over)
         lo[p], hi[p] = starts[p] + a, starts[p] + np.where(save > 0, b, a)
     need = np.concatenate([m.const[over] - room[p] for p, (m, over) in enumerate(zip(moments, overs))])
     mb = np.tile(save, P) * (hi > lo).ravel()

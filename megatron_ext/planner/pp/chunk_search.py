@@ -520,7 +520,7 @@ class _GroupSearch:
             s = int(self.lengths[sid])
             cuts = even_bounds(s, self.cap_of(s) or s).tolist()
             chunks += [[(sid, a, b)] for a, b in zip(cuts, cuts[1:])]
-        slices = -(-self.longest // (self.cap_of(self.longest) or self.longest))
+        slices = sum(1 for c in chunks if c[0][0] == order[0])  # (the longest's)
         if len(chunks) > MAX_CHUNKS:
             self.errors.append(f"{self.where}: {len(chunks)} chunks, more than the {MAX_CHUNKS} a pipeline may have "
                                f"(each sequence sliced only as its memory needs)")

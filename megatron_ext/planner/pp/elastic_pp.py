@@ -117,15 +117,15 @@ def _spread_slices(ids: np.ndarray, lengths, pc: PipelineCost, opts: PipelineOpt
     ZeRO-3, 1 x 16, a 226,034-token sequence and 247 short ones, 3 MB over.)"""
     uniq, at = np.unique(lengths[ids], return_inverse=True)
     forced = np.array([memory_slices(int(s), pc, opts.granularity) for s in uniq.tolist()])[at]
-    cut, whole = ids[forced > 1], ids[forced == 1]
-    slices = forced[forced > 1].tolist()
+    sliced = forced > 1
+    cut, whole, slices = ids[sliced], ids[~sliced], forced[sliced]
     half = MAX_CHUNKS // 2
-    loads = [(0, g) for g in range(-(-sum(slices) // half))]  # (slices, pipeline): ties to the first
+    loads = [(0, g) for g in range(-(-int(slices.sum()) // half))]  # (slices, pipeline): ties to the first
     owner = np.empty(len(cut), dtype=np.int64)
-    for i in np.lexsort((cut, -forced[forced > 1])).tolist():
+    for i in np.lexsort((cut, -slices)).tolist():
         load, g = heapq.heappop(loads)
         owner[i] = g
-        heapq.heappush(loads, (load + slices[i], g))
+        heapq.heappush(loads, (load + int(slices[i]), g))
     groups = [np.sort(cut[owner == g]) for g in range(len(loads))]
     return [g for g in groups if g.size] + [whole[i:i + half] for i in range(0, len(whole), half)]
 
